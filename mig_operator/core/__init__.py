@@ -1,0 +1,1 @@
+"""Pure decisions: quantities, profile catalog, planner, slice spec validation. No I/O."""

@@ -1,0 +1,1 @@
+"""GPU backends behind one protocol: real NVML and a faithful simulator."""
