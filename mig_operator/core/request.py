@@ -1,0 +1,57 @@
+"""What a slice asks for: memory, a fraction of a GPU, or a MIG profile by name (exactly one)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from .quantities import QuantityError, format_bytes, parse_fraction, parse_memory
+
+PROFILE_EXAMPLE = "2g.35gb"
+# `<compute slices>g.<memory GB>gb`, optionally with NVML's engine suffixes (+me, -me, +gfx, +me.all).
+PROFILE_NAME = re.compile(r"^[1-8]g\.[1-9][0-9]{0,3}gb(\+me|-me|\+gfx|\+me\.all)?$")
+
+
+class RequestError(QuantityError):
+    """A slice request that is malformed as a whole (none or several of memory/fraction/migProfile)."""
+
+
+@dataclass(frozen=True)
+class SliceRequest:
+    """One slice's request; exactly one of the three fields is set."""
+
+    memory_bytes: int | None = None
+    fraction: float | None = None
+    profile: str | None = None
+
+    def describe(self) -> str:
+        if self.memory_bytes is not None:
+            return f"memory {format_bytes(self.memory_bytes)}"
+        if self.fraction is not None:
+            return f"fraction {self.fraction:g}"
+        return f"profile {self.profile}"
+
+
+def parse_profile_name(value: object) -> str:
+    """A MIG profile name such as ``2g.35gb`` or ``1g.18gb+me``."""
+    if not isinstance(value, str) or PROFILE_NAME.match(value) is None:
+        raise RequestError(f"migProfile {value!r} is not a MIG profile name; use e.g. {PROFILE_EXAMPLE!r}")
+    return value
+
+
+def slice_request(
+    memory: str | int | None = None, fraction: str | float | None = None, profile: str | None = None
+) -> SliceRequest:
+    """Validate the three request fields together and parse the one that is set."""
+    given = [name for name, v in (("memory", memory), ("fraction", fraction), ("migProfile", profile)) if v is not None]
+    if len(given) != 1:
+        shown = ", ".join(given) if given else "none"
+        raise RequestError(
+            f"a slice needs exactly one of memory, fraction, migProfile (got {shown}); "
+            f"e.g. memory: '4Gi' or fraction: 0.5 or migProfile: '{PROFILE_EXAMPLE}'"
+        )
+    if memory is not None:
+        return SliceRequest(memory_bytes=parse_memory(memory))
+    if fraction is not None:
+        return SliceRequest(fraction=parse_fraction(fraction))
+    return SliceRequest(profile=parse_profile_name(profile))
