@@ -66,13 +66,16 @@ class GpuModel:
     profiles: tuple[Profile, ...]
     _by_name: dict[str, Profile] = field(init=False, repr=False, compare=False, hash=False)
     _by_id: dict[int, Profile] = field(init=False, repr=False, compare=False, hash=False)
+    _hash: int = field(init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_by_name", {p.name: p for p in self.profiles})
         object.__setattr__(self, "_by_id", {p.id: p for p in self.profiles})
+        # The planner caches on the model; hash the profile table once, not on every lookup.
+        object.__setattr__(self, "_hash", hash((self.name, self.memory_slots, self.memory_mib, self.profiles)))
 
     def __hash__(self) -> int:
-        return hash((self.name, self.memory_slots, self.memory_mib, self.profiles))
+        return self._hash
 
     def profile(self, name: str) -> Profile:
         try:

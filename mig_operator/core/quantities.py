@@ -128,8 +128,10 @@ def mib_ceil(num_bytes: int) -> int:
 
 
 def format_bytes(num_bytes: int) -> str:
-    """Short human form, binary units: ``17Gi``, ``16213Mi``, ``512``."""
-    for suffix, unit in (("Ti", 2**40), ("Gi", 2**30), ("Mi", 2**20), ("Ki", 2**10)):
-        if num_bytes % unit == 0 and num_bytes >= unit:
+    """Short exact form: ``17Gi``, ``17G``, ``16213Mi``, ``512``; binary units first, then decimal."""
+    units = (("Ti", 2**40), ("Gi", 2**30), ("Mi", 2**20), ("T", 10**12), ("G", 10**9), ("M", 10**6),
+             ("Ki", 2**10), ("k", 10**3))
+    for suffix, unit in units:
+        if num_bytes >= unit and num_bytes % unit == 0:
             return f"{num_bytes // unit}{suffix}"
     return str(num_bytes)

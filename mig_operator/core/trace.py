@@ -1,0 +1,112 @@
+"""Replay an allocation trace through the planner: what `mig-operator plan` prints.
+
+A trace is a JSON list of events: ``{"op": "alloc", "id": "a1", "memory": "10Gi"}`` (or
+``"fraction": 0.25``, or ``"profile": "3g.40gb"``) and ``{"op": "free", "id": "a1"}``. A freed
+instance stays idle (lazy reclaim) unless ``eager`` is set, in which case it is destroyed at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .planner import MigDecision, MigGpu, PlannerSettings, Unplaceable, choose_mig
+from .profiles import GpuModel
+from .quantities import QuantityError
+from .request import SliceRequest, slice_request
+
+TRACE_EXAMPLE = '[{"op": "alloc", "id": "a1", "memory": "10Gi"}, {"op": "free", "id": "a1"}]'
+
+
+class TraceError(ValueError):
+    """A malformed trace; the message names the event and shows a valid one."""
+
+
+@dataclass(frozen=True)
+class TraceEvent:
+    op: str  # "alloc" or "free"
+    id: str
+    request: SliceRequest | None = None
+
+
+def parse_trace(data: object) -> list[TraceEvent]:
+    """Validate a decoded JSON trace; every problem names the event's position."""
+    if not isinstance(data, list):
+        raise TraceError(f"a trace is a JSON list of events, e.g. {TRACE_EXAMPLE}")
+    events: list[TraceEvent] = []
+    live: set[str] = set()
+    seen: set[str] = set()
+    for n, raw in enumerate(data):
+        where = f"event {n}"
+        if not isinstance(raw, dict):
+            raise TraceError(f"{where} is not an object: {raw!r}; e.g. {TRACE_EXAMPLE}")
+        op, ident = raw.get("op"), raw.get("id")
+        if not isinstance(ident, str) or not ident:
+            raise TraceError(f"{where} needs a non-empty string 'id': {raw!r}")
+        if op == "alloc":
+            extra = set(raw) - {"op", "id", "memory", "fraction", "profile"}
+            if extra:
+                raise TraceError(f"{where} has unknown fields {sorted(extra)}: {raw!r}")
+            if ident in live:
+                raise TraceError(f"{where} allocates {ident!r} again before freeing it")
+            try:
+                request = slice_request(raw.get("memory"), raw.get("fraction"), raw.get("profile"))
+            except QuantityError as exc:
+                raise TraceError(f"{where} ({ident!r}): {exc}") from None
+            events.append(TraceEvent("alloc", ident, request))
+            live.add(ident)
+            seen.add(ident)
+        elif op == "free":
+            if ident not in seen:
+                raise TraceError(f"{where} frees {ident!r}, which was never allocated")
+            events.append(TraceEvent("free", ident))
+            live.discard(ident)
+        else:
+            raise TraceError(f"{where} has op {op!r}; use 'alloc' or 'free', e.g. {TRACE_EXAMPLE}")
+    return events
+
+
+Chooser = Callable[[SliceRequest, list[MigGpu]], MigDecision]
+
+
+def replay(
+    events: list[TraceEvent],
+    model: GpuModel,
+    gpu_count: int = 1,
+    eager: bool = False,
+    choose: Chooser | None = None,
+) -> list[dict]:
+    """Run events on ``gpu_count`` empty GPUs; one result object per alloc, in order."""
+    planner = choose or (lambda req, gpus: choose_mig(req, gpus, PlannerSettings()))
+    gpus = [MigGpu("", i, model) for i in range(gpu_count)]
+    held: dict[str, tuple[int, int]] = {}  # slice id -> (gpu, start)
+    results: list[dict] = []
+    for event in events:
+        if event.op == "free":
+            if event.id in held:
+                gpu, start = held.pop(event.id)
+                gpus[gpu] = gpus[gpu].with_released(start, destroy=eager)
+            continue
+        assert event.request is not None
+        try:
+            decision = planner(event.request, gpus)
+        except Unplaceable as exc:
+            results.append({"id": event.id, "error": exc.reason})
+            continue
+        gpus[decision.gpu] = gpus[decision.gpu].with_decision(decision)
+        held[event.id] = (decision.gpu, decision.start)
+        results.append(decision_json(event.id, decision))
+    return results
+
+
+def decision_json(ident: str, decision: MigDecision) -> dict:
+    return {
+        "id": ident,
+        "gpu": decision.gpu,
+        "profile": decision.profile.name,
+        "profile_id": decision.profile.id,
+        "start": decision.start,
+        "size": decision.size,
+        "action": decision.action,
+        "reclaimed": [{"gpu": r.gpu, "profile": r.profile, "start": r.start} for r in decision.reclaim],
+    }
