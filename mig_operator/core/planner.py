@@ -175,12 +175,18 @@ def candidate_profiles(model: GpuModel, request: SliceRequest) -> list[Profile]:
 
 @lru_cache(maxsize=64)
 def _shapes(model: GpuModel) -> tuple[tuple[int, tuple[int, ...]], ...]:
-    """Distinct placements grouped by size, largest size first: (size, (mask, ...))."""
-    by_size: dict[int, set[int]] = {}
+    """Placements of every plain profile grouped by size, largest first: (size, (mask, ...)).
+
+    Counted per profile, not per distinct mask: slots 0-3 serve both 3g and 4g, slots 4-7 only 3g,
+    so keeping 0-3 free is worth more.
+    """
+    by_size: dict[int, list[int]] = {}
     for profile in model.profiles:
+        if profile.media_extension:
+            continue
         for placement in profile.placements:
-            by_size.setdefault(placement.size, set()).add(placement.mask)
-    return tuple((size, tuple(sorted(masks))) for size, masks in sorted(by_size.items(), reverse=True))
+            by_size.setdefault(placement.size, []).append(placement.mask)
+    return tuple((size, tuple(masks)) for size, masks in sorted(by_size.items(), reverse=True))
 
 
 @lru_cache(maxsize=65536)
@@ -216,6 +222,8 @@ def _best_cached(
         if inst.in_use:
             busy |= inst.mask
     best: _Option | None = None
+    # NVML refuses more than max_instances of a profile (only binding for +me singletons here).
+    same_profile = sum(1 for inst in instances if inst.profile_id == profile.id)
     if tier == 0:
         for inst in instances:
             if inst.in_use or inst.profile_id != profile.id:
@@ -225,6 +233,8 @@ def _best_cached(
             if best is None or key < best.key:
                 best = _Option(0, inst.start, inst.size, key=key)
     elif tier == 1:
+        if same_profile >= profile.max_instances:
+            return None
         for placement in profile.placements:
             if placement.mask & occupied:
                 continue
@@ -236,6 +246,8 @@ def _best_cached(
             if placement.mask & busy:
                 continue
             victims = tuple(i for i in instances if i.mask & placement.mask)
+            if same_profile - sum(1 for v in victims if v.profile_id == profile.id) >= profile.max_instances:
+                continue
             after = (occupied & ~_union(victims)) | placement.mask
             key = (len(victims), sum(v.size for v in victims), _neg(capacity_score(model, after)),
                    -placement.start)
