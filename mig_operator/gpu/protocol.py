@@ -1,0 +1,152 @@
+"""The one interface every GPU backend offers: records, NVML's error vocabulary, and the protocol.
+
+The real backend (``nvml.py``) and the simulator (``simulated.py``) both raise :class:`GpuError`
+with NVML's numeric codes, so callers (the agent, the planner's reclaim loop, tests) handle one
+set of failures whichever backend runs. This module imports no NVML binding: the simulator and the
+controller must work on machines without the NVIDIA driver.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from mig_operator.core.profiles import GpuModel
+
+# NVML's return codes (nvml.h ``nvmlReturn_t``). They are a stable ABI, so they are written out here
+# rather than read from pynvml, which only the real backend may import.
+NVML_ERROR_CODES: dict[str, int] = {
+    "UNINITIALIZED": 1,
+    "INVALID_ARGUMENT": 2,
+    "NOT_SUPPORTED": 3,
+    "NO_PERMISSION": 4,
+    "ALREADY_INITIALIZED": 5,
+    "NOT_FOUND": 6,
+    "INSUFFICIENT_SIZE": 7,
+    "INSUFFICIENT_POWER": 8,
+    "DRIVER_NOT_LOADED": 9,
+    "TIMEOUT": 10,
+    "IRQ_ISSUE": 11,
+    "LIBRARY_NOT_FOUND": 12,
+    "FUNCTION_NOT_FOUND": 13,
+    "CORRUPTED_INFOROM": 14,
+    "GPU_IS_LOST": 15,
+    "RESET_REQUIRED": 16,
+    "OPERATING_SYSTEM": 17,
+    "LIB_RM_VERSION_MISMATCH": 18,
+    "IN_USE": 19,
+    "MEMORY": 20,
+    "NO_DATA": 21,
+    "VGPU_ECC_NOT_SUPPORTED": 22,
+    "INSUFFICIENT_RESOURCES": 23,
+    "FREQ_NOT_SUPPORTED": 24,
+    "ARGUMENT_VERSION_MISMATCH": 25,
+    "DEPRECATED": 26,
+    "NOT_READY": 27,
+    "GPU_NOT_FOUND": 28,
+    "INVALID_STATE": 29,
+    "UNKNOWN": 999,
+}
+_NAMES_BY_CODE = {code: name for name, code in NVML_ERROR_CODES.items()}
+
+# Errors worth retrying with backoff (DESIGN: "Transient NVML ... errors are retried"):
+# - IN_USE: a process (or DCGM holding MIG handles, DCGM #276) still uses the instance; it may let go.
+# - TIMEOUT, NOT_READY: the driver was busy, e.g. right after a MIG reconfiguration.
+# - MEMORY: host memory pressure inside the driver call.
+# Everything else is permanent for the same arguments: INSUFFICIENT_RESOURCES means the placement is
+# occupied (re-plan, do not retry blindly), and GPU_IS_LOST / RESET_REQUIRED need a GPU reset, which
+# this operator never does.
+TRANSIENT_ERRORS = frozenset({"IN_USE", "TIMEOUT", "NOT_READY", "MEMORY"})
+
+
+class GpuError(Exception):
+    """A failed GPU operation, in NVML's terms: ``code`` is the NVML value, ``name`` its short name.
+
+    The message names the operation, the GPU and, where there is one, the placement, so that a
+    ``GpuSlice`` status or Event can quote it as it is.
+    """
+
+    def __init__(self, name_or_code: str | int, message: str) -> None:
+        if isinstance(name_or_code, int):
+            self.code = name_or_code
+            self.name = _NAMES_BY_CODE.get(name_or_code, f"CODE_{name_or_code}")
+        else:
+            if name_or_code not in NVML_ERROR_CODES:
+                raise ValueError(f"unknown NVML error name {name_or_code!r}; e.g. 'IN_USE'")
+            self.name = name_or_code
+            self.code = NVML_ERROR_CODES[name_or_code]
+        self.message = message
+        super().__init__(f"{message}: NVML_ERROR_{self.name} ({self.code})")
+
+    @property
+    def transient(self) -> bool:
+        """True when the same call may succeed later (see ``TRANSIENT_ERRORS``)."""
+        return self.name in TRANSIENT_ERRORS
+
+    def __reduce__(self) -> tuple[type[GpuError], tuple[int, str]]:
+        # Keep the code across pickling (multiprocessing, test workers); the default would pass str(self).
+        return (type(self), (self.code, self.message))
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    """One physical GPU as NVML enumerates it."""
+
+    index: int
+    uuid: str
+    product: str
+    memory_mib: int
+    mig_capable: bool
+    mig_enabled: bool
+
+
+@dataclass(frozen=True)
+class MigInstance:
+    """A GPU instance with its compute instance: what a MIG slice is on the device.
+
+    ``ci_id`` is -1 and ``device_uuid`` empty for a GPU instance that has no compute instance (one
+    left half-made by another tool): it exists and holds its slots, but no process can run on it.
+    """
+
+    gpu_index: int
+    gi_id: int
+    ci_id: int
+    profile_id: int
+    profile: str
+    start: int
+    size: int
+    device_uuid: str
+    in_use: bool
+
+
+@runtime_checkable
+class GpuBackend(Protocol):
+    """What the agent needs from a node's GPUs. Every method may raise :class:`GpuError`."""
+
+    def gpus(self) -> list[GpuInfo]:
+        """All GPUs of the node, in NVML index order."""
+        ...
+
+    def model(self, index: int) -> GpuModel:
+        """Profiles (in NVML profile-index order) and legal placements; answers with MIG disabled."""
+        ...
+
+    def instances(self, index: int) -> list[MigInstance]:
+        """Every GPU instance on the GPU with its compute instance; NOT_SUPPORTED when MIG is off."""
+        ...
+
+    def create_instance(self, index: int, profile_id: int, start: int) -> MigInstance:
+        """A GPU instance at that placement plus its full compute instance, or nothing at all."""
+        ...
+
+    def destroy_instance(self, index: int, gi_id: int) -> None:
+        """Compute instances first, then the GPU instance; IN_USE while a process runs on it."""
+        ...
+
+    def set_mig_mode(self, index: int, enabled: bool) -> None:
+        """Turn MIG mode on or off; IN_USE when the GPU is not idle."""
+        ...
+
+    def close(self) -> None:
+        """Release the backend's resources (NVML session, file locks)."""
+        ...
