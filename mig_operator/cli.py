@@ -92,7 +92,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise UsageError(f"cannot read trace {args.trace!r}: {exc.strerror}") from None
     except json.JSONDecodeError as exc:
         raise UsageError(f"trace {args.trace!r} is not JSON ({exc.msg} at line {exc.lineno})") from None
-    results = replay(parse_trace(data), model, gpu_count=args.gpus, eager=args.eager)
+    results = replay(parse_trace(data), model, gpu_count=args.gpus, eager=args.eager).results
     if args.json:
         print(json.dumps(results))
         return 0

@@ -1,13 +1,14 @@
 """Where a slice goes: the profile, the GPU and the placement, as pure functions.
 
-MIG (``choose_mig``), in order of preference for each candidate profile, smallest first:
+MIG (``choose_mig``), for each candidate profile, smallest first: the best-fit GPU (most slots in
+use, so whole GPUs stay free for large requests), and on it, in order of preference:
 
 1. reuse an idle instance of that profile (no NVML call);
 2. create it at a free legal placement, chosen to keep the most future capacity;
 3. reclaim the fewest idle instances that free a legal placement, then create.
 
-Only then is the next larger profile tried (``PlannerSettings.allow_larger_profile``). Across GPUs
-it packs (best fit) so whole GPUs stay free for large requests. Fractions (``choose_fraction``) are
+Only when no GPU can take the smallest profile even by reclaiming is the next larger one tried
+(``PlannerSettings.allow_larger_profile``). Fractions (``choose_fraction``) are
 memory bin-packing on GPUs without MIG.
 
 Slots are bit masks (bit i = memory slot i), so a decision on 64 GPUs stays well under a millisecond.
@@ -62,20 +63,18 @@ class MigGpu:
     model: GpuModel
     instances: tuple[InstanceSlot, ...] = ()
 
-    @property
-    def occupied_mask(self) -> int:
-        mask = 0
-        for inst in self.instances:
-            mask |= inst.mask
-        return mask
+    # Derived once per state: every planning step reads them for every GPU.
+    occupied_mask: int = field(init=False, repr=False, compare=False)
+    busy_mask: int = field(init=False, repr=False, compare=False)
 
-    @property
-    def busy_mask(self) -> int:
-        mask = 0
+    def __post_init__(self) -> None:
+        occupied = busy = 0
         for inst in self.instances:
+            occupied |= inst.mask
             if inst.in_use:
-                mask |= inst.mask
-        return mask
+                busy |= inst.mask
+        object.__setattr__(self, "occupied_mask", occupied)
+        object.__setattr__(self, "busy_mask", busy)
 
     def idle_instances(self) -> tuple[InstanceSlot, ...]:
         return tuple(i for i in self.instances if not i.in_use)
@@ -205,55 +204,74 @@ class _Option:
     start: int
     size: int
     reclaim: tuple[InstanceSlot, ...] = ()
-    key: tuple = field(default=())  # smaller is better within a tier on one GPU
 
 
-def _best_on_gpu(gpu: MigGpu, profile: Profile, tier: int) -> _Option | None:
-    return _best_cached(gpu.model, gpu.instances, profile, tier)
+def _count(instances: tuple[InstanceSlot, ...], profile_id: int) -> int:
+    return sum(1 for inst in instances if inst.profile_id == profile_id)
+
+
+def _fits(gpu: MigGpu, profile: Profile, tier: int) -> int | None:
+    """Cheap feasibility of a tier on a GPU, no scoring: None if impossible, else the number of
+    idle instances it would destroy (0 unless reclaiming)."""
+    if tier == 0:
+        return 0 if any(not i.in_use and i.profile_id == profile.id for i in gpu.instances) else None
+    count = _count(gpu.instances, profile.id)
+    if tier == 1:
+        if count >= profile.max_instances:
+            return None
+        return 0 if any(not pl.mask & gpu.occupied_mask for pl in profile.placements) else None
+    fewest: int | None = None
+    for pl in profile.placements:
+        if pl.mask & gpu.busy_mask:
+            continue
+        victims = [i for i in gpu.instances if i.mask & pl.mask]
+        if count - sum(1 for v in victims if v.profile_id == profile.id) >= profile.max_instances:
+            continue
+        if fewest is None or len(victims) < fewest:
+            fewest = len(victims)
+    return fewest
 
 
 @lru_cache(maxsize=65536)
-def _best_cached(
-    model: GpuModel, instances: tuple[InstanceSlot, ...], profile: Profile, tier: int
-) -> _Option | None:
-    occupied = busy = 0
-    for inst in instances:
-        occupied |= inst.mask
-        if inst.in_use:
-            busy |= inst.mask
-    best: _Option | None = None
-    # NVML refuses more than max_instances of a profile (only binding for +me singletons here).
-    same_profile = sum(1 for inst in instances if inst.profile_id == profile.id)
+def _best_on_gpu(model: GpuModel, instances: tuple[InstanceSlot, ...], profile_id: int, tier: int) -> _Option | None:
+    """The placement for a tier on one GPU, scored by what stays placeable.
+
+    Idle instances will be reclaimed when their space is needed, so placements are scored first by
+    the capacity left around the instances in use, then around all instances.
+    """
+    profile = model.profile_by_id(profile_id)
+    gpu = MigGpu("", 0, model, instances)
+    occupied, busy = gpu.occupied_mask, gpu.busy_mask
+    count = _count(instances, profile_id)
+    best: tuple[tuple, _Option] | None = None
     if tier == 0:
         for inst in instances:
-            if inst.in_use or inst.profile_id != profile.id:
+            if inst.in_use or inst.profile_id != profile_id:
                 continue
-            # Among idle twins, keep the rest of the idle set most useful for later reclaims.
             key = (_neg(capacity_score(model, busy | inst.mask)), -inst.start)
-            if best is None or key < best.key:
-                best = _Option(0, inst.start, inst.size, key=key)
-    elif tier == 1:
-        if same_profile >= profile.max_instances:
-            return None
-        for placement in profile.placements:
-            if placement.mask & occupied:
+            if best is None or key < best[0]:
+                best = (key, _Option(0, inst.start, inst.size))
+    elif tier == 1 and count < profile.max_instances:
+        for pl in profile.placements:
+            if pl.mask & occupied:
                 continue
-            key = (_neg(capacity_score(model, occupied | placement.mask)), -placement.start)
-            if best is None or key < best.key:
-                best = _Option(1, placement.start, placement.size, key=key)
-    else:
-        for placement in profile.placements:
-            if placement.mask & busy:
+            key = (_neg(capacity_score(model, busy | pl.mask)), _neg(capacity_score(model, occupied | pl.mask)),
+                   -pl.start)
+            if best is None or key < best[0]:
+                best = (key, _Option(1, pl.start, pl.size))
+    elif tier == 2:
+        for pl in profile.placements:
+            if pl.mask & busy:
                 continue
-            victims = tuple(i for i in instances if i.mask & placement.mask)
-            if same_profile - sum(1 for v in victims if v.profile_id == profile.id) >= profile.max_instances:
+            victims = tuple(i for i in instances if i.mask & pl.mask)
+            if count - _count(victims, profile_id) >= profile.max_instances:
                 continue
-            after = (occupied & ~_union(victims)) | placement.mask
-            key = (len(victims), sum(v.size for v in victims), _neg(capacity_score(model, after)),
-                   -placement.start)
-            if best is None or key < best.key:
-                best = _Option(2, placement.start, placement.size, reclaim=victims, key=key)
-    return best
+            after = (occupied & ~_union(victims)) | pl.mask
+            key = (len(victims), sum(v.size for v in victims), _neg(capacity_score(model, busy | pl.mask)),
+                   _neg(capacity_score(model, after)), -pl.start)
+            if best is None or key < best[0]:
+                best = (key, _Option(2, pl.start, pl.size, reclaim=victims))
+    return best[1] if best else None
 
 
 def _neg(score: tuple[int, ...]) -> tuple[int, ...]:
@@ -270,7 +288,7 @@ def _union(instances: tuple[InstanceSlot, ...]) -> int:
 def choose_placement(gpu: MigGpu, profile: Profile) -> MigDecision | None:
     """Where ``profile`` goes on this GPU: reuse, else a free placement, else the cheapest reclaim."""
     for tier in (0, 1, 2):
-        option = _best_on_gpu(gpu, profile, tier)
+        option = _best_on_gpu(gpu.model, gpu.instances, profile.id, tier)
         if option is not None:
             return _decision(gpu, profile, option)
     return None
@@ -288,17 +306,27 @@ def _decision(gpu: MigGpu, profile: Profile, option: _Option) -> MigDecision:
 # --- many GPUs --------------------------------------------------------------------------------
 
 
-def _fit_key(gpu: MigGpu, option: _Option) -> tuple:
-    """Best fit across GPUs: the fullest GPU that can take it, so empty GPUs stay whole."""
-    free_slots = gpu.model.memory_slots - bin(gpu.occupied_mask).count("1")
-    busy_slots = bin(gpu.busy_mask).count("1")
-    return (option.key[:1] if option.tier == 2 else (), free_slots, -busy_slots, option.key, gpu.node, gpu.index)
+def _fit_key(gpu: MigGpu, tier: int, victims: int) -> tuple:
+    """Best fit across GPUs: the GPU with the most slots in use that can take the request, so empty
+    GPUs stay whole for large requests; then the cheapest tier on it (reuse, create, fewest reclaims).
+
+    Slots held by idle instances count as free here: they are reclaimed when needed, and packing by
+    all occupied slots instead lost acceptance in bench/packing.py (docs/benchmarks.md).
+    """
+    unused = gpu.model.memory_slots - gpu.busy_mask.bit_count()
+    free = gpu.model.memory_slots - gpu.occupied_mask.bit_count()
+    return (unused, tier, victims, free, gpu.node, gpu.index)
 
 
 def choose_mig(
     request: SliceRequest, gpus: list[MigGpu], settings: PlannerSettings = PlannerSettings()
 ) -> MigDecision:
-    """The placement for ``request`` among ``gpus``; raises Unplaceable with the reason."""
+    """The placement for ``request`` among ``gpus``; raises Unplaceable with the reason.
+
+    For each candidate profile, smallest first: the best-fit GPU that can take it (``_fit_key``), and
+    on it reuse, else a free placement, else the fewest reclaims. The GPU is chosen with cheap mask
+    checks and only its placements are scored, so a decision stays O(GPUs).
+    """
     if not gpus:
         raise Unplaceable("no MIG-enabled GPU is available")
     candidates = [candidate_profiles(gpu.model, request) for gpu in gpus]
@@ -308,19 +336,22 @@ def choose_mig(
     if ranks == 0:
         raise Unplaceable(_too_large(request, gpus))
     for rank in range(ranks):
-        for tier in (0, 1, 2):
-            best: tuple[tuple, MigGpu, Profile, _Option] | None = None
-            for gpu, cands in zip(gpus, candidates, strict=True):
-                if rank >= len(cands):
-                    continue
-                option = _best_on_gpu(gpu, cands[rank], tier)
-                if option is None:
-                    continue
-                key = _fit_key(gpu, option)
-                if best is None or key < best[0]:
-                    best = (key, gpu, cands[rank], option)
-            if best is not None:
-                return _decision(best[1], best[2], best[3])
+        best: tuple[tuple, MigGpu, Profile, int] | None = None
+        for gpu, cands in zip(gpus, candidates, strict=True):
+            if rank >= len(cands):
+                continue
+            for tier in (0, 1, 2):
+                victims = _fits(gpu, cands[rank], tier)
+                if victims is not None:
+                    key = _fit_key(gpu, tier, victims)
+                    if best is None or key < best[0]:
+                        best = (key, gpu, cands[rank], tier)
+                    break
+        if best is not None:
+            _, gpu, profile, tier = best
+            option = _best_on_gpu(gpu.model, gpu.instances, profile.id, tier)
+            assert option is not None, "feasibility and placement disagree"
+            return _decision(gpu, profile, option)
     raise Unplaceable(_no_room(request, gpus, candidates))
 
 
@@ -343,7 +374,7 @@ def _no_room(request: SliceRequest, gpus: list[MigGpu], candidates: list[list[Pr
     names = sorted({p.name for c in candidates for p in c})
     held = ", ".join(
         f"{gpu.node + '/' if gpu.node else ''}gpu {gpu.index}: "
-        f"{bin(gpu.busy_mask).count('1')}/{gpu.model.memory_slots} slots in use"
+        f"{gpu.busy_mask.bit_count()}/{gpu.model.memory_slots} slots in use"
         for gpu in gpus
     )
     profiles = "" if request.profile is not None else f" (profiles {', '.join(names)})"

@@ -8,7 +8,7 @@ instance stays idle (lazy reclaim) unless ``eager`` is set, in which case it is 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .planner import MigDecision, MigGpu, PlannerSettings, Unplaceable, choose_mig
 from .profiles import GpuModel
@@ -69,34 +69,47 @@ def parse_trace(data: object) -> list[TraceEvent]:
 Chooser = Callable[[SliceRequest, list[MigGpu]], MigDecision]
 
 
+@dataclass
+class Replay:
+    """What a replay did: one result per alloc, and the NVML mutations it would have cost."""
+
+    results: list[dict] = field(default_factory=list)
+    creates: int = 0
+    destroys: int = 0
+
+
 def replay(
     events: list[TraceEvent],
     model: GpuModel,
     gpu_count: int = 1,
     eager: bool = False,
     choose: Chooser | None = None,
-) -> list[dict]:
-    """Run events on ``gpu_count`` empty GPUs; one result object per alloc, in order."""
+    initial: list[MigGpu] | None = None,
+) -> Replay:
+    """Run events on ``gpu_count`` empty GPUs (or ``initial``); one result object per alloc, in order."""
     planner = choose or (lambda req, gpus: choose_mig(req, gpus, PlannerSettings()))
-    gpus = [MigGpu("", i, model) for i in range(gpu_count)]
+    gpus = list(initial) if initial is not None else [MigGpu("", i, model) for i in range(gpu_count)]
     held: dict[str, tuple[int, int]] = {}  # slice id -> (gpu, start)
-    results: list[dict] = []
+    out = Replay()
     for event in events:
         if event.op == "free":
             if event.id in held:
                 gpu, start = held.pop(event.id)
                 gpus[gpu] = gpus[gpu].with_released(start, destroy=eager)
+                out.destroys += int(eager)
             continue
         assert event.request is not None
         try:
             decision = planner(event.request, gpus)
         except Unplaceable as exc:
-            results.append({"id": event.id, "error": exc.reason})
+            out.results.append({"id": event.id, "error": exc.reason})
             continue
         gpus[decision.gpu] = gpus[decision.gpu].with_decision(decision)
         held[event.id] = (decision.gpu, decision.start)
-        results.append(decision_json(event.id, decision))
-    return results
+        out.creates += int(decision.action == "create")
+        out.destroys += len(decision.reclaim)
+        out.results.append(decision_json(event.id, decision))
+    return out
 
 
 def decision_json(ident: str, decision: MigDecision) -> dict:

@@ -1,0 +1,185 @@
+"""A GpuSlice's request, checked by the same rules wherever it comes from.
+
+The API server checks a GpuSlice's spec with the CEL rules in ``crds/gpuslice.yaml``; this module
+applies the same rules in Python, for pod annotations (which no CRD schema sees) and for API servers
+that do not run CEL. ``tests/e2e/test_crds.py`` runs both on ``tests/corpus/gpuslice_specs.yaml`` and
+fails where they disagree, so a rule changed here must be changed there too.
+
+Parsing is core's (``slice_request``); this module adds only what the schema adds on top of it:
+field types, unknown fields, length limits, node names, immutability, and the decimal-places limit
+that the API server's quantity rounding forces (see ``_check_decimal_places``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from .quantities import MEMORY_EXAMPLE, QuantityError, normalise_memory_alias
+from .request import PROFILE_EXAMPLE, RequestError, SliceRequest, parse_profile_name, slice_request
+
+ANNOTATION_MEMORY = "cdmo.io/gpu-memory"
+ANNOTATION_FRACTION = "cdmo.io/gpu-fraction"
+ANNOTATION_PROFILE = "cdmo.io/mig-profile"
+REQUEST_ANNOTATIONS = (ANNOTATION_MEMORY, ANNOTATION_FRACTION, ANNOTATION_PROFILE)
+# Any annotation under this prefix is meant as a request, so a misspelt one is refused, not ignored.
+ANNOTATION_PREFIX = "cdmo.io/gpu-"
+
+SPEC_FIELDS = ("memory", "fraction", "migProfile", "nodeName")
+# All of the spec is the request: the controller may have acted on any of it, so none may change.
+IMMUTABLE_FIELDS = SPEC_FIELDS
+
+# Same limits as the CRD's maxLength (the API server needs them to bound the cost of CEL rules).
+MAX_MEMORY_LENGTH = 64
+MAX_PROFILE_LENGTH = 32
+MAX_NODE_NAME_LENGTH = 253
+# The API server rounds every quantity up to 1n, so finer input could round to a whole number.
+MAX_DECIMAL_PLACES = 9
+
+NODE_NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+NODE_NAME_EXAMPLE = "gpu-node-1"
+
+# Only to count decimal places: which strings are quantities is core's decision, not this one's.
+_DECIMAL_FORM = re.compile(
+    r"[+-]?(?:[0-9]+(?:\.(?P<frac>[0-9]*))?|\.(?P<frac_only>[0-9]+))"
+    r"(?:[eE](?P<exp>[+-]?[0-9]+)|(?P<binary>[KMGTPE]i)|(?P<decimal>[numkMGTPE]))?"
+)
+_DECIMAL_POWERS = {"n": -9, "u": -6, "m": -3, "k": 3, "M": 6, "G": 9, "T": 12, "P": 15, "E": 18}
+# Mirrors core's exponent limit, beyond which core reports "out of range" itself.
+_MAX_EXPONENT = 40
+
+
+def request_from_spec(spec: Mapping[str, Any]) -> SliceRequest:
+    """The request of a GpuSlice ``spec``, refused exactly where the CRD's schema and rules refuse it."""
+    if not isinstance(spec, Mapping):
+        raise RequestError(f"spec {spec!r} must be an object; e.g. {{memory: '{MEMORY_EXAMPLE}'}}")
+    unknown = sorted(str(key) for key in spec if key not in SPEC_FIELDS)
+    if unknown:
+        raise RequestError(
+            f'unknown field "spec.{unknown[0]}"; a GpuSlice spec has only '
+            f"{', '.join(SPEC_FIELDS)}, e.g. memory: '{MEMORY_EXAMPLE}'"
+        )
+    memory = spec.get("memory")
+    fraction = spec.get("fraction")
+    profile = spec.get("migProfile")
+    node_name = spec.get("nodeName")
+    if memory is not None:
+        _check_memory_text(memory)
+    if fraction is not None and (isinstance(fraction, bool) or not isinstance(fraction, (int, float))):
+        raise RequestError(f"fraction {fraction!r} must be of type number; use e.g. 0.5")
+    if profile is not None:
+        _check_profile_text(profile)
+    if node_name is not None:
+        check_node_name(node_name)
+    return slice_request(memory=memory, fraction=fraction, profile=profile)
+
+
+def request_from_annotations(annotations: Mapping[str, str] | None) -> SliceRequest | None:
+    """The request a pod's annotations make, or None when it carries no slice annotation."""
+    if not annotations:
+        return None
+    stray = sorted(
+        key for key in annotations if key.startswith(ANNOTATION_PREFIX) and key not in REQUEST_ANNOTATIONS
+    )
+    if stray:
+        raise RequestError(
+            f"annotation {stray[0]} is not a slice annotation; use one of "
+            f"{', '.join(REQUEST_ANNOTATIONS)}, e.g. {ANNOTATION_MEMORY}: '{MEMORY_EXAMPLE}'"
+        )
+    given = [key for key in REQUEST_ANNOTATIONS if key in annotations]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise RequestError(
+            f"a pod may carry only one of {', '.join(REQUEST_ANNOTATIONS)} (got {', '.join(given)}); "
+            f"e.g. {ANNOTATION_MEMORY}: '{MEMORY_EXAMPLE}'"
+        )
+    key = given[0]
+    value = annotations[key]
+    try:
+        if key == ANNOTATION_MEMORY:
+            _check_memory_text(value)
+            return slice_request(memory=value)
+        if key == ANNOTATION_FRACTION:
+            # Annotation values are strings; core parses "0.5" itself.
+            return slice_request(fraction=value)
+        _check_profile_text(value)
+        return slice_request(profile=value)
+    except RequestError as error:
+        raise RequestError(f"annotation {key}: {error}") from error
+    except QuantityError as error:
+        raise QuantityError(f"annotation {key}: {error}") from error
+
+
+def check_request_unchanged(old_spec: Mapping[str, Any], new_spec: Mapping[str, Any]) -> None:
+    """Refuse an update that changes the request (the CRD's transition rules, ``self == oldSelf``)."""
+    for name in IMMUTABLE_FIELDS:
+        if (name in old_spec) != (name in new_spec) or old_spec.get(name) != new_spec.get(name):
+            raise RequestError(
+                f"spec.{name} cannot change after creation (was {old_spec.get(name)!r}, "
+                f"now {new_spec.get(name)!r}); delete the GpuSlice and create a new one"
+            )
+
+
+def check_node_name(value: object) -> str:
+    """A Node's name as spec.nodeName may give it: a lower-case DNS subdomain of at most 253 characters."""
+    if not isinstance(value, str):
+        raise RequestError(f"nodeName {value!r} must be of type string; use e.g. '{NODE_NAME_EXAMPLE}'")
+    if len(value) > MAX_NODE_NAME_LENGTH:
+        raise RequestError(f"nodeName is too long: may not be more than {MAX_NODE_NAME_LENGTH} characters")
+    if NODE_NAME.fullmatch(value) is None:
+        raise RequestError(
+            f"nodeName {value!r} is not a node name (lower-case DNS subdomain); use e.g. '{NODE_NAME_EXAMPLE}'"
+        )
+    return value
+
+
+def _check_memory_text(value: object) -> None:
+    """What the schema checks of spec.memory before core parses it: type, length, decimal places."""
+    if not isinstance(value, str):
+        raise QuantityError(f"memory {value!r} must be of type string; use e.g. '{MEMORY_EXAMPLE}'")
+    if len(value) > MAX_MEMORY_LENGTH:
+        raise QuantityError(f"memory is too long: may not be more than {MAX_MEMORY_LENGTH} characters")
+    _check_decimal_places(value)
+
+
+def _check_decimal_places(value: str) -> None:
+    """Refuse a quantity finer than 1n once its unit is applied, as the CRD does.
+
+    The API server rounds every quantity up to 1n before a CEL rule sees it, so there '1.9999999999'
+    would become 2 and pass as a whole number of bytes. Both sides therefore refuse more than nine
+    decimal places (counting a unit's power of ten; binary units add none), even where the value
+    happens to be whole.
+    """
+    match = _DECIMAL_FORM.fullmatch(normalise_memory_alias(value))
+    if match is None:
+        return  # not a quantity at all: core says so
+    places = len(match["frac"] or match["frac_only"] or "")
+    if match["exp"] is not None:
+        power = int(match["exp"])
+        if abs(power) > _MAX_EXPONENT:
+            return  # core says "out of range"
+    elif match["decimal"] is not None:
+        power = _DECIMAL_POWERS[match["decimal"]]
+    else:
+        power = 0
+    if places - power > MAX_DECIMAL_PLACES:
+        raise QuantityError(
+            f"memory {value!r} has more than nine decimal places after its unit (Kubernetes keeps "
+            f"quantities to 1n, so it cannot be checked to be a whole number of bytes); "
+            f"use e.g. '{MEMORY_EXAMPLE}'"
+        )
+
+
+def _check_profile_text(value: object) -> None:
+    """What the schema checks of a profile name beyond core's pattern: type, length, whole-string match."""
+    if not isinstance(value, str):
+        raise RequestError(f"migProfile {value!r} must be of type string; use e.g. '{PROFILE_EXAMPLE}'")
+    if len(value) > MAX_PROFILE_LENGTH:
+        raise RequestError(f"migProfile is too long: may not be more than {MAX_PROFILE_LENGTH} characters")
+    # core's PROFILE_NAME ends in `$`, which in Python also matches before a final newline; the API
+    # server's RE2 does not, so '2g.35gb\n' is refused here before core would let it through.
+    if value.endswith("\n"):
+        raise RequestError(f"migProfile {value!r} is not a MIG profile name; use e.g. '{PROFILE_EXAMPLE}'")
+    parse_profile_name(value)
