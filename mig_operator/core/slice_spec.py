@@ -79,9 +79,7 @@ def request_from_annotations(annotations: Mapping[str, str] | None) -> SliceRequ
     """The request a pod's annotations make, or None when it carries no slice annotation."""
     if not annotations:
         return None
-    stray = sorted(
-        key for key in annotations if key.startswith(ANNOTATION_PREFIX) and key not in REQUEST_ANNOTATIONS
-    )
+    stray = sorted(key for key in annotations if key.startswith(ANNOTATION_PREFIX) and key not in REQUEST_ANNOTATIONS)
     if stray:
         raise RequestError(
             f"annotation {stray[0]} is not a slice annotation; use one of "

@@ -1,0 +1,243 @@
+"""mig_operator.core.slice_spec: the GpuSlice request rules in Python, on the corpus the CRD shares."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import given
+from hypothesis import strategies as st
+
+from mig_operator.core.quantities import MAX_BYTES, QuantityError
+from mig_operator.core.request import RequestError, SliceRequest
+from mig_operator.core.slice_spec import (
+    ANNOTATION_FRACTION,
+    ANNOTATION_MEMORY,
+    ANNOTATION_PROFILE,
+    check_node_name,
+    check_request_unchanged,
+    request_from_annotations,
+    request_from_spec,
+)
+
+CORPUS = yaml.safe_load((Path(__file__).parents[1] / "corpus" / "gpuslice_specs.yaml").read_text())
+
+
+def _ids(cases: list[dict]) -> list[str]:
+    return [case["name"] for case in cases]
+
+
+def test_corpus_is_big_enough_and_names_are_unique() -> None:
+    # The e2e test needs at least 30 refusals to send to the API server.
+    assert len(CORPUS["invalid"]) >= 30
+    names = _ids(CORPUS["valid"]) + _ids(CORPUS["invalid"]) + _ids(CORPUS["updates"])
+    assert len(names) == len(set(names))
+
+
+@pytest.mark.parametrize("case", CORPUS["valid"], ids=_ids(CORPUS["valid"]))
+def test_valid_specs_are_accepted(case: dict) -> None:
+    request = request_from_spec(case["spec"])
+    if "bytes" in case:
+        assert request.memory_bytes == case["bytes"]
+    if "fraction" in case["spec"]:
+        assert request.fraction == case["spec"]["fraction"]
+    if "migProfile" in case["spec"]:
+        assert request.profile == case["spec"]["migProfile"]
+
+
+@pytest.mark.parametrize("case", CORPUS["invalid"], ids=_ids(CORPUS["invalid"]))
+def test_invalid_specs_are_refused_with_the_corpus_message(case: dict) -> None:
+    with pytest.raises(QuantityError) as refused:
+        request_from_spec(case["spec"])
+    message = str(refused.value)
+    assert case["message"].lower() in message.lower()
+    # The message names the field it is about (the API server prefixes the full path itself).
+    leaf = case["field"].rsplit(".", 1)[-1]
+    if leaf != "spec":
+        assert leaf in message
+
+
+@pytest.mark.parametrize("case", CORPUS["updates"], ids=_ids(CORPUS["updates"]))
+def test_request_changes_are_refused(case: dict) -> None:
+    request_from_spec(case["old"])
+    with pytest.raises(RequestError, match="cannot change after creation") as refused:
+        check_request_unchanged(case["old"], case["new"])
+    assert case["field"] in str(refused.value) or "spec." in str(refused.value)
+
+
+def test_unchanged_request_passes() -> None:
+    spec = {"memory": "4Gi", "nodeName": "gpu-node-1"}
+    check_request_unchanged(spec, dict(spec))
+
+
+def test_refusals_show_a_valid_example() -> None:
+    for spec in ({"memory": "4X"}, {"fraction": 2}, {"migProfile": "big"}, {}):
+        with pytest.raises(QuantityError) as refused:
+            request_from_spec(spec)
+        assert "e.g." in str(refused.value)
+
+
+def test_non_mapping_spec_is_refused() -> None:
+    with pytest.raises(RequestError, match="must be an object"):
+        request_from_spec(["memory", "4Gi"])  # type: ignore[arg-type]
+
+
+# --- annotations ---------------------------------------------------------------------------
+
+
+def test_no_slice_annotation_means_no_request() -> None:
+    assert request_from_annotations(None) is None
+    assert request_from_annotations({}) is None
+    assert request_from_annotations({"app": "x", "cdmo.io/slice": "ns/name"}) is None
+
+
+@pytest.mark.parametrize(
+    ("annotations", "expected"),
+    [
+        ({ANNOTATION_MEMORY: "4G"}, SliceRequest(memory_bytes=4 * 10**9)),
+        ({ANNOTATION_MEMORY: "4Gi"}, SliceRequest(memory_bytes=4 * 2**30)),
+        ({ANNOTATION_MEMORY: "4096MiB"}, SliceRequest(memory_bytes=4 * 2**30)),
+        ({ANNOTATION_FRACTION: "0.5"}, SliceRequest(fraction=0.5)),
+        ({ANNOTATION_FRACTION: "1"}, SliceRequest(fraction=1.0)),
+        ({ANNOTATION_PROFILE: "2g.35gb", "other": "kept"}, SliceRequest(profile="2g.35gb")),
+    ],
+)
+def test_annotations_give_a_request(annotations: dict, expected: SliceRequest) -> None:
+    assert request_from_annotations(annotations) == expected
+
+
+@pytest.mark.parametrize(
+    ("annotations", "message"),
+    [
+        ({ANNOTATION_MEMORY: "4Gi", ANNOTATION_FRACTION: "0.5"}, "only one of"),
+        ({ANNOTATION_MEMORY: "4X"}, "cdmo.io/gpu-memory: memory '4X' has an unknown unit"),
+        ({ANNOTATION_MEMORY: "0"}, "greater than zero"),
+        ({ANNOTATION_MEMORY: "1e400"}, "out of range"),
+        ({ANNOTATION_MEMORY: "1.9999999999"}, "more than nine decimal places"),
+        ({ANNOTATION_FRACTION: "1.5"}, "cdmo.io/gpu-fraction: fraction '1.5' must be in (0, 1]"),
+        ({ANNOTATION_FRACTION: "half"}, "is not a number"),
+        ({ANNOTATION_FRACTION: "nan"}, "is not a number"),
+        ({ANNOTATION_PROFILE: "2g.35gb\n"}, "is not a MIG profile name"),
+        ({"cdmo.io/gpu-memroy": "4Gi"}, "is not a slice annotation"),
+    ],
+)
+def test_bad_annotations_are_refused(annotations: dict, message: str) -> None:
+    with pytest.raises(QuantityError) as refused:
+        request_from_annotations(annotations)
+    assert message in str(refused.value)
+
+
+def test_annotation_errors_keep_their_type() -> None:
+    with pytest.raises(RequestError):
+        request_from_annotations({ANNOTATION_PROFILE: "big"})
+    with pytest.raises(QuantityError):
+        request_from_annotations({ANNOTATION_MEMORY: "-1G"})
+
+
+@pytest.mark.parametrize("name", ["gpu-node-1", "a", "node.example.com", "0ab"])
+def test_node_names_accepted(name: str) -> None:
+    assert check_node_name(name) == name
+
+
+@pytest.mark.parametrize("name", ["", "-a", "a-", "A", "a..b", "a_b", "a" * 254, 7])
+def test_node_names_refused(name: object) -> None:
+    with pytest.raises(RequestError):
+        check_node_name(name)
+
+
+# --- properties ----------------------------------------------------------------------------
+
+_UNITS = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30}
+_ALIASES = {"GB": "G", "MB": "M", "GIB": "Gi", "MIB": "Mi"}
+
+
+@given(st.integers(min_value=1, max_value=MAX_BYTES))
+def test_any_byte_count_is_accepted_as_itself(count: int) -> None:
+    assert request_from_spec({"memory": str(count)}).memory_bytes == count
+
+
+@given(st.integers(min_value=1, max_value=10**6), st.sampled_from(sorted(_UNITS)))
+def test_whole_units_give_their_bytes(count: int, unit: str) -> None:
+    assert request_from_spec({"memory": f"{count}{unit}"}).memory_bytes == count * _UNITS[unit]
+
+
+@given(
+    st.integers(min_value=1, max_value=10**6),
+    st.sampled_from(sorted(_ALIASES)),
+    st.lists(st.booleans(), min_size=3, max_size=3),
+)
+def test_aliases_in_any_case_equal_their_unit(count: int, alias: str, upper: list[bool]) -> None:
+    spelt = "".join(c if up else c.lower() for c, up in zip(alias, upper + [True], strict=False))
+    expected = request_from_spec({"memory": f"{count}{_ALIASES[alias]}"})
+    assert request_from_spec({"memory": f"{count}{spelt}"}) == expected
+
+
+@given(st.integers(min_value=MAX_BYTES + 1, max_value=10**30))
+def test_counts_beyond_int64_are_refused(count: int) -> None:
+    with pytest.raises(QuantityError, match="larger than 2\\^63-1 bytes"):
+        request_from_spec({"memory": str(count)})
+
+
+@given(st.integers(min_value=-(10**12), max_value=0))
+def test_zero_and_negatives_are_refused(count: int) -> None:
+    with pytest.raises(QuantityError, match="greater than zero"):
+        request_from_spec({"memory": str(count)})
+
+
+@given(st.floats(min_value=0.0, max_value=1.0, exclude_min=True))
+def test_fractions_in_range_are_accepted(value: float) -> None:
+    assert request_from_spec({"fraction": value}).fraction == value
+
+
+@given(st.one_of(st.floats(max_value=0.0), st.floats(min_value=1.0, exclude_min=True)))
+def test_fractions_out_of_range_are_refused(value: float) -> None:
+    with pytest.raises(QuantityError):
+        request_from_spec({"fraction": value})
+
+
+@given(st.text(max_size=80))
+def test_any_memory_text_is_accepted_or_refused_cleanly(text: str) -> None:
+    # Never a crash or another exception type: an annotation can hold anything.
+    try:
+        request = request_from_spec({"memory": text})
+    except QuantityError as error:
+        assert "memory" in str(error)
+    else:
+        assert request.memory_bytes is not None and 1 <= request.memory_bytes <= MAX_BYTES
+
+
+@given(st.integers(min_value=1, max_value=10**9), st.integers(min_value=1, max_value=9))
+def test_up_to_nine_places_are_judged_by_value_alone(whole: int, places: int) -> None:
+    # 'N.000' with up to nine zeros is the whole number N; ten or more places are refused outright.
+    assert request_from_spec({"memory": f"{whole}.{'0' * places}"}).memory_bytes == whole
+    with pytest.raises(QuantityError, match="nine decimal places"):
+        request_from_spec({"memory": f"{whole}.{'0' * (places + 9)}"})
+
+
+@given(
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "memory": st.sampled_from(["4Gi", "8G"]),
+            "fraction": st.sampled_from([0.25, 0.5]),
+            "migProfile": st.sampled_from(["1g.18gb", "2g.35gb"]),
+            "nodeName": st.sampled_from(["a", "b"]),
+        },
+    ),
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "memory": st.sampled_from(["4Gi", "8G"]),
+            "fraction": st.sampled_from([0.25, 0.5]),
+            "migProfile": st.sampled_from(["1g.18gb", "2g.35gb"]),
+            "nodeName": st.sampled_from(["a", "b"]),
+        },
+    ),
+)
+def test_only_identical_specs_pass_the_update_check(old: dict, new: dict) -> None:
+    if old == new:
+        check_request_unchanged(old, new)
+    else:
+        with pytest.raises(RequestError, match="cannot change after creation"):
+            check_request_unchanged(old, new)
