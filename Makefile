@@ -41,9 +41,8 @@ e2e: venv control-plane
 	$(BIN)/pytest tests/e2e
 
 demo: venv
-	$(BIN)/mig-operator catalog h200-141gb
-	$(BIN)/mig-operator inspect --backend sim:h200-141gbx2
 	$(BIN)/mig-operator plan --gpu h200-141gb --gpus 2 --trace examples/trace-h200.json
+	$(BIN)/mig-operator demo --backend sim:h200-141gbx2 --trace examples/trace-h200.json
 
 bench: venv
 	$(BIN)/python bench/packing.py

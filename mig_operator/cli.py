@@ -6,10 +6,14 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from .core.profiles import CATALOG, CatalogError, GpuModel, get_model
 from .core.quantities import QuantityError
-from .core.trace import TraceError, parse_trace, replay
+from .core.trace import TraceError, TraceEvent, parse_trace, replay
+
+if TYPE_CHECKING:
+    from .gpu.protocol import GpuBackend
 
 EXIT_BAD_INPUT = 2
 
@@ -62,14 +66,10 @@ def cmd_catalog(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from .gpu import open_backend
     from .gpu.inventory import describe, render_text
     from .gpu.protocol import GpuError
 
-    try:
-        backend = open_backend(args.backend, state_file=args.state_file)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
+    backend = _open_backend(args.backend, args.state_file)
     try:
         desc = describe(backend)
     except GpuError as exc:
@@ -81,18 +81,31 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _read_trace(path: str) -> list[TraceEvent]:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except OSError as exc:
+        raise UsageError(f"cannot read trace {path!r}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"trace {path!r} is not JSON ({exc.msg} at line {exc.lineno})") from None
+    return parse_trace(data)
+
+
+def _open_backend(spec: str, state_file: str | None) -> GpuBackend:
+    from .gpu import open_backend
+
+    try:
+        return open_backend(spec, state_file=state_file)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     model = get_model(args.gpu)
     if args.gpus < 1:
         raise UsageError(f"--gpus {args.gpus} must be at least 1, e.g. --gpus 2")
-    try:
-        with open(args.trace, encoding="utf-8") as fh:
-            data = json.load(fh)
-    except OSError as exc:
-        raise UsageError(f"cannot read trace {args.trace!r}: {exc.strerror}") from None
-    except json.JSONDecodeError as exc:
-        raise UsageError(f"trace {args.trace!r} is not JSON ({exc.msg} at line {exc.lineno})") from None
-    results = replay(parse_trace(data), model, gpu_count=args.gpus, eager=args.eager).results
+    results = replay(_read_trace(args.trace), model, gpu_count=args.gpus, eager=args.eager).results
     if args.json:
         print(json.dumps(results))
         return 0
@@ -103,6 +116,50 @@ def cmd_plan(args: argparse.Namespace) -> int:
         reclaimed = "".join(f" (reclaim {x['profile']}@{x['start']} on gpu {x['gpu']})" for x in r["reclaimed"])
         print(f"{r['id']}: {r['action']} {r['profile']} (id {r['profile_id']}) on gpu {r['gpu']} "
               f"at {{{r['start']}}}:{r['size']}{reclaimed}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Replay a trace on simulated GPUs: plan each request, carry it out through the GPU backend,
+    keep released instances idle, then reopen the backend as a restarted agent would."""
+    import os
+    import tempfile
+    import time
+
+    from .core.planner import Unplaceable, choose_mig
+    from .gpu.inventory import describe, render_text
+    from .gpu.realise import planner_view, realise
+
+    events = _read_trace(args.trace)
+    state = args.state_file or os.path.join(tempfile.mkdtemp(prefix="mig-demo-"), "sim-state.json")
+    backend = _open_backend(args.backend, state)
+    print(f"== {len(backend.gpus())} simulated GPU(s) from {args.backend}; state in {state}")
+    bound: dict[str, tuple[int, int]] = {}  # slice -> (gpu, GI id)
+    for event in events:
+        if event.op == "free":
+            if bound.pop(event.id, None) is not None:
+                print(f"{event.id}: released; its instance stays idle for the next request")
+            continue
+        assert event.request is not None
+        gis = {gpu: {gi for g, gi in bound.values() if g == gpu} for gpu in range(len(backend.gpus()))}
+        view = [planner_view(backend, i, gis[i]) for i in gis]
+        try:
+            decision = choose_mig(event.request, view)
+        except Unplaceable as exc:
+            print(f"{event.id}: {event.request.describe()} stays Pending: {exc.reason}")
+            continue
+        t0 = time.perf_counter()
+        made = realise(backend, decision)
+        took = (time.perf_counter() - t0) * 1000
+        reclaimed = "".join(f", reclaimed {r.profile}@{r.start}" for r in decision.reclaim)
+        print(f"{event.id}: {event.request.describe()} -> {decision.action} {made.profile} on GPU {made.gpu_index} "
+              f"at {{{made.start}}}:{made.size}{reclaimed}, {made.device_uuid} ({took:.1f} ms)")
+        bound[event.id] = (made.gpu_index, made.gi_id)
+    backend.close()
+    restarted = _open_backend(args.backend, state)
+    print("\n== after a restart the backend finds the instances it left:")
+    print(render_text(describe(restarted)))
+    restarted.close()
     return 0
 
 
@@ -128,6 +185,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eager", action="store_true", help="destroy instances when freed instead of keeping them idle")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("demo", help="plan and carry out a trace on simulated GPUs")
+    p.add_argument("--backend", default="sim:h200-141gbx2", help="a simulator spec, e.g. sim:h100-80gbx4")
+    p.add_argument("--trace", default="examples/trace-h200.json")
+    p.add_argument("--state-file", help="simulator state file (default: a new temporary file)")
+    p.set_defaults(func=cmd_demo)
     return parser
 
 

@@ -132,3 +132,22 @@ def test_console_entry_point_never_prints_a_traceback(tmp_path) -> None:
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert "memory '-1G' must be greater than zero" in proc.stderr
+
+
+def test_demo_realises_the_plan_and_survives_a_restart(tmp_path, capsys) -> None:
+    state = tmp_path / "state.json"
+    code, out, _ = run(capsys, "demo", "--backend", "sim:h200-141gbx2", "--trace", "examples/trace-h200.json",
+                       "--state-file", str(state))
+    assert code == 0
+    assert "notebook-c: memory 10G -> reuse 1g.18gb on GPU 0 at {6}:1" in out
+    assert "too-big: memory 200G stays Pending" in out
+    restart = out.split("after a restart")[1]
+    # trainer 3g, notebook-b 1g.35gb, notebook-c's 1g.18gb on GPU 0; inference 2g.35gb on GPU 1.
+    assert restart.count("MIG-") == 4
+    data = json.loads(state.read_text())
+    assert data, "the simulator kept its state in the file"
+
+
+def test_demo_bad_backend_exits_2(capsys) -> None:
+    code, _, err = run(capsys, "demo", "--backend", "sim:h900")
+    assert code == 2 and "sim:h900" in err
