@@ -34,7 +34,7 @@ class SliceRequest:
 
 def parse_profile_name(value: object) -> str:
     """A MIG profile name such as ``2g.35gb`` or ``1g.18gb+me``."""
-    if not isinstance(value, str) or PROFILE_NAME.match(value) is None:
+    if not isinstance(value, str) or PROFILE_NAME.fullmatch(value) is None:
         raise RequestError(f"migProfile {value!r} is not a MIG profile name; use e.g. {PROFILE_EXAMPLE!r}")
     return value
 
