@@ -1,0 +1,155 @@
+"""Fixtures for end-to-end tests against a real local control plane (scripts/control-plane).
+
+One control plane serves the whole session: etcd, kube-apiserver, kube-scheduler,
+kube-controller-manager and kwok (fake nodes annotated ``kwok.x-k8s.io/node=fake``), all on
+127.0.0.1. The scheduler and controller-manager are included so that pods get bound, namespaces
+finish deleting and owner references cascade, as on a real cluster; starting them costs about a
+second. The first run builds the binaries (see docs/control-plane.md; run
+``scripts/control-plane build`` beforehand to see its progress).
+
+If the control plane cannot start, every e2e test fails with the tail of its log: these tests
+never skip because the cluster is missing.
+
+Environment:
+  MIG_OPERATOR_KEEP_CLUSTER=1  leave the control plane running after the session
+  MIG_OPERATOR_RUN             state dir of the control plane (default /tmp/mig-operator-cp); a
+                               plane already running there is reused and left running
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import kubernetes
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+CONTROL_PLANE = REPO_ROOT / "scripts" / "control-plane"
+E2E_DIR = Path(__file__).resolve().parent
+COMPONENTS = "scheduler,controller-manager,kwok"
+# A cold build of kube-apiserver & co. takes about half an hour on 2 cores; a warm `up` seconds.
+UP_TIMEOUT_S = 3600
+LOG_TAIL_LINES = 60
+
+
+@dataclass
+class KubeCluster:
+    """A running control plane, as the tests see it."""
+
+    kubeconfig: Path
+    bin_dir: Path
+    k8s_version: str
+    running: frozenset[str]  # names of the running processes, e.g. "kwok", "kube-scheduler"
+    _api_client: kubernetes.client.ApiClient | None = field(default=None, repr=False)
+
+    @property
+    def api_client(self) -> kubernetes.client.ApiClient:
+        """A `kubernetes` client bound to this cluster (not to ~/.kube/config)."""
+        if self._api_client is None:
+            self._api_client = kubernetes.config.new_client_from_config(config_file=str(self.kubeconfig))
+        return self._api_client
+
+    def core_v1(self) -> kubernetes.client.CoreV1Api:
+        return kubernetes.client.CoreV1Api(self.api_client)
+
+    def custom_objects(self) -> kubernetes.client.CustomObjectsApi:
+        return kubernetes.client.CustomObjectsApi(self.api_client)
+
+    def kubectl(self, *args: str, input: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
+        """Run the cached kubectl against this cluster; with check, a failure shows its stderr."""
+        result = subprocess.run(
+            [str(self.bin_dir / "kubectl"), f"--kubeconfig={self.kubeconfig}", *args],
+            input=input,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        if check and result.returncode != 0:
+            raise AssertionError(
+                f"kubectl {' '.join(args)} exited {result.returncode}:\n{result.stdout}\n{result.stderr}"
+            )
+        return result
+
+
+def _control_plane(*args: str, log_path: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run scripts/control-plane; its stderr (progress, component log tails) goes to log_path."""
+    if log_path is None:
+        return subprocess.run([str(CONTROL_PLANE), *args], capture_output=True, text=True, timeout=timeout)
+    with log_path.open("w") as log:
+        return subprocess.run(
+            [str(CONTROL_PLANE), *args], stdout=subprocess.PIPE, stderr=log, text=True, timeout=timeout
+        )
+
+
+def _tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def _running_processes() -> frozenset[str]:
+    status = _control_plane("status")
+    return frozenset(
+        line.split()[0] for line in status.stdout.splitlines() if line.split()[1:2] == ["running"]
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Every test under tests/e2e is an e2e test, so `-m "not e2e"` deselects them all."""
+    for item in items:
+        if E2E_DIR in Path(item.path).resolve().parents:
+            item.add_marker(pytest.mark.e2e)
+
+
+@pytest.fixture(scope="session")
+def kube_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KubeCluster]:
+    """Start (building first if needed) the local control plane once per session.
+
+    It also points KUBECONFIG at it and puts kubectl and helm on PATH for the session, so that
+    code under test (kopf, subprocesses) talks to this cluster and nothing else.
+    """
+    already_running = "kube-apiserver" in _running_processes()
+    log_path = tmp_path_factory.mktemp("control-plane") / "up.log"
+    try:
+        up = _control_plane("up", "--with", COMPONENTS, log_path=log_path, timeout=UP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(
+            f"scripts/control-plane up timed out after {UP_TIMEOUT_S} s; last lines of {log_path}:\n"
+            + _tail(log_path),
+            pytrace=False,
+        )
+    last_line = up.stdout.strip().splitlines()[-1] if up.stdout.strip() else ""
+    if up.returncode != 0 or not last_line.startswith("KUBECONFIG="):
+        pytest.fail(
+            f"scripts/control-plane up failed (exit {up.returncode}); last lines of {log_path}:\n"
+            + _tail(log_path),
+            pytrace=False,
+        )
+    env = dict(
+        line.split("=", 1) for line in _control_plane("env").stdout.splitlines() if "=" in line
+    )
+    cluster = KubeCluster(
+        kubeconfig=Path(last_line.removeprefix("KUBECONFIG=")),
+        bin_dir=Path(env["BIN_DIR"]),
+        k8s_version=env["K8S_VERSION"],
+        running=_running_processes(),
+    )
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("KUBECONFIG", str(cluster.kubeconfig))
+        patch.setenv("PATH", f"{cluster.bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
+        yield cluster
+    if cluster._api_client is not None:
+        cluster._api_client.close()
+    if already_running or os.environ.get("MIG_OPERATOR_KEEP_CLUSTER") == "1":
+        return
+    down = _control_plane("down")
+    if down.returncode != 0:
+        raise RuntimeError(f"scripts/control-plane down failed:\n{down.stderr}")
+
+
+@pytest.fixture(scope="session")
+def kubectl(kube_cluster: KubeCluster) -> Callable[..., subprocess.CompletedProcess]:
+    """``kubectl("get", "ns")`` runs the cached kubectl against the session's cluster."""
+    return kube_cluster.kubectl
