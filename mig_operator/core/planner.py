@@ -172,17 +172,20 @@ def candidate_profiles(model: GpuModel, request: SliceRequest) -> list[Profile]:
 # --- one GPU ----------------------------------------------------------------------------------
 
 
+def _sought(model: GpuModel) -> list[Profile]:
+    """Profiles a memory request can get: plain, and the first of each memory size (``2g.35gb`` and
+    ``4g.71gb`` hold no more than ``1g.35gb`` and ``3g.71gb``, so only a request by name gets them)."""
+    firsts: dict[int, Profile] = {}
+    for p in sorted((p for p in model.profiles if not p.media_extension), key=lambda p: (p.memory_mib, p.slices, p.sm)):
+        firsts.setdefault(p.memory_mib, p)
+    return list(firsts.values())
+
+
 @lru_cache(maxsize=64)
 def _shapes(model: GpuModel) -> tuple[tuple[int, tuple[int, ...]], ...]:
-    """Placements of every plain profile grouped by size, largest first: (size, (mask, ...)).
-
-    Counted per profile, not per distinct mask: slots 0-3 serve both 3g and 4g, slots 4-7 only 3g,
-    so keeping 0-3 free is worth more.
-    """
+    """Placements of the profiles memory requests get, grouped by size, largest first."""
     by_size: dict[int, list[int]] = {}
-    for profile in model.profiles:
-        if profile.media_extension:
-            continue
+    for profile in _sought(model):
         for placement in profile.placements:
             by_size.setdefault(placement.size, []).append(placement.mask)
     return tuple((size, tuple(masks)) for size, masks in sorted(by_size.items(), reverse=True))
@@ -190,12 +193,22 @@ def _shapes(model: GpuModel) -> tuple[tuple[int, tuple[int, ...]], ...]:
 
 @lru_cache(maxsize=65536)
 def capacity_score(model: GpuModel, occupied: int) -> tuple[int, ...]:
-    """What can still be placed: free legal placements per size, largest size first.
+    """What can still be placed, compared lexicographically (larger is better).
 
-    Compared lexicographically, so a choice that keeps a 7g or 4g placeable always beats one that
-    only keeps more 1g spots (HAMi PR #2855 scores the same way; DRA #933 is the failure it avoids).
+    Free legal placements per size, largest size first, so a choice that keeps a 7g or 3g
+    placeable beats one that only keeps more 1g spots (HAMi PR #2855 scores alike; DRA #933 is the
+    failure it avoids); and free slots no free placement covers count against it: a 1g at slot 6
+    strands slot 7, which only a 2-slot placement at 6, 3g at 4 or 7g can use.
     """
-    return tuple(sum(1 for mask in masks if not mask & occupied) for _, masks in _shapes(model))
+    shapes = _shapes(model)
+    counts = tuple(sum(1 for mask in masks if not mask & occupied) for _, masks in shapes)
+    covered = 0
+    for _, masks in shapes:
+        for mask in masks:
+            if not mask & occupied:
+                covered |= mask
+    stranded = (model.full_mask & ~occupied & ~covered).bit_count()
+    return (-stranded, *counts)
 
 
 @dataclass(frozen=True)
@@ -248,7 +261,7 @@ def _best_on_gpu(model: GpuModel, instances: tuple[InstanceSlot, ...], profile_i
         for inst in instances:
             if inst.in_use or inst.profile_id != profile_id:
                 continue
-            key = (_neg(capacity_score(model, busy | inst.mask)), -inst.start)
+            key = (_neg(capacity_score(model, busy | inst.mask)), inst.start)
             if best is None or key < best[0]:
                 best = (key, _Option(0, inst.start, inst.size))
     elif tier == 1 and count < profile.max_instances:
@@ -256,7 +269,7 @@ def _best_on_gpu(model: GpuModel, instances: tuple[InstanceSlot, ...], profile_i
             if pl.mask & occupied:
                 continue
             key = (_neg(capacity_score(model, busy | pl.mask)), _neg(capacity_score(model, occupied | pl.mask)),
-                   -pl.start)
+                   pl.start)
             if best is None or key < best[0]:
                 best = (key, _Option(1, pl.start, pl.size))
     elif tier == 2:
@@ -268,7 +281,7 @@ def _best_on_gpu(model: GpuModel, instances: tuple[InstanceSlot, ...], profile_i
                 continue
             after = (occupied & ~_union(victims)) | pl.mask
             key = (len(victims), sum(v.size for v in victims), _neg(capacity_score(model, busy | pl.mask)),
-                   _neg(capacity_score(model, after)), -pl.start)
+                   _neg(capacity_score(model, after)), pl.start)
             if best is None or key < best[0]:
                 best = (key, _Option(2, pl.start, pl.size, reclaim=victims))
     return best[1] if best else None

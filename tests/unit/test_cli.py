@@ -139,7 +139,7 @@ def test_demo_realises_the_plan_and_survives_a_restart(tmp_path, capsys) -> None
     code, out, _ = run(capsys, "demo", "--backend", "sim:h200-141gbx2", "--trace", "examples/trace-h200.json",
                        "--state-file", str(state))
     assert code == 0
-    assert "notebook-c: memory 10G -> reuse 1g.18gb on GPU 0 at {6}:1" in out
+    assert "notebook-c: memory 10G -> reuse 1g.18gb on GPU 0 at {0}:1" in out
     assert "too-big: memory 200G stays Pending" in out
     restart = out.split("after a restart")[1]
     # trainer 3g, notebook-b 1g.35gb, notebook-c's 1g.18gb on GPU 0; inference 2g.35gb on GPU 1.

@@ -67,17 +67,15 @@ def test_too_large_is_refused_with_the_largest_profile() -> None:
 # --- placement on one GPU ---------------------------------------------------------------------
 
 
-def test_1g_goes_to_the_high_end_and_keeps_large_profiles() -> None:
+def test_small_instances_strand_no_slot_and_keep_a_half_free() -> None:
     gpu = MigGpu("", 0, H200)
-    starts = []
     for _ in range(3):
         d = choose_placement(gpu, H200.profile("1g.18gb"))
         assert d is not None and d.action == "create"
-        starts.append(d.start)
         gpu = gpu.with_decision(d)
-    assert starts == [6, 5, 4]
-    # 4g@0 (and so 3g@0, 2g@0, 2g@2) are still placeable: the DRA #933 layout {0,1,5} never happens.
-    assert choose_placement(gpu, H200.profile("4g.71gb")).start == 0
+    assert capacity_score(H200, gpu.occupied_mask)[0] == 0, "no free slot is left unusable"
+    # A 3g still fits in the other half: the DRA #933 layout {1g@0, 1g@1, 1g@5} never happens.
+    assert choose_placement(gpu, H200.profile("3g.71gb")) is not None
 
 
 def test_3g_first_goes_to_start_4_keeping_4g() -> None:
@@ -85,9 +83,11 @@ def test_3g_first_goes_to_start_4_keeping_4g() -> None:
     assert d.start == 4
 
 
-def test_score_prefers_keeping_larger_profiles() -> None:
-    # 1g at 0 kills 4g@0; 1g at 6 does not.
-    assert capacity_score(H200, 0b1000000) > capacity_score(H200, 0b0000001)
+def test_score_counts_stranded_slots_and_larger_profiles() -> None:
+    # 1g at slot 6 strands slot 7 (only 1g.35gb@6, 3g@4 or 7g reach it); 1g at 5 does not.
+    assert capacity_score(H200, 1 << 6) < capacity_score(H200, 1 << 5)
+    # DRA #933: 1g at 0, 1, 5 blocks 3g in both halves; 1g at 0, 1, 2 keeps 3g@4.
+    assert capacity_score(H200, 0b00100011) < capacity_score(H200, 0b00000111)
 
 
 def test_reuse_idle_instance_before_creating() -> None:
@@ -124,7 +124,7 @@ def test_reclaim_of_the_smallest_beats_reusing_a_larger_one() -> None:
     # DESIGN's order: reuse, free placement, reclaim for the smallest profile, and only then larger ones.
     a30 = MigGpu("", 0, A30, (inst(A30, "2g.12gb", 0), inst(A30, "2g.12gb", 2, in_use=False)))
     d = choose_mig(slice_request(memory="5G"), [a30])
-    assert (d.profile.name, d.action, d.start, len(d.reclaim)) == ("1g.6gb", "create", 3, 1)
+    assert (d.profile.name, d.action, d.start, len(d.reclaim)) == ("1g.6gb", "create", 2, 1)
 
 
 # A board whose smallest profile has fewer placements than a larger one (possible with profiles read
