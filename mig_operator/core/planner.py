@@ -1,14 +1,13 @@
 """Where a slice goes: the profile, the GPU and the placement, as pure functions.
 
-MIG (``choose_mig``), for each candidate profile, smallest first: the best-fit GPU (most slots in
-use, so whole GPUs stay free for large requests), and on it, in order of preference:
+MIG (``choose_mig``), in order of preference for each candidate profile, smallest first:
 
 1. reuse an idle instance of that profile (no NVML call);
 2. create it at a free legal placement, chosen to keep the most future capacity;
 3. reclaim the fewest idle instances that free a legal placement, then create.
 
-Only when no GPU can take the smallest profile even by reclaiming is the next larger one tried
-(``PlannerSettings.allow_larger_profile``). Fractions (``choose_fraction``) are
+Only then is the next larger profile tried (``PlannerSettings.allow_larger_profile``). Across GPUs
+it packs (best fit by slots in use) so whole GPUs stay free for large requests. Fractions (``choose_fraction``) are
 memory bin-packing on GPUs without MIG.
 
 Slots are bit masks (bit i = memory slot i), so a decision on 64 GPUs stays well under a millisecond.
@@ -319,16 +318,14 @@ def _decision(gpu: MigGpu, profile: Profile, option: _Option) -> MigDecision:
 # --- many GPUs --------------------------------------------------------------------------------
 
 
-def _fit_key(gpu: MigGpu, tier: int, victims: int) -> tuple:
+def _fit_key(gpu: MigGpu, victims: int) -> tuple:
     """Best fit across GPUs: the GPU with the most slots in use that can take the request, so empty
-    GPUs stay whole for large requests; then the cheapest tier on it (reuse, create, fewest reclaims).
-
-    Slots held by idle instances count as free here: they are reclaimed when needed, and packing by
-    all occupied slots instead lost acceptance in bench/packing.py (docs/benchmarks.md).
+    GPUs stay whole for large requests; then the fewest idle instances destroyed, then the fewest
+    free slots. Slots of idle instances count as free for packing: they are reclaimed when needed.
     """
     unused = gpu.model.memory_slots - gpu.busy_mask.bit_count()
     free = gpu.model.memory_slots - gpu.occupied_mask.bit_count()
-    return (unused, tier, victims, free, gpu.node, gpu.index)
+    return (unused, victims, free, gpu.node, gpu.index)
 
 
 def choose_mig(
@@ -336,9 +333,9 @@ def choose_mig(
 ) -> MigDecision:
     """The placement for ``request`` among ``gpus``; raises Unplaceable with the reason.
 
-    For each candidate profile, smallest first: the best-fit GPU that can take it (``_fit_key``), and
-    on it reuse, else a free placement, else the fewest reclaims. The GPU is chosen with cheap mask
-    checks and only its placements are scored, so a decision stays O(GPUs).
+    For each candidate profile, smallest first: reuse an idle instance on any GPU, else a free
+    placement, else the fewest reclaims; within each, the best-fit GPU (``_fit_key``). The GPU is
+    chosen with cheap mask checks and only its placements are scored, so a decision stays O(GPUs).
     """
     if not gpus:
         raise Unplaceable("no MIG-enabled GPU is available")
@@ -349,22 +346,21 @@ def choose_mig(
     if ranks == 0:
         raise Unplaceable(_too_large(request, gpus))
     for rank in range(ranks):
-        best: tuple[tuple, MigGpu, Profile, int] | None = None
-        for gpu, cands in zip(gpus, candidates, strict=True):
-            if rank >= len(cands):
-                continue
-            for tier in (0, 1, 2):
+        for tier in (0, 1, 2):
+            best: tuple[tuple, MigGpu, Profile] | None = None
+            for gpu, cands in zip(gpus, candidates, strict=True):
+                if rank >= len(cands):
+                    continue
                 victims = _fits(gpu, cands[rank], tier)
                 if victims is not None:
-                    key = _fit_key(gpu, tier, victims)
+                    key = _fit_key(gpu, victims)
                     if best is None or key < best[0]:
-                        best = (key, gpu, cands[rank], tier)
-                    break
-        if best is not None:
-            _, gpu, profile, tier = best
-            option = _best_on_gpu(gpu.model, gpu.instances, profile.id, tier)
-            assert option is not None, "feasibility and placement disagree"
-            return _decision(gpu, profile, option)
+                        best = (key, gpu, cands[rank])
+            if best is not None:
+                _, gpu, profile = best
+                option = _best_on_gpu(gpu.model, gpu.instances, profile.id, tier)
+                assert option is not None, "feasibility and placement disagree"
+                return _decision(gpu, profile, option)
     raise Unplaceable(_no_room(request, gpus, candidates))
 
 

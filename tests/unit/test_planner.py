@@ -179,12 +179,12 @@ def test_best_fit_keeps_whole_gpus_free() -> None:
     assert choose_mig(slice_request(profile="7g.80gb"), [gpus[0], gpus[1].with_decision(d)]).gpu == 0
 
 
-def test_packing_comes_before_reuse_across_gpus() -> None:
-    # GPU 1 holds only an idle 1g; GPU 0 has a 3g in use. Packing GPU 0 keeps GPU 1 whole for a 7g
-    # once its idle instance is reclaimed.
+def test_reuse_anywhere_comes_before_creating() -> None:
+    # GPU 1 holds only an idle 1g; GPU 0 has a 3g in use. Reusing costs no NVML call (DESIGN's order),
+    # and GPU 0 keeps its free half.
     gpus = [MigGpu("", 0, H100, (inst(H100, "3g.40gb", 4),)), MigGpu("", 1, H100, (inst(H100, "1g.10gb", 3, False),))]
     d = choose_mig(slice_request(memory="5G"), gpus)
-    assert (d.gpu, d.action) == (0, "create")
+    assert (d.gpu, d.action, d.start) == (1, "reuse", 3)
 
 
 def test_reuse_beats_creating_on_equally_packed_gpus() -> None:
