@@ -10,16 +10,20 @@ second. The first run builds the binaries (see docs/control-plane.md; run
 If the control plane cannot start, every e2e test fails with the tail of its log: these tests
 never skip because the cluster is missing.
 
-Environment:
-  MIG_OPERATOR_KEEP_CLUSTER=1  leave the control plane running after the session
-  MIG_OPERATOR_RUN             state dir of the control plane (default /tmp/mig-operator-cp); a
-                               plane already running there is reused and left running
+Where the control plane lives (its state dir, see scripts/control-plane):
+  default                      a private temporary dir per session, stopped at the end, so two
+                               sessions (two developers, CI jobs) never share or stop each
+                               other's cluster
+  MIG_OPERATOR_KEEP_CLUSTER=1  the script's default dir (/tmp/mig-operator-cp), left running after
+                               the session and reused by the next one: fast iteration
+  MIG_OPERATOR_RUN=DIR         that dir; a plane already running there is reused and left running
 """
 
 from __future__ import annotations
 
 import os
 import subprocess
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,13 +79,27 @@ class KubeCluster:
         return result
 
 
-def _control_plane(*args: str, log_path: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    """Run scripts/control-plane; its stderr (progress, component log tails) goes to log_path."""
+def _state_dir() -> str | None:
+    """The control plane's state dir for this session; None means the script's default."""
+    if "MIG_OPERATOR_RUN" in os.environ:
+        return os.environ["MIG_OPERATOR_RUN"]
+    if os.environ.get("MIG_OPERATOR_KEEP_CLUSTER") == "1":
+        return None
+    return tempfile.mkdtemp(prefix="mig-operator-cp-")
+
+
+def _control_plane(
+    *args: str, state_dir: str | None, log_path: Path | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess:
+    """Run scripts/control-plane; with log_path its stderr (progress, log tails) goes there."""
+    env = dict(os.environ)
+    if state_dir is not None:
+        env["MIG_OPERATOR_RUN"] = state_dir
     if log_path is None:
-        return subprocess.run([str(CONTROL_PLANE), *args], capture_output=True, text=True, timeout=timeout)
+        return subprocess.run([str(CONTROL_PLANE), *args], env=env, capture_output=True, text=True, timeout=timeout)
     with log_path.open("w") as log:
         return subprocess.run(
-            [str(CONTROL_PLANE), *args], stdout=subprocess.PIPE, stderr=log, text=True, timeout=timeout
+            [str(CONTROL_PLANE), *args], env=env, stdout=subprocess.PIPE, stderr=log, text=True, timeout=timeout
         )
 
 
@@ -89,11 +107,9 @@ def _tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
 
-def _running_processes() -> frozenset[str]:
-    status = _control_plane("status")
-    return frozenset(
-        line.split()[0] for line in status.stdout.splitlines() if line.split()[1:2] == ["running"]
-    )
+def _running_processes(state_dir: str | None) -> frozenset[str]:
+    status = _control_plane("status", state_dir=state_dir)
+    return frozenset(line.split()[0] for line in status.stdout.splitlines() if line.split()[1:2] == ["running"])
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -110,31 +126,30 @@ def kube_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KubeClust
     It also points KUBECONFIG at it and puts kubectl and helm on PATH for the session, so that
     code under test (kopf, subprocesses) talks to this cluster and nothing else.
     """
-    already_running = "kube-apiserver" in _running_processes()
+    state_dir = _state_dir()
+    already_running = "kube-apiserver" in _running_processes(state_dir)
     log_path = tmp_path_factory.mktemp("control-plane") / "up.log"
     try:
-        up = _control_plane("up", "--with", COMPONENTS, log_path=log_path, timeout=UP_TIMEOUT_S)
+        up = _control_plane("up", "--with", COMPONENTS, state_dir=state_dir, log_path=log_path, timeout=UP_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         pytest.fail(
-            f"scripts/control-plane up timed out after {UP_TIMEOUT_S} s; last lines of {log_path}:\n"
-            + _tail(log_path),
+            f"scripts/control-plane up timed out after {UP_TIMEOUT_S} s; last lines of {log_path}:\n" + _tail(log_path),
             pytrace=False,
         )
     last_line = up.stdout.strip().splitlines()[-1] if up.stdout.strip() else ""
     if up.returncode != 0 or not last_line.startswith("KUBECONFIG="):
         pytest.fail(
-            f"scripts/control-plane up failed (exit {up.returncode}); last lines of {log_path}:\n"
-            + _tail(log_path),
+            f"scripts/control-plane up failed (exit {up.returncode}); last lines of {log_path}:\n" + _tail(log_path),
             pytrace=False,
         )
     env = dict(
-        line.split("=", 1) for line in _control_plane("env").stdout.splitlines() if "=" in line
+        line.split("=", 1) for line in _control_plane("env", state_dir=state_dir).stdout.splitlines() if "=" in line
     )
     cluster = KubeCluster(
         kubeconfig=Path(last_line.removeprefix("KUBECONFIG=")),
         bin_dir=Path(env["BIN_DIR"]),
         k8s_version=env["K8S_VERSION"],
-        running=_running_processes(),
+        running=_running_processes(state_dir),
     )
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("KUBECONFIG", str(cluster.kubeconfig))
@@ -144,7 +159,7 @@ def kube_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KubeClust
         cluster._api_client.close()
     if already_running or os.environ.get("MIG_OPERATOR_KEEP_CLUSTER") == "1":
         return
-    down = _control_plane("down")
+    down = _control_plane("down", state_dir=state_dir)
     if down.returncode != 0:
         raise RuntimeError(f"scripts/control-plane down failed:\n{down.stderr}")
 
