@@ -1,0 +1,197 @@
+/* libgpuslice internal interface.  Everything here has hidden visibility;
+ * only the driver/NVML entry points (GS_EXPORT) and dlsym leave the library. */
+#ifndef GS_H
+#define GS_H
+
+#include <stdatomic.h>
+#include <stdint.h>
+#include "cuda_abi.h"
+
+#define GS_HIDDEN __attribute__((visibility("hidden")))
+#define GS_EXPORT __attribute__((visibility("default")))
+#define GS_LIKELY(x) __builtin_expect(!!(x), 1)
+#define GS_UNLIKELY(x) __builtin_expect(!!(x), 0)
+
+#define GS_MAX_DEV 64
+
+/* ---- config.c: environment, read once by the constructor --------------- */
+struct gs_config {
+    int active;        /* limit > 0 and not disabled: count and enforce      */
+    int disabled;      /* CDMO_SHIM_DISABLE=1                                */
+    int strict;        /* CDMO_SHIM_STRICT=1: fail closed without the region  */
+    int debug;         /* CDMO_SHIM_DEBUG=1: log decisions to stderr          */
+    uint64_t limit;    /* CDMO_GPU_MEMORY_LIMIT, bytes                        */
+    char slice[200];   /* CDMO_SLICE, sanitised for a file name               */
+    char dir[256];     /* CDMO_SHIM_DIR or /dev/shm                           */
+};
+extern struct gs_config gs_cfg GS_HIDDEN;
+void gs_log(const char *fmt, ...) GS_HIDDEN __attribute__((format(printf, 1, 2)));
+void gs_warn(const char *fmt, ...) GS_HIDDEN __attribute__((format(printf, 1, 2)));
+
+/* ---- real entry points (config.c) -------------------------------------- */
+/* X(id, symbol, base name for cuGetProcAddress, version, per-thread, hooked) */
+#define GS_CU_SYMBOLS(X)                                                            \
+    X(MemAlloc_v2, cuMemAlloc_v2, cuMemAlloc, 3020, 0, 1)                           \
+    X(MemAllocPitch_v2, cuMemAllocPitch_v2, cuMemAllocPitch, 3020, 0, 1)            \
+    X(MemFree_v2, cuMemFree_v2, cuMemFree, 3020, 0, 1)                              \
+    X(MemGetInfo_v2, cuMemGetInfo_v2, cuMemGetInfo, 3020, 0, 1)                     \
+    X(DeviceTotalMem_v2, cuDeviceTotalMem_v2, cuDeviceTotalMem, 3020, 0, 1)         \
+    X(MemAllocManaged, cuMemAllocManaged, cuMemAllocManaged, 6000, 0, 1)            \
+    X(MemCreate, cuMemCreate, cuMemCreate, 10020, 0, 1)                             \
+    X(MemRelease, cuMemRelease, cuMemRelease, 10020, 0, 1)                          \
+    X(MemMap, cuMemMap, cuMemMap, 10020, 0, 1)                                      \
+    X(MemUnmap, cuMemUnmap, cuMemUnmap, 10020, 0, 1)                                \
+    X(MemRetainAllocationHandle, cuMemRetainAllocationHandle,                       \
+      cuMemRetainAllocationHandle, 11000, 0, 1)                                     \
+    X(ArrayCreate_v2, cuArrayCreate_v2, cuArrayCreate, 3020, 0, 1)                  \
+    X(Array3DCreate_v2, cuArray3DCreate_v2, cuArray3DCreate, 3020, 0, 1)            \
+    X(ArrayDestroy, cuArrayDestroy, cuArrayDestroy, 2000, 0, 1)                     \
+    X(MipmappedArrayCreate, cuMipmappedArrayCreate, cuMipmappedArrayCreate, 5000, 0, 1) \
+    X(MipmappedArrayDestroy, cuMipmappedArrayDestroy, cuMipmappedArrayDestroy, 5000, 0, 1) \
+    X(MemAllocAsync, cuMemAllocAsync, cuMemAllocAsync, 11020, 0, 1)                 \
+    X(MemAllocAsync_ptsz, cuMemAllocAsync_ptsz, cuMemAllocAsync, 11020, 1, 1)       \
+    X(MemFreeAsync, cuMemFreeAsync, cuMemFreeAsync, 11020, 0, 1)                    \
+    X(MemFreeAsync_ptsz, cuMemFreeAsync_ptsz, cuMemFreeAsync, 11020, 1, 1)          \
+    X(MemAllocFromPoolAsync, cuMemAllocFromPoolAsync, cuMemAllocFromPoolAsync, 11020, 0, 1) \
+    X(MemAllocFromPoolAsync_ptsz, cuMemAllocFromPoolAsync_ptsz,                     \
+      cuMemAllocFromPoolAsync, 11020, 1, 1)                                         \
+    X(GetProcAddress, cuGetProcAddress, cuGetProcAddress, 11030, 0, 1)              \
+    X(GetProcAddress_v2, cuGetProcAddress_v2, cuGetProcAddress, 12000, 0, 1)        \
+    /* used by the shim, never substituted */                                      \
+    X(CtxGetDevice, cuCtxGetDevice, cuCtxGetDevice, 2000, 0, 0)                     \
+    X(DeviceGetCount, cuDeviceGetCount, cuDeviceGetCount, 2000, 0, 0)               \
+    X(DeviceGetUuid, cuDeviceGetUuid, cuDeviceGetUuid, 9020, 0, 0)                  \
+    X(DeviceGetUuid_v2, cuDeviceGetUuid_v2, cuDeviceGetUuid, 11040, 0, 0)           \
+    X(ArrayGetMemoryRequirements, cuArrayGetMemoryRequirements,                     \
+      cuArrayGetMemoryRequirements, 11060, 0, 0)                                    \
+    X(MipmappedArrayGetMemoryRequirements, cuMipmappedArrayGetMemoryRequirements,   \
+      cuMipmappedArrayGetMemoryRequirements, 11060, 0, 0)
+
+#define GS_NVML_SYMBOLS(X)                                                          \
+    X(nvmlDeviceGetMemoryInfo, 1)                                                   \
+    X(nvmlDeviceGetMemoryInfo_v2, 1)                                                \
+    X(nvmlDeviceGetUUID, 0)
+
+enum gs_cu_id {
+#define GS_ENUM(id, sym, base, ver, ptsz, hooked) GS_CU_##id,
+    GS_CU_SYMBOLS(GS_ENUM)
+#undef GS_ENUM
+    GS_CU_COUNT
+};
+enum gs_nvml_id {
+#define GS_NENUM(sym, hooked) GS_NV_##sym,
+    GS_NVML_SYMBOLS(GS_NENUM)
+#undef GS_NENUM
+    GS_NV_COUNT
+};
+
+struct gs_cu_sym {
+    const char *name;  /* exported variant name, e.g. cuMemAllocAsync_ptsz */
+    const char *base;  /* name cuGetProcAddress is asked with               */
+    int version;       /* first CUDA version that returns this variant      */
+    int ptsz;          /* per-thread default stream variant                 */
+    int hooked;        /* 1: the shim exports a wrapper of this variant     */
+};
+extern const struct gs_cu_sym gs_cu_syms[GS_CU_COUNT] GS_HIDDEN;
+extern void *gs_cu_real[GS_CU_COUNT] GS_HIDDEN;
+extern void *gs_nv_real[GS_NV_COUNT] GS_HIDDEN;
+extern const char *const gs_nv_names[GS_NV_COUNT] GS_HIDDEN;
+extern void *const gs_nv_wrappers[GS_NV_COUNT] GS_HIDDEN;
+
+extern _Atomic int gs_cu_ready GS_HIDDEN;
+extern _Atomic int gs_nv_ready GS_HIDDEN;
+void gs_load_cuda(void) GS_HIDDEN;
+void gs_load_nvml(void) GS_HIDDEN;
+static inline void gs_need_cuda(void)
+{
+    if (GS_UNLIKELY(!atomic_load_explicit(&gs_cu_ready, memory_order_acquire)))
+        gs_load_cuda();
+}
+static inline void gs_need_nvml(void)
+{
+    if (GS_UNLIKELY(!atomic_load_explicit(&gs_nv_ready, memory_order_acquire)))
+        gs_load_nvml();
+}
+#define GS_REAL(id) (gs_cu_real[GS_CU_##id])
+
+/* real dlsym (procaddr.c); resolved with dlvsym, never a GLIBC_PRIVATE name */
+extern void *(*gs_real_dlsym)(void *, const char *) GS_HIDDEN;
+void gs_init_real_dlsym(void) GS_HIDDEN;
+
+/* ---- region.c: one shared region per (slice, GPU UUID) ----------------- */
+struct gs_region;
+struct gs_ref {                 /* this process's view of one region        */
+    struct gs_region *reg;      /* NULL: closed (strict mode, no region)    */
+    int slot;                   /* our process slot, -1 until claimed       */
+    int shared;                 /* 1: file-backed, 0: process-local fallback */
+    int released;               /* set at exit, after the slot is given back */
+    char key[33];               /* GPU UUID as 32 hex digits                */
+};
+struct gs_ref *gs_ref_for_key(const char *hexkey) GS_HIDDEN;  /* slow path */
+int gs_reserve(struct gs_ref *ref, uint64_t bytes) GS_HIDDEN;
+void gs_unreserve(struct gs_ref *ref, uint64_t bytes) GS_HIDDEN;
+uint64_t gs_used(const struct gs_ref *ref) GS_HIDDEN;
+void gs_reap_if_due(struct gs_ref *ref, int force) GS_HIDDEN;
+uint64_t gs_peak(const struct gs_ref *ref) GS_HIDDEN;
+void gs_region_atfork_child(void) GS_HIDDEN;
+void gs_region_atfork_prepare(void) GS_HIDDEN;
+void gs_region_atfork_parent(void) GS_HIDDEN;
+void gs_region_exit(void) GS_HIDDEN;
+
+/* ---- device.c (in report.c): CUdevice ordinal -> region ---------------- */
+extern struct gs_ref *gs_dev_ref[GS_MAX_DEV] GS_HIDDEN;
+extern int gs_ndev GS_HIDDEN;         /* 0 unknown, else visible device count */
+struct gs_ref *gs_dev_ref_slow(int dev) GS_HIDDEN;
+int gs_current_dev_slow(void) GS_HIDDEN;
+static inline struct gs_ref *gs_ref_of(int dev)
+{
+    if (GS_UNLIKELY(dev < 0 || dev >= GS_MAX_DEV)) return NULL;
+    struct gs_ref *r = gs_dev_ref[dev];
+    return GS_LIKELY(r != NULL) ? r : gs_dev_ref_slow(dev);
+}
+static inline int gs_current_dev(void)
+{
+    return GS_LIKELY(gs_ndev == 1) ? 0 : gs_current_dev_slow();
+}
+
+/* ---- ptrtable.c: O(1) open-addressing tables ---------------------------- */
+enum gs_kind { GS_K_MEM = 1, GS_K_ASYNC, GS_K_MANAGED, GS_K_ARRAY, GS_K_MIPMAP,
+               GS_K_VMM, GS_K_MAP };
+struct gs_entry {
+    uint64_t key;       /* ~pointer; 0 = empty                               */
+    uint64_t size;
+    uint64_t aux;       /* VMM: handle of a mapping; refs|maps of a handle   */
+    struct gs_ref *ref;
+};
+struct gs_table {
+    struct gs_entry *e;
+    uint64_t mask;
+    unsigned shift;
+    uint64_t count;
+    uint64_t cap_limit;
+    atomic_flag lock;
+    const char *name;
+};
+extern struct gs_table gs_allocs GS_HIDDEN;   /* device pointers, arrays       */
+extern struct gs_table gs_handles GS_HIDDEN;  /* cuMemCreate handles           */
+extern struct gs_table gs_maps GS_HIDDEN;     /* cuMemMap ranges -> handle     */
+extern _Atomic uint64_t gs_untracked_bytes GS_HIDDEN;
+void gs_tables_init(void) GS_HIDDEN;
+void gs_tables_reset(void) GS_HIDDEN;         /* fork child */
+void gs_table_lock(struct gs_table *t) GS_HIDDEN;
+void gs_table_unlock(struct gs_table *t) GS_HIDDEN;
+/* the _locked variants need gs_table_lock held */
+int gs_table_put_locked(struct gs_table *t, uint64_t key, uint64_t size,
+                        uint64_t aux, struct gs_ref *ref) GS_HIDDEN;
+struct gs_entry *gs_table_get_locked(struct gs_table *t, uint64_t key) GS_HIDDEN;
+void gs_table_del_locked(struct gs_table *t, struct gs_entry *e) GS_HIDDEN;
+int gs_table_put(struct gs_table *t, uint64_t key, uint64_t size, uint64_t aux,
+                 struct gs_ref *ref) GS_HIDDEN;
+int gs_table_take(struct gs_table *t, uint64_t key, struct gs_entry *out) GS_HIDDEN;
+
+/* ---- procaddr.c --------------------------------------------------------- */
+void *gs_procaddr_substitute(const char *symbol, void *real_pfn, int version,
+                             cuuint64_t flags) GS_HIDDEN;
+void *gs_dlsym_filter(void *handle, const char *name) GS_HIDDEN;
+
+#endif

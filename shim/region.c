@@ -1,0 +1,394 @@
+/* region.c: the cross-process ledger of one slice on one GPU.
+ *
+ * A file <dir>/cdmo-gpuslice-<slice>-<uuid> (mode 0666, dir = CDMO_SHIM_DIR
+ * or /dev/shm) mapped MAP_SHARED by every process of the slice.  The header
+ * is versioned (magic, version, size); it is initialised under flock(2) with
+ * the magic written last, so a creator killed half-way leaves a file the next
+ * opener initialises again.
+ *
+ * Reservation is one compare-and-swap on `used` against this process's
+ * limit, made before the driver is called and rolled back if the driver
+ * fails.  Each process also adds its bytes to its own slot (pid, start time,
+ * pid namespace), which is how the share of a killed process is found and
+ * given back.  The robust mutex is taken only on the slow paths: claiming a
+ * slot, exit, and recovery when a reservation would exceed the limit.  The
+ * kernel hands a robust mutex to the next waiter (EOWNERDEAD) when its owner
+ * dies, so a SIGKILL inside the lock cannot hang the slice.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdalign.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/file.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "gs.h"
+
+#define GS_MAGIC 0x31474d48534f4443ULL /* "CDOSHMG1" */
+#define GS_VERSION 1u
+#define GS_SLOTS 1024
+
+struct gs_slot {
+    _Atomic uint32_t pid;       /* 0 = free */
+    uint32_t pad;
+    uint64_t start;             /* process start time, clock ticks since boot */
+    uint64_t pidns;             /* inode of /proc/<pid>/ns/pid */
+    _Atomic uint64_t used;      /* bytes this process holds */
+};
+
+struct gs_region {
+    _Atomic uint64_t magic;
+    uint32_t version;
+    uint32_t size;
+    uint32_t nslots;
+    uint32_t pad;
+    _Atomic uint64_t peak;        /* high-water mark of used */
+    _Atomic uint64_t recovered;   /* bytes taken back from dead processes */
+    _Atomic uint64_t last_limit;  /* limit of the last process that reserved (informational) */
+    pthread_mutex_t lock;         /* robust, process-shared */
+    alignas(64) _Atomic uint64_t used; /* own cache line: the only hot word */
+    alignas(64) struct gs_slot slots[GS_SLOTS];
+};
+
+static struct gs_ref refs[GS_MAX_DEV];
+static int nrefs;
+static pthread_mutex_t attach_mu = PTHREAD_MUTEX_INITIALIZER;
+
+/* this process's identity, computed on first slot claim, reset on fork */
+static uint32_t my_pid;
+static uint64_t my_start, my_ns;
+
+/* /proc/<pid>/stat: state is field 3, starttime field 22. Returns 0 on error. */
+static int proc_stat(uint32_t pid, char *state, uint64_t *start)
+{
+    char path[64], buf[1024];
+    snprintf(path, sizeof path, "/proc/%u/stat", pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return 0;
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0) return 0;
+    buf[n] = 0;
+    char *p = strrchr(buf, ')');
+    if (!p || p[1] != ' ') return 0;
+    p += 2;
+    *state = *p;
+    /* fields after ')' start at 3 (state); starttime is the 20th of them */
+    for (int field = 3; field < 22; field++) {
+        p = strchr(p, ' ');
+        if (!p) return 0;
+        p++;
+    }
+    *start = strtoull(p, NULL, 10);
+    return 1;
+}
+
+static uint64_t pidns_of(const char *path)
+{
+    struct stat st;
+    return stat(path, &st) == 0 ? (uint64_t)st.st_ino : 0;
+}
+
+static void ensure_identity(void)
+{
+    uint32_t pid = (uint32_t)getpid();
+    if (my_pid == pid) return;
+    char state;
+    my_start = 0;
+    proc_stat(pid, &state, &my_start);
+    my_ns = pidns_of("/proc/self/ns/pid");
+    my_pid = pid;
+}
+
+static void rlock(struct gs_region *r)
+{
+    int e = pthread_mutex_lock(&r->lock);
+    if (e == EOWNERDEAD) {
+        /* The owner died inside the lock.  Every field is kept consistent
+         * with atomics, so there is nothing to repair. */
+        pthread_mutex_consistent(&r->lock);
+    }
+}
+
+static void runlock(struct gs_region *r) { pthread_mutex_unlock(&r->lock); }
+
+/* A slot whose process is gone, or whose pid now names another process. */
+static int slot_dead(const struct gs_slot *s)
+{
+    uint32_t pid = atomic_load(&s->pid);
+    if (!pid) return 0;
+    if (s->pidns != my_ns || !my_ns) return 0; /* cannot judge another pid namespace */
+    if (kill((pid_t)pid, 0) == -1 && errno == ESRCH) return 1;
+    char state;
+    uint64_t start;
+    if (!proc_stat(pid, &state, &start)) return 1;
+    if (start != s->start) return 1;          /* pid reused */
+    if (state == 'Z' || state == 'X') return 1; /* exited: the driver freed its memory */
+    return 0;
+}
+
+static uint64_t release_slot(struct gs_region *r, struct gs_slot *s)
+{
+    uint64_t u = atomic_exchange(&s->used, 0);
+    if (u) atomic_fetch_sub(&r->used, u);
+    atomic_store(&s->pid, 0);
+    return u;
+}
+
+/* Give back the shares of dead processes.  Lock held. */
+static uint64_t reap_locked(struct gs_region *r, int keep)
+{
+    uint64_t freed = 0;
+    for (uint32_t i = 0; i < r->nslots; i++) {
+        struct gs_slot *s = &r->slots[i];
+        if (!atomic_load(&s->pid) || (int)i == keep) continue;
+        int stale_self = s->pid == my_pid && s->start == my_start && s->pidns == my_ns;
+        if (stale_self || slot_dead(s)) {
+            /* stale_self: a slot of this very process before it exec'ed */
+            uint64_t u = release_slot(r, s);
+            freed += u;
+            atomic_fetch_add(&r->recovered, u);
+            gs_log("recovered %llu bytes of pid %u", (unsigned long long)u, s->pid);
+        }
+    }
+    return freed;
+}
+
+static void claim_slot(struct gs_ref *ref)
+{
+    pthread_mutex_lock(&attach_mu);
+    if (ref->slot < 0 && ref->reg) {
+        struct gs_region *r = ref->reg;
+        ensure_identity();
+        rlock(r);
+        reap_locked(r, -1);
+        for (uint32_t i = 0; i < r->nslots; i++) {
+            struct gs_slot *s = &r->slots[i];
+            if (atomic_load(&s->pid) == 0) {
+                s->start = my_start;
+                s->pidns = my_ns;
+                atomic_store(&s->used, 0);
+                atomic_store(&s->pid, my_pid);
+                ref->slot = (int)i;
+                break;
+            }
+        }
+        runlock(r);
+        if (ref->slot < 0)
+            gs_warn("all %d process slots of the region are taken; this process's share "
+                    "cannot be recovered if it is killed", GS_SLOTS);
+    }
+    pthread_mutex_unlock(&attach_mu);
+}
+
+static int recover(struct gs_ref *ref)
+{
+    struct gs_region *r = ref->reg;
+    pthread_mutex_lock(&attach_mu);
+    ensure_identity();
+    rlock(r);
+    uint64_t freed = reap_locked(r, ref->slot);
+    runlock(r);
+    pthread_mutex_unlock(&attach_mu);
+    return freed > 0;
+}
+
+/* Reporting paths call this so that figures do not show the share of a
+ * process that died without exiting normally.  cuMemGetInfo may be called
+ * often: it scans at most once a second (CLOCK_MONOTONIC_COARSE is read in
+ * the vDSO, no syscall); NVML queries scan every time. */
+void gs_reap_if_due(struct gs_ref *ref, int force)
+{
+    static _Atomic int64_t next_ns;
+    if (!ref || !ref->reg || !ref->shared) return;
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
+    int64_t now = (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+    int64_t due = atomic_load_explicit(&next_ns, memory_order_relaxed);
+    if (!force && now < due) return;
+    atomic_store_explicit(&next_ns, now + 1000000000LL, memory_order_relaxed);
+    recover(ref);
+}
+
+int gs_reserve(struct gs_ref *ref, uint64_t n)
+{
+    struct gs_region *r = ref->reg;
+    if (GS_UNLIKELY(!r)) return 0; /* strict mode without a region: closed */
+    if (GS_UNLIKELY(ref->slot < 0)) claim_slot(ref);
+    const uint64_t lim = gs_cfg.limit;
+    int recovered = 0;
+    uint64_t cur = atomic_load_explicit(&r->used, memory_order_relaxed);
+    for (;;) {
+        if (GS_UNLIKELY(n > lim || cur > lim - n)) {
+            if (recovered || !recover(ref)) return 0;
+            recovered = 1;
+            cur = atomic_load_explicit(&r->used, memory_order_relaxed);
+            continue;
+        }
+        if (atomic_compare_exchange_weak_explicit(&r->used, &cur, cur + n, memory_order_acq_rel,
+                                                  memory_order_relaxed))
+            break;
+    }
+    /* The global add comes first: killed between the two, the slice over-counts
+     * by n (fail-safe), never under-counts. */
+    if (GS_LIKELY(ref->slot >= 0))
+        atomic_fetch_add_explicit(&r->slots[ref->slot].used, n, memory_order_relaxed);
+    uint64_t now = cur + n, pk = atomic_load_explicit(&r->peak, memory_order_relaxed);
+    while (GS_UNLIKELY(now > pk) &&
+           !atomic_compare_exchange_weak_explicit(&r->peak, &pk, now, memory_order_relaxed,
+                                                  memory_order_relaxed)) {
+    }
+    return 1;
+}
+
+void gs_unreserve(struct gs_ref *ref, uint64_t n)
+{
+    struct gs_region *r = ref->reg;
+    if (!r || !n || GS_UNLIKELY(ref->released)) return;
+    /* slot first: killed between the two, the slice over-counts (fail-safe) */
+    if (GS_LIKELY(ref->slot >= 0))
+        atomic_fetch_sub_explicit(&r->slots[ref->slot].used, n, memory_order_relaxed);
+    atomic_fetch_sub_explicit(&r->used, n, memory_order_release);
+}
+
+uint64_t gs_used(const struct gs_ref *ref)
+{
+    return ref && ref->reg ? atomic_load_explicit(&ref->reg->used, memory_order_relaxed) : 0;
+}
+
+uint64_t gs_peak(const struct gs_ref *ref)
+{
+    return ref && ref->reg ? atomic_load_explicit(&ref->reg->peak, memory_order_relaxed) : 0;
+}
+
+static void init_region(struct gs_region *r)
+{
+    memset(r, 0, sizeof *r);
+    r->version = GS_VERSION;
+    r->size = (uint32_t)sizeof *r;
+    r->nslots = GS_SLOTS;
+    pthread_mutexattr_t a;
+    pthread_mutexattr_init(&a);
+    pthread_mutexattr_setpshared(&a, PTHREAD_PROCESS_SHARED);
+    pthread_mutexattr_setrobust(&a, PTHREAD_MUTEX_ROBUST);
+    pthread_mutex_init(&r->lock, &a);
+    pthread_mutexattr_destroy(&a);
+    atomic_store_explicit(&r->magic, GS_MAGIC, memory_order_release);
+}
+
+static struct gs_region *open_region(const char *path)
+{
+    int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0666);
+    if (fd < 0) {
+        gs_warn("cannot open %s: %s", path, strerror(errno));
+        return NULL;
+    }
+    (void)fchmod(fd, 0666); /* umask; fails harmlessly when another uid created it */
+    struct gs_region *r = NULL;
+    struct stat st;
+    if (flock(fd, LOCK_EX) != 0 || fstat(fd, &st) != 0) goto fail;
+    if ((size_t)st.st_size < sizeof *r && ftruncate(fd, (off_t)sizeof *r) != 0) {
+        gs_warn("cannot size %s: %s", path, strerror(errno));
+        goto fail;
+    }
+    r = mmap(NULL, sizeof *r, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (r == MAP_FAILED) {
+        gs_warn("cannot map %s: %s", path, strerror(errno));
+        r = NULL;
+        goto fail;
+    }
+    uint64_t magic = atomic_load_explicit(&r->magic, memory_order_acquire);
+    if (magic == 0) {
+        init_region(r);
+    } else if (magic != GS_MAGIC || r->version != GS_VERSION || r->size != sizeof *r) {
+        gs_warn("%s has an incompatible layout (version %u); not using it", path, r->version);
+        munmap(r, sizeof *r);
+        r = NULL;
+    }
+fail:
+    flock(fd, LOCK_UN);
+    close(fd);
+    return r;
+}
+
+static struct gs_region *local_region(void)
+{
+    /* shared with fork children, private to this process tree */
+    struct gs_region *r = mmap(NULL, sizeof *r, PROT_READ | PROT_WRITE,
+                               MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    if (r == MAP_FAILED) return NULL;
+    init_region(r);
+    return r;
+}
+
+struct gs_ref *gs_ref_for_key(const char *key)
+{
+    struct gs_ref *ref = NULL;
+    pthread_mutex_lock(&attach_mu);
+    for (int i = 0; i < nrefs; i++)
+        if (!strcmp(refs[i].key, key)) {
+            ref = &refs[i];
+            goto out;
+        }
+    if (nrefs == GS_MAX_DEV) goto out;
+    ref = &refs[nrefs];
+    snprintf(ref->key, sizeof ref->key, "%s", key);
+    ref->slot = -1;
+    char path[600];
+    snprintf(path, sizeof path, "%s/cdmo-gpuslice-%s-%s", gs_cfg.dir, gs_cfg.slice, key);
+    ref->reg = open_region(path);
+    ref->shared = ref->reg != NULL;
+    if (!ref->reg) {
+        if (gs_cfg.strict) {
+            gs_warn("CDMO_SHIM_STRICT: no shared region, device allocations will fail "
+                    "with CUDA_ERROR_OUT_OF_MEMORY");
+        } else {
+            ref->reg = local_region();
+            gs_warn("enforcing the limit per process only (no shared region)");
+        }
+    } else {
+        ensure_identity();
+        rlock(ref->reg);
+        reap_locked(ref->reg, -1);
+        runlock(ref->reg);
+    }
+    gs_log("region %s: %s", path, ref->shared ? "shared" : "process-local");
+    __atomic_store_n(&nrefs, nrefs + 1, __ATOMIC_RELEASE);
+out:
+    pthread_mutex_unlock(&attach_mu);
+    return ref;
+}
+
+void gs_region_atfork_prepare(void) { pthread_mutex_lock(&attach_mu); }
+void gs_region_atfork_parent(void) { pthread_mutex_unlock(&attach_mu); }
+
+void gs_region_atfork_child(void)
+{
+    pthread_mutex_unlock(&attach_mu);
+    for (int i = 0; i < nrefs; i++) refs[i].slot = -1;
+    my_pid = 0;
+}
+
+void gs_region_exit(void)
+{
+    pthread_mutex_lock(&attach_mu);
+    for (int i = 0; i < nrefs; i++) {
+        struct gs_ref *ref = &refs[i];
+        if (ref->reg && ref->slot >= 0) {
+            rlock(ref->reg);
+            release_slot(ref->reg, &ref->reg->slots[ref->slot]);
+            runlock(ref->reg);
+            ref->slot = -1;
+            ref->released = 1; /* frees after this point were already given back */
+        }
+    }
+    pthread_mutex_unlock(&attach_mu);
+}

@@ -1,0 +1,947 @@
+/* shimtest: GPU-free tests of libgpuslice against the fake libcuda.so.1 and
+ * libnvidia-ml.so.1.
+ *
+ *   shimtest              run every case, TAP output, exit 1 on any failure
+ *   shimtest --list       print the case names
+ *   shimtest --run NAME   run one case (in its own environment)
+ *
+ * Each case runs in a fresh process exec'ed with LD_PRELOAD=libgpuslice.so,
+ * the fake libraries first on LD_LIBRARY_PATH, its own CDMO_SHIM_DIR and the
+ * environment the case names, so the shim's constructor reads it as in a
+ * container.  Device memory is observed through the shim's own cuMemGetInfo
+ * (used = total - free while the limit is below the fake's 80 GiB). */
+#include <dirent.h>
+#include <dlfcn.h>
+#include <errno.h>
+#include <limits.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "cuda_abi.h"
+
+#define MiB (1ULL << 20)
+#define GiB (1ULL << 30)
+
+static const char *g_case;
+#define CHECK(cond, ...)                                                        \
+    do {                                                                        \
+        if (!(cond)) {                                                          \
+            fprintf(stderr, "  FAIL %s:%d [%s] %s: ", __FILE__, __LINE__, g_case, #cond); \
+            fprintf(stderr, __VA_ARGS__);                                       \
+            fprintf(stderr, "\n");                                              \
+            exit(1);                                                            \
+        }                                                                       \
+    } while (0)
+#define OK(call) CHECK((call) == CUDA_SUCCESS, "%s", #call)
+
+/* ---- the driver as the program sees it --------------------------------- */
+static void *hcuda, *hnvml;
+static CUresult (*Alloc)(CUdeviceptr *, size_t);
+static CUresult (*Free)(CUdeviceptr);
+static CUresult (*Pitch)(CUdeviceptr *, size_t *, size_t, size_t, unsigned);
+static CUresult (*Managed)(CUdeviceptr *, size_t, unsigned);
+static CUresult (*GetInfo)(size_t *, size_t *);
+static CUresult (*TotalMem)(size_t *, CUdevice);
+static CUresult (*Create)(CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *, unsigned long long);
+static CUresult (*Release)(CUmemGenericAllocationHandle);
+static CUresult (*Map)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long);
+static CUresult (*Unmap)(CUdeviceptr, size_t);
+static CUresult (*Retain)(CUmemGenericAllocationHandle *, void *);
+static CUresult (*ArrCreate)(CUarray *, const CUDA_ARRAY_DESCRIPTOR *);
+static CUresult (*Arr3DCreate)(CUarray *, const CUDA_ARRAY3D_DESCRIPTOR *);
+static CUresult (*ArrDestroy)(CUarray);
+static CUresult (*MipCreate)(CUmipmappedArray *, const CUDA_ARRAY3D_DESCRIPTOR *, unsigned);
+static CUresult (*MipDestroy)(CUmipmappedArray);
+static CUresult (*ArrReq)(CUDA_ARRAY_MEMORY_REQUIREMENTS *, CUarray, CUdevice);
+static CUresult (*AllocAsync)(CUdeviceptr *, size_t, CUstream);
+static CUresult (*FreeAsync)(CUdeviceptr, CUstream);
+static CUresult (*AllocPool)(CUdeviceptr *, size_t, CUmemoryPool, CUstream);
+static CUresult (*GPA)(const char *, void **, int, cuuint64_t);
+static CUresult (*GPA2)(const char *, void **, int, cuuint64_t, CUdriverProcAddressQueryResult *);
+static const char *(*FakeLast)(void);
+static void (*FakeSetDevice)(int);
+static uint64_t (*FakePhysUsed)(void);
+
+static void *sym(void *h, const char *name)
+{
+    void *p = dlsym(h, name);
+    CHECK(p, "dlsym %s: %s", name, dlerror());
+    return p;
+}
+
+static void open_driver(void)
+{
+    hcuda = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    CHECK(hcuda, "dlopen libcuda.so.1: %s", dlerror());
+    hnvml = dlopen("libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
+    CHECK(hnvml, "dlopen libnvidia-ml.so.1: %s", dlerror());
+    *(void **)&Alloc = sym(hcuda, "cuMemAlloc_v2");
+    *(void **)&Free = sym(hcuda, "cuMemFree_v2");
+    *(void **)&Pitch = sym(hcuda, "cuMemAllocPitch_v2");
+    *(void **)&Managed = sym(hcuda, "cuMemAllocManaged");
+    *(void **)&GetInfo = sym(hcuda, "cuMemGetInfo_v2");
+    *(void **)&TotalMem = sym(hcuda, "cuDeviceTotalMem_v2");
+    *(void **)&Create = sym(hcuda, "cuMemCreate");
+    *(void **)&Release = sym(hcuda, "cuMemRelease");
+    *(void **)&Map = sym(hcuda, "cuMemMap");
+    *(void **)&Unmap = sym(hcuda, "cuMemUnmap");
+    *(void **)&Retain = sym(hcuda, "cuMemRetainAllocationHandle");
+    *(void **)&ArrCreate = sym(hcuda, "cuArrayCreate_v2");
+    *(void **)&Arr3DCreate = sym(hcuda, "cuArray3DCreate_v2");
+    *(void **)&ArrDestroy = sym(hcuda, "cuArrayDestroy");
+    *(void **)&MipCreate = sym(hcuda, "cuMipmappedArrayCreate");
+    *(void **)&MipDestroy = sym(hcuda, "cuMipmappedArrayDestroy");
+    *(void **)&ArrReq = sym(hcuda, "cuArrayGetMemoryRequirements");
+    *(void **)&AllocAsync = sym(hcuda, "cuMemAllocAsync");
+    *(void **)&FreeAsync = sym(hcuda, "cuMemFreeAsync");
+    *(void **)&AllocPool = sym(hcuda, "cuMemAllocFromPoolAsync");
+    *(void **)&GPA = sym(hcuda, "cuGetProcAddress");
+    *(void **)&GPA2 = sym(hcuda, "cuGetProcAddress_v2");
+    *(void **)&FakeLast = sym(hcuda, "fake_last");
+    *(void **)&FakeSetDevice = sym(hcuda, "fake_set_device");
+    *(void **)&FakePhysUsed = sym(hcuda, "fake_phys_used");
+    CUresult (*init)(unsigned) = (CUresult(*)(unsigned))sym(hcuda, "cuInit");
+    OK(init(0));
+}
+
+static uint64_t env_limit(void)
+{
+    const char *v = getenv("CDMO_GPU_MEMORY_LIMIT");
+    return v ? strtoull(v, NULL, 10) : 0;
+}
+
+/* bytes the slice holds, as the shim reports them */
+static uint64_t used(void)
+{
+    size_t f, t;
+    OK(GetInfo(&f, &t));
+    CHECK(f <= t, "free %zu > total %zu", f, t);
+    return t - f;
+}
+
+static const char *lib_of(void *p, const char **symname)
+{
+    static char buf[PATH_MAX];
+    Dl_info i;
+    if (!p || !dladdr(p, &i) || !i.dli_fname) return "?";
+    snprintf(buf, sizeof buf, "%s", strrchr(i.dli_fname, '/') ? strrchr(i.dli_fname, '/') + 1 : i.dli_fname);
+    if (symname) *symname = i.dli_sname ? i.dli_sname : "?";
+    return buf;
+}
+static int in_shim(void *p) { return strstr(lib_of(p, NULL), "libgpuslice") != NULL; }
+static int in_fake(void *p) { return strstr(lib_of(p, NULL), "libcuda.so") != NULL; }
+
+/* ====================================================================== */
+static void case_passthrough(void)
+{
+    open_driver();
+    CHECK(in_fake((void *)Alloc), "no limit: dlsym must give the driver's own cuMemAlloc_v2, got %s",
+          lib_of((void *)Alloc, NULL));
+    CHECK(in_fake((void *)GetInfo), "cuMemGetInfo_v2 from %s", lib_of((void *)GetInfo, NULL));
+    /* and the exported path, as a program linked with -lcuda calls it */
+    CUresult (*linked)(CUdeviceptr *, size_t) = dlsym(RTLD_DEFAULT, "cuMemAlloc_v2");
+    CHECK(in_shim((void *)linked), "preloaded shim must come first");
+    CUdeviceptr p;
+    OK(linked(&p, 50 * GiB));
+    size_t f, t;
+    CUresult (*linfo)(size_t *, size_t *) = dlsym(RTLD_DEFAULT, "cuMemGetInfo_v2");
+    OK(linfo(&f, &t));
+    CHECK(t == 80 * GiB && f == 30 * GiB, "pass-through must report the driver's figures: %zu/%zu", f, t);
+    void *fn = NULL;
+    OK(GPA("cuMemAlloc", &fn, 12000, 0));
+    CHECK(in_fake(fn), "no limit: cuGetProcAddress must give the driver's pointer");
+}
+
+static void case_disable(void)
+{
+    CHECK(env_limit() == 1 * GiB, "case runs with a 1 GiB limit");
+    case_passthrough(); /* CDMO_SHIM_DISABLE=1 overrides the limit */
+}
+
+static void case_bad_limit(void)
+{
+    open_driver();
+    CUdeviceptr p;
+    OK(Alloc(&p, 8 * GiB)); /* "4Gi" is not a byte count: warned, no limit */
+    CHECK(in_fake((void *)Alloc), "an unparseable limit means pass-through");
+}
+
+static void case_dlsym(void)
+{
+    open_driver();
+    const char *s = NULL;
+    CHECK(in_shim((void *)Alloc), "dlsym(libcuda, cuMemAlloc_v2) -> %s", lib_of((void *)Alloc, NULL));
+    lib_of((void *)Alloc, &s);
+    CHECK(!strcmp(s, "cuMemAlloc_v2"), "wrapper is %s", s);
+    for (int i = 0; i < 5; i++) {
+        void *again = dlsym(hcuda, "cuMemAlloc_v2");
+        CHECK(again == (void *)Alloc, "repeated lookup %d gave %p", i, again);
+    }
+    const char *hooked[] = {"cuMemAllocPitch_v2", "cuMemFree_v2", "cuMemGetInfo_v2", "cuDeviceTotalMem_v2",
+                            "cuMemAllocManaged", "cuMemCreate", "cuMemRelease", "cuMemMap", "cuMemUnmap",
+                            "cuMemRetainAllocationHandle", "cuArrayCreate_v2", "cuArray3DCreate_v2",
+                            "cuArrayDestroy", "cuMipmappedArrayCreate", "cuMipmappedArrayDestroy",
+                            "cuMemAllocAsync", "cuMemAllocAsync_ptsz", "cuMemFreeAsync", "cuMemFreeAsync_ptsz",
+                            "cuMemAllocFromPoolAsync", "cuMemAllocFromPoolAsync_ptsz", "cuGetProcAddress",
+                            "cuGetProcAddress_v2"};
+    for (size_t i = 0; i < sizeof hooked / sizeof *hooked; i++) {
+        void *p = dlsym(hcuda, hooked[i]);
+        CHECK(in_shim(p), "dlsym(libcuda, %s) -> %s", hooked[i], lib_of(p, NULL));
+        lib_of(p, &s);
+        CHECK(!strcmp(s, hooked[i]), "dlsym(libcuda, %s) gave wrapper %s", hooked[i], s);
+    }
+    const char *untouched[] = {"cuInit", "cuGetExportTable", "cuMemAlloc", "cuStreamSynchronize",
+                               "cuArrayGetMemoryRequirements", "cuDeviceGetUuid_v2"};
+    for (size_t i = 0; i < sizeof untouched / sizeof *untouched; i++) {
+        void *p = dlsym(hcuda, untouched[i]);
+        CHECK(in_fake(p), "dlsym(libcuda, %s) must be the driver's, got %s", untouched[i], lib_of(p, NULL));
+    }
+    CHECK(dlsym(hcuda, "cuNoSuchFunction") == NULL, "unknown names stay unknown");
+    CHECK(dlsym(hcuda, "cuNoSuchFunction") == NULL && dlerror() != NULL, "dlerror is set");
+    /* cuGetExportTable reaches the driver untouched */
+    CUresult (*get)(const void **, const CUuuid *) = (CUresult(*)(const void **, const CUuuid *))dlsym(hcuda, "cuGetExportTable");
+    const void *tbl = NULL;
+    CUuuid id = {{0}};
+    OK(get(&tbl, &id));
+    CHECK(tbl && ((void *const *)tbl)[0] == (void *)0x1111, "export table passed through");
+    /* NVML handle */
+    void *nv1 = dlsym(hnvml, "nvmlDeviceGetMemoryInfo"), *nv2 = dlsym(hnvml, "nvmlDeviceGetMemoryInfo_v2");
+    CHECK(in_shim(nv1) && in_shim(nv2), "NVML memory info must be the shim's: %s %s", lib_of(nv1, NULL), lib_of(nv2, NULL));
+    void *uuid = dlsym(hnvml, "nvmlDeviceGetUUID");
+    CHECK(strstr(lib_of(uuid, NULL), "libnvidia-ml"), "nvmlDeviceGetUUID untouched");
+    /* other handles: untouched */
+    void *hm = dlopen("libm.so.6", RTLD_NOW);
+    CHECK(hm, "libm");
+    void *cosp = dlsym(hm, "cos");
+    CHECK(cosp && strstr(lib_of(cosp, NULL), "libm"), "dlsym(libm, cos) -> %s", lib_of(cosp, NULL));
+    /* RTLD_DEFAULT: the preloaded shim first, as for linked programs */
+    void *d = dlsym(RTLD_DEFAULT, "cuMemAlloc_v2");
+    CHECK(in_shim(d), "RTLD_DEFAULT -> %s", lib_of(d, NULL));
+    /* RTLD_NEXT is resolved relative to *this* program: the next object
+     * defining cuMemAlloc_v2 after the executable is the preloaded shim.  Were
+     * the shim's dlsym not a tail jump, glibc would search after the shim. */
+    void *n = dlsym(RTLD_NEXT, "cuMemAlloc_v2");
+    CHECK(n == d, "RTLD_NEXT from the program -> %s (%p), expected the shim (%p)", lib_of(n, NULL), n, d);
+    void *nm = dlsym(RTLD_NEXT, "malloc");
+    CHECK(nm == dlsym(RTLD_DEFAULT, "malloc"), "RTLD_NEXT malloc");
+}
+
+/* (name, version, flags) -> what the caller must receive */
+struct pa_case { const char *name; int version; cuuint64_t flags; const char *want; int shim; int status; };
+#define PTDS CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM
+#define LEGACY CU_GET_PROC_ADDRESS_LEGACY_STREAM
+static const struct pa_case pa_cases[] = {
+    {"cuMemAlloc", 3020, 0, "cuMemAlloc_v2", 1, 0},
+    {"cuMemAlloc", 12000, PTDS, "cuMemAlloc_v2", 1, 0},
+    {"cuMemAlloc", 2000, 0, "cuMemAlloc", 0, 0},              /* v1 ABI: never the _v2 wrapper */
+    {"cuMemAllocPitch", 3020, 0, "cuMemAllocPitch_v2", 1, 0},
+    {"cuMemFree", 11000, 0, "cuMemFree_v2", 1, 0},
+    {"cuMemGetInfo", 3020, 0, "cuMemGetInfo_v2", 1, 0},
+    {"cuMemGetInfo", 2000, 0, "cuMemGetInfo", 0, 0},
+    {"cuDeviceTotalMem", 12000, 0, "cuDeviceTotalMem_v2", 1, 0},
+    {"cuMemAllocManaged", 6000, 0, "cuMemAllocManaged", 1, 0},
+    {"cuMemAllocManaged", 5050, 0, NULL, 0, 2},
+    {"cuMemCreate", 10020, 0, "cuMemCreate", 1, 0},
+    {"cuMemCreate", 10010, 0, NULL, 0, 2},
+    {"cuMemRelease", 12000, 0, "cuMemRelease", 1, 0},
+    {"cuMemMap", 12000, 0, "cuMemMap", 1, 0},
+    {"cuMemUnmap", 12000, 0, "cuMemUnmap", 1, 0},
+    {"cuMemRetainAllocationHandle", 11000, 0, "cuMemRetainAllocationHandle", 1, 0},
+    {"cuArrayCreate", 3020, 0, "cuArrayCreate_v2", 1, 0},
+    {"cuArray3DCreate", 12000, 0, "cuArray3DCreate_v2", 1, 0},
+    {"cuArrayDestroy", 2000, 0, "cuArrayDestroy", 1, 0},
+    {"cuMipmappedArrayCreate", 5000, 0, "cuMipmappedArrayCreate", 1, 0},
+    {"cuMipmappedArrayDestroy", 12000, 0, "cuMipmappedArrayDestroy", 1, 0},
+    {"cuMemAllocAsync", 11020, 0, "cuMemAllocAsync", 1, 0},
+    {"cuMemAllocAsync", 11020, LEGACY, "cuMemAllocAsync", 1, 0},
+    {"cuMemAllocAsync", 11020, PTDS, "cuMemAllocAsync_ptsz", 1, 0},
+    {"cuMemAllocAsync", 12080, PTDS, "cuMemAllocAsync_ptsz", 1, 0},
+    {"cuMemAllocAsync", 11010, 0, NULL, 0, 2},
+    {"cuMemFreeAsync", 11020, 0, "cuMemFreeAsync", 1, 0},
+    {"cuMemFreeAsync", 11020, PTDS, "cuMemFreeAsync_ptsz", 1, 0},
+    {"cuMemAllocFromPoolAsync", 11020, 0, "cuMemAllocFromPoolAsync", 1, 0},
+    {"cuMemAllocFromPoolAsync", 11020, PTDS, "cuMemAllocFromPoolAsync_ptsz", 1, 0},
+    {"cuGetProcAddress", 11030, 0, "cuGetProcAddress", 1, 0},
+    {"cuGetProcAddress", 11080, 0, "cuGetProcAddress", 1, 0},
+    {"cuGetProcAddress", 12000, 0, "cuGetProcAddress_v2", 1, 0},
+    {"cuGetProcAddress", 12080, PTDS, "cuGetProcAddress_v2", 1, 0},
+    {"cuGetProcAddress", 11020, 0, NULL, 0, 2},
+    /* pass-through, every flavour */
+    {"cuMemAdvise", 12000, 0, "cuMemAdvise", 0, 0},
+    {"cuMemAdvise", 12020, 0, "cuMemAdvise_v2", 0, 0},
+    {"cuMemPrefetchAsync", 12000, PTDS, "cuMemPrefetchAsync_ptsz", 0, 0},
+    {"cuMemPrefetchAsync", 12080, PTDS, "cuMemPrefetchAsync_v2_ptsz", 0, 0},
+    {"cuStreamSynchronize", 12000, PTDS, "cuStreamSynchronize_ptsz", 0, 0},
+    {"cuStreamSynchronize", 12000, 0, "cuStreamSynchronize", 0, 0},
+    {"cuGetExportTable", 12000, 0, "cuGetExportTable", 0, 0},
+    {"cuInit", 12000, 0, "cuInit", 0, 0},
+    {"cuNoSuchFunction", 12000, 0, NULL, 0, 1},
+};
+
+static void check_pa(CUresult (*gpa2)(const char *, void **, int, cuuint64_t, CUdriverProcAddressQueryResult *),
+                     CUresult (*gpa1)(const char *, void **, int, cuuint64_t), int internal)
+{
+    for (size_t i = 0; i < sizeof pa_cases / sizeof *pa_cases; i++) {
+        const struct pa_case *c = &pa_cases[i];
+        for (int v = 1; v <= 2; v++) {
+            void *fn = (void *)0x1;
+            CUdriverProcAddressQueryResult st = (CUdriverProcAddressQueryResult)77;
+            CUresult r = v == 2 ? gpa2(c->name, &fn, c->version, c->flags, &st) : gpa1(c->name, &fn, c->version, c->flags);
+            const char *s = "?";
+            if (!c->want) {
+                if (v == 2) {
+                    CHECK(r == CUDA_SUCCESS && fn == NULL && (int)st == c->status,
+                          "%s@%d: r=%d fn=%p status=%d, want NULL/status %d", c->name, c->version, r, fn, st, c->status);
+                } else {
+                    CHECK(r == CUDA_ERROR_NOT_FOUND, "v1 %s@%d: r=%d", c->name, c->version, r);
+                }
+                continue;
+            }
+            CHECK(r == CUDA_SUCCESS && fn, "%s@%d/%llu (v%d): r=%d", c->name, c->version, (unsigned long long)c->flags, v, r);
+            if (v == 2) CHECK(st == CU_GET_PROC_ADDRESS_SUCCESS, "%s: symbolStatus %d", c->name, st);
+            const char *lib = lib_of(fn, &s);
+            if (c->shim) {
+                CHECK(strstr(lib, "libgpuslice") && !strcmp(s, c->want),
+                      "%s@%d flags %llu (v%d): got %s in %s, want the shim's %s", c->name, c->version,
+                      (unsigned long long)c->flags, v, s, lib, c->want);
+            } else if (!internal || strcmp(c->want, "cuMemAlloc")) {
+                CHECK(strstr(lib, "libcuda") && !strcmp(s, c->want), "%s@%d flags %llu (v%d): got %s in %s, want the driver's %s",
+                      c->name, c->version, (unsigned long long)c->flags, v, s, lib, c->want);
+            }
+        }
+    }
+    void *fn;
+    CHECK(gpa2("cuMemAlloc", &fn, 99999, 0, NULL) == CUDA_ERROR_INVALID_VALUE, "a version beyond the driver's is its error");
+}
+
+static void case_procaddr(void)
+{
+    open_driver();
+    int internal = getenv("FAKE_PROCADDR_INTERNAL") != NULL;
+    check_pa(GPA2, GPA, internal);
+    /* cuGetProcAddress asked for itself, then used */
+    CUresult (*self2)(const char *, void **, int, cuuint64_t, CUdriverProcAddressQueryResult *) = NULL;
+    CUresult (*self1)(const char *, void **, int, cuuint64_t) = NULL;
+    OK(GPA2("cuGetProcAddress", (void **)&self2, 12000, 0, NULL));
+    OK(GPA2("cuGetProcAddress", (void **)&self1, 11030, 0, NULL));
+    check_pa(self2, self1, internal);
+    /* the per-thread wrapper calls the driver's per-thread entry point */
+    CUresult (*a_ptsz)(CUdeviceptr *, size_t, CUstream) = NULL;
+    CUresult (*f_ptsz)(CUdeviceptr, CUstream) = NULL;
+    OK(GPA2("cuMemAllocAsync", (void **)&a_ptsz, 12000, PTDS, NULL));
+    OK(GPA2("cuMemFreeAsync", (void **)&f_ptsz, 12000, PTDS, NULL));
+    uint64_t u0 = used();
+    CUdeviceptr p;
+    OK(a_ptsz(&p, 64 * MiB, NULL));
+    CHECK(!strcmp(FakeLast(), "cuMemAllocAsync_ptsz"), "forwarded to %s", FakeLast());
+    CHECK(used() == u0 + 64 * MiB, "ptsz allocation counted");
+    OK(f_ptsz(p, NULL));
+    CHECK(!strcmp(FakeLast(), "cuMemFreeAsync_ptsz"), "forwarded to %s", FakeLast());
+    CHECK(used() == u0, "ptsz free uncounted");
+}
+
+static void case_accounting(void)
+{
+    open_driver();
+    CHECK(used() == 0, "fresh slice");
+    size_t f, t;
+    OK(GetInfo(&f, &t));
+    CHECK(t == 1 * GiB && f == 1 * GiB, "total = limit, free = limit: %zu %zu", t, f);
+    size_t tm;
+    OK(TotalMem(&tm, 0));
+    CHECK(tm == 1 * GiB, "cuDeviceTotalMem_v2 = limit: %zu", tm);
+    CUdeviceptr a, b, c;
+    OK(Alloc(&a, 512 * MiB));
+    CHECK(used() == 512 * MiB, "used %llu", (unsigned long long)used());
+    CHECK(Alloc(&c, 600 * MiB) == CUDA_ERROR_OUT_OF_MEMORY, "beyond the limit is CUDA_ERROR_OUT_OF_MEMORY");
+    CHECK(used() == 512 * MiB, "a refused allocation leaves no trace");
+    OK(Alloc(&b, 512 * MiB));
+    CHECK(used() == 1 * GiB, "exactly at the limit");
+    CHECK(Alloc(&c, 1) == CUDA_ERROR_OUT_OF_MEMORY, "one byte over");
+    OK(GetInfo(&f, &t));
+    CHECK(f == 0 && t == 1 * GiB, "free clamps at 0");
+    CHECK(Free(0xdead000000ULL) != CUDA_SUCCESS, "unknown pointer: the driver's error");
+    CHECK(used() == 1 * GiB, "a failed free changes nothing");
+    OK(Free(a));
+    CHECK(used() == 512 * MiB, "free uncounts");
+    CHECK(Free(a) != CUDA_SUCCESS && used() == 512 * MiB, "double free is the driver's error, counted once");
+    OK(Free(b));
+    CHECK(used() == 0, "back to zero");
+    CHECK(FakePhysUsed() == 0, "driver agrees");
+}
+
+static void case_kinds(void)
+{
+    open_driver();
+    /* pitch: the driver's pitch (2048 in the fake), not the width */
+    CUdeviceptr p;
+    size_t pitch;
+    OK(Pitch(&p, &pitch, 1000, 100, 4));
+    CHECK(pitch == 2048, "fake pitch %zu", pitch);
+    CHECK(used() == 2048 * 100, "pitch x height counted: %llu", (unsigned long long)used());
+    OK(Free(p));
+    CHECK(used() == 0, "pitch freed");
+    /* managed: counted in full */
+    OK(Managed(&p, 100 * MiB, 1));
+    CHECK(used() == 100 * MiB, "managed counted");
+    OK(Free(p));
+    CHECK(used() == 0, "managed freed");
+    /* VMM, device location */
+    CUmemAllocationProp prop;
+    memset(&prop, 0, sizeof prop);
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = 0;
+    CUmemGenericAllocationHandle h, h2, hr;
+    OK(Create(&h, 64 * MiB, &prop, 0));
+    CHECK(used() == 64 * MiB, "cuMemCreate counted");
+    CUdeviceptr va = 0x7f0000000000ULL;
+    OK(Map(va, 64 * MiB, 0, h, 0));
+    OK(Release(h));
+    CHECK(used() == 64 * MiB, "released but still mapped: still counted");
+    OK(Unmap(va, 64 * MiB));
+    CHECK(used() == 0, "released and unmapped: uncounted (%llu)", (unsigned long long)used());
+    CHECK(FakePhysUsed() == 0, "driver freed it too");
+    /* retain adds a reference; one unmap covering two mappings */
+    OK(Create(&h, 32 * MiB, &prop, 0));
+    OK(Create(&h2, 32 * MiB, &prop, 0));
+    OK(Map(va, 32 * MiB, 0, h, 0));
+    OK(Map(va + 32 * MiB, 32 * MiB, 0, h2, 0));
+    OK(Retain(&hr, (void *)(uintptr_t)(va + 4096)));
+    CHECK(hr == h, "retain gives the handle back");
+    OK(Release(h));
+    OK(Release(h2));
+    CHECK(used() == 64 * MiB, "mapped");
+    OK(Unmap(va, 64 * MiB));
+    CHECK(used() == 32 * MiB, "h still retained: %llu", (unsigned long long)used());
+    OK(Release(hr));
+    CHECK(used() == 0, "last reference gone");
+    /* host location (NCCL's probe): not device memory */
+    prop.location.type = CU_MEM_LOCATION_TYPE_HOST;
+    OK(Create(&h, 16 * MiB, &prop, 0));
+    CHECK(used() == 0, "host cuMemCreate not counted");
+    OK(Release(h));
+    prop.location.type = CU_MEM_LOCATION_TYPE_HOST_NUMA;
+    OK(Create(&h, 16 * MiB, &prop, 0));
+    CHECK(used() == 0, "host NUMA cuMemCreate not counted");
+    OK(Release(h));
+    /* VMM beyond the limit */
+    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    CHECK(Create(&h, 2 * GiB, &prop, 0) == CUDA_ERROR_OUT_OF_MEMORY, "VMM over the limit");
+    /* arrays: settled to the driver's requirements */
+    CUDA_ARRAY_DESCRIPTOR d2 = {.Width = 1000, .Height = 1000, .Format = CU_AD_FORMAT_FLOAT, .NumChannels = 4};
+    CUarray arr;
+    OK(ArrCreate(&arr, &d2));
+    CUDA_ARRAY_MEMORY_REQUIREMENTS req;
+    OK(ArrReq(&req, arr, 0));
+    CHECK(req.size > 16000000 && used() == req.size, "2D array counted as %llu, driver says %zu",
+          (unsigned long long)used(), req.size);
+    OK(ArrDestroy(arr));
+    CHECK(used() == 0, "array destroyed");
+    CUDA_ARRAY3D_DESCRIPTOR d3 = {.Width = 100, .Height = 100, .Depth = 100, .Format = CU_AD_FORMAT_UNSIGNED_INT8,
+                                  .NumChannels = 1, .Flags = 0};
+    OK(Arr3DCreate(&arr, &d3));
+    OK(ArrReq(&req, arr, 0));
+    CHECK(used() == req.size && req.size >= 1000000, "3D array counted");
+    OK(ArrDestroy(arr));
+    d3.Flags = 0x40; /* sparse: commits nothing */
+    OK(Arr3DCreate(&arr, &d3));
+    CHECK(used() == 0, "sparse array not counted");
+    OK(ArrDestroy(arr));
+    d3.Flags = 0;
+    CUmipmappedArray mip;
+    OK(MipCreate(&mip, &d3, 4));
+    CHECK(used() >= 1000000 + 125000, "mipmapped counted: %llu", (unsigned long long)used());
+    OK(MipDestroy(mip));
+    CHECK(used() == 0, "mipmapped destroyed");
+    CUDA_ARRAY_DESCRIPTOR huge = {.Width = 65536, .Height = 65536, .Format = CU_AD_FORMAT_FLOAT, .NumChannels = 4};
+    CHECK(ArrCreate(&arr, &huge) == CUDA_ERROR_OUT_OF_MEMORY, "array over the limit");
+    /* stream-ordered */
+    CUdeviceptr q1, q2;
+    OK(AllocAsync(&q1, 100 * MiB, NULL));
+    OK(AllocPool(&q2, 200 * MiB, (CUmemoryPool)(uintptr_t)0x99, NULL));
+    CHECK(used() == 300 * MiB, "async counted");
+    CHECK(AllocAsync(&p, 800 * MiB, NULL) == CUDA_ERROR_OUT_OF_MEMORY, "async over the limit");
+    OK(FreeAsync(q1, NULL));
+    OK(FreeAsync(q2, NULL));
+    CHECK(used() == 0, "async freed");
+    CHECK(FakePhysUsed() == 0, "nothing leaked in the driver");
+}
+
+static void case_rollback(void)
+{
+    /* FAKE_TOTAL=256 MiB physical, limit 1 GiB */
+    open_driver();
+    size_t f, t;
+    OK(GetInfo(&f, &t));
+    CHECK(t == 256 * MiB && f == 256 * MiB, "total = min(limit, physical): %zu", t);
+    CUdeviceptr p;
+    CHECK(Alloc(&p, 300 * MiB) == CUDA_ERROR_OUT_OF_MEMORY, "the driver's own OOM");
+    OK(Alloc(&p, 200 * MiB));
+    CHECK(used() == 200 * MiB, "the failed call was rolled back: %llu", (unsigned long long)used());
+    OK(Free(p));
+    CUmemAllocationProp prop = {.type = CU_MEM_ALLOCATION_TYPE_PINNED, .location = {CU_MEM_LOCATION_TYPE_DEVICE, 0}};
+    CUmemGenericAllocationHandle h;
+    CHECK(Create(&h, 300 * MiB, &prop, 0) == CUDA_ERROR_OUT_OF_MEMORY, "VMM driver failure");
+    CHECK(used() == 0, "VMM rolled back");
+}
+
+static void case_nvml(void)
+{
+    open_driver();
+    nvmlReturn_t (*init)(void) = (nvmlReturn_t(*)(void))sym(hnvml, "nvmlInit_v2");
+    nvmlReturn_t (*byidx)(unsigned, nvmlDevice_t *) = (nvmlReturn_t(*)(unsigned, nvmlDevice_t *))sym(hnvml, "nvmlDeviceGetHandleByIndex_v2");
+    nvmlReturn_t (*m1)(nvmlDevice_t, nvmlMemory_t *) = (nvmlReturn_t(*)(nvmlDevice_t, nvmlMemory_t *))sym(hnvml, "nvmlDeviceGetMemoryInfo");
+    nvmlReturn_t (*m2)(nvmlDevice_t, nvmlMemory_v2_t *) = (nvmlReturn_t(*)(nvmlDevice_t, nvmlMemory_v2_t *))sym(hnvml, "nvmlDeviceGetMemoryInfo_v2");
+    uint64_t lim = env_limit();
+    nvmlDevice_t dev;
+    CHECK(init() == NVML_SUCCESS && byidx(0, &dev) == NVML_SUCCESS, "nvml init");
+    CUdeviceptr p;
+    OK(Alloc(&p, 512 * MiB));
+    nvmlMemory_t a;
+    CHECK(m1(dev, &a) == NVML_SUCCESS, "v1");
+    const char *phys_used = getenv("FAKE_NVML_USED");
+    if (!phys_used) {
+        CHECK(a.total == lim && a.used == 512 * MiB && a.free == lim - 512 * MiB,
+              "v1 under the limit: total %llu used %llu free %llu", a.total, a.used, a.free);
+    } else { /* the GPU is nearly full: free follows the physical free */
+        CHECK(a.total == lim && a.free == 80 * GiB - strtoull(phys_used, NULL, 0) && a.free + a.used == a.total,
+              "v1 clamped: total %llu used %llu free %llu", a.total, a.used, a.free);
+    }
+    nvmlMemory_v2_t b;
+    memset(&b, 0xff, sizeof b);
+    b.version = GS_NVML_MEMORY_V2;
+    CHECK(m2(dev, &b) == NVML_SUCCESS, "v2");
+    CHECK(b.total == a.total && b.free == a.free && b.used == a.used && b.reserved == 0,
+          "v2 agrees with v1: total %llu used %llu free %llu reserved %llu", b.total, b.used, b.free, b.reserved);
+    b.version = 1;
+    CHECK(m2(dev, &b) != NVML_SUCCESS, "a wrong struct version is NVML's error, passed through");
+    /* the CUDA and NVML views agree */
+    size_t f, t;
+    OK(GetInfo(&f, &t));
+    CHECK(t == a.total, "CUDA total %zu == NVML total %llu", t, a.total);
+    if (!phys_used) CHECK(f == a.free, "CUDA free %zu == NVML free %llu", f, a.free);
+}
+
+/* ---- several processes ------------------------------------------------- */
+static void race(int nproc)
+{
+    open_driver();
+    const uint64_t chunk = 8 * MiB, lim = env_limit();
+    int go[2], res[2], hold[2];
+    CHECK(pipe(go) == 0 && pipe(res) == 0 && pipe(hold) == 0, "pipes");
+    for (int i = 0; i < nproc; i++) {
+        pid_t pid = fork();
+        CHECK(pid >= 0, "fork");
+        if (pid == 0) {
+            close(go[1]);
+            close(hold[1]);
+            char c;
+            if (read(go[0], &c, 1) != 1) _exit(2);
+            int n = 0;
+            CUdeviceptr p;
+            CUresult r;
+            while ((r = Alloc(&p, chunk)) == CUDA_SUCCESS) n++;
+            if (r != CUDA_ERROR_OUT_OF_MEMORY) { fprintf(stderr, "  child alloc error %d after %d\n", r, n); _exit(3); }
+            if (write(res[1], &n, sizeof n) != sizeof n) _exit(4);
+            if (read(hold[0], &c, 1) != 0) _exit(5); /* hold until the parent closes hold */
+            exit(0); /* a normal exit: the shim gives the share back */
+        }
+    }
+    close(go[0]);
+    close(res[1]);
+    close(hold[0]);
+    char start[64];
+    memset(start, 1, sizeof start);
+    size_t want = (size_t)nproc < sizeof start ? (size_t)nproc : sizeof start;
+    CHECK(write(go[1], start, want) == (ssize_t)want, "start");
+    long total = 0;
+    for (int i = 0; i < nproc; i++) {
+        int n;
+        CHECK(read(res[0], &n, sizeof n) == sizeof n, "result %d", i);
+        total += n;
+    }
+    CHECK((uint64_t)total == lim / chunk, "%d processes got %ld chunks together; the limit holds exactly %llu",
+          nproc, total, (unsigned long long)(lim / chunk));
+    CHECK(used() == lim, "the slice is full: %llu", (unsigned long long)used());
+    close(go[1]);
+    close(hold[1]);
+    for (int i = 0; i < nproc; i++) {
+        int st;
+        CHECK(wait(&st) > 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "child status %d", st);
+    }
+    CHECK(used() == 0, "children exited: their shares are back (%llu)", (unsigned long long)used());
+}
+static void case_race2(void) { race(2); }
+static void case_race16(void) { race(16); }
+
+static void case_sigkill(void)
+{
+    open_driver();
+    for (int reap = 0; reap < 2; reap++) {
+        int ready[2];
+        CHECK(pipe(ready) == 0, "pipe");
+        pid_t pid = fork();
+        if (pid == 0) {
+            CUdeviceptr p;
+            if (Alloc(&p, 768 * MiB) != CUDA_SUCCESS) _exit(2);
+            char c = 1;
+            if (write(ready[1], &c, 1) != 1) _exit(3);
+            pause();
+            _exit(0);
+        }
+        char c;
+        CHECK(read(ready[0], &c, 1) == 1, "child allocated");
+        CHECK(used() == 768 * MiB, "the child's share is visible: %llu", (unsigned long long)used());
+        kill(pid, SIGKILL);
+        if (reap) {
+            waitpid(pid, NULL, 0);
+        } else { /* a zombie: dead, not yet reaped */
+            for (int i = 0; i < 200; i++) {
+                char path[64], st[512] = {0};
+                snprintf(path, sizeof path, "/proc/%d/stat", pid);
+                FILE *fp = fopen(path, "r");
+                if (fp) { if (!fgets(st, sizeof st, fp)) st[0] = 0; fclose(fp); }
+                char *q = strrchr(st, ')');
+                if (q && q[2] == 'Z') break;
+                usleep(10000);
+            }
+        }
+        CUdeviceptr p;
+        OK(Alloc(&p, 512 * MiB)); /* fits only once the dead share is recovered */
+        CHECK(used() == 512 * MiB, "recovered: %llu", (unsigned long long)used());
+        OK(Free(p));
+        if (!reap) waitpid(pid, NULL, 0);
+        close(ready[0]);
+        close(ready[1]);
+    }
+}
+
+static void case_fork(void)
+{
+    open_driver();
+    CUdeviceptr a;
+    OK(Alloc(&a, 256 * MiB));
+    pid_t pid = fork();
+    if (pid == 0) {
+        g_case = "fork(child)";
+        CHECK(used() == 256 * MiB, "child sees the slice's usage");
+        CUdeviceptr b, c;
+        OK(Alloc(&b, 512 * MiB));
+        CHECK(used() == 768 * MiB, "child counted");
+        CHECK(Alloc(&c, 512 * MiB) == CUDA_ERROR_OUT_OF_MEMORY, "one limit for parent and child");
+        /* the parent's pointer is not the child's to uncount */
+        Free(a);
+        CHECK(used() == 768 * MiB, "child free of the parent's pointer does not uncount: %llu", (unsigned long long)used());
+        exit(0); /* exits holding b: the shim gives its share back at exit */
+    }
+    int st;
+    CHECK(waitpid(pid, &st, 0) == pid && WIFEXITED(st) && WEXITSTATUS(st) == 0, "child ok");
+    CHECK(used() == 256 * MiB, "child's share released at its exit: %llu", (unsigned long long)used());
+    OK(Free(a));
+    CHECK(used() == 0, "parent's free");
+}
+
+static void case_exec(void)
+{
+    open_driver();
+    if (!getenv("SHIMTEST_EXECED")) {
+        CUdeviceptr a;
+        OK(Alloc(&a, 700 * MiB));
+        CHECK(used() == 700 * MiB, "before exec");
+        setenv("SHIMTEST_EXECED", "1", 1);
+        char self[PATH_MAX];
+        ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
+        CHECK(n > 0, "self");
+        self[n] = 0;
+        execl(self, self, "--case", "exec", (char *)NULL);
+        CHECK(0, "exec: %s", strerror(errno));
+    }
+    /* same pid, same start time, new image: the old image's memory is gone */
+    CUdeviceptr b;
+    OK(Alloc(&b, 700 * MiB));
+    CHECK(used() == 700 * MiB, "pre-exec share reclaimed: %llu", (unsigned long long)used());
+}
+
+static void case_stale_report(void)
+{
+    /* a process that dies without exiting normally (_exit skips the shim's
+     * destructor, as SIGKILL does): reports drop its share without waiting
+     * for allocation pressure */
+    open_driver();
+    nvmlReturn_t (*init)(void) = (nvmlReturn_t(*)(void))sym(hnvml, "nvmlInit_v2");
+    nvmlReturn_t (*byidx)(unsigned, nvmlDevice_t *) = (nvmlReturn_t(*)(unsigned, nvmlDevice_t *))sym(hnvml, "nvmlDeviceGetHandleByIndex_v2");
+    nvmlReturn_t (*m1)(nvmlDevice_t, nvmlMemory_t *) = (nvmlReturn_t(*)(nvmlDevice_t, nvmlMemory_t *))sym(hnvml, "nvmlDeviceGetMemoryInfo");
+    nvmlDevice_t dev;
+    CHECK(init() == NVML_SUCCESS && byidx(0, &dev) == NVML_SUCCESS, "nvml");
+    CHECK(used() == 0, "empty");
+    pid_t pid = fork();
+    if (pid == 0) {
+        CUdeviceptr p;
+        _exit(Alloc(&p, 300 * MiB) == CUDA_SUCCESS ? 0 : 1);
+    }
+    int st;
+    CHECK(waitpid(pid, &st, 0) == pid && WIFEXITED(st) && WEXITSTATUS(st) == 0, "child");
+    nvmlMemory_t m;
+    CHECK(m1(dev, &m) == NVML_SUCCESS && m.used == 0, "NVML reaps the dead share at once: used %llu", m.used);
+    pid = fork();
+    if (pid == 0) {
+        CUdeviceptr p;
+        _exit(Alloc(&p, 300 * MiB) == CUDA_SUCCESS ? 0 : 1);
+    }
+    CHECK(waitpid(pid, &st, 0) == pid && WIFEXITED(st) && WEXITSTATUS(st) == 0, "child");
+    usleep(1100000);
+    CHECK(used() == 0, "cuMemGetInfo reaps within a second: %llu", (unsigned long long)used());
+}
+
+struct thr { int id; int fail; };
+static void *churn(void *arg)
+{
+    struct thr *t = arg;
+    unsigned s = (unsigned)t->id * 7919u + 1;
+    CUdeviceptr held[16] = {0};
+    for (int i = 0; i < 20000; i++) {
+        int k = (int)(rand_r(&s) % 16);
+        if (held[k]) {
+            if (Free(held[k]) != CUDA_SUCCESS) t->fail++;
+            held[k] = 0;
+        } else if (Alloc(&held[k], (rand_r(&s) % 4 + 1) * MiB) != CUDA_SUCCESS) {
+            t->fail++; /* 8 threads x 16 x 4 MiB = 512 MiB < limit: never refused */
+            held[k] = 0;
+        }
+    }
+    for (int k = 0; k < 16; k++) if (held[k] && Free(held[k]) != CUDA_SUCCESS) t->fail++;
+    return NULL;
+}
+
+static void case_threads(void)
+{
+    open_driver();
+    pthread_t th[8];
+    struct thr a[8];
+    for (int i = 0; i < 8; i++) {
+        a[i].id = i;
+        a[i].fail = 0;
+        pthread_create(&th[i], NULL, churn, &a[i]);
+    }
+    for (int i = 0; i < 8; i++) {
+        pthread_join(th[i], NULL);
+        CHECK(a[i].fail == 0, "thread %d: %d failures", i, a[i].fail);
+    }
+    CHECK(used() == 0, "8 threads x 20000 operations leave nothing counted: %llu", (unsigned long long)used());
+    CHECK(FakePhysUsed() == 0, "driver agrees");
+}
+
+static void case_many(void)
+{
+    /* 200000 live allocations, then all freed: the table is O(1) and exact */
+    open_driver();
+    static CUdeviceptr p[200000];
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    for (int i = 0; i < 200000; i++) OK(Alloc(&p[i], 4096));
+    CHECK(used() == 200000ULL * 4096, "all counted");
+    for (int i = 0; i < 200000; i += 2) OK(Free(p[i]));
+    for (int i = 1; i < 200000; i += 2) OK(Free(p[i]));
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    CHECK(used() == 0, "all uncounted: %llu", (unsigned long long)used());
+    double s = (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) * 1e-9;
+    printf("  # 400000 tracked alloc/free calls in %.3f s\n", s);
+    CHECK(s < 5.0, "too slow: %.3f s", s);
+}
+
+static void case_region_file(void)
+{
+    open_driver();
+    CUdeviceptr p;
+    OK(Alloc(&p, MiB));
+    const char *dir = getenv("CDMO_SHIM_DIR");
+    char path[PATH_MAX];
+    snprintf(path, sizeof path, "%s/cdmo-gpuslice-team-a_train-1-5b3b5d0c1f2e4a779c10abcdef012300", dir);
+    struct stat st;
+    CHECK(stat(path, &st) == 0, "region file %s: %s", path, strerror(errno));
+    CHECK((st.st_mode & 0777) == 0666, "mode %o, want 0666 so any uid of the slice can join", st.st_mode & 0777);
+}
+
+static void case_fallback(void)
+{
+    /* CDMO_SHIM_DIR does not exist: the limit still holds in this process */
+    open_driver();
+    CUdeviceptr p;
+    OK(Alloc(&p, 900 * MiB));
+    CHECK(Alloc(&p, 200 * MiB) == CUDA_ERROR_OUT_OF_MEMORY, "limit enforced per process");
+    size_t f, t;
+    OK(GetInfo(&f, &t));
+    CHECK(t == 1 * GiB && f == 124 * MiB, "figures still right: %zu %zu", f, t);
+}
+
+static void case_strict(void)
+{
+    /* CDMO_SHIM_STRICT=1 and no region: device allocations fail closed */
+    open_driver();
+    CUdeviceptr p;
+    CHECK(Alloc(&p, MiB) == CUDA_ERROR_OUT_OF_MEMORY, "fail closed");
+    size_t f, t;
+    OK(GetInfo(&f, &t)); /* a query never fails because of the shim */
+    CHECK(t == 1 * GiB, "total %zu", t);
+}
+
+static void case_multidev(void)
+{
+    /* two GPUs: each has its own region and limit; VMM uses prop's device */
+    open_driver();
+    CUdeviceptr a, b;
+    FakeSetDevice(0);
+    OK(Alloc(&a, 900 * MiB));
+    FakeSetDevice(1);
+    CHECK(used() == 0, "device 1 is a different region");
+    OK(Alloc(&b, 900 * MiB));
+    CUmemAllocationProp prop = {.type = CU_MEM_ALLOCATION_TYPE_PINNED, .location = {CU_MEM_LOCATION_TYPE_DEVICE, 0}};
+    CUmemGenericAllocationHandle h;
+    CHECK(Create(&h, 200 * MiB, &prop, 0) == CUDA_ERROR_OUT_OF_MEMORY, "VMM on device 0 (current is 1) is refused");
+    prop.location.id = 1;
+    CHECK(Create(&h, 200 * MiB, &prop, 0) == CUDA_ERROR_OUT_OF_MEMORY, "device 1 full too");
+    OK(Free(a));
+    prop.location.id = 0;
+    OK(Create(&h, 200 * MiB, &prop, 0));
+    FakeSetDevice(0);
+    CHECK(used() == 200 * MiB, "counted on device 0");
+    FakeSetDevice(-1); /* no context: the driver says why */
+    CUdeviceptr c;
+    CHECK(Alloc(&c, MiB) != CUDA_ERROR_OUT_OF_MEMORY, "without a context the shim passes the call on");
+}
+
+/* ====================================================================== */
+struct tcase { const char *name; void (*fn)(void); const char *env; };
+static const struct tcase cases[] = {
+    {"passthrough", case_passthrough, ""},
+    {"disable", case_disable, "CDMO_GPU_MEMORY_LIMIT=1073741824 CDMO_SHIM_DISABLE=1"},
+    {"bad_limit", case_bad_limit, "CDMO_GPU_MEMORY_LIMIT=4Gi"},
+    {"dlsym", case_dlsym, "CDMO_GPU_MEMORY_LIMIT=1073741824"},
+    {"procaddr", case_procaddr, "CDMO_GPU_MEMORY_LIMIT=1073741824"},
+    {"procaddr_internal", case_procaddr, "CDMO_GPU_MEMORY_LIMIT=1073741824 FAKE_PROCADDR_INTERNAL=1"},
+    {"accounting", case_accounting, "CDMO_GPU_MEMORY_LIMIT=1073741824"},
+    {"kinds", case_kinds, "CDMO_GPU_MEMORY_LIMIT=1073741824"},
+    {"rollback", case_rollback, "CDMO_GPU_MEMORY_LIMIT=1073741824 FAKE_TOTAL=268435456"},
+    {"nvml", case_nvml, "CDMO_GPU_MEMORY_LIMIT=2147483648"},
+    {"nvml_full_gpu", case_nvml, "CDMO_GPU_MEMORY_LIMIT=2147483648 FAKE_NVML_USED=85362475008"},
+    {"race2", case_race2, "CDMO_GPU_MEMORY_LIMIT=1073741824"},
+    {"race16", case_race16, "CDMO_GPU_MEMORY_LIMIT=1073741824"},
+    {"sigkill", case_sigkill, "CDMO_GPU_MEMORY_LIMIT=1073741824"},
+    {"stale_report", case_stale_report, "CDMO_GPU_MEMORY_LIMIT=1073741824"},
+    {"fork", case_fork, "CDMO_GPU_MEMORY_LIMIT=1073741824"},
+    {"exec", case_exec, "CDMO_GPU_MEMORY_LIMIT=1073741824"},
+    {"threads", case_threads, "CDMO_GPU_MEMORY_LIMIT=1073741824"},
+    {"many", case_many, "CDMO_GPU_MEMORY_LIMIT=1073741824000"},
+    {"region_file", case_region_file, "CDMO_GPU_MEMORY_LIMIT=1073741824 CDMO_SLICE=team-a/train-1"},
+    {"fallback", case_fallback, "CDMO_GPU_MEMORY_LIMIT=1073741824 CDMO_SHIM_DIR=/nonexistent/cdmo"},
+    {"strict", case_strict, "CDMO_GPU_MEMORY_LIMIT=1073741824 CDMO_SHIM_DIR=/nonexistent/cdmo CDMO_SHIM_STRICT=1"},
+    {"multidev", case_multidev, "CDMO_GPU_MEMORY_LIMIT=1073741824 FAKE_NDEV=2"},
+};
+#define NCASES (sizeof cases / sizeof *cases)
+
+static char here[PATH_MAX];
+
+static void rmtree(const char *dir)
+{
+    DIR *d = opendir(dir);
+    if (!d) return;
+    struct dirent *e;
+    char p[PATH_MAX];
+    while ((e = readdir(d)))
+        if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..")) {
+            snprintf(p, sizeof p, "%s/%s", dir, e->d_name);
+            unlink(p);
+        }
+    closedir(d);
+    rmdir(dir);
+}
+
+/* run one case in a child with its environment; returns 1 if it passed */
+static int run_case(const struct tcase *c)
+{
+    char dir[] = "/tmp/shimtest.XXXXXX";
+    if (!mkdtemp(dir)) return 0;
+    pid_t pid = fork();
+    if (pid == 0) {
+        char buf[PATH_MAX * 2];
+        snprintf(buf, sizeof buf, "%s/libgpuslice.so", here);
+        setenv("LD_PRELOAD", buf, 1);
+        const char *old = getenv("LD_LIBRARY_PATH");
+        snprintf(buf, sizeof buf, "%s/build/fake%s%s", here, old ? ":" : "", old ? old : "");
+        setenv("LD_LIBRARY_PATH", buf, 1);
+        setenv("CDMO_SHIM_DIR", dir, 1);
+        setenv("CDMO_SLICE", "test/shimtest", 1);
+        unsetenv("CDMO_GPU_MEMORY_LIMIT");
+        unsetenv("CDMO_SHIM_DISABLE");
+        unsetenv("CDMO_SHIM_STRICT");
+        char env[512];
+        snprintf(env, sizeof env, "%s", c->env);
+        for (char *tok = strtok(env, " "); tok; tok = strtok(NULL, " ")) {
+            char *eq = strchr(tok, '=');
+            *eq = 0;
+            setenv(tok, eq + 1, 1);
+        }
+        char self[PATH_MAX];
+        ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
+        if (n <= 0) _exit(127);
+        self[n] = 0;
+        alarm(120);
+        execl(self, self, "--case", c->name, (char *)NULL);
+        _exit(127);
+    }
+    int st = 0;
+    waitpid(pid, &st, 0);
+    rmtree(dir);
+    if (WIFSIGNALED(st)) fprintf(stderr, "  [%s] killed by signal %d\n", c->name, WTERMSIG(st));
+    return WIFEXITED(st) && WEXITSTATUS(st) == 0;
+}
+
+int main(int argc, char **argv)
+{
+    if (argc == 3 && !strcmp(argv[1], "--case")) {
+        for (size_t i = 0; i < NCASES; i++)
+            if (!strcmp(cases[i].name, argv[2])) {
+                g_case = cases[i].name;
+                cases[i].fn();
+                return 0;
+            }
+        return 2;
+    }
+    /* the shim and the fakes live next to build/: find them from our path */
+    char self[PATH_MAX];
+    ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
+    if (n <= 0) return 2;
+    self[n] = 0;
+    *strrchr(self, '/') = 0;                           /* .../shim/build */
+    snprintf(here, sizeof here, "%s", self);
+    *strrchr(here, '/') = 0;                           /* .../shim */
+    if (argc == 2 && !strcmp(argv[1], "--list")) {
+        for (size_t i = 0; i < NCASES; i++) puts(cases[i].name);
+        return 0;
+    }
+    int failed = 0, ran = 0;
+    printf("1..%zu\n", argc == 3 ? (size_t)1 : NCASES);
+    for (size_t i = 0; i < NCASES; i++) {
+        if (argc == 3 && !strcmp(argv[1], "--run") && strcmp(argv[2], cases[i].name)) continue;
+        int ok = run_case(&cases[i]);
+        ran++;
+        printf("%sok %d - %s\n", ok ? "" : "not ", ran, cases[i].name);
+        fflush(stdout);
+        failed += !ok;
+    }
+    if (!ran) {
+        fprintf(stderr, "no such case\n");
+        return 2;
+    }
+    printf("# %d passed, %d failed\n", ran - failed, failed);
+    return failed ? 1 : 0;
+}

@@ -1,0 +1,58 @@
+"""Runs the shim's GPU-free C tests (shim/tests/shimtest.c) one case at a time,
+so that pytest counts and reports each.  The library, the fake libcuda.so.1 /
+libnvidia-ml.so.1 and the test binary are built with `make -C shim` first."""
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+SHIM = Path(__file__).resolve().parents[2] / "shim"
+BIN = SHIM / "build" / "shimtest"
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("make") is None or shutil.which("cc") is None, reason="needs make and a C compiler"
+)
+
+
+def _build() -> None:
+    subprocess.run(
+        ["make", "-C", str(SHIM), "libgpuslice.so", "build/fake/libcuda.so.1",
+         "build/fake/libnvidia-ml.so.1", "build/shimtest"],
+        check=True, capture_output=True, text=True,
+    )
+
+
+def _cases() -> list[str]:
+    try:
+        _build()
+    except (subprocess.CalledProcessError, FileNotFoundError):
+        return ["build"]  # reported as a failure by test_case below
+    out = subprocess.run([str(BIN), "--list"], check=True, capture_output=True, text=True).stdout
+    return out.split()
+
+
+@pytest.mark.parametrize("case", _cases())
+def test_case(case: str) -> None:
+    _build()
+    r = subprocess.run([str(BIN), "--run", case], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, f"{case} failed:\n{r.stdout}\n{r.stderr}"
+    assert f"ok 1 - {case}" in r.stdout
+
+
+def test_library_exports_only_entry_points() -> None:
+    _build()
+    out = subprocess.run(["nm", "-D", "--defined-only", str(SHIM / "libgpuslice.so")],
+                         check=True, capture_output=True, text=True).stdout
+    names = {line.split()[-1] for line in out.splitlines() if line.strip()}
+    assert "dlsym" in names and "cuMemAlloc_v2" in names and "nvmlDeviceGetMemoryInfo_v2" in names
+    stray = {n for n in names if not (n.startswith(("cu", "nvml")) or n == "dlsym")}
+    assert not stray, f"internal symbols leak: {sorted(stray)}"
+    assert "cuGetExportTable" not in names, "cuGetExportTable must reach the driver untouched"
+
+
+def test_no_cuda_headers_and_warnings_as_errors() -> None:
+    src = "".join(p.read_text() for p in SHIM.glob("*.[ch]"))
+    assert "#include <cuda.h>" not in src and "#include <nvml.h>" not in src
+    assert "-Werror" in (SHIM / "Makefile").read_text()
