@@ -243,6 +243,7 @@ def decision_time_64(model: GpuModel, rng: random.Random, samples: int = 2000) -
             if clear:
                 planner_mod._best_on_gpu.cache_clear()
                 planner_mod.capacity_score.cache_clear()
+                planner_mod._candidates.cache_clear()
             t0 = time.perf_counter()
             try:
                 choose_mig(req, gpus)

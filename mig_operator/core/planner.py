@@ -168,6 +168,12 @@ def candidate_profiles(model: GpuModel, request: SliceRequest) -> list[Profile]:
     return sorted(fitting, key=lambda p: (p.memory_mib, p.slices, p.sm, p.id))
 
 
+@lru_cache(maxsize=4096)
+def _candidates(model: GpuModel, request: SliceRequest) -> tuple[Profile, ...]:
+    # Every GPU of a node shares its model: sort once per (model, request), not once per GPU.
+    return tuple(candidate_profiles(model, request))
+
+
 # --- one GPU ----------------------------------------------------------------------------------
 
 
@@ -339,7 +345,7 @@ def choose_mig(
     """
     if not gpus:
         raise Unplaceable("no MIG-enabled GPU is available")
-    candidates = [candidate_profiles(gpu.model, request) for gpu in gpus]
+    candidates = [_candidates(gpu.model, request) for gpu in gpus]
     if not settings.allow_larger_profile:
         candidates = [c[:1] for c in candidates]
     ranks = max(len(c) for c in candidates)
