@@ -1,0 +1,89 @@
+"""Overhead of libgpuslice on a real GPU, measured side by side in one run.
+
+1. Driver allocation/free pairs (bench/shim_alloc_bench.c): cuMemAlloc_v2 +
+   cuMemFree_v2, and cuMemAllocAsync + cuMemFreeAsync, per pair, for a 2 MiB
+   and a 64 MiB size; runs alternate without and with the shim.
+2. A PyTorch training loop (bench/shim_train_step.py): median step time,
+   alternating without and with the shim.
+With the shim, CDMO_GPU_MEMORY_LIMIT is set (accounting active) well above
+what the workloads use.  Prints a JSON summary; --out FILE also writes it.
+
+Usage: python bench/shim_overhead.py [--rounds N] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "bench"
+
+
+def build() -> Path:
+    subprocess.run(["make", "-C", str(ROOT / "shim")], check=True, capture_output=True)
+    exe = Path(tempfile.gettempdir()) / "shim_alloc_bench"
+    subprocess.run(["cc", "-O2", "-std=c11", "-Wall", "-Wextra", "-Werror", str(BENCH / "shim_alloc_bench.c"),
+                    "-o", str(exe), "-ldl"], check=True)
+    return exe
+
+
+def env_for(shim: bool, tmp: str) -> dict:
+    env = dict(os.environ)
+    for k in ("LD_PRELOAD", "CDMO_GPU_MEMORY_LIMIT", "CDMO_SHIM_DISABLE"):
+        env.pop(k, None)
+    if shim:
+        env.update({"LD_PRELOAD": str(ROOT / "shim" / "libgpuslice.so"),
+                    "CDMO_GPU_MEMORY_LIMIT": str(64 << 30), "CDMO_SLICE": "bench/overhead", "CDMO_SHIM_DIR": tmp})
+    return env
+
+
+def run_json(cmd: list[str], env: dict) -> dict:
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True, timeout=600).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--pairs", type=int, default=20000)
+    ap.add_argument("--train-rounds", type=int, default=3)
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    exe = build()
+    tmp = tempfile.mkdtemp(prefix="shimbench.")
+    summary: dict = {"alloc": {}, "train": {}}
+    for size in (2 << 20, 64 << 20):
+        runs: dict[str, list[dict]] = {"without": [], "with": []}
+        for _ in range(a.rounds):
+            for which in ("without", "with"):
+                runs[which].append(run_json([str(exe), str(size), str(a.pairs)], env_for(which == "with", tmp)))
+        row = {}
+        for kind in ("sync_ns_per_pair", "async_ns_per_pair"):
+            wo = statistics.median(r[kind] for r in runs["without"])
+            w = statistics.median(r[kind] for r in runs["with"])
+            row[kind] = {"without_ns": round(wo, 1), "with_ns": round(w, 1), "ratio": round(w / wo, 3),
+                         "pairs_per_s_without": round(1e9 / wo), "pairs_per_s_with": round(1e9 / w)}
+        summary["alloc"][f"{size >> 20}MiB"] = row
+    steps: dict[str, list[float]] = {"without": [], "with": []}
+    for _ in range(a.train_rounds):
+        for which in ("without", "with"):
+            r = run_json([sys.executable, str(BENCH / "shim_train_step.py")], env_for(which == "with", tmp))
+            steps[which].append(r["median_step_ms"])
+    wo, w = statistics.median(steps["without"]), statistics.median(steps["with"])
+    summary["train"] = {"median_step_ms_without": wo, "median_step_ms_with": w, "ratio": round(w / wo, 4),
+                        "rounds": steps}
+    text = json.dumps(summary, indent=2)
+    print(text)
+    if a.out:
+        Path(a.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,35 @@
+"""A small PyTorch training loop; prints its median step time as JSON.
+Used by bench/shim_overhead.py with and without libgpuslice preloaded."""
+
+import json
+import statistics
+
+import torch
+import torch.nn as nn
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(d_model=1024, nhead=16, dim_feedforward=4096, batch_first=True)
+    model = nn.TransformerEncoder(layer, num_layers=6).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randn(16, 512, 1024, device="cuda")
+    times = []
+    for i in range(230):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(x).float().pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        end.record()
+        end.synchronize()
+        if i >= 30:
+            times.append(start.elapsed_time(end))
+    print(json.dumps({"median_step_ms": round(statistics.median(times), 4), "steps": len(times),
+                      "max_reserved": torch.cuda.max_memory_reserved()}))
+
+
+if __name__ == "__main__":
+    main()
