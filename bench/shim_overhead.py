@@ -61,8 +61,8 @@ def main() -> None:
     summary: dict = {"alloc": {}, "train": {}}
     for size in (2 << 20, 64 << 20):
         runs: dict[str, list[dict]] = {"without": [], "with": []}
-        for _ in range(a.rounds):
-            for which in ("without", "with"):
+        for i in range(a.rounds):
+            for which in (("without", "with") if i % 2 == 0 else ("with", "without")):
                 runs[which].append(run_json([str(exe), str(size), str(a.pairs)], env_for(which == "with", tmp)))
         row = {}
         for kind in ("sync_ns_per_pair", "async_ns_per_pair"):
@@ -72,13 +72,14 @@ def main() -> None:
                          "pairs_per_s_without": round(1e9 / wo), "pairs_per_s_with": round(1e9 / w)}
         summary["alloc"][f"{size >> 20}MiB"] = row
     steps: dict[str, list[float]] = {"without": [], "with": []}
-    for _ in range(a.train_rounds):
-        for which in ("without", "with"):
+    for i in range(a.train_rounds):  # alternate the order: no drift favours either side
+        for which in (("without", "with") if i % 2 == 0 else ("with", "without")):
             r = run_json([sys.executable, str(BENCH / "shim_train_step.py")], env_for(which == "with", tmp))
             steps[which].append(r["median_step_ms"])
     wo, w = statistics.median(steps["without"]), statistics.median(steps["with"])
+    pair_ratios = [round(b / c, 4) for b, c in zip(steps["with"], steps["without"])]
     summary["train"] = {"median_step_ms_without": wo, "median_step_ms_with": w, "ratio": round(w / wo, 4),
-                        "rounds": steps}
+                        "per_round_ratio": pair_ratios, "rounds": steps}
     text = json.dumps(summary, indent=2)
     print(text)
     if a.out:
