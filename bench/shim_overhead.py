@@ -59,7 +59,7 @@ def main() -> None:
     exe = build()
     tmp = tempfile.mkdtemp(prefix="shimbench.")
     summary: dict = {"alloc": {}, "train": {}}
-    for size in (2 << 20, 64 << 20):
+    for size in (2 << 20, 64 << 20) if a.rounds > 0 else ():
         runs: dict[str, list[dict]] = {"without": [], "with": []}
         for i in range(a.rounds):
             for which in (("without", "with") if i % 2 == 0 else ("with", "without")):
@@ -72,14 +72,20 @@ def main() -> None:
                          "pairs_per_s_without": round(1e9 / wo), "pairs_per_s_with": round(1e9 / w)}
         summary["alloc"][f"{size >> 20}MiB"] = row
     steps: dict[str, list[float]] = {"without": [], "with": []}
+    driver_calls: list[int] = []
     for i in range(a.train_rounds):  # alternate the order: no drift favours either side
         for which in (("without", "with") if i % 2 == 0 else ("with", "without")):
             r = run_json([sys.executable, str(BENCH / "shim_train_step.py")], env_for(which == "with", tmp))
             steps[which].append(r["median_step_ms"])
+            if which == "with":
+                driver_calls.append(r["device_allocs_in_timed_steps"] + r["device_frees_in_timed_steps"])
     wo, w = statistics.median(steps["without"]), statistics.median(steps["with"])
-    pair_ratios = [round(b / c, 4) for b, c in zip(steps["with"], steps["without"])]
+    pair_ratios = [round(b / c, 4) for b, c in zip(steps["with"], steps["without"], strict=True)]
     summary["train"] = {"median_step_ms_without": wo, "median_step_ms_with": w, "ratio": round(w / wo, 4),
-                        "per_round_ratio": pair_ratios, "rounds": steps}
+                        "median_per_round_ratio": round(statistics.median(pair_ratios), 4),
+                        "per_round_ratio": pair_ratios, "rounds": steps,
+                        # allocation calls that could reach the shim during the timed steps, per round
+                        "driver_alloc_free_calls_in_timed_steps_with_shim": driver_calls}
     text = json.dumps(summary, indent=2)
     print(text)
     if a.out:

@@ -119,7 +119,7 @@ def test_fill_to_the_limit(gpu: str, shim: Path, tmp_path: Path, name: str) -> N
         phys = process_mib(p.pid)
         shim_smi = smi(env)
     finally:
-        err = finish(p)
+        finish(p)
     rec = {"test": "fill", "workload": name, "limit": LIMIT, "shim_peak": peak, "allocated": r["allocated"],
            "framework_error": r["error"], "info": r["info"], "driver_process_mib": phys,
            "nvidia_smi_under_shim_mib": shim_smi}
