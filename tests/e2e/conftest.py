@@ -22,6 +22,7 @@ Where the control plane lives (its state dir, see scripts/control-plane):
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import tempfile
 from collections.abc import Callable, Iterator
@@ -85,7 +86,8 @@ def _state_dir() -> str | None:
         return os.environ["MIG_OPERATOR_RUN"]
     if os.environ.get("MIG_OPERATOR_KEEP_CLUSTER") == "1":
         return None
-    return tempfile.mkdtemp(prefix="mig-operator-cp-")
+    # A subdir, so that the script's lock file (kept beside the state dir) goes away with it too.
+    return os.path.join(tempfile.mkdtemp(prefix="mig-operator-cp-"), "state")
 
 
 def _control_plane(
@@ -162,6 +164,8 @@ def kube_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KubeClust
     down = _control_plane("down", state_dir=state_dir)
     if down.returncode != 0:
         raise RuntimeError(f"scripts/control-plane down failed:\n{down.stderr}")
+    if "MIG_OPERATOR_RUN" not in os.environ:
+        shutil.rmtree(os.path.dirname(state_dir), ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
