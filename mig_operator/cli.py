@@ -23,23 +23,14 @@ class UsageError(Exception):
 
 
 def _model_json(model: GpuModel) -> dict:
+    from .gpu.inventory import profiles_json
+
     return {
         "model": model.name,
         "product": model.product,
         "memory_slots": model.memory_slots,
         "memory_mib": model.memory_mib,
-        "profiles": [
-            {
-                "name": p.name,
-                "id": p.id,
-                "slices": p.slices,
-                "memory_mib": p.memory_mib,
-                "sm": p.sm,
-                "max_instances": p.max_instances,
-                "placements": [[pl.start, pl.size] for pl in p.placements],
-            }
-            for p in model.profiles
-        ],
+        "profiles": profiles_json(model),
     }
 
 

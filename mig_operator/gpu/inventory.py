@@ -14,7 +14,8 @@ from mig_operator.core.profiles import GpuModel
 from mig_operator.gpu.protocol import GpuBackend, MigInstance
 
 
-def _profiles(model: GpuModel) -> list[dict[str, Any]]:
+def profiles_json(model: GpuModel) -> list[dict[str, Any]]:
+    """Profiles as `inspect --json` and `catalog --json` print them."""
     return [
         {
             "name": p.name,
@@ -61,7 +62,7 @@ def describe(backend: GpuBackend) -> dict[str, Any]:
                 "memory_mib": info.memory_mib,
                 "mig_capable": info.mig_capable,
                 "mig_enabled": info.mig_enabled,
-                "profiles": _profiles(model) if model is not None else [],
+                "profiles": profiles_json(model) if model is not None else [],
                 "instances": [_instance(i) for i in instances],
             }
         )
