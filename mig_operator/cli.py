@@ -11,10 +11,12 @@ from typing import TYPE_CHECKING
 from .core.profiles import CATALOG, CatalogError, GpuModel, get_model
 from .core.quantities import QuantityError
 from .core.trace import TraceError, TraceEvent, parse_trace, replay
+from .gpu.protocol import GpuError
 
 if TYPE_CHECKING:
     from .gpu.protocol import GpuBackend
 
+EXIT_GPU_ERROR = 1
 EXIT_BAD_INPUT = 2
 
 
@@ -58,14 +60,10 @@ def cmd_catalog(args: argparse.Namespace) -> int:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     from .gpu.inventory import describe, render_text
-    from .gpu.protocol import GpuError
 
     backend = _open_backend(args.backend, args.state_file)
     try:
         desc = describe(backend)
-    except GpuError as exc:
-        print(f"mig-operator: {exc}", file=sys.stderr)
-        return 1
     finally:
         backend.close()
     print(json.dumps(desc, indent=2) if args.json else render_text(desc))
@@ -193,6 +191,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (UsageError, CatalogError, TraceError, QuantityError) as exc:
         print(f"mig-operator: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except GpuError as exc:
+        # No driver, no permission, a GPU gone: NVML's words in one line, not a traceback.
+        print(f"mig-operator: {exc}", file=sys.stderr)
+        return EXIT_GPU_ERROR
 
 
 if __name__ == "__main__":

@@ -151,3 +151,16 @@ def test_demo_realises_the_plan_and_survives_a_restart(tmp_path, capsys) -> None
 def test_demo_bad_backend_exits_2(capsys) -> None:
     code, _, err = run(capsys, "demo", "--backend", "sim:h900")
     assert code == 2 and "sim:h900" in err
+
+
+def test_nvml_failure_is_one_line_not_a_traceback(monkeypatch, capsys) -> None:
+    import pynvml
+
+    def no_library() -> None:
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)
+
+    monkeypatch.setattr(pynvml, "nvmlInit", no_library)
+    code, out, err = run(capsys, "inspect", "--backend", "nvml")
+    assert code == 1 and out == ""
+    assert "NVML_ERROR_LIBRARY_NOT_FOUND" in err and "initialise NVML" in err
+    assert err.count("\n") == 1
