@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
-from .profiles import GpuModel, Placement, Profile
+from .profiles import GpuModel, Profile
 from .quantities import MIB, format_bytes, mib_ceil
 from .request import SliceRequest
 
@@ -433,8 +433,3 @@ def choose_fraction(request: SliceRequest, gpus: list[FractionGpu]) -> FractionD
             )
         raise Unplaceable(f"every GPU is held by slices in use: none has {format_bytes(need)} free")
     return FractionDecision(best[1].node, best[1].index, best[2])
-
-
-def placements_of(model: GpuModel) -> dict[str, tuple[Placement, ...]]:
-    """Legal placements by profile name (for status and the CLI)."""
-    return {p.name: p.placements for p in model.profiles}

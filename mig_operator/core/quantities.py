@@ -3,7 +3,8 @@
 A memory request follows Kubernetes quantity rules (``4G`` = 4*10^9 bytes, ``4Gi`` = 4*2^30 bytes,
 ``1e9`` = 10^9 bytes, a plain integer is bytes), and also accepts the spellings ``GB``, ``GiB``,
 ``MB``, ``MiB`` in any case as aliases of ``G``, ``Gi``, ``M``, ``Mi``. The result must be a whole
-number of bytes between 1 and 2^63-1 (what Kubernetes stores in an int64); anything else is refused
+number of bytes between 1 and 2^63-1 (what Kubernetes stores in an int64), written with at most nine
+decimal places after its unit (Kubernetes keeps quantities to 1n); anything else is refused
 with one error type whose message names the value and shows a valid example.
 
 The CRD's CEL rules mirror these rules (``crds/gpuslice.yaml``); a test runs both on one corpus.
@@ -22,18 +23,8 @@ MIB = 2**20
 
 # Kubernetes suffixes (k8s.io/apimachinery resource.Quantity). Case matters: "4g" is not a quantity.
 _BINARY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
-_DECIMAL = {
-    "n": Fraction(1, 10**9),
-    "u": Fraction(1, 10**6),
-    "m": Fraction(1, 10**3),
-    "": Fraction(1),
-    "k": Fraction(10**3),
-    "M": Fraction(10**6),
-    "G": Fraction(10**9),
-    "T": Fraction(10**12),
-    "P": Fraction(10**15),
-    "E": Fraction(10**18),
-}
+# Decimal SI suffixes as powers of ten.
+_DECIMAL_POWERS = {"n": -9, "u": -6, "m": -3, "": 0, "k": 3, "M": 6, "G": 9, "T": 12, "P": 15, "E": 18}
 # Byte-style aliases, any case, normalised to the Kubernetes suffix before parsing.
 _ALIASES = {"gib": "Gi", "mib": "Mi", "gb": "G", "mb": "M"}
 
@@ -41,6 +32,9 @@ _NUMBER = re.compile(r"^(?P<sign>[+-]?)(?P<digits>[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(
 _EXPONENT = re.compile(r"^[eE](?P<exp>[+-]?[0-9]+)$")
 # An exponent beyond this can only give a value far outside (0, MAX_BYTES]; refuse before computing it.
 _MAX_EXPONENT = 40
+# Kubernetes keeps quantities to 1n (it rounds finer input up), so the API server would see
+# '1.9999999999' as 2; refuse more decimal places than that, after the unit's power of ten.
+MAX_DECIMAL_PLACES = 9
 
 
 class QuantityError(ValueError):
@@ -68,28 +62,38 @@ def parse_memory(value: str | int) -> int:
     match = _NUMBER.match(normalise_memory_alias(text))
     if match is None:
         raise QuantityError(f"memory {value!r} is not a quantity; use e.g. {MEMORY_EXAMPLE!r} or '4G'")
-    number = Fraction(match["digits"] if not match["digits"].endswith(".") else match["digits"][:-1])
+    digits = match["digits"]
+    number = Fraction(digits if not digits.endswith(".") else digits[:-1])
     if match["sign"] == "-":
         number = -number
-    multiplier = _multiplier(value, match["suffix"])
+    multiplier, power = _multiplier(value, match["suffix"])
+    places = len(digits.partition(".")[2])
+    if places - power > MAX_DECIMAL_PLACES:
+        raise QuantityError(
+            f"memory {value!r} has more than nine decimal places after its unit (Kubernetes keeps "
+            f"quantities to 1n, so it cannot be checked to be a whole number of bytes); "
+            f"use e.g. {MEMORY_EXAMPLE!r}"
+        )
     return _check_bytes(repr(value), number * multiplier)
 
 
-def _multiplier(value: str, suffix: str) -> Fraction:
+def _multiplier(value: str, suffix: str) -> tuple[Fraction, int]:
+    """The suffix's factor, and its power of ten (0 for binary units) for the decimal-places rule."""
     if suffix in _BINARY:
-        return Fraction(_BINARY[suffix])
-    if suffix in _DECIMAL:
-        return _DECIMAL[suffix]
-    exponent = _EXPONENT.match(suffix)
-    if exponent is not None:
-        exp = int(exponent["exp"])
-        if abs(exp) > _MAX_EXPONENT:
+        return Fraction(_BINARY[suffix]), 0
+    if suffix in _DECIMAL_POWERS:
+        power = _DECIMAL_POWERS[suffix]
+    else:
+        exponent = _EXPONENT.match(suffix)
+        if exponent is None:
+            raise QuantityError(
+                f"memory {value!r} has an unknown unit {suffix!r}; use one of Ki, Mi, Gi, Ti, k, M, G, T "
+                f"(or GB, GiB, MB, MiB), e.g. {MEMORY_EXAMPLE!r}"
+            )
+        power = int(exponent["exp"])
+        if abs(power) > _MAX_EXPONENT:
             raise QuantityError(f"memory {value!r} is out of range; use e.g. {MEMORY_EXAMPLE!r}")
-        return Fraction(10) ** exp
-    raise QuantityError(
-        f"memory {value!r} has an unknown unit {suffix!r}; use one of Ki, Mi, Gi, Ti, k, M, G, T "
-        f"(or GB, GiB, MB, MiB), e.g. {MEMORY_EXAMPLE!r}"
-    )
+    return Fraction(10) ** power, power
 
 
 def _check_bytes(shown: str, amount: Fraction) -> int:

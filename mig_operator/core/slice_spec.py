@@ -6,8 +6,7 @@ that do not run CEL. ``tests/e2e/test_crds.py`` runs both on ``tests/corpus/gpus
 fails where they disagree, so a rule changed here must be changed there too.
 
 Parsing is core's (``slice_request``); this module adds only what the schema adds on top of it:
-field types, unknown fields, length limits, node names, immutability, and the decimal-places limit
-that the API server's quantity rounding forces (see ``_check_decimal_places``).
+field types, unknown fields, length limits, node names and immutability.
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from .quantities import MEMORY_EXAMPLE, QuantityError, normalise_memory_alias
+from .quantities import MEMORY_EXAMPLE, QuantityError
 from .request import PROFILE_EXAMPLE, RequestError, SliceRequest, parse_profile_name, slice_request
 
 ANNOTATION_MEMORY = "cdmo.io/gpu-memory"
@@ -34,20 +33,8 @@ IMMUTABLE_FIELDS = SPEC_FIELDS
 MAX_MEMORY_LENGTH = 64
 MAX_PROFILE_LENGTH = 32
 MAX_NODE_NAME_LENGTH = 253
-# The API server rounds every quantity up to 1n, so finer input could round to a whole number.
-MAX_DECIMAL_PLACES = 9
-
 NODE_NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 NODE_NAME_EXAMPLE = "gpu-node-1"
-
-# Only to count decimal places: which strings are quantities is core's decision, not this one's.
-_DECIMAL_FORM = re.compile(
-    r"[+-]?(?:[0-9]+(?:\.(?P<frac>[0-9]*))?|\.(?P<frac_only>[0-9]+))"
-    r"(?:[eE](?P<exp>[+-]?[0-9]+)|(?P<binary>[KMGTPE]i)|(?P<decimal>[numkMGTPE]))?"
-)
-_DECIMAL_POWERS = {"n": -9, "u": -6, "m": -3, "k": 3, "M": 6, "G": 9, "T": 12, "P": 15, "E": 18}
-# Mirrors core's exponent limit, beyond which core reports "out of range" itself.
-_MAX_EXPONENT = 40
 
 
 def request_from_spec(spec: Mapping[str, Any]) -> SliceRequest:
@@ -134,40 +121,11 @@ def check_node_name(value: object) -> str:
 
 
 def _check_memory_text(value: object) -> None:
-    """What the schema checks of spec.memory before core parses it: type, length, decimal places."""
+    """What the schema checks of spec.memory before core parses it: type and length."""
     if not isinstance(value, str):
         raise QuantityError(f"memory {value!r} must be of type string; use e.g. '{MEMORY_EXAMPLE}'")
     if len(value) > MAX_MEMORY_LENGTH:
         raise QuantityError(f"memory is too long: may not be more than {MAX_MEMORY_LENGTH} characters")
-    _check_decimal_places(value)
-
-
-def _check_decimal_places(value: str) -> None:
-    """Refuse a quantity finer than 1n once its unit is applied, as the CRD does.
-
-    The API server rounds every quantity up to 1n before a CEL rule sees it, so there '1.9999999999'
-    would become 2 and pass as a whole number of bytes. Both sides therefore refuse more than nine
-    decimal places (counting a unit's power of ten; binary units add none), even where the value
-    happens to be whole.
-    """
-    match = _DECIMAL_FORM.fullmatch(normalise_memory_alias(value))
-    if match is None:
-        return  # not a quantity at all: core says so
-    places = len(match["frac"] or match["frac_only"] or "")
-    if match["exp"] is not None:
-        power = int(match["exp"])
-        if abs(power) > _MAX_EXPONENT:
-            return  # core says "out of range"
-    elif match["decimal"] is not None:
-        power = _DECIMAL_POWERS[match["decimal"]]
-    else:
-        power = 0
-    if places - power > MAX_DECIMAL_PLACES:
-        raise QuantityError(
-            f"memory {value!r} has more than nine decimal places after its unit (Kubernetes keeps "
-            f"quantities to 1n, so it cannot be checked to be a whole number of bytes); "
-            f"use e.g. '{MEMORY_EXAMPLE}'"
-        )
 
 
 def _check_profile_text(value: object) -> None:
