@@ -1,0 +1,333 @@
+"""The cluster as the controller sees it, and the binding of one slice to a GPU.
+
+Inputs are plain records: each node's inventory as its agent published it (``NodeInventory``, read
+from the GpuNode status), which nodes an admin labelled for MIG, and the bindings the controller
+has already made (``Binding``, read from GpuSlice statuses or just decided). ``build_view`` turns
+them into the planner's ``MigGpu``/``FractionGpu`` lists; ``plan_binding`` decides where one request
+goes. Both are pure, so the controller's handler only reads state, calls them and writes the result.
+
+Bindings take precedence over inventories: the agents publish what exists, which lags behind what
+the controller has decided. An instance a binding will reuse is in use; one a binding's placement
+overlaps is being reclaimed and is gone; a binding whose instance does not exist yet holds its
+placement. That is what keeps two slices bound in the same second off one placement.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from .planner import FractionGpu, InstanceSlot, MigGpu, PlannerSettings, Unplaceable, choose_fraction, choose_mig
+from .profiles import GpuModel, Placement, Profile
+from .quantities import MIB, format_bytes, mib_ceil
+from .request import SliceRequest
+
+MODE_MIG = "mig"
+MODE_FRACTION = "fraction"
+ROLE_NONE = "none"
+
+# Refusal codes, written to status.reason of a Pending slice (CamelCase, as Kubernetes reasons are).
+NO_GPU = "NoGpu"
+TOO_LARGE = "TooLarge"
+NO_SUCH_PROFILE = "NoSuchProfile"
+NO_CAPACITY = "NoCapacity"
+
+# Kubernetes caps status.message at 4096 characters; a refusal must fit however many GPUs there are.
+MAX_MESSAGE = 4096
+
+
+@dataclass(frozen=True)
+class InstanceState:
+    """One MIG instance as the node's agent published it."""
+
+    gi_id: int
+    ci_id: int
+    profile_id: int
+    profile: str
+    start: int
+    size: int
+    device_uuid: str = ""
+    in_use: bool = False  # NVML: a process runs on it
+    slice_uid: str = ""  # the slice the agent recorded as its owner; empty when idle
+    slice: str = ""  # <namespace>/<name> of that slice
+    idle_since: str | None = None
+
+    @property
+    def complete(self) -> bool:
+        """A GPU instance with its compute instance and device: only such an instance is handed out."""
+        return self.ci_id >= 0 and bool(self.device_uuid)
+
+
+@dataclass(frozen=True)
+class GpuState:
+    """One GPU of a node's inventory."""
+
+    index: int
+    uuid: str
+    product: str = ""
+    model: str = ""
+    memory_mib: int = 0
+    mig_capable: bool = False
+    mig_enabled: bool = False
+    profiles: tuple[Profile, ...] = ()
+    instances: tuple[InstanceState, ...] = ()
+
+
+@dataclass(frozen=True)
+class NodeInventory:
+    node: str
+    gpus: tuple[GpuState, ...] = ()
+
+
+@dataclass(frozen=True)
+class Binding:
+    """Where a slice was bound: what its status says, or what the controller just decided."""
+
+    uid: str
+    node: str
+    gpu: int
+    mode: str  # MODE_MIG or MODE_FRACTION
+    granted_bytes: int = 0
+    profile_id: int = -1
+    profile: str = ""
+    start: int = 0
+    size: int = 0
+
+    @property
+    def mask(self) -> int:
+        return ((1 << self.size) - 1) << self.start if self.mode == MODE_MIG else 0
+
+
+def gpu_role(labelled: bool, gpu: GpuState) -> tuple[str, str]:
+    """Whether a GPU serves MIG slices, fractions or nothing new, and why, in words for its GpuNode.
+
+    Admins enable MIG mode themselves and then label the node; the operator never changes MIG mode.
+    """
+    if gpu.mig_enabled:
+        if labelled:
+            return MODE_MIG, "MIG mode is enabled and the node is labelled for MIG"
+        return ROLE_NONE, (
+            "MIG mode is enabled but the node is not labelled cdmo.clear.ml/gpu-partitioning=mig: "
+            "no new slices until it is labelled (or MIG is disabled)"
+        )
+    if not gpu.mig_capable:
+        return MODE_FRACTION, "the GPU has no MIG: it serves fractions"
+    if labelled:
+        return MODE_FRACTION, (
+            f"the node is labelled for MIG but MIG mode is disabled on GPU {gpu.index}: it serves fractions "
+            f"until an admin enables MIG (nvidia-smi -i {gpu.index} -mig 1)"
+        )
+    return MODE_FRACTION, "MIG mode is disabled: the GPU serves fractions"
+
+
+@lru_cache(maxsize=256)
+def model_of(name: str, product: str, memory_mib: int, profiles: tuple[Profile, ...]) -> GpuModel:
+    """The planner's model for a published profile table; equal tables share one object, so the
+    planner's caches keyed by model keep working across inventory updates."""
+    slots = max((pl.start + pl.size for p in profiles for pl in p.placements), default=0)
+    return GpuModel(name=name or product, product=product, memory_slots=slots, memory_mib=memory_mib,
+                    profiles=profiles)
+
+
+@dataclass
+class ClusterView:
+    """The planner's input for one decision, plus what is needed to write the decision down."""
+
+    mig: list[MigGpu] = field(default_factory=list)
+    fraction: list[FractionGpu] = field(default_factory=list)
+    uuids: dict[tuple[str, int], str] = field(default_factory=dict)
+
+
+def _same(inst: InstanceState, binding: Binding) -> bool:
+    return inst.start == binding.start and inst.profile_id == binding.profile_id
+
+
+def _overlaps(inst: InstanceState, binding: Binding) -> bool:
+    return bool((((1 << inst.size) - 1) << inst.start) & binding.mask)
+
+
+def build_view(
+    inventories: Iterable[NodeInventory], labelled_nodes: Collection[str], bindings: Iterable[Binding]
+) -> ClusterView:
+    """Every GPU that can take a new slice, with the bindings already made counted in."""
+    by_gpu: dict[tuple[str, int], list[Binding]] = {}
+    live: set[str] = set()
+    for binding in bindings:
+        by_gpu.setdefault((binding.node, binding.gpu), []).append(binding)
+        live.add(binding.uid)
+    view = ClusterView()
+    for inventory in inventories:
+        labelled = inventory.node in labelled_nodes
+        for gpu in inventory.gpus:
+            view.uuids[(inventory.node, gpu.index)] = gpu.uuid
+            role, _why = gpu_role(labelled, gpu)
+            bound = by_gpu.get((inventory.node, gpu.index), [])
+            if role == MODE_MIG and gpu.profiles:
+                view.mig.append(_mig_gpu(inventory.node, gpu, [b for b in bound if b.mode == MODE_MIG], live))
+            elif role == MODE_FRACTION and gpu.memory_mib > 0:
+                granted = sum(b.granted_bytes for b in bound if b.mode == MODE_FRACTION)
+                view.fraction.append(FractionGpu(inventory.node, gpu.index, gpu.memory_mib * MIB, granted))
+    return view
+
+
+def _mig_gpu(node: str, gpu: GpuState, bound: list[Binding], live: set[str]) -> MigGpu:
+    slots: list[InstanceSlot] = []
+    for inst in gpu.instances:
+        if any(_overlaps(inst, b) and not _same(inst, b) for b in bound):
+            continue  # a binding reclaims it: as good as gone
+        held = (
+            any(_same(inst, b) for b in bound)
+            or inst.in_use
+            or not inst.complete  # half-made: the agent completes it before anyone gets it
+            or inst.slice_uid in live
+        )
+        slots.append(InstanceSlot(inst.profile_id, inst.start, inst.size, in_use=held))
+    for b in bound:
+        if not any(_same(inst, b) for inst in gpu.instances):
+            slots.append(InstanceSlot(b.profile_id, b.start, b.size, in_use=True))
+    model = model_of(gpu.model, gpu.product, gpu.memory_mib, gpu.profiles)
+    return MigGpu(node, gpu.index, model, tuple(sorted(slots, key=lambda s: s.start)))
+
+
+@dataclass(frozen=True)
+class Refusal(Exception):
+    """No GPU can take the request now: ``code`` for status.reason, ``message`` for status.message."""
+
+    code: str
+    message: str
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def plan_binding(
+    request: SliceRequest,
+    view: ClusterView,
+    node: str | None = None,
+    settings: PlannerSettings | None = None,
+) -> Binding:
+    """Where ``request`` goes: a MIG GPU when one can take it (hardware isolation), else a fraction GPU.
+
+    ``node`` pins the choice to one node (spec.nodeName). A request by profile name needs a MIG GPU.
+    The returned binding has no uid; raises Refusal with a code and a message of at most MAX_MESSAGE.
+    """
+    mig = [g for g in view.mig if node is None or g.node == node]
+    fraction = [] if request.profile is not None else [g for g in view.fraction if node is None or g.node == node]
+    where = f"on node {node}" if node is not None else "in the cluster"
+    if not mig and not fraction:
+        kind = "MIG GPU" if request.profile is not None else "GPU"
+        raise Refusal(NO_GPU, _clip(f"no {kind} {where} can take slices: {request.describe()} waits for one"))
+    reasons: list[str] = []
+    if mig:
+        try:
+            decision = choose_mig(request, mig, settings or PlannerSettings())
+        except Unplaceable as exc:
+            reasons.append(f"MIG: {exc.reason}")
+        else:
+            return Binding(
+                uid="", node=decision.node, gpu=decision.gpu, mode=MODE_MIG,
+                granted_bytes=decision.profile.memory_mib * MIB, profile_id=decision.profile.id,
+                profile=decision.profile.name, start=decision.start, size=decision.size,
+            )
+    if fraction:
+        try:
+            share = choose_fraction(request, fraction)
+        except Unplaceable as exc:
+            reasons.append(f"fractions: {exc.reason}")
+        else:
+            return Binding(uid="", node=share.node, gpu=share.gpu, mode=MODE_FRACTION,
+                           granted_bytes=share.granted_bytes)
+    raise Refusal(_refusal_code(request, mig, fraction), _clip(f"{request.describe()} fits nowhere {where}: "
+                                                              + "; ".join(reasons)))
+
+
+def _refusal_code(request: SliceRequest, mig: list[MigGpu], fraction: list[FractionGpu]) -> str:
+    """TooLarge (or NoSuchProfile) when no GPU could ever take it, else NoCapacity: it waits for room."""
+    if request.profile is not None:
+        offered = any(gpu.model.has_profile(request.profile) for gpu in mig)
+        return NO_CAPACITY if offered else NO_SUCH_PROFILE
+    if request.memory_bytes is not None:
+        need_mib = mib_ceil(request.memory_bytes)
+        largest_mig = max((p.memory_mib for g in mig for p in g.model.profiles if p.placements), default=0)
+        largest_gpu = max((g.memory_bytes for g in fraction), default=0)
+        if need_mib > largest_mig and request.memory_bytes > largest_gpu:
+            return TOO_LARGE
+    return NO_CAPACITY
+
+
+def _clip(message: str) -> str:
+    return message if len(message) <= MAX_MESSAGE else message[: MAX_MESSAGE - 1] + "…"
+
+
+# --- reading the published records ---------------------------------------------------------------
+
+
+def _profile_from(raw: Mapping) -> Profile:
+    placements = tuple(
+        sorted(Placement(int(p["start"]), int(p["size"])) for p in raw.get("placements") or ())
+    )
+    return Profile(
+        name=str(raw["name"]), id=int(raw["id"]), slices=int(raw.get("slices", 0)),
+        memory_mib=int(raw.get("memoryMiB", 0)), sm=int(raw.get("sm", 0)),
+        max_instances=int(raw.get("maxInstances", len(placements))), placements=placements,
+    )
+
+
+def _instance_from(raw: Mapping) -> InstanceState:
+    return InstanceState(
+        gi_id=int(raw.get("giId", -1)), ci_id=int(raw.get("ciId", -1)), profile_id=int(raw["profileId"]),
+        profile=str(raw.get("profile", "")), start=int(raw["start"]), size=int(raw["size"]),
+        device_uuid=str(raw.get("deviceUUID", "")), in_use=bool(raw.get("inUse", False)),
+        slice_uid=str(raw.get("sliceUID", "")), slice=str(raw.get("slice", "")),
+        idle_since=raw.get("idleSince"),
+    )
+
+
+def inventory_from_status(node: str, status: Mapping | None) -> NodeInventory:
+    """A GpuNode's status as a NodeInventory; entries that are not well formed are skipped."""
+    gpus = []
+    for raw in (status or {}).get("gpus") or ():
+        try:
+            gpus.append(
+                GpuState(
+                    index=int(raw["index"]), uuid=str(raw["uuid"]), product=str(raw.get("product", "")),
+                    model=str(raw.get("model", "")), memory_mib=int(raw.get("memoryMiB", 0)),
+                    mig_capable=bool(raw.get("migCapable", False)), mig_enabled=bool(raw.get("migEnabled", False)),
+                    profiles=tuple(_profile_from(p) for p in raw.get("profiles") or ()),
+                    instances=tuple(_instance_from(i) for i in raw.get("instances") or ()),
+                )
+            )
+        except (KeyError, TypeError, ValueError):
+            continue  # the agent wrote it; a malformed entry is skipped rather than stopping every binding
+    return NodeInventory(node, tuple(sorted(gpus, key=lambda g: g.index)))
+
+
+def binding_from_status(uid: str, status: Mapping | None) -> Binding | None:
+    """The binding a GpuSlice status records, or None when it has none (Pending, Failed, empty)."""
+    status = status or {}
+    if status.get("phase") not in BOUND_PHASES or not status.get("node"):
+        return None
+    try:
+        mode = str(status.get("mode", ""))
+        if mode == MODE_MIG:
+            placement = status.get("placement") or {}
+            return Binding(uid, str(status["node"]), int(status["gpu"]), mode, int(status.get("grantedBytes", 0)),
+                           int(status["profileId"]), str(status.get("profile", "")), int(placement["start"]),
+                           int(placement["size"]))
+        if mode == MODE_FRACTION:
+            return Binding(uid, str(status["node"]), int(status["gpu"]), mode, int(status.get("grantedBytes", 0)))
+    except (KeyError, TypeError, ValueError):
+        return None
+    return None
+
+
+def describe_binding(binding: Binding) -> str:
+    """A short human form for logs and Events: ``1g.18gb@0 on node-a/gpu 1`` or ``4Gi fraction ...``."""
+    if binding.mode == MODE_MIG:
+        return f"{binding.profile} at {{{binding.start}}}:{binding.size} on {binding.node} GPU {binding.gpu}"
+    return f"{format_bytes(binding.granted_bytes)} fraction of {binding.node} GPU {binding.gpu}"
+
+
+# Phases in which a slice holds a binding (and so its GPU room).
+BOUND_PHASES = frozenset({"Bound", "Creating", "Ready"})

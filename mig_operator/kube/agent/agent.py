@@ -1,0 +1,453 @@
+"""The node agent: realises the slices bound to its node, releases them, and publishes its GpuNode.
+
+It is the only part that touches the GPUs. Decisions come from ``core.lifecycle`` (what to do with a
+slice event, which instance to use, what to adopt on start); this module reads state, calls them,
+and carries the result out in this order, so that a crash anywhere leaves an intent to finish or an
+idle instance, never a leak or a device serving two slices:
+
+1. record the intent (owner record ``started``), and write ``phase: Creating`` before any NVML call;
+2. destroy the reclaim set (each only if the record gives it to no slice and NVML reports no process),
+   then reuse, complete or create the instance;
+3. record the device (``completed``), then write ``phase: Ready``.
+
+Release marks the instance idle in the record, then removes the agent's finalizer; nothing is
+destroyed until its space is needed or ``--idle-timeout`` passes. GPU calls run in worker threads
+(a create can take seconds); one asyncio lock per GPU serialises what happens on each GPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime, timedelta
+from typing import Any, TypeVar
+
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
+
+from mig_operator.core.cluster import MODE_FRACTION, MODE_MIG, Binding, binding_from_status, describe_binding
+from mig_operator.core.lifecycle import (
+    COMPLETED,
+    CREATING,
+    FORGET,
+    REALISE,
+    RELEASE,
+    STARTED,
+    Blocked,
+    OwnerEntry,
+    OwnerRecord,
+    adopt,
+    agent_step,
+    idle_instances,
+    plan_mig,
+)
+from mig_operator.core.quantities import format_bytes
+from mig_operator.gpu.protocol import GpuBackend, GpuError, GpuInfo, MigInstance
+
+from ..common import metrics, status
+from ..common.client import ApiError, KubeClient, gpunode_path, gpunodes_path, slice_path, slices_path
+from ..common.events import EventPoster
+from ..common.faults import crashpoint
+from ..common.finalizers import remove_finalizer
+from ..common.names import AGENT_FINALIZER, API_VERSION, MIG_NODE_LABEL, MIG_NODE_VALUE, NODE_KIND, SLICE_NODE_LABEL
+from .inventory import gpunode_status, instance_state
+from .record import RecordStore, boot_id
+
+log = logging.getLogger("mig_operator.agent")
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class AgentSettings:
+    node: str
+    idle_timeout_s: float | None = None  # None: idle instances stay until their space is needed
+    nvml_attempts: int = 5  # tries of a transiently failing GPU call before the slice fails
+    nvml_first_wait_s: float = 0.2
+    publish_delay_s: float = 0.2  # changes within this window go out in one GpuNode write
+    heartbeat_s: float = 30.0  # GpuNode re-read and re-published at least this often
+
+
+def _gpu_error_reason(error: GpuError) -> str:
+    # NVML's name in CamelCase for status.reason (IN_USE -> NvmlInUse); the message keeps NVML_ERROR_IN_USE.
+    return "Nvml" + "".join(part.capitalize() for part in error.name.split("_"))
+
+
+def _is_transient(exc: BaseException) -> bool:
+    return (isinstance(exc, GpuError) and exc.transient) or (isinstance(exc, Blocked) and exc.transient)
+
+
+class NodeAgent:
+    """One node's agent; ``start`` adopts what exists, ``handle`` takes each slice event."""
+
+    def __init__(self, settings: AgentSettings, backend: GpuBackend, store: RecordStore, client: KubeClient,
+                 events: EventPoster) -> None:
+        self.settings = settings
+        self.backend = backend
+        self.store = store
+        self.client = client
+        self.events = events
+        self._gpu_locks: dict[int, asyncio.Lock] = {}
+        self._gpus: list[GpuInfo] = []
+        self._labelled = False
+        self._node_uid = ""
+        self._publish_pending: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
+
+    # ---- GPU calls, measured and off the event loop ----------------------------------------------
+
+    async def _gpu(self, call: str, fn: Callable[..., T], *args: Any) -> T:
+        started = time.perf_counter()
+        try:
+            return await asyncio.to_thread(fn, *args)
+        except GpuError as exc:
+            metrics.NVML_ERRORS.labels(call, exc.name).inc()
+            raise
+        finally:
+            metrics.NVML_SECONDS.labels(call).observe(time.perf_counter() - started)
+
+    async def _retrying(self, what: Callable[[], Awaitable[T]]) -> T:
+        """``what`` again while it fails transiently (NVML IN_USE, TIMEOUT, a process still on an instance)."""
+        async for attempt in AsyncRetrying(
+            stop=stop_after_attempt(self.settings.nvml_attempts),
+            wait=wait_exponential(multiplier=self.settings.nvml_first_wait_s, max=5.0),
+            retry=retry_if_exception(_is_transient),
+            reraise=True,
+        ):
+            with attempt:
+                return await what()
+        raise AssertionError("unreachable: tenacity reraises")
+
+    def _lock(self, gpu: int) -> asyncio.Lock:
+        return self._gpu_locks.setdefault(gpu, asyncio.Lock())
+
+    async def _instances(self, gpu: GpuInfo) -> list[MigInstance]:
+        return await self._gpu("instances", self.backend.instances, gpu.index) if gpu.mig_enabled else []
+
+    # ---- start -------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Read the GPUs and the node, adopt what exists, complete half-made instances, publish.
+
+        Nothing is destroyed on start: an instance that matches neither the record nor a live
+        slice's binding becomes idle, to be reused or reclaimed later.
+        """
+        self._gpus = await self._gpu("gpus", self.backend.gpus)
+        await self._read_node()
+        slices = await self.client.list(slices_path(), label_selector=f"{SLICE_NODE_LABEL}={self.settings.node}")
+        bindings: dict[str, Binding] = {}
+        for body in slices:
+            binding = binding_from_status(body["metadata"]["uid"], body.get("status"))
+            if binding is not None and binding.node == self.settings.node:
+                bindings[body["metadata"]["uid"]] = binding
+        found: dict[int, list] = {}
+        for gpu in self._gpus:
+            found[gpu.index] = [instance_state(i) for i in await self._instances(gpu)]
+        adoption = adopt(self.store.record, boot_id(), found, bindings)
+        since = status.now()
+        record = adoption.record
+        names = {b["metadata"]["uid"]: f"{b['metadata']['namespace']}/{b['metadata']['name']}" for b in slices}
+        owners = {uid: (replace(e, slice=names.get(uid, e.slice)) if not e.slice else e)
+                  for uid, e in record.owners.items()}
+        record = replace(record, owners=owners)
+        # Idle instances found on start count as idle from now (for the idle time-out).
+        idle = dict(record.idle_since)
+        for gpu, insts in found.items():
+            for inst in idle_instances(record, gpu, insts):
+                if inst.device_uuid:
+                    idle.setdefault(inst.device_uuid, since)
+        record = replace(record, idle_since=idle)
+        await asyncio.to_thread(self.store.update, lambda _old: record)
+        for gpu, inst in adoption.incomplete:
+            # A GPU instance without its compute instance: complete it so that it can be handed out.
+            try:
+                await self._gpu("create_compute_instance", self.backend.create_compute_instance, gpu, inst.gi_id)
+            except GpuError as exc:
+                log.warning("cannot complete half-made GPU instance %s on GPU %s: %s", inst.gi_id, gpu, exc)
+        log.info("agent for node %s started: %d GPU(s), adopted %d, dropped %d, completed %d", self.settings.node,
+                 len(self._gpus), len(adoption.adopted), len(adoption.dropped), len(adoption.incomplete))
+        await self.publish()
+        self._tasks.append(asyncio.create_task(self._heartbeat(), name="gpunode-heartbeat"))
+        if self.settings.idle_timeout_s is not None:
+            self._tasks.append(asyncio.create_task(self._reap_idle(), name="idle-reaper"))
+
+    async def stop(self) -> None:
+        for task in self._tasks + ([self._publish_pending] if self._publish_pending else []):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _read_node(self) -> None:
+        try:
+            node = await self.client.get(f"/api/v1/nodes/{self.settings.node}")
+        except ApiError as exc:
+            if not exc.not_found:
+                raise
+            self._labelled, self._node_uid = False, ""
+            return
+        self._labelled = (node["metadata"].get("labels") or {}).get(MIG_NODE_LABEL) == MIG_NODE_VALUE
+        self._node_uid = node["metadata"]["uid"]
+
+    # ---- slice events ------------------------------------------------------------------------------
+
+    async def handle(self, body: Mapping) -> None:
+        """One watch event of a slice bound to this node."""
+        meta = body["metadata"]
+        uid = meta["uid"]
+        entry = self.store.record.owners.get(uid)
+        step = agent_step(
+            (body.get("status") or {}).get("phase"), bool(meta.get("deletionTimestamp")),
+            AGENT_FINALIZER in (meta.get("finalizers") or ()), entry,
+        )
+        try:
+            if step == RELEASE:
+                await self._release(body)
+            elif step == REALISE:
+                await self._realise(body)
+            elif step == FORGET:
+                await asyncio.to_thread(self.store.drop, uid, status.now())
+                self.schedule_publish()
+        except ApiError as exc:
+            if exc.not_found:
+                return  # deleted meanwhile: its deletion event releases it
+            metrics.RECONCILE_ERRORS.labels("agent", "api").inc()
+            raise
+
+    async def deleted(self, body: Mapping) -> None:
+        """The slice is gone. Normally its release already ran (the finalizer held it); if the
+        finalizer was removed by hand, its instance becomes idle now."""
+        if body["metadata"]["uid"] in self.store.record.owners:
+            await asyncio.to_thread(self.store.drop, body["metadata"]["uid"], status.now())
+            self.schedule_publish()
+
+    async def _realise(self, body: Mapping) -> None:
+        meta, current = body["metadata"], body.get("status") or {}
+        uid, ref = meta["uid"], f"{meta['namespace']}/{meta['name']}"
+        binding = binding_from_status(uid, current)
+        if binding is None or binding.node != self.settings.node:
+            return
+        started = time.perf_counter()
+        gpu = next((g for g in self._gpus if g.index == binding.gpu), None)
+        try:
+            if gpu is None:
+                raise Blocked(f"node {self.settings.node} has no GPU {binding.gpu}", transient=False)
+            if binding.mode == MODE_FRACTION:
+                action, ready = await self._realise_fraction(uid, ref, binding, gpu)
+            else:
+                async with self._lock(binding.gpu):
+                    action, ready = await self._retrying(lambda: self._realise_mig(uid, ref, binding, body))
+        except GpuError as exc:
+            await self._fail(body, _gpu_error_reason(exc), f"{describe_binding(binding)}: {exc}")
+            return
+        except Blocked as exc:
+            await self._fail(body, "InUse" if exc.transient else "Conflict", exc.message)
+            return
+        await self._write_status(body, ready)
+        metrics.REALISE_SECONDS.labels(action).observe(time.perf_counter() - started)
+        self.schedule_publish()
+
+    async def _realise_fraction(self, uid: str, ref: str, binding: Binding, gpu: GpuInfo) -> tuple[str, dict]:
+        if gpu.mig_enabled:
+            raise Blocked(f"GPU {gpu.index} of {self.settings.node} is in MIG mode; it takes no fractions",
+                          transient=False)
+        others = sum(e.granted_bytes for e in self.store.record.owners.values()
+                     if e.mode == MODE_FRACTION and e.gpu == gpu.index and e.uid != uid)
+        if others + binding.granted_bytes > gpu.memory_mib * 2**20:
+            raise Blocked(
+                f"GPU {gpu.index} of {self.settings.node} has {format_bytes(gpu.memory_mib * 2**20 - others)} "
+                f"left for fractions, not {format_bytes(binding.granted_bytes)}", transient=False,
+            )
+        entry = OwnerEntry(uid, ref, MODE_FRACTION, gpu.index, COMPLETED, binding.granted_bytes,
+                           device_uuid=gpu.uuid)
+        await asyncio.to_thread(self.store.put, entry)
+        message = f"{format_bytes(binding.granted_bytes)} of GPU {gpu.index} ({gpu.uuid}), enforced by libgpuslice"
+        return "fraction", status.ready(None, gpu.uuid, binding.granted_bytes, False, message)
+
+    async def _realise_mig(self, uid: str, ref: str, binding: Binding, body: Mapping) -> tuple[str, dict]:
+        gpu = binding.gpu
+        instances = [instance_state(i) for i in await self._gpu("instances", self.backend.instances, gpu)]
+        record = self.store.record
+        steps = plan_mig(uid, binding, instances, record)
+        entry = record.owners.get(uid)
+        reused = entry.reused if entry is not None and entry.state == STARTED else steps.action == "reuse"
+        base = OwnerEntry(uid, ref, MODE_MIG, gpu, STARTED, binding.granted_bytes, binding.profile_id,
+                          binding.profile, binding.start, binding.size, reused=reused)
+        if steps.needs_nvml:
+            if entry is None or entry.state != STARTED:
+                await asyncio.to_thread(self.store.put, base)
+            if (body.get("status") or {}).get("phase") != CREATING:
+                what = "creating" if steps.action == "create" else "completing"
+                reclaim = f" after reclaiming {len(steps.destroy)} idle instance(s)" if steps.destroy else ""
+                await self._write_status(body, status.creating(body.get("status"),
+                                                               f"{what} {describe_binding(binding)}{reclaim}"))
+            crashpoint("agent:after-intent")
+        for n, victim in enumerate(steps.destroy):
+            await self._gpu("destroy_instance", self.backend.destroy_instance, gpu, victim.gi_id)
+            if victim.device_uuid:
+                await asyncio.to_thread(self.store.update, lambda r, u=victim.device_uuid: replace(
+                    r, idle_since={k: v for k, v in r.idle_since.items() if k != u}))
+            if n == 0:
+                crashpoint("agent:during-reclaim")
+        if steps.action == "create":
+            try:
+                made = await self._gpu("create_instance", self.backend.create_instance, gpu, binding.profile_id,
+                                       binding.start)
+            except GpuError:
+                await self._clear_half_made(gpu, binding)
+                raise
+            crashpoint("agent:after-create")
+        elif steps.action == "complete":
+            assert steps.instance is not None
+            made = await self._gpu("create_compute_instance", self.backend.create_compute_instance, gpu,
+                                   steps.instance.gi_id)
+        else:
+            assert steps.instance is not None
+            made = _as_mig(gpu, steps.instance)
+        done = replace(base, state=COMPLETED, gi_id=made.gi_id, ci_id=made.ci_id, device_uuid=made.device_uuid)
+        await asyncio.to_thread(self.store.put, done)
+        verb = "reused idle" if reused else "created"
+        message = f"{verb} {describe_binding(binding)}: {made.device_uuid}"
+        ready = status.ready(body.get("status"), made.device_uuid, binding.granted_bytes, reused, message,
+                             gi_id=made.gi_id, ci_id=made.ci_id)
+        return ("reuse" if reused else "create"), ready
+
+    async def _clear_half_made(self, gpu: int, binding: Binding) -> None:
+        """After a failed create, destroy what it left at the placement (a GI without its CI), if anything."""
+        try:
+            for inst in await self._gpu("instances", self.backend.instances, gpu):
+                if inst.start == binding.start and inst.profile_id == binding.profile_id and inst.ci_id < 0:
+                    await self._gpu("destroy_instance", self.backend.destroy_instance, gpu, inst.gi_id)
+        except GpuError as exc:
+            log.warning("half-made instance at %s on GPU %s stays until the next attempt: %s",
+                        binding.start, gpu, exc)
+
+    async def _fail(self, body: Mapping, reason: str, message: str) -> None:
+        meta = body["metadata"]
+        log.warning("slice %s/%s failed: %s", meta["namespace"], meta["name"], message)
+        metrics.RECONCILE_ERRORS.labels("agent", reason).inc()
+        await asyncio.to_thread(self.store.drop, meta["uid"], status.now())
+        await self._write_status(body, status.failed(body.get("status"), reason, message))
+        self.events.post(body, "Warning", reason, message)
+        self.schedule_publish()
+
+    async def _write_status(self, body: Mapping, new_status: dict) -> None:
+        meta = body["metadata"]
+        await self.client.merge_patch(slice_path(meta["namespace"], meta["name"], status=True), {"status": new_status})
+
+    async def _release(self, body: Mapping) -> None:
+        """The slice is being deleted: its instance becomes idle, then the finalizer goes."""
+        meta = body["metadata"]
+        if meta["uid"] in self.store.record.owners:
+            await asyncio.to_thread(self.store.drop, meta["uid"], status.now())
+            self.schedule_publish()
+        crashpoint("agent:during-release")
+        await remove_finalizer(self.client, slice_path(meta["namespace"], meta["name"]), meta, AGENT_FINALIZER)
+
+    # ---- idle time-out -----------------------------------------------------------------------------
+
+    async def _reap_idle(self) -> None:
+        assert self.settings.idle_timeout_s is not None
+        period = max(0.5, min(30.0, self.settings.idle_timeout_s / 4))
+        while True:
+            await asyncio.sleep(period)
+            try:
+                await self.reap_idle_once()
+            except (GpuError, ApiError, OSError) as exc:
+                log.warning("idle time-out pass failed: %s", exc)
+
+    async def reap_idle_once(self) -> int:
+        """Destroy idle instances idle for longer than the time-out; never one in use. Returns how many."""
+        assert self.settings.idle_timeout_s is not None
+        limit = datetime.now(UTC) - timedelta(seconds=self.settings.idle_timeout_s)
+        destroyed = 0
+        for gpu in self._gpus:
+            if not gpu.mig_enabled:
+                continue
+            async with self._lock(gpu.index):
+                insts = [instance_state(i) for i in await self._instances(gpu)]
+                for inst in idle_instances(self.store.record, gpu.index, insts):
+                    since = self.store.record.idle_since.get(inst.device_uuid)
+                    if inst.in_use or not since or _parse_time(since) > limit:
+                        continue
+                    await self._gpu("destroy_instance", self.backend.destroy_instance, gpu.index, inst.gi_id)
+                    await asyncio.to_thread(self.store.update, lambda r, u=inst.device_uuid: replace(
+                        r, idle_since={k: v for k, v in r.idle_since.items() if k != u}))
+                    destroyed += 1
+        if destroyed:
+            log.info("idle time-out destroyed %d instance(s)", destroyed)
+            self.schedule_publish()
+        return destroyed
+
+    # ---- GpuNode -----------------------------------------------------------------------------------
+
+    def schedule_publish(self) -> None:
+        """Publish soon; changes within ``publish_delay_s`` share one write."""
+        if self._publish_pending is None or self._publish_pending.done():
+            self._publish_pending = asyncio.create_task(self._publish_later(), name="gpunode-publish")
+
+    async def _publish_later(self) -> None:
+        await asyncio.sleep(self.settings.publish_delay_s)
+        try:
+            await self.publish()
+        except (GpuError, ApiError) as exc:
+            log.warning("publishing GpuNode %s failed, the heartbeat retries: %s", self.settings.node, exc)
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.heartbeat_s)
+            try:
+                self._gpus = await self._gpu("gpus", self.backend.gpus)
+                await self._read_node()
+                await self.publish()
+            except (GpuError, ApiError) as exc:
+                log.warning("GpuNode heartbeat failed: %s", exc)
+
+    async def publish(self) -> None:
+        models: dict[int, Any] = {}
+        instances: dict[int, list[MigInstance]] = {}
+        for gpu in self._gpus:
+            models[gpu.index] = await self._gpu("model", self.backend.model, gpu.index) if gpu.mig_capable else None
+            instances[gpu.index] = await self._instances(gpu)
+        record = self.store.record
+        body = gpunode_status(self._gpus, models, instances, record, self._labelled, status.now())
+        for gpu in body["gpus"]:
+            states = {"in_use": 0, "idle": 0}
+            for inst in gpu["instances"]:
+                states["in_use" if inst["sliceUID"] or inst["inUse"] else "idle"] += 1
+            for state, count in states.items():
+                metrics.INSTANCES.labels(self.settings.node, str(gpu["index"]), state).set(count)
+            metrics.GRANTED_BYTES.labels(self.settings.node, str(gpu["index"])).set(gpu["grantedBytes"])
+        path = gpunode_path(self.settings.node, status=True)
+        try:
+            await self.client.merge_patch(path, {"status": body})
+        except ApiError as exc:
+            if not exc.not_found:
+                raise
+            await self._create_gpunode()
+            await self.client.merge_patch(path, {"status": body})
+
+    async def _create_gpunode(self) -> None:
+        meta: dict[str, Any] = {"name": self.settings.node}
+        if self._node_uid:
+            # Owned by its Node: deleting the Node deletes its inventory.
+            meta["ownerReferences"] = [{"apiVersion": "v1", "kind": "Node", "name": self.settings.node,
+                                        "uid": self._node_uid}]
+        body = {"apiVersion": API_VERSION, "kind": NODE_KIND, "metadata": meta,
+                "spec": {"nodeName": self.settings.node}}
+        try:
+            await self.client.create(gpunodes_path(), body)
+        except ApiError as exc:
+            if not exc.conflict:
+                raise
+
+
+def _as_mig(gpu: int, inst: Any) -> MigInstance:
+    return MigInstance(gpu, inst.gi_id, inst.ci_id, inst.profile_id, inst.profile, inst.start, inst.size,
+                       inst.device_uuid, inst.in_use)
+
+
+def _parse_time(text: str) -> datetime:
+    return datetime.fromisoformat(text.replace("Z", "+00:00"))
+
+
+__all__ = ["AgentSettings", "NodeAgent", "OwnerRecord"]

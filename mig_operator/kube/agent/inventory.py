@@ -1,0 +1,98 @@
+"""The GpuNode status an agent publishes: its GPUs, what they offer, and who holds what.
+
+The controller reads it back with ``core.cluster.inventory_from_status``; a unit test round-trips
+one through the other, so the two sides cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from mig_operator.core.cluster import MODE_FRACTION, MODE_MIG, GpuState, InstanceState, gpu_role
+from mig_operator.core.lifecycle import OwnerRecord
+from mig_operator.core.profiles import GpuModel
+from mig_operator.gpu.protocol import GpuInfo, MigInstance
+
+
+def instance_state(inst: MigInstance) -> InstanceState:
+    """NVML's instance as core sees it (ownership is added from the record where needed)."""
+    return InstanceState(
+        gi_id=inst.gi_id, ci_id=inst.ci_id, profile_id=inst.profile_id, profile=inst.profile, start=inst.start,
+        size=inst.size, device_uuid=inst.device_uuid, in_use=inst.in_use,
+    )
+
+
+def _profiles(model: GpuModel | None) -> list[dict[str, Any]]:
+    if model is None:
+        return []
+    return [
+        {
+            "name": p.name, "id": p.id, "slices": p.slices, "memoryMiB": p.memory_mib, "sm": p.sm,
+            "maxInstances": p.max_instances,
+            "placements": [{"start": pl.start, "size": pl.size} for pl in p.placements],
+        }
+        for p in model.profiles
+    ]
+
+
+def _instance(gpu: int, inst: MigInstance, record: OwnerRecord) -> dict[str, Any]:
+    state = instance_state(inst)
+    owner = record.owner_of(gpu, state)
+    body: dict[str, Any] = {
+        "giId": inst.gi_id, "profile": inst.profile, "profileId": inst.profile_id, "start": inst.start,
+        "size": inst.size, "inUse": inst.in_use, "complete": state.complete,
+        "slice": owner.slice if owner else "", "sliceUID": owner.uid if owner else "",
+    }
+    if inst.ci_id >= 0:
+        body["ciId"] = inst.ci_id
+    if inst.device_uuid:
+        body["deviceUUID"] = inst.device_uuid
+        if owner is None and inst.device_uuid in record.idle_since:
+            body["idleSince"] = record.idle_since[inst.device_uuid]
+    return body
+
+
+def gpunode_status(
+    gpus: Sequence[GpuInfo],
+    models: Mapping[int, GpuModel | None],
+    instances: Mapping[int, Sequence[MigInstance]],
+    record: OwnerRecord,
+    labelled: bool,
+    observed_at: str,
+) -> dict[str, Any]:
+    """The whole status of the node's GpuNode (written with one merge patch: lists are replaced)."""
+    entries = []
+    free_slots = idle = in_use = 0
+    for info in gpus:
+        model = models.get(info.index)
+        insts = list(instances.get(info.index, ()))
+        role, why = gpu_role(labelled, GpuState(info.index, info.uuid, mig_capable=info.mig_capable,
+                                                mig_enabled=info.mig_enabled))
+        fractions = [
+            {"slice": e.slice, "sliceUID": e.uid, "bytes": e.granted_bytes}
+            for e in record.owners.values()
+            if e.mode == MODE_FRACTION and e.gpu == info.index
+        ]
+        granted = sum(f["bytes"] for f in fractions) + sum(
+            e.granted_bytes for e in record.owners.values() if e.mode == MODE_MIG and e.gpu == info.index
+        )
+        body = [_instance(info.index, inst, record) for inst in insts]
+        if info.mig_enabled and model is not None:
+            covered = 0
+            for inst in insts:
+                covered |= ((1 << inst.size) - 1) << inst.start
+            free_slots += model.memory_slots - covered.bit_count()
+        idle += sum(1 for b in body if not b["sliceUID"] and not b["inUse"])
+        in_use += sum(1 for b in body if b["sliceUID"] or b["inUse"])
+        entries.append({
+            "index": info.index, "uuid": info.uuid, "product": info.product,
+            "model": model.name if model is not None else "", "memoryMiB": info.memory_mib,
+            "migCapable": info.mig_capable, "migEnabled": info.mig_enabled, "serves": role, "servesReason": why,
+            "profiles": _profiles(model), "instances": body, "fractions": fractions, "grantedBytes": granted,
+        })
+    return {
+        "gpus": entries, "gpuCount": len(entries), "migGpuCount": sum(1 for g in gpus if g.mig_enabled),
+        "freeSlots": free_slots, "idleInstances": idle, "inUseInstances": in_use,
+        "fractionSlices": sum(len(e["fractions"]) for e in entries), "observedAt": observed_at,
+    }

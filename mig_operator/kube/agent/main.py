@@ -1,0 +1,75 @@
+"""``mig-operator agent``: the node agent as a kopf operator, standalone (every agent runs).
+
+It watches only the GpuSlices bound to its node, through a server-side label selector, so its
+work and traffic grow with its own node's slices, not with the cluster.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import kopf
+
+from mig_operator.gpu.protocol import GpuBackend
+
+from ..common import metrics
+from ..common.client import KubeClient
+from ..common.events import EventPoster
+from ..common.names import AGENT_FINALIZER, AGENT_PREFIX, GROUP, SLICE_NODE_LABEL, SLICES, VERSION
+from ..common.operator import register_login, run_operator, tune
+from .agent import AgentSettings, NodeAgent
+from .record import RecordStore
+
+log = logging.getLogger("mig_operator.agent")
+
+
+@dataclass(frozen=True)
+class AgentOptions:
+    settings: AgentSettings
+    record_file: str
+    kubeconfig: str | None = None
+    metrics_address: str | None = None
+
+
+def build_registry(options: AgentOptions, backend: GpuBackend) -> kopf.OperatorRegistry:
+    registry = kopf.OperatorRegistry()
+    register_login(registry, options.kubeconfig)
+    state: dict[str, Any] = {}
+
+    @kopf.on.startup(registry=registry, backoff=2)
+    async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
+        tune(settings, AGENT_PREFIX, AGENT_FINALIZER)
+        settings.watching.label_selectors[GROUP, SLICES] = f"{SLICE_NODE_LABEL}={options.settings.node}"
+        client = KubeClient.from_environment(options.kubeconfig)
+        agent = NodeAgent(options.settings, backend, RecordStore(options.record_file), client,
+                          EventPoster(client, "mig-operator-agent", options.settings.node))
+        await agent.start()
+        state.update(agent=agent, client=client)
+
+    @kopf.on.event(GROUP, VERSION, SLICES, registry=registry)
+    async def slice_event(body: kopf.Body, type: str | None, **_: Any) -> None:
+        if type == "DELETED":
+            await state["agent"].deleted(body)
+        else:
+            await state["agent"].handle(body)
+
+    @kopf.on.cleanup(registry=registry)
+    async def cleanup(**_: Any) -> None:
+        agent = state.get("agent")
+        if agent is not None:
+            await agent.stop()
+            await agent.events.drain()
+            await state["client"].close()
+
+    return registry
+
+
+def run_agent(options: AgentOptions, backend: GpuBackend) -> None:
+    if options.metrics_address:
+        metrics.serve(options.metrics_address)
+    try:
+        run_operator(build_registry(options, backend), standalone=True)
+    finally:
+        backend.close()

@@ -1,0 +1,241 @@
+"""A small asynchronous Kubernetes client: JSON in, JSON out, over one aiohttp session.
+
+The handlers sit on the hot path of every slice (create to Ready in tens of milliseconds), so they
+talk to the API server directly instead of through the generated client's models and its thread
+pool. Credentials come from the ``kubernetes`` package's loaders (in-cluster service account, or
+KUBECONFIG / ~/.kube/config), so every way of authenticating that kubectl's config allows with a
+token or a client certificate works, and a rotated service-account token is picked up.
+
+Transient failures (HTTP 429 and 5xx, connection errors, timeouts) are retried with backoff
+(tenacity); everything else raises :class:`ApiError` at once.
+"""
+
+from __future__ import annotations
+
+import json
+import ssl
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote
+
+import aiohttp
+import kubernetes
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
+
+from .names import API_VERSION
+
+MERGE_PATCH = "application/merge-patch+json"
+JSON_PATCH = "application/json-patch+json"
+_TRANSIENT_STATUS = frozenset({429, 500, 502, 503, 504})
+
+
+class ApiError(Exception):
+    """A refused or failed API call: ``status`` is the HTTP status (0 when no answer came)."""
+
+    def __init__(self, status: int, reason: str, message: str) -> None:
+        super().__init__(f"{message} (HTTP {status} {reason})" if status else message)
+        self.status = status
+        self.reason = reason
+        self.message = message
+
+    @property
+    def transient(self) -> bool:
+        return self.status == 0 or self.status in _TRANSIENT_STATUS
+
+    @property
+    def not_found(self) -> bool:
+        return self.status == 404
+
+    @property
+    def conflict(self) -> bool:
+        return self.status == 409
+
+
+def _is_transient(exc: BaseException) -> bool:
+    return isinstance(exc, ApiError) and exc.transient
+
+
+@dataclass(frozen=True)
+class Retry:
+    """How API calls are retried: attempts in all, and the exponential wait between them."""
+
+    attempts: int = 6
+    first_wait_s: float = 0.1
+    max_wait_s: float = 3.0
+
+
+def load_configuration(kubeconfig: str | None = None) -> kubernetes.client.Configuration:
+    """In-cluster credentials inside a pod, else the kubeconfig (``kubeconfig``, KUBECONFIG, ~/.kube)."""
+    config = kubernetes.client.Configuration()
+    try:
+        if kubeconfig is None:
+            kubernetes.config.load_incluster_config(client_configuration=config)
+            return config
+    except kubernetes.config.ConfigException:
+        pass
+    kubernetes.config.load_kube_config(config_file=kubeconfig, client_configuration=config)
+    return config
+
+
+def bearer_token(config: kubernetes.client.Configuration) -> str | None:
+    """``Bearer <token>`` from a loaded configuration; the key's name differs between client versions."""
+    for key in ("BearerToken", "authorization"):
+        value = config.get_api_key_with_prefix(key)
+        if value:
+            return value if " " in value else f"Bearer {value}"
+    return None
+
+
+class KubeClient:
+    """Asynchronous JSON access to the API server, sharing one connection pool."""
+
+    def __init__(self, config: kubernetes.client.Configuration, retry: Retry = Retry(),
+                 timeout_s: float = 30.0, connections: int = 64) -> None:
+        self._config = config
+        self._retry = retry
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._connections = connections
+        self._session: aiohttp.ClientSession | None = None
+        self.host = config.host.rstrip("/")
+        self.writes = 0  # API writes made, for the benchmark's writes-per-slice figure
+
+    @classmethod
+    def from_environment(cls, kubeconfig: str | None = None, **kwargs: Any) -> KubeClient:
+        return cls(load_configuration(kubeconfig), **kwargs)
+
+    def _ssl(self) -> ssl.SSLContext | bool:
+        if not self.host.startswith("https"):
+            return False
+        if not self._config.verify_ssl:
+            return False
+        context = ssl.create_default_context(cafile=self._config.ssl_ca_cert)
+        if self._config.cert_file:
+            context.load_cert_chain(self._config.cert_file, self._config.key_file)
+        return context
+
+    def _get_session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            connector = aiohttp.TCPConnector(ssl=self._ssl(), limit=self._connections)
+            self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout)
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _headers(self, content_type: str | None) -> dict[str, str]:
+        headers = {"Accept": "application/json"}
+        token = bearer_token(self._config)
+        if token:
+            headers["Authorization"] = token
+        if content_type:
+            headers["Content-Type"] = content_type
+        return headers
+
+    async def request(
+        self, method: str, path: str, body: Any = None, params: Mapping[str, str] | None = None,
+        content_type: str | None = None, retry: bool = True,
+    ) -> dict:
+        """One API call, retried while it fails transiently; the decoded JSON answer."""
+        if method != "GET":
+            self.writes += 1
+        if not retry:
+            return await self._once(method, path, body, params, content_type)
+        async for attempt in AsyncRetrying(
+            stop=stop_after_attempt(self._retry.attempts),
+            wait=wait_exponential(multiplier=self._retry.first_wait_s, max=self._retry.max_wait_s),
+            retry=retry_if_exception(_is_transient),
+            reraise=True,
+        ):
+            with attempt:
+                return await self._once(method, path, body, params, content_type)
+        raise AssertionError("unreachable: tenacity reraises")
+
+    async def _once(self, method: str, path: str, body: Any, params: Mapping[str, str] | None,
+                    content_type: str | None) -> dict:
+        data = None if body is None else json.dumps(body)
+        if data is not None and content_type is None:
+            content_type = "application/json"
+        try:
+            async with self._get_session().request(
+                method, self.host + path, data=data, params=params, headers=self._headers(content_type)
+            ) as response:
+                text = await response.text()
+                if response.status >= 400:
+                    raise _error(response.status, response.reason or "", text, method, path)
+                return json.loads(text) if text else {}
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            raise ApiError(0, "", f"{method} {path}: {type(exc).__name__}: {exc}") from exc
+
+    # ---- conveniences --------------------------------------------------------------------------
+
+    async def get(self, path: str, params: Mapping[str, str] | None = None) -> dict:
+        return await self.request("GET", path, params=params)
+
+    async def list(self, path: str, label_selector: str | None = None, field_selector: str | None = None) -> list[dict]:
+        """Every item at a collection path, following continue tokens."""
+        params: dict[str, str] = {"limit": "500"}
+        if label_selector:
+            params["labelSelector"] = label_selector
+        if field_selector:
+            params["fieldSelector"] = field_selector
+        items: list[dict] = []
+        while True:
+            page = await self.get(path, params)
+            items.extend(page.get("items") or [])
+            token = (page.get("metadata") or {}).get("continue")
+            if not token:
+                return items
+            params["continue"] = token
+
+    async def merge_patch(self, path: str, body: Mapping) -> dict:
+        return await self.request("PATCH", path, body=body, content_type=MERGE_PATCH)
+
+    async def json_patch(self, path: str, ops: list[dict]) -> dict:
+        return await self.request("PATCH", path, body=ops, content_type=JSON_PATCH)
+
+    async def create(self, path: str, body: Mapping) -> dict:
+        return await self.request("POST", path, body=body)
+
+    async def delete(self, path: str) -> dict:
+        return await self.request("DELETE", path)
+
+
+def _error(status: int, reason: str, text: str, method: str, path: str) -> ApiError:
+    try:
+        message = json.loads(text).get("message") or text
+    except (ValueError, AttributeError):
+        message = text
+    return ApiError(status, reason, f"{method} {path}: {message.strip()[:500]}")
+
+
+# ---- paths -----------------------------------------------------------------------------------------
+
+
+def _q(part: str) -> str:
+    return quote(part, safe="")
+
+
+def slices_path(namespace: str | None = None) -> str:
+    if namespace is None:
+        return f"/apis/{API_VERSION}/gpuslices"
+    return f"/apis/{API_VERSION}/namespaces/{_q(namespace)}/gpuslices"
+
+
+def slice_path(namespace: str, name: str, status: bool = False) -> str:
+    return slices_path(namespace) + "/" + _q(name) + ("/status" if status else "")
+
+
+def gpunodes_path() -> str:
+    return f"/apis/{API_VERSION}/gpunodes"
+
+
+def gpunode_path(name: str, status: bool = False) -> str:
+    return gpunodes_path() + "/" + _q(name) + ("/status" if status else "")
+
+
+def core_path(kind_plural: str, namespace: str | None = None, name: str | None = None) -> str:
+    base = "/api/v1" + (f"/namespaces/{_q(namespace)}" if namespace else "") + f"/{kind_plural}"
+    return base + (f"/{_q(name)}" if name else "")

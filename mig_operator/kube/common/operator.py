@@ -1,0 +1,54 @@
+"""Starting a kopf operator the way every part of mig-operator does: credentials, settings, run.
+
+Each part builds its own ``kopf.OperatorRegistry`` (no global handlers, so controller and agent
+code can share a process in tests) and calls ``run_operator``. kopf logs in with the same
+credentials as ``KubeClient``, so a part never talks to the API server as two identities.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import kopf
+
+from .client import bearer_token, load_configuration
+
+
+def register_login(registry: kopf.OperatorRegistry, kubeconfig: str | None) -> None:
+    @kopf.on.login(registry=registry)
+    def login(**_: Any) -> kopf.ConnectionInfo:
+        config = load_configuration(kubeconfig)
+        token = bearer_token(config)
+        scheme, _, value = (token or "").partition(" ")
+        return kopf.ConnectionInfo(
+            server=config.host, ca_path=config.ssl_ca_cert, insecure=not config.verify_ssl,
+            scheme=scheme or None, token=value or None, certificate_path=config.cert_file,
+            private_key_path=config.key_file, username=config.username or None,
+            password=config.password or None,
+        )
+
+
+def tune(settings: kopf.OperatorSettings, prefix: str, finalizer: str) -> None:
+    """The kopf settings every part shares (see shared/refs/kopf-notes.md for why)."""
+    settings.persistence.finalizer = finalizer
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=prefix)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=prefix)
+    settings.persistence.consistency_timeout = 1.0
+    settings.execution.max_workers = 16
+    settings.posting.enabled = False  # Events are posted by EventPoster, once per change
+    settings.networking.error_backoffs = [0.5, 1, 2, 5]
+    settings.watching.reconnect_backoff = 0.5
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+
+
+def run_operator(registry: kopf.OperatorRegistry, *, standalone: bool, priority: int = 0,
+                 peering_name: str | None = None) -> None:
+    """Run kopf in this thread until it stops (SIGTERM/SIGINT) or fails."""
+    logging.getLogger("kopf.activities.startup").setLevel(logging.WARNING)
+    asyncio.run(kopf.operator(
+        registry=registry, standalone=standalone, priority=priority, peering_name=peering_name,
+        clusterwide=True,
+    ))

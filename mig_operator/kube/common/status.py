@@ -1,0 +1,103 @@
+"""GpuSlice status bodies, one function per phase, as the CRD (crds/gpuslice.yaml) defines them.
+
+Every write is a JSON merge patch of ``status``: maps merge (so ``phaseTimes`` gains one key per
+phase), lists are replaced (so ``conditions`` is always written whole, keeping the transition time
+of a condition whose status did not change).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from typing import Any
+
+from mig_operator.core.cluster import MODE_MIG, Binding
+from mig_operator.core.lifecycle import BOUND, CREATING, FAILED, PENDING, READY
+from mig_operator.core.request import SliceRequest
+
+BOUND_CONDITION = "Bound"
+READY_CONDITION = "Ready"
+
+
+def now() -> str:
+    """RFC 3339 in UTC with milliseconds: phase times are compared at that resolution."""
+    return datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def _condition(previous: Mapping | None, kind: str, status: bool, reason: str, message: str, when: str) -> dict:
+    value = "True" if status else "False"
+    old = next((c for c in (previous or {}).get("conditions") or () if c.get("type") == kind), None)
+    since = old.get("lastTransitionTime", when) if old and old.get("status") == value else when
+    return {"type": kind, "status": value, "reason": reason, "message": message[:32768], "lastTransitionTime": since}
+
+
+def _conditions(previous: Mapping | None, bound: tuple[bool, str, str], ready: tuple[bool, str, str],
+                when: str) -> list[dict]:
+    return [_condition(previous, BOUND_CONDITION, *bound, when), _condition(previous, READY_CONDITION, *ready, when)]
+
+
+def pending(previous: Mapping | None, request: SliceRequest, reason: str, message: str) -> dict:
+    when = now()
+    return {
+        "phase": PENDING, "reason": reason, "message": message, "request": request.describe(),
+        "conditions": _conditions(previous, (False, reason, message), (False, reason, "not bound yet"), when),
+        "phaseTimes": {PENDING: (previous or {}).get("phaseTimes", {}).get(PENDING, when)},
+    }
+
+
+def bound(previous: Mapping | None, request: SliceRequest, binding: Binding, gpu_uuid: str,
+          reclaim: list[dict], message: str) -> dict:
+    """The controller's decision: phase Bound with the node, GPU, mode, profile and placement."""
+    when = now()
+    body: dict[str, Any] = {
+        "phase": BOUND, "reason": "Bound", "message": message, "request": request.describe(),
+        "mode": binding.mode, "node": binding.node, "gpu": binding.gpu, "gpuUUID": gpu_uuid,
+        "grantedBytes": binding.granted_bytes,
+        "conditions": _conditions(previous, (True, "Bound", message), (False, "Bound", "waiting for the node agent"),
+                                  when),
+        "phaseTimes": {BOUND: when},
+    }
+    if binding.mode == MODE_MIG:
+        body.update(profile=binding.profile, profileId=binding.profile_id,
+                    placement={"start": binding.start, "size": binding.size}, reclaim=reclaim)
+    return body
+
+
+def creating(previous: Mapping | None, message: str) -> dict:
+    """The agent's intent, written before its first NVML call."""
+    when = now()
+    bound_cond = _condition(previous, BOUND_CONDITION, True, "Bound", "bound", when)
+    return {
+        "phase": CREATING, "reason": "Creating", "message": message,
+        "conditions": [bound_cond, _condition(previous, READY_CONDITION, False, "Creating", message, when)],
+        "phaseTimes": {CREATING: when},
+    }
+
+
+def ready(previous: Mapping | None, device_uuid: str, granted_bytes: int, reused: bool, message: str,
+          gi_id: int | None = None, ci_id: int | None = None) -> dict:
+    when = now()
+    body: dict[str, Any] = {
+        "phase": READY, "reason": "Ready", "message": message, "deviceUUID": device_uuid,
+        "grantedBytes": granted_bytes, "reused": reused,
+        "conditions": [
+            _condition(previous, BOUND_CONDITION, True, "Bound", "bound", when),
+            _condition(previous, READY_CONDITION, True, "Reused" if reused else "Created", message, when),
+        ],
+        "phaseTimes": {READY: when},
+    }
+    if gi_id is not None:
+        body.update(giId=gi_id, ciId=ci_id)
+    return body
+
+
+def failed(previous: Mapping | None, reason: str, message: str) -> dict:
+    when = now()
+    return {
+        "phase": FAILED, "reason": reason, "message": message[:4096],
+        "conditions": [
+            _condition(previous, BOUND_CONDITION, bool((previous or {}).get("node")), "Bound", "bound", when),
+            _condition(previous, READY_CONDITION, False, reason, message, when),
+        ],
+        "phaseTimes": {FAILED: when},
+    }

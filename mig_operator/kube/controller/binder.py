@@ -1,0 +1,267 @@
+"""The controller's one job for GpuSlices: bind each to a node, GPU, mode, profile and placement.
+
+Decisions are ``core.cluster.plan_binding`` on a view built from the GpuNode inventories and every
+binding already made, including those whose status write is still in flight; the plan and its
+reservation happen under one lock, the writes outside it, so binding throughput is the planner's
+and two slices bound in the same second never get one placement.
+
+A binding is two writes, because the status subresource takes no metadata and the main resource
+takes no status: first ``status`` (phase Bound and the decision, with the resourceVersion planned
+from as a precondition), then the node label the agents select on and the agent's finalizer. The
+agent sees the slice only once it carries the label, so it never sees a half-written binding; a
+controller that dies between the two writes adds the label on its next pass (``mark``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from mig_operator.core.cluster import (
+    MODE_MIG,
+    Binding,
+    ClusterView,
+    Refusal,
+    build_view,
+    describe_binding,
+    plan_binding,
+)
+from mig_operator.core.planner import PlannerSettings
+
+from ..common import metrics, status
+from ..common.client import ApiError, KubeClient, gpunodes_path, slice_path, slices_path
+from ..common.events import EventPoster
+from ..common.faults import crashpoint
+from ..common.names import AGENT_FINALIZER, MIG_NODE_LABEL, MIG_NODE_VALUE, SLICE_NODE_LABEL
+from .state import ClusterState, SliceInfo
+
+log = logging.getLogger("mig_operator.controller")
+
+
+class Binder:
+    def __init__(self, client: KubeClient, events: EventPoster, planner: PlannerSettings | None = None,
+                 resync_s: float = 30.0) -> None:
+        self.client = client
+        self.events = events
+        self.planner = planner or PlannerSettings()
+        self.state = ClusterState()
+        self.resync_s = resync_s
+        self._lock = asyncio.Lock()
+        self._replan_task: asyncio.Task | None = None
+        self._replan_again = False
+        self._last_resync = 0.0
+        self.on_slice_changed: list[Callable[[SliceInfo], None]] = []
+
+    # ---- full lists ----------------------------------------------------------------------------
+
+    async def resync(self) -> None:
+        """Read slices, inventories and labelled nodes afresh, then finish what is unfinished."""
+        async with self._lock:
+            slices, inventories, nodes = await asyncio.gather(
+                self.client.list(slices_path()), self.client.list(gpunodes_path()),
+                self.client.list("/api/v1/nodes", label_selector=f"{MIG_NODE_LABEL}={MIG_NODE_VALUE}"),
+            )
+            self.state.replace_all(slices, inventories, [n["metadata"]["name"] for n in nodes])
+            self._last_resync = time.monotonic()
+        for info in list(self.state.slices.values()):
+            if info.binding is not None and not info.marked and not info.deleting:
+                await self._guard(self.mark(info))
+        self.request_replan()
+
+    def maybe_resync(self) -> None:
+        """Resync when the last one is older than ``resync_s``; driven by events, so a paused
+        (standby) replica, which gets none, does nothing."""
+        if time.monotonic() - self._last_resync > self.resync_s:
+            self._last_resync = time.monotonic()
+            asyncio.get_running_loop().create_task(self._guard(self.resync()))
+
+    async def _guard(self, work: object) -> None:
+        try:
+            await work  # type: ignore[misc]
+        except ApiError as exc:
+            metrics.RECONCILE_ERRORS.labels("controller", "api").inc()
+            log.warning("controller pass failed, the next event retries: %s", exc)
+
+    # ---- events --------------------------------------------------------------------------------
+
+    async def slice_event(self, body: dict, deleted: bool) -> None:
+        if deleted:
+            gone = self.state.remove_slice(body["metadata"]["uid"])
+            self.events.forget(body["metadata"]["uid"])
+            if gone is not None and gone.binding is not None:
+                self.request_replan()  # its room is free (or idle) now
+            return
+        info = self.state.put_slice(body)
+        if info is None:
+            return
+        for callback in self.on_slice_changed:
+            callback(info)
+        if info.deleting:
+            return
+        if info.invalid and info.phase != "Failed":
+            await self._write(info, status.failed(info.body.get("status"), "InvalidSpec", info.invalid))
+            self.events.post(info.body, "Warning", "InvalidSpec", info.invalid)
+        elif info.binding is None and info.phase in (None, "Pending"):
+            await self.bind(info.uid)
+        elif info.binding is not None and not info.marked:
+            await self.mark(info)
+        self.maybe_resync()
+
+    def inventory_event(self, body: dict, deleted: bool) -> None:
+        if deleted:
+            self.state.remove_inventory(body)
+        else:
+            self.state.put_inventory(body)
+        self.request_replan()
+        self.maybe_resync()
+
+    def node_event(self, name: str, labelled: bool) -> None:
+        if labelled:
+            self.state.labelled.add(name)
+        else:
+            self.state.labelled.discard(name)
+        self.request_replan()
+
+    # ---- binding -------------------------------------------------------------------------------
+
+    def view(self) -> ClusterView:
+        return build_view(self.state.inventories.values(), self.state.labelled, self.state.bindings())
+
+    async def bind(self, uid: str) -> None:
+        """Plan and write one slice's binding, or its refusal (Pending with a reason and an Event)."""
+        started = time.perf_counter()
+        async with self._lock:
+            info = self.state.slices.get(uid)
+            if info is None or info.binding is not None or uid in self.state.in_flight or info.request is None:
+                return
+            try:
+                binding = plan_binding(info.request, self.view(), info.pinned, self.planner)
+            except Refusal as refusal:
+                decision: Binding | Refusal = refusal
+            else:
+                binding = Binding(uid, binding.node, binding.gpu, binding.mode, binding.granted_bytes,
+                                  binding.profile_id, binding.profile, binding.start, binding.size)
+                self.state.in_flight[uid] = binding
+                decision = binding
+            gpu_uuid = "" if isinstance(decision, Refusal) else self.view_uuid(decision)
+        if isinstance(decision, Refusal):
+            await self._refuse(info, decision)
+            return
+        try:
+            await self._write_binding(info, decision, gpu_uuid)
+        except ApiError as exc:
+            self.state.in_flight.pop(uid, None)
+            if exc.conflict:
+                # The slice changed since it was read; its newer event plans it again.
+                return
+            if not exc.not_found:
+                metrics.RECONCILE_ERRORS.labels("controller", "api").inc()
+                log.warning("binding %s failed: %s", info.ref, exc)
+                self.request_replan()
+            return
+        metrics.BIND_SECONDS.observe(time.perf_counter() - started)
+        metrics.BINDS.labels(decision.mode).inc()
+
+    def view_uuid(self, binding: Binding) -> str:
+        inventory = self.state.inventories.get(binding.node)
+        gpu = next((g for g in inventory.gpus if g.index == binding.gpu), None) if inventory else None
+        return gpu.uuid if gpu is not None else ""
+
+    def _reclaim(self, binding: Binding) -> list[dict]:
+        """Idle instances the placement overlaps: the agent destroys them first (shown in status)."""
+        inventory = self.state.inventories.get(binding.node)
+        gpu = next((g for g in inventory.gpus if g.index == binding.gpu), None) if inventory else None
+        if gpu is None or binding.mode != MODE_MIG:
+            return []
+        return [
+            {"gpu": binding.gpu, "profile": i.profile, "start": i.start}
+            for i in gpu.instances
+            if (((1 << i.size) - 1) << i.start) & binding.mask and not (
+                i.start == binding.start and i.profile_id == binding.profile_id)
+        ]
+
+    async def _write_binding(self, info: SliceInfo, binding: Binding, gpu_uuid: str) -> None:
+        assert info.request is not None
+        message = f"bound to {describe_binding(binding)}"
+        body = {
+            "metadata": {"resourceVersion": str(info.version)},
+            "status": status.bound(info.body.get("status"), info.request, binding, gpu_uuid,
+                                   self._reclaim(binding), message),
+        }
+        answer = await self.client.merge_patch(slice_path(info.namespace, info.name, status=True), body)
+        updated = self.state.put_slice(answer) or self.state.slices[info.uid]
+        crashpoint("controller:after-bind")
+        await self.mark(updated)
+        log.debug("bound %s: %s", info.ref, message)
+
+    async def mark(self, info: SliceInfo) -> None:
+        """Add the node label the agents select on and the agent's finalizer (second binding write)."""
+        assert info.binding is not None
+        meta = info.body["metadata"]
+        finalizers = list(meta.get("finalizers") or ())
+        if AGENT_FINALIZER not in finalizers:
+            finalizers.append(AGENT_FINALIZER)
+        patch = {"metadata": {"resourceVersion": str(info.version), "labels": {SLICE_NODE_LABEL: info.binding.node},
+                              "finalizers": finalizers}}
+        path = slice_path(info.namespace, info.name)
+        for _ in range(5):
+            try:
+                answer = await self.client.merge_patch(path, patch)
+            except ApiError as exc:
+                if exc.not_found:
+                    return
+                if not exc.conflict:
+                    raise
+                fresh = await self.client.get(path)
+                known = self.state.put_slice(fresh) or self.state.slices.get(info.uid)
+                if known is None or known.deleting or known.marked:
+                    return
+                patch["metadata"]["resourceVersion"] = str(known.version)
+                patch["metadata"]["finalizers"] = list(dict.fromkeys(
+                    [*(fresh["metadata"].get("finalizers") or ()), AGENT_FINALIZER]))
+                continue
+            self.state.put_slice(answer)
+            return
+
+    async def _refuse(self, info: SliceInfo, refusal: Refusal) -> None:
+        current = info.body.get("status") or {}
+        if current.get("phase") != "Pending" or current.get("reason") != refusal.code or (
+                current.get("message") != refusal.message):
+            assert info.request is not None
+            await self._write(info, status.pending(current, info.request, refusal.code, refusal.message))
+        self.events.post(info.body, "Warning", refusal.code, refusal.message)
+
+    async def _write(self, info: SliceInfo, new_status: dict) -> None:
+        try:
+            answer = await self.client.merge_patch(slice_path(info.namespace, info.name, status=True),
+                                                   {"status": new_status})
+        except ApiError as exc:
+            if exc.not_found:
+                return
+            raise
+        self.state.put_slice(answer)
+
+    # ---- planning again --------------------------------------------------------------------------
+
+    def request_replan(self) -> None:
+        """Plan every Pending slice again soon, oldest first; requests while one runs make one more."""
+        if self._replan_task is not None and not self._replan_task.done():
+            self._replan_again = True
+            return
+        self._replan_task = asyncio.get_running_loop().create_task(self._replan())
+
+    async def _replan(self) -> None:
+        while True:
+            self._replan_again = False
+            await asyncio.sleep(0.05)  # let a burst of inventory updates land first
+            for info in self.state.pending():
+                await self._guard(self.bind(info.uid))
+            if not self._replan_again:
+                return
+
+    def publish_counts(self) -> None:
+        metrics.SLICES.clear()
+        for (phase, mode), count in self.state.counts().items():
+            metrics.SLICES.labels(phase, mode).set(count)

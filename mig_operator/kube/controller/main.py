@@ -1,0 +1,109 @@
+"""``mig-operator controller``: the cluster-wide controller as a kopf operator.
+
+Replicas elect one active through kopf peering (each with its own priority); a standby resumes
+when the active one stops. The admission webhook, when asked for, is served by every replica.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import kopf
+
+from ..common import metrics
+from ..common.client import ApiError, KubeClient
+from ..common.events import EventPoster
+from ..common.names import (
+    CONTROLLER_FINALIZER,
+    CONTROLLER_PREFIX,
+    GROUP,
+    MIG_NODE_LABEL,
+    MIG_NODE_VALUE,
+    NODES,
+    PEERING_NAME,
+    SLICES,
+    VERSION,
+)
+from ..common.operator import register_login, run_operator, tune
+from .binder import Binder
+
+log = logging.getLogger("mig_operator.controller")
+
+
+@dataclass(frozen=True)
+class ControllerOptions:
+    kubeconfig: str | None = None
+    priority: int | None = None  # None: derived from the host name and pid (distinct per replica)
+    peering: str = PEERING_NAME
+    peering_lifetime_s: int = 10
+    metrics_address: str | None = None
+    resync_s: float = 30.0
+
+
+def default_priority() -> int:
+    # Two live peers with the same priority both pause (kopf-notes): derive a distinct one per replica.
+    return 1 + zlib.crc32(f"{os.uname().nodename}/{os.getpid()}".encode()) % 1_000_000
+
+
+async def ensure_peering(client: KubeClient, name: str) -> None:
+    """Create the ClusterKopfPeering object when missing (its CRD ships in crds/peering.yaml)."""
+    body = {"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": name}}
+    try:
+        await client.create("/apis/kopf.dev/v1/clusterkopfpeerings", body)
+    except ApiError as exc:
+        if not exc.conflict:
+            raise
+
+
+def build_registry(options: ControllerOptions) -> kopf.OperatorRegistry:
+    registry = kopf.OperatorRegistry()
+    register_login(registry, options.kubeconfig)
+    state: dict[str, Any] = {}
+
+    @kopf.on.startup(registry=registry, backoff=2)
+    async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
+        tune(settings, CONTROLLER_PREFIX, CONTROLLER_FINALIZER)
+        settings.peering.lifetime = options.peering_lifetime_s
+        settings.watching.label_selectors["v1", "nodes"] = f"{MIG_NODE_LABEL}={MIG_NODE_VALUE}"
+        client = KubeClient.from_environment(options.kubeconfig)
+        await ensure_peering(client, options.peering)
+        binder = Binder(client, EventPoster(client, "mig-operator-controller", os.uname().nodename),
+                        resync_s=options.resync_s)
+        await binder.resync()
+        state.update(client=client, binder=binder)
+
+    @kopf.on.event(GROUP, VERSION, SLICES, registry=registry)
+    async def slice_event(body: kopf.Body, type: str | None, **_: Any) -> None:
+        binder: Binder = state["binder"]
+        await binder.slice_event(dict(body), deleted=type == "DELETED")
+        binder.publish_counts()
+
+    @kopf.on.event(GROUP, VERSION, NODES, registry=registry)
+    async def gpunode_event(body: kopf.Body, type: str | None, **_: Any) -> None:
+        state["binder"].inventory_event(dict(body), deleted=type == "DELETED")
+
+    @kopf.on.event("v1", "nodes", registry=registry)
+    async def node_event(body: kopf.Body, type: str | None, **_: Any) -> None:
+        labels = body.get("metadata", {}).get("labels") or {}
+        state["binder"].node_event(body["metadata"]["name"],
+                                   type != "DELETED" and labels.get(MIG_NODE_LABEL) == MIG_NODE_VALUE)
+
+    @kopf.on.cleanup(registry=registry)
+    async def cleanup(**_: Any) -> None:
+        if "binder" in state:
+            await state["binder"].events.drain()
+            await state["client"].close()
+
+    return registry
+
+
+def run_controller(options: ControllerOptions) -> None:
+    if options.metrics_address:
+        metrics.serve(options.metrics_address)
+    priority = options.priority if options.priority is not None else default_priority()
+    log.info("controller starting with peering %s, priority %d", options.peering, priority)
+    run_operator(build_registry(options), standalone=False, priority=priority, peering_name=options.peering)

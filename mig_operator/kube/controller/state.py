@@ -1,0 +1,150 @@
+"""What the controller knows of the cluster: slices, inventories, labelled nodes, bindings in flight.
+
+Fed by watch events and by periodic full lists (``replace_all``), read by the binder. A watch event
+older than what is known (a smaller resourceVersion) is ignored, so a binding the controller has
+just written cannot be undone by a late event from before it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from mig_operator.core.cluster import Binding, NodeInventory, binding_from_status, inventory_from_status
+from mig_operator.core.quantities import QuantityError
+from mig_operator.core.request import SliceRequest
+from mig_operator.core.slice_spec import request_from_spec
+
+from ..common.names import AGENT_FINALIZER, SLICE_NODE_LABEL
+
+
+def _version(meta: Mapping) -> int:
+    # resourceVersion is etcd's revision; compared only to drop events older than what is known.
+    try:
+        return int(meta.get("resourceVersion") or 0)
+    except ValueError:
+        return 0
+
+
+@dataclass
+class SliceInfo:
+    """One GpuSlice as the controller needs it."""
+
+    uid: str
+    namespace: str
+    name: str
+    created: str
+    version: int
+    body: dict[str, Any]
+    request: SliceRequest | None
+    invalid: str  # why the spec cannot be served (an API server without CEL let it in), else ""
+    pinned: str | None
+    phase: str | None
+    binding: Binding | None
+    deleting: bool
+    marked: bool  # carries the node label and the agent's finalizer
+
+    @property
+    def ref(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+    @property
+    def order(self) -> tuple[str, str, str]:
+        """Oldest first: Pending slices are planned again in this order."""
+        return (self.created, self.namespace, self.name)
+
+
+def slice_info(body: Mapping) -> SliceInfo:
+    meta = body["metadata"]
+    spec = body.get("spec") or {}
+    status = body.get("status") or {}
+    request, invalid = None, ""
+    try:
+        request = request_from_spec(spec)
+    except QuantityError as exc:
+        invalid = str(exc)
+    binding = binding_from_status(meta["uid"], status)
+    labels = meta.get("labels") or {}
+    marked = binding is not None and labels.get(SLICE_NODE_LABEL) == binding.node and AGENT_FINALIZER in (
+        meta.get("finalizers") or ())
+    return SliceInfo(
+        uid=meta["uid"], namespace=meta["namespace"], name=meta["name"], created=meta.get("creationTimestamp", ""),
+        version=_version(meta), body=dict(body), request=request, invalid=invalid,
+        pinned=spec.get("nodeName"), phase=status.get("phase"), binding=binding,
+        deleting=bool(meta.get("deletionTimestamp")), marked=marked,
+    )
+
+
+@dataclass
+class ClusterState:
+    slices: dict[str, SliceInfo] = field(default_factory=dict)
+    inventories: dict[str, NodeInventory] = field(default_factory=dict)
+    labelled: set[str] = field(default_factory=set)
+    # Bindings decided but not yet seen in a slice's status: they hold their GPU room meanwhile.
+    in_flight: dict[str, Binding] = field(default_factory=dict)
+
+    # ---- slices --------------------------------------------------------------------------------
+
+    def put_slice(self, body: Mapping) -> SliceInfo | None:
+        """Take a slice event; None when it is older than what is known (ignored)."""
+        info = slice_info(body)
+        known = self.slices.get(info.uid)
+        if known is not None and info.version and known.version > info.version:
+            return None
+        self.slices[info.uid] = info
+        if info.binding is not None:
+            self.in_flight.pop(info.uid, None)
+        return info
+
+    def remove_slice(self, uid: str) -> SliceInfo | None:
+        self.in_flight.pop(uid, None)
+        return self.slices.pop(uid, None)
+
+    def bindings(self) -> list[Binding]:
+        """Every binding that holds GPU room: written ones (until the slice is gone) and in flight."""
+        held = {uid: s.binding for uid, s in self.slices.items() if s.binding is not None}
+        held.update(self.in_flight)
+        return list(held.values())
+
+    def pending(self) -> list[SliceInfo]:
+        """Slices waiting for a binding, oldest first."""
+        waiting = [
+            s for s in self.slices.values()
+            if s.binding is None and s.uid not in self.in_flight and not s.deleting and s.phase in (None, "Pending")
+            and s.request is not None
+        ]
+        return sorted(waiting, key=lambda s: s.order)
+
+    # ---- inventories and labels ----------------------------------------------------------------
+
+    def put_inventory(self, body: Mapping) -> None:
+        name = body["metadata"]["name"]
+        node = (body.get("spec") or {}).get("nodeName") or name
+        self.inventories[node] = inventory_from_status(node, body.get("status"))
+
+    def remove_inventory(self, body: Mapping) -> None:
+        node = (body.get("spec") or {}).get("nodeName") or body["metadata"]["name"]
+        self.inventories.pop(node, None)
+
+    def replace_all(self, slices: Iterable[Mapping], inventories: Iterable[Mapping], labelled: Iterable[str]) -> None:
+        """A fresh full list: what is not in it is gone (events may have been missed while paused)."""
+        fresh = {}
+        for body in slices:
+            info = slice_info(body)
+            known = self.slices.get(info.uid)
+            fresh[info.uid] = known if known is not None and known.version > info.version else info
+        self.slices = fresh
+        self.in_flight = {uid: b for uid, b in self.in_flight.items() if uid in fresh}
+        self.inventories = {}
+        for body in inventories:
+            self.put_inventory(body)
+        self.labelled = set(labelled)
+
+    def counts(self) -> dict[tuple[str, str], int]:
+        """Slices by (phase, mode), for the metrics."""
+        out: dict[tuple[str, str], int] = {}
+        for s in self.slices.values():
+            key = (s.phase or "New", s.binding.mode if s.binding else "")
+            out[key] = out.get(key, 0) + 1
+        return out
