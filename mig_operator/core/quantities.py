@@ -1,4 +1,4 @@
-"""Memory requests and fractions, parsed exactly as DESIGN's "Memory quantities" says.
+r"""Memory requests and fractions, parsed exactly as DESIGN's "Memory quantities" says.
 
 A memory request follows Kubernetes quantity rules (``4G`` = 4*10^9 bytes, ``4Gi`` = 4*2^30 bytes,
 ``1e9`` = 10^9 bytes, a plain integer is bytes), and also accepts the spellings ``GB``, ``GiB``,
@@ -6,6 +6,14 @@ A memory request follows Kubernetes quantity rules (``4G`` = 4*10^9 bytes, ``4Gi
 number of bytes between 1 and 2^63-1 (what Kubernetes stores in an int64), written with at most nine
 decimal places after its unit (Kubernetes keeps quantities to 1n); anything else is refused
 with one error type whose message names the value and shows a valid example.
+
+A fraction given as text (a pod annotation, a trace) follows one ASCII grammar, decimal only:
+``[0-9]+(\.[0-9]*)?`` or ``\.[0-9]+`` (``0.5``, ``.25``, ``1``, ``1.0``), at most 32 characters, and
+its value must be in (0, 1]. Signs, exponents (``1e-1``), underscores (``0.2_5``), white space, non-ASCII
+digits, ``inf`` and ``nan`` are refused, though Python's ``float()`` takes them. A fraction given as a
+number (the CRD's ``spec.fraction``, a JSON trace) is only range-checked.
+
+Every message quotes at most about 100 characters of the value (``clip_repr``).
 
 The CRD's CEL rules mirror these rules (``crds/gpuslice.yaml``); a test runs both on one corpus.
 """
@@ -29,7 +37,7 @@ _DECIMAL_POWERS = {"n": -9, "u": -6, "m": -3, "": 0, "k": 3, "M": 6, "G": 9, "T"
 _ALIASES = {"gib": "Gi", "mib": "Mi", "gb": "G", "mb": "M"}
 
 _NUMBER = re.compile(r"^(?P<sign>[+-]?)(?P<digits>[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?P<suffix>.*)$")
-_EXPONENT = re.compile(r"^[eE](?P<exp>[+-]?[0-9]+)$")
+_EXPONENT = re.compile(r"^[eE](?P<sign>[+-]?)(?P<exp>[0-9]+)$")
 # An exponent beyond this can only give a value far outside (0, MAX_BYTES]; refuse before computing it.
 _MAX_EXPONENT = 40
 # Kubernetes keeps quantities to 1n (it rounds finer input up), so the API server would see
@@ -37,8 +45,51 @@ _MAX_EXPONENT = 40
 MAX_DECIMAL_PLACES = 9
 
 
+# A whole part longer than this (leading zeros aside) is far above MAX_BYTES whatever the unit, and
+# Python refuses to turn more than 4300 digits into an int: judge it by its length alone.
+_MAX_WHOLE_DIGITS = 1000
+# How much of a refused value a message quotes.
+QUOTE_LIMIT = 100
+
+# The one grammar of a fraction written as text: ASCII decimal, no sign, exponent, '_' or space.
+_FRACTION_TEXT = re.compile(r"[0-9]+(?:\.[0-9]*)?|\.[0-9]+", re.ASCII)
+MAX_FRACTION_LENGTH = 32
+
+
 class QuantityError(ValueError):
     """A memory request or fraction that cannot be used; the message names it and shows an example."""
+
+
+def clip_repr(value: object, limit: int = QUOTE_LIMIT) -> str:
+    """``repr(value)`` for an error message, cut to about ``limit`` characters with an ellipsis.
+
+    Never raises: an int beyond Python's 4300-digit conversion limit, or a structure nested too deeply
+    to print, is described instead of shown.
+    """
+    try:
+        text = repr(value)
+    except ValueError:
+        # int.__repr__ refuses more than 4300 digits; log10(2) ~ 0.30103 digits per bit.
+        bits = value.bit_length() if isinstance(value, int) else 0
+        return f"<an integer of about {int(bits * 0.30103) + 1} digits>" if bits else f"<a {type(value).__name__}>"
+    except RecursionError:
+        return f"<a {type(value).__name__} nested too deeply to show>"
+    if len(text) <= limit:
+        return text
+    if isinstance(value, str):
+        size = f"{len(value)} characters"
+    elif isinstance(value, int):
+        size = f"{len(text.lstrip('-'))} digits"
+    else:
+        size = f"{len(text)} characters in all"
+    return f"{text[:limit]}... ({size})"
+
+
+def clip_text(value: object, limit: int = QUOTE_LIMIT) -> str:
+    """A name for a message without quotes (a field or annotation key), cut like ``clip_repr``."""
+    if not isinstance(value, str):
+        return clip_repr(value, limit)
+    return value if len(value) <= limit else f"{value[:limit]}... ({len(value)} characters)"
 
 
 def normalise_memory_alias(text: str) -> str:
@@ -52,32 +103,39 @@ def normalise_memory_alias(text: str) -> str:
 
 def parse_memory(value: str | int) -> int:
     """Bytes asked for by a memory request such as ``4G``, ``17Gi``, ``4096MiB`` or ``1073741824``."""
+    shown = clip_repr(value)
     if isinstance(value, bool) or not isinstance(value, (str, int)):
-        raise QuantityError(f"memory {value!r} is not a quantity; use a string such as {MEMORY_EXAMPLE!r}")
+        raise QuantityError(f"memory {shown} is not a quantity; use a string such as {MEMORY_EXAMPLE!r}")
     if isinstance(value, int):
-        return _check_bytes(repr(value), Fraction(value))
+        return _check_bytes(shown, Fraction(value))
     text = value.strip()
     if text != value or not text:
-        raise QuantityError(f"memory {value!r} is not a quantity; use e.g. {MEMORY_EXAMPLE!r}")
+        raise QuantityError(f"memory {shown} is not a quantity; use e.g. {MEMORY_EXAMPLE!r}")
     match = _NUMBER.match(normalise_memory_alias(text))
     if match is None:
-        raise QuantityError(f"memory {value!r} is not a quantity; use e.g. {MEMORY_EXAMPLE!r} or '4G'")
-    digits = match["digits"]
-    number = Fraction(digits if not digits.endswith(".") else digits[:-1])
-    if match["sign"] == "-":
-        number = -number
-    multiplier, power = _multiplier(value, match["suffix"])
-    places = len(digits.partition(".")[2])
-    if places - power > MAX_DECIMAL_PLACES:
+        raise QuantityError(f"memory {shown} is not a quantity; use e.g. {MEMORY_EXAMPLE!r} or '4G'")
+    whole, _, decimals = match["digits"].partition(".")
+    multiplier, power = _multiplier(shown, match["suffix"])
+    # Checked before any arithmetic, so thousands of decimal digits cost nothing.
+    if len(decimals) - power > MAX_DECIMAL_PLACES:
         raise QuantityError(
-            f"memory {value!r} has more than nine decimal places after its unit (Kubernetes keeps "
+            f"memory {shown} has more than nine decimal places after its unit (Kubernetes keeps "
             f"quantities to 1n, so it cannot be checked to be a whole number of bytes); "
             f"use e.g. {MEMORY_EXAMPLE!r}"
         )
-    return _check_bytes(repr(value), number * multiplier)
+    whole = whole.lstrip("0")
+    negative = match["sign"] == "-"
+    if len(whole) > _MAX_WHOLE_DIGITS:
+        if negative:
+            raise QuantityError(f"memory {shown} must be greater than zero; use e.g. {MEMORY_EXAMPLE!r}")
+        raise QuantityError(f"memory {shown} is larger than 2^63-1 bytes; use e.g. {MEMORY_EXAMPLE!r}")
+    number = Fraction(int(whole or "0")) + Fraction(int(decimals or "0"), 10 ** len(decimals))
+    if negative:
+        number = -number
+    return _check_bytes(shown, number * multiplier)
 
 
-def _multiplier(value: str, suffix: str) -> tuple[Fraction, int]:
+def _multiplier(shown: str, suffix: str) -> tuple[Fraction, int]:
     """The suffix's factor, and its power of ten (0 for binary units) for the decimal-places rule."""
     if suffix in _BINARY:
         return Fraction(_BINARY[suffix]), 0
@@ -87,12 +145,14 @@ def _multiplier(value: str, suffix: str) -> tuple[Fraction, int]:
         exponent = _EXPONENT.match(suffix)
         if exponent is None:
             raise QuantityError(
-                f"memory {value!r} has an unknown unit {suffix!r}; use one of Ki, Mi, Gi, Ti, k, M, G, T "
+                f"memory {shown} has an unknown unit {clip_repr(suffix)}; use one of Ki, Mi, Gi, Ti, k, M, G, T "
                 f"(or GB, GiB, MB, MiB), e.g. {MEMORY_EXAMPLE!r}"
             )
-        power = int(exponent["exp"])
-        if abs(power) > _MAX_EXPONENT:
-            raise QuantityError(f"memory {value!r} is out of range; use e.g. {MEMORY_EXAMPLE!r}")
+        sign, digits = exponent["sign"], exponent["exp"].lstrip("0")
+        # Compared as text first: int() refuses more than 4300 digits.
+        if len(digits) > 3 or int(digits or "0") > _MAX_EXPONENT:
+            raise QuantityError(f"memory {shown} is out of range; use e.g. {MEMORY_EXAMPLE!r}")
+        power = -int(digits or "0") if sign == "-" else int(digits or "0")
     return Fraction(10) ** power, power
 
 
@@ -107,23 +167,39 @@ def _check_bytes(shown: str, amount: Fraction) -> int:
 
 
 def parse_fraction(value: str | float | int) -> float:
-    """A share of one GPU in (0, 1], from an annotation string (``"0.5"``) or a number."""
+    """A share of one GPU in (0, 1], from an annotation string (``"0.5"``) or a number.
+
+    Text must match the module's fraction grammar; its value is compared exactly, so
+    ``1.0000000000000000001`` is refused although it rounds to the float 1.0.
+    """
+    shown = clip_repr(value)
+    not_a_number = (
+        f"fraction {shown} is not a number; write a decimal such as {FRACTION_EXAMPLE!r} "
+        f"(ASCII digits and at most one point)"
+    )
     if isinstance(value, bool):
-        raise QuantityError(f"fraction {value!r} is not a number; use e.g. {FRACTION_EXAMPLE!r}")
+        raise QuantityError(not_a_number)
     if isinstance(value, str):
-        try:
-            number = float(value.strip()) if value.strip() == value and value else math.nan
-        except ValueError:
-            number = math.nan
-    elif isinstance(value, (int, float)):
-        number = float(value)
+        if len(value) > MAX_FRACTION_LENGTH:
+            raise QuantityError(
+                f"fraction {shown} is too long: may not be more than {MAX_FRACTION_LENGTH} characters; "
+                f"use e.g. {FRACTION_EXAMPLE!r}"
+            )
+        if _FRACTION_TEXT.fullmatch(value) is None:
+            raise QuantityError(not_a_number)
+        exact = Fraction(value if not value.endswith(".") else value[:-1])
+    elif isinstance(value, int):
+        exact = Fraction(value)
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            raise QuantityError(not_a_number)
+        exact = Fraction(value)
     else:
-        number = math.nan
-    if math.isnan(number):
-        raise QuantityError(f"fraction {value!r} is not a number; use e.g. {FRACTION_EXAMPLE!r}")
-    if not 0.0 < number <= 1.0:
-        raise QuantityError(f"fraction {value!r} must be in (0, 1]; use e.g. {FRACTION_EXAMPLE!r}")
-    return number
+        raise QuantityError(not_a_number)
+    if not 0 < exact <= 1:
+        raise QuantityError(f"fraction {shown} must be in (0, 1]; use e.g. {FRACTION_EXAMPLE!r}")
+    # Positive as a float too: 32 characters cannot write a number below the smallest float.
+    return float(exact)
 
 
 def mib_ceil(num_bytes: int) -> int:

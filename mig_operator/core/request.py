@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from .quantities import QuantityError, format_bytes, parse_fraction, parse_memory
+from .quantities import QuantityError, clip_repr, format_bytes, parse_fraction, parse_memory
 
 PROFILE_EXAMPLE = "2g.35gb"
 # `<compute slices>g.<memory GB>gb`, optionally with NVML's engine suffixes (+me, -me, +gfx, +me.all).
@@ -35,7 +35,9 @@ class SliceRequest:
 def parse_profile_name(value: object) -> str:
     """A MIG profile name such as ``2g.35gb`` or ``1g.18gb+me``."""
     if not isinstance(value, str) or PROFILE_NAME.fullmatch(value) is None:
-        raise RequestError(f"migProfile {value!r} is not a MIG profile name; use e.g. {PROFILE_EXAMPLE!r}")
+        raise RequestError(
+            f"migProfile {clip_repr(value)} is not a MIG profile name; use e.g. {PROFILE_EXAMPLE!r}"
+        )
     return value
 
 

@@ -15,7 +15,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from .quantities import MEMORY_EXAMPLE, QuantityError
+from .quantities import MEMORY_EXAMPLE, QuantityError, clip_repr, clip_text
 from .request import PROFILE_EXAMPLE, RequestError, SliceRequest, parse_profile_name, slice_request
 
 ANNOTATION_MEMORY = "cdmo.io/gpu-memory"
@@ -40,11 +40,11 @@ NODE_NAME_EXAMPLE = "gpu-node-1"
 def request_from_spec(spec: Mapping[str, Any]) -> SliceRequest:
     """The request of a GpuSlice ``spec``, refused exactly where the CRD's schema and rules refuse it."""
     if not isinstance(spec, Mapping):
-        raise RequestError(f"spec {spec!r} must be an object; e.g. {{memory: '{MEMORY_EXAMPLE}'}}")
-    unknown = sorted(str(key) for key in spec if key not in SPEC_FIELDS)
+        raise RequestError(f"spec {clip_repr(spec)} must be an object; e.g. {{memory: '{MEMORY_EXAMPLE}'}}")
+    unknown = sorted((key for key in spec if key not in SPEC_FIELDS), key=clip_text)
     if unknown:
         raise RequestError(
-            f'unknown field "spec.{unknown[0]}"; a GpuSlice spec has only '
+            f'unknown field "spec.{clip_text(unknown[0])}"; a GpuSlice spec has only '
             f"{', '.join(SPEC_FIELDS)}, e.g. memory: '{MEMORY_EXAMPLE}'"
         )
     memory = spec.get("memory")
@@ -54,7 +54,7 @@ def request_from_spec(spec: Mapping[str, Any]) -> SliceRequest:
     if memory is not None:
         _check_memory_text(memory)
     if fraction is not None and (isinstance(fraction, bool) or not isinstance(fraction, (int, float))):
-        raise RequestError(f"fraction {fraction!r} must be of type number; use e.g. 0.5")
+        raise RequestError(f"fraction {clip_repr(fraction)} must be of type number; use e.g. 0.5")
     if profile is not None:
         _check_profile_text(profile)
     if node_name is not None:
@@ -69,7 +69,7 @@ def request_from_annotations(annotations: Mapping[str, str] | None) -> SliceRequ
     stray = sorted(key for key in annotations if key.startswith(ANNOTATION_PREFIX) and key not in REQUEST_ANNOTATIONS)
     if stray:
         raise RequestError(
-            f"annotation {stray[0]} is not a slice annotation; use one of "
+            f"annotation {clip_text(stray[0])} is not a slice annotation; use one of "
             f"{', '.join(REQUEST_ANNOTATIONS)}, e.g. {ANNOTATION_MEMORY}: '{MEMORY_EXAMPLE}'"
         )
     given = [key for key in REQUEST_ANNOTATIONS if key in annotations]
@@ -102,20 +102,21 @@ def check_request_unchanged(old_spec: Mapping[str, Any], new_spec: Mapping[str, 
     for name in IMMUTABLE_FIELDS:
         if (name in old_spec) != (name in new_spec) or old_spec.get(name) != new_spec.get(name):
             raise RequestError(
-                f"spec.{name} cannot change after creation (was {old_spec.get(name)!r}, "
-                f"now {new_spec.get(name)!r}); delete the GpuSlice and create a new one"
+                f"spec.{name} cannot change after creation (was {clip_repr(old_spec.get(name))}, "
+                f"now {clip_repr(new_spec.get(name))}); delete the GpuSlice and create a new one"
             )
 
 
 def check_node_name(value: object) -> str:
     """A Node's name as spec.nodeName may give it: a lower-case DNS subdomain of at most 253 characters."""
     if not isinstance(value, str):
-        raise RequestError(f"nodeName {value!r} must be of type string; use e.g. '{NODE_NAME_EXAMPLE}'")
+        raise RequestError(f"nodeName {clip_repr(value)} must be of type string; use e.g. '{NODE_NAME_EXAMPLE}'")
     if len(value) > MAX_NODE_NAME_LENGTH:
         raise RequestError(f"nodeName is too long: may not be more than {MAX_NODE_NAME_LENGTH} characters")
     if NODE_NAME.fullmatch(value) is None:
         raise RequestError(
-            f"nodeName {value!r} is not a node name (lower-case DNS subdomain); use e.g. '{NODE_NAME_EXAMPLE}'"
+            f"nodeName {clip_repr(value)} is not a node name (lower-case DNS subdomain); "
+            f"use e.g. '{NODE_NAME_EXAMPLE}'"
         )
     return value
 
@@ -123,7 +124,7 @@ def check_node_name(value: object) -> str:
 def _check_memory_text(value: object) -> None:
     """What the schema checks of spec.memory before core parses it: type and length."""
     if not isinstance(value, str):
-        raise QuantityError(f"memory {value!r} must be of type string; use e.g. '{MEMORY_EXAMPLE}'")
+        raise QuantityError(f"memory {clip_repr(value)} must be of type string; use e.g. '{MEMORY_EXAMPLE}'")
     if len(value) > MAX_MEMORY_LENGTH:
         raise QuantityError(f"memory is too long: may not be more than {MAX_MEMORY_LENGTH} characters")
 
@@ -131,7 +132,7 @@ def _check_memory_text(value: object) -> None:
 def _check_profile_text(value: object) -> None:
     """What the schema checks of a profile name beyond core's pattern: type and length."""
     if not isinstance(value, str):
-        raise RequestError(f"migProfile {value!r} must be of type string; use e.g. '{PROFILE_EXAMPLE}'")
+        raise RequestError(f"migProfile {clip_repr(value)} must be of type string; use e.g. '{PROFILE_EXAMPLE}'")
     if len(value) > MAX_PROFILE_LENGTH:
         raise RequestError(f"migProfile is too long: may not be more than {MAX_PROFILE_LENGTH} characters")
     parse_profile_name(value)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from .planner import MigDecision, MigGpu, PlannerSettings, Unplaceable, choose_mig
 from .profiles import GpuModel
-from .quantities import QuantityError
+from .quantities import QuantityError, clip_repr
 from .request import SliceRequest, slice_request
 
 TRACE_EXAMPLE = '[{"op": "alloc", "id": "a1", "memory": "10Gi"}, {"op": "free", "id": "a1"}]'
@@ -39,30 +39,30 @@ def parse_trace(data: object) -> list[TraceEvent]:
     for n, raw in enumerate(data):
         where = f"event {n}"
         if not isinstance(raw, dict):
-            raise TraceError(f"{where} is not an object: {raw!r}; e.g. {TRACE_EXAMPLE}")
+            raise TraceError(f"{where} is not an object: {clip_repr(raw)}; e.g. {TRACE_EXAMPLE}")
         op, ident = raw.get("op"), raw.get("id")
         if not isinstance(ident, str) or not ident:
-            raise TraceError(f"{where} needs a non-empty string 'id': {raw!r}")
+            raise TraceError(f"{where} needs a non-empty string 'id': {clip_repr(raw)}")
         if op == "alloc":
             extra = set(raw) - {"op", "id", "memory", "fraction", "profile"}
             if extra:
-                raise TraceError(f"{where} has unknown fields {sorted(extra)}: {raw!r}")
+                raise TraceError(f"{where} has unknown fields {clip_repr(sorted(extra))}: {clip_repr(raw)}")
             if ident in live:
-                raise TraceError(f"{where} allocates {ident!r} again before freeing it")
+                raise TraceError(f"{where} allocates {clip_repr(ident)} again before freeing it")
             try:
                 request = slice_request(raw.get("memory"), raw.get("fraction"), raw.get("profile"))
             except QuantityError as exc:
-                raise TraceError(f"{where} ({ident!r}): {exc}") from None
+                raise TraceError(f"{where} ({clip_repr(ident)}): {exc}") from None
             events.append(TraceEvent("alloc", ident, request))
             live.add(ident)
             seen.add(ident)
         elif op == "free":
             if ident not in seen:
-                raise TraceError(f"{where} frees {ident!r}, which was never allocated")
+                raise TraceError(f"{where} frees {clip_repr(ident)}, which was never allocated")
             events.append(TraceEvent("free", ident))
             live.discard(ident)
         else:
-            raise TraceError(f"{where} has op {op!r}; use 'alloc' or 'free', e.g. {TRACE_EXAMPLE}")
+            raise TraceError(f"{where} has op {clip_repr(op)}; use 'alloc' or 'free', e.g. {TRACE_EXAMPLE}")
     return events
 
 
