@@ -8,11 +8,17 @@ profile spans a fixed number of slots and may start only at the legal placements
 The built-in catalog below is the simulator's truth and a fallback; at run time the agent reads
 profiles and placements from NVML, because names and sizes drift between drivers and boards
 (mig-parted #31, #227; nos #51). Sources are cited per table.
+
+The catalog also holds GPUs without MIG (L4, L40S, A10, T4), which serve fractions only: they have
+no profiles and no memory slots, and NVML answers their MIG queries with NOT_SUPPORTED.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
+
+from .quantities import clip_repr
 
 
 class CatalogError(ValueError):
@@ -46,8 +52,8 @@ class Profile:
 
     @property
     def size(self) -> int:
-        """Memory slots one instance spans."""
-        return self.placements[0].size
+        """Memory slots one instance spans; 0 for a profile NVML lists with no legal placement."""
+        return self.placements[0].size if self.placements else 0
 
     @property
     def media_extension(self) -> bool:
@@ -57,7 +63,10 @@ class Profile:
 
 @dataclass(frozen=True)
 class GpuModel:
-    """A MIG-capable board: its memory slots, total memory and profiles."""
+    """A board: its memory slots, total memory (MiB, as NVML reports it) and MIG profiles.
+
+    A GPU without MIG has no profiles and no memory slots (``mig_capable`` is False).
+    """
 
     name: str
     product: str
@@ -97,6 +106,10 @@ class GpuModel:
     @property
     def full_mask(self) -> int:
         return (1 << self.memory_slots) - 1
+
+    @property
+    def mig_capable(self) -> bool:
+        return bool(self.profiles)
 
 
 def _starts(starts: tuple[int, ...], size: int) -> tuple[Placement, ...]:
@@ -156,10 +169,13 @@ CATALOG: dict[str, GpuModel] = {
         {"1g": 9728, "2g": 19968, "4g": 40192, "7g": 80896}, _A100_SM,
         {"1g": "1g.10gb", "1g2": "1g.20gb", "2g": "2g.20gb", "3g": "3g.40gb", "4g": "4g.40gb", "7g": "7g.80gb"},
     ),
-    # A100 40GB: NVIDIA MIG User Guide, "A100 MIG profiles" table (4.75, 9.62, 19.62, 39.38 GiB).
+    # A100 40GB: `nvidia-smi mig -lgip` on an A100-SXM4-40GB as the NVIDIA MIG User Guide prints it
+    # ("Getting Started with MIG", "List GPU Instance Profiles"): 1g.5gb 4.75 GiB, 1g.10gb and 2g.10gb
+    # 9.75 GiB (9984 MiB, not 9856), 3g/4g 19.62 GiB, 7g.40gb 39.50 GiB; the same table is quoted in
+    # public nvidia-smi captures. Total 40960 MiB (modal-labs/modal-client PR #2797).
     "a100-40gb": _eight_slot_model(
         "a100-40gb", "NVIDIA A100-SXM4-40GB", 40960,
-        {"1g": 4864, "2g": 9856, "4g": 20096, "7g": 40320}, _A100_SM,
+        {"1g": 4864, "2g": 9984, "4g": 20096, "7g": 40448}, _A100_SM,
         {"1g": "1g.5gb", "1g2": "1g.10gb", "2g": "2g.10gb", "3g": "3g.20gb", "4g": "4g.20gb", "7g": "7g.40gb"},
     ),
     # A30 24GB, 4 memory slots: NVIDIA MIG User Guide, "A30 MIG profiles" table (5.81, 11.69, 23.44 GiB).
@@ -176,6 +192,21 @@ CATALOG: dict[str, GpuModel] = {
             Profile("4g.24gb", 0, 4, 24000, 56, 1, _starts((0,), 4)),
         ),
     ),
+    # GPUs without MIG, for fractions. Total memory is NVML's (nvmlDeviceGetMemoryInfo().total, what
+    # `nvidia-smi` prints as MiB); all four figures are in the list of `nvidia-smi` totals in
+    # modal-labs/modal-client PR #2797, and three are also cited below from captures of their own.
+    # Product names as NVML prints them.
+    # L4: 23034 MiB (that PR).
+    "l4-24gb": GpuModel(name="l4-24gb", product="NVIDIA L4", memory_slots=0, memory_mib=23034, profiles=()),
+    # L40S: `nvidia-smi --query-gpu=name,memory.total` gives "NVIDIA L40S, 46068 MiB"
+    # (akash-network/provider-configs PR #99, driver 595.71.05).
+    "l40s-48gb": GpuModel(name="l40s-48gb", product="NVIDIA L40S", memory_slots=0, memory_mib=46068, profiles=()),
+    # A10: NVML memoryInfo.total 24146608128 bytes = 23028 MiB for "NVIDIA A10" (mayooot/detect-gpu #3,
+    # driver 535.129.03).
+    "a10-24gb": GpuModel(name="a10-24gb", product="NVIDIA A10", memory_slots=0, memory_mib=23028, profiles=()),
+    # T4: `nvidia-smi` shows "Tesla T4 ... 15360MiB" (aws/sagemaker-huggingface-inference-toolkit PR #103,
+    # driver 535.54.03).
+    "t4-16gb": GpuModel(name="t4-16gb", product="Tesla T4", memory_slots=0, memory_mib=15360, profiles=()),
 }
 
 
@@ -183,15 +214,23 @@ def get_model(name: str) -> GpuModel:
     """The catalog entry for ``name`` (``h200-141gb``), or a CatalogError listing the known ones."""
     try:
         return CATALOG[name]
-    except KeyError:
-        raise CatalogError(f"unknown GPU model {name!r}; known: {', '.join(sorted(CATALOG))}") from None
+    except (KeyError, TypeError):
+        raise CatalogError(f"unknown GPU model {clip_repr(name)}; known: {', '.join(sorted(CATALOG))}") from None
+
+
+def _tokens(text: str) -> list[str]:
+    return re.findall(r"[a-z0-9]+", text.lower())
 
 
 def model_for_product(product: str, memory_mib: int) -> GpuModel | None:
-    """The catalog entry for an NVML product name and total memory, when one matches."""
-    lowered = product.lower()
+    """The catalog entry for an NVML product name and total memory, when one matches.
+
+    The model's family (``a100``, ``l4``, ``t4``) must be a whole word of the product name, so ``L4``
+    never matches ``NVIDIA L40S`` nor ``A10`` an ``A100``; the memory must be within 5 %.
+    """
+    words = set(_tokens(product))
     for model in CATALOG.values():
         family = model.name.split("-")[0]
-        if family in lowered.replace(" ", "") and abs(model.memory_mib - memory_mib) <= model.memory_mib // 20:
+        if family in words and abs(model.memory_mib - memory_mib) <= model.memory_mib // 20:
             return model
     return None
