@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mig_operator.core.profiles import GpuModel
+from mig_operator.core.profiles import GpuModel, model_for_product
 from mig_operator.gpu.protocol import GpuBackend, MigInstance
 
 
@@ -46,19 +46,26 @@ def _instance(inst: MigInstance) -> dict[str, Any]:
 def describe(backend: GpuBackend) -> dict[str, Any]:
     """Every GPU with its profiles, placements and instances.
 
-    A GPU without MIG gets ``model`` null and empty lists; one with MIG disabled lists its profiles
-    (NVML answers those with MIG off) and no instances.
+    A GPU without MIG gets empty lists and, as ``model``, the catalog's name for its product and
+    memory (``l4-24gb``) or null when the catalog does not know it; one with MIG disabled lists its
+    profiles (NVML answers those with MIG off) and no instances. A GPU instance without a compute
+    instance is listed with ``ci_id`` -1 and an empty ``device_uuid``.
     """
     gpus = []
     for info in backend.gpus():
         model = backend.model(info.index) if info.mig_capable else None
         instances = backend.instances(info.index) if info.mig_enabled else []
+        if model is not None:
+            name: str | None = model.name
+        else:
+            known = model_for_product(info.product, info.memory_mib)
+            name = known.name if known is not None else None
         gpus.append(
             {
                 "index": info.index,
                 "uuid": info.uuid,
                 "product": info.product,
-                "model": model.name if model is not None else None,
+                "model": name,
                 "memory_mib": info.memory_mib,
                 "mig_capable": info.mig_capable,
                 "mig_enabled": info.mig_enabled,
@@ -104,8 +111,9 @@ def render_text(desc: dict[str, Any]) -> str:
                 ["profile", "id", "slices", "MiB", "SM", "max", "placements"], rows))
         if gpu["instances"]:
             rows = [
-                [str(i["gi_id"]), str(i["ci_id"]), i["profile"], f"{i['start']}:{i['size']}",
-                 "yes" if i["in_use"] else "no", i["device_uuid"] or "-"]
+                [str(i["gi_id"]), str(i["ci_id"]) if i["ci_id"] >= 0 else "-", i["profile"],
+                 f"{i['start']}:{i['size']}", "yes" if i["in_use"] else "no",
+                 i["device_uuid"] or ("- (no compute instance)" if i["ci_id"] < 0 else "-")]
                 for i in gpu["instances"]
             ]
             lines.extend("  " + line for line in _table(

@@ -4,9 +4,15 @@ Choices that matter on hardware:
 
 - One ``nvmlInit`` per process, shared by every backend object and released by the last ``close``:
   repeated init/shutdown cycles cost mig-manager 4.7x its CPU time (mig-parted 4fdc47b9).
-- Profiles are discovered, not tabulated: profile-info indices 0.. until ``INVALID_ARGUMENT``,
-  skipping ``NOT_SUPPORTED`` ones, and placements from ``..PossiblePlacements_v2``. Both answer with
-  MIG mode disabled (H200 capture). They do not change while the driver runs, so they are cached.
+- Profiles are discovered, not tabulated: every profile-info index of the documented range
+  (``NVML_GPU_INSTANCE_PROFILE_COUNT``, with room for a driver newer than the binding), skipping the
+  holes, which drivers answer with ``NOT_SUPPORTED`` or ``INVALID_ARGUMENT`` (so the scan never stops
+  at the first hole), and placements from ``..PossiblePlacements_v2``. Both answer with MIG mode
+  disabled (H200 capture). They do not change while the driver runs, so they are cached.
+- No half-made slice is ever returned: ``create_instance`` returns only an instance with its compute
+  instance and MIG device UUID, or raises. A GPU instance left without a compute instance (a failed
+  rollback, a destroy that stopped half-way) is reported as such in the GpuError, and
+  ``create_compute_instance`` completes one.
 - MIG device UUIDs come from walking ``nvmlDeviceGetMigDeviceHandleByIndex`` and matching GI/CI ids,
   because the ``device`` field of the GI/CI info structs is documented as the *parent* device.
 - Every ``pynvml.NVMLError`` becomes a :class:`GpuError` that keeps NVML's code.
@@ -29,10 +35,11 @@ from mig_operator.core.profiles import GpuModel, Placement, Profile, model_for_p
 from mig_operator.gpu.protocol import GpuError, GpuInfo, MigInstance
 
 _MIB = 1024 * 1024
-# A safety stop for the profile-index scan, should a driver never answer INVALID_ARGUMENT.
-_MAX_PROFILE_INDEX = 64
-# How long create_instance waits for the new MIG device to appear in the handle walk.
-_MIG_DEVICE_WAIT_S = 2.0
+# Profile-info indices scanned: the binding's documented count, or more, for a driver newer than it.
+_PROFILE_INDEX_SCAN = max(int(getattr(pynvml, "NVML_GPU_INSTANCE_PROFILE_COUNT", 0)), 32)
+# How long a create waits for the new MIG device to appear in the handle walk: DCGM #230 saw 1-2 s,
+# DRA measured the walk itself at O(10 s) under load.
+MIG_DEVICE_WAIT_S = 10.0
 
 _session_lock = threading.Lock()
 _session_refs = 0
@@ -104,7 +111,8 @@ def derived_profile_name(slices: int, span: int, slots: int, total_mib: int, ind
 class NvmlBackend:
     """The node's GPUs through NVML. Thread-safe: mutations on one GPU are serialised."""
 
-    def __init__(self) -> None:
+    def __init__(self, mig_device_wait_s: float = MIG_DEVICE_WAIT_S) -> None:
+        self._device_wait_s = mig_device_wait_s
         _acquire_session()
         self._closed = False
         self._models: dict[int, GpuModel] = {}
@@ -184,24 +192,33 @@ class NvmlBackend:
                     handle, profile_id, ctypes.byref(placement)
                 )
             try:
-                ci_profile_id = self._full_ci_profile(gi, index)
-                with _translate(f"{op}: create compute instance (CI profile id {ci_profile_id})"):
-                    pynvml.nvmlGpuInstanceCreateComputeInstance(gi, ci_profile_id)
+                with _translate(f"{op}: read GPU instance info"):
+                    gi_id = int(pynvml.nvmlGpuInstanceGetInfo(gi).id)
+                self._create_full_ci(gi, index, op)
+            except GpuError as failed:
+                raise self._roll_back(gi, index, op, failed) from failed
             except Exception:
-                # No half-made slice: a GI without its CI holds slots nobody can use.
                 with contextlib.suppress(GpuError), _translate(f"{op}: roll back GPU instance"):
                     pynvml.nvmlGpuInstanceDestroy(gi)
                 raise
+        return self._wait_for_device(handle, index, gi, gi_id, profile, op)
+
+    def create_compute_instance(self, index: int, gi_id: int) -> MigInstance:
+        op = f"create the compute instance of GPU instance {gi_id} on GPU {index}"
+        handle = self._handle(index)
+        self._require_mig(handle, index, op)
+        with self._gpu_lock(index):
+            with _translate(op):
+                gi = pynvml.nvmlDeviceGetGpuInstanceById(handle, gi_id)
             with _translate(f"{op}: read GPU instance info"):
-                gi_id = int(pynvml.nvmlGpuInstanceGetInfo(gi).id)
-        # The new MIG device can lag behind the create call (DCGM #230 saw 1-2 s); wait briefly.
-        deadline = time.monotonic() + _MIG_DEVICE_WAIT_S
-        while True:
-            devices = self._mig_devices(handle, index)
-            if any(key[0] == gi_id for key in devices) or time.monotonic() >= deadline:
-                break
-            time.sleep(0.1)
-        return self._describe_gi(index, gi, profile, devices)
+                info = pynvml.nvmlGpuInstanceGetInfo(gi)
+            profile = next((p for p in self.model(index).profiles if p.id == int(info.profileId)), None)
+            if profile is None:
+                raise GpuError("NOT_SUPPORTED", f"{op}: its profile id {int(info.profileId)} is not one NVML lists")
+            # A retry after a create that did land must not make a second CI.
+            if not self._compute_instances(gi, index):
+                self._create_full_ci(gi, index, op)
+        return self._wait_for_device(handle, index, gi, gi_id, profile, op)
 
     def destroy_instance(self, index: int, gi_id: int) -> None:
         op = f"destroy GPU instance {gi_id} on GPU {index}"
@@ -214,11 +231,30 @@ class NvmlBackend:
                 info = pynvml.nvmlGpuInstanceGetInfo(gi)
             where = f"{op} (placement {info.placement.start}:{info.placement.size})"
             # NVML refuses to destroy a GI that still has compute instances: CIs go first.
+            destroyed = 0
             for ci in self._compute_instances(gi, index):
-                with _translate(f"{where}: destroy compute instance"):
-                    pynvml.nvmlComputeInstanceDestroy(ci)
-            with _translate(where):
-                pynvml.nvmlGpuInstanceDestroy(gi)
+                try:
+                    with _translate(f"{where}: destroy compute instance"):
+                        pynvml.nvmlComputeInstanceDestroy(ci)
+                except GpuError as failed:
+                    if destroyed:
+                        raise GpuError(failed.code, f"{failed.message}; {destroyed} of its compute instances "
+                                       "were destroyed already, destroy it again to finish") from failed
+                    raise
+                destroyed += 1
+            try:
+                with _translate(where):
+                    pynvml.nvmlGpuInstanceDestroy(gi)
+            except GpuError as failed:
+                if not destroyed:
+                    raise
+                # The slice is gone but its slots are not: say so, so the caller retries the destroy
+                # (or completes the GI) and never takes it for an idle instance.
+                raise GpuError(
+                    failed.code,
+                    f"{failed.message}; its compute instance was destroyed, so GPU instance {gi_id} is "
+                    "left without one: destroy it again or complete it with create_compute_instance",
+                ) from failed
 
     def set_mig_mode(self, index: int, enabled: bool) -> None:
         op = f"set MIG mode {'on' if enabled else 'off'} on GPU {index}"
@@ -237,6 +273,44 @@ class NvmlBackend:
             _release_session()
 
     # ---- internals -------------------------------------------------------------------------------
+
+    def _create_full_ci(self, gi: Any, index: int, op: str) -> None:
+        ci_profile_id = self._full_ci_profile(gi, index)
+        with _translate(f"{op}: create compute instance (CI profile id {ci_profile_id})"):
+            pynvml.nvmlGpuInstanceCreateComputeInstance(gi, ci_profile_id)
+
+    def _roll_back(self, gi: Any, index: int, op: str, failed: GpuError) -> GpuError:
+        """Destroy a GI whose CI could not be made; the error to raise says whether that worked."""
+        # No half-made slice: a GI without its CI holds slots nobody can use.
+        try:
+            with _translate(f"{op}: roll back GPU instance"):
+                pynvml.nvmlGpuInstanceDestroy(gi)
+        except GpuError as rollback:
+            return GpuError(
+                failed.code,
+                f"{failed.message}; the rollback failed too ({rollback}), so the GPU instance is left "
+                "without a compute instance: complete it with create_compute_instance or destroy it",
+            )
+        return failed
+
+    def _wait_for_device(self, handle: Any, index: int, gi: Any, gi_id: int, profile: Profile, op: str) -> MigInstance:
+        """The GI with its CI and MIG device UUID, once the device shows in the handle walk."""
+        # The new MIG device can lag behind the create call (DCGM #230 saw 1-2 s).
+        deadline = time.monotonic() + self._device_wait_s
+        while True:
+            made = self._describe_gi(index, gi, profile, self._mig_devices(handle, index))
+            if made.complete:
+                return made
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.1)
+        what = ("has no compute instance" if made.ci_id < 0
+                else f"has compute instance {made.ci_id}, but its MIG device did not appear")
+        raise GpuError(
+            "TIMEOUT",
+            f"{op}: GPU instance {gi_id} (placement {made.start}:{made.size}) {what} within "
+            f"{self._device_wait_s:g} s; it was left in place: list instances to find it, or destroy it",
+        )
 
     def _handle(self, index: int) -> Any:
         with _translate(f"open GPU {index}"):
@@ -273,15 +347,15 @@ class NvmlBackend:
     def _read_profiles(self, handle: Any, index: int) -> dict[int, tuple[Any, str, tuple[Placement, ...]]]:
         """Profile-info index -> (info struct, NVML's name or '', placements), in index order."""
         found: dict[int, tuple[Any, str, tuple[Placement, ...]]] = {}
-        for idx in range(_MAX_PROFILE_INDEX):
+        for idx in range(_PROFILE_INDEX_SCAN):
             try:
                 info, name = self._profile_info(handle, idx)
             except pynvml.NVMLError as exc:
                 code = _nvml_code(exc)
-                if code == pynvml.NVML_ERROR_NOT_SUPPORTED:
-                    continue  # a hole in the index table (H200: 5, 6, 8, 10-16)
-                if code == pynvml.NVML_ERROR_INVALID_ARGUMENT:
-                    break  # past the last index this driver knows
+                # Holes in the index table (H200: 5, 6, 8, 10-16 NOT_SUPPORTED; past the driver's last
+                # index, or a hole on some drivers, INVALID_ARGUMENT): skip, never stop early.
+                if code in (pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_INVALID_ARGUMENT):
+                    continue
                 raise GpuError(code, f"read MIG profile index {idx} of GPU {index}: {exc}") from exc
             found[idx] = (info, name, self._placements(handle, index, int(info.id)))
         return found

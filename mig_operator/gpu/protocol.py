@@ -105,7 +105,9 @@ class MigInstance:
     """A GPU instance with its compute instance: what a MIG slice is on the device.
 
     ``ci_id`` is -1 and ``device_uuid`` empty for a GPU instance that has no compute instance (one
-    left half-made by another tool): it exists and holds its slots, but no process can run on it.
+    left half-made by another tool, a failed rollback or a destroy that stopped half-way): it exists
+    and holds its slots, but no process can run on it. Such an instance is never idle capacity to
+    hand out: complete it (``GpuBackend.create_compute_instance``) or destroy it.
     """
 
     gpu_index: int
@@ -117,6 +119,11 @@ class MigInstance:
     size: int
     device_uuid: str
     in_use: bool
+
+    @property
+    def complete(self) -> bool:
+        """True when the GPU instance has its compute instance and MIG device, so a slice can use it."""
+        return self.ci_id >= 0 and bool(self.device_uuid)
 
 
 @runtime_checkable
@@ -136,11 +143,28 @@ class GpuBackend(Protocol):
         ...
 
     def create_instance(self, index: int, profile_id: int, start: int) -> MigInstance:
-        """A GPU instance at that placement plus its full compute instance, or nothing at all."""
+        """A GPU instance at that placement plus its full compute instance, with its MIG device UUID.
+
+        On failure nothing is left, except when the rollback of the GPU instance fails too: then the
+        GpuError says the GPU instance was left without a compute instance (complete or destroy it).
+        A returned instance is always ``complete``.
+        """
+        ...
+
+    def create_compute_instance(self, index: int, gi_id: int) -> MigInstance:
+        """Complete a half-made GPU instance: create its full compute instance and return it.
+
+        A GPU instance that already has a compute instance is returned as it is (a retry is safe).
+        NOT_FOUND when there is no such GPU instance.
+        """
         ...
 
     def destroy_instance(self, index: int, gi_id: int) -> None:
-        """Compute instances first, then the GPU instance; IN_USE while a process runs on it."""
+        """Compute instances first, then the GPU instance; IN_USE while a process runs on it.
+
+        When the compute instances go but the GPU instance does not, the GpuError says the GPU instance
+        was left without a compute instance; destroying it again finishes the job.
+        """
         ...
 
     def set_mig_mode(self, index: int, enabled: bool) -> None:

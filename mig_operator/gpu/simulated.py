@@ -6,15 +6,24 @@ What it reproduces, because the operator's logic depends on it:
   placement or a profile already at its instance limit gives ``INSUFFICIENT_RESOURCES``, as real
   NVML does (never ``ALREADY_EXISTS``, see the field notes);
 - destroying an instance a process uses gives ``IN_USE``; MIG mode off gives ``NOT_SUPPORTED``;
+- a catalog model without MIG (``l4-24gb``, ``l40s-48gb``, ...) is a GPU with ``mig_capable`` False:
+  every MIG call on it (profiles, instances, create, destroy, MIG mode) gives ``NOT_SUPPORTED``;
 - GPU instance ids follow the hardware's numbering by memory span (7g is GI 0, the two halves are
   GI 1 and 2, the quarters 3-6, the eighths 7-14, as ``nvidia-smi mig -lgi`` shows on A100/H100), so
   the same placement always gets the same id; the full compute instance is CI 0;
-- a MIG device UUID is new each time an instance is created, even at the same placement, because
-  real hardware does that and the agent must not trust a recorded UUID after a recreate.
+- a MIG device UUID is new each time a compute instance is created, even at the same placement,
+  because real hardware does that and the agent must not trust a recorded UUID after a recreate;
+- a GPU instance can be left without its compute instance (``ci_id`` -1, no device UUID), as on a
+  real GPU when a create's rollback or a destroy stops half-way; ``create_compute_instance``
+  completes one. Faults (``inject_fault``) and ``create_half_instance`` make such states on purpose.
 
 State lives in memory, or in a JSON file when ``state_file`` is given: it is read under an ``fcntl``
-lock before every operation and written atomically (temp file + rename) after every mutation, so a
-restarted agent, or several processes at once, see the instances left behind, as on a real GPU.
+lock before every operation and written atomically (temp file + rename) whenever the operation
+changed it, failed operations included (a half-made instance, a fault used up). A mutation's latency
+is slept after the file is unlocked, so only that caller waits. The file holds the
+instances, the pending faults and the latency, so a restarted agent, or another process using the
+same file (an agent under test), sees the same GPUs, faults and delays. A file that cannot be read as
+this simulator's state gives a one-line GpuError, never a traceback.
 """
 
 from __future__ import annotations
@@ -22,25 +31,34 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import math
 import os
 import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
-from mig_operator.core.profiles import GpuModel, Profile, get_model
+from mig_operator.core.profiles import CatalogError, GpuModel, Profile, get_model
+from mig_operator.core.quantities import clip_repr
 from mig_operator.gpu.protocol import NVML_ERROR_CODES, GpuError, GpuInfo, MigInstance
 
 # Fixed namespace so every run, process and machine derives the same UUIDs from the same names.
 _UUID_NAMESPACE = uuid.UUID("6b1f3c2e-9a4d-5e8f-8c1b-2d7e4f6a9b30")
 _STATE_VERSION = 1
+# A state file is a few KiB; anything this large is not one (and is not read into memory whole).
+_MAX_STATE_BYTES = 16 * 2**20
 
 FAULT_OPS = frozenset(
     {"gpus", "model", "instances", "create_instance", "create_compute_instance", "destroy_instance",
-     "set_mig_mode"}
+     "destroy_gpu_instance", "set_mig_mode"}
 )
+# Operations that change the GPU and so take time on hardware; the latency applies to these.
+LATENCY_OPS = ("create_instance", "create_compute_instance", "destroy_instance", "set_mig_mode")
+MAX_LATENCY_S = 600.0
+_INSTANCE_FIELDS = ("gi_id", "profile_id", "start", "size", "ci_id", "generation", "in_use")
 
 
 @dataclass
@@ -49,7 +67,7 @@ class _Instance:
     profile_id: int
     start: int
     size: int
-    ci_id: int
+    ci_id: int  # 0: the full compute instance; -1: none (a half-made GPU instance)
     generation: int
     in_use: bool = False
 
@@ -60,6 +78,10 @@ class _Gpu:
     instances: dict[int, _Instance] = field(default_factory=dict)
     # Counts creations on this GPU; part of each MIG UUID so a recreated instance gets a new one.
     generation: int = 0
+
+
+class _Corrupt(Exception):
+    """A state file whose content is not this simulator's state; the message says what is wrong."""
 
 
 def gpu_uuid(model_name: str, index: int) -> str:
@@ -77,60 +99,135 @@ def gpu_instance_id(model: GpuModel, start: int, size: int) -> int:
     return (model.memory_slots // size - 1) + start // size
 
 
+def latency_table(latency_s: float | Mapping[str, float]) -> dict[str, float]:
+    """Seconds per mutating operation: one number for all of them, or a mapping for some.
+
+    Raises ValueError naming the bad value; negative, non-finite and above ``MAX_LATENCY_S`` are refused.
+    """
+    if isinstance(latency_s, Mapping):
+        items = list(latency_s.items())
+    else:
+        items = [(op, latency_s) for op in LATENCY_OPS]
+    table: dict[str, float] = {}
+    for op, seconds in items:
+        if op not in LATENCY_OPS:
+            raise ValueError(f"latency for {clip_repr(op)}: not one of {', '.join(LATENCY_OPS)}")
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds) \
+                or not 0 <= seconds <= MAX_LATENCY_S:
+            raise ValueError(
+                f"simulator latency {clip_repr(seconds)} must be a number of seconds from 0 to "
+                f"{MAX_LATENCY_S:g}; e.g. 1.5"
+            )
+        if seconds > 0:
+            table[op] = float(seconds)
+    return table
+
+
 class SimulatedBackend:
-    """``count`` GPUs of catalog model ``model_name`` with NVML's MIG semantics (see module doc)."""
+    """``count`` GPUs of catalog model ``model_name`` with NVML's MIG semantics (see module doc).
+
+    ``latency_s`` (seconds, for every mutating operation, or a mapping from operation to seconds)
+    overrides the latency a state file holds; None keeps the file's (0 without a file).
+    """
 
     def __init__(
         self,
         model_name: str,
         count: int = 1,
         state_file: str | None = None,
-        latency_s: float = 0.0,
+        latency_s: float | Mapping[str, float] | None = None,
         mig_enabled: bool = True,
     ) -> None:
-        if count < 1:
-            raise ValueError(f"GPU count {count} must be at least 1; e.g. 2")
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"GPU count {clip_repr(count)} must be at least 1; e.g. 2")
         self._model = get_model(model_name)
         self._count = count
         self._state_file = state_file
-        self._latency_s = latency_s
         self._lock = threading.RLock()
-        self._faults: dict[str, list[list[str | int]]] = {}
-        self._gpus = [_Gpu(mig_enabled=mig_enabled) for _ in range(count)]
+        self._gpu_locks = [threading.Lock() for _ in range(count)]
+        self._faults: dict[str, list[list[Any]]] = {}
+        self._latency: dict[str, float] = {}
+        self._latency_override = latency_table(latency_s) if latency_s is not None else None
+        # A GPU without MIG can never be in MIG mode.
+        enabled = mig_enabled and self._model.mig_capable
+        self._gpus = [_Gpu(mig_enabled=enabled) for _ in range(count)]
         self._uuids = [gpu_uuid(model_name, i) for i in range(count)]
         if state_file is not None:
+            _check_state_path(state_file)
             # Read (and validate) now so a bad or foreign state file fails at start-up; write the
             # initial state when there is none. The read happens under the lock, so two processes
             # starting together do not overwrite each other's instances.
-            with self._state(mutate=not os.path.exists(state_file)):
-                pass
+            try:
+                with self._state(initial=True):
+                    pass
+            except OSError as exc:
+                raise ValueError(
+                    f"simulator state file {clip_repr(state_file)} cannot be used: {exc.strerror or exc}"
+                ) from None
 
     # ---- test hooks ------------------------------------------------------------------------------
 
     def inject_fault(self, op: str, error_name: str, times: int = 1) -> None:
         """Make the next ``times`` calls of ``op`` fail with NVML error ``error_name``.
 
-        ``create_compute_instance`` fails the compute-instance step of ``create_instance`` after
-        its GPU instance exists, to exercise the no-leak rollback.
+        With a state file the fault is kept in the file, so another process using it fails too.
+        ``create_compute_instance`` fails the compute-instance step (of ``create_instance``, after its
+        GPU instance exists, or of ``create_compute_instance``); ``destroy_gpu_instance`` fails the
+        GPU-instance step (of ``destroy_instance``, after the compute instance is gone, or of
+        ``create_instance``'s rollback): together they leave a GPU instance without a compute instance.
         """
         if op not in FAULT_OPS:
-            raise ValueError(f"unknown operation {op!r}; one of {', '.join(sorted(FAULT_OPS))}")
+            raise ValueError(f"unknown operation {clip_repr(op)}; one of {', '.join(sorted(FAULT_OPS))}")
         if error_name not in NVML_ERROR_CODES:
-            raise ValueError(f"unknown NVML error {error_name!r}; e.g. 'IN_USE'")
-        with self._lock:
+            raise ValueError(f"unknown NVML error {clip_repr(error_name)}; e.g. 'IN_USE'")
+        if isinstance(times, bool) or not isinstance(times, int) or times < 1:
+            raise ValueError(f"fault count {clip_repr(times)} must be at least 1; e.g. 1")
+        with self._state():
             self._faults.setdefault(op, []).append([error_name, times])
+
+    def clear_faults(self) -> None:
+        """Forget every pending fault (in the state file too)."""
+        with self._state():
+            self._faults = {}
+
+    def set_latency(self, latency_s: float | Mapping[str, float]) -> None:
+        """Set the latency of mutating operations; with a state file, for every process using it."""
+        table = latency_table(latency_s)
+        with self._state():
+            self._latency = table
+            if self._latency_override is not None:
+                self._latency_override = table
 
     def set_in_use(self, index: int, gi_id: int, in_use: bool) -> None:
         """Mark an instance as used by a process (or not), as if a CUDA program ran on it."""
-        with self._state(mutate=True):
+        with self._state():
             gpu = self._gpu(index, "set_in_use")
             inst = self._find(gpu, index, gi_id, "set_in_use")
+            if in_use and inst.ci_id < 0:
+                raise GpuError(
+                    "INVALID_ARGUMENT",
+                    f"set_in_use: GPU instance {gi_id} on GPU {index} has no compute instance, so no "
+                    "process can run on it",
+                )
             inst.in_use = in_use
+
+    def create_half_instance(self, index: int, profile_id: int, start: int) -> MigInstance:
+        """A GPU instance without a compute instance, as another tool or a failed rollback leaves one."""
+        op = f"create GPU instance only (profile id {profile_id}, placement start {start}) on GPU {index}"
+        with self._state():
+            gpu = self._gpu(index, op)
+            self._require_mig(gpu, index, op)
+            profile = self._legal(profile_id, start, op)
+            self._check_room(gpu, profile, start, op)
+            inst = self._new_instance(gpu, profile, start)
+            inst.ci_id = -1
+            gpu.instances[inst.gi_id] = inst
+            return self._record(index, inst)
 
     # ---- GpuBackend ------------------------------------------------------------------------------
 
     def gpus(self) -> list[GpuInfo]:
-        with self._state(mutate=False):
+        with self._state():
             self._maybe_fail("gpus", "list GPUs")
             return [
                 GpuInfo(
@@ -138,21 +235,25 @@ class SimulatedBackend:
                     uuid=self._uuids[i],
                     product=self._model.product,
                     memory_mib=self._model.memory_mib,
-                    mig_capable=True,
+                    mig_capable=self._model.mig_capable,
                     mig_enabled=gpu.mig_enabled,
                 )
                 for i, gpu in enumerate(self._gpus)
             ]
 
     def model(self, index: int) -> GpuModel:
-        # Profiles and placements answer with MIG disabled on real GPUs too (H200 capture).
-        with self._lock:
-            self._check_index(index, "read profiles")
-            self._maybe_fail("model", f"read profiles of GPU {index}")
+        # Profiles and placements answer with MIG disabled on real GPUs too (H200 capture); a GPU
+        # without MIG answers NOT_SUPPORTED, as NVML's profile-info call does there.
+        op = f"read MIG profiles of GPU {index}"
+        with self._state():
+            self._check_index(index, op)
+            self._maybe_fail("model", op)
+            if not self._model.mig_capable:
+                raise GpuError("NOT_SUPPORTED", f"{op} ({self._model.product}): the GPU has no MIG")
             return self._model
 
     def instances(self, index: int) -> list[MigInstance]:
-        with self._state(mutate=False):
+        with self._state():
             gpu = self._gpu(index, "list instances")
             self._maybe_fail("instances", f"list instances on GPU {index}")
             self._require_mig(gpu, index, "list instances")
@@ -161,60 +262,95 @@ class SimulatedBackend:
 
     def create_instance(self, index: int, profile_id: int, start: int) -> MigInstance:
         op = f"create GPU instance (profile id {profile_id}, placement start {start}) on GPU {index}"
-        with self._state(mutate=True):
-            gpu = self._gpu(index, op)
-            self._maybe_fail("create_instance", op)
-            self._require_mig(gpu, index, op)
-            profile = self._profile(profile_id, op)
-            legal = {p.start for p in profile.placements}
-            if start not in legal:
-                raise GpuError(
-                    "INVALID_ARGUMENT", f"{op}: start {start} is not a legal placement of {profile.name} "
-                    f"(legal starts {sorted(legal)})"
-                )
-            self._check_room(gpu, profile, start, op)
-            self._pause()
-            gpu.generation += 1
-            inst = _Instance(
-                gi_id=gpu_instance_id(self._model, start, profile.size),
-                profile_id=profile_id,
-                start=start,
-                size=profile.size,
-                ci_id=0,
-                generation=gpu.generation,
-            )
-            # The CI step can fail after the GI exists; NVML would leave the GI behind, the
-            # contract is to destroy it, so a failure here simply never records the GI.
-            self._maybe_fail("create_compute_instance", f"{op}: create compute instance")
-            gpu.instances[inst.gi_id] = inst
-            return self._record(index, inst)
+        with self._serial(index):
+            with self._state():
+                gpu = self._gpu(index, op)
+                self._maybe_fail("create_instance", op)
+                self._require_mig(gpu, index, op)
+                profile = self._legal(profile_id, start, op)
+                self._check_room(gpu, profile, start, op)
+                inst = self._new_instance(gpu, profile, start)
+                try:
+                    self._maybe_fail("create_compute_instance", f"{op}: create compute instance")
+                except GpuError as failed:
+                    # The contract is to destroy the GI again; only if that fails too is it left behind.
+                    try:
+                        self._maybe_fail("destroy_gpu_instance", f"{op}: roll back GPU instance {inst.gi_id}")
+                    except GpuError as rollback:
+                        inst.ci_id = -1
+                        gpu.instances[inst.gi_id] = inst
+                        raise GpuError(
+                            failed.code,
+                            f"{failed.message}; the rollback failed too ({rollback}), so GPU instance "
+                            f"{inst.gi_id} is left without a compute instance: complete it with "
+                            "create_compute_instance or destroy it",
+                        ) from None
+                    raise
+                gpu.instances[inst.gi_id] = inst
+                made, pause = self._record(index, inst), self._latency_of("create_instance")
+            time.sleep(pause)
+            return made
+
+    def create_compute_instance(self, index: int, gi_id: int) -> MigInstance:
+        op = f"create the compute instance of GPU instance {gi_id} on GPU {index}"
+        with self._serial(index):
+            with self._state():
+                gpu = self._gpu(index, op)
+                self._require_mig(gpu, index, op)
+                inst = self._find(gpu, index, gi_id, op)
+                if inst.ci_id >= 0:
+                    return self._record(index, inst)  # complete already: a retry changes nothing
+                self._maybe_fail("create_compute_instance", op)
+                gpu.generation += 1
+                inst.generation = gpu.generation  # a new compute instance is a new MIG device
+                inst.ci_id = 0
+                made, pause = self._record(index, inst), self._latency_of("create_compute_instance")
+            time.sleep(pause)
+            return made
 
     def destroy_instance(self, index: int, gi_id: int) -> None:
         op = f"destroy GPU instance {gi_id} on GPU {index}"
-        with self._state(mutate=True):
-            gpu = self._gpu(index, op)
-            self._maybe_fail("destroy_instance", op)
-            self._require_mig(gpu, index, op)
-            inst = self._find(gpu, index, gi_id, op)
-            if inst.in_use:
-                raise GpuError(
-                    "IN_USE", f"{op} (placement {inst.start}:{inst.size}): a process is running on it"
-                )
-            self._pause()
-            del gpu.instances[gi_id]
+        with self._serial(index):
+            with self._state():
+                gpu = self._gpu(index, op)
+                self._maybe_fail("destroy_instance", op)
+                self._require_mig(gpu, index, op)
+                inst = self._find(gpu, index, gi_id, op)
+                where = f"{op} (placement {inst.start}:{inst.size})"
+                if inst.in_use:
+                    raise GpuError("IN_USE", f"{where}: a process is running on it")
+                had_ci = inst.ci_id >= 0
+                inst.ci_id = -1  # compute instance first, as NVML requires
+                try:
+                    self._maybe_fail("destroy_gpu_instance", where)
+                except GpuError as failed:
+                    if not had_ci:
+                        raise
+                    raise GpuError(
+                        failed.code,
+                        f"{failed.message}; its compute instance was destroyed, so GPU instance {gi_id} is "
+                        "left without one: destroy it again or complete it with create_compute_instance",
+                    ) from None
+                del gpu.instances[gi_id]
+                pause = self._latency_of("destroy_instance")
+            time.sleep(pause)
 
     def set_mig_mode(self, index: int, enabled: bool) -> None:
         op = f"set MIG mode {'on' if enabled else 'off'} on GPU {index}"
-        with self._state(mutate=True):
-            gpu = self._gpu(index, op)
-            self._maybe_fail("set_mig_mode", op)
-            if gpu.mig_enabled == enabled:
-                return
-            if not enabled and gpu.instances:
-                # The driver refuses to leave MIG mode while instances exist (the GPU is not idle).
-                raise GpuError("IN_USE", f"{op}: {len(gpu.instances)} GPU instance(s) still exist")
-            self._pause()
-            gpu.mig_enabled = enabled
+        with self._serial(index):
+            with self._state():
+                gpu = self._gpu(index, op)
+                self._maybe_fail("set_mig_mode", op)
+                if not self._model.mig_capable:
+                    raise GpuError("NOT_SUPPORTED", f"{op} ({self._model.product}): the GPU has no MIG")
+                if gpu.mig_enabled == enabled:
+                    return
+                if not enabled and gpu.instances:
+                    # The driver refuses to leave MIG mode while instances exist (the GPU is not idle).
+                    raise GpuError("IN_USE", f"{op}: {len(gpu.instances)} GPU instance(s) still exist")
+                gpu.mig_enabled = enabled
+                pause = self._latency_of("set_mig_mode")
+            time.sleep(pause)
 
     def close(self) -> None:
         # Nothing is held between calls: the state file is locked only inside each operation.
@@ -223,6 +359,7 @@ class SimulatedBackend:
     # ---- internals -------------------------------------------------------------------------------
 
     def _record(self, index: int, inst: _Instance) -> MigInstance:
+        complete = inst.ci_id >= 0
         return MigInstance(
             gpu_index=index,
             gi_id=inst.gi_id,
@@ -231,21 +368,44 @@ class SimulatedBackend:
             profile=self._model.profile_by_id(inst.profile_id).name,
             start=inst.start,
             size=inst.size,
-            device_uuid=mig_uuid(self._uuids[index], inst.gi_id, inst.start, inst.generation),
+            device_uuid=mig_uuid(self._uuids[index], inst.gi_id, inst.start, inst.generation) if complete else "",
             in_use=inst.in_use,
         )
 
+    def _new_instance(self, gpu: _Gpu, profile: Profile, start: int) -> _Instance:
+        gpu.generation += 1
+        return _Instance(
+            gi_id=gpu_instance_id(self._model, start, profile.size),
+            profile_id=profile.id,
+            start=start,
+            size=profile.size,
+            ci_id=0,
+            generation=gpu.generation,
+        )
+
     def _check_index(self, index: int, op: str) -> None:
-        if not 0 <= index < self._count:
-            raise GpuError("INVALID_ARGUMENT", f"{op}: no GPU {index} (this node has {self._count})")
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < self._count:
+            raise GpuError("INVALID_ARGUMENT", f"{op}: no GPU {clip_repr(index)} (this node has {self._count})")
 
     def _gpu(self, index: int, op: str) -> _Gpu:
         self._check_index(index, op)
         return self._gpus[index]
 
     def _require_mig(self, gpu: _Gpu, index: int, op: str) -> None:
+        if not self._model.mig_capable:
+            raise GpuError("NOT_SUPPORTED", f"{op}: GPU {index} ({self._model.product}) has no MIG")
         if not gpu.mig_enabled:
             raise GpuError("NOT_SUPPORTED", f"{op}: MIG mode is disabled on GPU {index}")
+
+    def _legal(self, profile_id: int, start: int, op: str) -> Profile:
+        profile = self._profile(profile_id, op)
+        legal = {p.start for p in profile.placements}
+        if start not in legal:
+            raise GpuError(
+                "INVALID_ARGUMENT", f"{op}: start {start} is not a legal placement of {profile.name} "
+                f"(legal starts {sorted(legal)})"
+            )
+        return profile
 
     def _profile(self, profile_id: int, op: str) -> Profile:
         for profile in self._model.profiles:
@@ -259,8 +419,8 @@ class SimulatedBackend:
     def _find(self, gpu: _Gpu, index: int, gi_id: int, op: str) -> _Instance:
         try:
             return gpu.instances[gi_id]
-        except KeyError:
-            raise GpuError("NOT_FOUND", f"{op}: GPU {index} has no GPU instance {gi_id}") from None
+        except (KeyError, TypeError):
+            raise GpuError("NOT_FOUND", f"{op}: GPU {index} has no GPU instance {clip_repr(gi_id)}") from None
 
     def _check_room(self, gpu: _Gpu, profile: Profile, start: int, op: str) -> None:
         wanted = ((1 << profile.size) - 1) << start
@@ -279,6 +439,7 @@ class SimulatedBackend:
             )
         # Compute slices are a budget of their own (7 on 8-slot boards); the memory geometry keeps
         # every catalog layout within it, but checking costs nothing and guards future catalogs.
+        # A GPU instance holds its slices whether or not it has its compute instance.
         total = max(p.slices for p in self._model.profiles)
         used = sum(self._model.profile_by_id(o.profile_id).slices for o in gpu.instances.values())
         if used + profile.slices > total:
@@ -288,66 +449,186 @@ class SimulatedBackend:
             )
 
     def _maybe_fail(self, op: str, message: str) -> None:
-        with self._lock:
-            queue = self._faults.get(op)
+        queue = self._faults.get(op)
+        if not queue:
+            return
+        entry = queue[0]
+        name = str(entry[0])
+        entry[1] = int(entry[1]) - 1
+        if entry[1] <= 0:
+            queue.pop(0)
             if not queue:
-                return
-            entry = queue[0]
-            name = str(entry[0])
-            entry[1] = int(entry[1]) - 1
-            if int(entry[1]) <= 0:
-                queue.pop(0)
+                del self._faults[op]
         raise GpuError(name, f"{message} (injected fault)")
 
-    def _pause(self) -> None:
-        # Mutations take time on real GPUs (GI destroy "may take O(1 s)", DRA nvlib.go).
-        if self._latency_s > 0:
-            time.sleep(self._latency_s)
+    def _latency_of(self, op: str) -> float:
+        # Mutations take time on real GPUs (GI destroy "may take O(1 s)", DRA nvlib.go). The caller
+        # sleeps it after the state file is unlocked, so other GPUs and other processes go on
+        # meanwhile, as they do on hardware; one GPU's mutations in this process wait (``_serial``),
+        # as NvmlBackend's per-GPU lock makes them.
+        latency = self._latency_override if self._latency_override is not None else self._latency
+        return latency.get(op, 0.0)
 
     @contextlib.contextmanager
-    def _state(self, mutate: bool) -> Iterator[None]:
-        """Hold the state for one operation: thread lock, file lock, fresh read, write back on success."""
+    def _serial(self, index: int) -> Iterator[None]:
+        """One mutation at a time per GPU in this process (an invalid index is refused inside)."""
+        lock = self._gpu_locks[index] if _is_int(index) and 0 <= index < self._count else None
+        if lock is None:
+            yield
+            return
+        with lock:
+            yield
+
+    # ---- state -----------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _state(self, initial: bool = False) -> Iterator[None]:
+        """Hold the state for one operation: thread lock, file lock, fresh read, and a write-back when
+        the operation changed anything, also when it failed with a GpuError after a change (a fault
+        used up, a GPU instance left half-made), since the hardware would have changed as well."""
         with self._lock:
             if self._state_file is None:
                 yield
                 return
-            lock_path = self._state_file + ".lock"
-            with open(lock_path, "a") as lock_fd:
-                fcntl.flock(lock_fd, fcntl.LOCK_EX if mutate else fcntl.LOCK_SH)
-                try:
-                    self._load()
-                    yield
-                    if mutate:
-                        self._save()
-                finally:
-                    fcntl.flock(lock_fd, fcntl.LOCK_UN)
+            try:
+                # Every operation may use up a fault, so every one may write: always exclusive.
+                with open(self._state_file + ".lock", "a") as lock_fd:
+                    fcntl.flock(lock_fd, fcntl.LOCK_EX)
+                    try:
+                        found = self._load()
+                        before = self._snapshot()
+                        try:
+                            yield
+                        except GpuError:
+                            if self._snapshot() != before:
+                                self._save()
+                            raise
+                        if self._snapshot() != before or (initial and not found):
+                            self._save()
+                    finally:
+                        fcntl.flock(lock_fd, fcntl.LOCK_UN)
+            except OSError as exc:
+                if initial:
+                    raise
+                raise self._file_error(exc) from None
 
-    def _load(self) -> None:
+    def _file_error(self, exc: OSError) -> GpuError:
+        name = "NO_PERMISSION" if isinstance(exc, PermissionError) else "UNKNOWN"
+        return GpuError(name, f"simulator state file {clip_repr(self._state_file)}: {exc.strerror or exc}")
+
+    def _corrupt(self, reason: str) -> GpuError:
+        return GpuError(
+            "UNKNOWN",
+            f"simulator state file {clip_repr(self._state_file)} is not usable: {reason}; "
+            "move it aside or use another state file",
+        )
+
+    def _load(self) -> bool:
+        """Replace the in-memory state with the file's; False when there is no state yet."""
         assert self._state_file is not None
         try:
-            with open(self._state_file) as f:
-                data = json.load(f)
+            with open(self._state_file, "rb") as f:
+                raw = f.read(_MAX_STATE_BYTES + 1)
         except FileNotFoundError:
-            return
-        except (OSError, ValueError) as exc:
-            raise ValueError(f"simulator state file {self._state_file!r} is unreadable: {exc}") from None
-        if data.get("model") != self._model.name or len(data.get("gpus", [])) != self._count:
-            raise ValueError(
-                f"simulator state file {self._state_file!r} holds {len(data.get('gpus', []))} GPU(s) of "
-                f"{data.get('model')!r}, not {self._count} of {self._model.name!r}; use another file"
-            )
-        self._gpus = [
-            _Gpu(
-                mig_enabled=bool(g["mig_enabled"]),
-                instances={int(i["gi_id"]): _Instance(**i) for i in g["instances"]},
-                generation=int(g["generation"]),
-            )
-            for g in data["gpus"]
-        ]
+            return False
+        if not raw:
+            return False  # an empty file (made by `touch`) is a fresh simulator
+        if len(raw) > _MAX_STATE_BYTES:
+            raise self._corrupt(f"larger than {_MAX_STATE_BYTES // 2**20} MiB")
+        try:
+            data = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError:
+            raise self._corrupt("not UTF-8 text") from None
+        except RecursionError:
+            raise self._corrupt("JSON nested too deeply") from None
+        except ValueError as exc:
+            # JSONDecodeError, or an integer beyond Python's 4300-digit limit.
+            detail = f"{exc.msg} at line {exc.lineno}" if isinstance(exc, json.JSONDecodeError) else "a number too long"
+            raise self._corrupt(f"not JSON ({detail})") from None
+        try:
+            self._gpus, self._faults, self._latency = self._decode(data)
+        except _Corrupt as exc:
+            raise self._corrupt(str(exc)) from None
+        return True
 
-    def _save(self) -> None:
-        assert self._state_file is not None
-        data = {
+    def _decode(self, data: object) -> tuple[list[_Gpu], dict[str, list[list[Any]]], dict[str, float]]:
+        """The state a file holds, checked field by field; raises _Corrupt (or GpuError for a file of
+        another model or GPU count)."""
+        _need(isinstance(data, dict), "the top level is not a JSON object")
+        assert isinstance(data, dict)
+        version = data.get("version")
+        _need(version == _STATE_VERSION, f"'version' is {clip_repr(version)}, not {_STATE_VERSION}")
+        model_name, gpus = data.get("model"), data.get("gpus")
+        _need(isinstance(model_name, str), "'model' is not a string")
+        _need(isinstance(gpus, list), "'gpus' is not a list")
+        assert isinstance(gpus, list)
+        if model_name != self._model.name or len(gpus) != self._count:
+            raise GpuError(
+                "INVALID_ARGUMENT",
+                f"simulator state file {clip_repr(self._state_file)} holds {len(gpus)} GPU(s) of "
+                f"{clip_repr(model_name)}, not {self._count} of {self._model.name!r}; use another file",
+            )
+        decoded = [self._decode_gpu(i, g) for i, g in enumerate(gpus)]
+        faults = data.get("faults", {})
+        _need(isinstance(faults, dict), "'faults' is not an object")
+        checked: dict[str, list[list[Any]]] = {}
+        for op, queue in faults.items():
+            _need(op in FAULT_OPS, f"faults: unknown operation {clip_repr(op)}")
+            _need(isinstance(queue, list), f"faults.{op} is not a list")
+            for entry in queue:
+                _need(isinstance(entry, list) and len(entry) == 2 and entry[0] in NVML_ERROR_CODES
+                      and _is_int(entry[1]) and entry[1] >= 1,
+                      f"faults.{op}: {clip_repr(entry)} is not [NVML error name, count >= 1]")
+            if queue:
+                checked[op] = [list(entry) for entry in queue]
+        latency = data.get("latency_s", {})
+        _need(isinstance(latency, dict), "'latency_s' is not an object")
+        try:
+            table = latency_table(latency)
+        except ValueError as exc:
+            raise _Corrupt(f"latency_s: {exc}") from None
+        return decoded, checked, table
+
+    def _decode_gpu(self, i: int, g: object) -> _Gpu:
+        where = f"gpus[{i}]"
+        _need(isinstance(g, dict), f"{where} is not an object")
+        assert isinstance(g, dict)
+        enabled, generation, raw_instances = g.get("mig_enabled"), g.get("generation"), g.get("instances")
+        _need(isinstance(enabled, bool), f"{where}.mig_enabled is not true or false")
+        _need(_is_int(generation) and generation >= 0, f"{where}.generation is not a count")
+        _need(isinstance(raw_instances, list), f"{where}.instances is not a list")
+        assert isinstance(raw_instances, list) and isinstance(generation, int)
+        _need(self._model.mig_capable or (not enabled and not raw_instances),
+              f"{where} has MIG state, but {self._model.name} has no MIG")
+        instances: dict[int, _Instance] = {}
+        for j, raw in enumerate(raw_instances):
+            at = f"{where}.instances[{j}]"
+            _need(isinstance(raw, dict) and set(raw) == set(_INSTANCE_FIELDS),
+                  f"{at} does not have exactly the fields {', '.join(_INSTANCE_FIELDS)}")
+            assert isinstance(raw, dict)
+            _need(all(_is_int(raw[k]) for k in _INSTANCE_FIELDS if k != "in_use") and isinstance(raw["in_use"], bool),
+                  f"{at} has a field of the wrong type")
+            inst = _Instance(**raw)
+            try:
+                profile = self._model.profile_by_id(inst.profile_id)
+            except CatalogError:
+                raise _Corrupt(f"{at}: no profile id {inst.profile_id} on {self._model.name}") from None
+            _need(inst.start in {p.start for p in profile.placements} and inst.size == profile.size,
+                  f"{at}: {inst.start}:{inst.size} is not a placement of {profile.name}")
+            _need(inst.gi_id == gpu_instance_id(self._model, inst.start, inst.size),
+                  f"{at}: GPU instance id {inst.gi_id} does not belong to placement {inst.start}:{inst.size}")
+            _need(inst.ci_id in (0, -1), f"{at}: compute instance id {inst.ci_id} is not 0 or -1")
+            _need(not (inst.in_use and inst.ci_id < 0), f"{at} is in use without a compute instance")
+            _need(0 <= inst.generation <= generation, f"{at}: generation {inst.generation} is out of range")
+            mask = ((1 << inst.size) - 1) << inst.start
+            for other in instances.values():
+                _need(not ((1 << other.size) - 1) << other.start & mask,
+                      f"{at} overlaps GPU instance {other.gi_id}")
+            instances[inst.gi_id] = inst
+        return _Gpu(mig_enabled=enabled, instances=instances, generation=generation)
+
+    def _snapshot(self) -> dict[str, Any]:
+        return {
             "version": _STATE_VERSION,
             "model": self._model.name,
             "gpus": [
@@ -358,12 +639,17 @@ class SimulatedBackend:
                 }
                 for g in self._gpus
             ],
+            "faults": {op: [list(entry) for entry in queue] for op, queue in sorted(self._faults.items()) if queue},
+            "latency_s": dict(sorted(self._latency.items())),
         }
+
+    def _save(self) -> None:
+        assert self._state_file is not None
         directory = os.path.dirname(os.path.abspath(self._state_file))
         fd, tmp = tempfile.mkstemp(prefix=".simstate-", dir=directory)
         try:
             with os.fdopen(fd, "w") as f:
-                json.dump(data, f, indent=1)
+                json.dump(self._snapshot(), f, indent=1)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, self._state_file)
@@ -371,3 +657,31 @@ class SimulatedBackend:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
             raise
+
+
+def _need(condition: bool, reason: str) -> None:
+    if not condition:
+        raise _Corrupt(reason)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_state_path(path: str) -> None:
+    """Refuse, before anything is created, a state file the simulator cannot keep (ValueError)."""
+    shown = clip_repr(path)
+    example = "e.g. --state-file /tmp/mig-sim.json"
+    if not isinstance(path, str) or not path:
+        raise ValueError(f"simulator state file {shown} is not a path; {example}")
+    for candidate in (path, path + ".lock"):
+        # /dev/null, a directory, a FIFO: nothing may be created beside it, nor written through it.
+        if os.path.lexists(candidate) and not os.path.isfile(candidate):
+            raise ValueError(
+                f"simulator state file {clip_repr(candidate)} exists and is not a regular file; {example}"
+            )
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise ValueError(f"simulator state file {shown}: directory {clip_repr(directory)} does not exist; {example}")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise ValueError(f"simulator state file {shown}: directory {clip_repr(directory)} is not writable; {example}")

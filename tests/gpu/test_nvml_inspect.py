@@ -80,10 +80,17 @@ def test_nvml_inventory_matches_nvidia_smi(inventory: dict[str, Any]) -> None:
     mig_gpus = [g for g in inventory["gpus"] if g["mig_capable"]]
     if not mig_gpus:
         pytest.skip("no MIG-capable GPU on this machine")
-    lgip = parse_lgip(_smi("mig", "-lgip"))
-    lgipp = parse_lgipp(_smi("mig", "-lgipp"))
-    if not lgip:
-        pytest.skip("nvidia-smi mig -lgip listed no profiles (driver prints none with MIG disabled?)")
+    lgip_text, lgipp_text = _smi("mig", "-lgip"), _smi("mig", "-lgipp")
+    lgip, lgipp = parse_lgip(lgip_text), parse_lgipp(lgipp_text)
+    # A MIG-capable GPU is here, so nvidia-smi lists its profiles (it does with MIG disabled too, H200
+    # capture): rows the parsers cannot read mean its format changed, which must fail, not skip.
+    for gpu in mig_gpus:
+        assert gpu["index"] in lgip, (
+            f"could not parse a profile row of GPU {gpu['index']} from `nvidia-smi mig -lgip`:\n{lgip_text[:2000]}"
+        )
+        assert gpu["index"] in lgipp, (
+            f"could not parse a placement row of GPU {gpu['index']} from `nvidia-smi mig -lgipp`:\n{lgipp_text[:2000]}"
+        )
     for gpu in mig_gpus:
         ours = {p["id"]: p for p in gpu["profiles"]}
         smi = lgip[gpu["index"]]
@@ -94,12 +101,13 @@ def test_nvml_inventory_matches_nvidia_smi(inventory: dict[str, Any]) -> None:
             assert mine["max_instances"] == row["instances"], f"profile {pid}: instance count"
             # nvidia-smi prints GiB with two decimals; allow its rounding and nothing more.
             assert abs(mine["memory_mib"] / 1024 - row["gib"]) <= 0.0051, f"profile {pid}: memory"
-            assert mine["placements"] == lgipp[gpu["index"]][pid], f"profile {pid}: placements"
+            assert mine["placements"] == lgipp[gpu["index"]].get(pid), f"profile {pid}: placements"
 
 
 def test_models_are_consistent(inventory: dict[str, Any]) -> None:
     for gpu in inventory["gpus"]:
         if not gpu["mig_capable"]:
+            assert gpu["profiles"] == [] and gpu["instances"] == [] and not gpu["mig_enabled"]
             continue
         assert gpu["model"], "every MIG GPU gets a model name (catalog or slug)"
         slots = max(s + n for p in gpu["profiles"] for s, n in p["placements"])

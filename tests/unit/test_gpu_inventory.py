@@ -55,6 +55,12 @@ class FakeNvml:
         self.gis: dict[int, dict[str, Any]] = {}  # gi id -> profile id, start, size, slices, cis
         self.busy: set[int] = set()
         self.fail_ci = False
+        self.fail_gi_destroy = False  # nvmlGpuInstanceDestroy answers UNKNOWN
+        self.hide_devices = False  # the MIG device of a new CI has not shown up (yet)
+        self.invalid_indices: set[int] = set()  # profile-info holes answered INVALID_ARGUMENT
+        self.scanned: list[int] = []
+        self.product = "NVIDIA H200"
+        self.mig_capable = True
         self.inits = 0
         self.shutdowns = 0
         self.calls: list[str] = []
@@ -78,7 +84,7 @@ class FakeNvml:
         return "gpu0"
 
     def nvmlDeviceGetName(self, handle: Any) -> str:
-        return "NVIDIA H200"
+        return self.product
 
     def nvmlDeviceGetUUID(self, handle: Any) -> str:
         if isinstance(handle, tuple):
@@ -86,15 +92,18 @@ class FakeNvml:
         return "GPU-fake"
 
     def nvmlDeviceGetMemoryInfo(self, handle: Any) -> Any:
-        return SimpleNamespace(total=150754820096)
+        return SimpleNamespace(total=150754820096 if self.mig_capable else 23034 * 2**20)
 
     def nvmlDeviceGetMigMode(self, handle: Any) -> list[int]:
+        if not self.mig_capable:
+            raise _err("NOT_SUPPORTED")
         return [self.mode, self.mode]
 
     def nvmlDeviceGetGpuInstanceProfileInfo(self, handle: Any, idx: int, version: int = 2) -> Any:
-        if idx >= 17:
+        self.scanned.append(idx)
+        if idx >= 17 or idx in self.invalid_indices:
             raise _err("INVALID_ARGUMENT")
-        if idx not in H200_INDEX:
+        if idx not in H200_INDEX or not self.mig_capable:
             raise _err("NOT_SUPPORTED")
         pid, name, slices, count, mib, sm, _starts, _size = H200_INDEX[idx]
         info = pynvml.c_nvmlGpuInstanceProfileInfo_v2_t()
@@ -188,11 +197,15 @@ class FakeNvml:
         gi_id, rec = self._gi(gi)
         if rec["cis"]:
             raise _err("IN_USE")
+        if self.fail_gi_destroy:
+            raise _err("UNKNOWN")
         self.calls.append("destroy_gi")
         del self.gis[gi_id]
         return 0
 
     def _mig_list(self) -> list[tuple[str, int, int]]:
+        if self.hide_devices:
+            return []
         return [("mig", g, ci) for g, rec in sorted(self.gis.items()) for ci, _p in rec["cis"]]
 
     def nvmlDeviceGetMaxMigDeviceCount(self, handle: Any) -> int:
@@ -233,6 +246,15 @@ def test_nvml_model_reads_profiles_in_index_order_like_the_capture(fake: FakeNvm
         assert profile == catalog.profile_by_id(profile.id)
 
 
+def test_nvml_profile_scan_skips_holes_of_either_kind(fake: FakeNvml) -> None:
+    # Some drivers answer a hole with INVALID_ARGUMENT rather than NOT_SUPPORTED: the scan must go on
+    # to the profiles after it (7 and 9 here) and cover the whole documented index range.
+    fake.invalid_indices = {5, 6, 8}
+    model = nvml_backend.NvmlBackend().model(0)
+    assert [p.id for p in model.profiles] == [19, 14, 9, 5, 0, 20, 15]
+    assert set(range(pynvml.NVML_GPU_INSTANCE_PROFILE_COUNT)) <= set(fake.scanned)
+
+
 def test_nvml_session_is_one_init_per_process(fake: FakeNvml) -> None:
     first, second = nvml_backend.NvmlBackend(), nvml_backend.NvmlBackend()
     first.close()
@@ -268,6 +290,79 @@ def test_nvml_create_rolls_back_the_gi_when_the_ci_fails(fake: FakeNvml) -> None
         backend.create_instance(0, 19, 3)
     assert failed.value.name == "INSUFFICIENT_RESOURCES"
     assert fake.gis == {} and fake.calls[-1] == "destroy_gi"
+
+
+def test_nvml_create_with_a_failed_rollback_says_what_it_left(fake: FakeNvml) -> None:
+    backend = nvml_backend.NvmlBackend()
+    fake.fail_ci = fake.fail_gi_destroy = True
+    with pytest.raises(GpuError) as failed:
+        backend.create_instance(0, 9, 4)
+    message = str(failed.value)
+    assert failed.value.name == "INSUFFICIENT_RESOURCES"  # the compute instance's error, not the rollback's
+    assert "rollback failed too" in message and "left without a compute instance" in message
+    assert "NVML_ERROR_UNKNOWN" in message and "\n" not in message
+    [half] = backend.instances(0)
+    assert (half.gi_id, half.ci_id, half.device_uuid, half.complete) == (2, -1, "", False)
+    fake.fail_ci = False
+    done = backend.create_compute_instance(0, 2)
+    assert (done.gi_id, done.ci_id, done.device_uuid, done.complete) == (2, 0, "MIG-fake-2-0", True)
+    creates = fake.calls.count("create_ci:2")
+    assert backend.create_compute_instance(0, 2) == done  # complete already: no second CI
+    assert fake.calls.count("create_ci:2") == creates
+    with pytest.raises(GpuError) as missing:
+        backend.create_compute_instance(0, 9)
+    assert missing.value.name == "NOT_FOUND"
+
+
+def test_nvml_destroy_that_stops_half_way_says_so(fake: FakeNvml) -> None:
+    backend = nvml_backend.NvmlBackend()
+    made = backend.create_instance(0, 19, 3)
+    fake.fail_gi_destroy = True
+    with pytest.raises(GpuError) as failed:
+        backend.destroy_instance(0, made.gi_id)
+    assert failed.value.name == "UNKNOWN"
+    assert f"GPU instance {made.gi_id} is left without one" in str(failed.value)
+    [half] = backend.instances(0)
+    assert (half.gi_id, half.ci_id, half.complete) == (made.gi_id, -1, False)
+    fake.fail_gi_destroy = False
+    backend.destroy_instance(0, made.gi_id)
+    assert backend.instances(0) == [] and fake.gis == {}
+
+
+def test_nvml_create_never_returns_an_instance_without_its_device(fake: FakeNvml) -> None:
+    backend = nvml_backend.NvmlBackend(mig_device_wait_s=0.3)
+    fake.hide_devices = True
+    with pytest.raises(GpuError) as late:
+        backend.create_instance(0, 14, 2)
+    message = str(late.value)
+    assert late.value.name == "TIMEOUT" and late.value.transient
+    assert "compute instance 0, but its MIG device did not appear within 0.3 s" in message
+    assert "left in place" in message
+    assert fake.gis[4]["cis"]  # created with its CI; only its device is missing
+    fake.hide_devices = False
+    [found] = backend.instances(0)
+    assert found.complete and found.device_uuid == "MIG-fake-4-0"
+
+
+def test_describe_a_gpu_without_mig_through_nvml(fake: FakeNvml) -> None:
+    fake.mig_capable = False
+    fake.product = "NVIDIA L4"
+    backend = nvml_backend.NvmlBackend()
+    with pytest.raises(GpuError) as no_mig:
+        backend.model(0)
+    assert no_mig.value.name == "NOT_SUPPORTED"
+    [gpu] = describe(backend)["gpus"]
+    assert (gpu["model"], gpu["memory_mib"], gpu["mig_capable"], gpu["mig_enabled"]) == ("l4-24gb", 23034, False, False)
+    assert gpu["profiles"] == [] and gpu["instances"] == []
+    assert "GPU 0: NVIDIA L4 (l4-24gb), 23034 MiB, no MIG" in render_text({"gpus": [gpu]})
+
+
+def test_render_text_marks_a_gpu_instance_without_compute_instance() -> None:
+    sim = SimulatedBackend("h200-141gb")
+    sim.create_half_instance(0, 9, 0)
+    text = render_text(describe(sim))
+    [row] = [line for line in text.splitlines() if "3g.71gb" in line and "0:4" in line]
+    assert row.split()[:2] == ["1", "-"] and row.endswith("- (no compute instance)")
 
 
 def test_nvml_errors_keep_codes(fake: FakeNvml) -> None:

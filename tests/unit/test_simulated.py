@@ -18,12 +18,15 @@ from mig_operator.gpu.inventory import describe
 from mig_operator.gpu.protocol import GpuBackend, GpuError
 from mig_operator.gpu.simulated import SimulatedBackend, gpu_uuid
 
+MIG_MODELS = sorted(name for name, model in CATALOG.items() if model.mig_capable)
+NO_MIG_MODELS = sorted(name for name, model in CATALOG.items() if not model.mig_capable)
+
 
 def _error(excinfo: pytest.ExceptionInfo[GpuError]) -> str:
     return excinfo.value.name
 
 
-@pytest.mark.parametrize("model_name", sorted(CATALOG))
+@pytest.mark.parametrize("model_name", MIG_MODELS)
 def test_only_legal_placements_are_accepted(model_name: str) -> None:
     model = get_model(model_name)
     for profile in model.profiles:
@@ -141,11 +144,11 @@ def test_state_persists_across_backend_objects(tmp_path: Path) -> None:
 def test_a_foreign_state_file_is_refused(tmp_path: Path) -> None:
     state = str(tmp_path / "sim.json")
     SimulatedBackend("h200-141gb", state_file=state)
-    with pytest.raises(ValueError, match="h200-141gb"):
-        SimulatedBackend("a30-24gb", state_file=state)
-    Path(state).write_text("{not json")
-    with pytest.raises(ValueError, match="unreadable"):
-        SimulatedBackend("h200-141gb", state_file=state)
+    for model, count in (("a30-24gb", 1), ("h200-141gb", 2)):
+        with pytest.raises(GpuError) as foreign:
+            SimulatedBackend(model, count=count, state_file=state)
+        assert foreign.value.name == "INVALID_ARGUMENT"
+        assert "holds 1 GPU(s) of 'h200-141gb'" in str(foreign.value) and "use another file" in str(foreign.value)
 
 
 def _create_in_child(state: str, start: int) -> None:
@@ -258,48 +261,60 @@ def test_describe_lists_every_catalog_profile_and_instance() -> None:
 # ---- property: random create/destroy sequences against a brute-force slot model ----------------------
 
 _OPS = st.lists(
-    st.tuples(st.sampled_from(["create", "destroy", "busy"]), st.integers(0, 40), st.integers(0, 8)),
+    st.tuples(st.sampled_from(["create", "half", "complete", "destroy", "busy"]), st.integers(0, 40),
+              st.integers(0, 8)),
     max_size=40,
 )
 
 
 @settings(max_examples=150, deadline=None)
-@given(model_name=st.sampled_from(sorted(CATALOG)), ops=_OPS)
+@given(model_name=st.sampled_from(MIG_MODELS), ops=_OPS)
 def test_random_sequences_agree_with_a_slot_model(model_name: str, ops: list[tuple[str, int, int]]) -> None:
     model = get_model(model_name)
     sim = SimulatedBackend(model_name)
     compute = max(p.slices for p in model.profiles)
-    # Oracle: gi_id -> (profile, start, busy), checked slot by slot, not by masks.
-    held: dict[int, tuple[int, int, bool]] = {}
+    # Oracle: gi_id -> (profile, start, busy, has its compute instance), checked slot by slot, not by masks.
+    held: dict[int, tuple[int, int, bool, bool]] = {}
     for kind, pick, start in ops:
-        if kind == "create":
+        if kind in ("create", "half"):
             profile = model.profiles[pick % len(model.profiles)]
-            used = [s for pid, st_, _b in held.values()
+            used = [s for pid, st_, _b, _c in held.values()
                     for s in range(st_, st_ + model.profile_by_id(pid).size)]
             wanted = list(range(start, start + profile.size))
             if start not in {p.start for p in profile.placements}:
                 expected = "INVALID_ARGUMENT"
             elif set(used) & set(wanted):
                 expected = "INSUFFICIENT_RESOURCES"
-            elif sum(1 for pid, _s, _b in held.values() if pid == profile.id) >= profile.max_instances:
+            elif sum(1 for pid, _s, _b, _c in held.values() if pid == profile.id) >= profile.max_instances:
                 expected = "INSUFFICIENT_RESOURCES"
-            elif sum(model.profile_by_id(pid).slices for pid, _s, _b in held.values()) + profile.slices > compute:
+            elif sum(model.profile_by_id(pid).slices for pid, _s, _b, _c in held.values()) + profile.slices > compute:
                 expected = "INSUFFICIENT_RESOURCES"
             else:
                 expected = "ok"
+            make = sim.create_instance if kind == "create" else sim.create_half_instance
             try:
-                made = sim.create_instance(0, profile.id, start)
+                made = make(0, profile.id, start)
                 outcome = "ok"
-                held[made.gi_id] = (profile.id, start, False)
+                held[made.gi_id] = (profile.id, start, False, kind == "create")
+                assert made.complete == (kind == "create")
             except GpuError as exc:
                 outcome = exc.name
             assert outcome == expected, (profile.name, start, held)
         elif held:
             gi_id = sorted(held)[pick % len(held)]
-            pid, st_, busy = held[gi_id]
+            pid, st_, busy, complete = held[gi_id]
             if kind == "busy":
-                sim.set_in_use(0, gi_id, not busy)
-                held[gi_id] = (pid, st_, not busy)
+                try:
+                    sim.set_in_use(0, gi_id, not busy)
+                    held[gi_id] = (pid, st_, not busy, complete)
+                    assert complete or busy
+                except GpuError as exc:
+                    assert not complete and exc.name == "INVALID_ARGUMENT"
+                continue
+            if kind == "complete":
+                done = sim.create_compute_instance(0, gi_id)
+                assert done.complete and (done.gi_id, done.start) == (gi_id, st_)
+                held[gi_id] = (pid, st_, busy, True)
                 continue
             try:
                 sim.destroy_instance(0, gi_id)
@@ -311,5 +326,7 @@ def test_random_sequences_agree_with_a_slot_model(model_name: str, ops: list[tup
         slots = [s for i in listed for s in range(i.start, i.start + i.size)]
         assert len(slots) == len(set(slots)), "instances overlap"
         assert all(0 <= s < model.memory_slots for s in slots)
-        assert {i.gi_id: (i.profile_id, i.start, i.in_use) for i in listed} == held
-        assert len({i.device_uuid for i in listed}) == len(listed)
+        assert {i.gi_id: (i.profile_id, i.start, i.in_use, i.complete) for i in listed} == held
+        assert all((i.ci_id == 0) == i.complete and (i.device_uuid != "") == i.complete for i in listed)
+        uuids = [i.device_uuid for i in listed if i.complete]
+        assert len(set(uuids)) == len(uuids)
