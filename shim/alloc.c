@@ -16,8 +16,9 @@
  *   cu(Mipmapped)ArrayGetMemoryRequirements reports; sparse and
  *   deferred-mapping arrays commit nothing and are not counted.
  * - Pitched allocations are counted as the returned pitch x Height.
- * - Stream-ordered allocations are counted from cuMemAlloc(FromPool)Async to
- *   cuMemFreeAsync.  Bytes a pool keeps reserved after a free are not counted.
+ * - Stream-ordered allocations are counted in their pool's device from
+ *   cuMemAlloc(FromPool)Async; after cuMemFreeAsync their bytes stay counted
+ *   as what the pool keeps, and serve the pool's next allocations (pools.c).
  */
 #define _GNU_SOURCE
 #include "gs.h"
@@ -37,6 +38,23 @@ static void track(struct gs_table *t, uint64_t key, uint64_t size, uint64_t aux,
     }
 }
 
+/* aux of a stream-ordered allocation: its kind and its pool's index */
+#define ASYNC_AUX(pool_index) ((uint64_t)GS_K_ASYNC | ((uint64_t)(pool_index) << 8))
+
+/* The bytes of a freed allocation: back to the slice, or, for a
+ * stream-ordered one, to what its pool keeps. */
+static void give_back(const struct gs_entry *e)
+{
+    if ((e->aux & 0xff) == GS_K_ASYNC) {
+        struct gs_pool *pl = gs_pool_at((int)(e->aux >> 8));
+        if (pl && pl->ref == e->ref) {
+            gs_pool_keep(pl, e->size);
+            return;
+        }
+    }
+    gs_unreserve(e->ref, e->size);
+}
+
 /* Free-side helper: take key out, call the driver, restore on failure. */
 #define FREE_TRACKED(table, key, call)                                   \
     do {                                                                 \
@@ -45,12 +63,24 @@ static void track(struct gs_table *t, uint64_t key, uint64_t size, uint64_t aux,
         CUresult r_ = (call);                                            \
         if (had_) {                                                      \
             if (r_ == CUDA_SUCCESS)                                      \
-                gs_unreserve(e_.ref, e_.size);                           \
+                give_back(&e_);                                          \
             else                                                         \
                 gs_table_put((table), (key), e_.size, e_.aux, e_.ref);   \
         }                                                                \
         return r_;                                                       \
     } while (0)
+
+/* A pointer counted as a stream-ordered allocation turned out to be a graph
+ * allocation (captured cuMemAllocAsync): graphs.c counts the graph's pool
+ * instead.  Its bytes go to the pool it was counted from: an over-count until
+ * that pool is next measured, never an under-count. */
+void gs_untrack_async(CUdeviceptr p)
+{
+    struct gs_entry e;
+    if (!gs_table_take(&gs_allocs, p, &e)) return;
+    if ((e.aux & 0xff) == GS_K_ASYNC) give_back(&e);
+    else gs_table_put(&gs_allocs, p, e.size, e.aux, e.ref);
+}
 
 /* Correct a reservation made from an estimate to the size the driver used.
  * Returns 0 if the larger size does not fit: the caller undoes the call. */
@@ -145,19 +175,43 @@ typedef CUresult (*pfn_alloc_async)(CUdeviceptr *, size_t, CUstream);
 typedef CUresult (*pfn_alloc_pool)(CUdeviceptr *, size_t, CUmemoryPool, CUstream);
 typedef CUresult (*pfn_free_async)(CUdeviceptr, CUstream);
 
+/* Reserve n for an allocation from pool pl (NULL: no pool entry, count on
+ * ref): first from what the pool keeps, the rest in the region.  *kept gets
+ * the part that came from the pool. */
+static int async_reserve(struct gs_pool *pl, struct gs_ref *ref, uint64_t n, uint64_t *kept)
+{
+    uint64_t k = pl ? gs_pool_take(pl, n) : 0;
+    if (k < n && !gs_reserve(ref, n - k)) {
+        if (k) gs_pool_keep(pl, k);
+        return 0;
+    }
+    *kept = k;
+    return 1;
+}
+
+static void async_rollback(struct gs_pool *pl, struct gs_ref *ref, uint64_t n, uint64_t k)
+{
+    if (k) gs_pool_keep(pl, k);
+    gs_unreserve(ref, n - k);
+}
+
 static CUresult alloc_async(pfn_alloc_async real, CUdeviceptr *dptr, size_t n, CUstream s)
 {
     if (GS_UNLIKELY(!real)) return CUDA_ERROR_NOT_INITIALIZED;
     if (!ACTIVE() || !dptr || !n) return real(dptr, n, s);
-    struct gs_ref *ref = cur_ref();
+    int dev = gs_current_dev();
+    struct gs_ref *ref = gs_ref_of(dev);
     if (GS_UNLIKELY(!ref)) return real(dptr, n, s);
-    if (!gs_reserve(ref, n)) return CUDA_ERROR_OUT_OF_MEMORY;
+    struct gs_pool *pl = gs_pool_current(dev);
+    if (pl && pl->ref != ref) pl = NULL;
+    uint64_t k;
+    if (!async_reserve(pl, ref, n, &k)) return CUDA_ERROR_OUT_OF_MEMORY;
     CUresult r = real(dptr, n, s);
     if (r != CUDA_SUCCESS) {
-        gs_unreserve(ref, n);
+        async_rollback(pl, ref, n, k);
         return r;
     }
-    track(&gs_allocs, *dptr, n, GS_K_ASYNC, ref);
+    track(&gs_allocs, *dptr, n, ASYNC_AUX(gs_pool_index(pl)), ref);
     return r;
 }
 
@@ -166,15 +220,19 @@ static CUresult alloc_pool(pfn_alloc_pool real, CUdeviceptr *dptr, size_t n, CUm
 {
     if (GS_UNLIKELY(!real)) return CUDA_ERROR_NOT_INITIALIZED;
     if (!ACTIVE() || !dptr || !n) return real(dptr, n, p, s);
-    struct gs_ref *ref = cur_ref();
+    /* charged to the pool's device, not the current one */
+    struct gs_pool *pl = p ? gs_pool_of(p) : NULL;
+    struct gs_ref *ref = pl ? pl->ref : cur_ref();
+    if (pl && !ref) return real(dptr, n, p, s); /* a pool in host memory */
     if (GS_UNLIKELY(!ref)) return real(dptr, n, p, s);
-    if (!gs_reserve(ref, n)) return CUDA_ERROR_OUT_OF_MEMORY;
+    uint64_t k;
+    if (!async_reserve(pl, ref, n, &k)) return CUDA_ERROR_OUT_OF_MEMORY;
     CUresult r = real(dptr, n, p, s);
     if (r != CUDA_SUCCESS) {
-        gs_unreserve(ref, n);
+        async_rollback(pl, ref, n, k);
         return r;
     }
-    track(&gs_allocs, *dptr, n, GS_K_ASYNC, ref);
+    track(&gs_allocs, *dptr, n, ASYNC_AUX(gs_pool_index(pl)), ref);
     return r;
 }
 

@@ -106,10 +106,12 @@ static void atfork_prepare(void)
     gs_table_lock(&gs_allocs);
     gs_table_lock(&gs_handles);
     gs_table_lock(&gs_maps);
+    gs_table_lock(&gs_graphs);
 }
 
 static void atfork_parent(void)
 {
+    gs_table_unlock(&gs_graphs);
     gs_table_unlock(&gs_maps);
     gs_table_unlock(&gs_handles);
     gs_table_unlock(&gs_allocs);
@@ -122,11 +124,16 @@ static void atfork_child(void)
     /* The child owns none of the parent's device memory (a CUDA context does
      * not survive fork): forget the parent's pointers and take a slot of our
      * own on first use.  The shared mappings stay. */
+    gs_table_unlock(&gs_graphs);
     gs_table_unlock(&gs_maps);
     gs_table_unlock(&gs_handles);
     gs_table_unlock(&gs_allocs);
     gs_tables_reset();
     gs_region_atfork_child();
+    gs_report_atfork_child();
+    gs_pools_atfork_child();
+    gs_graphs_atfork_child();
+    gs_fp_atfork_child();
     pthread_mutex_unlock(&load_mu);
 }
 
@@ -141,6 +148,12 @@ __attribute__((constructor)) static void gs_init(void)
         return;
     }
     gs_cfg.strict = env_true("CDMO_SHIM_STRICT");
+    const char *fp = getenv("CDMO_SHIM_FOOTPRINT");
+    if (!fp || !*fp || !strcmp(fp, "auto")) gs_cfg.footprint = GS_FP_AUTO;
+    else if (!strcmp(fp, "nvml")) gs_cfg.footprint = GS_FP_NVML;
+    else if (!strcmp(fp, "delta")) gs_cfg.footprint = GS_FP_DELTA;
+    else if (!strcmp(fp, "off")) gs_cfg.footprint = GS_FP_OFF;
+    else gs_warn("CDMO_SHIM_FOOTPRINT=%s is not auto, nvml, delta or off; using auto", fp);
     sanitize_slice(getenv("CDMO_SLICE"), gs_cfg.slice, sizeof gs_cfg.slice);
     const char *dir = getenv("CDMO_SHIM_DIR");
     snprintf(gs_cfg.dir, sizeof gs_cfg.dir, "%s", dir && *dir ? dir : "/dev/shm");

@@ -37,6 +37,9 @@ typedef struct CUmemPoolHandle_st *CUmemoryPool;
 typedef struct CUarray_st *CUarray;
 typedef struct CUmipmappedArray_st *CUmipmappedArray;
 typedef struct CUctx_st *CUcontext;
+typedef struct CUgraph_st *CUgraph;
+typedef struct CUgraphNode_st *CUgraphNode;
+typedef struct CUgraphExec_st *CUgraphExec;
 
 typedef struct CUuuid_st { char bytes[16]; } CUuuid;
 
@@ -127,6 +130,62 @@ typedef struct CUDA_ARRAY_MEMORY_REQUIREMENTS_st {
     unsigned int reserved[4];
 } CUDA_ARRAY_MEMORY_REQUIREMENTS;
 
+/* stream-ordered pools */
+typedef struct CUmemPoolProps_st {
+    CUmemAllocationType allocType;
+    CUmemAllocationHandleType handleTypes;
+    CUmemLocation location;
+    void *win32SecurityAttributes;
+    size_t maxSize;
+    unsigned short usage;
+    unsigned char reserved[54];
+} CUmemPoolProps;
+
+typedef enum CUmemPool_attribute_enum {
+    CU_MEMPOOL_ATTR_RELEASE_THRESHOLD = 4,
+    CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT = 5,
+    CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH = 6,
+    CU_MEMPOOL_ATTR_USED_MEM_CURRENT = 7,
+    CU_MEMPOOL_ATTR_USED_MEM_HIGH = 8
+} CUmemPool_attribute;
+
+/* graphs */
+typedef enum CUgraphNodeType_enum {
+    CU_GRAPH_NODE_TYPE_KERNEL = 0,
+    CU_GRAPH_NODE_TYPE_GRAPH = 4,
+    CU_GRAPH_NODE_TYPE_MEM_ALLOC = 10,
+    CU_GRAPH_NODE_TYPE_MEM_FREE = 11
+} CUgraphNodeType;
+
+typedef enum CUgraphMem_attribute_enum {
+    CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT = 0,
+    CU_GRAPH_MEM_ATTR_USED_MEM_HIGH = 1,
+    CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT = 2,
+    CU_GRAPH_MEM_ATTR_RESERVED_MEM_HIGH = 3
+} CUgraphMem_attribute;
+
+typedef struct CUmemAccessDesc_st {
+    CUmemLocation location;
+    int flags;
+} CUmemAccessDesc;
+
+typedef struct CUDA_MEM_ALLOC_NODE_PARAMS_st {      /* _v1 (= _v2) */
+    CUmemPoolProps poolProps;
+    const CUmemAccessDesc *accessDescs;
+    size_t accessDescCount;
+    size_t bytesize;
+    CUdeviceptr dptr;
+} CUDA_MEM_ALLOC_NODE_PARAMS;
+
+typedef struct CUDA_GRAPH_INSTANTIATE_PARAMS_st {
+    cuuint64_t flags;
+    CUstream hUploadStream;
+    CUgraphNode hErrNode_out;
+    int result_out;
+} CUDA_GRAPH_INSTANTIATE_PARAMS;
+
+#define CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD 2ULL
+
 /* ---- NVML -------------------------------------------------------------- */
 typedef int nvmlReturn_t;
 enum {
@@ -135,6 +194,7 @@ enum {
     NVML_ERROR_INVALID_ARGUMENT = 2,
     NVML_ERROR_NOT_SUPPORTED = 3,
     NVML_ERROR_NOT_FOUND = 6,
+    NVML_ERROR_INSUFFICIENT_SIZE = 7,
     NVML_ERROR_FUNCTION_NOT_FOUND = 13,
     NVML_ERROR_UNKNOWN = 999
 };
@@ -154,6 +214,15 @@ typedef struct nvmlMemory_v2_st {
     unsigned long long used;
 } nvmlMemory_v2_t;
 
+/* nvmlDeviceGetComputeRunningProcesses_v3 (and _v2): nvmlProcessInfo_t */
+typedef struct nvmlProcessInfo_st {
+    unsigned int pid;
+    unsigned long long usedGpuMemory;   /* NVML_VALUE_NOT_AVAILABLE when unknown */
+    unsigned int gpuInstanceId;
+    unsigned int computeInstanceId;
+} nvmlProcessInfo_t;
+#define GS_NVML_VALUE_NOT_AVAILABLE (~0ULL)
+
 /* NVML_STRUCT_VERSION(Memory, 2) = sizeof(nvmlMemory_v2_t) | (2 << 24) */
 #define GS_NVML_MEMORY_V2 ((unsigned int)(sizeof(nvmlMemory_v2_t) | (2u << 24)))
 #define GS_NVML_UUID_BUFFER 96
@@ -171,5 +240,12 @@ _Static_assert(sizeof(nvmlMemory_t) == 24, "nvmlMemory_t");
 _Static_assert(sizeof(nvmlMemory_v2_t) == 40, "nvmlMemory_v2_t");
 _Static_assert(offsetof(nvmlMemory_v2_t, total) == 8, "nvmlMemory_v2_t.total");
 _Static_assert(sizeof(CUuuid) == 16, "CUuuid");
+_Static_assert(sizeof(CUmemPoolProps) == 88, "CUmemPoolProps");
+_Static_assert(offsetof(CUmemPoolProps, location) == 8, "poolProps.location");
+_Static_assert(sizeof(CUDA_MEM_ALLOC_NODE_PARAMS) == 120, "CUDA_MEM_ALLOC_NODE_PARAMS");
+_Static_assert(offsetof(CUDA_MEM_ALLOC_NODE_PARAMS, bytesize) == 104, "allocNode.bytesize");
+_Static_assert(offsetof(CUDA_MEM_ALLOC_NODE_PARAMS, dptr) == 112, "allocNode.dptr");
+_Static_assert(sizeof(CUDA_GRAPH_INSTANTIATE_PARAMS) == 32, "CUDA_GRAPH_INSTANTIATE_PARAMS");
+_Static_assert(sizeof(nvmlProcessInfo_t) == 24, "nvmlProcessInfo_t");
 
 #endif

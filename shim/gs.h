@@ -20,10 +20,15 @@ struct gs_config {
     int disabled;      /* CDMO_SHIM_DISABLE=1                                */
     int strict;        /* CDMO_SHIM_STRICT=1: fail closed without the region  */
     int debug;         /* CDMO_SHIM_DEBUG=1: log decisions to stderr          */
+    int footprint;     /* CDMO_SHIM_FOOTPRINT: GS_FP_* below                  */
     uint64_t limit;    /* CDMO_GPU_MEMORY_LIMIT, bytes                        */
     char slice[200];   /* CDMO_SLICE, sanitised for a file name               */
     char dir[256];     /* CDMO_SHIM_DIR or /dev/shm                           */
 };
+/* How the driver-side footprint (context, modules) of a process is measured:
+ * NVML's per-process figure for our own pid, the device's used-memory delta
+ * around primary-context creation, or not at all. */
+enum { GS_FP_AUTO = 0, GS_FP_NVML, GS_FP_DELTA, GS_FP_OFF };
 extern struct gs_config gs_cfg GS_HIDDEN;
 void gs_log(const char *fmt, ...) GS_HIDDEN __attribute__((format(printf, 1, 2)));
 void gs_warn(const char *fmt, ...) GS_HIDDEN __attribute__((format(printf, 1, 2)));
@@ -57,6 +62,26 @@ void gs_warn(const char *fmt, ...) GS_HIDDEN __attribute__((format(printf, 1, 2)
       cuMemAllocFromPoolAsync, 11020, 1, 1)                                         \
     X(GetProcAddress, cuGetProcAddress, cuGetProcAddress, 11030, 0, 1)              \
     X(GetProcAddress_v2, cuGetProcAddress_v2, cuGetProcAddress, 12000, 0, 1)        \
+    X(DevicePrimaryCtxRetain, cuDevicePrimaryCtxRetain, cuDevicePrimaryCtxRetain,   \
+      7000, 0, 1)                                                                   \
+    X(MemPoolCreate, cuMemPoolCreate, cuMemPoolCreate, 11020, 0, 1)                 \
+    X(MemPoolDestroy, cuMemPoolDestroy, cuMemPoolDestroy, 11020, 0, 1)              \
+    X(DeviceSetMemPool, cuDeviceSetMemPool, cuDeviceSetMemPool, 11020, 0, 1)        \
+    X(GraphInstantiateWithFlags, cuGraphInstantiateWithFlags,                       \
+      cuGraphInstantiateWithFlags, 11040, 0, 1)                                     \
+    /* from 12000 on, "cuGraphInstantiate" is the WithFlags ABI */                  \
+    X(GraphInstantiate_12, cuGraphInstantiateWithFlags, cuGraphInstantiate,         \
+      12000, 0, 1)                                                                  \
+    X(GraphInstantiateWithParams, cuGraphInstantiateWithParams,                     \
+      cuGraphInstantiateWithParams, 12000, 0, 1)                                    \
+    X(GraphInstantiateWithParams_ptsz, cuGraphInstantiateWithParams_ptsz,           \
+      cuGraphInstantiateWithParams, 12000, 1, 1)                                    \
+    X(GraphLaunch, cuGraphLaunch, cuGraphLaunch, 10000, 0, 1)                       \
+    X(GraphLaunch_ptsz, cuGraphLaunch_ptsz, cuGraphLaunch, 10000, 1, 1)             \
+    X(GraphUpload, cuGraphUpload, cuGraphUpload, 11010, 0, 1)                       \
+    X(GraphUpload_ptsz, cuGraphUpload_ptsz, cuGraphUpload, 11010, 1, 1)             \
+    X(GraphExecDestroy, cuGraphExecDestroy, cuGraphExecDestroy, 10000, 0, 1)        \
+    X(DeviceGraphMemTrim, cuDeviceGraphMemTrim, cuDeviceGraphMemTrim, 11040, 0, 1)  \
     /* used by the shim, never substituted */                                      \
     X(CtxGetDevice, cuCtxGetDevice, cuCtxGetDevice, 2000, 0, 0)                     \
     X(DeviceGetCount, cuDeviceGetCount, cuDeviceGetCount, 2000, 0, 0)               \
@@ -65,12 +90,29 @@ void gs_warn(const char *fmt, ...) GS_HIDDEN __attribute__((format(printf, 1, 2)
     X(ArrayGetMemoryRequirements, cuArrayGetMemoryRequirements,                     \
       cuArrayGetMemoryRequirements, 11060, 0, 0)                                    \
     X(MipmappedArrayGetMemoryRequirements, cuMipmappedArrayGetMemoryRequirements,   \
-      cuMipmappedArrayGetMemoryRequirements, 11060, 0, 0)
+      cuMipmappedArrayGetMemoryRequirements, 11060, 0, 0)                           \
+    X(DevicePrimaryCtxGetState, cuDevicePrimaryCtxGetState,                         \
+      cuDevicePrimaryCtxGetState, 7000, 0, 0)                                       \
+    X(DeviceGetDefaultMemPool, cuDeviceGetDefaultMemPool, cuDeviceGetDefaultMemPool, \
+      11020, 0, 0)                                                                  \
+    X(DeviceGetMemPool, cuDeviceGetMemPool, cuDeviceGetMemPool, 11020, 0, 0)        \
+    X(MemPoolTrimTo, cuMemPoolTrimTo, cuMemPoolTrimTo, 11020, 0, 0)                 \
+    X(MemPoolGetAttribute, cuMemPoolGetAttribute, cuMemPoolGetAttribute, 11020, 0, 0) \
+    X(DeviceGetGraphMemAttribute, cuDeviceGetGraphMemAttribute,                     \
+      cuDeviceGetGraphMemAttribute, 11040, 0, 0)                                    \
+    X(GraphGetNodes, cuGraphGetNodes, cuGraphGetNodes, 10000, 0, 0)                 \
+    X(GraphNodeGetType, cuGraphNodeGetType, cuGraphNodeGetType, 10000, 0, 0)        \
+    X(GraphMemAllocNodeGetParams, cuGraphMemAllocNodeGetParams,                     \
+      cuGraphMemAllocNodeGetParams, 11040, 0, 0)
 
 #define GS_NVML_SYMBOLS(X)                                                          \
     X(nvmlDeviceGetMemoryInfo, 1)                                                   \
     X(nvmlDeviceGetMemoryInfo_v2, 1)                                                \
-    X(nvmlDeviceGetUUID, 0)
+    X(nvmlDeviceGetUUID, 0)                                                         \
+    X(nvmlInit_v2, 0)                                                               \
+    X(nvmlDeviceGetHandleByUUID, 0)                                                 \
+    X(nvmlDeviceGetComputeRunningProcesses_v3, 0)                                   \
+    X(nvmlDeviceGetComputeRunningProcesses_v2, 0)
 
 enum gs_cu_id {
 #define GS_ENUM(id, sym, base, ver, ptsz, hooked) GS_CU_##id,
@@ -126,12 +168,24 @@ struct gs_ref {                 /* this process's view of one region        */
     int shared;                 /* 1: file-backed, 0: process-local fallback */
     int released;               /* set at exit, after the slot is given back */
     char key[33];               /* GPU UUID as 32 hex digits                */
+    /* footprint.c, process-local: bytes charged beside the allocations */
+    int cudev;                  /* CUdevice of this GPU, -1 before first use */
+    int ctx_how;                /* GS_CTX_*: how ctx was last measured      */
+    uint64_t ctx;               /* context, modules, driver reservations    */
+    uint64_t graph;             /* graph memory pool reservation            */
+    void *nvdev;                /* NVML handle of this GPU, NULL unresolved */
+    /* refresh when the slice's free bytes fall below this (0: never) */
+    _Atomic uint64_t mark;
 };
+enum { GS_CTX_NONE = 0, GS_CTX_NVML, GS_CTX_DELTA };
 struct gs_ref *gs_ref_for_key(const char *hexkey) GS_HIDDEN;  /* slow path */
 int gs_reserve(struct gs_ref *ref, uint64_t bytes) GS_HIDDEN;
 void gs_unreserve(struct gs_ref *ref, uint64_t bytes) GS_HIDDEN;
+/* memory the driver already holds: counted even beyond the limit */
+void gs_charge(struct gs_ref *ref, uint64_t bytes) GS_HIDDEN;
+uint64_t gs_slot_used(const struct gs_ref *ref, int *ok) GS_HIDDEN;
 uint64_t gs_used(const struct gs_ref *ref) GS_HIDDEN;
-void gs_reap_if_due(struct gs_ref *ref, int force) GS_HIDDEN;
+int gs_reap_if_due(struct gs_ref *ref, int force) GS_HIDDEN; /* 1: it ran */
 uint64_t gs_peak(const struct gs_ref *ref) GS_HIDDEN;
 void gs_region_atfork_child(void) GS_HIDDEN;
 void gs_region_atfork_prepare(void) GS_HIDDEN;
@@ -143,6 +197,7 @@ extern struct gs_ref *gs_dev_ref[GS_MAX_DEV] GS_HIDDEN;
 extern int gs_ndev GS_HIDDEN;         /* 0 unknown, else visible device count */
 struct gs_ref *gs_dev_ref_slow(int dev) GS_HIDDEN;
 int gs_current_dev_slow(void) GS_HIDDEN;
+void gs_report_atfork_child(void) GS_HIDDEN;
 static inline struct gs_ref *gs_ref_of(int dev)
 {
     if (GS_UNLIKELY(dev < 0 || dev >= GS_MAX_DEV)) return NULL;
@@ -175,6 +230,7 @@ struct gs_table {
 extern struct gs_table gs_allocs GS_HIDDEN;   /* device pointers, arrays       */
 extern struct gs_table gs_handles GS_HIDDEN;  /* cuMemCreate handles           */
 extern struct gs_table gs_maps GS_HIDDEN;     /* cuMemMap ranges -> handle     */
+extern struct gs_table gs_graphs GS_HIDDEN;   /* graph execs with alloc nodes  */
 extern _Atomic uint64_t gs_untracked_bytes GS_HIDDEN;
 void gs_tables_init(void) GS_HIDDEN;
 void gs_tables_reset(void) GS_HIDDEN;         /* fork child */
@@ -188,6 +244,42 @@ void gs_table_del_locked(struct gs_table *t, struct gs_entry *e) GS_HIDDEN;
 int gs_table_put(struct gs_table *t, uint64_t key, uint64_t size, uint64_t aux,
                  struct gs_ref *ref) GS_HIDDEN;
 int gs_table_take(struct gs_table *t, uint64_t key, struct gs_entry *out) GS_HIDDEN;
+
+/* ---- footprint.c: what the driver holds for this process besides the
+ * allocations, and what happens under pressure ---------------------------- */
+void gs_fp_first_use(struct gs_ref *ref, int dev) GS_HIDDEN;       /* slow path */
+void gs_fp_refresh(struct gs_ref *ref) GS_HIDDEN;                  /* slow path */
+int gs_fp_pressure(struct gs_ref *ref) GS_HIDDEN;  /* trim + refresh before OOM */
+void gs_fp_mark_hit(struct gs_ref *ref) GS_HIDDEN;
+void gs_fp_set(struct gs_ref *ref, uint64_t *field, uint64_t value) GS_HIDDEN;
+void gs_fp_atfork_child(void) GS_HIDDEN;
+
+/* ---- pools.c: stream-ordered pools ------------------------------------- */
+/* A pool's entry: which region its memory counts in (NULL: host memory, not
+ * counted) and the bytes it keeps reserved after frees (still counted). */
+struct gs_pool {
+    _Atomic(CUmemoryPool) pool; /* NULL: free entry                          */
+    struct gs_ref *ref;
+    int dev;                    /* CUdevice, -1 for host pools               */
+    _Atomic int dead;           /* destroyed: frees give their bytes back    */
+    _Atomic uint64_t kept;      /* freed bytes the pool still holds          */
+};
+#define GS_MAX_POOLS 64
+struct gs_pool *gs_pool_of(CUmemoryPool p) GS_HIDDEN;
+struct gs_pool *gs_pool_current(int dev) GS_HIDDEN;
+uint64_t gs_pool_take(struct gs_pool *pl, uint64_t n) GS_HIDDEN;
+void gs_pool_keep(struct gs_pool *pl, uint64_t n) GS_HIDDEN;
+int gs_pool_index(const struct gs_pool *pl) GS_HIDDEN;
+struct gs_pool *gs_pool_at(int index) GS_HIDDEN;
+void gs_pools_measure(struct gs_ref *ref, int trim) GS_HIDDEN;
+void gs_pools_atfork_child(void) GS_HIDDEN;
+
+/* ---- alloc.c ------------------------------------------------------------- */
+void gs_untrack_async(CUdeviceptr p) GS_HIDDEN;
+
+/* ---- graphs.c: graph memory nodes -------------------------------------- */
+void gs_graph_measure(struct gs_ref *ref, int trim) GS_HIDDEN;
+void gs_graphs_atfork_child(void) GS_HIDDEN;
 
 /* ---- procaddr.c --------------------------------------------------------- */
 void *gs_procaddr_substitute(const char *symbol, void *real_pfn, int version,

@@ -61,6 +61,20 @@ static void *const wrappers[GS_CU_COUNT] = {
     [GS_CU_MemAllocFromPoolAsync_ptsz] = W(cuMemAllocFromPoolAsync_ptsz),
     [GS_CU_GetProcAddress] = W(cuGetProcAddress),
     [GS_CU_GetProcAddress_v2] = W(cuGetProcAddress_v2),
+    [GS_CU_DevicePrimaryCtxRetain] = W(cuDevicePrimaryCtxRetain),
+    [GS_CU_MemPoolCreate] = W(cuMemPoolCreate),
+    [GS_CU_MemPoolDestroy] = W(cuMemPoolDestroy),
+    [GS_CU_DeviceSetMemPool] = W(cuDeviceSetMemPool),
+    [GS_CU_GraphInstantiateWithFlags] = W(cuGraphInstantiateWithFlags),
+    [GS_CU_GraphInstantiate_12] = W(cuGraphInstantiateWithFlags),
+    [GS_CU_GraphInstantiateWithParams] = W(cuGraphInstantiateWithParams),
+    [GS_CU_GraphInstantiateWithParams_ptsz] = W(cuGraphInstantiateWithParams_ptsz),
+    [GS_CU_GraphLaunch] = W(cuGraphLaunch),
+    [GS_CU_GraphLaunch_ptsz] = W(cuGraphLaunch_ptsz),
+    [GS_CU_GraphUpload] = W(cuGraphUpload),
+    [GS_CU_GraphUpload_ptsz] = W(cuGraphUpload_ptsz),
+    [GS_CU_GraphExecDestroy] = W(cuGraphExecDestroy),
+    [GS_CU_DeviceGraphMemTrim] = W(cuDeviceGraphMemTrim),
 };
 
 const char *const gs_nv_names[GS_NV_COUNT] = {

@@ -15,6 +15,7 @@
 struct gs_table gs_allocs = {.lock = ATOMIC_FLAG_INIT, .name = "allocations"};
 struct gs_table gs_handles = {.lock = ATOMIC_FLAG_INIT, .name = "vmm handles"};
 struct gs_table gs_maps = {.lock = ATOMIC_FLAG_INIT, .name = "vmm mappings"};
+struct gs_table gs_graphs = {.lock = ATOMIC_FLAG_INIT, .name = "graph execs"};
 _Atomic uint64_t gs_untracked_bytes;
 
 static void table_init(struct gs_table *t, unsigned bits)
@@ -41,6 +42,7 @@ void gs_tables_init(void)
     table_init(&gs_allocs, 20); /* 1M live allocations, 32 MiB of address space */
     table_init(&gs_handles, 18);
     table_init(&gs_maps, 18);
+    table_init(&gs_graphs, 12);
 }
 
 static void table_reset(struct gs_table *t)
@@ -56,6 +58,7 @@ void gs_tables_reset(void)
     table_reset(&gs_allocs);
     table_reset(&gs_handles);
     table_reset(&gs_maps);
+    table_reset(&gs_graphs);
 }
 
 void gs_table_lock(struct gs_table *t)

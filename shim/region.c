@@ -205,17 +205,27 @@ static int recover(struct gs_ref *ref)
  * process that died without exiting normally.  cuMemGetInfo may be called
  * often: it scans at most once a second (CLOCK_MONOTONIC_COARSE is read in
  * the vDSO, no syscall); NVML queries scan every time. */
-void gs_reap_if_due(struct gs_ref *ref, int force)
+int gs_reap_if_due(struct gs_ref *ref, int force)
 {
     static _Atomic int64_t next_ns;
-    if (!ref || !ref->reg || !ref->shared) return;
+    if (!ref || !ref->reg) return 0;
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
     int64_t now = (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
     int64_t due = atomic_load_explicit(&next_ns, memory_order_relaxed);
-    if (!force && now < due) return;
+    if (!force && now < due) return 0;
     atomic_store_explicit(&next_ns, now + 1000000000LL, memory_order_relaxed);
-    recover(ref);
+    if (ref->shared) recover(ref);
+    return 1;
+}
+
+static inline void raise_peak(struct gs_region *r, uint64_t now)
+{
+    uint64_t pk = atomic_load_explicit(&r->peak, memory_order_relaxed);
+    while (GS_UNLIKELY(now > pk) &&
+           !atomic_compare_exchange_weak_explicit(&r->peak, &pk, now, memory_order_relaxed,
+                                                  memory_order_relaxed)) {
+    }
 }
 
 int gs_reserve(struct gs_ref *ref, uint64_t n)
@@ -224,12 +234,25 @@ int gs_reserve(struct gs_ref *ref, uint64_t n)
     if (GS_UNLIKELY(!r)) return 0; /* strict mode without a region: closed */
     if (GS_UNLIKELY(ref->slot < 0)) claim_slot(ref);
     const uint64_t lim = gs_cfg.limit;
-    int recovered = 0;
+    int pressed = 0;
     uint64_t cur = atomic_load_explicit(&r->used, memory_order_relaxed);
+    /* This reservation would leave less than half the free space seen at the
+     * last footprint measurement: measure again first, while neither the
+     * region nor the driver holds these n bytes yet.  A plain load; the
+     * refresh itself is rare (see footprint.c). */
+    if (GS_UNLIKELY(n <= lim && cur <= lim - n &&
+                    lim - cur - n < atomic_load_explicit(&ref->mark, memory_order_relaxed))) {
+        gs_fp_mark_hit(ref);
+        cur = atomic_load_explicit(&r->used, memory_order_relaxed);
+    }
     for (;;) {
         if (GS_UNLIKELY(n > lim || cur > lim - n)) {
-            if (recovered || !recover(ref)) return 0;
-            recovered = 1;
+            /* Before refusing, once: give back dead processes' shares, trim
+             * this process's pools and graph memory, re-measure its footprint. */
+            if (pressed) return 0;
+            pressed = 1;
+            recover(ref);
+            gs_fp_pressure(ref);
             cur = atomic_load_explicit(&r->used, memory_order_relaxed);
             continue;
         }
@@ -241,12 +264,29 @@ int gs_reserve(struct gs_ref *ref, uint64_t n)
      * by n (fail-safe), never under-counts. */
     if (GS_LIKELY(ref->slot >= 0))
         atomic_fetch_add_explicit(&r->slots[ref->slot].used, n, memory_order_relaxed);
-    uint64_t now = cur + n, pk = atomic_load_explicit(&r->peak, memory_order_relaxed);
-    while (GS_UNLIKELY(now > pk) &&
-           !atomic_compare_exchange_weak_explicit(&r->peak, &pk, now, memory_order_relaxed,
-                                                  memory_order_relaxed)) {
-    }
+    raise_peak(r, cur + n);
     return 1;
+}
+
+/* Memory the driver already holds for this process (context, pool and graph
+ * reservations): it is counted whatever the limit says, since refusing cannot
+ * give it back; further reservations then fail until it shrinks. */
+void gs_charge(struct gs_ref *ref, uint64_t n)
+{
+    struct gs_region *r = ref->reg;
+    if (!r || !n || ref->released) return;
+    if (ref->slot < 0) claim_slot(ref);
+    uint64_t now = atomic_fetch_add_explicit(&r->used, n, memory_order_acq_rel) + n;
+    if (ref->slot >= 0)
+        atomic_fetch_add_explicit(&r->slots[ref->slot].used, n, memory_order_relaxed);
+    raise_peak(r, now);
+}
+
+/* Bytes this process holds in the region (allocations and charges). */
+uint64_t gs_slot_used(const struct gs_ref *ref, int *ok)
+{
+    *ok = ref->reg && ref->slot >= 0;
+    return *ok ? atomic_load_explicit(&ref->reg->slots[ref->slot].used, memory_order_acquire) : 0;
 }
 
 void gs_unreserve(struct gs_ref *ref, uint64_t n)
@@ -342,6 +382,7 @@ struct gs_ref *gs_ref_for_key(const char *key)
     ref = &refs[nrefs];
     snprintf(ref->key, sizeof ref->key, "%s", key);
     ref->slot = -1;
+    ref->cudev = -1;
     char path[600];
     snprintf(path, sizeof path, "%s/cdmo-gpuslice-%s-%s", gs_cfg.dir, gs_cfg.slice, key);
     ref->reg = open_region(path);
@@ -373,7 +414,15 @@ void gs_region_atfork_parent(void) { pthread_mutex_unlock(&attach_mu); }
 void gs_region_atfork_child(void)
 {
     pthread_mutex_unlock(&attach_mu);
-    for (int i = 0; i < nrefs; i++) refs[i].slot = -1;
+    for (int i = 0; i < nrefs; i++) {
+        /* the child holds none of the parent's memory, context included */
+        refs[i].slot = -1;
+        refs[i].cudev = -1;
+        refs[i].ctx_how = GS_CTX_NONE;
+        refs[i].ctx = refs[i].graph = 0;
+        refs[i].nvdev = NULL;
+        atomic_store(&refs[i].mark, 0);
+    }
     my_pid = 0;
 }
 

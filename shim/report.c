@@ -2,7 +2,8 @@
  * memory figures the application sees: cuMemGetInfo_v2, cuDeviceTotalMem_v2,
  * nvmlDeviceGetMemoryInfo and nvmlDeviceGetMemoryInfo_v2.
  *
- * total = min(limit, physical); used = the slice's reserved bytes;
+ * total = min(limit, physical); used = the slice's counted bytes, which
+ * include each process's driver footprint (footprint.c), so free falls by it;
  * free = min(physical free, total - used), never below 0.  A query never
  * fails because of the shim: if the device's region cannot be resolved the
  * driver's own figures are returned with total and free capped at the limit. */
@@ -72,6 +73,7 @@ struct gs_ref *gs_dev_ref_slow(int dev)
     gs_need_cuda();
     pthread_mutex_lock(&dev_mu);
     struct gs_ref *ref = gs_dev_ref[dev];
+    int first = 0;
     if (!ref) {
         learn_ndev();
         CUuuid u;
@@ -85,12 +87,23 @@ struct gs_ref *gs_dev_ref_slow(int dev)
             uuid_hex(&u, key);
             ref = gs_ref_for_key(key);
             __atomic_store_n(&gs_dev_ref[dev], ref, __ATOMIC_RELEASE);
+            first = ref != NULL;
         } else {
             gs_log("no UUID for device %d (error %d); its allocations pass through", dev, r);
         }
     }
     pthread_mutex_unlock(&dev_mu);
+    /* first use of this GPU in this process: measure its footprint (NVML,
+     * outside dev_mu) */
+    if (first) gs_fp_first_use(ref, dev);
     return ref;
+}
+
+void gs_report_atfork_child(void)
+{
+    /* the child's first use of each GPU measures its own footprint */
+    pthread_mutex_init(&dev_mu, NULL);
+    for (int i = 0; i < GS_MAX_DEV; i++) __atomic_store_n(&gs_dev_ref[i], NULL, __ATOMIC_RELAXED);
 }
 
 static void clamp(uint64_t phys_total, uint64_t phys_free, uint64_t used, uint64_t *total,
@@ -112,7 +125,7 @@ GS_EXPORT CUresult cuMemGetInfo_v2(size_t *free, size_t *total)
     if (!gs_cfg.active || r != CUDA_SUCCESS || !free || !total) return r;
     int dev = gs_current_dev();
     struct gs_ref *ref = gs_ref_of(dev);
-    gs_reap_if_due(ref, 0);
+    if (gs_reap_if_due(ref, 0)) gs_fp_refresh(ref); /* at most once a second */
     uint64_t t, f;
     clamp(*total, *free, gs_used(ref), &t, &f);
     *total = (size_t)t;
@@ -139,7 +152,7 @@ static struct gs_ref *nvml_ref(nvmlDevice_t device)
     buf[sizeof buf - 1] = 0;
     if (!nvml_uuid_hex(buf, key)) return NULL;
     struct gs_ref *ref = gs_ref_for_key(key);
-    gs_reap_if_due(ref, 1);
+    if (gs_reap_if_due(ref, 1)) gs_fp_refresh(ref); /* no-op unless CUDA uses this GPU here */
     return ref;
 }
 

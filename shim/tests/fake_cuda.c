@@ -8,12 +8,23 @@
  * FAKE_PROCADDR_INTERNAL=1 makes cuGetProcAddress return internal entry
  * points that differ from the exported ones, as a real driver may.
  * fake_last() names the last entry point called; fake_set_device() sets the
- * calling thread's current device. */
+ * calling thread's current device.
+ *
+ * For the footprint rules it also models, per device: a primary context that
+ * takes FAKE_CTX_BYTES when first retained (fake_grow_context() adds more, as
+ * lazily loaded modules do); stream-ordered pools (a default pool per device,
+ * cuMemPoolCreate, a release threshold: freed bytes stay reserved until a
+ * synchronisation releases what exceeds it, or cuMemPoolTrimTo); graphs with
+ * allocation and free nodes, built directly or by stream capture, whose memory
+ * comes from a per-device graph pool at launch and stays there until
+ * cuDeviceGraphMemTrim.  fake_dev_used(d) is what NVML would report for this
+ * process on device d (fake_nvml.c reads it). */
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "cuda_abi.h"
 
@@ -27,11 +38,29 @@ static uint64_t pitch_align = 2048;
 static int ndev = 1;
 static int internal_ptrs;
 static _Atomic uint64_t phys_used;
+static _Atomic uint64_t dev_used[8];  /* this process's footprint per device */
 static _Atomic uint32_t next_k;
 static uint64_t *rec_size;       /* size of pointer k, 0 = free */
+static unsigned char *rec_dev;   /* device of pointer k */
+static unsigned char *rec_pool;  /* pool of pointer k (index + 1), 0 = none */
+static int *rec_owner;           /* pid that allocated pointer k */
+static uint64_t ctx_bytes;
 static __thread int cur_dev;
 static const char *_Atomic last;
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+
+static int ctx_refs[8];
+static int my_pid; /* getpid() is a system call: cached, reset in the child */
+/* A forked child holds no device memory of its parent (NVML does not list it
+ * with the parent's bytes), and has no context. */
+static void fake_atfork_child(void)
+{
+    my_pid = (int)getpid();
+    for (int d = 0; d < 8; d++) {
+        atomic_store(&dev_used[d], 0);
+        ctx_refs[d] = 0;
+    }
+}
 
 __attribute__((constructor)) static void fake_init(void)
 {
@@ -40,20 +69,48 @@ __attribute__((constructor)) static void fake_init(void)
     if ((v = getenv("FAKE_PITCH_ALIGN"))) pitch_align = strtoull(v, NULL, 0);
     if ((v = getenv("FAKE_NDEV"))) ndev = atoi(v);
     internal_ptrs = getenv("FAKE_PROCADDR_INTERNAL") != NULL;
+    if ((v = getenv("FAKE_CTX_BYTES"))) ctx_bytes = strtoull(v, NULL, 0);
     rec_size = calloc(MAXREC, sizeof *rec_size);
+    rec_dev = calloc(MAXREC, 1);
+    rec_pool = calloc(MAXREC, 1);
+    rec_owner = calloc(MAXREC, sizeof *rec_owner);
+    my_pid = (int)getpid();
+    pthread_atfork(NULL, NULL, fake_atfork_child);
 }
 
 EXPORT const char *fake_last(void) { return last; }
 EXPORT void fake_set_device(int d) { cur_dev = d; }
 EXPORT uint64_t fake_phys_used(void) { return phys_used; }
+EXPORT uint64_t fake_dev_used(int d) { return d >= 0 && d < 8 ? dev_used[d] : 0; }
 
-static int take(uint64_t n)
+static int dev_now(void) { return cur_dev >= 0 && cur_dev < 8 ? cur_dev : 0; }
+
+static int take_on(uint64_t n, int dev)
 {
     uint64_t cur = atomic_load(&phys_used);
     do {
         if (n > phys_total || cur > phys_total - n) return 0;
     } while (!atomic_compare_exchange_weak(&phys_used, &cur, cur + n));
+    atomic_fetch_add(&dev_used[dev & 7], n);
     return 1;
+}
+static int take(uint64_t n) { return take_on(n, dev_now()); }
+static void give_on(uint64_t n, int dev)
+{
+    atomic_fetch_sub(&phys_used, n);
+    atomic_fetch_sub(&dev_used[dev & 7], n);
+}
+
+static CUresult record(CUdeviceptr *p, uint64_t n, int dev, int pool)
+{
+    uint32_t k = atomic_fetch_add(&next_k, 1);
+    if (k >= MAXREC) return CUDA_ERROR_OUT_OF_MEMORY;
+    rec_dev[k] = (unsigned char)dev;
+    rec_pool[k] = (unsigned char)pool;
+    rec_owner[k] = my_pid;
+    __atomic_store_n(&rec_size[k], n, __ATOMIC_RELEASE);
+    *p = (CUdeviceptr)(k + 1) << STRIDE_SHIFT;
+    return CUDA_SUCCESS;
 }
 
 static CUresult new_ptr(CUdeviceptr *p, uint64_t n)
@@ -61,20 +118,22 @@ static CUresult new_ptr(CUdeviceptr *p, uint64_t n)
     if (!p) return CUDA_ERROR_INVALID_VALUE;
     if (!n) return CUDA_ERROR_INVALID_VALUE;
     if (!take(n)) return CUDA_ERROR_OUT_OF_MEMORY;
-    uint32_t k = atomic_fetch_add(&next_k, 1);
-    if (k >= MAXREC) return CUDA_ERROR_OUT_OF_MEMORY;
-    rec_size[k] = n;
-    *p = (CUdeviceptr)(k + 1) << STRIDE_SHIFT;
-    return CUDA_SUCCESS;
+    return record(p, n, dev_now(), 0);
 }
+
+static void pool_free(int pool, uint64_t n);
+static int graph_va_free(CUdeviceptr p);
 
 static CUresult free_ptr(CUdeviceptr p)
 {
+    if (graph_va_free(p)) return CUDA_SUCCESS;
     uint64_t k = (p >> STRIDE_SHIFT) - 1;
     if (!p || (p & ((1ULL << STRIDE_SHIFT) - 1)) || k >= MAXREC) return CUDA_ERROR_INVALID_VALUE;
     uint64_t n = __atomic_exchange_n(&rec_size[k], 0, __ATOMIC_ACQ_REL);
     if (!n) return CUDA_ERROR_INVALID_VALUE;
-    atomic_fetch_sub(&phys_used, n);
+    if (rec_pool[k]) pool_free(rec_pool[k] - 1, n); /* back to its pool, still reserved */
+    else if (rec_owner[k] == my_pid) give_on(n, rec_dev[k]);
+    else atomic_fetch_sub(&phys_used, n); /* the parent's block, freed by a forked child */
     return CUDA_SUCCESS;
 }
 
@@ -136,17 +195,521 @@ EXPORT CUresult cuMemAllocManaged(CUdeviceptr *p, size_t n, unsigned f)
     return new_ptr(p, n);
 }
 
-/* stream-ordered */
-EXPORT CUresult cuMemAllocAsync(CUdeviceptr *p, size_t n, CUstream s) { (void)s; CALLED("cuMemAllocAsync"); return new_ptr(p, n); }
-EXPORT CUresult cuMemAllocAsync_ptsz(CUdeviceptr *p, size_t n, CUstream s) { (void)s; CALLED("cuMemAllocAsync_ptsz"); return new_ptr(p, n); }
-EXPORT CUresult cuMemAllocFromPoolAsync(CUdeviceptr *p, size_t n, CUmemoryPool m, CUstream s) { (void)s; (void)m; CALLED("cuMemAllocFromPoolAsync"); return new_ptr(p, n); }
-EXPORT CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *p, size_t n, CUmemoryPool m, CUstream s) { (void)s; (void)m; CALLED("cuMemAllocFromPoolAsync_ptsz"); return new_ptr(p, n); }
-EXPORT CUresult cuMemFreeAsync(CUdeviceptr p, CUstream s) { (void)s; CALLED("cuMemFreeAsync"); return free_ptr(p); }
-EXPORT CUresult cuMemFreeAsync_ptsz(CUdeviceptr p, CUstream s) { (void)s; CALLED("cuMemFreeAsync_ptsz"); return free_ptr(p); }
+/* ---- primary contexts -------------------------------------------------- */
+EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *c, CUdevice d)
+{
+    CALLED("cuDevicePrimaryCtxRetain");
+    if (d < 0 || d >= ndev || !c) return CUDA_ERROR_INVALID_DEVICE;
+    pthread_mutex_lock(&mu);
+    int ok = ctx_refs[d] > 0 || take_on(ctx_bytes, d);
+    if (ok) ctx_refs[d]++;
+    pthread_mutex_unlock(&mu);
+    if (!ok) return CUDA_ERROR_OUT_OF_MEMORY;
+    *c = (CUcontext)(uintptr_t)(0xC0 + d);
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuDevicePrimaryCtxGetState(CUdevice d, unsigned int *flags, int *active)
+{
+    if (d < 0 || d >= ndev) return CUDA_ERROR_INVALID_DEVICE;
+    *flags = 0;
+    *active = ctx_refs[d] > 0;
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d)
+{
+    if (d < 0 || d >= ndev || ctx_refs[d] <= 0) return CUDA_ERROR_INVALID_CONTEXT;
+    pthread_mutex_lock(&mu);
+    if (--ctx_refs[d] == 0) give_on(ctx_bytes, d);
+    pthread_mutex_unlock(&mu);
+    return CUDA_SUCCESS;
+}
+/* what lazily loaded modules do to a context after it is made */
+EXPORT int fake_grow_context(int d, uint64_t n) { return take_on(n, d); }
+
+/* ---- stream-ordered pools ---------------------------------------------- */
+#define MAXPOOL 32
+static struct fpool { int live, dev, host; uint64_t reserved, used, threshold; } fpools[MAXPOOL];
+static int npool, cur_pool_of[8] = {-1, -1, -1, -1, -1, -1, -1, -1};
+static CUmemoryPool pool_handle(int i) { return (CUmemoryPool)(uintptr_t)(0xD000 + i); }
+static int pool_index(CUmemoryPool h)
+{
+    uintptr_t v = (uintptr_t)h;
+    int i = (int)(v - 0xD000);
+    return v >= 0xD000 && i < npool && fpools[i].live ? i : -1;
+}
+static int new_pool(int dev, int host)
+{
+    if (npool == MAXPOOL) return -1;
+    int i = npool++;
+    fpools[i] = (struct fpool){.live = 1, .dev = dev, .host = host};
+    return i;
+}
+static int default_pool(int dev) /* mu held */
+{
+    static int dflt[8] = {-1, -1, -1, -1, -1, -1, -1, -1};
+    if (dflt[dev] < 0) dflt[dev] = new_pool(dev, 0);
+    if (cur_pool_of[dev] < 0) cur_pool_of[dev] = dflt[dev];
+    return dflt[dev];
+}
+/* mu held: release what the pool holds beyond its allocations and keep */
+static void pool_shrink(struct fpool *f, uint64_t keep)
+{
+    uint64_t spare = f->reserved - f->used;
+    if (spare <= keep) return;
+    f->reserved -= spare - keep;
+    if (!f->host) give_on(spare - keep, f->dev);
+}
+static CUresult pool_alloc(int i, CUdeviceptr *p, uint64_t n)
+{
+    if (!p || !n) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    struct fpool *f = &fpools[i];
+    uint64_t spare = f->reserved - f->used, grow = n > spare ? n - spare : 0;
+    int ok = !grow || f->host || take_on(grow, f->dev);
+    if (ok) {
+        f->reserved += grow;
+        f->used += n;
+    }
+    pthread_mutex_unlock(&mu);
+    if (!ok) return CUDA_ERROR_OUT_OF_MEMORY;
+    return record(p, n, f->dev, i + 1);
+}
+static void pool_free(int i, uint64_t n)
+{
+    pthread_mutex_lock(&mu);
+    fpools[i].used -= n;
+    pthread_mutex_unlock(&mu);
+}
+/* a synchronisation: every pool gives back what exceeds its threshold */
+static void sync_pools(void)
+{
+    pthread_mutex_lock(&mu);
+    for (int i = 0; i < npool; i++)
+        if (fpools[i].live) pool_shrink(&fpools[i], fpools[i].threshold);
+    pthread_mutex_unlock(&mu);
+}
+EXPORT CUresult cuDeviceGetDefaultMemPool(CUmemoryPool *p, CUdevice d)
+{
+    if (d < 0 || d >= ndev) return CUDA_ERROR_INVALID_DEVICE;
+    pthread_mutex_lock(&mu);
+    *p = pool_handle(default_pool(d));
+    pthread_mutex_unlock(&mu);
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuDeviceGetMemPool(CUmemoryPool *p, CUdevice d)
+{
+    if (d < 0 || d >= ndev) return CUDA_ERROR_INVALID_DEVICE;
+    pthread_mutex_lock(&mu);
+    default_pool(d);
+    *p = pool_handle(cur_pool_of[d]);
+    pthread_mutex_unlock(&mu);
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuDeviceSetMemPool(CUdevice d, CUmemoryPool p)
+{
+    CALLED("cuDeviceSetMemPool");
+    int i = pool_index(p);
+    if (d < 0 || d >= ndev || i < 0 || fpools[i].dev != d) return CUDA_ERROR_INVALID_VALUE;
+    cur_pool_of[d] = i;
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuMemPoolCreate(CUmemoryPool *p, const CUmemPoolProps *props)
+{
+    CALLED("cuMemPoolCreate");
+    if (!p || !props) return CUDA_ERROR_INVALID_VALUE;
+    int host = props->location.type != CU_MEM_LOCATION_TYPE_DEVICE;
+    int dev = host ? 0 : props->location.id;
+    if (!host && (dev < 0 || dev >= ndev)) return CUDA_ERROR_INVALID_DEVICE;
+    pthread_mutex_lock(&mu);
+    int i = new_pool(dev, host);
+    pthread_mutex_unlock(&mu);
+    if (i < 0) return CUDA_ERROR_OUT_OF_MEMORY;
+    *p = pool_handle(i);
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuMemPoolDestroy(CUmemoryPool p)
+{
+    CALLED("cuMemPoolDestroy");
+    int i = pool_index(p);
+    if (i < 0) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    pool_shrink(&fpools[i], 0); /* blocks still allocated go when freed */
+    fpools[i].threshold = 0;
+    pthread_mutex_unlock(&mu);
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuMemPoolTrimTo(CUmemoryPool p, size_t keep)
+{
+    CALLED("cuMemPoolTrimTo");
+    int i = pool_index(p);
+    if (i < 0) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    pool_shrink(&fpools[i], keep);
+    pthread_mutex_unlock(&mu);
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuMemPoolGetAttribute(CUmemoryPool p, CUmemPool_attribute a, void *v)
+{
+    int i = pool_index(p);
+    if (i < 0 || !v) return CUDA_ERROR_INVALID_VALUE;
+    cuuint64_t *x = v;
+    switch (a) {
+    case CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT: *x = fpools[i].reserved; return CUDA_SUCCESS;
+    case CU_MEMPOOL_ATTR_USED_MEM_CURRENT: *x = fpools[i].used; return CUDA_SUCCESS;
+    case CU_MEMPOOL_ATTR_RELEASE_THRESHOLD: *x = fpools[i].threshold; return CUDA_SUCCESS;
+    default: return CUDA_ERROR_INVALID_VALUE;
+    }
+}
+EXPORT CUresult cuMemPoolSetAttribute(CUmemoryPool p, CUmemPool_attribute a, void *v)
+{
+    int i = pool_index(p);
+    if (i < 0 || !v || a != CU_MEMPOOL_ATTR_RELEASE_THRESHOLD) return CUDA_ERROR_INVALID_VALUE;
+    fpools[i].threshold = *(cuuint64_t *)v;
+    return CUDA_SUCCESS;
+}
+
+/* ---- graphs --------------------------------------------------------------
+ * Graph VAs live at GVA + (g << 32) + (n << 24): graph g, node n. */
+#define MAXG 16
+#define MAXN 32
+#define GVA 0x600000000000ULL
+struct fnode { int type, dev, live; uint64_t size; CUdeviceptr dptr; };
+static struct fgraph { int used; int n; struct fnode nodes[MAXN]; } fgraphs[MAXG];
+static int fexec_graph[MAXG * 4], nexec;
+static uint64_t gp_reserved[8], gp_used[8];
+static struct { CUstream s; int g; } captures[8];
+
+static int graph_new(void)
+{
+    for (int i = 0; i < MAXG; i++)
+        if (!fgraphs[i].used) {
+            memset(&fgraphs[i], 0, sizeof fgraphs[i]);
+            fgraphs[i].used = 1;
+            return i;
+        }
+    return -1;
+}
+static int graph_index(CUgraph g)
+{
+    uintptr_t v = (uintptr_t)g;
+    return v >= 0xF000 && v < 0xF000 + MAXG && fgraphs[v - 0xF000].used ? (int)(v - 0xF000) : -1;
+}
+static struct fnode *add_node(int g, int type, CUgraphNode *out)
+{
+    struct fgraph *G = &fgraphs[g];
+    if (G->n == MAXN) return NULL;
+    struct fnode *n = &G->nodes[G->n];
+    memset(n, 0, sizeof *n);
+    n->type = type;
+    if (type == CU_GRAPH_NODE_TYPE_MEM_ALLOC)
+        n->dptr = GVA + ((uint64_t)g << 32) + ((uint64_t)G->n << 24);
+    if (out) *out = (CUgraphNode)(uintptr_t)(((uintptr_t)g << 16) | (uintptr_t)(G->n + 1));
+    G->n++;
+    return n;
+}
+static struct fnode *node_of(CUgraphNode h)
+{
+    uintptr_t v = (uintptr_t)h;
+    int g = (int)(v >> 16), i = (int)(v & 0xffff) - 1;
+    if (g < 0 || g >= MAXG || !fgraphs[g].used || i < 0 || i >= fgraphs[g].n) return NULL;
+    return &fgraphs[g].nodes[i];
+}
+static struct fnode *graph_alloc_of(CUdeviceptr p)
+{
+    if (p < GVA || p >= GVA + ((uint64_t)MAXG << 32)) return NULL;
+    int g = (int)((p - GVA) >> 32);
+    for (int i = 0; i < fgraphs[g].n; i++)
+        if (fgraphs[g].nodes[i].type == CU_GRAPH_NODE_TYPE_MEM_ALLOC && fgraphs[g].nodes[i].dptr == p)
+            return &fgraphs[g].nodes[i];
+    return NULL;
+}
+/* mu held */
+static void gfree(struct fnode *a)
+{
+    if (a && a->live) {
+        a->live = 0;
+        gp_used[a->dev] -= a->size; /* back to the graph pool, still reserved */
+    }
+}
+static int graph_va_free(CUdeviceptr p)
+{
+    struct fnode *a = graph_alloc_of(p);
+    if (!a) return 0;
+    pthread_mutex_lock(&mu);
+    gfree(a);
+    pthread_mutex_unlock(&mu);
+    return 1;
+}
+static int capture_of(CUstream s)
+{
+    for (int i = 0; i < 8; i++)
+        if (captures[i].s == s && captures[i].g >= 0 && s) return captures[i].g;
+    return -1;
+}
+
+EXPORT CUresult cuGraphCreate(CUgraph *g, unsigned int flags)
+{
+    (void)flags;
+    int i = graph_new();
+    if (i < 0) return CUDA_ERROR_OUT_OF_MEMORY;
+    *g = (CUgraph)(uintptr_t)(0xF000 + i);
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuGraphAddMemAllocNode(CUgraphNode *out, CUgraph g, const CUgraphNode *deps, size_t ndeps,
+                                       CUDA_MEM_ALLOC_NODE_PARAMS *prm)
+{
+    (void)deps; (void)ndeps;
+    int i = graph_index(g);
+    if (i < 0 || !prm || !prm->bytesize) return CUDA_ERROR_INVALID_VALUE;
+    struct fnode *n = add_node(i, CU_GRAPH_NODE_TYPE_MEM_ALLOC, out);
+    if (!n) return CUDA_ERROR_OUT_OF_MEMORY;
+    n->size = prm->bytesize;
+    n->dev = prm->poolProps.location.id;
+    prm->dptr = n->dptr;
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuGraphAddMemFreeNode(CUgraphNode *out, CUgraph g, const CUgraphNode *deps, size_t ndeps,
+                                      CUdeviceptr dptr)
+{
+    (void)deps; (void)ndeps;
+    int i = graph_index(g);
+    if (i < 0) return CUDA_ERROR_INVALID_VALUE;
+    struct fnode *n = add_node(i, CU_GRAPH_NODE_TYPE_MEM_FREE, out);
+    if (!n) return CUDA_ERROR_OUT_OF_MEMORY;
+    n->dptr = dptr;
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuGraphAddEmptyNode(CUgraphNode *out, CUgraph g, const CUgraphNode *deps, size_t ndeps)
+{
+    (void)deps; (void)ndeps;
+    int i = graph_index(g);
+    return i >= 0 && add_node(i, 5, out) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+EXPORT CUresult cuGraphGetNodes(CUgraph g, CUgraphNode *nodes, size_t *n)
+{
+    int i = graph_index(g);
+    if (i < 0 || !n) return CUDA_ERROR_INVALID_VALUE;
+    if (nodes)
+        for (int k = 0; k < fgraphs[i].n && (size_t)k < *n; k++)
+            nodes[k] = (CUgraphNode)(uintptr_t)(((uintptr_t)i << 16) | (uintptr_t)(k + 1));
+    *n = (size_t)fgraphs[i].n;
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuGraphNodeGetType(CUgraphNode h, CUgraphNodeType *t)
+{
+    struct fnode *n = node_of(h);
+    if (!n) return CUDA_ERROR_INVALID_VALUE;
+    *t = (CUgraphNodeType)n->type;
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuGraphMemAllocNodeGetParams(CUgraphNode h, CUDA_MEM_ALLOC_NODE_PARAMS *p)
+{
+    struct fnode *n = node_of(h);
+    if (!n || n->type != CU_GRAPH_NODE_TYPE_MEM_ALLOC) return CUDA_ERROR_INVALID_VALUE;
+    memset(p, 0, sizeof *p);
+    p->poolProps.allocType = CU_MEM_ALLOCATION_TYPE_PINNED;
+    p->poolProps.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    p->poolProps.location.id = n->dev;
+    p->bytesize = n->size;
+    p->dptr = n->dptr;
+    return CUDA_SUCCESS;
+}
+static CUresult instantiate(CUgraphExec *e, CUgraph g)
+{
+    int i = graph_index(g);
+    if (i < 0 || !e || nexec == MAXG * 4) return CUDA_ERROR_INVALID_VALUE;
+    fexec_graph[nexec] = i;
+    *e = (CUgraphExec)(uintptr_t)(0xA000 + nexec++);
+    return CUDA_SUCCESS;
+}
+static int exec_graph(CUgraphExec e)
+{
+    uintptr_t v = (uintptr_t)e;
+    int i = (int)(v - 0xA000);
+    return v >= 0xA000 && i < nexec && fexec_graph[i] >= 0 ? fexec_graph[i] : -1;
+}
+/* commit the allocations (launch and upload), then run the frees (launch) */
+static CUresult graph_run(int g, int frees)
+{
+    struct fgraph *G = &fgraphs[g];
+    pthread_mutex_lock(&mu);
+    uint64_t need[8] = {0};
+    for (int i = 0; i < G->n; i++)
+        if (G->nodes[i].type == CU_GRAPH_NODE_TYPE_MEM_ALLOC && !G->nodes[i].live)
+            need[G->nodes[i].dev & 7] += G->nodes[i].size;
+    for (int d = 0; d < 8; d++) {
+        uint64_t spare = gp_reserved[d] - gp_used[d];
+        uint64_t grow = need[d] > spare ? need[d] - spare : 0;
+        if (grow && !take_on(grow, d)) {
+            pthread_mutex_unlock(&mu);
+            return CUDA_ERROR_OUT_OF_MEMORY; /* the driver's own answer */
+        }
+        gp_reserved[d] += grow;
+    }
+    for (int i = 0; i < G->n; i++) {
+        struct fnode *n = &G->nodes[i];
+        if (n->type == CU_GRAPH_NODE_TYPE_MEM_ALLOC && !n->live) {
+            n->live = 1;
+            gp_used[n->dev & 7] += n->size;
+        }
+    }
+    if (frees)
+        for (int i = 0; i < G->n; i++)
+            if (G->nodes[i].type == CU_GRAPH_NODE_TYPE_MEM_FREE) gfree(graph_alloc_of(G->nodes[i].dptr));
+    pthread_mutex_unlock(&mu);
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuGraphInstantiateWithFlags(CUgraphExec *e, CUgraph g, unsigned long long f)
+{
+    (void)f;
+    CALLED("cuGraphInstantiateWithFlags");
+    return instantiate(e, g);
+}
+static CUresult inst_params(CUgraphExec *e, CUgraph g, CUDA_GRAPH_INSTANTIATE_PARAMS *p)
+{
+    CUresult r = instantiate(e, g);
+    if (r == CUDA_SUCCESS && p && (p->flags & CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD)) {
+        r = graph_run(exec_graph(*e), 0);
+        p->result_out = r;
+    }
+    return r;
+}
+EXPORT CUresult cuGraphInstantiateWithParams(CUgraphExec *e, CUgraph g, CUDA_GRAPH_INSTANTIATE_PARAMS *p)
+{
+    CALLED("cuGraphInstantiateWithParams");
+    return inst_params(e, g, p);
+}
+EXPORT CUresult cuGraphInstantiateWithParams_ptsz(CUgraphExec *e, CUgraph g, CUDA_GRAPH_INSTANTIATE_PARAMS *p)
+{
+    CALLED("cuGraphInstantiateWithParams_ptsz");
+    return inst_params(e, g, p);
+}
+/* the pre-12.0 ABIs of cuGraphInstantiate, which the shim leaves alone */
+EXPORT CUresult cuGraphInstantiate(CUgraphExec *e, CUgraph g, CUgraphNode *en, char *log, size_t n)
+{
+    (void)en; (void)log; (void)n;
+    CALLED("cuGraphInstantiate");
+    return instantiate(e, g);
+}
+EXPORT CUresult cuGraphInstantiate_v2(CUgraphExec *e, CUgraph g, CUgraphNode *en, char *log, size_t n)
+{
+    (void)en; (void)log; (void)n;
+    CALLED("cuGraphInstantiate_v2");
+    return instantiate(e, g);
+}
+static CUresult launch(CUgraphExec e, int frees)
+{
+    int g = exec_graph(e);
+    return g < 0 ? CUDA_ERROR_INVALID_VALUE : graph_run(g, frees);
+}
+EXPORT CUresult cuGraphLaunch(CUgraphExec e, CUstream s) { (void)s; CALLED("cuGraphLaunch"); return launch(e, 1); }
+EXPORT CUresult cuGraphLaunch_ptsz(CUgraphExec e, CUstream s) { (void)s; CALLED("cuGraphLaunch_ptsz"); return launch(e, 1); }
+EXPORT CUresult cuGraphUpload(CUgraphExec e, CUstream s) { (void)s; CALLED("cuGraphUpload"); return launch(e, 0); }
+EXPORT CUresult cuGraphUpload_ptsz(CUgraphExec e, CUstream s) { (void)s; CALLED("cuGraphUpload_ptsz"); return launch(e, 0); }
+EXPORT CUresult cuGraphExecDestroy(CUgraphExec e)
+{
+    CALLED("cuGraphExecDestroy");
+    int g = exec_graph(e);
+    if (g < 0) return CUDA_ERROR_INVALID_VALUE;
+    fexec_graph[(uintptr_t)e - 0xA000] = -1;
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuDeviceGetGraphMemAttribute(CUdevice d, CUgraphMem_attribute a, void *v)
+{
+    if (d < 0 || d >= ndev || !v) return CUDA_ERROR_INVALID_DEVICE;
+    cuuint64_t *x = v;
+    if (a == CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT) *x = gp_reserved[d];
+    else if (a == CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT) *x = gp_used[d];
+    else return CUDA_ERROR_INVALID_VALUE;
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuDeviceGraphMemTrim(CUdevice d)
+{
+    CALLED("cuDeviceGraphMemTrim");
+    if (d < 0 || d >= ndev) return CUDA_ERROR_INVALID_DEVICE;
+    pthread_mutex_lock(&mu);
+    give_on(gp_reserved[d] - gp_used[d], d);
+    gp_reserved[d] = gp_used[d];
+    pthread_mutex_unlock(&mu);
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuStreamBeginCapture_v2(CUstream s, int mode)
+{
+    (void)mode;
+    for (int i = 0; i < 8; i++)
+        if (!captures[i].s) {
+            int g = graph_new();
+            if (g < 0) return CUDA_ERROR_OUT_OF_MEMORY;
+            captures[i].s = s;
+            captures[i].g = g;
+            return CUDA_SUCCESS;
+        }
+    return CUDA_ERROR_OUT_OF_MEMORY;
+}
+EXPORT CUresult cuStreamEndCapture(CUstream s, CUgraph *g)
+{
+    for (int i = 0; i < 8; i++)
+        if (captures[i].s == s && s) {
+            *g = (CUgraph)(uintptr_t)(0xF000 + captures[i].g);
+            captures[i].s = NULL;
+            return CUDA_SUCCESS;
+        }
+    return CUDA_ERROR_INVALID_VALUE;
+}
+
+/* stream-ordered: on a capturing stream they become graph nodes */
+static CUresult alloc_on(CUstream s, int pool, CUdeviceptr *p, size_t n)
+{
+    int g = capture_of(s);
+    if (g >= 0) {
+        struct fnode *a = add_node(g, CU_GRAPH_NODE_TYPE_MEM_ALLOC, NULL);
+        if (!a) return CUDA_ERROR_OUT_OF_MEMORY;
+        a->size = n;
+        a->dev = fpools[pool].dev;
+        *p = a->dptr; /* an address only: memory comes at launch */
+        return CUDA_SUCCESS;
+    }
+    return pool_alloc(pool, p, n);
+}
+static CUresult free_on(CUstream s, CUdeviceptr p)
+{
+    int g = capture_of(s);
+    if (g >= 0) {
+        struct fnode *f = add_node(g, CU_GRAPH_NODE_TYPE_MEM_FREE, NULL);
+        if (!f) return CUDA_ERROR_OUT_OF_MEMORY;
+        f->dptr = p;
+        return CUDA_SUCCESS;
+    }
+    return free_ptr(p);
+}
+static int cur_pool(void)
+{
+    pthread_mutex_lock(&mu);
+    default_pool(dev_now());
+    int i = cur_pool_of[dev_now()];
+    pthread_mutex_unlock(&mu);
+    return i;
+}
+EXPORT CUresult cuMemAllocAsync(CUdeviceptr *p, size_t n, CUstream s) { CALLED("cuMemAllocAsync"); return alloc_on(s, cur_pool(), p, n); }
+EXPORT CUresult cuMemAllocAsync_ptsz(CUdeviceptr *p, size_t n, CUstream s) { CALLED("cuMemAllocAsync_ptsz"); return alloc_on(s, cur_pool(), p, n); }
+EXPORT CUresult cuMemAllocFromPoolAsync(CUdeviceptr *p, size_t n, CUmemoryPool m, CUstream s)
+{
+    CALLED("cuMemAllocFromPoolAsync");
+    int i = pool_index(m);
+    return i < 0 ? CUDA_ERROR_INVALID_VALUE : alloc_on(s, i, p, n);
+}
+EXPORT CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *p, size_t n, CUmemoryPool m, CUstream s)
+{
+    CALLED("cuMemAllocFromPoolAsync_ptsz");
+    int i = pool_index(m);
+    return i < 0 ? CUDA_ERROR_INVALID_VALUE : alloc_on(s, i, p, n);
+}
+EXPORT CUresult cuMemFreeAsync(CUdeviceptr p, CUstream s) { CALLED("cuMemFreeAsync"); return free_on(s, p); }
+EXPORT CUresult cuMemFreeAsync_ptsz(CUdeviceptr p, CUstream s) { CALLED("cuMemFreeAsync_ptsz"); return free_on(s, p); }
 
 /* VMM: memory lives until the handle is released and its last mapping gone */
 #define MAXH 4096
-static struct { uint64_t size; int refs; int maps; int live; int device; } hs[MAXH];
+static struct { uint64_t size; int refs; int maps; int live; int device; int dev; } hs[MAXH];
 static struct { CUdeviceptr va; size_t size; uint64_t h; } ms[MAXH];
 static int nh = 1;
 
@@ -154,7 +717,7 @@ static void h_maybe_free(uint64_t h)
 {
     if (hs[h].live && hs[h].refs == 0 && hs[h].maps == 0) {
         hs[h].live = 0;
-        if (hs[h].device) atomic_fetch_sub(&phys_used, hs[h].size);
+        if (hs[h].device) give_on(hs[h].size, hs[h].dev);
     }
 }
 EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *h, size_t n,
@@ -168,11 +731,12 @@ EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *h, size_t n,
     if (!device && p->location.type != CU_MEM_LOCATION_TYPE_HOST &&
         p->location.type != CU_MEM_LOCATION_TYPE_HOST_NUMA)
         return CUDA_ERROR_INVALID_VALUE;
-    if (device && !take(n)) return CUDA_ERROR_OUT_OF_MEMORY;
+    if (device && !take_on(n, p->location.id)) return CUDA_ERROR_OUT_OF_MEMORY;
     pthread_mutex_lock(&mu);
     int i = nh < MAXH ? nh++ : 0;
     if (i) {
         hs[i].size = n; hs[i].refs = 1; hs[i].maps = 0; hs[i].live = 1; hs[i].device = device;
+        hs[i].dev = device ? p->location.id : 0;
     }
     pthread_mutex_unlock(&mu);
     if (!i) return CUDA_ERROR_OUT_OF_MEMORY;
@@ -297,7 +861,7 @@ EXPORT CUresult cuMipmappedArrayGetMemoryRequirements(CUDA_ARRAY_MEMORY_REQUIREM
 /* entry points the shim must leave alone */
 EXPORT CUresult cuMemAlloc(unsigned int *p, unsigned int n) { (void)p; (void)n; CALLED("cuMemAlloc"); return CUDA_ERROR_NOT_SUPPORTED; }
 EXPORT CUresult cuMemGetInfo(unsigned int *f, unsigned int *t) { *f = *t = 0; return CUDA_SUCCESS; }
-EXPORT CUresult cuStreamSynchronize(CUstream s) { (void)s; CALLED("cuStreamSynchronize"); return CUDA_SUCCESS; }
+EXPORT CUresult cuStreamSynchronize(CUstream s) { (void)s; CALLED("cuStreamSynchronize"); sync_pools(); return CUDA_SUCCESS; }
 EXPORT CUresult cuStreamSynchronize_ptsz(CUstream s) { (void)s; CALLED("cuStreamSynchronize_ptsz"); return CUDA_SUCCESS; }
 EXPORT CUresult cuMemAdvise(CUdeviceptr p, size_t n, int a, CUdevice d) { (void)p; (void)n; (void)a; (void)d; CALLED("cuMemAdvise"); return CUDA_SUCCESS; }
 EXPORT CUresult cuMemAdvise_v2(CUdeviceptr p, size_t n, int a, CUmemLocation l) { (void)p; (void)n; (void)a; (void)l; CALLED("cuMemAdvise_v2"); return CUDA_SUCCESS; }
@@ -361,6 +925,25 @@ static const struct variant variants[] = {
     {"cuGetExportTable", "cuGetExportTable", 3000, 0},
     {"cuGetProcAddress", "cuGetProcAddress", 11030, 0},
     {"cuGetProcAddress", "cuGetProcAddress_v2", 12000, 0},
+    {"cuDevicePrimaryCtxRetain", "cuDevicePrimaryCtxRetain", 7000, 0},
+    {"cuDevicePrimaryCtxGetState", "cuDevicePrimaryCtxGetState", 7000, 0},
+    {"cuMemPoolCreate", "cuMemPoolCreate", 11020, 0},
+    {"cuMemPoolDestroy", "cuMemPoolDestroy", 11020, 0},
+    {"cuMemPoolTrimTo", "cuMemPoolTrimTo", 11020, 0},
+    {"cuDeviceSetMemPool", "cuDeviceSetMemPool", 11020, 0},
+    {"cuDeviceGetMemPool", "cuDeviceGetMemPool", 11020, 0},
+    {"cuGraphInstantiate", "cuGraphInstantiate", 10000, 0},
+    {"cuGraphInstantiate", "cuGraphInstantiate_v2", 11000, 0},
+    {"cuGraphInstantiate", "cuGraphInstantiateWithFlags", 12000, 0},
+    {"cuGraphInstantiateWithFlags", "cuGraphInstantiateWithFlags", 11040, 0},
+    {"cuGraphInstantiateWithParams", "cuGraphInstantiateWithParams", 12000, 0},
+    {"cuGraphInstantiateWithParams", "cuGraphInstantiateWithParams_ptsz", 12000, 1},
+    {"cuGraphLaunch", "cuGraphLaunch", 10000, 0},
+    {"cuGraphLaunch", "cuGraphLaunch_ptsz", 10000, 1},
+    {"cuGraphUpload", "cuGraphUpload", 11010, 0},
+    {"cuGraphUpload", "cuGraphUpload_ptsz", 11010, 1},
+    {"cuGraphExecDestroy", "cuGraphExecDestroy", 10000, 0},
+    {"cuDeviceGraphMemTrim", "cuDeviceGraphMemTrim", 11040, 0},
 };
 
 /* internal entry points, at other addresses than the exported ones */
@@ -432,6 +1015,24 @@ static const struct { const char *sym; void *fn; } exported[] = {
     {"cuGetExportTable", (void *)cuGetExportTable},
     {"cuGetProcAddress", (void *)cuGetProcAddress},
     {"cuGetProcAddress_v2", (void *)cuGetProcAddress_v2},
+    {"cuDevicePrimaryCtxRetain", (void *)cuDevicePrimaryCtxRetain},
+    {"cuDevicePrimaryCtxGetState", (void *)cuDevicePrimaryCtxGetState},
+    {"cuMemPoolCreate", (void *)cuMemPoolCreate},
+    {"cuMemPoolDestroy", (void *)cuMemPoolDestroy},
+    {"cuMemPoolTrimTo", (void *)cuMemPoolTrimTo},
+    {"cuDeviceSetMemPool", (void *)cuDeviceSetMemPool},
+    {"cuDeviceGetMemPool", (void *)cuDeviceGetMemPool},
+    {"cuGraphInstantiate", (void *)cuGraphInstantiate},
+    {"cuGraphInstantiate_v2", (void *)cuGraphInstantiate_v2},
+    {"cuGraphInstantiateWithFlags", (void *)cuGraphInstantiateWithFlags},
+    {"cuGraphInstantiateWithParams", (void *)cuGraphInstantiateWithParams},
+    {"cuGraphInstantiateWithParams_ptsz", (void *)cuGraphInstantiateWithParams_ptsz},
+    {"cuGraphLaunch", (void *)cuGraphLaunch},
+    {"cuGraphLaunch_ptsz", (void *)cuGraphLaunch_ptsz},
+    {"cuGraphUpload", (void *)cuGraphUpload},
+    {"cuGraphUpload_ptsz", (void *)cuGraphUpload_ptsz},
+    {"cuGraphExecDestroy", (void *)cuGraphExecDestroy},
+    {"cuDeviceGraphMemTrim", (void *)cuDeviceGraphMemTrim},
 };
 
 static void *self_sym(const char *sym)

@@ -66,9 +66,27 @@ static CUresult (*FreeAsync)(CUdeviceptr, CUstream);
 static CUresult (*AllocPool)(CUdeviceptr *, size_t, CUmemoryPool, CUstream);
 static CUresult (*GPA)(const char *, void **, int, cuuint64_t);
 static CUresult (*GPA2)(const char *, void **, int, cuuint64_t, CUdriverProcAddressQueryResult *);
+static CUresult (*CtxRetain)(CUcontext *, CUdevice);
+static CUresult (*PoolCreate)(CUmemoryPool *, const CUmemPoolProps *);
+static CUresult (*PoolDestroy)(CUmemoryPool);
+static CUresult (*PoolSetAttr)(CUmemoryPool, CUmemPool_attribute, void *);
+static CUresult (*DevGetMemPool)(CUmemoryPool *, CUdevice);
+static CUresult (*StreamSync)(CUstream);
+static CUresult (*GraphCreate)(CUgraph *, unsigned);
+static CUresult (*AddAllocNode)(CUgraphNode *, CUgraph, const CUgraphNode *, size_t, CUDA_MEM_ALLOC_NODE_PARAMS *);
+static CUresult (*AddFreeNode)(CUgraphNode *, CUgraph, const CUgraphNode *, size_t, CUdeviceptr);
+static CUresult (*Instantiate)(CUgraphExec *, CUgraph, unsigned long long);
+static CUresult (*Launch)(CUgraphExec, CUstream);
+static CUresult (*ExecDestroy)(CUgraphExec);
+static CUresult (*GraphMemTrim)(CUdevice);
+static CUresult (*BeginCapture)(CUstream, int);
+static CUresult (*EndCapture)(CUstream, CUgraph *);
 static const char *(*FakeLast)(void);
 static void (*FakeSetDevice)(int);
 static uint64_t (*FakePhysUsed)(void);
+static uint64_t (*FakeDevUsed)(int);
+static int (*FakeGrowContext)(int, uint64_t);
+static unsigned (*FakeNvmlQueries)(void);
 
 static void *sym(void *h, const char *name)
 {
@@ -108,6 +126,24 @@ static void open_driver(void)
     *(void **)&FakeLast = sym(hcuda, "fake_last");
     *(void **)&FakeSetDevice = sym(hcuda, "fake_set_device");
     *(void **)&FakePhysUsed = sym(hcuda, "fake_phys_used");
+    *(void **)&FakeDevUsed = sym(hcuda, "fake_dev_used");
+    *(void **)&FakeGrowContext = sym(hcuda, "fake_grow_context");
+    *(void **)&FakeNvmlQueries = sym(hnvml, "fake_nvml_proc_queries");
+    *(void **)&CtxRetain = sym(hcuda, "cuDevicePrimaryCtxRetain");
+    *(void **)&PoolCreate = sym(hcuda, "cuMemPoolCreate");
+    *(void **)&PoolDestroy = sym(hcuda, "cuMemPoolDestroy");
+    *(void **)&PoolSetAttr = sym(hcuda, "cuMemPoolSetAttribute");
+    *(void **)&DevGetMemPool = sym(hcuda, "cuDeviceGetMemPool");
+    *(void **)&StreamSync = sym(hcuda, "cuStreamSynchronize");
+    *(void **)&GraphCreate = sym(hcuda, "cuGraphCreate");
+    *(void **)&AddAllocNode = sym(hcuda, "cuGraphAddMemAllocNode");
+    *(void **)&AddFreeNode = sym(hcuda, "cuGraphAddMemFreeNode");
+    *(void **)&Instantiate = sym(hcuda, "cuGraphInstantiateWithFlags");
+    *(void **)&Launch = sym(hcuda, "cuGraphLaunch");
+    *(void **)&ExecDestroy = sym(hcuda, "cuGraphExecDestroy");
+    *(void **)&GraphMemTrim = sym(hcuda, "cuDeviceGraphMemTrim");
+    *(void **)&BeginCapture = sym(hcuda, "cuStreamBeginCapture_v2");
+    *(void **)&EndCapture = sym(hcuda, "cuStreamEndCapture");
     CUresult (*init)(unsigned) = (CUresult(*)(unsigned))sym(hcuda, "cuInit");
     OK(init(0));
 }
@@ -191,7 +227,11 @@ static void case_dlsym(void)
                             "cuArrayDestroy", "cuMipmappedArrayCreate", "cuMipmappedArrayDestroy",
                             "cuMemAllocAsync", "cuMemAllocAsync_ptsz", "cuMemFreeAsync", "cuMemFreeAsync_ptsz",
                             "cuMemAllocFromPoolAsync", "cuMemAllocFromPoolAsync_ptsz", "cuGetProcAddress",
-                            "cuGetProcAddress_v2"};
+                            "cuGetProcAddress_v2", "cuDevicePrimaryCtxRetain", "cuMemPoolCreate",
+                            "cuMemPoolDestroy", "cuDeviceSetMemPool", "cuGraphInstantiateWithFlags",
+                            "cuGraphInstantiateWithParams", "cuGraphInstantiateWithParams_ptsz",
+                            "cuGraphLaunch", "cuGraphLaunch_ptsz", "cuGraphUpload", "cuGraphUpload_ptsz",
+                            "cuGraphExecDestroy", "cuDeviceGraphMemTrim"};
     for (size_t i = 0; i < sizeof hooked / sizeof *hooked; i++) {
         void *p = dlsym(hcuda, hooked[i]);
         CHECK(in_shim(p), "dlsym(libcuda, %s) -> %s", hooked[i], lib_of(p, NULL));
@@ -199,7 +239,9 @@ static void case_dlsym(void)
         CHECK(!strcmp(s, hooked[i]), "dlsym(libcuda, %s) gave wrapper %s", hooked[i], s);
     }
     const char *untouched[] = {"cuInit", "cuGetExportTable", "cuMemAlloc", "cuStreamSynchronize",
-                               "cuArrayGetMemoryRequirements", "cuDeviceGetUuid_v2"};
+                               "cuArrayGetMemoryRequirements", "cuDeviceGetUuid_v2", "cuMemPoolTrimTo",
+                               "cuDeviceGetMemPool", "cuGraphInstantiate", "cuGraphInstantiate_v2",
+                               "cuDevicePrimaryCtxGetState"};
     for (size_t i = 0; i < sizeof untouched / sizeof *untouched; i++) {
         void *p = dlsym(hcuda, untouched[i]);
         CHECK(in_fake(p), "dlsym(libcuda, %s) must be the driver's, got %s", untouched[i], lib_of(p, NULL));
@@ -274,6 +316,23 @@ static const struct pa_case pa_cases[] = {
     {"cuGetProcAddress", 12000, 0, "cuGetProcAddress_v2", 1, 0},
     {"cuGetProcAddress", 12080, PTDS, "cuGetProcAddress_v2", 1, 0},
     {"cuGetProcAddress", 11020, 0, NULL, 0, 2},
+    {"cuDevicePrimaryCtxRetain", 12000, 0, "cuDevicePrimaryCtxRetain", 1, 0},
+    {"cuMemPoolCreate", 11020, 0, "cuMemPoolCreate", 1, 0},
+    {"cuMemPoolDestroy", 12000, 0, "cuMemPoolDestroy", 1, 0},
+    {"cuDeviceSetMemPool", 11020, 0, "cuDeviceSetMemPool", 1, 0},
+    {"cuGraphInstantiate", 12000, 0, "cuGraphInstantiateWithFlags", 1, 0},
+    {"cuGraphInstantiate", 11000, 0, "cuGraphInstantiate_v2", 0, 0},   /* older ABIs untouched */
+    {"cuGraphInstantiate", 10000, 0, "cuGraphInstantiate", 0, 0},
+    {"cuGraphInstantiateWithFlags", 11040, 0, "cuGraphInstantiateWithFlags", 1, 0},
+    {"cuGraphInstantiateWithParams", 12000, 0, "cuGraphInstantiateWithParams", 1, 0},
+    {"cuGraphInstantiateWithParams", 12000, PTDS, "cuGraphInstantiateWithParams_ptsz", 1, 0},
+    {"cuGraphLaunch", 12000, 0, "cuGraphLaunch", 1, 0},
+    {"cuGraphLaunch", 12000, PTDS, "cuGraphLaunch_ptsz", 1, 0},
+    {"cuGraphUpload", 11010, PTDS, "cuGraphUpload_ptsz", 1, 0},
+    {"cuGraphUpload", 11000, 0, NULL, 0, 2},
+    {"cuGraphExecDestroy", 10000, 0, "cuGraphExecDestroy", 1, 0},
+    {"cuDeviceGraphMemTrim", 11040, 0, "cuDeviceGraphMemTrim", 1, 0},
+    {"cuMemPoolTrimTo", 12000, 0, "cuMemPoolTrimTo", 0, 0},
     /* pass-through, every flavour */
     {"cuMemAdvise", 12000, 0, "cuMemAdvise", 0, 0},
     {"cuMemAdvise", 12020, 0, "cuMemAdvise_v2", 0, 0},
@@ -345,7 +404,11 @@ static void case_procaddr(void)
     CHECK(used() == u0 + 64 * MiB, "ptsz allocation counted");
     OK(f_ptsz(p, NULL));
     CHECK(!strcmp(FakeLast(), "cuMemFreeAsync_ptsz"), "forwarded to %s", FakeLast());
-    CHECK(used() == u0, "ptsz free uncounted");
+    CHECK(used() == u0 + 64 * MiB, "the freed block stays with its pool: still counted");
+    OK(a_ptsz(&p, 48 * MiB, NULL));
+    CHECK(used() == u0 + 64 * MiB, "served from what the pool keeps: nothing new counted (%llu)",
+          (unsigned long long)(used() - u0));
+    OK(f_ptsz(p, NULL));
 }
 
 static void case_accounting(void)
@@ -464,16 +527,28 @@ static void case_kinds(void)
     CHECK(used() == 0, "mipmapped destroyed");
     CUDA_ARRAY_DESCRIPTOR huge = {.Width = 65536, .Height = 65536, .Format = CU_AD_FORMAT_FLOAT, .NumChannels = 4};
     CHECK(ArrCreate(&arr, &huge) == CUDA_ERROR_OUT_OF_MEMORY, "array over the limit");
-    /* stream-ordered */
+    /* stream-ordered: counted while allocated, then as what the pool keeps */
     CUdeviceptr q1, q2;
+    CUmemoryPool pool;
+    CUmemPoolProps pp;
+    memset(&pp, 0, sizeof pp);
+    pp.allocType = CU_MEM_ALLOCATION_TYPE_PINNED;
+    pp.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    OK(PoolCreate(&pool, &pp));
     OK(AllocAsync(&q1, 100 * MiB, NULL));
-    OK(AllocPool(&q2, 200 * MiB, (CUmemoryPool)(uintptr_t)0x99, NULL));
+    OK(AllocPool(&q2, 200 * MiB, pool, NULL));
     CHECK(used() == 300 * MiB, "async counted");
     CHECK(AllocAsync(&p, 800 * MiB, NULL) == CUDA_ERROR_OUT_OF_MEMORY, "async over the limit");
     OK(FreeAsync(q1, NULL));
     OK(FreeAsync(q2, NULL));
-    CHECK(used() == 0, "async freed");
+    CHECK(used() == 300 * MiB, "freed blocks are still reserved by their pools: %llu", (unsigned long long)used());
+    CHECK(FakePhysUsed() == 300 * MiB, "as the driver says");
+    OK(StreamSync(NULL)); /* release threshold 0: the pools give the memory back */
     CHECK(FakePhysUsed() == 0, "nothing leaked in the driver");
+    CHECK(Alloc(&p, 1 * GiB) == CUDA_SUCCESS, "the pools' bytes are re-measured before a refusal");
+    OK(Free(p));
+    CHECK(used() == 0, "all back: %llu", (unsigned long long)used());
+    OK(PoolDestroy(pool));
 }
 
 static void case_rollback(void)
@@ -513,7 +588,9 @@ static void case_nvml(void)
         CHECK(a.total == lim && a.used == 512 * MiB && a.free == lim - 512 * MiB,
               "v1 under the limit: total %llu used %llu free %llu", a.total, a.used, a.free);
     } else { /* the GPU is nearly full: free follows the physical free */
-        CHECK(a.total == lim && a.free == 80 * GiB - strtoull(phys_used, NULL, 0) && a.free + a.used == a.total,
+        uint64_t phys_free = 80 * GiB - strtoull(phys_used, NULL, 0) - FakePhysUsed();
+        CHECK(phys_free < lim - 512 * MiB, "the case must leave less physical than slice free");
+        CHECK(a.total == lim && a.free == phys_free && a.free + a.used == a.total,
               "v1 clamped: total %llu used %llu free %llu", a.total, a.used, a.free);
     }
     nvmlMemory_v2_t b;
@@ -819,6 +896,239 @@ static void case_multidev(void)
     CHECK(Alloc(&c, MiB) != CUDA_ERROR_OUT_OF_MEMORY, "without a context the shim passes the call on");
 }
 
+/* ---- footprint: context and driver memory charged to the slice --------- */
+static void retain(int dev)
+{
+    CUcontext c;
+    OK(CtxRetain(&c, dev));
+}
+
+static void case_footprint_nvml(void)
+{
+    /* CDMO_SHIM_FOOTPRINT=nvml, a 300 MiB context, limit 1 GiB */
+    open_driver();
+    retain(0);
+    CHECK(FakeDevUsed(0) == 300 * MiB, "the fake's context");
+    size_t f, t;
+    OK(GetInfo(&f, &t)); /* first use: measured from NVML's figure for our pid */
+    CHECK(t == 1 * GiB, "total stays the limit: %zu", t);
+    CHECK(f == 724 * MiB, "free falls by the context: %zu", f);
+    CUdeviceptr a, b;
+    CHECK(Alloc(&a, 800 * MiB) == CUDA_ERROR_OUT_OF_MEMORY, "context + 800 MiB is over 1 GiB");
+    unsigned q0 = FakeNvmlQueries();
+    for (int i = 0; i < 50; i++) {
+        OK(Alloc(&a, 100 * MiB));
+        OK(Free(a));
+    }
+    CHECK(FakeNvmlQueries() == q0, "no NVML query per allocation (%u)", FakeNvmlQueries() - q0);
+    /* modules loaded after the measurement: seen once free has halved */
+    CHECK(FakeGrowContext(0, 50 * MiB), "grow");
+    OK(Alloc(&a, 400 * MiB));
+    CHECK(FakeNvmlQueries() == q0 + 1, "free fell below half: one refresh (%u)", FakeNvmlQueries() - q0);
+    CHECK(used() == 750 * MiB, "context re-measured at 350 MiB: used %llu MiB", (unsigned long long)(used() / MiB));
+    CHECK(Alloc(&b, 300 * MiB) == CUDA_ERROR_OUT_OF_MEMORY, "750 + 300 MiB is over");
+    OK(Alloc(&b, 274 * MiB));
+    CHECK(FakeDevUsed(0) == 1 * GiB, "the whole footprint, as NVML sees it, is exactly the limit: %llu MiB",
+          (unsigned long long)(FakeDevUsed(0) / MiB));
+    OK(Free(b));
+    OK(Free(a));
+    CHECK(used() == 350 * MiB, "the context stays charged: %llu MiB", (unsigned long long)(used() / MiB));
+}
+
+static void case_footprint_delta(void)
+{
+    /* CDMO_SHIM_FOOTPRINT=delta: the device's used memory around context creation */
+    open_driver();
+    retain(0);
+    CHECK(used() == 300 * MiB, "delta charged: %llu MiB", (unsigned long long)(used() / MiB));
+    retain(0); /* already active: nothing new measured */
+    CHECK(used() == 300 * MiB, "a second retain changes nothing: %llu MiB", (unsigned long long)(used() / MiB));
+    CUdeviceptr a;
+    CHECK(Alloc(&a, 800 * MiB) == CUDA_ERROR_OUT_OF_MEMORY, "context + 800 MiB is over 1 GiB");
+    OK(Alloc(&a, 700 * MiB));
+    CHECK(FakeDevUsed(0) <= 1 * GiB, "footprint within the limit");
+}
+
+static void case_footprint_hidden_pid(void)
+{
+    /* auto, and NVML lists our process under another pid (a container's pid
+     * namespace): the context-creation delta is used instead */
+    open_driver();
+    retain(0);
+    CHECK(used() == 300 * MiB, "fallback charged the context: %llu MiB", (unsigned long long)(used() / MiB));
+}
+
+static void case_footprint_off(void)
+{
+    open_driver();
+    retain(0);
+    CHECK(used() == 0, "CDMO_SHIM_FOOTPRINT=off: no context charge (%llu)", (unsigned long long)used());
+}
+
+static void case_footprint_2dev(void)
+{
+    /* two GPUs, a 200 MiB context on each: one limit per GPU */
+    open_driver();
+    retain(0);
+    retain(1);
+    FakeSetDevice(0);
+    CHECK(used() == 200 * MiB, "device 0: context charged");
+    CUdeviceptr a, b, c;
+    OK(Alloc(&a, 800 * MiB));
+    FakeSetDevice(1);
+    CHECK(used() == 200 * MiB, "device 1 has its own count: %llu MiB", (unsigned long long)(used() / MiB));
+    OK(Alloc(&b, 800 * MiB));
+    CHECK(Alloc(&c, 100 * MiB) == CUDA_ERROR_OUT_OF_MEMORY, "device 1 full");
+    CHECK(FakeDevUsed(0) == 1000 * MiB && FakeDevUsed(1) == 1000 * MiB, "each footprint within its limit");
+}
+
+/* ---- pools --------------------------------------------------------------- */
+static void case_pool_trim(void)
+{
+    open_driver();
+    CUmemoryPool pool;
+    OK(DevGetMemPool(&pool, 0));
+    cuuint64_t keep_all = ~0ULL; /* as PyTorch's cudaMallocAsync backend sets it */
+    OK(PoolSetAttr(pool, CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, &keep_all));
+    CUdeviceptr a, b, c;
+    OK(AllocAsync(&a, 600 * MiB, NULL));
+    OK(FreeAsync(a, NULL));
+    OK(StreamSync(NULL));
+    CHECK(FakeDevUsed(0) == 600 * MiB, "the pool keeps the freed block");
+    CHECK(used() == 600 * MiB, "so the slice counts it: %llu MiB", (unsigned long long)(used() / MiB));
+    OK(AllocAsync(&b, 200 * MiB, NULL));
+    CHECK(used() == 600 * MiB, "served from the pool's kept bytes: %llu MiB", (unsigned long long)(used() / MiB));
+    OK(FreeAsync(b, NULL));
+    /* fits only once the pool has given its memory back: trim, then retry */
+    OK(Alloc(&c, 700 * MiB));
+    CHECK(FakeDevUsed(0) == 700 * MiB, "pool trimmed before the retry: %llu MiB",
+          (unsigned long long)(FakeDevUsed(0) / MiB));
+    CHECK(used() == 700 * MiB, "used %llu MiB", (unsigned long long)(used() / MiB));
+    CHECK(Alloc(&a, 400 * MiB) == CUDA_ERROR_OUT_OF_MEMORY, "one retry, then out of memory");
+    OK(Free(c));
+    CHECK(used() == 0, "all back");
+}
+
+static void case_pool_device(void)
+{
+    /* two GPUs; current device 0; a pool on device 1 */
+    open_driver();
+    FakeSetDevice(0);
+    CUmemPoolProps pp;
+    memset(&pp, 0, sizeof pp);
+    pp.allocType = CU_MEM_ALLOCATION_TYPE_PINNED;
+    pp.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    pp.location.id = 1;
+    CUmemoryPool p1, ph;
+    OK(PoolCreate(&p1, &pp));
+    CUdeviceptr a, h;
+    OK(AllocPool(&a, 600 * MiB, p1, NULL));
+    CHECK(used() == 0, "device 0 is not charged: %llu", (unsigned long long)used());
+    FakeSetDevice(1);
+    CHECK(used() == 600 * MiB, "charged to the pool's device: %llu", (unsigned long long)used());
+    CHECK(FakeDevUsed(1) == 600 * MiB, "where the driver put it");
+    FakeSetDevice(0);
+    CHECK(AllocPool(&a, 500 * MiB, p1, NULL) == CUDA_ERROR_OUT_OF_MEMORY, "device 1's limit applies");
+    pp.location.type = CU_MEM_LOCATION_TYPE_HOST;
+    pp.location.id = 0;
+    OK(PoolCreate(&ph, &pp));
+    OK(AllocPool(&h, 2 * GiB, ph, NULL));
+    CHECK(used() == 0, "a host pool is not device memory");
+    OK(FreeAsync(h, NULL));
+    /* the default pool of device 1, named explicitly: device 1 as well */
+    CUmemoryPool d1;
+    OK(DevGetMemPool(&d1, 1));
+    OK(AllocPool(&h, 100 * MiB, d1, NULL));
+    FakeSetDevice(1);
+    CHECK(used() == 700 * MiB, "default pool of device 1: %llu MiB", (unsigned long long)(used() / MiB));
+    OK(FreeAsync(h, NULL));
+    FakeSetDevice(0);
+    CUdeviceptr a1;
+    OK(AllocPool(&a1, 100 * MiB, p1, NULL)); /* reuses p1's kept bytes? no: none kept yet */
+    OK(FreeAsync(a1, NULL));
+    OK(PoolDestroy(p1)); /* its kept bytes go back now */
+    FakeSetDevice(1);
+    CHECK(used() == 700 * MiB, "a's 600 MiB still allocated, plus the kept 100 of d1: %llu MiB",
+          (unsigned long long)(used() / MiB));
+}
+
+/* ---- graphs -------------------------------------------------------------- */
+static CUgraphExec alloc_graph(uint64_t bytes, int free_it, CUdeviceptr *dptr)
+{
+    CUgraph g;
+    OK(GraphCreate(&g, 0));
+    CUDA_MEM_ALLOC_NODE_PARAMS ap;
+    memset(&ap, 0, sizeof ap);
+    ap.poolProps.allocType = CU_MEM_ALLOCATION_TYPE_PINNED;
+    ap.poolProps.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    ap.bytesize = bytes;
+    CUgraphNode n1, n2;
+    OK(AddAllocNode(&n1, g, NULL, 0, &ap));
+    if (free_it) OK(AddFreeNode(&n2, g, &n1, 1, ap.dptr));
+    if (dptr) *dptr = ap.dptr;
+    CUgraphExec e;
+    OK(Instantiate(&e, g, 0));
+    return e;
+}
+
+static void case_graph_nodes(void)
+{
+    open_driver();
+    CUgraphExec e1 = alloc_graph(300 * MiB, 1, NULL);
+    CHECK(used() == 0 && FakeDevUsed(0) == 0, "instantiating commits nothing");
+    OK(Launch(e1, NULL));
+    CHECK(FakeDevUsed(0) == 300 * MiB, "the graph pool holds it after the launch");
+    CHECK(used() == 300 * MiB, "counted at launch, though the graph freed it: %llu MiB",
+          (unsigned long long)(used() / MiB));
+    OK(Launch(e1, NULL));
+    CHECK(used() == 300 * MiB, "a relaunch is served by the graph pool");
+    CUdeviceptr kept;
+    CUgraphExec e2 = alloc_graph(900 * MiB, 0, &kept);
+    OK(Launch(e2, NULL)); /* 300 MiB spare in the graph pool + 600 new */
+    CHECK(used() == 900 * MiB && FakeDevUsed(0) == 900 * MiB, "used %llu MiB", (unsigned long long)(used() / MiB));
+    CUdeviceptr p;
+    CHECK(Alloc(&p, 200 * MiB) == CUDA_ERROR_OUT_OF_MEMORY, "graph memory in use counts");
+    OK(Free(kept)); /* freed outside the graph: back to the graph pool */
+    OK(Alloc(&p, 200 * MiB)); /* fits once pressure has trimmed the graph pool */
+    CHECK(FakeDevUsed(0) == 200 * MiB && used() == 200 * MiB, "graph pool trimmed: %llu MiB",
+          (unsigned long long)(used() / MiB));
+    CUgraphExec e3 = alloc_graph(900 * MiB, 1, NULL);
+    CHECK(Launch(e3, NULL) == CUDA_ERROR_OUT_OF_MEMORY, "a graph that does not fit is refused at launch");
+    CHECK(FakeDevUsed(0) == 200 * MiB, "and the driver mapped nothing");
+    OK(Free(p));
+    OK(Launch(e3, NULL));
+    CHECK(used() == 900 * MiB, "used %llu MiB", (unsigned long long)(used() / MiB));
+    OK(ExecDestroy(e3));
+    OK(GraphMemTrim(0));
+    CHECK(used() == 0 && FakeDevUsed(0) == 0, "trimmed: %llu", (unsigned long long)used());
+    OK(ExecDestroy(e1));
+    OK(ExecDestroy(e2));
+}
+
+static void case_graph_capture(void)
+{
+    open_driver();
+    CUstream s = (CUstream)(uintptr_t)0x5;
+    CUdeviceptr cp, p;
+    CUgraph g;
+    OK(BeginCapture(s, 2));
+    OK(AllocAsync(&cp, 500 * MiB, s)); /* the shim cannot tell: counted for now */
+    OK(EndCapture(s, &g));
+    CHECK(FakeDevUsed(0) == 0, "capturing commits nothing");
+    CUgraphExec e;
+    OK(Instantiate(&e, g, 0)); /* a graph allocation now: leaves the stream-ordered count */
+    OK(Alloc(&p, 1 * GiB));
+    OK(Free(p));
+    CHECK(used() == 0, "nothing left of the capture: %llu", (unsigned long long)used());
+    OK(Launch(e, s));
+    CHECK(used() == 500 * MiB && FakeDevUsed(0) == 500 * MiB, "counted at launch: %llu MiB",
+          (unsigned long long)(used() / MiB));
+    CHECK(Alloc(&p, 600 * MiB) == CUDA_ERROR_OUT_OF_MEMORY, "the graph's memory counts");
+    OK(Free(cp)); /* the graph allocation, freed outside the graph */
+    OK(GraphMemTrim(0));
+    CHECK(used() == 0, "released with the graph pool: %llu", (unsigned long long)used());
+}
+
 /* ====================================================================== */
 struct tcase { const char *name; void (*fn)(void); const char *env; };
 static const struct tcase cases[] = {
@@ -832,7 +1142,7 @@ static const struct tcase cases[] = {
     {"kinds", case_kinds, "CDMO_GPU_MEMORY_LIMIT=1073741824"},
     {"rollback", case_rollback, "CDMO_GPU_MEMORY_LIMIT=1073741824 FAKE_TOTAL=268435456"},
     {"nvml", case_nvml, "CDMO_GPU_MEMORY_LIMIT=2147483648"},
-    {"nvml_full_gpu", case_nvml, "CDMO_GPU_MEMORY_LIMIT=2147483648 FAKE_NVML_USED=85362475008"},
+    {"nvml_full_gpu", case_nvml, "CDMO_GPU_MEMORY_LIMIT=2147483648 FAKE_NVML_USED=84825604096"},
     {"race2", case_race2, "CDMO_GPU_MEMORY_LIMIT=1073741824"},
     {"race16", case_race16, "CDMO_GPU_MEMORY_LIMIT=1073741824"},
     {"sigkill", case_sigkill, "CDMO_GPU_MEMORY_LIMIT=1073741824"},
@@ -845,6 +1155,20 @@ static const struct tcase cases[] = {
     {"fallback", case_fallback, "CDMO_GPU_MEMORY_LIMIT=1073741824 CDMO_SHIM_DIR=/nonexistent/cdmo"},
     {"strict", case_strict, "CDMO_GPU_MEMORY_LIMIT=1073741824 CDMO_SHIM_DIR=/nonexistent/cdmo CDMO_SHIM_STRICT=1"},
     {"multidev", case_multidev, "CDMO_GPU_MEMORY_LIMIT=1073741824 FAKE_NDEV=2"},
+    {"footprint_nvml", case_footprint_nvml,
+     "CDMO_GPU_MEMORY_LIMIT=1073741824 CDMO_SHIM_FOOTPRINT=nvml FAKE_CTX_BYTES=314572800"},
+    {"footprint_delta", case_footprint_delta,
+     "CDMO_GPU_MEMORY_LIMIT=1073741824 CDMO_SHIM_FOOTPRINT=delta FAKE_CTX_BYTES=314572800"},
+    {"footprint_hidden_pid", case_footprint_hidden_pid,
+     "CDMO_GPU_MEMORY_LIMIT=1073741824 FAKE_NVML_PID_OFFSET=1000000 FAKE_CTX_BYTES=314572800"},
+    {"footprint_off", case_footprint_off,
+     "CDMO_GPU_MEMORY_LIMIT=1073741824 CDMO_SHIM_FOOTPRINT=off FAKE_CTX_BYTES=314572800"},
+    {"footprint_2dev", case_footprint_2dev,
+     "CDMO_GPU_MEMORY_LIMIT=1073741824 CDMO_SHIM_FOOTPRINT=nvml FAKE_NDEV=2 FAKE_CTX_BYTES=209715200"},
+    {"pool_trim", case_pool_trim, "CDMO_GPU_MEMORY_LIMIT=1073741824"},
+    {"pool_device", case_pool_device, "CDMO_GPU_MEMORY_LIMIT=1073741824 FAKE_NDEV=2"},
+    {"graph_nodes", case_graph_nodes, "CDMO_GPU_MEMORY_LIMIT=1073741824"},
+    {"graph_capture", case_graph_capture, "CDMO_GPU_MEMORY_LIMIT=1073741824"},
 };
 #define NCASES (sizeof cases / sizeof *cases)
 
@@ -883,6 +1207,7 @@ static int run_case(const struct tcase *c)
         unsetenv("CDMO_GPU_MEMORY_LIMIT");
         unsetenv("CDMO_SHIM_DISABLE");
         unsetenv("CDMO_SHIM_STRICT");
+        unsetenv("CDMO_SHIM_FOOTPRINT");
         char env[512];
         snprintf(env, sizeof env, "%s", c->env);
         for (char *tok = strtok(env, " "); tok; tok = strtok(NULL, " ")) {
