@@ -26,6 +26,7 @@ control-plane:
 
 lint: venv
 	$(BIN)/ruff check mig_operator tests bench
+	$(BIN)/lint-imports --no-cache
 
 # Every test: shim's GPU-free C tests, lint, then pytest (unit, shim, e2e against a real kube-apiserver;
 # tests/gpu skip where no GPU is present). pytest's exit 5 (no tests collected) fails the target.
