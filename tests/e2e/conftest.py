@@ -28,6 +28,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import kubernetes
 import pytest
@@ -172,3 +173,22 @@ def kube_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KubeClust
 def kubectl(kube_cluster: KubeCluster) -> Callable[..., subprocess.CompletedProcess]:
     """``kubectl("get", "ns")`` runs the cached kubectl against the session's cluster."""
     return kube_cluster.kubectl
+
+
+@pytest.fixture(scope="session")
+def operator_crds(kube_cluster: KubeCluster) -> None:
+    """Every CRD and policy in crds/ (GpuSlice, GpuNode, kopf peering), applied once per session."""
+    from harness import apply_crds
+
+    apply_crds(kube_cluster)
+
+
+@pytest.fixture
+def operator(kube_cluster: KubeCluster, operator_crds: None, tmp_path: Path) -> Iterator[Any]:
+    """An OperatorHarness: kwok nodes, agents on simulated GPUs and a controller, all stopped (and
+    their nodes, inventories and namespaces removed) at the end. A failing test prints their logs."""
+    from harness import OperatorHarness
+
+    harness = OperatorHarness(kube_cluster, tmp_path)
+    yield harness
+    harness.close()

@@ -47,7 +47,15 @@ from mig_operator.core.quantities import format_bytes
 from mig_operator.gpu.protocol import GpuBackend, GpuError, GpuInfo, MigInstance
 
 from ..common import metrics, status
-from ..common.client import ApiError, KubeClient, gpunode_path, gpunodes_path, slice_path, slices_path
+from ..common.client import (
+    ApiError,
+    KubeClient,
+    gpunode_path,
+    gpunodes_path,
+    resource_version,
+    slice_path,
+    slices_path,
+)
 from ..common.events import EventPoster
 from ..common.faults import crashpoint
 from ..common.finalizers import remove_finalizer
@@ -94,6 +102,7 @@ class NodeAgent:
         self._node_uid = ""
         self._publish_pending: asyncio.Task | None = None
         self._tasks: list[asyncio.Task] = []
+        self._written: dict[str, int] = {}  # slice UID -> resourceVersion of the agent's last write
 
     # ---- GPU calls, measured and off the event loop ----------------------------------------------
 
@@ -191,9 +200,15 @@ class NodeAgent:
     # ---- slice events ------------------------------------------------------------------------------
 
     async def handle(self, body: Mapping) -> None:
-        """One watch event of a slice bound to this node."""
+        """One watch event of a slice bound to this node.
+
+        An event older than the agent's own last write of that slice is skipped: it may still say
+        Creating after the agent wrote Failed, and acting on it would realise the slice twice.
+        """
         meta = body["metadata"]
         uid = meta["uid"]
+        if resource_version(meta) < self._written.get(uid, 0):
+            return
         entry = self.store.record.owners.get(uid)
         step = agent_step(
             (body.get("status") or {}).get("phase"), bool(meta.get("deletionTimestamp")),
@@ -216,6 +231,7 @@ class NodeAgent:
     async def deleted(self, body: Mapping) -> None:
         """The slice is gone. Normally its release already ran (the finalizer held it); if the
         finalizer was removed by hand, its instance becomes idle now."""
+        self._written.pop(body["metadata"]["uid"], None)
         if body["metadata"]["uid"] in self.store.record.owners:
             await asyncio.to_thread(self.store.drop, body["metadata"]["uid"], status.now())
             self.schedule_publish()
@@ -332,7 +348,9 @@ class NodeAgent:
 
     async def _write_status(self, body: Mapping, new_status: dict) -> None:
         meta = body["metadata"]
-        await self.client.merge_patch(slice_path(meta["namespace"], meta["name"], status=True), {"status": new_status})
+        answer = await self.client.merge_patch(slice_path(meta["namespace"], meta["name"], status=True),
+                                               {"status": new_status})
+        self._written[meta["uid"]] = resource_version(answer.get("metadata") or {})
 
     async def _release(self, body: Mapping) -> None:
         """The slice is being deleted: its instance becomes idle, then the finalizer goes."""

@@ -211,6 +211,15 @@ def _error(status: int, reason: str, text: str, method: str, path: str) -> ApiEr
     return ApiError(status, reason, f"{method} {path}: {message.strip()[:500]}")
 
 
+def resource_version(meta: Mapping) -> int:
+    """An object's resourceVersion as a number (etcd's revision), used only to skip watch events
+    older than what a part already knows or wrote itself; 0 when absent."""
+    try:
+        return int(meta.get("resourceVersion") or 0)
+    except ValueError:
+        return 0
+
+
 # ---- paths -----------------------------------------------------------------------------------------
 
 

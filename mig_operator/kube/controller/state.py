@@ -16,15 +16,8 @@ from mig_operator.core.quantities import QuantityError
 from mig_operator.core.request import SliceRequest
 from mig_operator.core.slice_spec import request_from_spec
 
+from ..common.client import resource_version
 from ..common.names import AGENT_FINALIZER, SLICE_NODE_LABEL
-
-
-def _version(meta: Mapping) -> int:
-    # resourceVersion is etcd's revision; compared only to drop events older than what is known.
-    try:
-        return int(meta.get("resourceVersion") or 0)
-    except ValueError:
-        return 0
 
 
 @dataclass
@@ -70,7 +63,7 @@ def slice_info(body: Mapping) -> SliceInfo:
         meta.get("finalizers") or ())
     return SliceInfo(
         uid=meta["uid"], namespace=meta["namespace"], name=meta["name"], created=meta.get("creationTimestamp", ""),
-        version=_version(meta), body=dict(body), request=request, invalid=invalid,
+        version=resource_version(meta), body=dict(body), request=request, invalid=invalid,
         pinned=spec.get("nodeName"), phase=status.get("phase"), binding=binding,
         deleting=bool(meta.get("deletionTimestamp")), marked=marked,
     )
