@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from .core.profiles import CATALOG, CatalogError, GpuModel, get_model
-from .core.quantities import QuantityError
-from .core.trace import TraceError, TraceEvent, parse_trace, replay
+from .core.quantities import QuantityError, clip_repr, clip_text
+from .core.trace import TRACE_EXAMPLE, TraceError, TraceEvent, parse_trace, replay
 from .gpu.protocol import GpuError
 
 if TYPE_CHECKING:
@@ -18,10 +20,22 @@ if TYPE_CHECKING:
 
 EXIT_GPU_ERROR = 1
 EXIT_BAD_INPUT = 2
+# A trace is a few KiB; reading stops here, so `--trace /dev/zero` ends with an error, not a hang.
+MAX_TRACE_BYTES = 16 * 2**20
+# `plan --gpus`: a replay holds every GPU in memory and scans them per event.
+MAX_PLAN_GPUS = 4096
 
 
 class UsageError(Exception):
     """Bad input from the user: printed as one line, exit status 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (exit 2), like every other bad input of this command."""
+
+    def error(self, message: str) -> NoReturn:
+        # argparse quotes whole values (an unknown argument of 5000 characters): keep the line short.
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: {clip_text(message, 300)}; see '{self.prog} --help'\n")
 
 
 def _model_json(model: GpuModel) -> dict:
@@ -37,6 +51,8 @@ def _model_json(model: GpuModel) -> dict:
 
 
 def _model_text(model: GpuModel) -> str:
+    if not model.mig_capable:
+        return f"{model.name} ({model.product}): {model.memory_mib} MiB, no MIG (fractions of the whole GPU only)"
     lines = [f"{model.name} ({model.product}): {model.memory_slots} memory slots, {model.memory_mib} MiB"]
     lines.append(f"  {'profile':<14}{'id':>4}{'slices':>8}{'MiB':>8}{'SM':>6}{'max':>5}  placements")
     for p in model.profiles:
@@ -71,14 +87,45 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _read_trace(path: str) -> list[TraceEvent]:
+    shown = clip_repr(path)
     try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
+        with open(path, "rb") as fh:
+            raw = fh.read(MAX_TRACE_BYTES + 1)
     except OSError as exc:
-        raise UsageError(f"cannot read trace {path!r}: {exc.strerror}") from None
+        raise UsageError(f"cannot read trace {shown}: {exc.strerror or exc}") from None
+    except ValueError as exc:  # a path with a NUL byte
+        raise UsageError(f"cannot read trace {shown}: {exc}") from None
+    if len(raw) > MAX_TRACE_BYTES:
+        raise UsageError(
+            f"trace {shown} is larger than {MAX_TRACE_BYTES // 2**20} MiB; a trace is a JSON list of events, "
+            f"e.g. {TRACE_EXAMPLE}"
+        )
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError:
+        raise UsageError(
+            f"trace {shown} is not UTF-8 text (binary, or UTF-16?); save it as UTF-8 JSON, e.g. {TRACE_EXAMPLE}"
+        ) from None
+    try:
+        data = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise UsageError(f"trace {path!r} is not JSON ({exc.msg} at line {exc.lineno})") from None
+        raise UsageError(f"trace {shown} is not JSON ({exc.msg} at line {exc.lineno})") from None
+    except RecursionError:
+        raise UsageError(f"trace {shown} is nested too deeply to read; e.g. {TRACE_EXAMPLE}") from None
+    except ValueError:
+        # Python refuses to read an integer of more than 4300 digits.
+        raise UsageError(f"trace {shown} holds a number too long to read; e.g. {TRACE_EXAMPLE}") from None
     return parse_trace(data)
+
+
+def _gpu_count(text: str) -> int:
+    """``--gpus``: a whole number from 1 to MAX_PLAN_GPUS."""
+    # Checked as text: int() accepts ' 2', '2_0', full-width digits, and refuses 5000 digits.
+    if re.fullmatch(r"[0-9]{1,9}", text, re.ASCII) is None or not 1 <= int(text) <= MAX_PLAN_GPUS:
+        raise UsageError(
+            f"--gpus {clip_text(text)} must be a whole number from 1 to {MAX_PLAN_GPUS}, e.g. --gpus 2"
+        )
+    return int(text)
 
 
 def _open_backend(spec: str, state_file: str | None) -> GpuBackend:
@@ -92,9 +139,12 @@ def _open_backend(spec: str, state_file: str | None) -> GpuBackend:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     model = get_model(args.gpu)
-    if args.gpus < 1:
-        raise UsageError(f"--gpus {args.gpus} must be at least 1, e.g. --gpus 2")
-    results = replay(_read_trace(args.trace), model, gpu_count=args.gpus, eager=args.eager).results
+    if not model.mig_capable:
+        raise UsageError(
+            f"--gpu {model.name} ({model.product}) has no MIG; plan replays MIG decisions, e.g. --gpu h200-141gb"
+        )
+    gpus = _gpu_count(args.gpus)
+    results = replay(_read_trace(args.trace), model, gpu_count=gpus, eager=args.eager).results
     if args.json:
         print(json.dumps(results))
         return 0
@@ -122,6 +172,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     events = _read_trace(args.trace)
     state = args.state_file or os.path.join(tempfile.mkdtemp(prefix="mig-demo-"), "sim-state.json")
     backend = _open_backend(args.backend, state)
+    if not any(gpu.mig_enabled for gpu in backend.gpus()):
+        backend.close()
+        raise UsageError(
+            f"backend {clip_text(args.backend)} has no GPU in MIG mode; demo plans MIG slices, "
+            "e.g. --backend sim:h200-141gbx2"
+        )
     print(f"== {len(backend.gpus())} simulated GPU(s) from {args.backend}; state in {state}")
     bound: dict[str, tuple[int, int]] = {}  # slice -> (gpu, GI id)
     for event in events:
@@ -153,7 +209,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mig-operator", description=__doc__)
+    """Every subcommand; a new one is one more ``sub.add_parser(...)`` with ``set_defaults(func=...)``."""
+    parser = Parser(prog="mig-operator", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("catalog", help="built-in MIG profile tables")
@@ -169,7 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plan", help="replay an allocation trace through the planner")
     p.add_argument("--gpu", required=True, help="GPU model, e.g. h200-141gb")
-    p.add_argument("--gpus", type=int, default=1, help="number of GPUs (default 1)")
+    p.add_argument("--gpus", default="1", help=f"number of GPUs, 1 to {MAX_PLAN_GPUS} (default 1)")
     p.add_argument("--trace", required=True, help="JSON list of alloc/free events")
     p.add_argument("--eager", action="store_true", help="destroy instances when freed instead of keeping them idle")
     p.add_argument("--json", action="store_true")
@@ -180,6 +237,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", default="examples/trace-h200.json")
     p.add_argument("--state-file", help="simulator state file (default: a new temporary file)")
     p.set_defaults(func=cmd_demo)
+    from .operator_cli import add_operator_commands
+
+    add_operator_commands(sub)
     return parser
 
 
@@ -187,14 +247,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return args.func(args)
-    except (UsageError, CatalogError, TraceError, QuantityError) as exc:
-        print(f"mig-operator: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except GpuError as exc:
-        # No driver, no permission, a GPU gone: NVML's words in one line, not a traceback.
-        print(f"mig-operator: {exc}", file=sys.stderr)
-        return EXIT_GPU_ERROR
+        try:
+            code = args.func(args)
+        except (UsageError, CatalogError, TraceError, QuantityError) as exc:
+            print(f"mig-operator: {exc}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        except GpuError as exc:
+            # No driver, no permission, a GPU gone: NVML's words in one line, not a traceback.
+            print(f"mig-operator: {exc}", file=sys.stderr)
+            return EXIT_GPU_ERROR
+        # Flushed here, not at exit, so a reader that stopped early is met below.
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        # `mig-operator catalog | head -1`: the reader has what it wanted; stop without a word.
+        _silence_stdout()
+        return 0
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null, so the flush at exit does not fail on the closed pipe again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):
+        pass  # not a real file (a test's capture): nothing is flushed to a pipe at exit
 
 
 if __name__ == "__main__":

@@ -1,12 +1,26 @@
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from mig_operator.cli import main
+from mig_operator.cli import MAX_PLAN_GPUS, main
 from mig_operator.core.profiles import CATALOG
+
+
+def cli(*argv: str, stdout: int | None = subprocess.PIPE) -> subprocess.CompletedProcess:
+    """The command as a user runs it: a new process, so tracebacks and exit codes are real."""
+    return subprocess.run([sys.executable, "-m", "mig_operator.cli", *argv], stdout=stdout,
+                          stderr=subprocess.PIPE, text=True, timeout=120, check=False)
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, code: int, fragment: str) -> None:
+    assert proc.returncode == code, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.count("\n") == 1 and len(proc.stderr) < 500, proc.stderr[:600]
+    assert fragment in proc.stderr, proc.stderr
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -41,6 +55,37 @@ def test_catalog_lists_every_model(capsys) -> None:
     assert code == 0
     for name in CATALOG:
         assert name in out
+    assert "l40s-48gb (NVIDIA L40S): 46068 MiB, no MIG" in out
+    code, out, _ = run(capsys, "catalog", "--json")
+    by_name = {m["model"]: m for m in json.loads(out)}
+    assert set(by_name) == set(CATALOG)
+    assert by_name["t4-16gb"] == {"model": "t4-16gb", "product": "Tesla T4", "memory_slots": 0,
+                                  "memory_mib": 15360, "profiles": []}
+
+
+def test_catalog_a100_40gb_2g_10gb_is_9_75_gib(capsys) -> None:
+    _, out, _ = run(capsys, "catalog", "a100-40gb", "--json")
+    by_name = {p["name"]: p for p in json.loads(out)["profiles"]}
+    assert by_name["1g.10gb"]["memory_mib"] == by_name["2g.10gb"]["memory_mib"] == int(9.75 * 1024)
+
+
+def test_inspect_gpus_without_mig(capsys) -> None:
+    code, out, _ = run(capsys, "inspect", "--backend", "sim:l4-24gbx2", "--json")
+    assert code == 0
+    gpus = json.loads(out)["gpus"]
+    assert [(g["product"], g["model"], g["mig_capable"], g["mig_enabled"], g["profiles"], g["instances"])
+            for g in gpus] == [("NVIDIA L4", "l4-24gb", False, False, [], [])] * 2
+    code, out, _ = run(capsys, "inspect", "--backend", "sim:l40s-48gb")
+    assert code == 0 and out.startswith("GPU 0: NVIDIA L40S (l40s-48gb), 46068 MiB, no MIG, GPU-")
+
+
+def test_plan_and_demo_refuse_gpus_without_mig(tmp_path, capsys) -> None:
+    trace = write_trace(tmp_path, [{"op": "alloc", "id": "a", "memory": "4G"}])
+    code, out, err = run(capsys, "plan", "--gpu", "l4-24gb", "--trace", trace)
+    assert code == 2 and out == "" and "l4-24gb (NVIDIA L4) has no MIG" in err and "--gpu h200-141gb" in err
+    code, out, err = run(capsys, "demo", "--backend", "sim:t4-16gb", "--trace", trace,
+                         "--state-file", str(tmp_path / "s.json"))
+    assert code == 2 and out == "" and "no GPU in MIG mode" in err
 
 
 def test_plan_17G_and_17Gi_on_h200(tmp_path, capsys) -> None:
@@ -123,6 +168,86 @@ def test_bad_model_missing_file_and_bad_json_exit_2(tmp_path, capsys) -> None:
     assert code == 2 and "--gpus 0" in err
 
 
+@pytest.mark.parametrize("count", ["0", "1000000000", "4097", "-1", " 2", "2_0", "\uff12", "2.0", "9" * 5000, ""])
+def test_gpus_is_capped_and_checked_as_text(tmp_path, capsys, count: str) -> None:
+    trace = write_trace(tmp_path, [{"op": "alloc", "id": "a", "memory": "4G"}])
+    code, out, err = run(capsys, "plan", "--gpu", "h100-80gb", "--gpus", count, "--trace", trace)
+    assert code == 2 and out == ""
+    assert f"from 1 to {MAX_PLAN_GPUS}" in err and err.count("\n") == 1 and len(err) < 300
+
+
+def test_gpus_at_the_cap_is_accepted(tmp_path, capsys) -> None:
+    trace = write_trace(tmp_path, [{"op": "alloc", "id": "a", "memory": "4G"}])
+    code, out, _ = run(capsys, "plan", "--gpu", "h100-80gb", "--gpus", str(MAX_PLAN_GPUS), "--trace", trace, "--json")
+    assert code == 0 and json.loads(out)[0]["profile"] == "1g.10gb"
+
+
+def _write(tmp_path: Path, name: str, data: bytes) -> str:
+    path = tmp_path / name
+    path.write_bytes(data)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("content", "fragment"),
+    [
+        (b"\x00\xff\xfe\x80binary" * 10, "is not UTF-8 text"),
+        ('[{"op": "free", "id": "x"}]'.encode("utf-16"), "is not UTF-8 text"),
+        (b"[" * 200_000 + b"]" * 200_000, "nested too deeply"),
+        (b'[{"op": "alloc", "id": "a", "memory": ' + b"1" * 5001 + b"}]", "holds a number too long"),
+        (b'[{"op": "alloc", "id": "a", "memory": ' + b"1" * 4000 + b"}]", "(4000 digits) is larger than 2^63-1"),
+        (b'[{"op": "alloc", "id": "a", "memory": "' + b"1" * 5000 + b'"}]', "(5000 characters) is larger"),
+        (b'[{"op": "alloc", "id": "' + b"i" * 5000 + b'", "memory": "4X"}]', "has an unknown unit"),
+        (b'[{"op": "alloc", "id": "a", "fraction": "0.2_5"}]', "fraction '0.2_5' is not a number"),
+        (b'[{"op": "alloc", "id": "a", "profile": "' + b"x" * 5000 + b'"}]', "is not a MIG profile name"),
+        (b'[{"op": "' + b"o" * 5000 + b'", "id": "a"}]', "has op 'ooo"),
+    ],
+)
+def test_hostile_traces_exit_2_with_one_short_line(tmp_path, content: bytes, fragment: str) -> None:
+    trace = _write(tmp_path, "t.json", content)
+    assert_one_line_error(cli("plan", "--gpu", "h200-141gb", "--trace", trace), 2, fragment)
+
+
+def test_an_endless_trace_is_cut_off(tmp_path) -> None:
+    assert_one_line_error(cli("plan", "--gpu", "h200-141gb", "--trace", "/dev/zero"), 2, "larger than 16 MiB")
+
+
+@pytest.mark.parametrize(
+    ("state", "fragment"),
+    [("/dev/null", "'/dev/null' exists and is not a regular file"),
+     ("{tmp}/missing/s.json", "does not exist"),
+     ("{tmp}", "is not a regular file")],
+)
+def test_unusable_state_files_exit_2_and_create_nothing(tmp_path, state: str, fragment: str) -> None:
+    lock_existed = os.path.exists("/dev/null.lock")
+    proc = cli("inspect", "--backend", "sim:h200-141gb", "--state-file", state.format(tmp=tmp_path))
+    assert_one_line_error(proc, 2, fragment)
+    assert os.path.exists("/dev/null.lock") == lock_existed
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_corrupt_state_file_is_a_gpu_error_in_one_line(tmp_path) -> None:
+    state = _write(tmp_path, "s.json", b'{"version": 1, "model": "h200-141gb", "gpus": [{"instances": 3}]}')
+    assert_one_line_error(cli("inspect", "--backend", "sim:h200-141gb", "--state-file", state), 1, "is not usable")
+
+
+def test_a_closed_pipe_ends_catalog_quietly() -> None:
+    # A pipe nobody reads: the first write fails, as `catalog | head -1` does once head has its line.
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        proc = cli("catalog", stdout=write_end)
+    finally:
+        os.close(write_end)
+    assert proc.returncode == 0 and proc.stderr == ""
+
+
+def test_argparse_errors_are_one_line(tmp_path) -> None:
+    proc = cli("plan", "--gpu", "h200-141gb", "--trace", "x", "--bogus", "b" * 5000)
+    assert_one_line_error(proc, 2, "unrecognized arguments")
+    assert_one_line_error(cli("plan"), 2, "the following arguments are required")
+
+
 def test_console_entry_point_never_prints_a_traceback(tmp_path) -> None:
     trace = write_trace(tmp_path, [{"op": "alloc", "id": "a", "memory": "-1G"}])
     proc = subprocess.run(
@@ -145,7 +270,13 @@ def test_demo_realises_the_plan_and_survives_a_restart(tmp_path, capsys) -> None
     # trainer 3g, notebook-b 1g.35gb, notebook-c's 1g.18gb on GPU 0; inference 2g.35gb on GPU 1.
     assert restart.count("MIG-") == 4
     data = json.loads(state.read_text())
-    assert data, "the simulator kept its state in the file"
+    # The state file holds what the restarted backend listed: the layout above, by profile id (H200:
+    # 9 = 3g.71gb, 15 = 1g.35gb, 19 = 1g.18gb, 14 = 2g.35gb), each with its compute instance.
+    assert data["model"] == "h200-141gb"
+    assert [sorted((i["profile_id"], i["start"], i["ci_id"]) for i in g["instances"]) for g in data["gpus"]] == [
+        [(9, 4, 0), (15, 2, 0), (19, 0, 0)],
+        [(14, 0, 0)],
+    ]
 
 
 def test_demo_bad_backend_exits_2(capsys) -> None:
