@@ -50,6 +50,20 @@ def add_operator_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--peering-lifetime", type=int, default=10,
                    help="seconds before a silent active replica is replaced")
     p.add_argument("--resync", default="30s", help="how often the full state is read again (driven by events)")
+    p.add_argument("--webhook", metavar="HOST:PORT", help="serve the pod admission webhook there (TLS)")
+    p.add_argument("--webhook-cert", help="serving certificate (PEM); default: one made at start")
+    p.add_argument("--webhook-key", help="its private key (PEM)")
+    p.add_argument("--webhook-cert-secret", help="Secret (in --namespace) holding the made certificate, shared "
+                   "by replicas; made by the first one to start")
+    p.add_argument("--webhook-url", help="URL the API server calls (default https://HOST:PORT/gpu-slice)")
+    p.add_argument("--webhook-service", metavar="NAMESPACE/NAME[:PORT]",
+                   help="point the webhook configuration at this Service instead of a URL (in a cluster)")
+    p.add_argument("--webhook-config", default="mig-operator",
+                   help="MutatingWebhookConfiguration to create or update with the CA bundle ('' to leave it alone)")
+    p.add_argument("--namespace", default="mig-operator",
+                   help="the operator's own namespace: its pods are never sent to the webhook")
+    p.add_argument("--shim-host-dir", default="/var/lib/mig-operator/shim",
+                   help="host directory holding libgpuslice.so, mounted read-only into sliced pods")
     p.set_defaults(func=cmd_controller)
 
     p = sub.add_parser("agent", parents=[common], help="run the node agent (realises slices bound to this node)")
@@ -71,17 +85,34 @@ def _configure_logs(args: argparse.Namespace) -> None:
 
 
 def cmd_controller(args: argparse.Namespace) -> int:
-    from .kube.controller.main import ControllerOptions, run_controller
+    from .kube.common import metrics
+    from .kube.common.operator import run_operator
+    from .kube.controller.main import ControllerOptions, build_registry, default_priority
+    from .kube.webhook.admission import ShimMount
+    from .kube.webhook.server import WebhookOptions, register
 
-    if args.metrics_address:
-        _address(args.metrics_address)
+    for address in (args.metrics_address, args.webhook):
+        if address:
+            _address(address)
+    if bool(args.webhook_cert) != bool(args.webhook_key):
+        raise QuantityError("--webhook-cert and --webhook-key go together; e.g. --webhook-cert tls.crt "
+                            "--webhook-key tls.key")
     options = ControllerOptions(
         kubeconfig=args.kubeconfig, priority=args.priority, peering=args.peering,
-        peering_lifetime_s=args.peering_lifetime, metrics_address=args.metrics_address,
-        resync_s=parse_duration(args.resync),
+        peering_lifetime_s=args.peering_lifetime, resync_s=parse_duration(args.resync),
     )
+    registry = build_registry(options)
+    if args.webhook:
+        register(registry, WebhookOptions(
+            listen=args.webhook, namespace=args.namespace, cert_file=args.webhook_cert, key_file=args.webhook_key,
+            cert_secret=args.webhook_cert_secret, url=args.webhook_url, service=args.webhook_service,
+            config_name=args.webhook_config or None, shim=ShimMount(host_dir=args.shim_host_dir),
+        ), args.kubeconfig)
     _configure_logs(args)
-    run_controller(options)
+    if args.metrics_address:
+        metrics.serve(args.metrics_address)
+    priority = options.priority if options.priority is not None else default_priority()
+    run_operator(registry, standalone=False, priority=priority, peering_name=options.peering)
     return 0
 
 

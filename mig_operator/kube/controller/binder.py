@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from mig_operator.core.cluster import (
     MODE_MIG,
@@ -52,12 +52,14 @@ class Binder:
         self._replan_task: asyncio.Task | None = None
         self._replan_again = False
         self._last_resync = 0.0
-        self.on_slice_changed: list[Callable[[SliceInfo], None]] = []
+        self.on_resync: list[Callable[[], Awaitable[None]]] = []
+        self.on_slice_changed: list[Callable[[SliceInfo], Awaitable[None]]] = []
 
     # ---- full lists ----------------------------------------------------------------------------
 
     async def resync(self) -> None:
-        """Read slices, inventories and labelled nodes afresh, then finish what is unfinished."""
+        """Read slices, inventories and labelled nodes afresh, then finish what is unfinished
+        (and whatever else registered in ``on_resync``, e.g. the pods)."""
         async with self._lock:
             slices, inventories, nodes = await asyncio.gather(
                 self.client.list(slices_path()), self.client.list(gpunodes_path()),
@@ -68,6 +70,8 @@ class Binder:
         for info in list(self.state.slices.values()):
             if info.binding is not None and not info.marked and not info.deleting:
                 await self._guard(self.mark(info))
+        for extra in self.on_resync:
+            await self._guard(extra())
         self.request_replan()
 
     def maybe_resync(self) -> None:
@@ -96,8 +100,6 @@ class Binder:
         info = self.state.put_slice(body)
         if info is None:
             return
-        for callback in self.on_slice_changed:
-            callback(info)
         if info.deleting:
             return
         if info.invalid and info.phase != "Failed":
@@ -107,6 +109,8 @@ class Binder:
             await self.bind(info.uid)
         elif info.binding is not None and not info.marked:
             await self.mark(info)
+        for callback in self.on_slice_changed:
+            await callback(self.state.slices.get(info.uid, info))
         self.maybe_resync()
 
     def inventory_event(self, body: dict, deleted: bool) -> None:

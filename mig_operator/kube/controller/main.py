@@ -14,7 +14,6 @@ from typing import Any
 
 import kopf
 
-from ..common import metrics
 from ..common.client import ApiError, KubeClient
 from ..common.events import EventPoster
 from ..common.names import (
@@ -25,11 +24,13 @@ from ..common.names import (
     MIG_NODE_VALUE,
     NODES,
     PEERING_NAME,
+    POD_SLICE_LABEL,
     SLICES,
     VERSION,
 )
-from ..common.operator import register_login, run_operator, tune
+from ..common.operator import register_login, tune
 from .binder import Binder
+from .pods import PodSlices
 
 log = logging.getLogger("mig_operator.controller")
 
@@ -40,7 +41,6 @@ class ControllerOptions:
     priority: int | None = None  # None: derived from the host name and pid (distinct per replica)
     peering: str = PEERING_NAME
     peering_lifetime_s: int = 10
-    metrics_address: str | None = None
     resync_s: float = 30.0
 
 
@@ -69,12 +69,16 @@ def build_registry(options: ControllerOptions) -> kopf.OperatorRegistry:
         tune(settings, CONTROLLER_PREFIX, CONTROLLER_FINALIZER)
         settings.peering.lifetime = options.peering_lifetime_s
         settings.watching.label_selectors["v1", "nodes"] = f"{MIG_NODE_LABEL}={MIG_NODE_VALUE}"
+        settings.watching.label_selectors["v1", "pods"] = POD_SLICE_LABEL  # only pods the webhook marked
         client = KubeClient.from_environment(options.kubeconfig)
         await ensure_peering(client, options.peering)
-        binder = Binder(client, EventPoster(client, "mig-operator-controller", os.uname().nodename),
-                        resync_s=options.resync_s)
+        events = EventPoster(client, "mig-operator-controller", os.uname().nodename)
+        binder = Binder(client, events, resync_s=options.resync_s)
+        pods = PodSlices(client, events, binder.state)
+        binder.on_slice_changed.append(pods.slice_changed)
+        binder.on_resync.append(pods.resync)
         await binder.resync()
-        state.update(client=client, binder=binder)
+        state.update(client=client, binder=binder, pods=pods)
 
     @kopf.on.event(GROUP, VERSION, SLICES, registry=registry)
     async def slice_event(body: kopf.Body, type: str | None, **_: Any) -> None:
@@ -92,6 +96,10 @@ def build_registry(options: ControllerOptions) -> kopf.OperatorRegistry:
         state["binder"].node_event(body["metadata"]["name"],
                                    type != "DELETED" and labels.get(MIG_NODE_LABEL) == MIG_NODE_VALUE)
 
+    @kopf.on.event("v1", "pods", registry=registry)
+    async def pod_event(body: kopf.Body, type: str | None, **_: Any) -> None:
+        await state["pods"].pod_event(dict(body), deleted=type == "DELETED")
+
     @kopf.on.cleanup(registry=registry)
     async def cleanup(**_: Any) -> None:
         if "binder" in state:
@@ -99,11 +107,3 @@ def build_registry(options: ControllerOptions) -> kopf.OperatorRegistry:
             await state["client"].close()
 
     return registry
-
-
-def run_controller(options: ControllerOptions) -> None:
-    if options.metrics_address:
-        metrics.serve(options.metrics_address)
-    priority = options.priority if options.priority is not None else default_priority()
-    log.info("controller starting with peering %s, priority %d", options.peering, priority)
-    run_operator(build_registry(options), standalone=False, priority=priority, peering_name=options.peering)

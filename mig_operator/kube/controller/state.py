@@ -76,6 +76,7 @@ class ClusterState:
     labelled: set[str] = field(default_factory=set)
     # Bindings decided but not yet seen in a slice's status: they hold their GPU room meanwhile.
     in_flight: dict[str, Binding] = field(default_factory=dict)
+    names: dict[tuple[str, str], str] = field(default_factory=dict)  # (namespace, name) -> uid
 
     # ---- slices --------------------------------------------------------------------------------
 
@@ -86,13 +87,21 @@ class ClusterState:
         if known is not None and info.version and known.version > info.version:
             return None
         self.slices[info.uid] = info
+        self.names[(info.namespace, info.name)] = info.uid
         if info.binding is not None:
             self.in_flight.pop(info.uid, None)
         return info
 
     def remove_slice(self, uid: str) -> SliceInfo | None:
         self.in_flight.pop(uid, None)
-        return self.slices.pop(uid, None)
+        gone = self.slices.pop(uid, None)
+        if gone is not None and self.names.get((gone.namespace, gone.name)) == uid:
+            del self.names[(gone.namespace, gone.name)]
+        return gone
+
+    def slice_named(self, namespace: str, name: str) -> SliceInfo | None:
+        uid = self.names.get((namespace, name))
+        return self.slices.get(uid) if uid is not None else None
 
     def bindings(self) -> list[Binding]:
         """Every binding that holds GPU room: written ones (until the slice is gone) and in flight."""
@@ -128,6 +137,7 @@ class ClusterState:
             known = self.slices.get(info.uid)
             fresh[info.uid] = known if known is not None and known.version > info.version else info
         self.slices = fresh
+        self.names = {(s.namespace, s.name): uid for uid, s in fresh.items()}
         self.in_flight = {uid: b for uid, b in self.in_flight.items() if uid in fresh}
         self.inventories = {}
         for body in inventories:

@@ -1,0 +1,1 @@
+"""The admission webhook: annotated pods get a gate, their slice's ConfigMap and the shim volume."""

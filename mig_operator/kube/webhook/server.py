@@ -1,0 +1,190 @@
+"""Serving the webhook inside the controller's process, and its MutatingWebhookConfiguration.
+
+Only annotated pods are ever sent to it: the configuration selects them with ``matchConditions`` (CEL
+on the annotations) and leaves the operator's own namespace out, so an unannotated pod is never
+changed and never waits for the webhook, even while it is down. kopf's managed configuration can do
+neither (it filters annotations client-side), so the controller writes the configuration itself.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import os
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any
+
+import kopf
+
+from mig_operator.core.quantities import QuantityError
+
+from ..common.client import ApiError, KubeClient
+from ..common.names import WEBHOOK_NAME
+from .admission import PodRefused, ShimMount, check_pod, mutate_pod, slice_name_for
+from .certs import CertBundle, make_certificate
+
+log = logging.getLogger("mig_operator.webhook")
+
+HANDLER_ID = "gpu-slice"  # kopf serves each handler at /<id>
+WEBHOOK_ENTRY = "pods.cdmo.io"
+# Any cdmo.io/gpu-* annotation is sent (so a misspelt one is refused, not ignored), and mig-profile.
+MATCH_EXPRESSION = (
+    "has(object.metadata.annotations) && object.metadata.annotations.exists(k, "
+    "k.startsWith('cdmo.io/gpu-') || k == 'cdmo.io/mig-profile')"
+)
+
+
+@dataclass(frozen=True)
+class WebhookOptions:
+    listen: str  # HOST:PORT the server binds
+    namespace: str  # the operator's namespace: its pods are never sent to the webhook
+    cert_file: str | None = None  # given certificate (e.g. from cert-manager) ...
+    key_file: str | None = None
+    cert_secret: str | None = None  # ... or one generated once and shared by replicas through this Secret
+    url: str | None = None  # where the API server calls; default https://HOST:PORT/gpu-slice
+    service: str | None = None  # or NAMESPACE/NAME[:PORT] of the Service in front of the replicas
+    config_name: str | None = WEBHOOK_NAME  # the configuration to create/update; None: managed elsewhere
+    failure_policy: str = "Fail"
+    shim: ShimMount = field(default_factory=ShimMount)
+
+    @property
+    def host_port(self) -> tuple[str, int]:
+        host, _, port = self.listen.rpartition(":")
+        return host or "0.0.0.0", int(port)
+
+
+def certificate_hosts(options: WebhookOptions) -> list[str]:
+    """The names the serving certificate must hold: the Service's DNS names, or the listen host."""
+    if options.service:
+        ns, _, rest = options.service.partition("/")
+        name = rest.partition(":")[0]
+        return [f"{name}.{ns}.svc", f"{name}.{ns}.svc.cluster.local", f"{name}.{ns}", name]
+    if options.url:
+        from urllib.parse import urlsplit
+
+        return [urlsplit(options.url).hostname or "localhost"]
+    host = options.host_port[0]
+    return ["127.0.0.1" if host in ("0.0.0.0", "") else host]
+
+
+def webhook_configuration(options: WebhookOptions, ca_bundle: bytes) -> dict[str, Any]:
+    if options.service:
+        ns, _, rest = options.service.partition("/")
+        name, _, port = rest.partition(":")
+        client_config: dict[str, Any] = {"service": {"namespace": ns, "name": name, "port": int(port or 443),
+                                                     "path": f"/{HANDLER_ID}"}}
+    else:
+        host, port = options.host_port
+        url = options.url or f"https://{'127.0.0.1' if host == '0.0.0.0' else host}:{port}/{HANDLER_ID}"
+        client_config = {"url": url}
+    client_config["caBundle"] = base64.b64encode(ca_bundle).decode()
+    return {
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "MutatingWebhookConfiguration",
+        "metadata": {"name": options.config_name, "labels": {"app.kubernetes.io/name": "mig-operator"}},
+        "webhooks": [{
+            "name": WEBHOOK_ENTRY,
+            "admissionReviewVersions": ["v1"],
+            "sideEffects": "None",
+            "failurePolicy": options.failure_policy,
+            "reinvocationPolicy": "Never",
+            "timeoutSeconds": 10,
+            "clientConfig": client_config,
+            "rules": [{"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"], "resources": ["pods"],
+                       "scope": "Namespaced"}],
+            "namespaceSelector": {"matchExpressions": [
+                {"key": "kubernetes.io/metadata.name", "operator": "NotIn", "values": [options.namespace]}]},
+            "matchConditions": [{"name": "asks-for-a-gpu-slice", "expression": MATCH_EXPRESSION}],
+        }],
+    }
+
+
+async def upsert_configuration(client: KubeClient, body: dict[str, Any]) -> None:
+    path = "/apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations"
+    try:
+        await client.create(path, body)
+    except ApiError as exc:
+        if not exc.conflict:
+            raise
+        await client.merge_patch(f"{path}/{body['metadata']['name']}", {"webhooks": body["webhooks"]})
+
+
+async def shared_certificate(client: KubeClient, namespace: str, name: str, hosts: list[str]) -> CertBundle:
+    """The certificate in Secret ``namespace/name``, made and stored by the first replica to start."""
+    path = f"/api/v1/namespaces/{namespace}/secrets/{name}"
+    try:
+        data = (await client.get(path)).get("data") or {}
+    except ApiError as exc:
+        if not exc.not_found:
+            raise
+        bundle = make_certificate(hosts)
+        secret = {"apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/tls",
+                  "metadata": {"name": name, "namespace": namespace},
+                  "data": {"ca.crt": base64.b64encode(bundle.ca_pem).decode(),
+                           "tls.crt": base64.b64encode(bundle.cert_pem).decode(),
+                           "tls.key": base64.b64encode(bundle.key_pem).decode()}}
+        try:
+            await client.create(f"/api/v1/namespaces/{namespace}/secrets", secret)
+            return bundle
+        except ApiError as exc2:
+            if not exc2.conflict:
+                raise
+            data = (await client.get(path)).get("data") or {}  # another replica made it first
+    return CertBundle(*(base64.b64decode(data[k]) for k in ("ca.crt", "tls.crt", "tls.key")))
+
+
+async def prepare(options: WebhookOptions, client: KubeClient) -> tuple[str, str, bytes]:
+    """Certificate and key files for the server, and the CA bundle for the configuration."""
+    if options.cert_file and options.key_file:
+        with open(options.cert_file, "rb") as fh:
+            ca = fh.read()  # a given chain is its own bundle unless a CA file sits beside it
+        ca_path = os.path.join(os.path.dirname(options.cert_file), "ca.crt")
+        if os.path.exists(ca_path):
+            with open(ca_path, "rb") as fh:
+                ca = fh.read()
+        return options.cert_file, options.key_file, ca
+    hosts = certificate_hosts(options)
+    if options.cert_secret:
+        bundle = await shared_certificate(client, options.namespace, options.cert_secret, hosts)
+    else:
+        bundle = make_certificate(hosts)
+    directory = tempfile.mkdtemp(prefix="mig-operator-webhook-")
+    cert_path, key_path = os.path.join(directory, "tls.crt"), os.path.join(directory, "tls.key")
+    with open(cert_path, "wb") as fh:
+        fh.write(bundle.cert_pem + bundle.ca_pem)
+    fd = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(bundle.key_pem)
+    return cert_path, key_path, bundle.ca_pem
+
+
+def register(registry: kopf.OperatorRegistry, options: WebhookOptions, kubeconfig: str | None) -> None:
+    """Add the webhook to a kopf registry: the server is set up at start, the handler on every pod
+    CREATE the configuration sends (annotated pods only)."""
+
+    @kopf.on.startup(registry=registry, backoff=2)
+    async def start_webhook(settings: kopf.OperatorSettings, **_: Any) -> None:
+        client = KubeClient.from_environment(kubeconfig)
+        try:
+            cert, key, ca = await prepare(options, client)
+            host, port = options.host_port
+            settings.admission.server = kopf.WebhookServer(addr=host, port=port, certfile=cert, pkeyfile=key,
+                                                           host=certificate_hosts(options)[0])
+            settings.admission.managed = None
+            if options.config_name:
+                await upsert_configuration(client, webhook_configuration(options, ca))
+        finally:
+            await client.close()
+        log.info("webhook serving on %s", options.listen)
+
+    @kopf.on.mutate("v1", "pods", id=HANDLER_ID, operations=["CREATE"], registry=registry)
+    def mutate(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
+        try:
+            request = check_pod(body)
+        except (QuantityError, PodRefused) as exc:
+            raise kopf.AdmissionError(str(exc), code=400) from None
+        if request is None:
+            return
+        name = slice_name_for(body)
+        patch.fns.append(lambda pod: mutate_pod(pod, name, options.shim))
