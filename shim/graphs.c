@@ -86,6 +86,16 @@ static uint64_t alloc_nodes(CUgraph g, uint64_t *mask)
     return bytes;
 }
 
+/* What the graph pool of dev holds beyond its live allocations. */
+static uint64_t graph_spare(int dev)
+{
+    uint64_t res = 0, used = 0;
+    if (!graph_attr(dev, CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT, &res) ||
+        !graph_attr(dev, CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT, &used))
+        return 0;
+    return res > used ? res - used : 0;
+}
+
 /* Before a launch/upload: reserve what the graph pool of each device cannot
  * serve from its own reservation.  Returns 0 (nothing held) on refusal. */
 static int provision(uint64_t bytes, uint64_t mask, uint64_t need[GS_MAX_DEV])
@@ -95,18 +105,19 @@ static int provision(uint64_t bytes, uint64_t mask, uint64_t need[GS_MAX_DEV])
         if (!(mask >> d & 1)) continue;
         struct gs_ref *ref = gs_ref_of(d);
         if (!ref) continue;
-        uint64_t res = 0, used = 0;
-        if (!graph_attr(d, CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT, &res) ||
-            !graph_attr(d, CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT, &used))
-            res = used = 0;
-        uint64_t spare = res > used ? res - used : 0;
-        uint64_t n = bytes > spare ? bytes - spare : 0;
-        if (n && !gs_reserve(ref, n)) {
-            for (int e = 0; e < d; e++)
-                if (need[e]) gs_unreserve(gs_ref_of(e), need[e]);
-            return 0;
+        /* a reservation under pressure may trim the graph pool: its spare
+         * shrinks, so what is needed is computed again until it holds */
+        for (;;) {
+            uint64_t spare = graph_spare(d);
+            uint64_t n = bytes > spare ? bytes - spare : 0;
+            if (n <= need[d]) break;
+            if (!gs_reserve(ref, n - need[d])) {
+                for (int e = 0; e <= d; e++)
+                    if (need[e]) gs_unreserve(gs_ref_of(e), need[e]);
+                return 0;
+            }
+            need[d] = n;
         }
-        need[d] = n;
     }
     return 1;
 }

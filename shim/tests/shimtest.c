@@ -1082,9 +1082,18 @@ static void case_graph_nodes(void)
           (unsigned long long)(used() / MiB));
     OK(Launch(e1, NULL));
     CHECK(used() == 300 * MiB, "a relaunch is served by the graph pool");
+    /* pressure during a launch trims the graph pool, whose spare then no
+     * longer serves the graph: what it needs is counted again */
+    CUdeviceptr q;
+    OK(Alloc(&q, 500 * MiB));
+    CUgraphExec e4 = alloc_graph(600 * MiB, 1, NULL);
+    CHECK(Launch(e4, NULL) == CUDA_ERROR_OUT_OF_MEMORY, "500 MiB + a 600 MiB graph is over the limit");
+    CHECK(FakeDevUsed(0) == 500 * MiB, "the spare was trimmed and nothing mapped: %llu MiB",
+          (unsigned long long)(FakeDevUsed(0) / MiB));
+    OK(Free(q));
     CUdeviceptr kept;
     CUgraphExec e2 = alloc_graph(900 * MiB, 0, &kept);
-    OK(Launch(e2, NULL)); /* 300 MiB spare in the graph pool + 600 new */
+    OK(Launch(e2, NULL));
     CHECK(used() == 900 * MiB && FakeDevUsed(0) == 900 * MiB, "used %llu MiB", (unsigned long long)(used() / MiB));
     CUdeviceptr p;
     CHECK(Alloc(&p, 200 * MiB) == CUDA_ERROR_OUT_OF_MEMORY, "graph memory in use counts");
@@ -1103,6 +1112,7 @@ static void case_graph_nodes(void)
     CHECK(used() == 0 && FakeDevUsed(0) == 0, "trimmed: %llu", (unsigned long long)used());
     OK(ExecDestroy(e1));
     OK(ExecDestroy(e2));
+    OK(ExecDestroy(e4));
 }
 
 static void case_graph_capture(void)
