@@ -2,10 +2,28 @@
 Used by bench/shim_overhead.py with and without libgpuslice preloaded."""
 
 import json
+import os
 import statistics
 
 import torch
 import torch.nn as nn
+
+
+def nvml_process_bytes() -> int | None:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        uuid = str(torch.cuda.get_device_properties(0).uuid)
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            if uuid in pynvml.nvmlDeviceGetUUID(h):
+                for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h):
+                    if p.pid == os.getpid():
+                        return int(p.usedGpuMemory)
+    except Exception:  # NVML missing: the figure is simply absent
+        return None
+    return None
 
 
 def main() -> None:
@@ -34,7 +52,11 @@ def main() -> None:
         if i >= 30:
             times.append(start.elapsed_time(end))
     stats = torch.cuda.memory_stats()
+    free, total = torch.cuda.mem_get_info()
     print(json.dumps({"median_step_ms": round(statistics.median(times), 4), "steps": len(times),
+                      # under the shim total is the limit and total - free what the slice counts
+                      # for this process (context included); NVML's own figure for this pid beside it
+                      "mem_get_info_used": total - free, "nvml_process_bytes": nvml_process_bytes(),
                       "max_reserved": torch.cuda.max_memory_reserved(),
                       "device_allocs_in_timed_steps": stats["num_device_alloc"] - allocs_before,
                       "device_frees_in_timed_steps": stats["num_device_free"] - frees_before}))
