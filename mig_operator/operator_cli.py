@@ -136,11 +136,10 @@ def cmd_agent(args: argparse.Namespace) -> int:
     except RecordError as exc:
         raise QuantityError(str(exc)) from None
     try:
-        backend = open_backend(args.backend, state_file=args.state_file)
+        backend = open_backend(args.backend, state_file=args.state_file,
+                               latency_s=args.sim_latency if args.sim_latency else None, host=args.node)
     except ValueError as exc:
         raise QuantityError(str(exc)) from None
-    if args.sim_latency and hasattr(backend, "set_latency"):
-        backend.set_latency(args.sim_latency)
     settings = AgentSettings(node=args.node, idle_timeout_s=idle, nvml_attempts=args.nvml_attempts)
     _configure_logs(args)
     run_agent(AgentOptions(settings, record_file, args.kubeconfig, args.metrics_address), backend)

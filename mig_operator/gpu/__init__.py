@@ -21,12 +21,14 @@ _MAX_SIM_GPUS = 64
 
 
 def open_backend(
-    spec: str, state_file: str | None = None, latency_s: float | Mapping[str, float] | None = None
+    spec: str, state_file: str | None = None, latency_s: float | Mapping[str, float] | None = None,
+    host: str = "",
 ) -> GpuBackend:
     """The backend named by ``spec``: ``nvml``, ``sim:h200-141gb``, ``sim:h200-141gbx2``, ``sim:l4-24gbx2``.
 
     ``state_file`` and ``latency_s`` apply to the simulator only (where it keeps its instances, faults
-    and latency across restarts and processes; ``latency_s`` None keeps the state file's).
+    and latency across restarts and processes; ``latency_s`` None keeps the state file's); ``host``
+    names a simulated node, so that its GPUs get UUIDs of their own.
     A spec, state file or latency that cannot be used raises ValueError with a one-line message and
     an example.
     """
@@ -56,4 +58,4 @@ def open_backend(
         )
     from mig_operator.gpu.simulated import SimulatedBackend
 
-    return SimulatedBackend(model, count=count, state_file=state_file, latency_s=latency_s)
+    return SimulatedBackend(model, count=count, state_file=state_file, latency_s=latency_s, host=host)

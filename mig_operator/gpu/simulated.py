@@ -84,9 +84,12 @@ class _Corrupt(Exception):
     """A state file whose content is not this simulator's state; the message says what is wrong."""
 
 
-def gpu_uuid(model_name: str, index: int) -> str:
+def gpu_uuid(model_name: str, index: int, host: str = "") -> str:
     """The simulated GPU UUID of GPU ``index`` of ``model_name``; the same in every process."""
-    return f"GPU-{uuid.uuid5(_UUID_NAMESPACE, f'{model_name}/{index}')}"
+    # Real GPUs have unique UUIDs; simulated nodes named by ``host`` get distinct ones (the same
+    # in every process for the same host, so a restarted agent sees the same GPUs).
+    seed = f"{host}/{model_name}/{index}" if host else f"{model_name}/{index}"
+    return f"GPU-{uuid.uuid5(_UUID_NAMESPACE, seed)}"
 
 
 def mig_uuid(parent_uuid: str, gi_id: int, start: int, generation: int) -> str:
@@ -137,6 +140,7 @@ class SimulatedBackend:
         state_file: str | None = None,
         latency_s: float | Mapping[str, float] | None = None,
         mig_enabled: bool = True,
+        host: str = "",
     ) -> None:
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise ValueError(f"GPU count {clip_repr(count)} must be at least 1; e.g. 2")
@@ -151,7 +155,7 @@ class SimulatedBackend:
         # A GPU without MIG can never be in MIG mode.
         enabled = mig_enabled and self._model.mig_capable
         self._gpus = [_Gpu(mig_enabled=enabled) for _ in range(count)]
-        self._uuids = [gpu_uuid(model_name, i) for i in range(count)]
+        self._uuids = [gpu_uuid(model_name, i, host) for i in range(count)]
         if state_file is not None:
             _check_state_path(state_file)
             # Read (and validate) now so a bad or foreign state file fails at start-up; write the

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -78,7 +79,7 @@ class SimNode:
 
     def backend(self) -> SimulatedBackend:
         """The node's GPUs as the test sees them from outside (the same state file the agent uses)."""
-        return SimulatedBackend(self.model, count=self.count, state_file=str(self.state_file))
+        return SimulatedBackend(self.model, count=self.count, state_file=str(self.state_file), host=self.name)
 
     @property
     def record_file(self) -> Path:
@@ -118,6 +119,8 @@ class OperatorHarness:
     procs: list[Proc] = field(default_factory=list)
     namespaces: list[str] = field(default_factory=list)
     peering: str = field(default_factory=lambda: unique("e2e"))
+    webhook_config: str = field(default_factory=lambda: unique("e2e-webhook"))
+    webhook_port: int = 0
 
     def __post_init__(self) -> None:
         # The session's cluster is the tests' own: an inventory left by an earlier (killed) run would
@@ -160,6 +163,30 @@ class OperatorHarness:
     def controller(self, env: Mapping[str, str] | None = None, *args: str) -> Proc:
         # A peering of its own: a controller SIGKILLed by an earlier test cannot keep this one paused.
         return self._spawn("controller", ["controller", "--resync", "5s", "--peering", self.peering, *args], env)
+
+    def controller_with_webhook(self, env: Mapping[str, str] | None = None, *args: str) -> Proc:
+        """A controller that also serves the pod webhook on a free loopback port, with a webhook
+        configuration of this test's own (deleted at the end, so a stopped test leaves none behind)."""
+        if not self.webhook_port:
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                self.webhook_port = sock.getsockname()[1]
+        return self.controller(env, "--webhook", f"127.0.0.1:{self.webhook_port}", "--webhook-config",
+                               self.webhook_config, "--namespace", "mig-operator-system", *args)
+
+    def wait_webhook(self, timeout: float = 30) -> None:
+        """Until the webhook configuration exists and the server answers."""
+        admission = kubernetes.client.AdmissionregistrationV1Api(self.cluster.api_client)
+
+        def ready() -> bool:
+            try:
+                admission.read_mutating_webhook_configuration(self.webhook_config)
+            except ApiException:
+                return False
+            with socket.socket() as sock:
+                return sock.connect_ex(("127.0.0.1", self.webhook_port)) == 0
+
+        wait_until(ready, timeout, lambda: f"the webhook on port {self.webhook_port}\n{self.logs()}")
 
     def agent(self, node: SimNode, env: Mapping[str, str] | None = None, *args: str) -> Proc:
         return self._spawn(f"agent-{node.name}", [
@@ -294,12 +321,20 @@ class OperatorHarness:
         # Slices go first, while the agents still run to release them: a slice left behind would be
         # bound by the next test's controller to the next test's GPUs.
         for ns in self.namespaces:
+            self.core.delete_collection_namespaced_pod(ns, grace_period_seconds=0)
             self.custom.delete_collection_namespaced_custom_object(GROUP, VERSION, ns, SLICES)
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline and any(self.slices(ns) for ns in self.namespaces):
             time.sleep(0.2)
         for proc in self.procs:
             self.stop(proc)
+        if self.webhook_port:
+            try:
+                kubernetes.client.AdmissionregistrationV1Api(self.cluster.api_client).delete_mutating_webhook_configuration(
+                    self.webhook_config)
+            except ApiException as exc:
+                if exc.status != 404:
+                    raise
         for ns in self.namespaces:
             for body in self.custom.list_namespaced_custom_object(GROUP, VERSION, ns, SLICES)["items"]:
                 if body["metadata"].get("finalizers"):

@@ -1,0 +1,269 @@
+"""Pods that ask for a slice with one annotation, end to end: the webhook, the gate, the ConfigMap,
+node pinning and cleanup, on a real control plane with kube-scheduler, kube-controller-manager
+(garbage collection, Deployments) and kwok nodes matching the simulated agents."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import kubernetes
+import pytest
+import yaml
+from harness import OperatorHarness, SimNode, check_invariants, wait_until
+from kubernetes.client.rest import ApiException
+
+CORPUS = Path(__file__).resolve().parents[1] / "corpus" / "gpuslice_specs.yaml"
+KWOK_TOLERATION = {"key": "kwok.x-k8s.io/node", "operator": "Exists"}
+SHIM_IN_CONTAINER = "/usr/local/lib/cdmo/libgpuslice.so"
+GATE = "cdmo.io/gpu-slice"
+
+
+def pod_body(annotations: dict[str, str] | None, name: str | None = None, **spec: Any) -> dict:
+    meta: dict[str, Any] = {"annotations": annotations or {}}
+    if name:
+        meta["name"] = name
+    else:
+        meta["generateName"] = "work-"
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta,
+            "spec": {"tolerations": [KWOK_TOLERATION], "containers": [{"name": "main", "image": "busybox"}],
+                     **spec}}
+
+
+def create_pod(op: OperatorHarness, ns: str, annotations: dict[str, str] | None, **kw: Any) -> dict:
+    return op.core.create_namespaced_pod(ns, pod_body(annotations, **kw)).to_dict()
+
+
+def running(op: OperatorHarness, ns: str, name: str, timeout: float = 40) -> Any:
+    def check() -> Any:
+        pod = op.core.read_namespaced_pod(name, ns)
+        return pod if pod.status.phase == "Running" and pod.spec.node_name else None
+
+    return wait_until(check, timeout, lambda: f"pod {ns}/{name} Running: {op.core.read_namespaced_pod(name, ns).status}"
+                      f"\n{op.logs()}")
+
+
+def slice_of(op: OperatorHarness, pod: Any) -> dict:
+    name = pod.metadata.labels["cdmo.io/gpu-slice"]
+    return op.get_slice(pod.metadata.namespace, name)
+
+
+def environment(op: OperatorHarness, pod: Any) -> dict[str, str]:
+    name = pod.metadata.labels["cdmo.io/gpu-slice"]
+    assert pod.spec.containers[0].env_from[0].config_map_ref.name == name
+    return op.core.read_namespaced_config_map(name, pod.metadata.namespace).data
+
+
+def start(op: OperatorHarness, *nodes: SimNode) -> None:
+    for node in nodes:
+        op.agent(node)
+    for node in nodes:
+        op.wait_gpunode(node)
+    op.controller_with_webhook()
+    op.wait_webhook()
+
+
+def test_annotated_pods_run_on_their_slice_with_exactly_its_environment(operator: OperatorHarness) -> None:
+    mig = operator.add_node("h100-80gb")
+    plain = operator.add_node("l40s-48gb", labelled=False)
+    start(operator, mig, plain)
+    ns = operator.namespace()
+    by_memory = create_pod(operator, ns, {"cdmo.io/gpu-memory": "4G"})["metadata"]["name"]
+    by_profile = create_pod(operator, ns, {"cdmo.io/mig-profile": "2g.20gb"}, name="by-profile")["metadata"]["name"]
+    by_fraction = create_pod(operator, ns, {"cdmo.io/gpu-fraction": "0.25"},
+                             nodeSelector={"kubernetes.io/hostname": plain.name},
+                             initContainers=[{"name": "init", "image": "busybox"}])["metadata"]["name"]
+    for name in (by_memory, by_profile):
+        pod = running(operator, ns, name)
+        st = slice_of(operator, pod)["status"]
+        assert pod.spec.node_name == mig.name == st["node"]
+        assert environment(operator, pod) == {"NVIDIA_VISIBLE_DEVICES": st["deviceUUID"]}
+        assert st["deviceUUID"].startswith("MIG-")
+        assert pod.spec.scheduling_gates is None or all(g.name != GATE for g in pod.spec.scheduling_gates)
+    assert slice_of(operator, running(operator, ns, by_memory))["status"]["profile"] == "1g.10gb"
+    pod = running(operator, ns, by_fraction)
+    st = slice_of(operator, pod)["status"]
+    limit = int(46068 * 2**20 * 0.25) // 2**20 * 2**20  # a quarter of the L40S's memory, whole MiB
+    assert pod.spec.node_name == plain.name and st["mode"] == "fraction" and st["grantedBytes"] == limit
+    assert environment(operator, pod) == {
+        "NVIDIA_VISIBLE_DEVICES": st["gpuUUID"], "LD_PRELOAD": SHIM_IN_CONTAINER,
+        "CDMO_GPU_MEMORY_LIMIT": str(limit), "GPU_MEM_LIMIT_GB": f"{limit / 1e9:.2f}",
+        "CDMO_SLICE": f"{ns}/{pod.metadata.labels['cdmo.io/gpu-slice']}",
+    }
+    assert st["gpuUUID"].startswith("GPU-")
+    for container in [*pod.spec.containers, *pod.spec.init_containers]:
+        mount = next(m for m in container.volume_mounts if m.name == "cdmo-shim")
+        assert mount.read_only and mount.mount_path == "/usr/local/lib/cdmo"
+    check_invariants(operator)
+
+
+def test_a_memory_request_runs_as_a_fraction_when_every_mig_gpu_is_full(operator: OperatorHarness) -> None:
+    mig = operator.add_node("a100-40gb")
+    plain = operator.add_node("l4-24gb", labelled=False)
+    start(operator, mig, plain)
+    ns = operator.namespace()
+    full = create_pod(operator, ns, {"cdmo.io/mig-profile": "7g.40gb"}, name="full")["metadata"]["name"]
+    assert running(operator, ns, full).spec.node_name == mig.name
+    pod = running(operator, ns, create_pod(operator, ns, {"cdmo.io/gpu-memory": "4Gi"})["metadata"]["name"])
+    env = environment(operator, pod)
+    assert pod.spec.node_name == plain.name
+    assert env["NVIDIA_VISIBLE_DEVICES"].startswith("GPU-") and env["CDMO_GPU_MEMORY_LIMIT"] == str(4 * 2**30)
+    assert env["LD_PRELOAD"].endswith("libgpuslice.so")
+
+
+def test_bad_annotations_and_mixed_requests_are_refused_at_admission(operator: OperatorHarness) -> None:
+    start(operator, operator.add_node("h100-80gb"))
+    ns = operator.namespace()
+    corpus = yaml.safe_load(CORPUS.read_text())["invalid"]
+    cases: list[tuple[dict[str, str], str]] = []
+    for case in corpus:
+        spec = case["spec"]
+        if set(spec) == {"memory"} and isinstance(spec["memory"], str):
+            cases.append(({"cdmo.io/gpu-memory": spec["memory"]}, case["message"]))
+        elif set(spec) == {"migProfile"} and isinstance(spec["migProfile"], str):
+            cases.append(({"cdmo.io/mig-profile": spec["migProfile"]}, case["message"]))
+        elif set(spec) == {"fraction"} and isinstance(spec["fraction"], int | float):
+            # Refused as out of (0, 1] or, for a sign, as not a plain decimal: either way it names the value.
+            cases.append(({"cdmo.io/gpu-fraction": str(spec["fraction"])}, f"'{spec['fraction']}'"))
+    assert len(cases) > 20, "the shared corpus gives the annotation cases"
+    cases += [
+        ({"cdmo.io/gpu-memory": "4G", "cdmo.io/gpu-fraction": "0.5"}, "only one of"),
+        ({"cdmo.io/gpu-memroy": "4G"}, "not a slice annotation"),
+        ({"cdmo.io/gpu-fraction": "half"}, "not a number"),
+    ]
+    for given, message in cases:
+        with pytest.raises(ApiException) as refused:
+            create_pod(operator, ns, given, name="bad")
+        text = refused.value.body.lower()
+        assert refused.value.status == 400 and message.lower() in text, (given, refused.value.body)
+        assert next(iter(given)) in text, f"the refusal names the annotation: {refused.value.body}"
+    with pytest.raises(ApiException) as mixed:
+        create_pod(operator, ns, {"cdmo.io/gpu-memory": "4G"}, name="mixed",
+                   containers=[{"name": "main", "image": "busybox", "resources": {"limits": {"nvidia.com/gpu": "1"}}}])
+    assert "nvidia.com/gpu" in mixed.value.body
+    with pytest.raises(ApiException) as mig_resource:
+        create_pod(operator, ns, {"cdmo.io/gpu-memory": "4G"}, name="mig-res",
+                   containers=[{"name": "main", "image": "busybox",
+                                "resources": {"limits": {"nvidia.com/mig-1g.10gb": "1"}}}])
+    assert "nvidia.com/mig-1g.10gb" in mig_resource.value.body
+    assert operator.core.list_namespaced_pod(ns).items == []
+
+
+def test_unannotated_pods_are_untouched_even_with_the_webhook_down(operator: OperatorHarness) -> None:
+    start(operator, operator.add_node("h100-80gb"))
+    ns = operator.namespace()
+    controller = operator.procs[-1]
+    operator.kill(controller)  # the webhook configuration stays, its server is gone
+    plain = create_pod(operator, ns, {"team": "a"}, name="plain")
+    assert plain["spec"].get("scheduling_gates") is None
+    assert not any(c.get("env_from") for c in plain["spec"]["containers"])
+    assert "cdmo.io/gpu-slice" not in (plain["metadata"].get("labels") or {})
+    running(operator, ns, "plain")
+    with pytest.raises(ApiException) as down:
+        create_pod(operator, ns, {"cdmo.io/gpu-memory": "4G"}, name="waits")
+    assert down.value.status >= 500 or "webhook" in down.value.body, "an annotated pod is refused, not let through"
+
+
+def test_a_deployment_of_ten_annotated_replicas_runs(operator: OperatorHarness) -> None:
+    node = operator.add_node("h100-80gb", count=2)
+    start(operator, node)
+    ns = operator.namespace()
+    apps = kubernetes.client.AppsV1Api(operator.cluster.api_client)
+    template = pod_body({"cdmo.io/gpu-memory": "5Gi"})
+    template["metadata"].pop("generateName")
+    del template["apiVersion"], template["kind"]
+    template["metadata"]["labels"] = {"app": "infer"}
+    apps.create_namespaced_deployment(ns, {
+        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "infer"},
+        "spec": {"replicas": 10, "selector": {"matchLabels": {"app": "infer"}}, "template": template}})
+
+    def all_running() -> list[Any] | None:
+        pods = operator.core.list_namespaced_pod(ns, label_selector="app=infer").items
+        ok = [p for p in pods if p.status.phase == "Running"]
+        return ok if len(ok) == 10 else None
+
+    pods = wait_until(all_running, 90, lambda: f"10 Running replicas\n{operator.logs()}")
+    devices = [environment(operator, p)["NVIDIA_VISIBLE_DEVICES"] for p in pods]
+    assert len(set(devices)) == 10, "no instance serves two pods"
+    check_invariants(operator)
+
+
+def test_deleting_pods_frees_their_slices_and_the_next_pods_reuse_the_instances(operator: OperatorHarness) -> None:
+    node = operator.add_node("h100-80gb")
+    start(operator, node)
+    ns = operator.namespace()
+    first = [running(operator, ns, create_pod(operator, ns, {"cdmo.io/mig-profile": "1g.10gb"},
+                                              name=f"a{i}")["metadata"]["name"]) for i in range(3)]
+    devices = {environment(operator, p)["NVIDIA_VISIBLE_DEVICES"] for p in first}
+    slices = [p.metadata.labels["cdmo.io/gpu-slice"] for p in first]
+    for pod in first:
+        operator.core.delete_namespaced_pod(pod.metadata.name, ns, grace_period_seconds=0)
+    for name in slices:
+        operator.wait_gone(ns, name, timeout=60)  # garbage collection of the pod's slice
+    second = [running(operator, ns, create_pod(operator, ns, {"cdmo.io/gpu-memory": "9Gi"},
+                                               name=f"b{i}")["metadata"]["name"]) for i in range(3)]
+    assert {environment(operator, p)["NVIDIA_VISIBLE_DEVICES"] for p in second} == devices
+    assert all(slice_of(operator, p)["status"]["reused"] for p in second)
+    check_invariants(operator)
+
+
+def test_a_pod_that_cannot_be_served_stays_gated_with_a_reason_until_room_appears(operator: OperatorHarness) -> None:
+    node = operator.add_node("h100-80gb")
+    start(operator, node)
+    ns = operator.namespace()
+    holder = create_pod(operator, ns, {"cdmo.io/mig-profile": "7g.80gb"}, name="holder")["metadata"]["name"]
+    running(operator, ns, holder)
+    waiting = create_pod(operator, ns, {"cdmo.io/gpu-memory": "20Gi"}, name="waiting")["metadata"]["name"]
+
+    def event() -> Any:
+        events = operator.core.list_namespaced_event(ns, field_selector=f"involvedObject.name={waiting}").items
+        return [e for e in events if e.reason == "NoCapacity"]
+
+    wait_until(event, 20, "a NoCapacity Event on the waiting pod")
+    pod = operator.core.read_namespaced_pod(waiting, ns)
+    assert [g.name for g in pod.spec.scheduling_gates] == [GATE] and pod.spec.node_name is None
+    operator.core.delete_namespaced_pod(holder, ns, grace_period_seconds=0)
+    assert running(operator, ns, waiting, timeout=60).spec.node_name == node.name
+
+
+def test_pods_gated_while_the_controller_restarts_all_end_running(operator: OperatorHarness) -> None:
+    node = operator.add_node("h100-80gb", count=2)
+    start(operator, node)
+    ns = operator.namespace()
+    controller = operator.procs[-1]
+    names = [create_pod(operator, ns, {"cdmo.io/gpu-memory": "9Gi"}, name=f"p{i}")["metadata"]["name"]
+             for i in range(6)]
+    operator.kill(controller)  # some pods gated, some slices bound or not
+    operator.start(controller, env={})
+    for name in names:
+        running(operator, ns, name, timeout=60)
+    check_invariants(operator)
+
+
+def test_a_hundred_annotated_pods_at_once_on_four_nodes_overcommit_nothing(operator: OperatorHarness) -> None:
+    nodes = [operator.add_node("h100-80gb", count=2) for _ in range(3)] + [operator.add_node("l40s-48gb",
+                                                                                            labelled=False)]
+    start(operator, *nodes)
+    ns = operator.namespace()
+    sizes = ["4G", "9Gi", "15Gi", "30Gi"]  # 1g.10gb, 1g.10gb, 1g.20gb, 3g.40gb
+    for i in range(100):
+        create_pod(operator, ns, {"cdmo.io/gpu-memory": sizes[i % 4]}, name=f"p{i:03d}")
+
+    def settled() -> list[Any] | None:
+        pods = operator.core.list_namespaced_pod(ns).items
+        reasons = {e.involved_object.name for e in operator.core.list_namespaced_event(ns).items
+                   if e.reason == "NoCapacity"}
+        done = [p for p in pods if p.status.phase == "Running" or (p.spec.scheduling_gates and p.metadata.name in reasons)]
+        return pods if len(done) == 100 else None
+
+    pods = wait_until(settled, 180, lambda: f"100 pods Running or gated with a reason\n{operator.logs()}", interval=1)
+    running_pods = [p for p in pods if p.status.phase == "Running"]
+    # Each run of four asks 1+1+2+4 = 8 memory slots: a whole H100, so the six H100s hold 24 by MIG
+    # alone; the L40S takes more as fractions once every MIG GPU is full.
+    assert len(running_pods) > 24
+    devices = [environment(operator, p)["NVIDIA_VISIBLE_DEVICES"] for p in running_pods]
+    mig_devices = [d for d in devices if d.startswith("MIG-")]
+    assert len(mig_devices) == len(set(mig_devices)), "no MIG instance given to two pods"
+    for pod in running_pods:
+        assert pod.spec.node_name == slice_of(operator, pod)["status"]["node"]
+    check_invariants(operator)  # no overlapping placements, fractions within each GPU's memory
