@@ -253,7 +253,8 @@ def test_a_hundred_annotated_pods_at_once_on_four_nodes_overcommit_nothing(opera
         pods = operator.core.list_namespaced_pod(ns).items
         reasons = {e.involved_object.name for e in operator.core.list_namespaced_event(ns).items
                    if e.reason == "NoCapacity"}
-        done = [p for p in pods if p.status.phase == "Running" or (p.spec.scheduling_gates and p.metadata.name in reasons)]
+        done = [p for p in pods
+                if p.status.phase == "Running" or (p.spec.scheduling_gates and p.metadata.name in reasons)]
         return pods if len(done) == 100 else None
 
     pods = wait_until(settled, 180, lambda: f"100 pods Running or gated with a reason\n{operator.logs()}", interval=1)
