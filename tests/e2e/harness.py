@@ -121,6 +121,9 @@ class OperatorHarness:
     peering: str = field(default_factory=lambda: unique("e2e"))
     webhook_config: str = field(default_factory=lambda: unique("e2e-webhook"))
     webhook_port: int = 0
+    # Part ("controller", "agent") -> kubeconfig it runs with; default the session's (cluster admin).
+    # Filled with the chart's ServiceAccounts' credentials to prove their RBAC (tests/e2e/conftest.py).
+    kubeconfigs: dict[str, Path] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # The session's cluster is the tests' own: an inventory left by an earlier (killed) run would
@@ -145,7 +148,8 @@ class OperatorHarness:
     def _spawn(self, name: str, args: list[str], env: Mapping[str, str] | None = None) -> Proc:
         log = self.workdir / f"{name}-{len(self.procs)}.log"
         full_env = {k: v for k, v in os.environ.items() if k != "MIG_OPERATOR_CRASHPOINT"}
-        full_env.update(KUBECONFIG=str(self.cluster.kubeconfig), PYTHONUNBUFFERED="1", **(env or {}))
+        kubeconfig = self.kubeconfigs.get(args[0], self.cluster.kubeconfig)
+        full_env.update(KUBECONFIG=str(kubeconfig), PYTHONUNBUFFERED="1", **(env or {}))
         proc = Proc(name, [sys.executable, "-m", "mig_operator.cli", *args], log, full_env)
         self.start(proc)
         self.procs.append(proc)
