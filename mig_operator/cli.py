@@ -167,7 +167,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     from .core.planner import Unplaceable, choose_mig
     from .gpu.inventory import describe, render_text
-    from .gpu.realise import planner_view, realise
+    from .kube.agent.direct import planner_view, realise_decision
 
     events = _read_trace(args.trace)
     state = args.state_file or os.path.join(tempfile.mkdtemp(prefix="mig-demo-"), "sim-state.json")
@@ -194,7 +194,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             print(f"{event.id}: {event.request.describe()} stays Pending: {exc.reason}")
             continue
         t0 = time.perf_counter()
-        made = realise(backend, decision)
+        made = realise_decision(backend, decision)
         took = (time.perf_counter() - t0) * 1000
         reclaimed = "".join(f", reclaimed {r.profile}@{r.start}" for r in decision.reclaim)
         print(f"{event.id}: {event.request.describe()} -> {decision.action} {made.profile} on GPU {made.gpu_index} "

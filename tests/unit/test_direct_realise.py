@@ -1,10 +1,11 @@
 import pytest
 
-from mig_operator.core.planner import choose_mig
+from mig_operator.core.planner import Unplaceable, choose_mig
 from mig_operator.core.request import slice_request
 from mig_operator.gpu.protocol import GpuError
-from mig_operator.gpu.realise import planner_view, realise
 from mig_operator.gpu.simulated import SimulatedBackend
+from mig_operator.kube.agent.direct import planner_view
+from mig_operator.kube.agent.direct import realise_decision as realise
 
 
 @pytest.fixture
@@ -55,9 +56,9 @@ def test_reclaim_never_destroys_an_instance_with_a_process(sim) -> None:
     sim.set_in_use(0, idle.gi_id, True)
     view = planner_view(sim, 0, set())
     assert view.instances[0].in_use, "NVML's in_use wins over cluster state"
-    with pytest.raises(Exception) as info:
+    with pytest.raises(Unplaceable) as info:
         choose_mig(slice_request(profile="7g.80gb"), [view])
-    assert "held by slices in use" in str(info.value)
+    assert "in use" in info.value.reason
 
 
 def test_realise_reports_in_use_and_leaves_everything_in_place(sim) -> None:
