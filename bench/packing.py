@@ -1,34 +1,50 @@
-"""Packing benchmark: the planner against the baselines the field uses, on seeded traces.
+"""Packing benchmark: the planner against the baselines the field uses, on seeded traces, and the
+time of one decision at cluster scale.
 
-    .venv/bin/python bench/packing.py [--seed 7] [--json out.json]
+    .venv/bin/python bench/packing.py [--seed 7] [--seeds 20] [--scale 64,1024,16384] [--json out.json]
 
 Policies (each replays the same traces through core.trace.replay):
   planner        core.planner.choose_mig, lazy reclaim (idle instances kept and reused)
   planner-eager  the same choices, but an instance is destroyed as soon as it is freed
-  first-fit      smallest profile, first GPU in index order, first free placement in NVML order,
-                 destroyed when freed (NVIDIA's DRA driver, early InstaSlice)
+  first-fit      each GPU's smallest profile, first GPU in index order, first free placement in
+                 NVML order, destroyed when freed (NVIDIA's DRA driver, early InstaSlice)
   spread         smallest profile on the least-used GPU, first free placement, destroyed when freed
   fixed-1g       every GPU pre-split into 1g instances once (mig-parted all-1g); only requests that
                  fit 1g are served
 
-Per policy and trace set: allocations accepted, NVML creates and destroys, memory granted over
-memory asked, and planning time per decision. A last section times one decision on 64 GPUs.
+Part 1, one seed (``--seed``): per trace family, allocations accepted, NVML creates and destroys,
+memory granted over memory asked, planning time per decision. The planner's replay is also run
+through ``PlanningIndex`` (trace.replay's default) and must give the same results.
+
+Part 2, ``--seeds`` seeds from ``--seed`` on: per family and seed, the planner's accepted count
+against first-fit's (summed over the family's models and GPU counts), and lazy creates on churn.
+
+Part 3, ``--scale``: one decision on N h200-141gb GPUs in random partly used states, 200 memory
+requests, for ``choose_mig`` (one pass over the GPUs) and ``PlanningIndex.choose``; also a refusal,
+and the index's memory (tracemalloc). ``--baseline-rev REV`` also times ``choose_mig`` as it was
+at that git revision (read with ``git show``), for the "before" column.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import importlib.util
 import json
 import random
 import statistics
+import subprocess
 import sys
 import time
-from dataclasses import dataclass
+import tracemalloc
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
-from mig_operator.core import planner as planner_mod  # noqa: E402
 from mig_operator.core.planner import (  # noqa: E402
     InstanceSlot,
     MigDecision,
@@ -37,6 +53,7 @@ from mig_operator.core.planner import (  # noqa: E402
     candidate_profiles,
     choose_mig,
 )
+from mig_operator.core.planning_index import PlanningIndex  # noqa: E402
 from mig_operator.core.profiles import GpuModel, get_model  # noqa: E402
 from mig_operator.core.quantities import MIB  # noqa: E402
 from mig_operator.core.request import SliceRequest, slice_request  # noqa: E402
@@ -44,6 +61,22 @@ from mig_operator.core.trace import TraceEvent, replay  # noqa: E402
 
 MODELS = ("h100-80gb", "a100-40gb", "h200-141gb")
 GPU_COUNTS = (1, 2, 4, 8)
+# Mixed pools as a cluster has them: nodes of one model each (two or four GPUs here), models side by
+# side, listed in GPU index order (first-fit walks them in that order).
+MIXED_POOLS = (
+    ("a100-40gb",) * 2 + ("h100-80gb",) * 2,
+    ("h200-141gb",) * 2 + ("a100-40gb",) * 2 + ("h100-80gb",) * 2,
+    ("a30-24gb",) * 2 + ("a100-40gb",) * 2 + ("h100-80gb",) * 2 + ("h200-141gb",) * 2,
+    ("h100-80gb",) * 4 + ("a100-80gb",) * 2 + ("a100-40gb",) * 4 + ("a30-24gb",) * 2 + ("h200-141gb",) * 4,
+)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One trace on one pool: what every policy replays."""
+
+    pool: tuple[GpuModel, ...]  # GPU i's model
+    events: list[TraceEvent]
 
 
 # --- traces -----------------------------------------------------------------------------------
@@ -66,27 +99,48 @@ def _slots(model: GpuModel, num_bytes: int) -> int:
     return candidate_profiles(model, SliceRequest(memory_bytes=num_bytes))[0].size
 
 
+class _Trace:
+    """Builds a trace while tracking the offered load (slots the live requests' smallest profiles span)."""
+
+    def __init__(self, model: GpuModel, prefix: str) -> None:
+        self.model, self.prefix = model, prefix
+        self.events: list[TraceEvent] = []
+        self.live: list[tuple[str, int]] = []
+        self.offered = self.n = 0
+
+    def alloc(self, size: int) -> str:
+        self.n += 1
+        ident = f"{self.prefix}{self.n}"
+        self.live.append((ident, _slots(self.model, size)))
+        self.offered += self.live[-1][1]
+        self.events.append(TraceEvent("alloc", ident, SliceRequest(memory_bytes=size)))
+        return ident
+
+    def free(self, ident: str) -> None:
+        for k, (live_id, slots) in enumerate(self.live):
+            if live_id == ident:
+                del self.live[k]
+                self.offered -= slots
+                self.events.append(TraceEvent("free", ident))
+                return
+
+    def free_random(self, rng: random.Random) -> None:
+        self.free(self.live[rng.randrange(len(self.live))][0])
+
+
 def _offered(model: GpuModel, gpus: int, rng: random.Random, steps: int, sizes: list[tuple[int, float]],
              load: float, prefix: str) -> list[TraceEvent]:
-    """Arrivals and departures that keep the offered load (slots asked by live requests) near
-    ``load`` times the capacity, so acceptance measures fragmentation, not overload."""
+    """Arrivals and departures that keep the offered load near ``load`` times the capacity, so
+    acceptance measures fragmentation, not overload."""
+    trace = _Trace(model, prefix)
     capacity = gpus * model.memory_slots
-    events: list[TraceEvent] = []
-    live: list[tuple[str, int]] = []
-    offered = n = 0
     for _ in range(steps):
-        p_alloc = 0.7 if offered < load * capacity else 0.2
-        if live and rng.random() >= p_alloc:
-            ident, slots = live.pop(rng.randrange(len(live)))
-            offered -= slots
-            events.append(TraceEvent("free", ident))
+        p_alloc = 0.7 if trace.offered < load * capacity else 0.2
+        if trace.live and rng.random() >= p_alloc:
+            trace.free_random(rng)
         else:
-            n += 1
-            size = _pick(rng, sizes)
-            live.append((f"{prefix}{n}", _slots(model, size)))
-            offered += live[-1][1]
-            events.append(TraceEvent("alloc", f"{prefix}{n}", SliceRequest(memory_bytes=size)))
-    return events
+            trace.alloc(_pick(rng, sizes))
+    return trace.events
 
 
 def steady(model: GpuModel, gpus: int, rng: random.Random) -> list[TraceEvent]:
@@ -102,21 +156,17 @@ def mixed(model: GpuModel, gpus: int, rng: random.Random) -> list[TraceEvent]:
 
 def burst_drain(model: GpuModel, gpus: int, rng: random.Random, rounds: int = 4) -> list[TraceEvent]:
     """Bursts that fill the GPUs, each drained before the next; odd rounds switch to a different mix."""
-    events: list[TraceEvent] = []
-    n = 0
+    trace = _Trace(model, "b")
     sizes = _sizes(model)
     for r in range(rounds):
         mix = sizes[:2] if r % 2 == 0 else sizes[1:]
-        ids, offered = [], 0
-        while offered < gpus * model.memory_slots:
-            n += 1
-            size = _pick(rng, mix)
-            offered += _slots(model, size)
-            events.append(TraceEvent("alloc", f"b{n}", SliceRequest(memory_bytes=size)))
-            ids.append(f"b{n}")
+        ids = []
+        while trace.offered < gpus * model.memory_slots:
+            ids.append(trace.alloc(_pick(rng, mix)))
         rng.shuffle(ids)
-        events.extend(TraceEvent("free", i) for i in ids)
-    return events
+        for ident in ids:
+            trace.free(ident)
+    return trace.events
 
 
 def churn(model: GpuModel, gpus: int, rng: random.Random) -> list[TraceEvent]:
@@ -124,7 +174,98 @@ def churn(model: GpuModel, gpus: int, rng: random.Random) -> list[TraceEvent]:
     return _offered(model, gpus, rng, 100 * gpus, _sizes(model)[:2], 0.6, "c")
 
 
-TRACES = {"steady": steady, "mixed": mixed, "burst-drain": burst_drain, "churn": churn}
+def large_after_small(model: GpuModel, gpus: int, rng: random.Random, rounds: int = 4) -> list[TraceEvent]:
+    """Small requests fill part of the pool and mostly leave (their instances stay idle, scattered),
+    a few small ones come back, then whole-GPU and half-GPU requests arrive: reusing an idle small
+    instance on an otherwise empty GPU is what refuses them."""
+    trace = _Trace(model, "l")
+    sizes = _sizes(model)
+    small, whole, half = sizes[:2], sizes[-1][0], sizes[-2][0]
+    capacity = gpus * model.memory_slots
+    for _ in range(rounds):
+        target = rng.uniform(0.3, 1.0) * capacity
+        while trace.offered < target:
+            trace.alloc(_pick(rng, small))
+        leaving = rng.uniform(0.5, 1.0)
+        for ident in [i for i, _ in trace.live if rng.random() < leaving]:
+            trace.free(ident)
+        for _ in range(rng.randint(1, 2 * gpus)):
+            trace.alloc(_pick(rng, small))
+        large = [trace.alloc(rng.choice((whole, whole, half))) for _ in range(rng.randint(1, gpus))]
+        for ident in large:
+            if rng.random() < 0.8:
+                trace.free(ident)
+    return trace.events
+
+
+def whole_gpu_bursts(model: GpuModel, gpus: int, rng: random.Random) -> list[TraceEvent]:
+    """Small and medium jobs churn at moderate load; now and then a burst of whole-GPU requests
+    arrives and leaves a little later."""
+    trace = _Trace(model, "w")
+    sizes = _sizes(model)[:-1]
+    whole = _sizes(model)[-1][0]
+    bursts: list[list[str]] = []
+    for step in range(80 * gpus):
+        if step % 20 == 19:
+            bursts.append([trace.alloc(whole) for _ in range(rng.randint(1, max(1, gpus // 2 + 1)))])
+        elif bursts and rng.random() < 0.15:
+            for ident in bursts.pop(0):
+                trace.free(ident)
+        elif trace.live and rng.random() >= (0.7 if trace.offered < 0.6 * gpus * model.memory_slots else 0.25):
+            trace.free_random(rng)
+        else:
+            trace.alloc(_pick(rng, sizes))
+    return trace.events
+
+
+TRACES: dict[str, Callable[[GpuModel, int, random.Random], list[TraceEvent]]] = {
+    "steady": steady, "mixed": mixed, "burst-drain": burst_drain, "churn": churn,
+    "large-after-small": large_after_small, "whole-gpu-bursts": whole_gpu_bursts,
+}
+
+
+def mixed_pool_trace(pool: tuple[GpuModel, ...], rng: random.Random) -> list[TraceEvent]:
+    """One pool of several models; requests sized for any of them (a 4Gi notebook, an 18 GB job,
+    a whole H200), offered load near the pool's memory."""
+    sizes = sorted({s for model in set(pool) for s, _ in _sizes(model)})
+    weights = [1.0 / (1 + k % 4) for k in range(len(sizes))]
+    capacity = sum(model.memory_mib * MIB for model in pool)
+    events: list[TraceEvent] = []
+    live: list[tuple[str, int]] = []
+    offered = n = 0
+    for _ in range(60 * len(pool)):
+        if live and rng.random() >= (0.7 if offered < capacity else 0.2):
+            ident, size = live.pop(rng.randrange(len(live)))
+            offered -= size
+            events.append(TraceEvent("free", ident))
+        else:
+            n += 1
+            size = rng.choices(sizes, weights=weights)[0]
+            live.append((f"x{n}", size))
+            offered += size
+            events.append(TraceEvent("alloc", f"x{n}", SliceRequest(memory_bytes=size)))
+    return events
+
+
+def cases(family: str, seed: int) -> list[Case]:
+    """The traces of one family and seed: each model at each GPU count, or each mixed pool."""
+    if family == "mixed-models":
+        out = []
+        for k, names in enumerate(MIXED_POOLS):
+            pool = tuple(get_model(n) for n in names)
+            out.append(Case(pool, mixed_pool_trace(pool, random.Random(f"{seed}/{family}/{k}"))))
+        return out
+    make = TRACES[family]
+    out = []
+    for model_name in MODELS:
+        model = get_model(model_name)
+        for count in GPU_COUNTS:
+            rng = random.Random(f"{seed}/{family}/{model_name}/{count}")
+            out.append(Case((model,) * count, make(model, count, rng)))
+    return out
+
+
+FAMILIES = (*TRACES, "mixed-models")
 
 
 # --- baselines --------------------------------------------------------------------------------
@@ -157,19 +298,20 @@ def fixed_1g(request: SliceRequest, gpus: list[MigGpu]) -> MigDecision:
     for gpu in gpus:
         small = min((p for p in gpu.model.profiles if not p.media_extension), key=lambda p: p.memory_mib)
         if request.memory_bytes is None or request.memory_bytes > small.memory_mib * MIB:
-            raise Unplaceable("larger than the fixed 1g geometry")
+            continue
         for inst in gpu.instances:
             if not inst.in_use:
                 return MigDecision(gpu.node, gpu.index, small, inst.start, inst.size, "reuse")
     raise Unplaceable("no free 1g instance")
 
 
-def fixed_1g_gpus(model: GpuModel, count: int) -> list[MigGpu]:
-    small = min((p for p in model.profiles if not p.media_extension), key=lambda p: p.memory_mib)
-    return [
-        MigGpu("", i, model, tuple(InstanceSlot(small.id, pl.start, pl.size, False) for pl in small.placements))
-        for i in range(count)
-    ]
+def fixed_1g_gpus(pool: tuple[GpuModel, ...]) -> list[MigGpu]:
+    out = []
+    for i, model in enumerate(pool):
+        small = min((p for p in model.profiles if not p.media_extension), key=lambda p: p.memory_mib)
+        out.append(MigGpu("", i, model, tuple(InstanceSlot(small.id, pl.start, pl.size, False)
+                                               for pl in small.placements)))
+    return out
 
 
 @dataclass
@@ -188,11 +330,13 @@ class Totals:
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
 
-def run_policy(policy: str, model: GpuModel, count: int, events: list[TraceEvent]) -> Totals:
-    chooser = {
-        "planner": choose_mig, "planner-eager": choose_mig, "first-fit": first_fit, "spread": spread,
-        "fixed-1g": fixed_1g,
-    }[policy]
+POLICIES = ("planner", "planner-eager", "first-fit", "spread", "fixed-1g")
+CHOOSERS = {"planner": choose_mig, "planner-eager": choose_mig, "first-fit": first_fit, "spread": spread,
+            "fixed-1g": fixed_1g}
+
+
+def run_policy(policy: str, case: Case, check_index: bool = False) -> Totals:
+    chooser = CHOOSERS[policy]
     totals = Totals()
 
     def timed(request: SliceRequest, gpus: list[MigGpu]) -> MigDecision:
@@ -203,109 +347,310 @@ def run_policy(policy: str, model: GpuModel, count: int, events: list[TraceEvent
             totals.seconds += time.perf_counter() - t0
             totals.decisions += 1
 
-    initial = fixed_1g_gpus(model, count) if policy == "fixed-1g" else None
+    initial = fixed_1g_gpus(case.pool) if policy == "fixed-1g" else [
+        MigGpu("", i, model) for i, model in enumerate(case.pool)]
     eager = policy in ("planner-eager", "first-fit", "spread")
-    result = replay(events, model, count, eager=eager, choose=timed, initial=initial)
-    requests = {e.id: e.request for e in events if e.op == "alloc"}
+    result = replay(case.events, case.pool[0], eager=eager, choose=timed, initial=initial)
+    if check_index and policy.startswith("planner"):
+        # trace.replay's default path keeps a PlanningIndex: it must decide exactly as choose_mig.
+        indexed = replay(case.events, case.pool[0], eager=eager, initial=initial)
+        assert indexed.results == result.results, f"PlanningIndex and choose_mig disagree ({policy})"
+    requests = {e.id: e.request for e in case.events if e.op == "alloc"}
     for r in result.results:
         totals.asked += 1
         if "error" not in r:
             totals.accepted += 1
             totals.asked_bytes += requests[r["id"]].memory_bytes
-            totals.granted_bytes += model.profile(r["profile"]).memory_mib * MIB
-    totals.creates = result.creates + (len(initial) * len(initial[0].instances) if initial else 0)
+            totals.granted_bytes += case.pool[r["gpu"]].profile(r["profile"]).memory_mib * MIB
+    totals.creates = result.creates + (sum(len(g.instances) for g in initial) if policy == "fixed-1g" else 0)
     totals.destroys = result.destroys
     return totals
 
 
-POLICIES = ("planner", "planner-eager", "first-fit", "spread", "fixed-1g")
+# --- part 1 and 2: packing --------------------------------------------------------------------
 
 
-def decision_time_64(model: GpuModel, rng: random.Random, samples: int = 2000) -> dict[str, float]:
-    """Time one choose_mig call on 64 GPUs in random states, with cold and warm caches."""
+def packing_table(seed: int) -> dict[str, dict[str, Totals]]:
+    table: dict[str, dict[str, Totals]] = {f: {p: Totals() for p in POLICIES} for f in FAMILIES}
+    for family in FAMILIES:
+        for case in cases(family, seed):
+            for policy in POLICIES:
+                table[family][policy].add(run_policy(policy, case, check_index=True))
+        print(f"# {family} done", file=sys.stderr)
+    return table
+
+
+def print_packing(table: dict[str, dict[str, Totals]], seed: int) -> None:
+    print(f"Trace families: {', '.join(FAMILIES)}; models {', '.join(MODELS)} at {GPU_COUNTS} GPUs, "
+          f"{len(MIXED_POOLS)} mixed pools; seed {seed}\n")
+    print("| trace | policy | accepted | creates | destroys | granted/asked | µs/decision |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for family, row in table.items():
+        for policy, t in row.items():
+            ratio = t.granted_bytes / t.asked_bytes if t.asked_bytes else 0.0
+            per = t.seconds / t.decisions * 1e6 if t.decisions else 0.0
+            print(f"| {family} | {policy} | {t.accepted}/{t.asked} | {t.creates} | {t.destroys} | "
+                  f"{ratio:.2f} | {per:.1f} |")
+
+
+@dataclass
+class SeedSweep:
+    seeds: list[int]
+    # family -> per seed (planner accepted, first-fit accepted, asked)
+    per_family: dict[str, list[tuple[int, int, int]]] = field(default_factory=dict)
+    lost_traces: int = 0  # single traces (one model and count) where first-fit accepted more
+    traces: int = 0
+    churn_lazy_creates: int = 0
+    churn_eager_creates: int = 0
+
+
+def seed_sweep(first: int, count: int) -> SeedSweep:
+    sweep = SeedSweep(list(range(first, first + count)))
+    for family in FAMILIES:
+        rows = []
+        for seed in sweep.seeds:
+            planner_total, ff_total, asked = 0, 0, 0
+            for case in cases(family, seed):
+                mine = run_policy("planner", case)
+                theirs = run_policy("first-fit", case)
+                planner_total += mine.accepted
+                ff_total += theirs.accepted
+                asked += mine.asked
+                sweep.traces += 1
+                sweep.lost_traces += int(mine.accepted < theirs.accepted)
+                if family == "churn":
+                    sweep.churn_lazy_creates += mine.creates
+                    sweep.churn_eager_creates += run_policy("planner-eager", case).creates
+            rows.append((planner_total, ff_total, asked))
+        sweep.per_family[family] = rows
+        print(f"# sweep {family} done", file=sys.stderr)
+    return sweep
+
+
+def print_sweep(sweep: SeedSweep) -> None:
+    print(f"\nSeeds {sweep.seeds[0]}..{sweep.seeds[-1]} ({len(sweep.seeds)} seeds), planner against first-fit, "
+          "accepted per seed (summed over the family's models and GPU counts):\n")
+    print("| family | planner accepted | first-fit accepted | seeds where planner < first-fit | "
+          "worst seed (planner - first-fit) |")
+    print("|---|---:|---:|---:|---:|")
+    for family, rows in sweep.per_family.items():
+        mine = sum(r[0] for r in rows)
+        theirs = sum(r[1] for r in rows)
+        asked = sum(r[2] for r in rows)
+        lost = sum(1 for r in rows if r[0] < r[1])
+        worst = min(r[0] - r[1] for r in rows)
+        print(f"| {family} | {mine}/{asked} | {theirs}/{asked} | {lost} | {worst:+d} |")
+    print(f"\nSingle traces where first-fit accepted more: {sweep.lost_traces} of {sweep.traces}. "
+          f"Churn creates, lazy against eager: {sweep.churn_lazy_creates} vs {sweep.churn_eager_creates}.")
+
+
+# --- part 3: decision time at scale -----------------------------------------------------------
+
+
+def random_pool(count: int, rng: random.Random, model: GpuModel) -> list[MigGpu]:
+    """``count`` GPUs in random partly used states: some slices in use, some released (idle)."""
     gpus = []
-    for i in range(64):
-        gpu = MigGpu("", i, model)
+    sizes = _sizes(model)
+    for i in range(count):
+        gpu = MigGpu(f"node-{i // 8:05d}", i % 8, model)
         for _ in range(rng.randrange(0, 6)):
             try:
-                d = choose_mig(SliceRequest(memory_bytes=_pick(rng, _sizes(model))), [gpu])
+                d = choose_mig(SliceRequest(memory_bytes=_pick(rng, sizes)), [gpu])
             except Unplaceable:
                 break
             gpu = gpu.with_decision(d)
             if rng.random() < 0.3:
                 gpu = gpu.with_released(d.start)
         gpus.append(gpu)
-    requests = [slice_request(memory=f"{rng.choice([5, 10, 17, 30, 60])}G") for _ in range(samples)]
-    out: dict[str, float] = {}
-    for label, clear in (("cold", True), ("warm", False)):
+    return gpus
+
+
+def _stats(times: list[float]) -> dict[str, float]:
+    times = sorted(times)
+    p99 = times[min(len(times) - 1, int(len(times) * 0.99))]
+    return {"mean_us": statistics.fmean(times) * 1e6, "p99_us": p99 * 1e6}
+
+
+def load_baseline(rev: str) -> ModuleType:
+    """core/planner.py as it was at git revision ``rev``, importable beside today's."""
+    source = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:mig_operator/core/planner.py"],
+                            check=True, capture_output=True, text=True).stdout
+    spec = importlib.util.spec_from_loader("mig_operator.core._planner_baseline", loader=None)
+    assert spec is not None
+    module = importlib.util.module_from_spec(spec)
+    module.__package__ = "mig_operator.core"
+    sys.modules[spec.name] = module
+    exec(compile(source, f"{rev}:mig_operator/core/planner.py", "exec"), module.__dict__)
+    return module
+
+
+def decision_times(count: int, seed: int, samples: int = 200, baseline: ModuleType | None = None,
+                   scan_samples: int | None = None) -> dict[str, dict[str, float]]:
+    """One decision on ``count`` H200 GPUs: choose_mig (and the baseline) against PlanningIndex.choose."""
+    model = get_model("h200-141gb")
+    rng = random.Random(f"{seed}/scale/{count}")
+    gpus = random_pool(count, rng, model)
+    requests = [slice_request(memory=f"{rng.choice([5, 10, 17, 30, 60, 100])}G") for _ in range(samples)]
+    out: dict[str, dict[str, float]] = {}
+
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    t0 = time.perf_counter()
+    index = PlanningIndex(gpus)
+    build = time.perf_counter() - t0
+    index_bytes = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    out["index"] = {"build_ms": build * 1e3, "memory_mb": index_bytes / 1e6, "states": float(index.state_count())}
+
+    timed = {"index": lambda r: index.choose(r)}
+    if scan_samples != 0:
+        timed["choose_mig"] = lambda r: choose_mig(r, gpus)
+        if baseline is not None:
+            baseline_gpus = [baseline.MigGpu(g.node, g.index, g.model, tuple(
+                baseline.InstanceSlot(i.profile_id, i.start, i.size, i.in_use) for i in g.instances)) for g in gpus]
+            timed["baseline"] = lambda r: baseline.choose_mig(r, baseline_gpus)
+    for label, fn in timed.items():
+        n = samples if label == "index" or scan_samples is None else scan_samples
+        # Warm the caches every request kind fills once (candidate lists, per-state plans): the
+        # figures are for a running controller, not its first decision of each kind.
+        for req in set(requests[:n]):
+            _outcome(fn, req)
+        gc.collect()
+        times, agree = [], 0
+        for req in requests[:n]:
+            t0 = time.perf_counter()
+            got = _outcome(fn, req)
+            times.append(time.perf_counter() - t0)
+            if label == "choose_mig":
+                agree += int(_same(got, _outcome(index.choose, req)))
+        out.setdefault(label, {}).update(_stats(times))
+        if label == "choose_mig":
+            assert agree == n, f"PlanningIndex and choose_mig disagree on {n - agree} of {n} requests"
+
+    # Keeping the index current: apply a decision (then put the GPU back, untimed).
+    updates = []
+    for req in requests:
+        got = _outcome(index.choose, req)
+        if not isinstance(got, MigDecision):
+            continue
+        before = index.get(got.node, got.gpu)
+        assert before is not None
+        t0 = time.perf_counter()
+        index.apply(got)
+        updates.append(time.perf_counter() - t0)
+        index.put(before)
+    out["update"] = _stats(updates)
+
+    # A refusal: every GPU holds a whole-GPU slice in use. The index is built afresh so the pool above
+    # stays as drawn.
+    full = [MigGpu(g.node, g.index, model, (InstanceSlot(0, 0, 8, True),)) for g in gpus]
+    full_index = PlanningIndex(full)
+    refusals: dict[str, Callable[[SliceRequest], object]] = {"index": full_index.choose}
+    if scan_samples != 0:
+        refusals["choose_mig"] = lambda r: choose_mig(r, full)
+        if baseline is not None:
+            baseline_full = [baseline.MigGpu(g.node, g.index, model, (baseline.InstanceSlot(0, 0, 8, True),))
+                             for g in full]
+            refusals["baseline"] = lambda r: baseline.choose_mig(r, baseline_full)
+    request = slice_request(memory="10G")
+    for label, fn in refusals.items():
         times = []
-        for req in requests:
-            if clear:
-                planner_mod._best_on_gpu.cache_clear()
-                planner_mod.capacity_score.cache_clear()
-                planner_mod._candidates.cache_clear()
+        for _ in range(50 if label == "index" else 10):
             t0 = time.perf_counter()
             try:
-                choose_mig(req, gpus)
-            except Unplaceable:
-                pass
+                fn(request)
+            except Exception as exc:  # noqa: BLE001 - either module's Unplaceable
+                message = str(exc)
             times.append(time.perf_counter() - t0)
-        times.sort()
-        out[f"{label}_mean_us"] = statistics.fmean(times) * 1e6
-        out[f"{label}_p99_us"] = times[int(len(times) * 0.99)] * 1e6
+        out[f"refusal_{label}"] = {**_stats(times), "message_chars": float(len(message))}
     return out
+
+
+def _outcome(fn: Callable[[SliceRequest], object], request: SliceRequest) -> object:
+    """The decision, or the refusal's class name (either module's Unplaceable)."""
+    try:
+        return fn(request)
+    except Exception as exc:  # noqa: BLE001 - the baseline module has its own Unplaceable
+        if type(exc).__name__ != "Unplaceable":
+            raise
+        return type(exc).__name__
+
+
+def _same(a: object, b: object) -> bool:
+    if isinstance(a, str) or isinstance(b, str):
+        return a == b
+    assert isinstance(a, MigDecision) and isinstance(b, MigDecision)
+    return (a.node, a.gpu, a.profile, a.start, a.action, a.reclaim) == (b.node, b.gpu, b.profile, b.start, b.action,
+                                                                         b.reclaim)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--seeds", type=int, default=20, help="seeds in the sweep (0 to skip it)")
+    parser.add_argument("--scale", default="64,1024,16384", help="GPU counts to time a decision on ('' to skip)")
+    parser.add_argument("--samples", type=int, default=200, help="requests timed per GPU count")
+    parser.add_argument("--baseline-rev", help="also time choose_mig from this git revision, e.g. HEAD~1")
+    parser.add_argument("--only-scale", action="store_true", help="skip parts 1 and 2")
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
 
-    table: dict[str, dict[str, Totals]] = {name: {p: Totals() for p in POLICIES} for name in TRACES}
-    for trace_name, make in TRACES.items():
-        for model_name in MODELS:
-            model = get_model(model_name)
-            for count in GPU_COUNTS:
-                rng = random.Random(f"{args.seed}/{trace_name}/{model_name}/{count}")
-                events = make(model, count, rng)
-                for policy in POLICIES:
-                    table[trace_name][policy].add(run_policy(policy, model, count, events))
-        print(f"# {trace_name} done", file=sys.stderr)
+    table = packing_table(args.seed) if not args.only_scale else {}
+    if table:
+        print_packing(table, args.seed)
+    sweep = seed_sweep(args.seed, args.seeds) if args.seeds and not args.only_scale else None
+    if sweep is not None:
+        print_sweep(sweep)
 
-    print(f"Trace sets: {', '.join(TRACES)}; models {', '.join(MODELS)}; GPUs {GPU_COUNTS}; seed {args.seed}\n")
-    print("| trace | policy | accepted | creates | destroys | granted/asked | µs/decision |")
-    print("|---|---|---:|---:|---:|---:|---:|")
-    for trace_name, row in table.items():
-        for policy, t in row.items():
-            ratio = t.granted_bytes / t.asked_bytes if t.asked_bytes else 0.0
-            per = t.seconds / t.decisions * 1e6 if t.decisions else 0.0
-            print(f"| {trace_name} | {policy} | {t.accepted}/{t.asked} | {t.creates} | {t.destroys} | "
-                  f"{ratio:.2f} | {per:.1f} |")
-    totals = {p: Totals() for p in POLICIES}
-    for row in table.values():
-        for p, t in row.items():
-            totals[p].add(t)
-    print("\n| all traces | accepted |\n|---|---:|")
-    for p, t in totals.items():
-        print(f"| {p} | {t.accepted}/{t.asked} |")
+    scale: dict[int, dict] = {}
+    baseline = load_baseline(args.baseline_rev) if args.baseline_rev else None
+    for count in (int(c) for c in args.scale.split(",") if c):
+        scale[count] = decision_times(count, args.seed, args.samples, baseline)
+        print(f"# scale {count} done", file=sys.stderr)
+    if scale:
+        print(f"\nOne decision on N h200-141gb GPUs in random partly used states ({args.samples} memory requests "
+              "per N, caches warm; µs, mean / p99):\n")
+        columns = [("PlanningIndex.choose", "index"), ("choose_mig", "choose_mig")]
+        if baseline is not None:
+            columns.append((f"choose_mig at {args.baseline_rev}", "baseline"))
+        print("| GPUs | states | " + " | ".join(c for c, _ in columns) + " | index apply | refusal: "
+              + " / ".join(c for c, _ in columns) + " | refusal length | index memory | index build |")
+        print("|---:" * (5 + len(columns)) + "|---:|---:|")
+        for count, t in scale.items():
+            cells = [f"{t[k]['mean_us']:.0f} / {t[k]['p99_us']:.0f}" for _, k in columns]
+            refusal = [f"{t['refusal_' + k]['mean_us']:.0f}" for _, k in columns]
+            chars = ", ".join(f"{t['refusal_' + k]['message_chars']:.0f}" for _, k in columns)
+            print(f"| {count} | {t['index']['states']:.0f} | " + " | ".join(cells)
+                  + f" | {t['update']['mean_us']:.0f} / {t['update']['p99_us']:.0f} | " + " / ".join(refusal)
+                  + f" | {chars} chars | {t['index']['memory_mb']:.1f} MB | {t['index']['build_ms']:.0f} ms |")
 
-    timing = decision_time_64(get_model("h200-141gb"), random.Random(args.seed))
-    print("\nOne decision on 64 h200-141gb GPUs (2000 requests):")
-    print(f"  cold caches: mean {timing['cold_mean_us']:.0f} µs, p99 {timing['cold_p99_us']:.0f} µs")
-    print(f"  warm caches: mean {timing['warm_mean_us']:.0f} µs, p99 {timing['warm_p99_us']:.0f} µs")
-
-    best = totals["planner"].accepted
-    failures = [p for p in POLICIES if totals[p].accepted > best]
-    churn_lazy, churn_eager = table["churn"]["planner"].creates, table["churn"]["planner-eager"].creates
-    print(f"\nTargets: planner accepts >= every baseline: {'yes' if not failures else 'NO ' + str(failures)}; "
-          f"lazy creates on churn {churn_lazy} vs eager {churn_eager} "
-          f"({'at least halved' if 2 * churn_lazy <= churn_eager else 'NOT halved'}); "
-          f"64-GPU decision p99 under 1 ms: {'yes' if timing['cold_p99_us'] < 1000 else 'NO'}")
+    print("\nTargets:")
+    if table:
+        totals = {p: Totals() for p in POLICIES}
+        for row in table.values():
+            for p, t in row.items():
+                totals[p].add(t)
+        failures = [p for p in POLICIES if totals[p].accepted > totals["planner"].accepted]
+        churn_lazy, churn_eager = table["churn"]["planner"].creates, table["churn"]["planner-eager"].creates
+        print(f"  planner accepts >= every baseline over seed {args.seed}: "
+              f"{'yes' if not failures else 'NO ' + str(failures)}; "
+              f"lazy creates on churn {churn_lazy} vs eager {churn_eager} "
+              f"({'at least halved' if 2 * churn_lazy <= churn_eager else 'NOT halved'})")
+    if sweep is not None:
+        lost = sum(1 for rows in sweep.per_family.values() for r in rows if r[0] < r[1])
+        print(f"  sweep: (family, seed) pairs where first-fit accepted more: {lost}; churn creates lazy "
+              f"{sweep.churn_lazy_creates} vs eager {sweep.churn_eager_creates} "
+              f"({'at least halved' if 2 * sweep.churn_lazy_creates <= sweep.churn_eager_creates else 'NOT halved'})")
+    if 16384 in scale:
+        t = scale[16384]
+        print(f"  16,384 GPUs: decision p99 {t['index']['p99_us']:.0f} µs (target < 500), refusal "
+              f"p99 {t['refusal_index']['p99_us']:.0f} µs (target < 1000), index memory "
+              f"{t['index']['memory_mb']:.1f} MB (target < 50)")
     if args.json:
         Path(args.json).write_text(json.dumps({
-            "table": {t: {p: vars(v) for p, v in row.items()} for t, row in table.items()},
-            "decision_64": timing,
+            "table": {f: {p: vars(v) for p, v in row.items()} for f, row in table.items()},
+            "sweep": vars(sweep) if sweep is not None else None,
+            "scale": scale,
         }, indent=2))
     return 0
 

@@ -1,27 +1,33 @@
 """Where a slice goes: the profile, the GPU and the placement, as pure functions.
 
-MIG (``choose_mig``), in order of preference for each candidate profile, smallest first:
+MIG (``choose_mig``). Candidates are *grants*: a profile of some GPU model, ranked across all models
+by memory (NVML MiB), then compute slices (``grant_levels``), so a 4Gi request takes an A100
+``1g.5gb`` before an H200 ``1g.18gb``. For the smallest grant some GPU can take, every option on every
+GPU that offers it (reuse an idle instance, create at a free placement, reclaim idle instances) is
+ranked by ``PlacementOption.key``: first what it takes from the GPU's future capacity, then the tier
+(reuse, create, reclaim), then best fit, so whole GPUs stay free for large requests. Only when no
+GPU can take the smallest grant, even by reclaiming, is the next larger one tried
+(``PlannerSettings.allow_larger_profile``). Fractions (``choose_fraction``) are memory bin-packing on
+GPUs without MIG.
 
-1. reuse an idle instance of that profile (no NVML call);
-2. create it at a free legal placement, chosen to keep the most future capacity;
-3. reclaim the fewest idle instances that free a legal placement, then create.
-
-Only then is the next larger profile tried (``PlannerSettings.allow_larger_profile``). Across GPUs
-it packs (best fit by slots in use) so whole GPUs stay free for large requests. Fractions (``choose_fraction``) are
-memory bin-packing on GPUs without MIG.
-
-Slots are bit masks (bit i = memory slot i), so a decision on 64 GPUs stays well under a millisecond.
+``choose_mig`` is the rule written plainly, one pass over the GPUs: it is the reference that
+``planning_index.PlanningIndex`` (the same decisions, at a cost independent of the number of GPUs)
+is tested against. Slots are bit masks (bit i = memory slot i).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from .profiles import GpuModel, Profile
 from .quantities import MIB, format_bytes, mib_ceil
 from .request import SliceRequest
+
+# What Kubernetes keeps of a status message; a refusal must fit in it on any number of GPUs.
+STATUS_MESSAGE_LIMIT = 4096
 
 
 class Unplaceable(Exception):
@@ -34,8 +40,8 @@ class Unplaceable(Exception):
 
 @dataclass(frozen=True)
 class PlannerSettings:
-    # Give a larger profile when the smallest fitting one has no room anywhere (HAMi does this
-    # always; it trades memory for latency, so it can be turned off).
+    # Give a GPU a larger profile than its model's smallest fitting one when no GPU can take the
+    # smaller grants (HAMi does this always; it trades memory for latency, so it can be turned off).
     allow_larger_profile: bool = True
 
 
@@ -55,7 +61,12 @@ class InstanceSlot:
 
 @dataclass(frozen=True)
 class MigGpu:
-    """One MIG-enabled GPU: its model and the instances on it (in use and idle)."""
+    """One MIG-enabled GPU: its model and the instances on it (in use and idle).
+
+    A GPU whose model offers no MIG profile (an L4, or a board with 0 memory slots) is accepted and
+    simply never chosen: an inventory that lists one here is a caller's slip that must not stop
+    every other slice from binding.
+    """
 
     node: str
     index: int
@@ -65,6 +76,9 @@ class MigGpu:
     # Derived once per state: every planning step reads them for every GPU.
     occupied_mask: int = field(init=False, repr=False, compare=False)
     busy_mask: int = field(init=False, repr=False, compare=False)
+    # Best option per profile id, filled on demand by ``gpu_option``.
+    _options: dict[int, PlacementOption | None] = field(
+        init=False, repr=False, compare=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         occupied = busy = 0
@@ -80,24 +94,34 @@ class MigGpu:
 
     def with_decision(self, decision: MigDecision) -> MigGpu:
         """This GPU after the decision: reclaimed instances gone, the chosen one in use."""
-        gone = {(r.start, r.profile_id) for r in decision.reclaim}
-        kept = [
-            i for i in self.instances
-            if (i.start, i.profile_id) not in gone and not (i.start == decision.start and i.size == decision.size)
-        ]
-        kept.append(InstanceSlot(decision.profile.id, decision.start, decision.size, in_use=True))
-        return replace(self, instances=tuple(sorted(kept, key=lambda i: i.start)))
+        return replace(self, instances=instances_after(self.instances, decision))
 
     def with_released(self, start: int, destroy: bool = False) -> MigGpu:
         """This GPU after the slice at ``start`` is released: idle (lazy reclaim) or destroyed (eager)."""
-        kept: list[InstanceSlot] = []
-        for inst in self.instances:
-            if inst.start == start:
-                if not destroy:
-                    kept.append(replace(inst, in_use=False))
-            else:
-                kept.append(inst)
-        return replace(self, instances=tuple(kept))
+        return replace(self, instances=instances_released(self.instances, start, destroy))
+
+
+def instances_after(instances: tuple[InstanceSlot, ...], decision: MigDecision) -> tuple[InstanceSlot, ...]:
+    """The instances of the decision's GPU once it is carried out, sorted by start."""
+    gone = {(r.start, r.profile_id) for r in decision.reclaim}
+    kept = [
+        i for i in instances
+        if (i.start, i.profile_id) not in gone and not (i.start == decision.start and i.size == decision.size)
+    ]
+    kept.append(InstanceSlot(decision.profile.id, decision.start, decision.size, in_use=True))
+    return tuple(sorted(kept, key=lambda i: i.start))
+
+
+def instances_released(instances: tuple[InstanceSlot, ...], start: int, destroy: bool) -> tuple[InstanceSlot, ...]:
+    """The instances once the slice at ``start`` is released: kept idle, or destroyed if ``destroy``."""
+    kept: list[InstanceSlot] = []
+    for inst in instances:
+        if inst.start == start:
+            if not destroy:
+                kept.append(replace(inst, in_use=False))
+        else:
+            kept.append(inst)
+    return tuple(kept)
 
 
 @dataclass(frozen=True)
@@ -152,16 +176,22 @@ def candidate_profiles(model: GpuModel, request: SliceRequest) -> list[Profile]:
 
     Memory is NVML's ``memorySizeMB``; ties go to fewer compute slices, then fewer SMs; ``+me`` and
     other engine variants only when asked for by name. A fraction is that share of the GPU's memory
-    slots (0.5 of 8 slots is 4: ``3g``), since slots are the unit MIG divides memory into.
+    slots (0.5 of 8 slots is 4: ``3g``), since slots are the unit MIG divides memory into. A profile
+    with no legal placement can never be created, so it is never a candidate.
     """
     if request.profile is not None:
-        return [model.profile(request.profile)] if model.has_profile(request.profile) else []
-    plain = [p for p in model.profiles if not p.media_extension]
+        if not model.has_profile(request.profile):
+            return []
+        named = model.profile(request.profile)
+        return [named] if named.placements else []
+    plain = [p for p in model.profiles if not p.media_extension and p.placements]
     if request.memory_bytes is not None:
         need_mib = mib_ceil(request.memory_bytes)
         fitting = [p for p in plain if p.memory_mib >= need_mib]
     else:
         assert request.fraction is not None
+        if model.memory_slots <= 0:
+            return []
         # Tolerate float noise: 0.5 * 8 must be 4 slots, not 5.
         need_slots = math.ceil(request.fraction * model.memory_slots - 1e-9)
         fitting = [p for p in plain if p.size >= need_slots]
@@ -174,6 +204,35 @@ def _candidates(model: GpuModel, request: SliceRequest) -> tuple[Profile, ...]:
     return tuple(candidate_profiles(model, request))
 
 
+def grant_key(profile: Profile) -> tuple[int, int]:
+    """How large a grant is, across models: NVML MiB, then compute slices (DESIGN: the smallest wins)."""
+    return (profile.memory_mib, profile.slices)
+
+
+@dataclass(frozen=True)
+class GrantLevel:
+    """One grant size: the (model, profile) pairs of that size the request may get, in candidate order."""
+
+    key: tuple[int, int]
+    options: tuple[tuple[GpuModel, Profile], ...]
+
+
+@lru_cache(maxsize=4096)
+def grant_levels(models: tuple[GpuModel, ...], request: SliceRequest, allow_larger: bool) -> tuple[GrantLevel, ...]:
+    """The grants ``request`` may get on these models, smallest first.
+
+    Without ``allow_larger`` each model offers only its smallest fitting profile: a GPU is never given
+    more than its own smallest fit, but a larger model's smallest fit still serves when the smaller
+    models are full.
+    """
+    by_key: dict[tuple[int, int], list[tuple[GpuModel, Profile]]] = {}
+    for model in models:
+        cands = _candidates(model, request)
+        for profile in cands if allow_larger else cands[:1]:
+            by_key.setdefault(grant_key(profile), []).append((model, profile))
+    return tuple(GrantLevel(key, tuple(by_key[key])) for key in sorted(by_key))
+
+
 # --- one GPU ----------------------------------------------------------------------------------
 
 
@@ -181,7 +240,8 @@ def _sought(model: GpuModel) -> list[Profile]:
     """Profiles a memory request can get: plain, and the first of each memory size (``2g.35gb`` and
     ``4g.71gb`` hold no more than ``1g.35gb`` and ``3g.71gb``, so only a request by name gets them)."""
     firsts: dict[int, Profile] = {}
-    for p in sorted((p for p in model.profiles if not p.media_extension), key=lambda p: (p.memory_mib, p.slices, p.sm)):
+    plain = (p for p in model.profiles if not p.media_extension and p.placements)
+    for p in sorted(plain, key=lambda p: (p.memory_mib, p.slices, p.sm)):
         firsts.setdefault(p.memory_mib, p)
     return list(firsts.values())
 
@@ -216,80 +276,45 @@ def capacity_score(model: GpuModel, occupied: int) -> tuple[int, ...]:
     return (-stranded, *counts)
 
 
+TIER_REUSE, TIER_CREATE, TIER_RECLAIM = 0, 1, 2
+
+# Loss vectors put placements of each size in a fixed position by the share of the GPU they span
+# (whole, half, quarter, eighth, sixteenth), so options on different models compare position by position.
+_SHARES = 5
+
+
 @dataclass(frozen=True)
-class _Option:
-    tier: int  # 0 reuse, 1 free placement, 2 reclaim
+class PlacementOption:
+    """One way to put a profile on one GPU, and its rank among all options of the same grant size.
+
+    ``key`` (smaller is better), compared lexicographically:
+
+    1. ``loss``: what the option takes from the GPU's future, counted around the instances in use
+       (idle ones are reclaimed when needed): whether it breaks a whole free GPU, then the slots it
+       strands (free, but no free placement reaches them any more), then the free placements it
+       removes per size, half a GPU first. So reusing an idle instance on an otherwise empty GPU
+       loses to any option on a GPU already in use (the trap where lazy reuse lost to first-fit),
+       seven 1g slices fill one GPU (DRA #932), and an option that breaks a place where a larger
+       profile fits loses to one that keeps it.
+    2. ``tier``: reuse an idle instance (no NVML call), else create at a free placement, else
+       reclaim idle instances (DESIGN's order), among options that cost the same.
+    3. Best fit: the GPU with the most slots in use, then the fewest idle instances destroyed (and
+       their slots), then the fewest free slots; then the most capacity left around every instance;
+       then the lower start, NVML's order.
+
+    Every term depends only on the GPU's state (model and instances), which is what lets
+    ``PlanningIndex`` rank states instead of GPUs.
+    """
+
+    tier: int  # TIER_REUSE, TIER_CREATE or TIER_RECLAIM
     start: int
     size: int
-    reclaim: tuple[InstanceSlot, ...] = ()
+    reclaim: tuple[InstanceSlot, ...]
+    key: tuple[int, ...]
 
 
 def _count(instances: tuple[InstanceSlot, ...], profile_id: int) -> int:
     return sum(1 for inst in instances if inst.profile_id == profile_id)
-
-
-def _fits(gpu: MigGpu, profile: Profile, tier: int) -> int | None:
-    """Cheap feasibility of a tier on a GPU, no scoring: None if impossible, else the number of
-    idle instances it would destroy (0 unless reclaiming)."""
-    if tier == 0:
-        return 0 if any(not i.in_use and i.profile_id == profile.id for i in gpu.instances) else None
-    count = _count(gpu.instances, profile.id)
-    if tier == 1:
-        if count >= profile.max_instances:
-            return None
-        return 0 if any(not pl.mask & gpu.occupied_mask for pl in profile.placements) else None
-    fewest: int | None = None
-    for pl in profile.placements:
-        if pl.mask & gpu.busy_mask:
-            continue
-        victims = [i for i in gpu.instances if i.mask & pl.mask]
-        if count - sum(1 for v in victims if v.profile_id == profile.id) >= profile.max_instances:
-            continue
-        if fewest is None or len(victims) < fewest:
-            fewest = len(victims)
-    return fewest
-
-
-@lru_cache(maxsize=65536)
-def _best_on_gpu(model: GpuModel, instances: tuple[InstanceSlot, ...], profile_id: int, tier: int) -> _Option | None:
-    """The placement for a tier on one GPU, scored by what stays placeable.
-
-    Idle instances will be reclaimed when their space is needed, so placements are scored first by
-    the capacity left around the instances in use, then around all instances.
-    """
-    profile = model.profile_by_id(profile_id)
-    gpu = MigGpu("", 0, model, instances)
-    occupied, busy = gpu.occupied_mask, gpu.busy_mask
-    count = _count(instances, profile_id)
-    best: tuple[tuple, _Option] | None = None
-    if tier == 0:
-        for inst in instances:
-            if inst.in_use or inst.profile_id != profile_id:
-                continue
-            key = (_neg(capacity_score(model, busy | inst.mask)), inst.start)
-            if best is None or key < best[0]:
-                best = (key, _Option(0, inst.start, inst.size))
-    elif tier == 1 and count < profile.max_instances:
-        for pl in profile.placements:
-            if pl.mask & occupied:
-                continue
-            key = (_neg(capacity_score(model, busy | pl.mask)), _neg(capacity_score(model, occupied | pl.mask)),
-                   pl.start)
-            if best is None or key < best[0]:
-                best = (key, _Option(1, pl.start, pl.size))
-    elif tier == 2:
-        for pl in profile.placements:
-            if pl.mask & busy:
-                continue
-            victims = tuple(i for i in instances if i.mask & pl.mask)
-            if count - _count(victims, profile_id) >= profile.max_instances:
-                continue
-            after = (occupied & ~_union(victims)) | pl.mask
-            key = (len(victims), sum(v.size for v in victims), _neg(capacity_score(model, busy | pl.mask)),
-                   _neg(capacity_score(model, after)), pl.start)
-            if best is None or key < best[0]:
-                best = (key, _Option(2, pl.start, pl.size, reclaim=victims))
-    return best[1] if best else None
 
 
 def _neg(score: tuple[int, ...]) -> tuple[int, ...]:
@@ -303,100 +328,223 @@ def _union(instances: tuple[InstanceSlot, ...]) -> int:
     return mask
 
 
+@lru_cache(maxsize=64)
+def _share_of_size(model: GpuModel) -> tuple[int, ...]:
+    """For each component of ``capacity_score`` after the first, its loss-vector position."""
+    positions = []
+    for size, _ in _shapes(model):
+        # 8 of 8 slots is a whole GPU (0), 4 of 8 a half (1), 1 of 8 an eighth (3); 3 of 8 counts as a half.
+        positions.append(min(_SHARES - 1, (model.memory_slots // size).bit_length() - 1))
+    return tuple(positions)
+
+
+def _loss(model: GpuModel, before: int, after: int) -> tuple[int, ...]:
+    """Whole-GPU placements lost, stranded slots gained, then placements lost per share of the GPU."""
+    old, new = capacity_score(model, before), capacity_score(model, after)
+    lost = [0] * _SHARES
+    for position, was, now in zip(_share_of_size(model), old[1:], new[1:], strict=True):
+        lost[position] += was - now
+    return (lost[0], old[0] - new[0], *lost[1:])
+
+
+@lru_cache(maxsize=131072)
+def plan_on_gpu(model: GpuModel, instances: tuple[InstanceSlot, ...], profile_id: int) -> PlacementOption | None:
+    """The best option for the profile on a GPU in this state (see ``PlacementOption``), or None
+    when it cannot go there even after reclaiming every idle instance."""
+    profile = model.profile_by_id(profile_id)
+    occupied = busy = 0
+    for inst in instances:
+        occupied |= inst.mask
+        if inst.in_use:
+            busy |= inst.mask
+    count = _count(instances, profile_id)
+    unused = model.memory_slots - busy.bit_count()
+    free = model.memory_slots - occupied.bit_count()
+    best: PlacementOption | None = None
+
+    def consider(tier: int, start: int, size: int, mask: int, victims: tuple[InstanceSlot, ...]) -> None:
+        nonlocal best
+        after = (occupied & ~_union(victims)) | mask
+        key = (*_loss(model, busy, busy | mask), tier, unused, len(victims), sum(v.size for v in victims), free,
+               *_neg(capacity_score(model, after)), start)
+        if best is None or key < best.key:
+            best = PlacementOption(tier, start, size, victims, key)
+
+    for inst in instances:
+        if not inst.in_use and inst.profile_id == profile_id:
+            consider(TIER_REUSE, inst.start, inst.size, inst.mask, ())
+    for pl in profile.placements:
+        if pl.mask & busy:
+            continue
+        victims = tuple(i for i in instances if i.mask & pl.mask)
+        if not victims:
+            if count < profile.max_instances:
+                consider(TIER_CREATE, pl.start, pl.size, pl.mask, ())
+        elif count - _count(victims, profile_id) < profile.max_instances:
+            consider(TIER_RECLAIM, pl.start, pl.size, pl.mask, victims)
+    return best
+
+
+def gpu_option(gpu: MigGpu, profile: Profile) -> PlacementOption | None:
+    """``plan_on_gpu`` for this GPU, remembered on the GPU object (a replay asks again every step)."""
+    try:
+        return gpu._options[profile.id]
+    except KeyError:
+        option = plan_on_gpu(gpu.model, gpu.instances, profile.id) if profile.placements else None
+        gpu._options[profile.id] = option
+        return option
+
+
 def choose_placement(gpu: MigGpu, profile: Profile) -> MigDecision | None:
-    """Where ``profile`` goes on this GPU: reuse, else a free placement, else the cheapest reclaim."""
-    for tier in (0, 1, 2):
-        option = _best_on_gpu(gpu.model, gpu.instances, profile.id, tier)
-        if option is not None:
-            return _decision(gpu, profile, option)
-    return None
+    """Where ``profile`` goes on this GPU (the best ``PlacementOption``), or None if nowhere."""
+    option = gpu_option(gpu, profile)
+    return None if option is None else option_decision(gpu.node, gpu.index, gpu.model, profile, option)
 
 
-def _decision(gpu: MigGpu, profile: Profile, option: _Option) -> MigDecision:
+def option_decision(node: str, index: int, model: GpuModel, profile: Profile, option: PlacementOption) -> MigDecision:
     reclaim = tuple(
-        Reclaim(gpu.node, gpu.index, v.profile_id, gpu.model.profile_by_id(v.profile_id).name, v.start, v.size)
+        Reclaim(node, index, v.profile_id, model.profile_by_id(v.profile_id).name, v.start, v.size)
         for v in option.reclaim
     )
-    action = "reuse" if option.tier == 0 else "create"
-    return MigDecision(gpu.node, gpu.index, profile, option.start, option.size, action, reclaim)
+    action = "reuse" if option.tier == TIER_REUSE else "create"
+    return MigDecision(node, index, profile, option.start, option.size, action, reclaim)
 
 
 # --- many GPUs --------------------------------------------------------------------------------
 
 
-def _fit_key(gpu: MigGpu, victims: int) -> tuple:
-    """Best fit across GPUs: the GPU with the most slots in use that can take the request, so empty
-    GPUs stay whole for large requests; then the fewest idle instances destroyed, then the fewest
-    free slots. Slots of idle instances count as free for packing: they are reclaimed when needed.
-    """
-    unused = gpu.model.memory_slots - gpu.busy_mask.bit_count()
-    free = gpu.model.memory_slots - gpu.occupied_mask.bit_count()
-    return (unused, victims, free, gpu.node, gpu.index)
-
-
 def choose_mig(
-    request: SliceRequest, gpus: list[MigGpu], settings: PlannerSettings = PlannerSettings()
+    request: SliceRequest, gpus: Sequence[MigGpu], settings: PlannerSettings = PlannerSettings()
 ) -> MigDecision:
     """The placement for ``request`` among ``gpus``; raises Unplaceable with the reason.
 
-    For each candidate profile, smallest first: reuse an idle instance on any GPU, else a free
-    placement, else the fewest reclaims; within each, the best-fit GPU (``_fit_key``). The GPU is
-    chosen with cheap mask checks and only its placements are scored, so a decision stays O(GPUs).
+    Grant sizes smallest first (``grant_levels``); for the first size some GPU can take, the option
+    with the smallest ``PlacementOption.key``, then the lowest (node, index), then the profile's
+    place in the candidate order. This is the rule written plainly, one pass over the GPUs per grant
+    size, and the reference ``PlanningIndex`` is tested against; keep a ``PlanningIndex`` where the
+    GPUs are many and decisions frequent.
     """
     if not gpus:
         raise Unplaceable("no MIG-enabled GPU is available")
-    candidates = [_candidates(gpu.model, request) for gpu in gpus]
-    if not settings.allow_larger_profile:
-        candidates = [c[:1] for c in candidates]
-    ranks = max(len(c) for c in candidates)
-    if ranks == 0:
-        raise Unplaceable(_too_large(request, gpus))
-    for rank in range(ranks):
-        for tier in (0, 1, 2):
-            best: tuple[tuple, MigGpu, Profile] | None = None
-            for gpu, cands in zip(gpus, candidates, strict=True):
-                if rank >= len(cands):
+    by_model: dict[GpuModel, list[MigGpu]] = {}
+    for gpu in gpus:
+        by_model.setdefault(gpu.model, []).append(gpu)
+    levels = grant_levels(tuple(sorted(by_model, key=model_order)), request, settings.allow_larger_profile)
+    if not levels:
+        raise Unplaceable(too_large_reason(request, by_model))
+    for level in levels:
+        best: tuple[tuple, MigGpu, Profile, PlacementOption] | None = None
+        for rank, (model, profile) in enumerate(level.options):
+            for gpu in by_model[model]:
+                option = gpu_option(gpu, profile)
+                if option is None:
                     continue
-                victims = _fits(gpu, cands[rank], tier)
-                if victims is not None:
-                    key = _fit_key(gpu, victims)
-                    if best is None or key < best[0]:
-                        best = (key, gpu, cands[rank])
-            if best is not None:
-                _, gpu, profile = best
-                option = _best_on_gpu(gpu.model, gpu.instances, profile.id, tier)
-                assert option is not None, "feasibility and placement disagree"
-                return _decision(gpu, profile, option)
-    raise Unplaceable(_no_room(request, gpus, candidates))
+                key = (option.key, gpu.node, gpu.index, rank)
+                if best is None or key < best[0]:
+                    best = (key, gpu, profile, option)
+        if best is not None:
+            _, gpu, profile, option = best
+            return option_decision(gpu.node, gpu.index, gpu.model, profile, option)
+    raise Unplaceable(no_room_reason(request, levels, _room_summary(gpus)))
 
 
-def _too_large(request: SliceRequest, gpus: list[MigGpu]) -> str:
-    models = {gpu.model.name: gpu.model for gpu in gpus}
-    if request.profile is not None:
-        return f"profile {request.profile} does not exist on any GPU here (models: {', '.join(sorted(models))})"
-    largest = max(
-        (p for m in models.values() for p in m.profiles if not p.media_extension),
-        key=lambda p: (p.memory_mib, p.size),
+def model_order(model: GpuModel) -> tuple:
+    """A fixed order of models, so decisions and messages never depend on the order GPUs arrive in."""
+    return (model.name, model.memory_slots, model.memory_mib, model.product)
+
+
+# --- refusals ---------------------------------------------------------------------------------
+
+
+@dataclass
+class RoomSummary:
+    """What a refusal says about the GPUs, in space independent of their number: per model, how
+    many GPUs have each count of slots in use, and the GPU with the most slots not in use."""
+
+    # (model name, its memory slots) -> {slots in use: GPU count}
+    by_model: dict[tuple[str, int], dict[int, int]] = field(default_factory=dict)
+    roomiest: tuple[int, str, int, int] | None = None  # (slots not in use, node, index, model's slots)
+
+    def count(self, model: GpuModel, used: int, gpus: int) -> None:
+        hist = self.by_model.setdefault((model.name, model.memory_slots), {})
+        hist[used] = hist.get(used, 0) + gpus
+
+
+def _room_summary(gpus: Iterable[MigGpu]) -> RoomSummary:
+    summary = RoomSummary()
+    best: tuple[int, str, int] | None = None
+    for gpu in gpus:
+        used = gpu.busy_mask.bit_count()
+        summary.count(gpu.model, used, 1)
+        slots = gpu.model.memory_slots
+        if slots > 0 and (best is None or (used - slots, gpu.node, gpu.index) < best):
+            best = (used - slots, gpu.node, gpu.index)
+            summary.roomiest = (slots - used, gpu.node, gpu.index, slots)
+    return summary
+
+
+# Enough to name every model a cluster plausibly mixes; more are counted, not named.
+_MODELS_SHOWN = 8
+_PROFILES_SHOWN = 12
+
+
+def _shown(items: list[str], limit: int) -> str:
+    if len(items) <= limit:
+        return ", ".join(items)
+    return ", ".join(items[:limit]) + f" and {len(items) - limit} more"
+
+
+def no_room_reason(request: SliceRequest, levels: tuple[GrantLevel, ...], summary: RoomSummary) -> str:
+    """Why no GPU can take the request: the profiles tried, and the GPUs summarised by model and by
+    slots in use (never one line per GPU: the message must fit a status on any cluster)."""
+    names = sorted({p.name for level in levels for _, p in level.options})
+    profiles = "" if request.profile is not None else f" (profiles {_shown(names, _PROFILES_SHOWN)})"
+    parts = []
+    for name, slots in sorted(summary.by_model)[:_MODELS_SHOWN]:
+        hist = summary.by_model[(name, slots)]
+        total = sum(hist.values())
+        if slots <= 0:
+            parts.append(f"{name}: {total} GPU(s) without MIG profiles")
+            continue
+        counts = ", ".join(f"{used}/{slots} slots in use on {n}" for used, n in sorted(hist.items(), reverse=True))
+        parts.append(f"{name}: {total} GPU(s), {counts}")
+    if len(summary.by_model) > _MODELS_SHOWN:
+        parts.append(f"and {len(summary.by_model) - _MODELS_SHOWN} more models")
+    room = ""
+    if summary.roomiest is not None:
+        free, node, index, slots = summary.roomiest
+        room = f"; most room: {free}/{slots} slots not in use on {node + '/' if node else ''}gpu {index}"
+    reason = (
+        f"every GPU is held by slices in use: no room for {request.describe()}{profiles} "
+        f"even after reclaiming every idle instance ({'; '.join(parts)}){room}"
     )
+    return _clip(reason)
+
+
+def too_large_reason(request: SliceRequest, models: Iterable[GpuModel]) -> str:
+    """Why no GPU model here has a profile for the request at all."""
+    models = sorted(set(models), key=model_order)
+    model_names = _shown(sorted({m.name for m in models}), _MODELS_SHOWN)
+    if request.profile is not None:
+        return _clip(f"profile {request.profile} does not exist with a legal placement on any GPU here "
+                     f"(models: {model_names})")
+    offered = [p for m in models for p in m.profiles if not p.media_extension and p.placements]
+    if not offered:
+        return _clip(f"no GPU here offers a MIG profile (models: {model_names})")
+    largest = max(offered, key=lambda p: (p.memory_mib, p.size))
     if request.memory_bytes is not None:
         asked = f"{request.describe()} ({mib_ceil(request.memory_bytes)} MiB)"
     else:
         asked = request.describe()
-    return f"{asked} is larger than any MIG profile of any GPU (largest: {largest.name}, {largest.memory_mib} MiB)"
+    return _clip(f"{asked} is larger than any MIG profile of any GPU (largest: {largest.name}, "
+                 f"{largest.memory_mib} MiB)")
 
 
-def _no_room(request: SliceRequest, gpus: list[MigGpu], candidates: list[list[Profile]]) -> str:
-    names = sorted({p.name for c in candidates for p in c})
-    held = ", ".join(
-        f"{gpu.node + '/' if gpu.node else ''}gpu {gpu.index}: "
-        f"{gpu.busy_mask.bit_count()}/{gpu.model.memory_slots} slots in use"
-        for gpu in gpus
-    )
-    profiles = "" if request.profile is not None else f" (profiles {', '.join(names)})"
-    return (
-        f"every GPU is held by slices in use: no room for {request.describe()}{profiles} "
-        f"even after reclaiming every idle instance ({held})"
-    )
+def _clip(reason: str) -> str:
+    # The summaries are bounded already; this only guards a pathological profile or node name.
+    if len(reason) <= STATUS_MESSAGE_LIMIT:
+        return reason
+    return reason[: STATUS_MESSAGE_LIMIT - 3] + "..."
 
 
 # --- fractions --------------------------------------------------------------------------------

@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .planner import MigDecision, MigGpu, PlannerSettings, Unplaceable, choose_mig
+from .planner import MigDecision, MigGpu, PlannerSettings, Unplaceable
+from .planning_index import PlanningIndex
 from .profiles import GpuModel
 from .quantities import QuantityError, clip_repr
 from .request import SliceRequest, slice_request
@@ -85,27 +86,39 @@ def replay(
     eager: bool = False,
     choose: Chooser | None = None,
     initial: list[MigGpu] | None = None,
+    settings: PlannerSettings | None = None,
 ) -> Replay:
-    """Run events on ``gpu_count`` empty GPUs (or ``initial``); one result object per alloc, in order."""
-    planner = choose or (lambda req, gpus: choose_mig(req, gpus, PlannerSettings()))
+    """Run events on ``gpu_count`` empty GPUs (or ``initial``); one result object per alloc, in order.
+
+    Without ``choose`` the planner decides through a ``PlanningIndex`` kept current as the operator
+    keeps it; ``choose`` replaces it (a baseline, or ``choose_mig`` over the whole list).
+    """
     gpus = list(initial) if initial is not None else [MigGpu("", i, model) for i in range(gpu_count)]
-    held: dict[str, tuple[int, int]] = {}  # slice id -> (gpu, start)
+    position = {(gpu.node, gpu.index): n for n, gpu in enumerate(gpus)}
+    index = PlanningIndex(gpus) if choose is None else None
+    settings = settings or PlannerSettings()
+    held: dict[str, tuple[int, int]] = {}  # slice id -> (position in gpus, start)
     out = Replay()
     for event in events:
         if event.op == "free":
             if event.id in held:
-                gpu, start = held.pop(event.id)
-                gpus[gpu] = gpus[gpu].with_released(start, destroy=eager)
+                n, start = held.pop(event.id)
+                gpus[n] = gpus[n].with_released(start, destroy=eager)
+                if index is not None:
+                    index.release(gpus[n].node, gpus[n].index, start, destroy=eager)
                 out.destroys += int(eager)
             continue
         assert event.request is not None
         try:
-            decision = planner(event.request, gpus)
+            decision = index.choose(event.request, settings) if index is not None else choose(event.request, gpus)
         except Unplaceable as exc:
             out.results.append({"id": event.id, "error": exc.reason})
             continue
-        gpus[decision.gpu] = gpus[decision.gpu].with_decision(decision)
-        held[event.id] = (decision.gpu, decision.start)
+        n = position[(decision.node, decision.gpu)]
+        gpus[n] = gpus[n].with_decision(decision)
+        if index is not None:
+            index.apply(decision)
+        held[event.id] = (n, decision.start)
         out.creates += int(decision.action == "create")
         out.destroys += len(decision.reclaim)
         out.results.append(decision_json(event.id, decision))
