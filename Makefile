@@ -41,9 +41,10 @@ unit: venv
 e2e: venv control-plane
 	$(BIN)/pytest tests/e2e
 
+# The main job: the operator on a local control plane with simulated GPUs (scripts/demo says what it shows).
+# The first run builds the control plane (about 9 minutes on 2 cores, progress printed); later runs take ~30 s.
 demo: venv
-	$(BIN)/mig-operator plan --gpu h200-141gb --gpus 2 --trace examples/trace-h200.json
-	$(BIN)/mig-operator demo --backend sim:h200-141gbx2 --trace examples/trace-h200.json
+	$(BIN)/python scripts/demo
 
 bench: venv
 	$(BIN)/python bench/packing.py
