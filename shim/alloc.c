@@ -45,6 +45,7 @@ static void track(struct gs_table *t, uint64_t key, uint64_t size, uint64_t aux,
  * stream-ordered one, to what its pool keeps. */
 static void give_back(const struct gs_entry *e)
 {
+    atomic_store_explicit(&e->ref->freed, 1, memory_order_relaxed);
     if ((e->aux & 0xff) == GS_K_ASYNC) {
         struct gs_pool *pl = gs_pool_at((int)(e->aux >> 8));
         if (pl && pl->ref == e->ref) {
@@ -212,6 +213,7 @@ static CUresult alloc_async(pfn_alloc_async real, CUdeviceptr *dptr, size_t n, C
         return r;
     }
     track(&gs_allocs, *dptr, n, ASYNC_AUX(gs_pool_index(pl)), ref);
+    if (pl && k < n) gs_pool_settle(pl); /* the pool grew: maybe by more than n */
     return r;
 }
 
@@ -233,6 +235,7 @@ static CUresult alloc_pool(pfn_alloc_pool real, CUdeviceptr *dptr, size_t n, CUm
         return r;
     }
     track(&gs_allocs, *dptr, n, ASYNC_AUX(gs_pool_index(pl)), ref);
+    if (pl && k < n) gs_pool_settle(pl); /* the pool grew: maybe by more than n */
     return r;
 }
 
@@ -332,7 +335,10 @@ static void handle_adjust(CUmemGenericAllocationHandle h, int64_t dref, int64_t 
         }
     }
     gs_table_unlock(&gs_handles);
-    if (ref) gs_unreserve(ref, size);
+    if (ref) {
+        atomic_store_explicit(&ref->freed, 1, memory_order_relaxed);
+        gs_unreserve(ref, size);
+    }
 }
 
 GS_EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle handle)

@@ -26,6 +26,8 @@
  * first); at most once a second from cuMemGetInfo; on every NVML memory
  * query.  Never per allocation.  Footprint that grows after the last
  * refresh (kernels loaded lazily) is over the limit until the next one.
+ * The NVML figure lags behind stream-ordered allocations: it may lower the
+ * charge only after something was freed (see gs_fp_refresh).
  */
 #define _GNU_SOURCE
 #include <pthread.h>
@@ -188,7 +190,13 @@ void gs_fp_refresh(struct gs_ref *ref)
         gs_pools_measure(ref, 0);
         gs_graph_measure(ref, 0);
         uint64_t ctx = 0;
+        int freed = atomic_exchange_explicit(&ref->freed, 0, memory_order_relaxed);
         int how = measure_ctx(ref, &ctx);
+        /* NVML's per-process figure can lag behind memory the driver has just
+         * committed (stream-ordered allocations): a lower figure is believed
+         * only when something was freed since the last refresh.  The other way
+         * round (a free not yet seen) errs on the safe side. */
+        if (how == GS_CTX_NVML && ref->ctx_how == GS_CTX_NVML && ctx < ref->ctx && !freed) ctx = ref->ctx;
         if (how != GS_CTX_NONE) {
             if (ctx != ref->ctx)
                 gs_log("footprint of device %d: %llu bytes (%s)", ref->cudev,

@@ -176,6 +176,8 @@ struct gs_ref {                 /* this process's view of one region        */
     void *nvdev;                /* NVML handle of this GPU, NULL unresolved */
     /* refresh when the slice's free bytes fall below this (0: never) */
     _Atomic uint64_t mark;
+    /* memory was freed since the last refresh: a lower NVML figure may be real */
+    _Atomic int freed;
 };
 enum { GS_CTX_NONE = 0, GS_CTX_NVML, GS_CTX_DELTA };
 struct gs_ref *gs_ref_for_key(const char *hexkey) GS_HIDDEN;  /* slow path */
@@ -272,6 +274,7 @@ void gs_pool_keep(struct gs_pool *pl, uint64_t n) GS_HIDDEN;
 int gs_pool_index(const struct gs_pool *pl) GS_HIDDEN;
 struct gs_pool *gs_pool_at(int index) GS_HIDDEN;
 void gs_pools_measure(struct gs_ref *ref, int trim) GS_HIDDEN;
+void gs_pool_settle(struct gs_pool *pl) GS_HIDDEN;
 void gs_pools_atfork_child(void) GS_HIDDEN;
 
 /* ---- alloc.c ------------------------------------------------------------- */

@@ -167,6 +167,34 @@ void gs_pools_measure(struct gs_ref *ref, int trim)
     }
 }
 
+/* After an allocation made the pool grow: a pool reserves physical memory
+ * in its own granules, so it may now hold more than its allocations and
+ * the bytes counted as kept.  Count the surplus; if the slice has no room
+ * for it, the surplus is unused memory: trim it (the pressure path inside
+ * gs_reserve already did, and re-measured).  Two attribute reads, only when
+ * the pool grew. */
+void gs_pool_settle(struct gs_pool *pl)
+{
+    pfn_pool_attr attr = (pfn_pool_attr)GS_REAL(MemPoolGetAttribute);
+    CUmemoryPool p = atomic_load_explicit(&pl->pool, memory_order_relaxed);
+    cuuint64_t res = 0, used = 0;
+    if (!attr || !pl->ref || attr(p, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT, &res) != CUDA_SUCCESS ||
+        attr(p, CU_MEMPOOL_ATTR_USED_MEM_CURRENT, &used) != CUDA_SUCCESS)
+        return;
+    uint64_t spare = res > used ? res - used : 0;
+    uint64_t k = atomic_load_explicit(&pl->kept, memory_order_acquire);
+    if (spare <= k || !gs_reserve(pl->ref, spare - k)) return;
+    /* reserved; pressure inside gs_reserve may have trimmed and re-measured
+     * the pool meanwhile: settle on what it holds now */
+    if (attr(p, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT, &res) != CUDA_SUCCESS ||
+        attr(p, CU_MEMPOOL_ATTR_USED_MEM_CURRENT, &used) != CUDA_SUCCESS)
+        res = used = 0;
+    uint64_t truth = res > used ? res - used : 0;
+    uint64_t have = atomic_exchange(&pl->kept, truth) + (spare - k);
+    if (truth > have) gs_charge(pl->ref, truth - have);
+    else if (have > truth) gs_unreserve(pl->ref, have - truth);
+}
+
 void gs_pools_atfork_child(void)
 {
     /* the child owns no pool of the parent */
@@ -203,7 +231,10 @@ GS_EXPORT CUresult cuMemPoolDestroy(CUmemoryPool pool)
      * when they are freed (gs_pool_keep sees `dead`) */
     atomic_store_explicit(&e->dead, 1, memory_order_release);
     uint64_t k = atomic_exchange(&e->kept, 0);
-    if (k && e->ref) gs_unreserve(e->ref, k);
+    if (k && e->ref) {
+        atomic_store_explicit(&e->ref->freed, 1, memory_order_relaxed);
+        gs_unreserve(e->ref, k);
+    }
     for (int d = 0; d < GS_MAX_DEV; d++) {
         struct gs_pool *want = e;
         atomic_compare_exchange_strong(&cur_pool[d], &want, NULL);

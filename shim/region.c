@@ -422,6 +422,7 @@ void gs_region_atfork_child(void)
         refs[i].ctx = refs[i].graph = 0;
         refs[i].nvdev = NULL;
         atomic_store(&refs[i].mark, 0);
+        atomic_store(&refs[i].freed, 0);
     }
     my_pid = 0;
 }

@@ -45,6 +45,7 @@ static unsigned char *rec_dev;   /* device of pointer k */
 static unsigned char *rec_pool;  /* pool of pointer k (index + 1), 0 = none */
 static int *rec_owner;           /* pid that allocated pointer k */
 static uint64_t ctx_bytes;
+static uint64_t pool_granule;
 static __thread int cur_dev;
 static const char *_Atomic last;
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
@@ -70,6 +71,7 @@ __attribute__((constructor)) static void fake_init(void)
     if ((v = getenv("FAKE_NDEV"))) ndev = atoi(v);
     internal_ptrs = getenv("FAKE_PROCADDR_INTERNAL") != NULL;
     if ((v = getenv("FAKE_CTX_BYTES"))) ctx_bytes = strtoull(v, NULL, 0);
+    if ((v = getenv("FAKE_POOL_GRANULE"))) pool_granule = strtoull(v, NULL, 0);
     rec_size = calloc(MAXREC, sizeof *rec_size);
     rec_dev = calloc(MAXREC, 1);
     rec_pool = calloc(MAXREC, 1);
@@ -223,8 +225,9 @@ EXPORT CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d)
     pthread_mutex_unlock(&mu);
     return CUDA_SUCCESS;
 }
-/* what lazily loaded modules do to a context after it is made */
+/* what lazily loaded modules do to a context after it is made, and undo */
 EXPORT int fake_grow_context(int d, uint64_t n) { return take_on(n, d); }
+EXPORT void fake_shrink_context(int d, uint64_t n) { give_on(n, d); }
 
 /* ---- stream-ordered pools ---------------------------------------------- */
 #define MAXPOOL 32
@@ -259,12 +262,14 @@ static void pool_shrink(struct fpool *f, uint64_t keep)
     f->reserved -= spare - keep;
     if (!f->host) give_on(spare - keep, f->dev);
 }
+/* FAKE_POOL_GRANULE: pools grow in such steps (default 1 byte) */
 static CUresult pool_alloc(int i, CUdeviceptr *p, uint64_t n)
 {
     if (!p || !n) return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&mu);
     struct fpool *f = &fpools[i];
     uint64_t spare = f->reserved - f->used, grow = n > spare ? n - spare : 0;
+    if (pool_granule > 1) grow = (grow + pool_granule - 1) / pool_granule * pool_granule;
     int ok = !grow || f->host || take_on(grow, f->dev);
     if (ok) {
         f->reserved += grow;

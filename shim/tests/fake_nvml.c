@@ -22,6 +22,9 @@
 static unsigned long long total = 80ULL << 30, used = 1ULL << 30;
 static unsigned int ndev = 1, pid_offset;
 static unsigned int proc_queries;
+static unsigned long long lag; /* the process list reports this much less */
+
+EXPORT void fake_nvml_set_lag(unsigned long long n) { lag = n; }
 
 /* how often the process list was asked for: the shim must not ask per allocation */
 EXPORT unsigned int fake_nvml_proc_queries(void) { return proc_queries; }
@@ -120,7 +123,7 @@ EXPORT nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t d, unsi
     if (n) {
         memset(infos, 0, sizeof *infos);
         infos[0].pid = (unsigned)getpid() + pid_offset;
-        infos[0].usedGpuMemory = m;
+        infos[0].usedGpuMemory = m > lag ? m - lag : 0;
     }
     return NVML_SUCCESS;
 }

@@ -87,6 +87,8 @@ static uint64_t (*FakePhysUsed)(void);
 static uint64_t (*FakeDevUsed)(int);
 static int (*FakeGrowContext)(int, uint64_t);
 static unsigned (*FakeNvmlQueries)(void);
+static void (*FakeNvmlSetLag)(unsigned long long);
+static void (*FakeShrinkContext)(int, uint64_t);
 
 static void *sym(void *h, const char *name)
 {
@@ -129,6 +131,8 @@ static void open_driver(void)
     *(void **)&FakeDevUsed = sym(hcuda, "fake_dev_used");
     *(void **)&FakeGrowContext = sym(hcuda, "fake_grow_context");
     *(void **)&FakeNvmlQueries = sym(hnvml, "fake_nvml_proc_queries");
+    *(void **)&FakeNvmlSetLag = sym(hnvml, "fake_nvml_set_lag");
+    *(void **)&FakeShrinkContext = sym(hcuda, "fake_shrink_context");
     *(void **)&CtxRetain = sym(hcuda, "cuDevicePrimaryCtxRetain");
     *(void **)&PoolCreate = sym(hcuda, "cuMemPoolCreate");
     *(void **)&PoolDestroy = sym(hcuda, "cuMemPoolDestroy");
@@ -935,6 +939,47 @@ static void case_footprint_nvml(void)
     CHECK(used() == 350 * MiB, "the context stays charged: %llu MiB", (unsigned long long)(used() / MiB));
 }
 
+static void case_footprint_lag(void)
+{
+    /* NVML's per-process figure lagging behind the driver lowers nothing;
+     * after a free, a smaller context is believed */
+    open_driver();
+    retain(0);
+    CHECK(used() == 300 * MiB, "context charged");
+    FakeNvmlSetLag(100 * MiB);
+    CUdeviceptr a, b;
+    OK(Alloc(&a, 500 * MiB)); /* crosses half the free space: refresh, with the lag */
+    CHECK(used() == 800 * MiB, "a lagging figure does not lower the charge: %llu MiB",
+          (unsigned long long)(used() / MiB));
+    CHECK(Alloc(&b, 300 * MiB) == CUDA_ERROR_OUT_OF_MEMORY, "800 + 300 MiB is over");
+    FakeNvmlSetLag(0);
+    OK(Free(a));
+    FakeShrinkContext(0, 100 * MiB);
+    CHECK(Alloc(&b, 900 * MiB) == CUDA_ERROR_OUT_OF_MEMORY, "200 + 900 MiB is over");
+    OK(Alloc(&b, 800 * MiB)); /* the pressure refresh after the free saw 200 MiB */
+    CHECK(used() == 1000 * MiB, "used %llu MiB", (unsigned long long)(used() / MiB));
+    CHECK(FakeDevUsed(0) <= 1 * GiB, "footprint within the limit");
+}
+
+static void case_pool_granule(void)
+{
+    /* a pool that grows in 64 MiB granules, a limit that is not a multiple
+     * of it: 16 MiB allocations until out of memory never take the pool's
+     * footprint past the limit */
+    open_driver();
+    CUdeviceptr p;
+    OK(AllocAsync(&p, 16 * MiB, NULL));
+    CHECK(used() == 64 * MiB, "the granule is counted as soon as the pool grows: %llu MiB",
+          (unsigned long long)(used() / MiB));
+    uint64_t got = 16 * MiB;
+    while (AllocAsync(&p, 16 * MiB, NULL) == CUDA_SUCCESS) {
+        got += 16 * MiB;
+        CHECK(FakeDevUsed(0) <= 1000 * MiB, "after %llu MiB: pool footprint %llu MiB over the 1000 MiB limit",
+              (unsigned long long)(got / MiB), (unsigned long long)(FakeDevUsed(0) / MiB));
+    }
+    CHECK(got >= 1000 * MiB - 64 * MiB, "got only %llu MiB", (unsigned long long)(got / MiB));
+}
+
 static void case_footprint_delta(void)
 {
     /* CDMO_SHIM_FOOTPRINT=delta: the device's used memory around context creation */
@@ -1175,7 +1220,10 @@ static const struct tcase cases[] = {
      "CDMO_GPU_MEMORY_LIMIT=1073741824 CDMO_SHIM_FOOTPRINT=off FAKE_CTX_BYTES=314572800"},
     {"footprint_2dev", case_footprint_2dev,
      "CDMO_GPU_MEMORY_LIMIT=1073741824 CDMO_SHIM_FOOTPRINT=nvml FAKE_NDEV=2 FAKE_CTX_BYTES=209715200"},
+    {"footprint_lag", case_footprint_lag,
+     "CDMO_GPU_MEMORY_LIMIT=1073741824 CDMO_SHIM_FOOTPRINT=nvml FAKE_CTX_BYTES=314572800"},
     {"pool_trim", case_pool_trim, "CDMO_GPU_MEMORY_LIMIT=1073741824"},
+    {"pool_granule", case_pool_granule, "CDMO_GPU_MEMORY_LIMIT=1048576000 FAKE_POOL_GRANULE=67108864"},
     {"pool_device", case_pool_device, "CDMO_GPU_MEMORY_LIMIT=1073741824 FAKE_NDEV=2"},
     {"graph_nodes", case_graph_nodes, "CDMO_GPU_MEMORY_LIMIT=1073741824"},
     {"graph_capture", case_graph_capture, "CDMO_GPU_MEMORY_LIMIT=1073741824"},
