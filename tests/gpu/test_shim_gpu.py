@@ -254,7 +254,7 @@ def test_own_pid_namespace_uses_the_context_delta(gpu: str, shim: Path, tmp_path
         pytest.skip("needs unshare and root for a new pid namespace")
     limit = LIMITS["1.5GiB"]
     env = shim_env(shim, tmp_path, "gputest/pidns", limit, {"CDMO_SHIM_DEBUG": "1"})
-    w = Workload(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, str(FILL), "torch", "64",
+    w = Workload(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, str(FILL), "torch", str(CHUNK_MIB),
                   "16384"], env)
     try:
         w.read("ready")
