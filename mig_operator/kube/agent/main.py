@@ -17,7 +17,7 @@ from mig_operator.gpu.protocol import GpuBackend
 from ..common import metrics
 from ..common.client import KubeClient
 from ..common.events import EventPoster
-from ..common.names import AGENT_FINALIZER, AGENT_PREFIX, GROUP, SLICE_NODE_LABEL, SLICES, VERSION
+from ..common.names import AGENT_PREFIX, GROUP, SLICE_NODE_LABEL, SLICES, VERSION
 from ..common.operator import register_login, run_operator, tune
 from .agent import AgentSettings, NodeAgent
 from .record import RecordStore
@@ -40,7 +40,7 @@ def build_registry(options: AgentOptions, backend: GpuBackend) -> kopf.OperatorR
 
     @kopf.on.startup(registry=registry, backoff=2)
     async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
-        tune(settings, AGENT_PREFIX, AGENT_FINALIZER)
+        tune(settings, AGENT_PREFIX)
         settings.watching.label_selectors[GROUP, SLICES] = f"{SLICE_NODE_LABEL}={options.settings.node}"
         client = KubeClient.from_environment(options.kubeconfig)
         agent = NodeAgent(options.settings, backend, RecordStore(options.record_file), client,

@@ -13,6 +13,7 @@ Transient failures (HTTP 429 and 5xx, connection errors, timeouts) are retried w
 from __future__ import annotations
 
 import json
+import logging
 import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait
 
 from .names import API_VERSION
 
+log = logging.getLogger("mig_operator.api")
 MERGE_PATCH = "application/merge-patch+json"
 JSON_PATCH = "application/json-patch+json"
 _TRANSIENT_STATUS = frozenset({429, 500, 502, 503, 504})
@@ -141,6 +143,7 @@ class KubeClient:
         """One API call, retried while it fails transiently; the decoded JSON answer."""
         if method != "GET":
             self.writes += 1
+            log.debug("%s %s", method, path)
         if not retry:
             return await self._once(method, path, body, params, content_type)
         async for attempt in AsyncRetrying(

@@ -18,9 +18,9 @@ MIG_NODE_VALUE = "mig"
 # it. Write-once (a CEL transition rule on the CRD): a slice never moves between agents silently.
 SLICE_NODE_LABEL = "cdmo.io/node"
 
-# Each running part has its own finalizer and its own kopf storage prefix (kopf-notes).
+# The agent holds each slice it realises with this finalizer (removed when its instance is idle).
+# Each part also has its own kopf storage prefix; kopf's own finalizer is named after it (kopf-notes).
 AGENT_FINALIZER = "cdmo.io/agent"
-CONTROLLER_FINALIZER = "cdmo.io/controller"
 CONTROLLER_PREFIX = "controller.cdmo.io"
 AGENT_PREFIX = "agent.cdmo.io"
 

@@ -30,9 +30,14 @@ def register_login(registry: kopf.OperatorRegistry, kubeconfig: str | None) -> N
         )
 
 
-def tune(settings: kopf.OperatorSettings, prefix: str, finalizer: str) -> None:
-    """The kopf settings every part shares (see shared/refs/kopf-notes.md for why)."""
-    settings.persistence.finalizer = finalizer
+def tune(settings: kopf.OperatorSettings, prefix: str) -> None:
+    """The kopf settings every part shares (see shared/refs/kopf-notes.md for why).
+
+    kopf's own finalizer gets a name of its own: kopf removes its finalizer from every object no
+    handler of its needs it for (none here: the parts manage their finalizers themselves), so sharing
+    a name with the agent's finalizer would have kopf strip it as soon as it was added.
+    """
+    settings.persistence.finalizer = f"{prefix}/kopf"
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=prefix)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=prefix)
     settings.persistence.consistency_timeout = 1.0

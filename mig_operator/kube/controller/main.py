@@ -17,7 +17,6 @@ import kopf
 from ..common.client import ApiError, KubeClient
 from ..common.events import EventPoster
 from ..common.names import (
-    CONTROLLER_FINALIZER,
     CONTROLLER_PREFIX,
     GROUP,
     MIG_NODE_LABEL,
@@ -66,7 +65,7 @@ def build_registry(options: ControllerOptions) -> kopf.OperatorRegistry:
 
     @kopf.on.startup(registry=registry, backoff=2)
     async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
-        tune(settings, CONTROLLER_PREFIX, CONTROLLER_FINALIZER)
+        tune(settings, CONTROLLER_PREFIX)
         settings.peering.lifetime = options.peering_lifetime_s
         settings.watching.label_selectors["v1", "nodes"] = f"{MIG_NODE_LABEL}={MIG_NODE_VALUE}"
         settings.watching.label_selectors["v1", "pods"] = POD_SLICE_LABEL  # only pods the webhook marked

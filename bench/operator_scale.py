@@ -1,0 +1,279 @@
+"""Operator scale: 20 nodes x 8 simulated H100-80GB, 500 slices at once, then a minute of churn.
+
+    .venv/bin/python bench/operator_scale.py [--latency 0] [--nodes 20] [--slices 500] [--churn 60]
+                                             [--json out.json]
+
+Everything runs for real on this machine: the local control plane (scripts/control-plane, reused
+when MIG_OPERATOR_RUN points at a running one), one controller and one agent process per kwok node,
+simulated GPUs with ``--sim-latency`` seconds per NVML create or destroy.
+
+Measured:
+- create-to-Ready, p50 and p99, for slices that got a new instance and for those that reused an
+  idle one: from just before the client's create call to the Ready time the agent wrote
+  (status.phaseTimes.Ready; one machine, one clock);
+- slices bound per second during the burst (Bound times in status.phaseTimes);
+- API writes per slice, counted by kube-apiserver itself (apiserver_request_total, non-GET verbs
+  on gpuslices and their status, minus the benchmark's own creates and deletes); GpuNode and Event
+  writes are reported apart;
+- CPU time (user + system) and peak RSS (VmHWM) of the controller and of the agents (total, max).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
+from pathlib import Path
+
+import kubernetes
+
+REPO = Path(__file__).resolve().parents[1]
+CONTROL_PLANE = REPO / "scripts" / "control-plane"
+GROUP, VERSION, SLICES = "cdmo.io", "v1alpha1", "gpuslices"
+# The burst's mix (memory asked -> the H100 profile it gets): 1g.10gb, 1g.20gb, 3g.40gb.
+SIZES = [("5Gi", 0.6), ("15Gi", 0.25), ("30Gi", 0.15)]
+
+
+def stamp(text: str) -> float:
+    return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+class Plane:
+    """The control plane: started for this run unless MIG_OPERATOR_RUN names a running one."""
+
+    def __init__(self) -> None:
+        self.own = "MIG_OPERATOR_RUN" not in os.environ
+        self.dir = Path(tempfile.mkdtemp(prefix="mig-bench-"))
+        self.env = dict(os.environ, PYTHONUNBUFFERED="1")
+        if self.own:
+            self.env["MIG_OPERATOR_RUN"] = str(self.dir / "plane")
+        subprocess.run([str(CONTROL_PLANE), "build"], check=True, env=self.env)
+        up = subprocess.run([str(CONTROL_PLANE), "up", "--with", "kwok"], env=self.env, capture_output=True,
+                            text=True, check=True)
+        self.kubeconfig = up.stdout.strip().splitlines()[-1].removeprefix("KUBECONFIG=")
+        self.env["KUBECONFIG"] = self.kubeconfig
+        env = dict(line.split("=", 1) for line in subprocess.run(
+            [str(CONTROL_PLANE), "env"], env=self.env, capture_output=True, text=True).stdout.splitlines())
+        self.kubectl = str(Path(env["BIN_DIR"]) / "kubectl")
+        self.api = kubernetes.config.new_client_from_config(config_file=self.kubeconfig)
+
+    def down(self) -> None:
+        if self.own:
+            subprocess.run([str(CONTROL_PLANE), "down"], env=self.env, capture_output=True)
+
+    def apiserver_writes(self) -> dict[str, float]:
+        """kube-apiserver's own count of non-GET requests, by resource[/subresource]."""
+        text = subprocess.run([self.kubectl, "get", "--raw", "/metrics"], env=self.env, capture_output=True,
+                              text=True, check=True).stdout
+        counts: dict[str, float] = {}
+        for line in text.splitlines():
+            if not line.startswith("apiserver_request_total{"):
+                continue
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
+            if labels.get("verb") in ("GET", "LIST", "WATCH", "CONNECT"):
+                continue
+            key = labels.get("resource", "") + ("/" + labels["subresource"] if labels.get("subresource") else "")
+            counts[key] = counts.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+        return counts
+
+
+class Cluster:
+    def __init__(self, plane: Plane, nodes: int, latency: float, log_level: str = "info") -> None:
+        self.plane = plane
+        self.log_level = log_level
+        self.custom = kubernetes.client.CustomObjectsApi(plane.api)
+        self.core = kubernetes.client.CoreV1Api(plane.api)
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.stats: dict[str, tuple[float, int]] = {}
+        self.names = [f"bench-{i:02d}" for i in range(nodes)]
+        for crd in sorted((REPO / "crds").glob("*.yaml")):
+            subprocess.run([plane.kubectl, "apply", "--server-side", "--force-conflicts", "-f", str(crd)],
+                           env=plane.env, check=True, capture_output=True)
+        for body in self.custom.list_cluster_custom_object(GROUP, VERSION, "gpunodes")["items"]:
+            self.custom.delete_cluster_custom_object(GROUP, VERSION, "gpunodes", body["metadata"]["name"])
+        for name in self.names:
+            try:
+                self.core.create_node({"metadata": {
+                    "name": name, "annotations": {"kwok.x-k8s.io/node": "fake"},
+                    "labels": {"kubernetes.io/hostname": name, "cdmo.clear.ml/gpu-partitioning": "mig"}}})
+            except kubernetes.client.ApiException as exc:
+                if exc.status != 409:
+                    raise
+            self.spawn(f"agent-{name}", "agent", "--node", name, "--backend", "sim:h100-80gbx8",
+                       "--state-file", str(plane.dir / f"{name}.json"), "--sim-latency", str(latency))
+        deadline = time.monotonic() + 120
+        while len(self.custom.list_cluster_custom_object(GROUP, VERSION, "gpunodes")["items"]) < nodes:
+            if time.monotonic() > deadline:
+                raise SystemExit("agents did not publish their GpuNodes in 120 s")
+            time.sleep(0.5)
+        self.spawn("controller", "controller", "--peering", f"bench-{os.getpid()}")
+        time.sleep(3)
+
+    def spawn(self, name: str, *args: str) -> None:
+        log = open(self.plane.dir / f"{name}.log", "w")  # noqa: SIM115 (open for the process's life)
+        args = (*args, "--log-level", self.log_level)
+        self.procs[name] = subprocess.Popen([sys.executable, "-m", "mig_operator.cli", *args], env=self.plane.env,
+                                            stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+
+    def usage(self, name: str) -> tuple[float, int]:
+        """CPU seconds (user + system) and peak RSS in bytes, read from /proc before it stops."""
+        pid = self.procs[name].pid
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        hwm = next(int(line.split()[1]) * 1024 for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                   if line.startswith("VmHWM:"))
+        return cpu, hwm
+
+    def stop(self) -> None:
+        for name in self.procs:
+            if self.procs[name].poll() is None:
+                self.stats[name] = self.usage(name)
+                self.procs[name].send_signal(signal.SIGTERM)
+        for proc in self.procs.values():
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        for name in self.names:
+            for delete in (lambda n: self.custom.delete_cluster_custom_object(GROUP, VERSION, "gpunodes", n),
+                           self.core.delete_node):
+                try:
+                    delete(name)
+                except kubernetes.client.ApiException:
+                    pass
+
+
+def run(args: argparse.Namespace) -> dict:
+    plane = Plane()
+    cluster = Cluster(plane, args.nodes, args.latency, args.log_level)
+    ns = f"bench-{os.getpid()}"
+    cluster.core.create_namespace({"metadata": {"name": ns}})
+    rng = random.Random(args.seed)
+    created: dict[str, float] = {}
+    lock = threading.Lock()
+
+    def create(name: str, memory: str) -> None:
+        body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "GpuSlice", "metadata": {"name": name},
+                "spec": {"memory": memory}}
+        with lock:
+            created[name] = time.time()
+        cluster.custom.create_namespaced_custom_object(GROUP, VERSION, ns, SLICES, body)
+
+    def sizes(n: int) -> list[str]:
+        return rng.choices([s for s, _ in SIZES], weights=[w for _, w in SIZES], k=n)
+
+    def slices() -> list[dict]:
+        return cluster.custom.list_namespaced_custom_object(GROUP, VERSION, ns, SLICES)["items"]
+
+    before = plane.apiserver_writes()
+    print(f"burst: {args.slices} slices on {args.nodes} nodes x 8 H100, NVML latency {args.latency} s", flush=True)
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda p: create(*p), [(f"s-{i:04d}", m) for i, m in enumerate(sizes(args.slices))]))
+    deadline = time.monotonic() + 300
+    while True:
+        phases = [(b.get("status") or {}).get("phase") for b in slices()]
+        if sum(p in ("Ready", "Pending", "Failed") for p in phases) == args.slices:
+            break
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    burst = slices()
+    bound_times = sorted(stamp(b["status"]["phaseTimes"]["Bound"]) for b in burst
+                         if "Bound" in (b.get("status") or {}).get("phaseTimes", {}))
+    first_create = min(created.values())
+    bound_per_s = len(bound_times) / (bound_times[-1] - first_create) if bound_times else 0.0
+    print(f"burst settled: {sum(p == 'Ready' for p in phases)} Ready, bound {bound_per_s:.0f}/s", flush=True)
+
+    # Churn: replace one Ready slice at a time with a new one of the same size, for args.churn s.
+    churned = 0
+    ends = time.monotonic() + args.churn
+    ready = [b for b in burst if (b.get("status") or {}).get("phase") == "Ready"]
+    rng.shuffle(ready)
+    while time.monotonic() < ends and ready:
+        victim = ready.pop()
+        cluster.custom.delete_namespaced_custom_object(GROUP, VERSION, ns, SLICES, victim["metadata"]["name"])
+        create(f"c-{churned:04d}", victim["spec"]["memory"])
+        churned += 1
+        time.sleep(args.churn_gap)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        items = slices()
+        if all((b.get("status") or {}).get("phase") in ("Ready", "Pending", "Failed") for b in items):
+            break
+        time.sleep(0.5)
+    items = slices()
+    after = plane.apiserver_writes()
+    cluster.stop()
+    plane_dir = plane.dir
+    cluster.core.delete_namespace(ns)
+
+    new, reused, left = [], [], []
+    for body in items:
+        st = body.get("status") or {}
+        name = body["metadata"]["name"]
+        if st.get("phase") != "Ready":
+            left.append(f"{name}: {st.get('phase')} {st.get('reason', '')}")
+            continue
+        took = stamp(st["phaseTimes"]["Ready"]) - created[name]
+        (reused if st.get("reused") else new).append(took)
+    delta = {k: after.get(k, 0) - before.get(k, 0) for k in set(after) | set(before)}
+    total_slices = args.slices + churned
+    # The benchmark itself created every slice once and deleted `churned` of them.
+    slice_writes = delta.get("gpuslices", 0) + delta.get("gpuslices/status", 0) - total_slices - churned
+    agents = [v for k, v in cluster.stats.items() if k.startswith("agent-")]
+    result = {
+        "nodes": args.nodes, "gpus": args.nodes * 8, "slices": args.slices, "churned": churned,
+        "latency_s": args.latency,
+        "new": {"n": len(new), "p50_ms": 1000 * pct(new, 0.5), "p99_ms": 1000 * pct(new, 0.99)},
+        "reused": {"n": len(reused), "p50_ms": 1000 * pct(reused, 0.5), "p99_ms": 1000 * pct(reused, 0.99)},
+        "bound_per_s": bound_per_s,
+        "slice_writes_per_slice": slice_writes / total_slices,
+        "gpunode_writes": delta.get("gpunodes", 0) + delta.get("gpunodes/status", 0),
+        "event_writes": delta.get("events", 0),
+        "not_ready": left,
+        "controller": {"cpu_s": cluster.stats["controller"][0], "peak_rss_mib": cluster.stats["controller"][1] / 2**20},
+        "agents": {"cpu_s_total": sum(a[0] for a in agents), "cpu_s_max": max(a[0] for a in agents),
+                   "peak_rss_mib_max": max(a[1] for a in agents) / 2**20},
+        "logs": str(plane_dir),
+    }
+    plane.down()
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--latency", type=float, default=0.0, help="simulated seconds per NVML create/destroy")
+    parser.add_argument("--nodes", type=int, default=20)
+    parser.add_argument("--slices", type=int, default=500)
+    parser.add_argument("--churn", type=float, default=60.0, help="seconds of churn after the burst")
+    parser.add_argument("--churn-gap", type=float, default=0.2, help="seconds between churn replacements")
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--json", help="write the result here too")
+    parser.add_argument("--log-level", default="info", help="of the controller and agents (logs kept with --keep)")
+    args = parser.parse_args()
+    result = run(args)
+    print(json.dumps(result, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return 0 if not result["not_ready"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
