@@ -17,14 +17,16 @@ import logging
 import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 import aiohttp
-import kubernetes
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
 
 from .names import API_VERSION
+
+if TYPE_CHECKING:
+    import kubernetes
 
 log = logging.getLogger("mig_operator.api")
 MERGE_PATCH = "application/merge-patch+json"
@@ -69,6 +71,8 @@ class Retry:
 
 def load_configuration(kubeconfig: str | None = None) -> kubernetes.client.Configuration:
     """In-cluster credentials inside a pod, else the kubeconfig (``kubeconfig``, KUBECONFIG, ~/.kube)."""
+    import kubernetes  # only its credential loaders are used, and only here
+
     config = kubernetes.client.Configuration()
     try:
         if kubeconfig is None:
