@@ -1,0 +1,127 @@
+"""operator_cli.parse_duration, kube.common.client.resource_version and ApiError.transient."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mig_operator.core.quantities import QuantityError
+from mig_operator.kube.common.client import ApiError, resource_version
+from mig_operator.operator_cli import parse_duration
+
+YEAR_S = 365 * 24 * 60 * 60
+
+
+# --- parse_duration -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [
+        ("1ms", 0.001),
+        ("1", 1.0),
+        ("30s", 30.0),
+        ("10m", 600.0),
+        ("1.5h", 5400.0),
+        ("2d", 2 * 86400.0),
+        (" 10m ", 600.0),
+        ("0.5s", 0.5),
+        ("365d", float(YEAR_S)),
+        ("8760h", float(YEAR_S)),
+        ("525600m", float(YEAR_S)),
+        (str(YEAR_S), float(YEAR_S)),
+        (f"{YEAR_S * 1000}ms", float(YEAR_S)),
+    ],
+)
+def test_duration_accepted(text: str, seconds: float) -> None:
+    assert parse_duration(text) == pytest.approx(seconds, rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    "text", ["0", "0s", "0ms", "0.0h", "366d", "8761h", str(YEAR_S + 1), f"{YEAR_S}.001", f"{YEAR_S * 1000 + 1}ms"]
+)
+def test_duration_zero_or_over_a_year_is_refused_naming_the_value(text: str) -> None:
+    with pytest.raises(QuantityError) as info:
+        parse_duration(text)
+    assert repr(text) in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "text", ["", " ", "abc", "10x", "-5s", "+5s", "1e3", "10 m", "5S", "1.s", ".5s", "1h30m", "5sec", "١٢s", "nan",
+             "inf"],
+)
+def test_duration_garbage_is_refused_naming_the_value(text: str) -> None:
+    with pytest.raises(QuantityError) as info:
+        parse_duration(text)
+    assert repr(text) in str(info.value)
+    assert "10m" in str(info.value)  # shows a valid example
+
+
+def test_duration_very_long_text_is_refused_with_a_short_message() -> None:
+    text = "9" * 10_000 + "s"
+    with pytest.raises(QuantityError) as info:
+        parse_duration(text)
+    assert "9" * 40 in str(info.value)
+    assert len(str(info.value)) < 200
+
+
+@pytest.mark.parametrize("value", [None, 5, 1.5, b"10m"])
+def test_duration_that_is_not_text_is_refused(value) -> None:
+    with pytest.raises(QuantityError):
+        parse_duration(value)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 400 * 24), st.sampled_from(["h", "m", "s"]))
+def test_duration_bound_is_exactly_one_year(number: int, unit: str) -> None:
+    seconds = number * {"h": 3600, "m": 60, "s": 1}[unit]
+    if seconds <= YEAR_S:
+        assert parse_duration(f"{number}{unit}") == seconds
+    else:
+        with pytest.raises(QuantityError):
+            parse_duration(f"{number}{unit}")
+
+
+# --- resource_version --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("meta", "version"),
+    [
+        ({"resourceVersion": "12345"}, 12345),
+        ({"resourceVersion": "0"}, 0),
+        ({"resourceVersion": "987654321987654321"}, 987654321987654321),
+        ({}, 0),
+        ({"resourceVersion": ""}, 0),
+        ({"resourceVersion": None}, 0),
+        ({"resourceVersion": "abc"}, 0),
+        ({"resourceVersion": "1.5"}, 0),
+    ],
+)
+def test_resource_version(meta: dict, version: int) -> None:
+    assert resource_version(meta) == version
+
+
+def test_resource_versions_compare_as_numbers_not_text() -> None:
+    assert resource_version({"resourceVersion": "10"}) > resource_version({"resourceVersion": "9"})
+
+
+# --- ApiError -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("code", [0, 429, 500, 502, 503, 504])
+def test_no_answer_throttling_and_server_errors_are_transient(code: int) -> None:
+    assert ApiError(code, "r", "m").transient
+
+
+@pytest.mark.parametrize("code", [400, 401, 403, 404, 405, 409, 410, 415, 422])
+def test_client_errors_are_not_transient(code: int) -> None:
+    assert not ApiError(code, "r", "m").transient
+
+
+def test_api_error_flags_and_text() -> None:
+    assert ApiError(404, "Not Found", "GET /x").not_found and not ApiError(404, "", "").conflict
+    assert ApiError(409, "Conflict", "PATCH /x").conflict and not ApiError(409, "", "").not_found
+    assert str(ApiError(409, "Conflict", "PATCH /x")) == "PATCH /x (HTTP 409 Conflict)"
+    assert str(ApiError(0, "", "GET /x: timeout")) == "GET /x: timeout"
