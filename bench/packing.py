@@ -37,7 +37,8 @@ import subprocess
 import sys
 import time
 import tracemalloc
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -447,12 +448,27 @@ def print_sweep(sweep: SeedSweep) -> None:
 # --- part 3: decision time at scale -----------------------------------------------------------
 
 
-def random_pool(count: int, rng: random.Random, model: GpuModel) -> list[MigGpu]:
-    """``count`` GPUs in random partly used states: some slices in use, some released (idle)."""
+def random_pool(count: int, rng: random.Random, model: GpuModel, kind: str = "planned") -> list[MigGpu]:
+    """``count`` GPUs in random partly used states: some slices in use, some released (idle).
+
+    ``planned``: each GPU's slices were placed by the planner, as in a cluster it runs (few distinct
+    states). ``arbitrary``: any legal layout of any profiles, in use or idle at random (what a
+    cluster inherits from other tools; thousands of distinct states)."""
     gpus = []
     sizes = _sizes(model)
     for i in range(count):
         gpu = MigGpu(f"node-{i // 8:05d}", i % 8, model)
+        if kind == "arbitrary":
+            taken, made = 0, []
+            for _ in range(rng.randrange(0, 8)):
+                profile = rng.choice(model.profiles)
+                pl = rng.choice(profile.placements)
+                if pl.mask & taken or sum(1 for x in made if x.profile_id == profile.id) >= profile.max_instances:
+                    continue
+                taken |= pl.mask
+                made.append(InstanceSlot(profile.id, pl.start, pl.size, rng.random() < 0.6))
+            gpus.append(MigGpu(gpu.node, gpu.index, model, tuple(sorted(made, key=lambda x: x.start))))
+            continue
         for _ in range(rng.randrange(0, 6)):
             try:
                 d = choose_mig(SliceRequest(memory_bytes=_pick(rng, sizes)), [gpu])
@@ -485,19 +501,19 @@ def load_baseline(rev: str) -> ModuleType:
 
 
 def decision_times(count: int, seed: int, samples: int = 200, baseline: ModuleType | None = None,
-                   scan_samples: int | None = None) -> dict[str, dict[str, float]]:
+                   scan_samples: int | None = None, kind: str = "planned") -> dict[str, dict[str, float]]:
     """One decision on ``count`` H200 GPUs: choose_mig (and the baseline) against PlanningIndex.choose."""
     model = get_model("h200-141gb")
-    rng = random.Random(f"{seed}/scale/{count}")
-    gpus = random_pool(count, rng, model)
+    rng = random.Random(f"{seed}/scale/{kind}/{count}")
+    gpus = random_pool(count, rng, model, kind)
     requests = [slice_request(memory=f"{rng.choice([5, 10, 17, 30, 60, 100])}G") for _ in range(samples)]
     out: dict[str, dict[str, float]] = {}
 
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
-    t0 = time.perf_counter()
+    t0 = _clock()
     index = PlanningIndex(gpus)
-    build = time.perf_counter() - t0
+    build = _clock() - t0
     index_bytes = tracemalloc.get_traced_memory()[0] - before
     tracemalloc.stop()
     out["index"] = {"build_ms": build * 1e3, "memory_mb": index_bytes / 1e6, "states": float(index.state_count())}
@@ -515,30 +531,31 @@ def decision_times(count: int, seed: int, samples: int = 200, baseline: ModuleTy
         # figures are for a running controller, not its first decision of each kind.
         for req in set(requests[:n]):
             _outcome(fn, req)
-        gc.collect()
         times, agree = [], 0
-        for req in requests[:n]:
-            t0 = time.perf_counter()
-            got = _outcome(fn, req)
-            times.append(time.perf_counter() - t0)
-            if label == "choose_mig":
-                agree += int(_same(got, _outcome(index.choose, req)))
+        with _no_gc():
+            for req in requests[:n]:
+                t0 = _clock()
+                got = _outcome(fn, req)
+                times.append(_clock() - t0)
+                if label == "choose_mig":
+                    agree += int(_same(got, _outcome(index.choose, req)))
         out.setdefault(label, {}).update(_stats(times))
         if label == "choose_mig":
             assert agree == n, f"PlanningIndex and choose_mig disagree on {n - agree} of {n} requests"
 
     # Keeping the index current: apply a decision (then put the GPU back, untimed).
     updates = []
-    for req in requests:
-        got = _outcome(index.choose, req)
-        if not isinstance(got, MigDecision):
-            continue
-        before = index.get(got.node, got.gpu)
-        assert before is not None
-        t0 = time.perf_counter()
-        index.apply(got)
-        updates.append(time.perf_counter() - t0)
-        index.put(before)
+    with _no_gc():
+        for req in requests:
+            got = _outcome(index.choose, req)
+            if not isinstance(got, MigDecision):
+                continue
+            before = index.get(got.node, got.gpu)
+            assert before is not None
+            t0 = _clock()
+            index.apply(got)
+            updates.append(_clock() - t0)
+            index.put(before)
     out["update"] = _stats(updates)
 
     # A refusal: every GPU holds a whole-GPU slice in use. The index is built afresh so the pool above
@@ -555,15 +572,33 @@ def decision_times(count: int, seed: int, samples: int = 200, baseline: ModuleTy
     request = slice_request(memory="10G")
     for label, fn in refusals.items():
         times = []
-        for _ in range(50 if label == "index" else 10):
-            t0 = time.perf_counter()
-            try:
-                fn(request)
-            except Exception as exc:  # noqa: BLE001 - either module's Unplaceable
-                message = str(exc)
-            times.append(time.perf_counter() - t0)
+        with _no_gc():
+            for _ in range(samples if label == "index" else 10):
+                t0 = _clock()
+                try:
+                    fn(request)
+                except Exception as exc:  # noqa: BLE001 - either module's Unplaceable
+                    message = str(exc)
+                times.append(_clock() - t0)
         out[f"refusal_{label}"] = {**_stats(times), "message_chars": float(len(message))}
     return out
+
+
+# Part 3's clock: wall time by default; ``--clock cpu`` takes this thread's CPU time, which leaves out
+# the time the process waits for a core on a machine shared with other work.
+_clock = time.perf_counter
+
+
+@contextmanager
+def _no_gc() -> Iterator[None]:
+    """Time without the cyclic collector, as timeit does: a full collection over the benchmark's own
+    millions of objects lands in whichever sample it likes and is not the planner's cost."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 def _outcome(fn: Callable[[SliceRequest], object], request: SliceRequest) -> object:
@@ -592,8 +627,12 @@ def main() -> int:
     parser.add_argument("--samples", type=int, default=200, help="requests timed per GPU count")
     parser.add_argument("--baseline-rev", help="also time choose_mig from this git revision, e.g. HEAD~1")
     parser.add_argument("--only-scale", action="store_true", help="skip parts 1 and 2")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="part 3: wall time, or this thread's CPU time (leaves out waiting for a core)")
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
+    global _clock
+    _clock = time.perf_counter if args.clock == "wall" else time.thread_time
 
     table = packing_table(args.seed) if not args.only_scale else {}
     if table:
@@ -602,21 +641,26 @@ def main() -> int:
     if sweep is not None:
         print_sweep(sweep)
 
-    scale: dict[int, dict] = {}
+    scale: dict[str, dict[int, dict]] = {"planned": {}, "arbitrary": {}}
     baseline = load_baseline(args.baseline_rev) if args.baseline_rev else None
-    for count in (int(c) for c in args.scale.split(",") if c):
-        scale[count] = decision_times(count, args.seed, args.samples, baseline)
-        print(f"# scale {count} done", file=sys.stderr)
-    if scale:
-        print(f"\nOne decision on N h200-141gb GPUs in random partly used states ({args.samples} memory requests "
-              "per N, caches warm; µs, mean / p99):\n")
+    for kind, by_count in scale.items():
+        for count in (int(c) for c in args.scale.split(",") if c):
+            by_count[count] = decision_times(count, args.seed, args.samples, baseline, kind=kind)
+            print(f"# scale {kind} {count} done", file=sys.stderr)
+    for kind, by_count in scale.items():
+        if not by_count:
+            continue
+        what = ("placed by the planner" if kind == "planned"
+                else "arbitrary legal layouts of any profiles, in use or idle")
+        print(f"\nOne decision on N h200-141gb GPUs in random partly used states, {what} ({args.samples} memory "
+              f"requests per N, caches warm, {args.clock} clock; µs, mean / p99):\n")
         columns = [("PlanningIndex.choose", "index"), ("choose_mig", "choose_mig")]
         if baseline is not None:
             columns.append((f"choose_mig at {args.baseline_rev}", "baseline"))
         print("| GPUs | states | " + " | ".join(c for c, _ in columns) + " | index apply | refusal: "
               + " / ".join(c for c, _ in columns) + " | refusal length | index memory | index build |")
         print("|---:" * (5 + len(columns)) + "|---:|---:|")
-        for count, t in scale.items():
+        for count, t in by_count.items():
             cells = [f"{t[k]['mean_us']:.0f} / {t[k]['p99_us']:.0f}" for _, k in columns]
             refusal = [f"{t['refusal_' + k]['mean_us']:.0f}" for _, k in columns]
             chars = ", ".join(f"{t['refusal_' + k]['message_chars']:.0f}" for _, k in columns)
@@ -641,9 +685,11 @@ def main() -> int:
         print(f"  sweep: (family, seed) pairs where first-fit accepted more: {lost}; churn creates lazy "
               f"{sweep.churn_lazy_creates} vs eager {sweep.churn_eager_creates} "
               f"({'at least halved' if 2 * sweep.churn_lazy_creates <= sweep.churn_eager_creates else 'NOT halved'})")
-    if 16384 in scale:
-        t = scale[16384]
-        print(f"  16,384 GPUs: decision p99 {t['index']['p99_us']:.0f} µs (target < 500), refusal "
+    for kind, by_count in scale.items():
+        if 16384 not in by_count:
+            continue
+        t = by_count[16384]
+        print(f"  16,384 GPUs ({kind}): decision p99 {t['index']['p99_us']:.0f} µs (target < 500), refusal "
               f"p99 {t['refusal_index']['p99_us']:.0f} µs (target < 1000), index memory "
               f"{t['index']['memory_mb']:.1f} MB (target < 50)")
     if args.json:
