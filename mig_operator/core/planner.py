@@ -83,6 +83,14 @@ class MigGpu:
     def __post_init__(self) -> None:
         occupied = busy = 0
         for inst in self.instances:
+            if inst.size < 1 or inst.start < 0 or inst.start + inst.size > self.model.memory_slots \
+                    or inst.mask & occupied:
+                raise ValueError(
+                    f"GPU {self.index} of node {self.node!r} ({self.model.name}, {self.model.memory_slots} slots): "
+                    f"instance of profile id {inst.profile_id} at slots {inst.start}..{inst.start + inst.size - 1} "
+                    "is outside the GPU or overlaps another; instances must be disjoint within the slots, "
+                    "e.g. InstanceSlot(profile_id=19, start=0, size=1, in_use=True)"
+                )
             occupied |= inst.mask
             if inst.in_use:
                 busy |= inst.mask

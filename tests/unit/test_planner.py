@@ -201,6 +201,16 @@ def test_a_profile_without_placements_is_never_chosen_and_never_crashes() -> Non
     assert capacity_score(NO_PLACE, 0) == (0, 2)  # two free 2-slot placements, nothing stranded
 
 
+def test_an_impossible_layout_is_refused_with_the_gpu_named() -> None:
+    with pytest.raises(ValueError, match=r"GPU 2 of node 'n1' \(h200-141gb, 8 slots\): instance of profile id 19 "
+                                         r"at slots 7\.\.7 .*overlaps another.*e\.g\. InstanceSlot"):
+        MigGpu("n1", 2, H200, (inst(H200, "1g.35gb", 6), inst(H200, "1g.18gb", 7)))
+    with pytest.raises(ValueError, match="outside the GPU"):
+        MigGpu("n1", 2, A30, (InstanceSlot(0, 0, 8, True),))
+    with pytest.raises(ValueError, match="no-mig-24gb, 0 slots"):
+        MigGpu("n1", 0, NO_MIG, (InstanceSlot(19, 0, 1, True),))
+
+
 # --- placement on one GPU ---------------------------------------------------------------------
 
 
