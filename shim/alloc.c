@@ -196,6 +196,33 @@ static void async_rollback(struct gs_pool *pl, struct gs_ref *ref, uint64_t n, u
     gs_unreserve(ref, n - k);
 }
 
+/* Near the limit, a stream-ordered allocation is checked after the driver
+ * made it: what a pool commits is not exactly what was asked for (granules,
+ * per-allocation driver memory), so the footprint is measured again (one
+ * NVML query, ~30 us on an H100) and an allocation that took the slice over
+ * its limit is undone and refused.  Only when the slice has less than
+ * max(4 x n, limit / 32) free.  Returns 0 if it was undone. */
+static int async_check(struct gs_ref *ref, CUdeviceptr p, uint64_t n)
+{
+    uint64_t lim = gs_cfg.limit, used = gs_used(ref);
+    uint64_t near = n < lim / 128 ? lim / 32 : 4 * n;
+    if (GS_LIKELY(used < lim && lim - used >= near)) return 1;
+    gs_fp_refresh(ref);
+    if (gs_used(ref) <= lim) return 1;
+    struct gs_entry e;
+    if (!gs_table_take(&gs_allocs, p, &e)) return 1;
+    CUresult (*fr)(CUdeviceptr) = GS_REAL(MemFree_v2);
+    if (!fr || fr(p) != CUDA_SUCCESS) { /* e.g. a captured address: keep it, counted */
+        gs_table_put(&gs_allocs, p, e.size, e.aux, e.ref);
+        return 1;
+    }
+    give_back(&e);
+    gs_pools_measure(ref, 1); /* the block went back to its pool: release it */
+    gs_log("stream-ordered allocation of %llu bytes undone: the slice went over its limit",
+           (unsigned long long)n);
+    return 0;
+}
+
 static CUresult alloc_async(pfn_alloc_async real, CUdeviceptr *dptr, size_t n, CUstream s)
 {
     if (GS_UNLIKELY(!real)) return CUDA_ERROR_NOT_INITIALIZED;
@@ -214,6 +241,10 @@ static CUresult alloc_async(pfn_alloc_async real, CUdeviceptr *dptr, size_t n, C
     }
     track(&gs_allocs, *dptr, n, ASYNC_AUX(gs_pool_index(pl)), ref);
     if (pl && k < n) gs_pool_settle(pl); /* the pool grew: maybe by more than n */
+    if (GS_UNLIKELY(!async_check(ref, *dptr, n))) {
+        *dptr = 0;
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
     return r;
 }
 
@@ -236,6 +267,10 @@ static CUresult alloc_pool(pfn_alloc_pool real, CUdeviceptr *dptr, size_t n, CUm
     }
     track(&gs_allocs, *dptr, n, ASYNC_AUX(gs_pool_index(pl)), ref);
     if (pl && k < n) gs_pool_settle(pl); /* the pool grew: maybe by more than n */
+    if (GS_UNLIKELY(!async_check(ref, *dptr, n))) {
+        *dptr = 0;
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
     return r;
 }
 

@@ -46,6 +46,7 @@ static unsigned char *rec_pool;  /* pool of pointer k (index + 1), 0 = none */
 static int *rec_owner;           /* pid that allocated pointer k */
 static uint64_t ctx_bytes;
 static uint64_t pool_granule;
+static uint64_t pool_hidden; /* FAKE_POOL_HIDDEN: driver memory per pool allocation, in no pool figure */
 static __thread int cur_dev;
 static const char *_Atomic last;
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
@@ -72,6 +73,7 @@ __attribute__((constructor)) static void fake_init(void)
     internal_ptrs = getenv("FAKE_PROCADDR_INTERNAL") != NULL;
     if ((v = getenv("FAKE_CTX_BYTES"))) ctx_bytes = strtoull(v, NULL, 0);
     if ((v = getenv("FAKE_POOL_GRANULE"))) pool_granule = strtoull(v, NULL, 0);
+    if ((v = getenv("FAKE_POOL_HIDDEN"))) pool_hidden = strtoull(v, NULL, 0);
     rec_size = calloc(MAXREC, sizeof *rec_size);
     rec_dev = calloc(MAXREC, 1);
     rec_pool = calloc(MAXREC, 1);
@@ -271,6 +273,10 @@ static CUresult pool_alloc(int i, CUdeviceptr *p, uint64_t n)
     uint64_t spare = f->reserved - f->used, grow = n > spare ? n - spare : 0;
     if (pool_granule > 1) grow = (grow + pool_granule - 1) / pool_granule * pool_granule;
     int ok = !grow || f->host || take_on(grow, f->dev);
+    if (ok && pool_hidden && !f->host && !take_on(pool_hidden, f->dev)) {
+        if (grow) give_on(grow, f->dev);
+        ok = 0;
+    }
     if (ok) {
         f->reserved += grow;
         f->used += n;
@@ -283,6 +289,7 @@ static void pool_free(int i, uint64_t n)
 {
     pthread_mutex_lock(&mu);
     fpools[i].used -= n;
+    if (pool_hidden && !fpools[i].host) give_on(pool_hidden, fpools[i].dev);
     pthread_mutex_unlock(&mu);
 }
 /* a synchronisation: every pool gives back what exceeds its threshold */

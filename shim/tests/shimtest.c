@@ -980,6 +980,21 @@ static void case_pool_granule(void)
     CHECK(got >= 1000 * MiB - 64 * MiB, "got only %llu MiB", (unsigned long long)(got / MiB));
 }
 
+static void case_pool_hidden(void)
+{
+    /* 8 MiB of driver memory per pool allocation that no pool figure shows:
+     * seen only through NVML; the footprint never passes the limit */
+    open_driver();
+    CUdeviceptr p;
+    uint64_t got = 0;
+    while (AllocAsync(&p, 16 * MiB, NULL) == CUDA_SUCCESS) {
+        got += 16 * MiB;
+        CHECK(FakeDevUsed(0) <= 1000 * MiB, "after %llu MiB: footprint %llu MiB over the 1000 MiB limit",
+              (unsigned long long)(got / MiB), (unsigned long long)(FakeDevUsed(0) / MiB));
+    }
+    CHECK(got * 3 / 2 >= 1000 * MiB - 3 * 24 * MiB, "got only %llu MiB", (unsigned long long)(got / MiB));
+}
+
 static void case_footprint_delta(void)
 {
     /* CDMO_SHIM_FOOTPRINT=delta: the device's used memory around context creation */
@@ -1224,6 +1239,9 @@ static const struct tcase cases[] = {
      "CDMO_GPU_MEMORY_LIMIT=1073741824 CDMO_SHIM_FOOTPRINT=nvml FAKE_CTX_BYTES=314572800"},
     {"pool_trim", case_pool_trim, "CDMO_GPU_MEMORY_LIMIT=1073741824"},
     {"pool_granule", case_pool_granule, "CDMO_GPU_MEMORY_LIMIT=1048576000 FAKE_POOL_GRANULE=67108864"},
+    /* 8 MiB of driver memory per pool allocation that no pool figure shows */
+    {"pool_hidden", case_pool_hidden,
+     "CDMO_GPU_MEMORY_LIMIT=1048576000 FAKE_POOL_HIDDEN=8388608 CDMO_SHIM_FOOTPRINT=nvml"},
     {"pool_device", case_pool_device, "CDMO_GPU_MEMORY_LIMIT=1073741824 FAKE_NDEV=2"},
     {"graph_nodes", case_graph_nodes, "CDMO_GPU_MEMORY_LIMIT=1073741824"},
     {"graph_capture", case_graph_capture, "CDMO_GPU_MEMORY_LIMIT=1073741824"},
