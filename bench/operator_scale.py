@@ -95,7 +95,8 @@ class Plane:
 
 
 class Cluster:
-    def __init__(self, plane: Plane, nodes: int, latency: float, log_level: str = "info") -> None:
+    def __init__(self, plane: Plane, nodes: int, latency: float, log_level: str = "info",
+                 controller_args: tuple[str, ...] = ()) -> None:
         self.plane = plane
         self.log_level = log_level
         self.custom = kubernetes.client.CustomObjectsApi(plane.api)
@@ -123,7 +124,7 @@ class Cluster:
             if time.monotonic() > deadline:
                 raise SystemExit("agents did not publish their GpuNodes in 120 s")
             time.sleep(0.5)
-        self.spawn("controller", "controller", "--peering", f"bench-{os.getpid()}")
+        self.spawn("controller", "controller", "--peering", f"bench-{os.getpid()}", *controller_args)
         time.sleep(3)
 
     def spawn(self, name: str, *args: str) -> None:
@@ -151,6 +152,8 @@ class Cluster:
                 proc.wait(20)
             except subprocess.TimeoutExpired:
                 proc.kill()
+        subprocess.run([self.plane.kubectl, "delete", "mutatingwebhookconfiguration", "--ignore-not-found",
+                        f"bench-{os.getpid()}"], env=self.plane.env, capture_output=True)
         for name in self.names:
             for delete in (lambda n: self.custom.delete_cluster_custom_object(GROUP, VERSION, "gpunodes", n),
                            self.core.delete_node):

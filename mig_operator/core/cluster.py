@@ -298,7 +298,7 @@ def inventory_from_status(node: str, status: Mapping | None) -> NodeInventory:
                     instances=tuple(_instance_from(i) for i in raw.get("instances") or ()),
                 )
             )
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError, AttributeError):
             continue  # the agent wrote it; a malformed entry is skipped rather than stopping every binding
     return NodeInventory(node, tuple(sorted(gpus, key=lambda g: g.index)))
 

@@ -185,21 +185,25 @@ def adopt(
     claimed: set[tuple[int, int]] = set()
     incomplete: list[tuple[int, InstanceState]] = []
     by_gpu = {gpu: list(insts) for gpu, insts in instances.items()}
-    # Record entries first: the record is the authority on ownership.
-    for uid, entry in record.owners.items():
-        binding = bindings.get(uid)
-        if binding is None:
-            continue
+    live_entries = [(uid, e, bindings[uid]) for uid, e in record.owners.items() if uid in bindings]
+    # The record is the authority on ownership: first every entry that names its instance (same
+    # boot), so that no entry matched by placement below can take an instance another one names.
+    for uid, entry, _binding in live_entries:
         if entry.mode != MODE_MIG:
             owners[uid] = entry
             continue
-        found = None
-        for inst in by_gpu.get(entry.gpu, []):
-            if same_boot and entry.gi_id >= 0 and entry.holds(inst, entry.gpu):
-                found = inst
-                break
-        if found is None:
-            found = _at(by_gpu.get(binding.gpu, []), binding)
+        if not same_boot or entry.gi_id < 0:
+            continue
+        found = next((i for i in by_gpu.get(entry.gpu, []) if entry.holds(i, entry.gpu)), None)
+        if found is not None and (entry.gpu, found.gi_id) not in claimed:
+            claimed.add((entry.gpu, found.gi_id))
+            owners[uid] = _pointing_at(entry, entry.gpu, found)
+            adopted.append(uid)
+    # Then the entries whose instance the record cannot name: by their binding's placement.
+    for uid, entry, binding in live_entries:
+        if uid in owners:
+            continue
+        found = _at(by_gpu.get(binding.gpu, []), binding)
         if found is not None and (binding.gpu, found.gi_id) not in claimed:
             claimed.add((binding.gpu, found.gi_id))
             owners[uid] = _pointing_at(entry, binding.gpu, found)

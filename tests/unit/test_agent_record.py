@@ -215,10 +215,6 @@ def test_undecodable_bytes_are_refused_naming_the_file(path) -> None:
     assert path in str(info.value)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: RecordStore._read checks field names but not their types; an entry "
-                                       "with gpu '0' or gi_id null loads, then never holds its instance, so "
-                                       "plan_mig would treat that slice's instance as unowned "
-                                       "(kube/agent/record.py:71)")
 @pytest.mark.parametrize("field", [("gpu", "0"), ("gi_id", None), ("mode", 7)])
 def test_entry_with_wrongly_typed_fields_is_refused(path, field) -> None:
     entry = {"uid": "u", "slice": "ns/u", "mode": "mig", "gpu": 0, "gi_id": 3, "device_uuid": "MIG-3"}

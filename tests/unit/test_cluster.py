@@ -638,9 +638,6 @@ def test_inventory_skips_malformed_gpu_entries(bad) -> None:
     assert [(g.index, g.uuid, g.memory_mib) for g in inv.gpus] == [(1, "GPU-good", 23034)]
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: a profile/instance entry that is not an object raises AttributeError "
-                                       "(raw.get) instead of being skipped: core/cluster.py "
-                                       "_profile_from/_instance_from")
 @pytest.mark.parametrize("field", ["profiles", "instances"])
 @pytest.mark.parametrize("entry", ["x", 5, None, ["start", 0]])
 def test_inventory_skips_gpu_whose_sub_entries_are_not_objects(field: str, entry) -> None:

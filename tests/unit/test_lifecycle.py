@@ -328,9 +328,6 @@ def test_adopt_record_entry_wins_over_a_conflicting_binding_for_an_unrecorded_sl
     assert [u for u, e in result.record.owners.items() if e.holds(a, 0)] == ["recorded"]
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: adopt() matches a recorded slice whose instance is gone by binding "
-                                       "before later record entries are matched by GI id, so it takes an instance "
-                                       "the record (same boot) gives to another live slice (core/lifecycle.py:202)")
 def test_adopt_record_authority_holds_whatever_the_order_of_entries() -> None:
     a = inst("1g.18gb", 0, 3)
     lost = OwnerEntry("x", "ns/x", MODE_MIG, 0, COMPLETED, 0, a.profile_id, a.profile, 0, 1, 9, 0, "MIG-9")

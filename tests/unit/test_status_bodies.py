@@ -196,8 +196,6 @@ def test_pending_body_from_a_refusal_on_a_huge_cluster_fits_the_crd() -> None:
     assert len(body["reason"]) <= 128
 
 
-@pytest.mark.xfail(strict=True, reason="BUG (latent): pending/bound/creating/ready write status.message uncapped, "
-                                       "only failed() caps it at the CRD's maxLength 4096 (kube/common/status.py)")
 @pytest.mark.parametrize("phase", ["pending", "bound", "creating", "ready"])
 def test_every_phase_caps_its_message_to_the_crd_limit(phase: str) -> None:
     long = "m" * (MESSAGE_LIMIT + 100)

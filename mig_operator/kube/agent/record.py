@@ -14,7 +14,7 @@ import os
 import tempfile
 import threading
 from collections.abc import Callable
-from dataclasses import asdict, replace
+from dataclasses import asdict, fields, replace
 
 from mig_operator.core.lifecycle import OwnerEntry, OwnerRecord
 
@@ -24,6 +24,24 @@ _VERSION = 1
 
 class RecordError(Exception):
     """The record file cannot be read or written; the message names the file and the cause."""
+
+
+_FIELD_TYPES = {f.name: f.type for f in fields(OwnerEntry)}
+
+
+def _entry(raw: object) -> OwnerEntry:
+    """One owner entry, every field of the type OwnerEntry declares (a wrongly typed one would
+    never match its instance, and its instance would look unowned)."""
+    if not isinstance(raw, dict):
+        raise TypeError(f"an owner entry is {type(raw).__name__}, not an object")
+    for key, value in raw.items():
+        kind = _FIELD_TYPES.get(key)
+        if kind is None:
+            raise TypeError(f"unknown field {key!r}")
+        expected = {"str": str, "int": int, "bool": bool}[kind]
+        if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+            raise TypeError(f"field {key!r} is {value!r}, not {kind}")
+    return OwnerEntry(**raw)
 
 
 def boot_id(path: str = BOOT_ID_PATH) -> str:
@@ -66,12 +84,13 @@ class RecordStore:
             raise RecordError(f"owner record {self.path!r} is unreadable ({exc}); "
                               "move it aside to start afresh") from None
         try:
+            owners = {uid: _entry(entry) for uid, entry in (data.get("owners") or {}).items()}
             return OwnerRecord(
                 boot_id=str(data.get("bootId", "")),
-                owners={uid: OwnerEntry(**entry) for uid, entry in (data.get("owners") or {}).items()},
+                owners=owners,
                 idle_since={str(k): str(v) for k, v in (data.get("idleSince") or {}).items()},
             )
-        except (TypeError, AttributeError) as exc:
+        except (TypeError, AttributeError, ValueError) as exc:
             raise RecordError(f"owner record {self.path!r} is not a record ({exc}); "
                               "move it aside to start afresh") from None
 

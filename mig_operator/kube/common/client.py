@@ -6,7 +6,7 @@ pool. Credentials come from the ``kubernetes`` package's loaders (in-cluster ser
 KUBECONFIG / ~/.kube/config), so every way of authenticating that kubectl's config allows with a
 token or a client certificate works, and a rotated service-account token is picked up.
 
-Transient failures (HTTP 429 and 5xx, connection errors, timeouts) are retried with backoff
+Transient failures (HTTP 429, 500, 502, 503 and 504, connection errors, timeouts) are retried with backoff
 (tenacity); everything else raises :class:`ApiError` at once.
 """
 

@@ -19,6 +19,13 @@ BOUND_CONDITION = "Bound"
 READY_CONDITION = "Ready"
 
 
+MAX_MESSAGE = 4096  # the CRD's maxLength of status.message
+
+
+def _message(text: str) -> str:
+    return text if len(text) <= MAX_MESSAGE else text[: MAX_MESSAGE - 1] + "…"
+
+
 def now() -> str:
     """RFC 3339 in UTC with milliseconds: phase times are compared at that resolution."""
     return datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
@@ -39,7 +46,7 @@ def _conditions(previous: Mapping | None, bound: tuple[bool, str, str], ready: t
 def pending(previous: Mapping | None, request: SliceRequest, reason: str, message: str) -> dict:
     when = now()
     return {
-        "phase": PENDING, "reason": reason, "message": message, "request": request.describe(),
+        "phase": PENDING, "reason": reason, "message": _message(message), "request": request.describe(),
         "conditions": _conditions(previous, (False, reason, message), (False, reason, "not bound yet"), when),
         "phaseTimes": {PENDING: (previous or {}).get("phaseTimes", {}).get(PENDING, when)},
     }
@@ -50,7 +57,7 @@ def bound(previous: Mapping | None, request: SliceRequest, binding: Binding, gpu
     """The controller's decision: phase Bound with the node, GPU, mode, profile and placement."""
     when = now()
     body: dict[str, Any] = {
-        "phase": BOUND, "reason": "Bound", "message": message, "request": request.describe(),
+        "phase": BOUND, "reason": "Bound", "message": _message(message), "request": request.describe(),
         "mode": binding.mode, "node": binding.node, "gpu": binding.gpu, "gpuUUID": gpu_uuid,
         "grantedBytes": binding.granted_bytes,
         "conditions": _conditions(previous, (True, "Bound", message), (False, "Bound", "waiting for the node agent"),
@@ -68,7 +75,7 @@ def creating(previous: Mapping | None, message: str) -> dict:
     when = now()
     bound_cond = _condition(previous, BOUND_CONDITION, True, "Bound", "bound", when)
     return {
-        "phase": CREATING, "reason": "Creating", "message": message,
+        "phase": CREATING, "reason": "Creating", "message": _message(message),
         "conditions": [bound_cond, _condition(previous, READY_CONDITION, False, "Creating", message, when)],
         "phaseTimes": {CREATING: when},
     }
@@ -78,7 +85,7 @@ def ready(previous: Mapping | None, device_uuid: str, granted_bytes: int, reused
           gi_id: int | None = None, ci_id: int | None = None) -> dict:
     when = now()
     body: dict[str, Any] = {
-        "phase": READY, "reason": "Ready", "message": message, "deviceUUID": device_uuid,
+        "phase": READY, "reason": "Ready", "message": _message(message), "deviceUUID": device_uuid,
         "grantedBytes": granted_bytes, "reused": reused,
         "conditions": [
             _condition(previous, BOUND_CONDITION, True, "Bound", "bound", when),
@@ -94,7 +101,7 @@ def ready(previous: Mapping | None, device_uuid: str, granted_bytes: int, reused
 def failed(previous: Mapping | None, reason: str, message: str) -> dict:
     when = now()
     return {
-        "phase": FAILED, "reason": reason, "message": message[:4096],
+        "phase": FAILED, "reason": reason, "message": _message(message),
         "conditions": [
             _condition(previous, BOUND_CONDITION, bool((previous or {}).get("node")), "Bound", "bound", when),
             _condition(previous, READY_CONDITION, False, reason, message, when),

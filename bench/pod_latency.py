@@ -1,0 +1,119 @@
+"""Annotated pods, created to Running: 100 pods on kwok nodes, with new instances and then reused ones.
+
+    .venv/bin/python bench/pod_latency.py [--pods 100] [--nodes 4] [--latency 0] [--json out.json]
+
+The whole path runs for real: the admission webhook (served by the controller), the pod's GpuSlice,
+binding, the agent (simulated GPUs), the ConfigMap, ungating, kube-scheduler binding the pod, kwok
+starting it. Created-to-Running is measured from just before the client's create call to the moment
+a watch on the pods first shows the pod Running (this machine's clock for both). First round: every
+pod needs a new MIG instance; then all pods are deleted, and the second round finds the instances
+idle and reuses them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import kubernetes
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from operator_scale import Cluster, Plane, pct  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def round_trip(core: kubernetes.client.CoreV1Api, ns: str, pods: int, memory: str, tag: str) -> list[float]:
+    """Create ``pods`` annotated pods at once; seconds from create to first seen Running, each."""
+    created: dict[str, float] = {}
+    running: dict[str, float] = {}
+    done = threading.Event()
+
+    def watch() -> None:
+        stream = kubernetes.watch.Watch()
+        for event in stream.stream(core.list_namespaced_pod, ns, timeout_seconds=300):
+            pod = event["object"]
+            name = pod.metadata.name
+            if pod.status.phase == "Running" and name.startswith(tag) and name not in running:
+                running[name] = time.time()
+                if len(running) == pods:
+                    stream.stop()
+        done.set()
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    time.sleep(0.5)  # the watch is open before the first create
+
+    def create(i: int) -> None:
+        name = f"{tag}-{i:03d}"
+        body = {"apiVersion": "v1", "kind": "Pod",
+                "metadata": {"name": name, "annotations": {"cdmo.io/gpu-memory": memory}},
+                "spec": {"tolerations": [{"key": "kwok.x-k8s.io/node", "operator": "Exists"}],
+                         "containers": [{"name": "main", "image": "busybox"}]}}
+        created[name] = time.time()
+        core.create_namespaced_pod(ns, body)
+
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(create, range(pods)))
+    done.wait(300)
+    missing = sorted(set(created) - set(running))
+    if missing:
+        raise SystemExit(f"{len(missing)} pods never ran, e.g. {missing[:3]}")
+    return [running[n] - created[n] for n in created]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pods", type=int, default=100)
+    parser.add_argument("--nodes", type=int, default=4)
+    parser.add_argument("--latency", type=float, default=0.0, help="simulated seconds per NVML create/destroy")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    plane = Plane()
+    port = free_port()
+    cluster = Cluster(plane, args.nodes, args.latency, controller_args=(
+        "--webhook", f"127.0.0.1:{port}", "--webhook-config", f"bench-{os.getpid()}", "--namespace", "kube-system"))
+    core = cluster.core
+    ns = f"pods-{os.getpid()}"
+    core.create_namespace({"metadata": {"name": ns}})
+    time.sleep(2)  # the webhook configuration is in place
+    try:
+        new = round_trip(core, ns, args.pods, "9Gi", "new")
+        core.delete_collection_namespaced_pod(ns, grace_period_seconds=0)
+        deadline = time.monotonic() + 120
+        custom = kubernetes.client.CustomObjectsApi(plane.api)
+        while custom.list_namespaced_custom_object("cdmo.io", "v1alpha1", ns, "gpuslices")["items"]:
+            if time.monotonic() > deadline:
+                raise SystemExit("the deleted pods' slices were not released in 120 s")
+            time.sleep(0.5)
+        while core.list_namespaced_pod(ns).items:
+            time.sleep(0.5)
+        reused = round_trip(core, ns, args.pods, "9Gi", "again")
+    finally:
+        cluster.stop()
+        core.delete_namespace(ns)
+        plane.down()
+    result = {
+        "pods": args.pods, "nodes": args.nodes, "gpus": args.nodes * 8, "latency_s": args.latency,
+        "new": {"p50_ms": 1000 * pct(new, 0.5), "p99_ms": 1000 * pct(new, 0.99)},
+        "reused": {"p50_ms": 1000 * pct(reused, 0.5), "p99_ms": 1000 * pct(reused, 0.99)},
+    }
+    print(json.dumps(result, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
