@@ -118,7 +118,11 @@ class Workload:
             self.p.stdin.close()
         except BrokenPipeError:
             pass
-        self.p.wait(timeout=120)
+        try:
+            self.p.wait(timeout=60)
+        except subprocess.TimeoutExpired:  # e.g. an NCCL rank waiting for a peer that died
+            self.p.kill()
+            self.p.wait(timeout=30)
         self.err.close()
         return self.errpath.read_text()
 
@@ -131,11 +135,15 @@ def fill(mode: str, env: dict, cap_mib: int = 16384, devices: str = "0") -> Work
 
 
 def region_peak(tmp: Path) -> int:
+    """The shim's own high-water mark, over the slice's regions (one per GPU it touched)."""
     files = glob.glob(str(tmp / "cdmo-gpuslice-*"))
-    assert len(files) == 1, files
-    with open(files[0], "rb") as f:
-        f.seek(PEAK_OFFSET)
-        return struct.unpack("<Q", f.read(8))[0]
+    assert files, "no region"
+    peaks = []
+    for name in files:
+        with open(name, "rb") as f:
+            f.seek(PEAK_OFFSET)
+            peaks.append(struct.unpack("<Q", f.read(8))[0])
+    return max(peaks)
 
 
 def smi(env: dict | None = None, query: str = "memory.total,memory.used,memory.free") -> list[int]:

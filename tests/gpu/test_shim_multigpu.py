@@ -97,8 +97,10 @@ def test_nccl_allreduce_under_the_shim(two_gpus: None, shim: Path, tmp_path: Pat
             w.go()
         done = [w.read("done") for w in ws]
         usage = nvml_usage()
-    finally:
+    except AssertionError as e:  # a rank died: the other waits for it; show both ranks' output
         errs = [w.finish() for w in ws]
+        raise AssertionError(f"{e}\n" + "\n".join(f"rank {r}: {t[-3000:]}" for r, t in enumerate(errs))) from e
+    errs = [w.finish() for w in ws]
     per = {f"{pid}/gpu{g}": v for (pid, g), v in usage.items() if pid in (ws[0].pid, ws[1].pid)}
     rec = {"test": "nccl", "limit": LIMIT, "ready": ready, "done": done, "footprints": per}
     log(rec)
