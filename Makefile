@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: all venv shim control-plane lint test unit e2e demo bench clean
+.PHONY: all venv shim control-plane lint chart-crds test unit e2e demo bench clean
 
 all: test
 
@@ -27,6 +27,12 @@ control-plane:
 lint: venv
 	$(BIN)/ruff check mig_operator tests bench
 	$(BIN)/lint-imports --no-cache
+	$(BIN)/hadolint Dockerfile
+
+# crds/ is the one source of the CRDs; the chart carries copies (Helm installs only files in its crds/).
+# tests/helm fails when they differ: run this after changing a CRD. The policy is a chart template.
+chart-crds:
+	for f in crds/*.yaml; do [ "$$f" = crds/slice-node-label.yaml ] || cp "$$f" helm/mig-operator/crds/; done
 
 # Every test: shim's GPU-free C tests, lint, then pytest (unit, shim, e2e against a real kube-apiserver;
 # tests/gpu skip where no GPU is present). pytest's exit 5 (no tests collected) fails the target.

@@ -32,6 +32,7 @@ from typing import Any
 
 import kubernetes
 import pytest
+import yaml
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CONTROL_PLANE = REPO_ROOT / "scripts" / "control-plane"
@@ -184,11 +185,106 @@ def operator_crds(kube_cluster: KubeCluster) -> None:
 
 
 @pytest.fixture
-def operator(kube_cluster: KubeCluster, operator_crds: None, tmp_path: Path) -> Iterator[Any]:
+def operator(kube_cluster: KubeCluster, operator_crds: None, chart_identities: ChartIdentities,
+             tmp_path: Path) -> Iterator[Any]:
     """An OperatorHarness: kwok nodes, agents on simulated GPUs and a controller, all stopped (and
-    their nodes, inventories and namespaces removed) at the end. A failing test prints their logs."""
+    their nodes, inventories and namespaces removed) at the end. A failing test prints their logs.
+
+    The controller and the agents run as the Helm chart's ServiceAccounts, with exactly the chart's
+    RBAC (``chart_identities``), so a verb missing from the chart fails the test that needs it. The
+    webhook configuration gets the name the chart's RBAC lets the controller patch. The test's own
+    calls (nodes, slices, pods, reading state) keep the admin kubeconfig."""
     from harness import OperatorHarness
 
     harness = OperatorHarness(kube_cluster, tmp_path)
+    harness.kubeconfigs = dict(chart_identities.kubeconfigs)
+    harness.webhook_config = chart_identities.webhook_config
     yield harness
     harness.close()
+
+
+# ---- the chart's identities -------------------------------------------------------------------------
+
+CHART_DIR = REPO_ROOT / "helm" / "mig-operator"
+# The namespace OperatorHarness.controller_with_webhook passes as --namespace, and the release name.
+CHART_NAMESPACE = "mig-operator-system"
+CHART_RELEASE = "e2e"
+CHART_WEBHOOK_CONFIG = "e2e-mig-operator"
+# The chart's templates that hold the identities; nothing else of the chart is applied here.
+IDENTITY_TEMPLATES = ("templates/serviceaccounts.yaml", "templates/rbac.yaml")
+TOKEN_SECONDS = 12 * 3600
+
+
+@dataclass(frozen=True)
+class ChartIdentities:
+    """The chart's ServiceAccounts in the session's cluster, and a kubeconfig per part that
+    authenticates as each (a TokenRequest token)."""
+
+    namespace: str
+    service_accounts: dict[str, str]  # part ("controller", "agent") -> ServiceAccount name
+    kubeconfigs: dict[str, Path]  # part -> kubeconfig file
+    webhook_config: str  # the MutatingWebhookConfiguration the controller's RBAC may patch
+    webhook_cert_secret: str  # the one Secret (in ``namespace``) the controller's RBAC may read
+    rendered: str  # the applied manifests (helm template of IDENTITY_TEMPLATES)
+
+    def user(self, part: str) -> str:
+        """The user name the API server sees for ``part`` (for ``kubectl --as`` and SubjectAccessReview)."""
+        return f"system:serviceaccount:{self.namespace}:{self.service_accounts[part]}"
+
+
+def render_chart(cluster: KubeCluster, release: str, namespace: str, *args: str) -> str:
+    """``helm template`` of the chart (the cached helm binary), failing with helm's stderr."""
+    result = subprocess.run(
+        [str(cluster.bin_dir / "helm"), "template", release, str(CHART_DIR), "--namespace", namespace, *args],
+        capture_output=True, text=True, timeout=120,
+    )
+    if result.returncode != 0:
+        raise AssertionError(f"helm template exited {result.returncode}:\n{result.stderr}")
+    return result.stdout
+
+
+def token_kubeconfig(cluster: KubeCluster, token: str, path: Path) -> Path:
+    """A kubeconfig for the session's API server (its address and CA from the admin's) with ``token``."""
+    admin = yaml.safe_load(cluster.kubeconfig.read_text())
+    config = {
+        "apiVersion": "v1", "kind": "Config", "clusters": admin["clusters"],
+        "users": [{"name": "sa", "user": {"token": token}}],
+        "contexts": [{"name": "sa", "context": {"cluster": admin["clusters"][0]["name"], "user": "sa"}}],
+        "current-context": "sa",
+    }
+    path.write_text(yaml.safe_dump(config))
+    path.chmod(0o600)
+    return path
+
+
+@pytest.fixture(scope="session")
+def chart_identities(kube_cluster: KubeCluster, tmp_path_factory: pytest.TempPathFactory) -> ChartIdentities:
+    """The chart's ServiceAccounts and RBAC (``helm template`` of its identity templates, applied
+    with kubectl into CHART_NAMESPACE), and a kubeconfig per part holding a token of its
+    ServiceAccount made through the TokenRequest API. Left in place at the end: applying is
+    idempotent, and a kept control plane serves the next session with the same objects."""
+    rendered = render_chart(
+        kube_cluster, CHART_RELEASE, CHART_NAMESPACE, "--set", f"webhook.configurationName={CHART_WEBHOOK_CONFIG}",
+        *(arg for template in IDENTITY_TEMPLATES for arg in ("--show-only", template)),
+    )
+    namespace = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": CHART_NAMESPACE}}
+    kube_cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(namespace))
+    kube_cluster.kubectl("apply", "-f", "-", input=rendered)
+    accounts = {
+        doc["metadata"]["labels"]["app.kubernetes.io/component"]: doc["metadata"]["name"]
+        for doc in yaml.safe_load_all(rendered) if doc and doc["kind"] == "ServiceAccount"
+    }
+    assert set(accounts) == {"controller", "agent"}, f"the chart's ServiceAccounts: {accounts}"
+    directory = tmp_path_factory.mktemp("chart-identities")
+    kubeconfigs = {}
+    for part, account in accounts.items():
+        answer = kube_cluster.core_v1().create_namespaced_service_account_token(account, CHART_NAMESPACE, {
+            "apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
+            "spec": {"expirationSeconds": TOKEN_SECONDS},
+        })
+        kubeconfigs[part] = token_kubeconfig(kube_cluster, answer.status.token, directory / f"{part}.kubeconfig")
+    secret_rules = [rule for doc in yaml.safe_load_all(rendered) if doc and doc["kind"] == "Role"
+                    for rule in doc["rules"] if rule["resources"] == ["secrets"] and rule.get("resourceNames")]
+    assert len(secret_rules) == 1 and len(secret_rules[0]["resourceNames"]) == 1, secret_rules
+    return ChartIdentities(CHART_NAMESPACE, accounts, kubeconfigs, CHART_WEBHOOK_CONFIG,
+                           secret_rules[0]["resourceNames"][0], rendered)

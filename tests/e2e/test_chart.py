@@ -1,0 +1,312 @@
+"""The Helm chart against the real local API server: installed, upgraded and uninstalled with every object
+accepted (pods included, on kwok nodes), the ServiceAccounts refused what they do not need, and the
+controller's shared webhook certificate made and read through the chart's Secret rules.
+
+Every other operator test already runs its controller and agents as the chart's ServiceAccounts (the
+``operator`` fixture), which is what proves the chart grants enough."""
+
+from __future__ import annotations
+
+import base64
+import socket
+import ssl
+import subprocess
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Any
+
+import kubernetes
+import pytest
+import yaml
+from harness import OperatorHarness, wait_until
+from kubernetes.client.rest import ApiException
+
+# conftest's KubeCluster and ChartIdentities (fixtures; not imported: several test directories have a
+# conftest module of that name).
+KubeCluster = ChartIdentities = Any
+REPO_ROOT = Path(__file__).resolve().parents[2]
+CHART_DIR = REPO_ROOT / "helm" / "mig-operator"
+CHART_NAMESPACE = "mig-operator-system"  # where tests/e2e/conftest.py puts the chart's identities
+POLICY = REPO_ROOT / "crds" / "slice-node-label.yaml"
+KWOK_TAINT = {"key": "kwok.x-k8s.io/node", "operator": "Exists", "effect": "NoSchedule"}
+
+
+def helm(cluster: KubeCluster, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    result = subprocess.run([str(cluster.bin_dir / "helm"), f"--kubeconfig={cluster.kubeconfig}", *args],
+                            capture_output=True, text=True, timeout=300)
+    if check and result.returncode != 0:
+        raise AssertionError(f"helm {' '.join(args)} exited {result.returncode}:\n{result.stdout}\n{result.stderr}")
+    return result
+
+
+def manifest(cluster: KubeCluster, release: str, namespace: str) -> list[dict[str, Any]]:
+    out = helm(cluster, "get", "manifest", release, "--namespace", namespace).stdout
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+def exists(cluster: KubeCluster, doc: dict[str, Any], namespace: str) -> bool:
+    kind = f"{doc['kind'].lower()}.{doc['apiVersion'].split('/')[0]}" if "/" in doc["apiVersion"] else doc["kind"]
+    args = ["get", kind, doc["metadata"]["name"], "--ignore-not-found", "-o", "name"]
+    if doc["kind"] not in ("ClusterRole", "ClusterRoleBinding", "MutatingWebhookConfiguration",
+                           "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"):
+        args += ["--namespace", namespace]
+    return bool(cluster.kubectl(*args).stdout.strip())
+
+
+def pods(cluster: KubeCluster, namespace: str, component: str) -> list[Any]:
+    return cluster.core_v1().list_namespaced_pod(
+        namespace, label_selector=f"app.kubernetes.io/component={component}").items
+
+
+def tolerate_kwok(tmp_path: Path) -> list[str]:
+    """Values that let both parts' pods onto kwok nodes (which kwok then reports as running); the
+    agents keep their default toleration (Helm replaces a list given in values, never merges it)."""
+    values = yaml.safe_load((CHART_DIR / "values.yaml").read_text())
+    extra = {"controller": {"tolerations": [*values["controller"]["tolerations"], KWOK_TAINT]},
+             "agent": {"tolerations": [*values["agent"]["tolerations"], KWOK_TAINT]}}
+    path = tmp_path / "kwok-values.yaml"
+    path.write_text(yaml.safe_dump(extra))
+    return ["--values", str(path)]
+
+
+@pytest.fixture
+def nvidia_runtime_class(kube_cluster: KubeCluster) -> Any:
+    """The RuntimeClass the agent pods name (GPU Operator makes it on real clusters); without one the
+    API server refuses the pods."""
+    node_api = kubernetes.client.NodeV1Api(kube_cluster.api_client)
+    made = False
+    try:
+        node_api.create_runtime_class({"metadata": {"name": "nvidia"}, "handler": "nvidia"})
+        made = True
+    except ApiException as exc:
+        if exc.status != 409:
+            raise
+    yield
+    if made:
+        node_api.delete_runtime_class("nvidia")
+
+
+def test_the_chart_installs_upgrades_and_uninstalls_with_every_object_accepted(
+        kube_cluster: KubeCluster, operator: OperatorHarness, nvidia_runtime_class: None, tmp_path: Path) -> None:
+    # A GPU node as GPU Feature Discovery labels it; kwok plays its kubelet.
+    gpu_node = operator.add_node("h100-80gb", labels={"nvidia.com/gpu.present": "true"})
+    namespace = f"chart-{uuid.uuid4().hex[:6]}"
+    release = "gpu"
+    # The policy is installed by the session (crds/); the chart must be able to install its own copy.
+    kube_cluster.kubectl("delete", "-f", str(POLICY), "--ignore-not-found")
+    try:
+        helm(kube_cluster, "install", release, str(CHART_DIR), "--namespace", namespace, "--create-namespace",
+             *tolerate_kwok(tmp_path))
+        docs = manifest(kube_cluster, release, namespace)
+        kinds = sorted({d["kind"] for d in docs})
+        assert kinds == ["ClusterRole", "ClusterRoleBinding", "DaemonSet", "Deployment", "PodDisruptionBudget",
+                         "Role", "RoleBinding", "Service", "ServiceAccount", "ValidatingAdmissionPolicy",
+                         "ValidatingAdmissionPolicyBinding"]
+        for doc in docs:
+            assert exists(kube_cluster, doc, namespace), f"{doc['kind']} {doc['metadata']['name']} was not created"
+        # The pods themselves are accepted (securityContext, RuntimeClass, hostPaths, downward API) and
+        # placed: two controller replicas, one agent on the GPU node.
+        wait_until(lambda: len(pods(kube_cluster, namespace, "controller")) == 2, 60, "two controller pods")
+        agent = wait_until(lambda: pods(kube_cluster, namespace, "agent"), 60, "an agent pod")
+        assert [p.spec.node_name for p in agent] == [gpu_node.name]
+        assert agent[0].spec.runtime_class_name == "nvidia"
+        assert agent[0].spec.containers[0].security_context.capabilities.add == ["SYS_ADMIN"]
+
+        # An upgrade with other values is accepted too.
+        helm(kube_cluster, "upgrade", release, str(CHART_DIR), "--namespace", namespace,
+             "--set", "controller.replicas=1", "--set", "agent.idleTimeout=15m", "--set", "metrics.enabled=false",
+             "--set", "logging.format=text", *tolerate_kwok(tmp_path))
+        upgraded = manifest(kube_cluster, release, namespace)
+        daemonset = kube_cluster.kubectl("get", "daemonset", "-n", namespace, "-o", "json").stdout
+        assert "--idle-timeout=15m" in daemonset
+        assert not [d for d in upgraded if d["metadata"]["name"].endswith("-metrics")]
+        assert not kube_cluster.kubectl("get", "service", "-n", namespace, "-o", "name",
+                                        "-l", "mig-operator.cdmo.io/metrics").stdout.strip()
+
+        helm(kube_cluster, "uninstall", release, "--namespace", namespace, "--wait")
+        for doc in upgraded:
+            assert not exists(kube_cluster, doc, namespace), f"{doc['kind']} {doc['metadata']['name']} survived"
+        # CRDs stay (Helm never deletes them): the slices and inventories in them stay too.
+        assert kube_cluster.kubectl("get", "crd", "gpuslices.cdmo.io", "-o", "name").stdout.strip()
+    finally:
+        helm(kube_cluster, "uninstall", release, "--namespace", namespace, check=False)
+        kube_cluster.kubectl("delete", "namespace", namespace, "--ignore-not-found", "--wait=false")
+        kube_cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(POLICY))
+
+
+def test_pod_security_the_controller_meets_restricted_and_the_agent_needs_privileged(
+        kube_cluster: KubeCluster, nvidia_runtime_class: None) -> None:
+    """What docs/operations.md tells admins about the namespace's Pod Security level, checked by the
+    API server's own PodSecurity admission (server-side dry runs of the chart's pod templates)."""
+    rendered = helm(kube_cluster, "template", "ps", str(CHART_DIR), "--namespace", "default").stdout
+    docs = [d for d in yaml.safe_load_all(rendered) if d]
+    templates = {d["kind"]: d["spec"]["template"] for d in docs if d["kind"] in ("Deployment", "DaemonSet")}
+    core = kube_cluster.core_v1()
+    names = []
+    try:
+        for level in ("restricted", "baseline", "privileged"):
+            name = f"ps-{level}-{uuid.uuid4().hex[:6]}"
+            names.append(name)
+            core.create_namespace({"metadata": {"name": name, "labels": {
+                "pod-security.kubernetes.io/enforce": level}}})
+            for kind, template in templates.items():
+                pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": kind.lower(), "namespace": name},
+                       "spec": template["spec"]}
+                result = kube_cluster.kubectl("apply", "--dry-run=server", "-f", "-", input=yaml.safe_dump(pod),
+                                              check=False)
+                accepted = result.returncode == 0
+                expected = kind == "Deployment" or level == "privileged"
+                assert accepted == expected, f"{kind} in a {level} namespace: {result.stdout}{result.stderr}"
+                if kind == "DaemonSet" and not accepted:
+                    assert "SYS_ADMIN" in result.stderr or "hostPath" in result.stderr, result.stderr
+    finally:
+        for name in names:
+            core.delete_namespace(name)
+
+
+# ---- least privilege, refused ----------------------------------------------------------------------
+
+
+def can(kube_cluster: KubeCluster, identities: ChartIdentities, part: str, verb: str, resource: str,
+        group: str = "", namespace: str | None = None, name: str | None = None, subresource: str | None = None) -> bool:
+    """A SubjectAccessReview: may ``part``'s ServiceAccount do this? (The API server's RBAC answers.)"""
+    attributes = {"verb": verb, "resource": resource, "group": group}
+    if namespace:
+        attributes["namespace"] = namespace
+    if name:
+        attributes["name"] = name
+    if subresource:
+        attributes["subresource"] = subresource
+    review = kubernetes.client.AuthorizationV1Api(kube_cluster.api_client).create_subject_access_review({
+        "apiVersion": "authorization.k8s.io/v1", "kind": "SubjectAccessReview",
+        "spec": {"user": identities.user(part), "resourceAttributes": attributes,
+                 "groups": ["system:serviceaccounts", f"system:serviceaccounts:{identities.namespace}",
+                            "system:authenticated"]},
+    })
+    return bool(review.status.allowed)
+
+
+def test_every_verb_the_chart_grants_is_granted(kube_cluster: KubeCluster, chart_identities: ChartIdentities) -> None:
+    roles = [d for d in yaml.safe_load_all(chart_identities.rendered) if d and d["kind"] in ("ClusterRole", "Role")]
+    assert len(roles) == 3
+    for role in roles:
+        part = role["metadata"]["labels"]["app.kubernetes.io/component"]
+        namespace = role["metadata"].get("namespace") or "some-team"
+        for rule in role["rules"]:
+            for resource in rule["resources"]:
+                base, _, sub = resource.partition("/")
+                for verb in rule["verbs"]:
+                    for name in rule.get("resourceNames") or [None]:
+                        assert can(kube_cluster, chart_identities, part, verb, base, rule["apiGroups"][0],
+                                   namespace, name, sub or None), f"{part} cannot {verb} {resource} {name or ''}"
+
+
+REFUSED: dict[str, list[tuple[str, str, str, str | None, str | None, str | None]]] = {
+    # part: (verb, resource, group, namespace, name, subresource)
+    "agent": [
+        ("patch", "pods", "", "some-team", None, None),
+        ("create", "gpuslices", "cdmo.io", "some-team", None, None),
+        ("delete", "gpuslices", "cdmo.io", "some-team", None, None),
+        ("get", "secrets", "", "kube-system", None, None),
+        ("list", "secrets", "", None, None, None),
+        ("get", "secrets", "", CHART_NAMESPACE, "e2e-mig-operator-webhook-cert", None),
+        ("create", "configmaps", "", "some-team", None, None),
+        ("list", "nodes", "", None, None, None),
+        ("patch", "nodes", "", None, "gpu-1", None),
+        ("patch", "gpunodes", "cdmo.io", None, "gpu-1", None),
+        ("delete", "gpunodes", "cdmo.io", None, "gpu-1", None),
+        ("list", "gpunodes", "cdmo.io", None, None, None),
+        ("patch", "clusterkopfpeerings", "kopf.dev", None, "mig-operator", None),
+        ("create", "mutatingwebhookconfigurations", "admissionregistration.k8s.io", None, None, None),
+        ("create", "pods", "", "some-team", None, None),
+    ],
+    "controller": [
+        ("get", "secrets", "", "kube-system", None, None),
+        ("list", "secrets", "", None, None, None),
+        ("list", "secrets", "", CHART_NAMESPACE, None, None),
+        ("get", "secrets", "", CHART_NAMESPACE, "someone-elses-secret", None),
+        ("create", "secrets", "", "some-team", None, None),
+        ("patch", "mutatingwebhookconfigurations", "admissionregistration.k8s.io", None, "someone-elses", None),
+        ("delete", "mutatingwebhookconfigurations", "admissionregistration.k8s.io", None, "e2e-mig-operator", None),
+        ("patch", "validatingwebhookconfigurations", "admissionregistration.k8s.io", None, "any", None),
+        ("delete", "gpuslices", "cdmo.io", "some-team", None, None),
+        ("create", "gpunodes", "cdmo.io", None, None, None),
+        ("patch", "gpunodes", "cdmo.io", None, "gpu-1", "status"),
+        ("create", "pods", "", "some-team", None, None),
+        ("delete", "pods", "", "some-team", None, None),
+        ("patch", "nodes", "", None, "gpu-1", None),
+        ("get", "configmaps", "", "kube-system", "any", None),
+        ("delete", "configmaps", "", "some-team", None, None),
+        ("create", "clusterroles", "rbac.authorization.k8s.io", None, None, None),
+        ("create", "serviceaccounts", "", None, None, "token"),
+    ],
+}
+
+
+@pytest.mark.parametrize("part", sorted(REFUSED))
+def test_each_service_account_is_refused_what_it_does_not_need(
+        kube_cluster: KubeCluster, chart_identities: ChartIdentities, part: str) -> None:
+    allowed = [case for case in REFUSED[part] if can(kube_cluster, chart_identities, part, *case[:2], *case[2:])]
+    assert not allowed, f"{part} may: {allowed}"
+    # And as kubectl puts it, impersonating the ServiceAccount.
+    answer = kube_cluster.kubectl("auth", "can-i", "patch", "pods", "--all-namespaces",
+                                  f"--as={chart_identities.user(part)}", check=False)
+    assert answer.stdout.strip() == ("yes" if part == "controller" else "no")
+
+
+# ---- the webhook certificate Secret -----------------------------------------------------------------
+
+
+def _served_certificate(port: int) -> bytes:
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as raw, context.wrap_socket(raw) as tls:
+        return tls.getpeercert(binary_form=True)
+
+
+def test_two_controllers_share_the_webhook_certificate_through_the_charts_secret(
+        operator: OperatorHarness, chart_identities: ChartIdentities) -> None:
+    """The first replica makes the certificate and stores it (secrets: create), the second reads it
+    (secrets: get, by name); both serve it, and the configuration trusts its CA (create, patch)."""
+    secret = chart_identities.webhook_cert_secret
+    core = operator.core
+    try:
+        core.delete_namespaced_secret(secret, CHART_NAMESPACE)
+    except ApiException as exc:
+        if exc.status != 404:
+            raise
+    first = operator.controller_with_webhook(None, "--webhook-cert-secret", secret)
+    operator.wait_webhook()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        second_port = sock.getsockname()[1]
+    operator.controller(None, "--webhook", f"127.0.0.1:{second_port}", "--webhook-config", operator.webhook_config,
+                        "--namespace", CHART_NAMESPACE, "--webhook-cert-secret", secret)
+
+    def serving() -> bool:
+        with socket.socket() as sock:
+            return sock.connect_ex(("127.0.0.1", second_port)) == 0
+
+    wait_until(serving, 30, lambda: f"the second replica's webhook\n{operator.logs()}")
+    try:
+        data = core.read_namespaced_secret(secret, CHART_NAMESPACE).data
+        served = {_served_certificate(operator.webhook_port), _served_certificate(second_port)}
+        assert served == {ssl.PEM_cert_to_DER_cert(base64.b64decode(data["tls.crt"]).decode())}
+        admission = kubernetes.client.AdmissionregistrationV1Api(operator.cluster.api_client)
+        config = admission.read_mutating_webhook_configuration(operator.webhook_config)
+        assert base64.b64decode(config.webhooks[0].client_config.ca_bundle) == base64.b64decode(data["ca.crt"])
+        # The CA the configuration names is the one that signed what both replicas serve.
+        with tempfile.NamedTemporaryFile("wb", suffix=".pem") as ca:
+            ca.write(base64.b64decode(data["ca.crt"]))
+            ca.flush()
+            context = ssl.create_default_context(cafile=ca.name)
+            with socket.create_connection(("127.0.0.1", second_port), timeout=5) as raw, \
+                    context.wrap_socket(raw, server_hostname="127.0.0.1"):
+                pass
+        assert first.alive
+    finally:
+        for proc in operator.procs:
+            operator.stop(proc)
+        core.delete_namespaced_secret(secret, CHART_NAMESPACE)

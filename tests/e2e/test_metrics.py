@@ -1,0 +1,146 @@
+"""What an operator watching mig-operator sees: Prometheus metrics scraped over HTTP from a controller
+and two agents (as the chart's ServiceAccounts), checked against what happened; and JSON logs, one
+object per line."""
+
+from __future__ import annotations
+
+import json
+import socket
+import urllib.request
+from collections.abc import Callable
+from typing import Any
+
+from harness import OperatorHarness, wait_until
+from prometheus_client.parser import text_string_to_metric_families
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def scrape(port: int) -> tuple[set[str], Samples]:
+    """The metric families served at /metrics, and every sample as (name, sorted labels) -> value."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    families, samples = set(), {}
+    for family in text_string_to_metric_families(text):
+        families.add(family.name)
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return families, samples
+
+
+def value(samples: Samples, name: str, **labels: str) -> float | None:
+    return samples.get((name, tuple(sorted(labels.items()))))
+
+
+def settle(port: int, check: Callable[[Samples], bool], what: str, op: OperatorHarness) -> Samples:
+    """Scrape until ``check`` holds (gauges follow events by a few hundred ms)."""
+    seen: list[Samples] = [{}]
+
+    def ok() -> bool:
+        seen[0] = scrape(port)[1]
+        return check(seen[0])
+
+    wait_until(ok, 20, lambda: f"{what} on :{port}; last scrape:\n" + "\n".join(
+        f"  {n}{dict(lbl)} = {v}" for (n, lbl), v in sorted(seen[0].items()) if n.startswith("mig_operator"))
+        + f"\n{op.logs()}")
+    return seen[0]
+
+
+def test_metrics_of_the_controller_and_the_agents_match_what_happened(operator: OperatorHarness) -> None:
+    mig = operator.add_node("h100-80gb")
+    plain = operator.add_node("l4-24gb", labelled=False)
+    ports = {"controller": free_port(), mig.name: free_port(), plain.name: free_port()}
+    for node in (mig, plain):
+        operator.agent(node, None, "--metrics-address", f"127.0.0.1:{ports[node.name]}")
+    for node in (mig, plain):
+        operator.wait_gpunode(node)
+    operator.controller(None, "--metrics-address", f"127.0.0.1:{ports['controller']}")
+    ns = operator.namespace()
+    operator.create_slice(ns, "kept", {"memory": "4G"})
+    operator.create_slice(ns, "released", {"migProfile": "2g.20gb"})
+    operator.create_slice(ns, "part", {"fraction": 0.5, "nodeName": plain.name})
+    kept = operator.wait_phase(ns, "kept", "Ready")["status"]
+    operator.wait_phase(ns, "released", "Ready")
+    part = operator.wait_phase(ns, "part", "Ready")["status"]
+    assert (kept["mode"], part["mode"], part["node"]) == ("mig", "fraction", plain.name)
+    # A permanent NVML error: the slice fails, and the agent counts a reconcile error and an NVML error.
+    mig.backend().inject_fault("create_instance", "INSUFFICIENT_RESOURCES", times=1)
+    operator.create_slice(ns, "broken", {"migProfile": "3g.40gb"})
+    operator.wait_phase(ns, "broken", "Failed")
+    operator.delete_slice(ns, "released")
+    operator.wait_gone(ns, "released")
+
+    # ---- the controller ----
+    def failed(s: Samples) -> float:
+        # A Failed slice has no binding any more; the controller counts it under mode "" today (the
+        # status still says mig): accept either, the count is what matters here.
+        return sum(v for (n, lbl), v in s.items() if n == "mig_operator_slices" and ("phase", "Failed") in lbl)
+
+    controller = settle(ports["controller"], lambda s: (
+        value(s, "mig_operator_slices", phase="Ready", mode="mig") == 1
+        and value(s, "mig_operator_slices", phase="Ready", mode="fraction") == 1
+        and failed(s) == 1), "slices by phase and mode", operator)
+    assert sum(v for (n, _), v in controller.items() if n == "mig_operator_slices") == 3  # released is gone
+    assert value(controller, "mig_operator_bind_seconds_count") >= 4  # four slices bound
+    assert value(controller, "mig_operator_bind_seconds_sum") > 0
+    assert value(controller, "mig_operator_binds_total", mode="mig") >= 3
+    assert value(controller, "mig_operator_binds_total", mode="fraction") >= 1
+    families = scrape(ports["controller"])[0]
+    assert "mig_operator_reconcile_errors" in families  # present (no error happened in the controller)
+
+    # ---- the MIG node's agent ----
+    gpu = {"node": mig.name, "gpu": "0"}
+    agent = settle(ports[mig.name], lambda s: (
+        value(s, "mig_operator_instances", **gpu, state="in_use") == 1
+        and value(s, "mig_operator_instances", **gpu, state="idle") == 1), "one instance in use, one idle", operator)
+    assert value(agent, "mig_operator_granted_bytes", **gpu) == kept["grantedBytes"]
+    assert value(agent, "mig_operator_realise_seconds_count", action="create") >= 2
+    assert value(agent, "mig_operator_realise_seconds_sum", action="create") > 0
+    calls = {dict(labels)["call"]: v for (n, labels), v in agent.items() if n == "mig_operator_nvml_call_seconds_count"}
+    assert calls["create_instance"] >= 3 and calls["instances"] >= 1 and calls["gpus"] >= 1, calls
+    assert value(agent, "mig_operator_nvml_errors_total", call="create_instance", error="INSUFFICIENT_RESOURCES") == 1
+    assert value(agent, "mig_operator_reconcile_errors_total", part="agent", kind="NvmlInsufficientResources") == 1
+
+    # ---- the fraction node's agent ----
+    plain_gpu = {"node": plain.name, "gpu": "0"}
+    fraction = settle(ports[plain.name], lambda s: value(s, "mig_operator_granted_bytes", **plain_gpu) ==
+                      part["grantedBytes"], "memory granted on the fraction GPU", operator)
+    assert value(fraction, "mig_operator_realise_seconds_count", action="fraction") == 1
+    assert value(fraction, "mig_operator_instances", **plain_gpu, state="in_use") == 0
+    assert "create_instance" not in {dict(labels).get("call") for (_, labels) in fraction}
+
+
+def test_json_logs_are_one_object_per_line(operator: OperatorHarness) -> None:
+    node = operator.add_node("h100-80gb")
+    agent = operator.agent(node, None, "--log-format", "json", "--log-level", "debug")
+    operator.wait_gpunode(node)
+    controller = operator.controller_with_webhook(None, "--log-format", "json")  # logs where it serves
+    ns = operator.namespace()
+    operator.create_slice(ns, "ok", {"memory": "4G"})
+    operator.wait_phase(ns, "ok", "Ready")
+    node.backend().inject_fault("create_instance", "INSUFFICIENT_RESOURCES", times=1)
+    operator.create_slice(ns, "broken", {"migProfile": "3g.40gb"})  # logged as a warning by the agent
+    operator.wait_phase(ns, "broken", "Failed")
+    for proc in (agent, controller):
+        operator.stop(proc)  # shutdown is logged too
+    records: dict[str, list[dict[str, Any]]] = {}
+    for proc in (agent, controller):
+        lines = [line for line in proc.log.read_text().splitlines() if line.strip()]
+        assert lines, f"{proc.name} logged nothing"
+        for line in lines:
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                raise AssertionError(f"{proc.name}: not a JSON line: {line!r}") from None
+            assert isinstance(entry, dict) and {"time", "level", "logger", "message"} <= set(entry), line
+            records.setdefault(proc.name, []).append(entry)
+    agent_records = records[agent.name]
+    assert any(r["level"] == "warning" and "broken" in r["message"] for r in agent_records)
+    assert any(r["level"] == "debug" and r["logger"].startswith("kopf") for r in agent_records)
+    assert all(r["level"] != "debug" for r in records[controller.name])

@@ -1,0 +1,373 @@
+"""The Helm chart, offline: lint, Kubernetes 1.34 schemas, least-privilege RBAC, pod privileges, and the
+places where the chart must say exactly what the code says (CRDs, webhook configuration, flags)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+from helm_chart import CHART_DIR, REPO_ROOT, container, find
+
+from mig_operator.cli import build_parser
+from mig_operator.kube.common.names import SHIM_HOST_DIR, WEBHOOK_NAME
+from mig_operator.kube.webhook.server import WebhookOptions, webhook_configuration
+from mig_operator.operator_cli import parse_duration
+
+K8S_SCHEMA_VERSION = "1.34.0"
+# Kinds from other projects' CRDs: no 1.34 schema exists for them; checked field by field below.
+FOREIGN_KINDS = {("cert-manager.io/v1", "Issuer"), ("cert-manager.io/v1", "Certificate"),
+                 ("monitoring.coreos.com/v1", "ServiceMonitor")}
+SHA = "sha256:" + "ab" * 32
+
+VARIANTS: dict[str, list[str]] = {
+    "default": [],
+    "cert-manager, ServiceMonitor": [
+        "--set", "webhook.certManager.enabled=true", "--set", "metrics.serviceMonitor.enabled=true",
+        "--set", "metrics.serviceMonitor.labels.release=prometheus",
+    ],
+    "cert-manager with a ClusterIssuer": [
+        "--set", "webhook.certManager.enabled=true", "--set", "webhook.certManager.issuerRef.kind=ClusterIssuer",
+        "--set", "webhook.certManager.issuerRef.name=company-ca",
+        "--set", "webhook.certManager.issuerRef.group=cert-manager.io",
+    ],
+    "everything else changed": [
+        "--set", "fullnameOverride=gpu-slices", "--set", "image.repository=registry.example/mig-operator",
+        "--set", f"image.digest={SHA}", "--set", "imagePullSecrets[0].name=pull",
+        "--set", "logging.level=debug", "--set", "logging.format=text", "--set", "metrics.enabled=false",
+        "--set", "controller.replicas=3", "--set", "controller.resync=2m", "--set", "controller.peering=gpu-peers",
+        "--set", "controller.priorityClassName=system-cluster-critical",
+        "--set", "controller.podDisruptionBudget.enabled=false", "--set", "webhook.port=8443",
+        "--set", "webhook.configurationName=gpu-slices", "--set", "webhook.selfSigned.secretName=gpu-slices-tls",
+        "--set", "agent.idleTimeout=10m", "--set", "agent.nvmlAttempts=9", "--set", "agent.stateDir=/opt/cdmo/state",
+        "--set", "agent.runtimeClassName=", "--set", "agent.backend=sim:h100-80gbx2",
+        "--set", "agent.nodeSelector.gpu=yes", "--set", "agent.priorityClassName=",
+        "--set", "shim.hostDir=/opt/cdmo/shim", "--set", "serviceAccount.controller.name=ctl",
+        "--set", "serviceAccount.agent.name=agt", "--set", "nodeLabelPolicy.enabled=false",
+    ],
+}
+VARIANT_IDS = list(VARIANTS)
+
+
+@pytest.fixture(params=VARIANT_IDS)
+def variant(request: pytest.FixtureRequest) -> list[str]:
+    return VARIANTS[request.param]
+
+
+# ---- lint and schemas ------------------------------------------------------------------------------
+
+
+def test_helm_lint_passes_strict_with_default_and_other_values(helm: Any, variant: list[str]) -> None:
+    result = helm("lint", "--strict", str(CHART_DIR), *variant)
+    assert "1 chart(s) linted, 0 chart(s) failed" in result.stdout
+
+
+def test_every_object_validates_against_the_kubernetes_1_34_schemas(render: Any, variant: list[str]) -> None:
+    docs = render("--include-crds", *variant)
+    checked = set()
+    for doc in docs:
+        key = (doc["apiVersion"], doc["kind"])
+        if key in FOREIGN_KINDS:
+            _check_foreign(doc)
+            continue
+        try:
+            kubernetes_validate.validate(doc, K8S_SCHEMA_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            pytest.fail(f"{doc['kind']} {doc['metadata']['name']}: {exc.message} at {list(exc.path)}")
+        checked.add(doc["kind"])
+    assert {"CustomResourceDefinition", "Deployment", "DaemonSet", "Service", "ServiceAccount", "ClusterRole",
+            "ClusterRoleBinding"} <= checked
+
+
+def test_the_schema_check_refuses_a_misspelt_field() -> None:
+    """The offline check is not vacuous: a field Kubernetes does not know fails, as does a wrong type."""
+    bad = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "x"},
+           "spec": {"replica": 2, "selector": {"matchLabels": {"a": "b"}},
+                    "template": {"metadata": {"labels": {"a": "b"}}, "spec": {"containers": [{"name": "c"}]}}}}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(bad, K8S_SCHEMA_VERSION, strict=True)
+    bad["spec"]["replicas"] = "two"
+    del bad["spec"]["replica"]
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(bad, K8S_SCHEMA_VERSION, strict=True)
+
+
+def _check_foreign(doc: dict[str, Any]) -> None:
+    spec = doc["spec"]
+    if doc["kind"] == "Certificate":
+        assert spec["secretName"] and spec["dnsNames"] and spec["issuerRef"]["name"], spec
+        assert set(spec) <= {"secretName", "dnsNames", "issuerRef", "duration", "renewBefore", "privateKey"}
+    elif doc["kind"] == "Issuer":
+        assert spec == {"selfSigned": {}}
+    else:
+        assert spec["selector"]["matchLabels"] and spec["endpoints"][0]["port"] == "metrics", spec
+
+
+# ---- one source of truth ---------------------------------------------------------------------------
+
+
+def test_the_chart_crds_are_copies_of_the_crds_directory() -> None:
+    """crds/ at the repo root is the source; `make chart-crds` copies it into the chart. The policy
+    (slice-node-label.yaml) is not a CRD, so it is a template (compared below)."""
+    source = {p.name: p.read_bytes() for p in (REPO_ROOT / "crds").glob("*.yaml") if p.name != "slice-node-label.yaml"}
+    chart = {p.name: p.read_bytes() for p in (CHART_DIR / "crds").glob("*.yaml")}
+    assert sorted(chart) == sorted(source), "run `make chart-crds`"
+    for name, text in source.items():
+        assert chart[name] == text, f"helm/mig-operator/crds/{name} differs from crds/{name}: run `make chart-crds`"
+
+
+def test_the_node_label_policy_template_is_the_one_in_crds(render: Any) -> None:
+    rendered = [d for d in render() if d["kind"].startswith("ValidatingAdmissionPolicy")]
+    source = [d for d in yaml.safe_load_all((REPO_ROOT / "crds" / "slice-node-label.yaml").read_text()) if d]
+    for doc in rendered:
+        labels = doc["metadata"].pop("labels")
+        assert labels["app.kubernetes.io/managed-by"] == "Helm"
+    assert rendered == source
+
+
+def test_cert_manager_mode_ships_the_webhook_configuration_the_controller_would_write(render: Any) -> None:
+    docs = render("--set", "webhook.certManager.enabled=true", release="gs", namespace="gpu-system")
+    rendered = find(docs, "MutatingWebhookConfiguration")
+    service = find(docs, "Service", "gs-mig-operator-webhook")
+    certificate = find(docs, "Certificate")
+    options = WebhookOptions(listen="0.0.0.0:9443", namespace="gpu-system",
+                             service=f"gpu-system/{service['metadata']['name']}:443", config_name=WEBHOOK_NAME)
+    expected = webhook_configuration(options, b"")
+    del expected["webhooks"][0]["clientConfig"]["caBundle"]  # cert-manager's CA injector fills it in
+    annotations = rendered["metadata"].pop("annotations")
+    assert annotations == {"cert-manager.io/inject-ca-from": f"gpu-system/{certificate['metadata']['name']}"}
+    assert rendered == expected
+    assert certificate["spec"]["secretName"] == _volume(docs, "Deployment", "webhook-tls")["secret"]["secretName"]
+    # The certificate names the Service the way the controller's own certificate would.
+    assert certificate["spec"]["dnsNames"] == [f"{service['metadata']['name']}.gpu-system.svc",
+                                               f"{service['metadata']['name']}.gpu-system.svc.cluster.local"]
+
+
+def test_the_default_webhook_configuration_name_is_the_code_default(render: Any) -> None:
+    args = _args(container(render(), "Deployment", "controller"))
+    assert args.webhook_config == WEBHOOK_NAME and args.shim_host_dir == SHIM_HOST_DIR
+
+
+# ---- the chart's flags are the command line's ----------------------------------------------------
+
+
+def _args(c: dict[str, Any]) -> Any:
+    env = {e["name"]: "node-a" for e in c.get("env") or [] if e.get("valueFrom")}
+    argv = [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a) for a in c["args"]]
+    return build_parser().parse_args(argv)
+
+
+def _volume(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    return next(v for v in find(docs, kind)["spec"]["template"]["spec"]["volumes"] if v["name"] == name)
+
+
+@pytest.mark.parametrize("name", ["default", "everything else changed", "cert-manager, ServiceMonitor"])
+def test_the_rendered_arguments_parse_and_agree_with_each_other(render: Any, name: str) -> None:
+    docs = render(*VARIANTS[name], namespace="gpu-system")
+    values = yaml.safe_load((CHART_DIR / "values.yaml").read_text())
+    ctl_container = container(docs, "Deployment", "controller")
+    agent_container = container(docs, "DaemonSet", "agent")
+    ctl, agent = _args(ctl_container), _args(agent_container)
+    assert (ctl.command, agent.command) == ("controller", "agent")
+    # The webhook: the Service in front of the replicas is the one the controller names in its
+    # configuration, on the port it listens on.
+    service_ns, _, rest = ctl.webhook_service.partition("/")
+    service_name, _, service_port = rest.partition(":")
+    service = find(docs, "Service", service_name)
+    assert service_ns == ctl.namespace == "gpu-system"
+    assert service["spec"]["ports"] == [{"name": "webhook", "port": int(service_port), "targetPort": "webhook",
+                                         "protocol": "TCP"}]
+    ports = {p["name"]: p["containerPort"] for p in ctl_container["ports"]}
+    assert ports["webhook"] == int(ctl.webhook.rpartition(":")[2])
+    assert service["spec"]["selector"].items() <= find(docs, "Deployment")["spec"]["template"]["metadata"][
+        "labels"].items()
+    # The shim: installed by the agents' init container where the controller tells pods to mount it.
+    assert _volume(docs, "DaemonSet", "shim")["hostPath"]["path"] == ctl.shim_host_dir
+    assert container(docs, "DaemonSet", "install-shim", init=True)["volumeMounts"] == [
+        {"name": "shim", "mountPath": "/host-shim"}]
+    # The agent's node comes from the downward API; its record lives in the host state directory.
+    assert agent.node == "node-a"
+    assert next(e for e in agent_container["env"] if e["name"] == "NODE_NAME")["valueFrom"] == {
+        "fieldRef": {"fieldPath": "spec.nodeName"}}
+    state = _volume(docs, "DaemonSet", "state")["hostPath"]["path"]
+    assert Path(agent.record_file).parent == Path(state)
+    assert {"name": "state", "mountPath": state} in agent_container["volumeMounts"]
+    if agent.idle_timeout:
+        assert parse_duration(agent.idle_timeout) > 0
+    # Logs and metrics as the values say, on a named port when on.
+    for part, c in ((ctl, ctl_container), (agent, agent_container)):
+        assert part.log_format in ("json", "text") and part.log_level in ("debug", "info", "warning", "error")
+        if part.metrics_address:
+            assert {p["name"]: p["containerPort"] for p in c["ports"]}["metrics"] == int(
+                part.metrics_address.rpartition(":")[2])
+    if name == "default":
+        assert (ctl.log_format, ctl.log_level, agent.backend) == ("json", "info", "nvml")
+        assert ctl.metrics_address == agent.metrics_address == f":{values['metrics']['port']}"
+        assert agent.idle_timeout is None and agent.nvml_attempts == 5
+        assert find(docs, "Deployment")["spec"]["replicas"] == 2
+    if name == "everything else changed":
+        assert (ctl.log_format, ctl.log_level, agent.idle_timeout, agent.nvml_attempts) == ("text", "debug", "10m", 9)
+        assert ctl.metrics_address is None and agent.metrics_address is None
+        assert agent.state_file == "/opt/cdmo/state/simulated-gpus.json"
+        assert ctl_container["image"] == f"registry.example/mig-operator@{SHA}"
+
+
+# ---- least privilege ----------------------------------------------------------------------------------
+
+Rule = tuple[str, str, str, str]  # (API group, resource, verb, resource name or "")
+
+
+def _grants(role: dict[str, Any]) -> set[Rule]:
+    out = set()
+    for rule in role["rules"]:
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                for verb in rule["verbs"]:
+                    for name in rule.get("resourceNames") or [""]:
+                        out.add((group, resource, verb, name))
+    return out
+
+
+def _table(rows: dict[tuple[str, str], str], names: dict[tuple[str, str], str] | None = None) -> set[Rule]:
+    return {(g, r, v, (names or {}).get((g, r, v), "")) for (g, r), verbs in rows.items() for v in verbs.split()}
+
+
+# What each part's code calls (mig_operator/kube/), plus what kopf needs: CRD list/watch for its
+# resource observer. docs/operations.md holds the same table; tests/e2e runs every part under it.
+CONTROLLER_RULES = {
+    ("cdmo.io", "gpuslices"): "get list watch create patch",
+    ("cdmo.io", "gpuslices/status"): "patch",
+    ("cdmo.io", "gpunodes"): "list watch",
+    ("", "nodes"): "list watch",
+    ("", "pods"): "get list watch patch",
+    ("", "configmaps"): "create patch",
+    ("", "events"): "create",
+    ("kopf.dev", "clusterkopfpeerings"): "list watch create patch",
+    ("apiextensions.k8s.io", "customresourcedefinitions"): "list watch",
+}
+CONTROLLER_WEBHOOK_RULES = {("admissionregistration.k8s.io", "mutatingwebhookconfigurations"): "create patch"}
+AGENT_RULES = {
+    ("cdmo.io", "gpuslices"): "get list watch patch",
+    ("cdmo.io", "gpuslices/status"): "patch",
+    ("cdmo.io", "gpunodes"): "create",
+    ("cdmo.io", "gpunodes/status"): "patch",
+    ("", "nodes"): "get",
+    ("", "events"): "create",
+    ("apiextensions.k8s.io", "customresourcedefinitions"): "list watch",
+}
+
+
+def test_each_part_gets_exactly_the_verbs_its_code_uses(render: Any) -> None:
+    docs = render(release="mo", namespace="gpu-system")
+    mwc = ("admissionregistration.k8s.io", "mutatingwebhookconfigurations", "patch")
+    assert _grants(find(docs, "ClusterRole", "mo-mig-operator-controller")) == (
+        _table(CONTROLLER_RULES) | _table(CONTROLLER_WEBHOOK_RULES, {mwc: WEBHOOK_NAME}))
+    assert _grants(find(docs, "ClusterRole", "mo-mig-operator-agent")) == _table(AGENT_RULES)
+    secrets = find(docs, "Role")
+    assert secrets["metadata"]["namespace"] == "gpu-system"
+    assert _grants(secrets) == {("", "secrets", "create", ""), ("", "secrets", "get", "mo-mig-operator-webhook-cert")}
+    controller, agent = "mo-mig-operator-controller", "mo-mig-operator-agent"
+    for kind, binding_name, account in (("RoleBinding", secrets["metadata"]["name"], controller),
+                                        ("ClusterRoleBinding", controller, controller),
+                                        ("ClusterRoleBinding", agent, agent)):
+        binding = find(docs, kind, binding_name)
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account, "namespace": "gpu-system"}]
+        assert binding["roleRef"]["name"] == binding_name
+    deployment, daemonset = find(docs, "Deployment"), find(docs, "DaemonSet")
+    assert deployment["spec"]["template"]["spec"]["serviceAccountName"] == "mo-mig-operator-controller"
+    assert daemonset["spec"]["template"]["spec"]["serviceAccountName"] == "mo-mig-operator-agent"
+
+
+def test_with_cert_manager_the_controller_gets_no_secrets_and_no_webhook_configurations(render: Any) -> None:
+    docs = render("--set", "webhook.certManager.enabled=true", release="mo")
+    assert _grants(find(docs, "ClusterRole", "mo-mig-operator-controller")) == _table(CONTROLLER_RULES)
+    assert not [d for d in docs if d["kind"] in ("Role", "RoleBinding")]
+
+
+def test_no_rule_uses_a_wildcard_or_reaches_secrets_cluster_wide(render: Any, variant: list[str]) -> None:
+    for role in (d for d in render(*variant) if d["kind"] in ("ClusterRole", "Role")):
+        for group, resource, verb, _ in _grants(role):
+            assert "*" not in (group, resource, verb), role["metadata"]["name"]
+            assert verb not in ("delete", "deletecollection", "update", "escalate", "bind", "impersonate")
+            assert resource != "secrets" or role["kind"] == "Role", role["metadata"]["name"]
+
+
+def test_the_operations_guide_lists_the_same_verbs() -> None:
+    text = (REPO_ROOT / "docs" / "operations.md").read_text()
+    rows = set()
+    for line in text.splitlines():
+        cells = [c.strip().strip("`") for c in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[0] in ("controller", "agent"):
+            group = "" if cells[1] in ("core", '""') else cells[1]
+            rows.add((cells[0], group, cells[2], " ".join(v.strip() for v in cells[3].split(","))))
+    expected = {("controller", g, r, v) for (g, r), v in {**CONTROLLER_RULES, **CONTROLLER_WEBHOOK_RULES}.items()}
+    expected |= {("agent", g, r, v) for (g, r), v in AGENT_RULES.items()}
+    expected |= {("controller", "", "secrets", "create get")}
+    assert rows == expected
+
+
+# ---- pod privileges ------------------------------------------------------------------------------
+
+
+def test_the_controller_runs_unprivileged_and_the_agent_with_only_what_mig_needs(render: Any,
+                                                                                 variant: list[str]) -> None:
+    docs = render(*variant)
+    ctl_pod = find(docs, "Deployment")["spec"]["template"]["spec"]
+    ctl = container(docs, "Deployment", "controller")
+    assert ctl_pod["securityContext"]["runAsNonRoot"] is True and ctl_pod["securityContext"]["runAsUser"] != 0
+    assert ctl["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                                      "capabilities": {"drop": ["ALL"]}}
+    assert not [v for v in ctl_pod["volumes"] if "hostPath" in v]
+
+    agent_pod = find(docs, "DaemonSet")["spec"]["template"]["spec"]
+    agent = container(docs, "DaemonSet", "agent")
+    for key in ("hostPID", "hostIPC", "hostNetwork", "shareProcessNamespace"):
+        assert key not in agent_pod
+    assert agent["securityContext"] == {"runAsUser": 0, "runAsNonRoot": False, "readOnlyRootFilesystem": True,
+                                        "capabilities": {"drop": ["ALL"], "add": ["SYS_ADMIN"]}}
+    env = {e["name"]: e.get("value") for e in agent["env"]}
+    assert {k: env[k] for k in env if k.startswith("NVIDIA_")} == {
+        "NVIDIA_VISIBLE_DEVICES": "all", "NVIDIA_MIG_CONFIG_DEVICES": "all", "NVIDIA_MIG_MONITOR_DEVICES": "all",
+        "NVIDIA_DRIVER_CAPABILITIES": "utility"}
+    assert "resources" not in agent or "nvidia.com/gpu" not in str(agent["resources"])
+    init = container(docs, "DaemonSet", "install-shim", init=True)
+    assert init["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert init["securityContext"]["allowPrivilegeEscalation"] is False
+    host_paths = sorted(v["hostPath"]["path"] for v in agent_pod["volumes"] if "hostPath" in v)
+    values = yaml.safe_load((CHART_DIR / "values.yaml").read_text())
+    if not variant:
+        assert host_paths == sorted([values["agent"]["stateDir"], values["shim"]["hostDir"]])
+        assert agent_pod["runtimeClassName"] == "nvidia"
+        assert agent_pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert len(host_paths) == 2
+
+
+# ---- values.yaml -------------------------------------------------------------------------------------
+
+# Maps whose entries are data, documented by the comment on the map itself.
+FREE_FORM = {"resources", "requests", "limits", "nodeSelector", "nvidiaEnv", "labels", "annotations", "podAnnotations",
+             "affinity", "issuerRef", "tolerations"}
+
+
+def test_every_value_has_a_comment() -> None:
+    lines = (CHART_DIR / "values.yaml").read_text().splitlines()
+    stack: list[tuple[int, str]] = []
+    missing = []
+    for i, line in enumerate(lines):
+        match = re.match(r"^( *)([A-Za-z][\w.-]*):", line)
+        if not match:
+            continue
+        indent, key = len(match.group(1)), match.group(2)
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        parents = [k for _, k in stack]
+        stack.append((indent, key))
+        if set(parents) & FREE_FORM:
+            continue
+        previous = next((lines[j] for j in range(i - 1, -1, -1) if lines[j].strip()), "")
+        if not previous.strip().startswith("#"):
+            missing.append(".".join([*parents, key]))
+    assert not missing, f"values without a comment right above them: {missing}"
