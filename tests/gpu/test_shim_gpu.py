@@ -82,8 +82,9 @@ def nvml_usage() -> dict[tuple[int, int], int]:
         pynvml.nvmlShutdown()
 
 
-def footprint(pid: int, gpu: int | None = None) -> int:
-    """NVML's used memory of one process, on one GPU or summed over all."""
+def footprint(pid: int, gpu: int | None = 0) -> int:
+    """NVML's used memory of one process on one GPU (GPU 0, where these workloads allocate: the limit
+    is per GPU, and a framework may touch another GPU of a multi-GPU machine), or summed over all."""
     return sum(v for (p, g), v in nvml_usage().items() if p == pid and (gpu is None or g == gpu))
 
 
