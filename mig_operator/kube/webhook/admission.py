@@ -43,7 +43,7 @@ def slice_name_for(pod: Mapping[str, Any], token: str | None = None) -> str:
     the pod's name (or generateName) cut to 40 characters, ``-gs-`` and 8 random hex digits. It is
     also a label value, so it stays within 63 characters and ends alphanumeric."""
     meta = pod.get("metadata") or {}
-    base = (meta.get("name") or meta.get("generateName") or "pod").rstrip("-.")[:40].rstrip("-.") or "pod"
+    base = (meta.get("name") or meta.get("generateName") or "pod").strip("-.")[:40].rstrip("-.") or "pod"
     return f"{base}-gs-{token or secrets.token_hex(4)}"
 
 
