@@ -314,6 +314,8 @@ def test_kubectl_get_gs_shows_the_columns(api: Any, kube_cluster: Any, namespace
         "giId": 9,
         "ciId": 0,
         "grantedBytes": 16384 * 2**20,
+        "reused": False,
+        "phaseTimes": {"Bound": "2026-01-01T00:00:00.000Z", "Ready": "2026-01-01T00:00:00.120Z"},
         "observedGeneration": 1,
         "reclaim": [{"gpu": 0, "profile": "1g.18gb", "start": 4}],
         "conditions": [
@@ -328,11 +330,11 @@ def test_kubectl_get_gs_shows_the_columns(api: Any, kube_cluster: Any, namespace
     }
     api.patch_namespaced_custom_object_status(GROUP, VERSION, namespace, SLICES, name, {"status": status})
     rows = _table(kube_cluster.kubectl("get", "gs", name, "-n", namespace).stdout)
-    assert rows[0] == ["NAME", "REQUEST", "MODE", "NODE", "PROFILE", "PHASE", "AGE"]
-    assert rows[1][:6] == [name, "memory 17G", "mig", "gpu-node-1", "1g.18gb", "Ready"]
+    assert rows[0] == ["NAME", "REQUEST", "PHASE", "NODE", "GPU", "PROFILE", "REUSED", "AGE"]
+    assert rows[1][:7] == [name, "memory 17G", "Ready", "gpu-node-1", "0", "1g.18gb", "false"]
     wide = _table(kube_cluster.kubectl("get", "gpuslice", name, "-n", namespace, "-o", "wide").stdout)
-    assert wide[0][-5:] == ["MEMORY", "FRACTION", "MIG-PROFILE", "GPU", "DEVICE"]
-    assert wide[1][-5:] == ["17G", "", "", "0", status["deviceUUID"]]
+    assert wide[0][-5:] == ["MODE", "MEMORY", "FRACTION", "MIG-PROFILE", "DEVICE"]
+    assert wide[1][-5:] == ["mig", "17G", "", "", status["deviceUUID"]]
 
 
 def test_kubectl_get_gn_shows_the_columns(kube_cluster: Any, api: Any, crds: None) -> None:
@@ -385,12 +387,14 @@ def test_kubectl_get_gn_shows_the_columns(kube_cluster: Any, api: Any, crds: Non
             "migGpuCount": 1,
             "freeSlots": 7,
             "idleInstances": 1,
+            "inUseInstances": 0,
+            "fractionSlices": 0,
             "observedAt": "2026-01-01T00:00:00Z",
         }
         api.patch_cluster_custom_object_status(GROUP, VERSION, NODES, name, {"status": status})
         rows = _table(kube_cluster.kubectl("get", "gn", name).stdout)
-        assert rows[0] == ["NAME", "GPUS", "MIG GPUS", "FREE SLOTS", "IDLE INSTANCES", "OBSERVED", "AGE"]
-        assert rows[1][:5] == [name, "2", "1", "7", "1"]
+        assert rows[0] == ["NAME", "GPUS", "MIG GPUS", "IN USE", "IDLE", "FREE SLOTS", "FRACTIONS", "OBSERVED", "AGE"]
+        assert rows[1][:7] == [name, "2", "1", "0", "1", "7", "0"]
         stored = api.get_cluster_custom_object(GROUP, VERSION, NODES, name)
         assert stored["status"]["gpus"] == [gpu]  # nothing pruned: the schema has every field
         changed = dict(stored, spec={"nodeName": "another"})
