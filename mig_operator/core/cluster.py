@@ -14,11 +14,21 @@ placement. That is what keeps two slices bound in the same second off one placem
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from .planner import FractionGpu, InstanceSlot, MigGpu, PlannerSettings, Unplaceable, choose_fraction, choose_mig
+from .planner import (
+    FractionGpu,
+    InstanceSlot,
+    MigDecision,
+    MigGpu,
+    PlannerSettings,
+    Unplaceable,
+    choose_fraction,
+    choose_mig,
+)
+from .planning_index import PlanningIndex
 from .profiles import GpuModel, Placement, Profile
 from .quantities import MIB, format_bytes, mib_ceil
 from .request import SliceRequest
@@ -171,7 +181,7 @@ def build_view(
     return view
 
 
-def _mig_gpu(node: str, gpu: GpuState, bound: list[Binding], live: set[str]) -> MigGpu:
+def _mig_gpu(node: str, gpu: GpuState, bound: list[Binding], live: Collection[str]) -> MigGpu:
     slots: list[InstanceSlot] = []
     for inst in gpu.instances:
         if any(_overlaps(inst, b) and not _same(inst, b) for b in bound):
@@ -213,15 +223,31 @@ def plan_binding(
     The returned binding has no uid; raises Refusal with a code and a message of at most MAX_MESSAGE.
     """
     mig = [g for g in view.mig if node is None or g.node == node]
-    fraction = [] if request.profile is not None else [g for g in view.fraction if node is None or g.node == node]
+    fraction = [g for g in view.fraction if node is None or g.node == node]
+    return _decide(request, node, settings or PlannerSettings(), bool(mig),
+                   lambda s: choose_mig(request, mig, s), lambda: {g.model for g in mig}, fraction)
+
+
+def _decide(
+    request: SliceRequest,
+    node: str | None,
+    settings: PlannerSettings,
+    has_mig: bool,
+    choose: Callable[[PlannerSettings], MigDecision],
+    models: Callable[[], Iterable[GpuModel]],
+    fraction: list[FractionGpu],
+) -> Binding:
+    """The one rule, whether the MIG GPUs come as a list or as a PlanningIndex."""
+    if request.profile is not None:
+        fraction = []
     where = f"on node {node}" if node is not None else "in the cluster"
-    if not mig and not fraction:
+    if not has_mig and not fraction:
         kind = "MIG GPU" if request.profile is not None else "GPU"
         raise Refusal(NO_GPU, _clip(f"no {kind} {where} can take slices: {request.describe()} waits for one"))
     reasons: list[str] = []
-    if mig:
+    if has_mig:
         try:
-            decision = choose_mig(request, mig, settings or PlannerSettings())
+            decision = choose(settings)
         except Unplaceable as exc:
             reasons.append(f"MIG: {exc.reason}")
         else:
@@ -238,22 +264,142 @@ def plan_binding(
         else:
             return Binding(uid="", node=share.node, gpu=share.gpu, mode=MODE_FRACTION,
                            granted_bytes=share.granted_bytes)
-    raise Refusal(_refusal_code(request, mig, fraction), _clip(f"{request.describe()} fits nowhere {where}: "
-                                                              + "; ".join(reasons)))
+    code = _refusal_code(request, list(models()) if has_mig else [], fraction)
+    raise Refusal(code, _clip(f"{request.describe()} fits nowhere {where}: " + "; ".join(reasons)))
 
 
-def _refusal_code(request: SliceRequest, mig: list[MigGpu], fraction: list[FractionGpu]) -> str:
+def _refusal_code(request: SliceRequest, models: list[GpuModel], fraction: list[FractionGpu]) -> str:
     """TooLarge (or NoSuchProfile) when no GPU could ever take it, else NoCapacity: it waits for room."""
     if request.profile is not None:
-        offered = any(gpu.model.has_profile(request.profile) for gpu in mig)
+        offered = any(model.has_profile(request.profile) for model in models)
         return NO_CAPACITY if offered else NO_SUCH_PROFILE
     if request.memory_bytes is not None:
         need_mib = mib_ceil(request.memory_bytes)
-        largest_mig = max((p.memory_mib for g in mig for p in g.model.profiles if p.placements), default=0)
+        largest_mig = max((p.memory_mib for m in models for p in m.profiles if p.placements), default=0)
         largest_gpu = max((g.memory_bytes for g in fraction), default=0)
         if need_mib > largest_mig and request.memory_bytes > largest_gpu:
             return TOO_LARGE
     return NO_CAPACITY
+
+
+class ClusterPlanner:
+    """``build_view`` and ``plan_binding`` kept current instead of rebuilt for every decision.
+
+    The controller feeds it inventories, labels and bindings as they change; a GPU is recomputed
+    (with ``build_view``'s rules) only when its inventory, its node's label or one of its bindings
+    changed, and MIG GPUs live in a ``PlanningIndex``, so a decision costs the same on 16 GPUs as on
+    16,000. ``plan`` decides exactly as ``plan_binding`` on ``build_view`` of the same inputs (a
+    property test holds them equal). Pure: no I/O; one caller at a time.
+    """
+
+    def __init__(self) -> None:
+        self._inventories: dict[str, NodeInventory] = {}
+        self._labelled: set[str] = set()
+        self._bindings: dict[str, Binding] = {}
+        self._by_gpu: dict[tuple[str, int], dict[str, Binding]] = {}
+        self._dirty: set[tuple[str, int]] = set()
+        self._dirty_nodes: set[str] = set()
+        self._index = PlanningIndex()
+        self._fraction: dict[tuple[str, int], FractionGpu] = {}
+        self._shown: dict[str, set[int]] = {}  # node -> GPU indices currently in the index or fractions
+        self.uuids: dict[tuple[str, int], str] = {}
+
+    # ---- inputs ---------------------------------------------------------------------------------
+
+    def set_inventory(self, inventory: NodeInventory) -> None:
+        self._inventories[inventory.node] = inventory
+        self._dirty_nodes.add(inventory.node)
+
+    def remove_inventory(self, node: str) -> None:
+        self._inventories.pop(node, None)
+        self._dirty_nodes.add(node)
+
+    def set_labelled(self, node: str, labelled: bool) -> None:
+        if labelled != (node in self._labelled):
+            (self._labelled.add if labelled else self._labelled.discard)(node)
+            self._dirty_nodes.add(node)
+
+    def put_binding(self, binding: Binding) -> None:
+        old = self._bindings.get(binding.uid)
+        if old == binding:
+            return
+        if old is not None:
+            self.drop_binding(binding.uid)
+        self._bindings[binding.uid] = binding
+        self._by_gpu.setdefault((binding.node, binding.gpu), {})[binding.uid] = binding
+        self._dirty.add((binding.node, binding.gpu))
+
+    def drop_binding(self, uid: str) -> None:
+        old = self._bindings.pop(uid, None)
+        if old is None:
+            return
+        on_gpu = self._by_gpu.get((old.node, old.gpu), {})
+        on_gpu.pop(uid, None)
+        if not on_gpu:
+            self._by_gpu.pop((old.node, old.gpu), None)
+        self._dirty.add((old.node, old.gpu))
+
+    def reset(self, inventories: Iterable[NodeInventory], labelled: Iterable[str], bindings: Iterable[Binding]) -> None:
+        """Everything afresh (after a full list)."""
+        for node in list(self._inventories):
+            self.remove_inventory(node)
+        for uid in list(self._bindings):
+            self.drop_binding(uid)
+        for node in list(self._labelled):
+            self.set_labelled(node, False)
+        for inventory in inventories:
+            self.set_inventory(inventory)
+        for node in labelled:
+            self.set_labelled(node, True)
+        for binding in bindings:
+            self.put_binding(binding)
+
+    # ---- deciding -------------------------------------------------------------------------------
+
+    def plan(self, request: SliceRequest, node: str | None = None, settings: PlannerSettings | None = None) -> Binding:
+        """``plan_binding(request, build_view(...), node, settings)`` on the current inputs."""
+        self._refresh()
+        index = self._index
+        pinned = None if node is None else [node]
+        has_mig = bool(len(index)) if node is None else node in index.nodes()
+        fraction = [g for g in self._fraction.values() if node is None or g.node == node]
+        fraction.sort(key=lambda g: (g.node, g.index))
+        models = (lambda: index.models()) if node is None else (lambda: {g.model for g in index.gpus(pinned)})
+        return _decide(request, node, settings or PlannerSettings(), has_mig,
+                       lambda s: index.choose(request, s, nodes=pinned), models, fraction)
+
+    def _refresh(self) -> None:
+        gpus = set(self._dirty)
+        for node in self._dirty_nodes:
+            gpus.update((node, i) for i in self._shown.get(node, ()))
+            inventory = self._inventories.get(node)
+            if inventory is not None:
+                gpus.update((node, g.index) for g in inventory.gpus)
+        self._dirty.clear()
+        self._dirty_nodes.clear()
+        for node, index in gpus:
+            self._recompute(node, index)
+
+    def _recompute(self, node: str, index: int) -> None:
+        self._index.remove(node, index)
+        self._fraction.pop((node, index), None)
+        shown = self._shown.setdefault(node, set())
+        shown.discard(index)
+        inventory = self._inventories.get(node)
+        gpu = next((g for g in inventory.gpus if g.index == index), None) if inventory else None
+        if gpu is None:
+            self.uuids.pop((node, index), None)
+            return
+        self.uuids[(node, index)] = gpu.uuid
+        bound = list(self._by_gpu.get((node, index), {}).values())
+        role, _why = gpu_role(node in self._labelled, gpu)
+        if role == MODE_MIG and gpu.profiles:
+            self._index.put(_mig_gpu(node, gpu, [b for b in bound if b.mode == MODE_MIG], self._bindings.keys()))
+            shown.add(index)
+        elif role == MODE_FRACTION and gpu.memory_mib > 0:
+            granted = sum(b.granted_bytes for b in bound if b.mode == MODE_FRACTION)
+            self._fraction[(node, index)] = FractionGpu(node, index, gpu.memory_mib * MIB, granted)
+            shown.add(index)
 
 
 def _clip(message: str) -> str:

@@ -254,6 +254,14 @@ class PlanningIndex:
     def __len__(self) -> int:
         return self._count
 
+    def nodes(self) -> Collection[str]:
+        """The nodes with at least one indexed GPU."""
+        return self._nodes.keys()
+
+    def models(self) -> tuple[GpuModel, ...]:
+        """The models of the indexed GPUs (each once), in the planner's model order."""
+        return self._present_models()
+
     def state_count(self) -> int:
         return len(self._states)
 

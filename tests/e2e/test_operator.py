@@ -100,6 +100,9 @@ def test_reclaim_destroys_only_the_idle_instances_in_the_way(operator: OperatorH
         if s >= 4:
             operator.wait_gone(ns, f"one-{i}")
     kept_devices = {operator.get_slice(ns, f"one-{i}")["status"]["deviceUUID"] for i in kept.values()}
+    # The controller plans reclaims from the published inventory: wait until it shows them idle.
+    wait_until(lambda: sum(1 for i in operator.gpunode(node)["status"]["gpus"][0]["instances"]
+                           if not i["sliceUID"]) == 3, 10, "three idle instances in the GpuNode")
     operator.create_slice(ns, "three", {"migProfile": "3g.40gb"})
     three = operator.wait_phase(ns, "three", "Ready")["status"]
     assert three["placement"] == {"start": 4, "size": 4}
@@ -125,9 +128,12 @@ def test_too_large_stays_pending_with_a_reason_and_room_makes_it_ready(operator:
     assert any(e.reason == "NoCapacity" for e in events), "a Pending slice gets an Event with its reason"
     conditions = {c["type"]: c for c in waiting["status"]["conditions"]}
     assert conditions["Bound"]["status"] == "False" and conditions["Bound"]["reason"] == "NoCapacity"
+    holder = operator.get_slice(ns, "holder")["status"]["deviceUUID"]
     operator.delete_slice(ns, "holder")
     ready = operator.wait_phase(ns, "waiting", "Ready", timeout=30)["status"]
-    assert ready["profile"] == "7g.80gb" and ready["reclaim"], "the idle 4g instance was reclaimed"
+    left = node.backend().instances(0)
+    assert ready["profile"] == "7g.80gb" and [i.device_uuid for i in left] == [ready["deviceUUID"]]
+    assert holder not in {i.device_uuid for i in left}, "the idle 4g instance was reclaimed"
     assert operator.get_slice(ns, "huge")["status"]["phase"] == "Pending"
     check_invariants(operator)
 

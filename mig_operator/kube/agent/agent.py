@@ -73,7 +73,9 @@ class AgentSettings:
     idle_timeout_s: float | None = None  # None: idle instances stay until their space is needed
     nvml_attempts: int = 5  # tries of a transiently failing GPU call before the slice fails
     nvml_first_wait_s: float = 0.2
-    publish_delay_s: float = 0.2  # changes within this window go out in one GpuNode write
+    # Changes within this window go out in one GpuNode write. The controller never waits for it (its
+    # own bindings say what is taken), so it only bounds how stale `kubectl get gn` may look.
+    publish_delay_s: float = 1.0
     heartbeat_s: float = 30.0  # GpuNode re-read and re-published at least this often
 
 

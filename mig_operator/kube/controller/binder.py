@@ -19,15 +19,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from mig_operator.core.cluster import (
-    MODE_MIG,
-    Binding,
-    ClusterView,
-    Refusal,
-    build_view,
-    describe_binding,
-    plan_binding,
-)
+from mig_operator.core.cluster import MODE_MIG, Binding, Refusal, describe_binding
 from mig_operator.core.planner import PlannerSettings
 
 from ..common import metrics, status
@@ -52,6 +44,7 @@ class Binder:
         self._replan_task: asyncio.Task | None = None
         self._replan_again = False
         self._last_resync = 0.0
+        self._counted = 0.0
         self.on_resync: list[Callable[[], Awaitable[None]]] = []
         self.on_slice_changed: list[Callable[[SliceInfo], Awaitable[None]]] = []
 
@@ -122,16 +115,10 @@ class Binder:
         self.maybe_resync()
 
     def node_event(self, name: str, labelled: bool) -> None:
-        if labelled:
-            self.state.labelled.add(name)
-        else:
-            self.state.labelled.discard(name)
+        self.state.set_labelled(name, labelled)
         self.request_replan()
 
     # ---- binding -------------------------------------------------------------------------------
-
-    def view(self) -> ClusterView:
-        return build_view(self.state.inventories.values(), self.state.labelled, self.state.bindings())
 
     async def bind(self, uid: str) -> None:
         """Plan and write one slice's binding, or its refusal (Pending with a reason and an Event)."""
@@ -141,22 +128,23 @@ class Binder:
             if info is None or info.binding is not None or uid in self.state.in_flight or info.request is None:
                 return
             try:
-                binding = plan_binding(info.request, self.view(), info.pinned, self.planner)
+                binding = self.state.planner.plan(info.request, info.pinned, self.planner)
             except Refusal as refusal:
                 decision: Binding | Refusal = refusal
             else:
                 binding = Binding(uid, binding.node, binding.gpu, binding.mode, binding.granted_bytes,
                                   binding.profile_id, binding.profile, binding.start, binding.size)
-                self.state.in_flight[uid] = binding
+                self.state.reserve(binding)
                 decision = binding
-            gpu_uuid = "" if isinstance(decision, Refusal) else self.view_uuid(decision)
+            gpu_uuid = "" if isinstance(decision, Refusal) else self.state.planner.uuids.get(
+                (decision.node, decision.gpu), "")
         if isinstance(decision, Refusal):
             await self._refuse(info, decision)
             return
         try:
             await self._write_binding(info, decision, gpu_uuid)
         except ApiError as exc:
-            self.state.in_flight.pop(uid, None)
+            self.state.unreserve(uid)
             if exc.conflict:
                 # The slice changed since it was read; its newer event plans it again.
                 return
@@ -167,11 +155,6 @@ class Binder:
             return
         metrics.BIND_SECONDS.observe(time.perf_counter() - started)
         metrics.BINDS.labels(decision.mode).inc()
-
-    def view_uuid(self, binding: Binding) -> str:
-        inventory = self.state.inventories.get(binding.node)
-        gpu = next((g for g in inventory.gpus if g.index == binding.gpu), None) if inventory else None
-        return gpu.uuid if gpu is not None else ""
 
     def _reclaim(self, binding: Binding) -> list[dict]:
         """Idle instances the placement overlaps: the agent destroys them first (shown in status)."""
@@ -266,6 +249,10 @@ class Binder:
                 return
 
     def publish_counts(self) -> None:
+        """Slices by phase and mode, for the metrics: at most once a second (it visits every slice)."""
+        if time.monotonic() - self._counted < 1.0:
+            return
+        self._counted = time.monotonic()
         metrics.SLICES.clear()
         for (phase, mode), count in self.state.counts().items():
             metrics.SLICES.labels(phase, mode).set(count)

@@ -11,7 +11,13 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from mig_operator.core.cluster import Binding, NodeInventory, binding_from_status, inventory_from_status
+from mig_operator.core.cluster import (
+    Binding,
+    ClusterPlanner,
+    NodeInventory,
+    binding_from_status,
+    inventory_from_status,
+)
 from mig_operator.core.quantities import QuantityError
 from mig_operator.core.request import SliceRequest
 from mig_operator.core.slice_spec import request_from_spec
@@ -71,12 +77,38 @@ def slice_info(body: Mapping) -> SliceInfo:
 
 @dataclass
 class ClusterState:
+    """Every change goes through a method here, which keeps ``planner`` (core's incremental view of
+    the cluster) current: a decision then costs the same whatever the cluster's size."""
+
     slices: dict[str, SliceInfo] = field(default_factory=dict)
     inventories: dict[str, NodeInventory] = field(default_factory=dict)
     labelled: set[str] = field(default_factory=set)
     # Bindings decided but not yet seen in a slice's status: they hold their GPU room meanwhile.
     in_flight: dict[str, Binding] = field(default_factory=dict)
     names: dict[tuple[str, str], str] = field(default_factory=dict)  # (namespace, name) -> uid
+    planner: ClusterPlanner = field(default_factory=ClusterPlanner)
+
+    def _held(self, uid: str) -> None:
+        """Tell the planner what room slice ``uid`` holds now: its written binding, else the one in
+        flight, else none."""
+        info = self.slices.get(uid)
+        binding = info.binding if info is not None and info.binding is not None else self.in_flight.get(uid)
+        if binding is None:
+            self.planner.drop_binding(uid)
+        else:
+            self.planner.put_binding(binding)
+
+    def reserve(self, binding: Binding) -> None:
+        self.in_flight[binding.uid] = binding
+        self._held(binding.uid)
+
+    def unreserve(self, uid: str) -> None:
+        self.in_flight.pop(uid, None)
+        self._held(uid)
+
+    def set_labelled(self, node: str, labelled: bool) -> None:
+        (self.labelled.add if labelled else self.labelled.discard)(node)
+        self.planner.set_labelled(node, labelled)
 
     # ---- slices --------------------------------------------------------------------------------
 
@@ -90,6 +122,7 @@ class ClusterState:
         self.names[(info.namespace, info.name)] = info.uid
         if info.binding is not None:
             self.in_flight.pop(info.uid, None)
+        self._held(info.uid)
         return info
 
     def remove_slice(self, uid: str) -> SliceInfo | None:
@@ -97,6 +130,7 @@ class ClusterState:
         gone = self.slices.pop(uid, None)
         if gone is not None and self.names.get((gone.namespace, gone.name)) == uid:
             del self.names[(gone.namespace, gone.name)]
+        self.planner.drop_binding(uid)
         return gone
 
     def slice_named(self, namespace: str, name: str) -> SliceInfo | None:
@@ -124,10 +158,12 @@ class ClusterState:
         name = body["metadata"]["name"]
         node = (body.get("spec") or {}).get("nodeName") or name
         self.inventories[node] = inventory_from_status(node, body.get("status"))
+        self.planner.set_inventory(self.inventories[node])
 
     def remove_inventory(self, body: Mapping) -> None:
         node = (body.get("spec") or {}).get("nodeName") or body["metadata"]["name"]
         self.inventories.pop(node, None)
+        self.planner.remove_inventory(node)
 
     def replace_all(self, slices: Iterable[Mapping], inventories: Iterable[Mapping], labelled: Iterable[str]) -> None:
         """A fresh full list: what is not in it is gone (events may have been missed while paused)."""
@@ -141,8 +177,10 @@ class ClusterState:
         self.in_flight = {uid: b for uid, b in self.in_flight.items() if uid in fresh}
         self.inventories = {}
         for body in inventories:
-            self.put_inventory(body)
+            node = (body.get("spec") or {}).get("nodeName") or body["metadata"]["name"]
+            self.inventories[node] = inventory_from_status(node, body.get("status"))
         self.labelled = set(labelled)
+        self.planner.reset(self.inventories.values(), self.labelled, self.bindings())
 
     def counts(self) -> dict[tuple[str, str], int]:
         """Slices by (phase, mode), for the metrics."""
