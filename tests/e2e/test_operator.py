@@ -324,3 +324,31 @@ def test_the_standby_controller_takes_over(operator: OperatorHarness) -> None:
     two = operator.wait_phase(ns, "two", "Ready", timeout=40)["status"]
     assert two["node"] == node.name
     check_invariants(operator)
+
+
+def test_a_controller_killed_while_agents_create_release_and_reclaim_loses_nothing(operator: OperatorHarness) -> None:
+    node = operator.add_node("h100-80gb", count=2)
+    operator.agent(node, None, "--sim-latency", "0.5")  # every NVML create or destroy takes 0.5 s
+    operator.wait_gpunode(node)
+    controller = operator.controller()
+    ns = operator.namespace()
+    for i in range(6):
+        operator.create_slice(ns, f"a{i}", {"migProfile": "1g.10gb"})
+    held = [operator.wait_phase(ns, f"a{i}", "Ready", timeout=60)["status"] for i in range(6)]
+    # After a0-a2 go, a 3g (4 slots, at start 0 or 4) fits on every aligned quarter a3-a5 leave free.
+    busy = {(st["gpu"], st["placement"]["start"]) for st in held[3:]}
+    fits = sum(1 for gpu in (0, 1) for start in (0, 4) if not any((gpu, s) in busy for s in range(start, start + 4)))
+    for i in range(3):
+        operator.delete_slice(ns, f"a{i}")  # releases, while the agent is busy with what follows
+    for i in range(4):
+        operator.create_slice(ns, f"b{i}", {"migProfile": "3g.40gb"})  # creates, some after reclaims
+    time.sleep(0.7)
+    operator.kill(controller)  # bindings written or not, instances half way
+    time.sleep(1.5)
+    operator.start(controller, env={})
+    for i in range(4):
+        operator.wait_phase(ns, f"b{i}", ("Ready", "Pending"), timeout=90)
+    want = 3 + min(4, fits)
+    wait_until(lambda: sum(b["status"]["phase"] == "Ready" for b in operator.slices(ns)) == want, 60,
+               lambda: f"{want} Ready: {[(b['metadata']['name'], b['status']) for b in operator.slices(ns)]}")
+    check_invariants(operator)
