@@ -198,6 +198,18 @@ class OperatorHarness:
             "--nvml-attempts", "3", *args,
         ], env)
 
+    def start_operator(self, *nodes: SimNode, webhook: bool = False) -> None:
+        """An agent per node, each GpuNode published, then the controller (with the webhook, if asked)."""
+        for node in nodes:
+            self.agent(node)
+        for node in nodes:
+            self.wait_gpunode(node)
+        if webhook:
+            self.controller_with_webhook()
+            self.wait_webhook()
+        else:
+            self.controller()
+
     def kill(self, proc: Proc) -> None:
         """SIGKILL: no cleanup runs, as on a node losing power."""
         if proc.alive:

@@ -22,11 +22,7 @@ def creates(node: SimNode) -> int:
 
 
 def start(op: OperatorHarness, *nodes: SimNode) -> None:
-    for node in nodes:
-        op.agent(node)
-    for node in nodes:
-        op.wait_gpunode(node)
-    op.controller()
+    op.start_operator(*nodes)
 
 
 def test_17G_and_17Gi_get_the_profiles_whose_nvml_memory_covers_them(operator: OperatorHarness) -> None:

@@ -55,12 +55,7 @@ def environment(op: OperatorHarness, pod: Any) -> dict[str, str]:
 
 
 def start(op: OperatorHarness, *nodes: SimNode) -> None:
-    for node in nodes:
-        op.agent(node)
-    for node in nodes:
-        op.wait_gpunode(node)
-    op.controller_with_webhook()
-    op.wait_webhook()
+    op.start_operator(*nodes, webhook=True)
 
 
 def test_annotated_pods_run_on_their_slice_with_exactly_its_environment(operator: OperatorHarness) -> None:
