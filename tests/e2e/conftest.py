@@ -22,6 +22,7 @@ Where the control plane lives (its state dir, see scripts/control-plane):
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -200,7 +201,11 @@ def operator(kube_cluster: KubeCluster, operator_crds: None, chart_identities: C
     harness.kubeconfigs = dict(chart_identities.kubeconfigs)
     harness.webhook_config = chart_identities.webhook_config
     yield harness
+    # Some RBAC refusals only reach the logs (kopf retries them, Events are best effort): any fails.
+    refused = [f"{proc.name}: {line}" for proc in harness.procs if proc.log.exists()
+               for line in proc.log.read_text(errors="replace").splitlines() if RBAC_REFUSAL.search(line)]
     harness.close()
+    assert not refused, "the chart's RBAC refused a call:\n" + "\n".join(refused[:10])
 
 
 # ---- the chart's identities -------------------------------------------------------------------------
@@ -213,6 +218,8 @@ CHART_WEBHOOK_CONFIG = "e2e-mig-operator"
 # The chart's templates that hold the identities; nothing else of the chart is applied here.
 IDENTITY_TEMPLATES = ("templates/serviceaccounts.yaml", "templates/rbac.yaml")
 TOKEN_SECONDS = 12 * 3600
+# How the API server words an RBAC refusal (not other 403s, such as writes into a terminating namespace).
+RBAC_REFUSAL = re.compile(r'is forbidden: User "[^"]*" cannot ')
 
 
 @dataclass(frozen=True)
