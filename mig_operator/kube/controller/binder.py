@@ -45,6 +45,7 @@ class Binder:
         self._replan_again = False
         self._last_resync = 0.0
         self._counted = 0.0
+        self._count_later: asyncio.TimerHandle | None = None
         self.on_resync: list[Callable[[], Awaitable[None]]] = []
         self.on_slice_changed: list[Callable[[SliceInfo], Awaitable[None]]] = []
 
@@ -249,9 +250,17 @@ class Binder:
                 return
 
     def publish_counts(self) -> None:
-        """Slices by phase and mode, for the metrics: at most once a second (it visits every slice)."""
-        if time.monotonic() - self._counted < 1.0:
+        """Slices by phase and mode, for the metrics: at most once a second (it visits every slice),
+        and once more a second after the last change, so the gauge ends current."""
+        wait = 1.0 - (time.monotonic() - self._counted)
+        if wait > 0:
+            if self._count_later is None:
+                self._count_later = asyncio.get_running_loop().call_later(wait, self._publish_counts_now)
             return
+        self._publish_counts_now()
+
+    def _publish_counts_now(self) -> None:
+        self._count_later = None
         self._counted = time.monotonic()
         metrics.SLICES.clear()
         for (phase, mode), count in self.state.counts().items():

@@ -186,6 +186,6 @@ class ClusterState:
         """Slices by (phase, mode), for the metrics."""
         out: dict[tuple[str, str], int] = {}
         for s in self.slices.values():
-            key = (s.phase or "New", s.binding.mode if s.binding else "")
+            key = (s.phase or "New", str((s.body.get("status") or {}).get("mode", "")))
             out[key] = out.get(key, 0) + 1
         return out
