@@ -127,13 +127,26 @@ class OperatorHarness:
 
     def __post_init__(self) -> None:
         # The session's cluster is the tests' own: an inventory left by an earlier (killed) run would
-        # offer GPUs no agent serves, so every test starts with none.
+        # offer GPUs no agent serves, and a slice left by an earlier test (its namespace still being
+        # deleted) would be bound by this test's controller, so every test starts with neither.
         for body in self.custom.list_cluster_custom_object(GROUP, VERSION, NODES)["items"]:
             try:
                 self.custom.delete_cluster_custom_object(GROUP, VERSION, NODES, body["metadata"]["name"])
             except ApiException as exc:
                 if exc.status != 404:
                     raise
+        for body in self.custom.list_cluster_custom_object(GROUP, VERSION, SLICES)["items"]:
+            meta = body["metadata"]
+            try:
+                if meta.get("finalizers"):
+                    self.custom.patch_namespaced_custom_object(GROUP, VERSION, meta["namespace"], SLICES,
+                                                               meta["name"], {"metadata": {"finalizers": None}})
+                self.custom.delete_namespaced_custom_object(GROUP, VERSION, meta["namespace"], SLICES, meta["name"])
+            except ApiException as exc:
+                if exc.status != 404:
+                    raise
+        wait_until(lambda: not self.custom.list_cluster_custom_object(GROUP, VERSION, SLICES)["items"], 30,
+                   "slices of earlier tests to be gone")
 
     @property
     def custom(self) -> kubernetes.client.CustomObjectsApi:

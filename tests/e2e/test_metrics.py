@@ -120,11 +120,10 @@ def test_metrics_of_the_controller_and_the_agents_match_what_happened(operator: 
     assert value(fraction, "mig_operator_instances", **plain_gpu, state="in_use") == 0
     assert "create_instance" not in {dict(labels).get("call") for (_, labels) in fraction}
 
-    # ---- slices by phase and mode (last: a known defect ends the test as xfail, see below) ----
+    # ---- slices by phase and mode ----
     def failed(s: Samples) -> float:
-        # A Failed slice has no binding any more; the controller counts it under mode "" today (its
-        # status still says mig): either is accepted here, the count is what matters.
-        return sum(v for (n, lbl), v in s.items() if n == "mig_operator_slices" and ("phase", "Failed") in lbl)
+        # A Failed slice has no binding any more; it is counted under the mode its status names.
+        return value(s, "mig_operator_slices", phase="Failed", mode="mig") or 0
 
     def current(s: Samples) -> bool:
         return (value(s, "mig_operator_slices", phase="Ready", mode="mig") == 1
@@ -136,9 +135,8 @@ def test_metrics_of_the_controller_and_the_agents_match_what_happened(operator: 
         if time.monotonic() > deadline:
             shown = {dict(lbl)["phase"] + "/" + dict(lbl)["mode"]: v for (n, lbl), v in slices.items()
                      if n == "mig_operator_slices"}
-            # Binder.publish_counts (a20388b) publishes at most once a second and drops the updates in
-            # between, with no trailing publish: when events stop, the gauge keeps a stale count.
-            pytest.xfail(f"mig_operator_slices is stale (throttled publish without a trailing update): {shown}")
+            # The gauge is published at most once a second, and once more a second after the last change.
+            pytest.fail(f"mig_operator_slices does not match what happened: {shown}")
         time.sleep(0.2)
 
 

@@ -246,7 +246,6 @@ CONTROLLER_RULES = {
     ("", "configmaps"): "create patch",
     ("", "events"): "create",
     ("kopf.dev", "clusterkopfpeerings"): "list watch create patch",
-    ("apiextensions.k8s.io", "customresourcedefinitions"): "list watch",
 }
 CONTROLLER_WEBHOOK_RULES = {("admissionregistration.k8s.io", "mutatingwebhookconfigurations"): "create patch"}
 AGENT_RULES = {
@@ -256,7 +255,6 @@ AGENT_RULES = {
     ("cdmo.io", "gpunodes/status"): "patch",
     ("", "nodes"): "get",
     ("", "events"): "create",
-    ("apiextensions.k8s.io", "customresourcedefinitions"): "list watch",
 }
 
 

@@ -88,7 +88,7 @@ def test_mutation_adds_gate_label_env_from_and_read_only_shim_to_every_container
     assert body["metadata"]["labels"] == {"cdmo.io/gpu-slice": "train-gs-1234abcd"}
     assert spec["schedulingGates"] == [{"name": "other.io/gate"}, {"name": GATE}]
     assert spec["volumes"] == [{"name": "data", "emptyDir": {}},
-                               {"name": "cdmo-shim", "hostPath": {"path": "/host/shim", "type": "DirectoryOrCreate"}}]
+                               {"name": "cdmo-shim", "hostPath": {"path": "/host/shim", "type": "Directory"}}]
     for container in spec["containers"] + spec["initContainers"]:
         assert container["envFrom"][-1] == {"configMapRef": {"name": "train-gs-1234abcd"}}
         assert container["volumeMounts"] == [{"name": "cdmo-shim", "mountPath": "/opt/shim", "readOnly": True}]

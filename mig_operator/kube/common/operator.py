@@ -46,6 +46,9 @@ def tune(settings: kopf.OperatorSettings, prefix: str) -> None:
     settings.networking.error_backoffs = [0.5, 1, 2, 5]
     settings.watching.reconnect_backoff = 0.5
     settings.watching.server_timeout = 300
+    # The resources are known at start (the CRDs are installed before the parts run): no watching of
+    # CRDs and namespaces for changes at run time, so no grant to list them either.
+    settings.scanning.disabled = True
     settings.watching.client_timeout = 330
 
 

@@ -94,7 +94,9 @@ def mutate_pod(pod: MutableMapping[str, Any], slice_name: str, shim: ShimMount |
         gates.append({"name": SCHEDULING_GATE})
     spec["schedulingGates"] = gates
     volumes = [v for v in spec.get("volumes") or [] if v.get("name") != SHIM_VOLUME]
-    volumes.append({"name": SHIM_VOLUME, "hostPath": {"path": shim.host_dir, "type": "DirectoryOrCreate"}})
+    # Directory, not DirectoryOrCreate: on a node where the agent never installed the shim the pod
+    # fails to start, rather than run a fraction with no limit (ld.so skips a missing LD_PRELOAD).
+    volumes.append({"name": SHIM_VOLUME, "hostPath": {"path": shim.host_dir, "type": "Directory"}})
     spec["volumes"] = volumes
     for key in ("containers", "initContainers"):
         for container in spec.get(key) or []:
