@@ -80,7 +80,7 @@ def main() -> int:
     parser.add_argument("--latency", type=float, default=0.0, help="simulated seconds per NVML create/destroy")
     parser.add_argument("--json")
     args = parser.parse_args()
-    plane = Plane()
+    plane = Plane("scheduler,controller-manager,kwok")  # pods need binding; deleted pods' slices need GC
     port = free_port()
     cluster = Cluster(plane, args.nodes, args.latency, controller_args=(
         "--webhook", f"127.0.0.1:{port}", "--webhook-config", f"bench-{os.getpid()}", "--namespace", "kube-system"))
