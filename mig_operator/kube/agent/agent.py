@@ -12,7 +12,9 @@ idle instance, never a leak or a device serving two slices:
 
 Release marks the instance idle in the record, then removes the agent's finalizer; nothing is
 destroyed until its space is needed or ``--idle-timeout`` passes. GPU calls run in worker threads
-(a create can take seconds); one asyncio lock per GPU serialises what happens on each GPU.
+(a create can take seconds); one asyncio lock per GPU serialises the NVML changes on each GPU. A
+reuse makes none and is handed over at once, never waiting behind a create; an instance claimed by
+one slice's step (a reuse, or a create's reclaim) is never taken by another's until it is recorded.
 """
 
 from __future__ import annotations
@@ -27,7 +29,14 @@ from typing import Any, TypeVar
 
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
 
-from mig_operator.core.cluster import MODE_FRACTION, MODE_MIG, Binding, binding_from_status, describe_binding
+from mig_operator.core.cluster import (
+    MODE_FRACTION,
+    MODE_MIG,
+    Binding,
+    InstanceState,
+    binding_from_status,
+    describe_binding,
+)
 from mig_operator.core.lifecycle import (
     COMPLETED,
     CREATING,
@@ -36,6 +45,7 @@ from mig_operator.core.lifecycle import (
     RELEASE,
     STARTED,
     Blocked,
+    MigSteps,
     OwnerEntry,
     OwnerRecord,
     adopt,
@@ -105,6 +115,9 @@ class NodeAgent:
         self._publish_pending: asyncio.Task | None = None
         self._tasks: list[asyncio.Task] = []
         self._written: dict[str, int] = {}  # slice UID -> resourceVersion of the agent's last write
+        # (GPU, GI id) -> the slice whose step holds the instance until that step is recorded: a
+        # reuse and a create's reclaim on one GPU never take the same instance.
+        self._claims: dict[tuple[int, int], str] = {}
 
     # ---- GPU calls, measured and off the event loop ----------------------------------------------
 
@@ -252,8 +265,7 @@ class NodeAgent:
             if binding.mode == MODE_FRACTION:
                 action, ready = await self._realise_fraction(uid, ref, binding, gpu)
             else:
-                async with self._lock(binding.gpu):
-                    action, ready = await self._retrying(lambda: self._realise_mig(uid, ref, binding, body))
+                action, ready = await self._realise_mig(uid, ref, binding, body)
         except GpuError as exc:
             await self._fail(body, _gpu_error_reason(exc), f"{describe_binding(binding)}: {exc}")
             return
@@ -282,10 +294,66 @@ class NodeAgent:
         return "fraction", status.ready(None, gpu.uuid, binding.granted_bytes, False, message)
 
     async def _realise_mig(self, uid: str, ref: str, binding: Binding, body: Mapping) -> tuple[str, dict]:
+        """A reuse (or a resume after a crash) is handed over at once: it makes no NVML call, so it must
+        not wait behind a create of seconds on the same GPU. Anything else runs under the GPU's lock,
+        retried while it fails transiently."""
+        handed = await self._hand_over(uid, ref, binding, body)
+        if handed is not None:
+            return handed
+        async with self._lock(binding.gpu):
+            return await self._retrying(lambda: self._realise_mig_locked(uid, ref, binding, body))
+
+    def _claim(self, uid: str, gpu: int, instances: list[InstanceState]) -> list[tuple[int, int]] | None:
+        """Claim instances for slice ``uid`` until its step is recorded; None if another slice's step
+        holds one of them. Synchronous, so the check and the claim happen with no await between."""
+        keys = [(gpu, inst.gi_id) for inst in instances]
+        if any(self._claims.get(key, uid) != uid for key in keys):
+            return None
+        for key in keys:
+            self._claims[key] = uid
+        return keys
+
+    def _unclaim(self, uid: str, keys: list[tuple[int, int]]) -> None:
+        for key in keys:
+            if self._claims.get(key) == uid:
+                del self._claims[key]
+
+    async def _hand_over(self, uid: str, ref: str, binding: Binding, body: Mapping) -> tuple[str, dict] | None:
+        instances = [instance_state(i) for i in await self._gpu("instances", self.backend.instances, binding.gpu)]
+        try:
+            steps = plan_mig(uid, binding, instances, self.store.record)
+        except Blocked:
+            return None  # the locked path decides (and retries) with the same rules
+        if steps.action not in ("reuse", "resume") or steps.destroy:
+            return None
+        assert steps.instance is not None
+        keys = self._claim(uid, binding.gpu, [steps.instance])
+        if keys is None:
+            return None
+        try:
+            entry = self.store.record.owners.get(uid)
+            reused = entry.reused if entry is not None and entry.state == STARTED else steps.action == "reuse"
+            return await self._finish(uid, ref, binding, body, _as_mig(binding.gpu, steps.instance), reused)
+        finally:
+            self._unclaim(uid, keys)
+
+    async def _realise_mig_locked(self, uid: str, ref: str, binding: Binding, body: Mapping) -> tuple[str, dict]:
         gpu = binding.gpu
         instances = [instance_state(i) for i in await self._gpu("instances", self.backend.instances, gpu)]
         record = self.store.record
         steps = plan_mig(uid, binding, instances, record)
+        keys = self._claim(uid, gpu, [*steps.destroy, *([steps.instance] if steps.instance else [])])
+        if keys is None:
+            raise Blocked(f"an instance at {describe_binding(binding)} is being handed to another slice",
+                          transient=True)
+        try:
+            return await self._carry_out(uid, ref, binding, body, steps, record)
+        finally:
+            self._unclaim(uid, keys)
+
+    async def _carry_out(self, uid: str, ref: str, binding: Binding, body: Mapping, steps: MigSteps,
+                         record: OwnerRecord) -> tuple[str, dict]:
+        gpu = binding.gpu
         entry = record.owners.get(uid)
         reused = entry.reused if entry is not None and entry.state == STARTED else steps.action == "reuse"
         base = OwnerEntry(uid, ref, MODE_MIG, gpu, STARTED, binding.granted_bytes, binding.profile_id,
@@ -321,7 +389,14 @@ class NodeAgent:
         else:
             assert steps.instance is not None
             made = _as_mig(gpu, steps.instance)
-        done = replace(base, state=COMPLETED, gi_id=made.gi_id, ci_id=made.ci_id, device_uuid=made.device_uuid)
+        return await self._finish(uid, ref, binding, body, made, reused)
+
+    async def _finish(self, uid: str, ref: str, binding: Binding, body: Mapping, made: MigInstance,
+                      reused: bool) -> tuple[str, dict]:
+        """Record the device as the slice's (the record is the authority from here on), then say Ready."""
+        done = OwnerEntry(uid, ref, MODE_MIG, binding.gpu, COMPLETED, binding.granted_bytes, binding.profile_id,
+                          binding.profile, binding.start, binding.size, made.gi_id, made.ci_id, made.device_uuid,
+                          reused)
         await asyncio.to_thread(self.store.put, done)
         verb = "reused idle" if reused else "created"
         message = f"{verb} {describe_binding(binding)}: {made.device_uuid}"
