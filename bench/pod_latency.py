@@ -1,6 +1,6 @@
 """Annotated pods, created to Running: 100 pods on kwok nodes, with new instances and then reused ones.
 
-    .venv/bin/python bench/pod_latency.py [--pods 100] [--nodes 4] [--latency 0] [--json out.json]
+    .venv/bin/python bench/pod_latency.py [--pods 100] [--nodes 4] [--latency 0] [--gap 0] [--json out.json]
 
 The whole path runs for real: the admission webhook (served by the controller), the pod's GpuSlice,
 binding, the agent (simulated GPUs), the ConfigMap, ungating, kube-scheduler binding the pod, kwok
@@ -25,7 +25,7 @@ from pathlib import Path
 import kubernetes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from operator_scale import Cluster, Plane, pct  # noqa: E402
+from operator_scale import Cluster, Plane, pct, stamp  # noqa: E402
 
 
 def free_port() -> int:
@@ -34,8 +34,10 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def round_trip(core: kubernetes.client.CoreV1Api, ns: str, pods: int, memory: str, tag: str) -> list[float]:
-    """Create ``pods`` annotated pods at once; seconds from create to first seen Running, each."""
+def round_trip(core: kubernetes.client.CoreV1Api, ns: str, pods: int, memory: str, tag: str,
+               gap_s: float = 0.0) -> dict[str, list[float]]:
+    """Create ``pods`` annotated pods at once: seconds from create to first seen Running, each; and
+    the two halves, create to the slice's Ready (its status.phaseTimes) and from there to Running."""
     created: dict[str, float] = {}
     running: dict[str, float] = {}
     done = threading.Event()
@@ -64,13 +66,29 @@ def round_trip(core: kubernetes.client.CoreV1Api, ns: str, pods: int, memory: st
         created[name] = time.time()
         core.create_namespaced_pod(ns, body)
 
-    with ThreadPoolExecutor(16) as pool:
-        list(pool.map(create, range(pods)))
+    if gap_s > 0:
+        for i in range(pods):  # a steady arrival rate instead of one burst
+            create(i)
+            time.sleep(gap_s)
+    else:
+        with ThreadPoolExecutor(16) as pool:
+            list(pool.map(create, range(pods)))
     done.wait(300)
     missing = sorted(set(created) - set(running))
     if missing:
         raise SystemExit(f"{len(missing)} pods never ran, e.g. {missing[:3]}")
-    return [running[n] - created[n] for n in created]
+    custom = kubernetes.client.CustomObjectsApi(core.api_client)
+    ready = {}
+    for body in custom.list_namespaced_custom_object("cdmo.io", "v1alpha1", ns, "gpuslices")["items"]:
+        owner = (body["metadata"].get("labels") or {}).get("cdmo.io/pod", "")
+        if owner in created and "Ready" in body["status"].get("phaseTimes", {}):
+            ready[owner] = stamp(body["status"]["phaseTimes"]["Ready"])
+    return {
+        "total": [running[n] - created[n] for n in created],
+        "to_slice_ready": [ready[n] - created[n] for n in ready],
+        "slice_ready_to_running": [running[n] - ready[n] for n in ready],
+        "send_s": [max(created.values()) - min(created.values())],
+    }
 
 
 def main() -> int:
@@ -78,6 +96,8 @@ def main() -> int:
     parser.add_argument("--pods", type=int, default=100)
     parser.add_argument("--nodes", type=int, default=4)
     parser.add_argument("--latency", type=float, default=0.0, help="simulated seconds per NVML create/destroy")
+    parser.add_argument("--gap", type=float, default=0.0,
+                        help="seconds between two creates (default 0: all at once, from 16 threads)")
     parser.add_argument("--json")
     args = parser.parse_args()
     plane = Plane("scheduler,controller-manager,kwok")  # pods need binding; deleted pods' slices need GC
@@ -89,7 +109,7 @@ def main() -> int:
     core.create_namespace({"metadata": {"name": ns}})
     time.sleep(2)  # the webhook configuration is in place
     try:
-        new = round_trip(core, ns, args.pods, "9Gi", "new")
+        new = round_trip(core, ns, args.pods, "9Gi", "new", args.gap)
         core.delete_collection_namespaced_pod(ns, grace_period_seconds=0)
         deadline = time.monotonic() + 120
         custom = kubernetes.client.CustomObjectsApi(plane.api)
@@ -99,16 +119,20 @@ def main() -> int:
             time.sleep(0.5)
         while core.list_namespaced_pod(ns).items:
             time.sleep(0.5)
-        reused = round_trip(core, ns, args.pods, "9Gi", "again")
+        reused = round_trip(core, ns, args.pods, "9Gi", "again", args.gap)
     finally:
         cluster.stop()
         core.delete_namespace(ns)
         plane.down()
-    result = {
-        "pods": args.pods, "nodes": args.nodes, "gpus": args.nodes * 8, "latency_s": args.latency,
-        "new": {"p50_ms": 1000 * pct(new, 0.5), "p99_ms": 1000 * pct(new, 0.99)},
-        "reused": {"p50_ms": 1000 * pct(reused, 0.5), "p99_ms": 1000 * pct(reused, 0.99)},
-    }
+    def summary(times: dict[str, list[float]]) -> dict:
+        out = {part: {"p50_ms": 1000 * pct(v, 0.5), "p99_ms": 1000 * pct(v, 0.99)}
+               for part, v in times.items() if part != "send_s"}
+        out["send_s"] = times["send_s"][0]  # how long the benchmark took to send its creates
+        return out
+
+    result = {"pods": args.pods, "nodes": args.nodes, "gpus": args.nodes * 8, "latency_s": args.latency,
+              "gap_s": args.gap,
+              "new": summary(new), "reused": summary(reused)}
     print(json.dumps(result, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
