@@ -58,3 +58,77 @@ bench: venv
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
 	-$(MAKE) -C shim clean
+
+# Mutation testing of core/ against tests/unit (docs/testing.md: the command, the time it takes, the
+# score and every surviving mutant). Slow, so neither `make test` nor CI runs it. mutmut, from the
+# `mutation` extra, runs in build/mutation, a copy of the package and of tests/unit in which:
+#  - core/'s decorated functions are undecorated, the decorator applied by assignment after the function
+#    (`f = lru_cache(maxsize=64)(f)`), because mutmut leaves decorated functions alone;
+#  - a conftest empties core's caches before each test, so mutmut's record of which tests reach a
+#    function (it runs only those on that function's mutants) misses no test behind a cache hit, and
+#    sets hypothesis to keep no example database and not to shrink.
+# MUTANTS='mig_operator.core.planner.*' limits a run to one module's mutants (mutmut's name patterns).
+.PHONY: mutation
+MUTATION_DIR := build/mutation
+MUTATION_STAMP := $(VENV)/.mutation-installed
+MUTANTS ?=
+
+$(MUTATION_STAMP): $(STAMP)
+	$(BIN)/pip install -q -e '.[test,mutation]'
+	touch $(MUTATION_STAMP)
+
+define UNDECORATE
+import ast, sys
+for path in sys.argv[1:]:
+    lines = open(path).read().splitlines(keepends=True)
+    edits = []
+    for node in ast.walk(ast.parse("".join(lines))):
+        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) or not node.decorator_list:
+            continue
+        names = [ast.unparse(d) for d in node.decorator_list]
+        if names in (["staticmethod"], ["classmethod"]):
+            continue
+        wrapped = node.name
+        for name in reversed(names):
+            wrapped = "(" + name + ")(" + wrapped + ")"
+        first = node.decorator_list[0].lineno - 1
+        edits.append((node.end_lineno, 0, [" " * node.col_offset + node.name + " = " + wrapped + "\n"]))
+        edits.append((first, node.lineno - 1 - first, []))
+        print(path + ": " + node.name + " = " + wrapped)
+    for at, count, new in sorted(edits, reverse=True):
+        lines[at:at + count] = new
+    open(path, "w").write("".join(lines))
+endef
+export UNDECORATE
+
+define COLD_CACHES
+"""Written by make mutation (see the Makefile): core's caches start empty for every test; hypothesis
+keeps no example database (a mutant's verdict must not depend on earlier mutants) and does not shrink
+a failing example (a killed mutant needs no minimal example)."""
+import pytest
+from hypothesis import Phase, settings
+
+from mig_operator.core import cluster, planner
+
+settings.register_profile("mutation", database=None, deadline=None, phases=[Phase.explicit, Phase.generate])
+settings.load_profile("mutation")
+
+
+@pytest.fixture(autouse=True)
+def _cold_core_caches():
+    for module in (cluster, planner):
+        for value in vars(module).values():
+            if hasattr(value, "cache_clear"):
+                value.cache_clear()
+endef
+export COLD_CACHES
+
+mutation: $(MUTATION_STAMP)
+	rm -rf $(MUTATION_DIR) && mkdir -p $(MUTATION_DIR)/tests
+	cp -r mig_operator examples pyproject.toml $(MUTATION_DIR)/
+	cp -r tests/unit tests/corpus $(MUTATION_DIR)/tests/
+	$(BIN)/python -c "$$UNDECORATE" $(MUTATION_DIR)/mig_operator/core/*.py
+	printf '%s\n' "$$COLD_CACHES" > $(MUTATION_DIR)/tests/conftest.py
+	cd $(MUTATION_DIR) && start=$$(date +%s) && nice -n 19 $(CURDIR)/$(BIN)/mutmut run $(MUTANTS); \
+		code=$$?; echo "==> mutmut run: $$(( $$(date +%s) - start )) s"; exit $$code
+	cd $(MUTATION_DIR) && $(CURDIR)/$(BIN)/mutmut results
