@@ -78,6 +78,9 @@ def test_every_entry_and_binding_is_considered_whatever_comes_first() -> None:
                    bindings)
     assert sorted(result.adopted) == ["u1", "u2", "u3"]
     assert {uid: e.gi_id for uid, e in result.record.owners.items()} == {"u1": 1, "u2": 2, "u3": 3}
+    # u2 keeps its own record entry (its slice's name), found through its binding.
+    assert result.record.owners["u2"] == OwnerEntry("u2", "ns/2", MODE_MIG, 0, STARTED, 0, 19, "1g.18gb", 1, 1,
+                                                    2, 0, "MIG-2")
 
 
 def test_adopt_on_a_gpu_nvml_no_longer_lists() -> None:
@@ -123,3 +126,13 @@ def test_gpu_mem_limit_gb_is_decimal_gb_with_at_most_two_places() -> None:
         "4", "4.5", "4.25", "0.5", "17.18"]
     env = slice_environment(MODE_FRACTION, "GPU-x", 20 * 10**9, "ns", "a")
     assert env["GPU_MEM_LIMIT_GB"] == "20"
+
+
+def test_an_entry_holds_its_gi_while_either_side_does_not_know_the_device_yet() -> None:
+    named = OwnerEntry("u", "ns/u", MODE_MIG, 0, COMPLETED, 0, 19, "1g.18gb", 3, 1, 5, 0, "MIG-5")
+    unnamed = OwnerEntry("u", "ns/u", MODE_MIG, 0, STARTED, 0, 19, "1g.18gb", 3, 1, 5, -1, "")
+    assert named.holds(one_g(3, 5), 0)
+    assert named.holds(one_g(3, 5, ci=-1, device=""), 0)  # the instance lost its compute instance
+    assert unnamed.holds(one_g(3, 5), 0)  # the entry was written before the device existed
+    assert not named.holds(one_g(3, 5, device="MIG-9"), 0)  # another device under the same GI id
+    assert not named.holds(one_g(3, 5), 1) and not named.holds(one_g(3, 6), 0)

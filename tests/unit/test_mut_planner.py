@@ -6,6 +6,8 @@ docs/architecture.md.
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from mig_operator.core.planner import (
@@ -13,13 +15,16 @@ from mig_operator.core.planner import (
     FractionGpu,
     InstanceSlot,
     MigGpu,
+    Reclaim,
     Unplaceable,
     choose_fraction,
+    choose_mig,
     choose_placement,
     fraction_bytes,
 )
+from mig_operator.core.planner_reference import reference_choose_mig
 from mig_operator.core.planning_index import IndexStats, PlanningIndex
-from mig_operator.core.profiles import get_model
+from mig_operator.core.profiles import GpuModel, Placement, Profile, get_model
 from mig_operator.core.request import SliceRequest
 
 MiB = 2**20
@@ -95,3 +100,190 @@ def test_choose_fraction_refusals() -> None:
     with pytest.raises(Unplaceable) as info:
         choose_fraction(SliceRequest(memory_bytes=L4_MIB * MiB + 1), [FractionGpu("a", 0, L4_MIB * MiB)])
     assert info.value.reason == f"memory {L4_MIB * MiB + 1} is larger than any GPU (largest: {L4_MIB}Mi)"
+
+
+# --- every layout of one GPU, and many pairs: the three implementations of the rule agree ----------------
+# The property tests draw a few hundred random clusters; mutation testing showed changes to the loss
+# vector and to the reference that they never told apart. These walk every layout of plain profiles on
+# one GPU (in use, idle, or half of each) and a fixed sample of two-GPU clusters, deterministically.
+
+
+def layouts(model) -> list[tuple[tuple[int, int, int], ...]]:
+    """Every set of disjoint instances of the model's plain profiles, as (profile id, start, size)."""
+    profiles = [p for p in model.profiles if p.placements and "+" not in p.name]
+    found: list[tuple[tuple[int, int, int], ...]] = []
+
+    def walk(slot: int, taken: int, chosen: tuple) -> None:
+        if slot == model.memory_slots:
+            found.append(chosen)
+            return
+        walk(slot + 1, taken, chosen)
+        if taken >> slot & 1:
+            return
+        for p in profiles:
+            for pl in p.placements:
+                mask = ((1 << pl.size) - 1) << pl.start
+                if pl.start == slot and not mask & taken:
+                    walk(slot + 1, taken | mask, (*chosen, (p.id, pl.start, pl.size)))
+
+    walk(0, 0, ())
+    return found
+
+
+def with_use(layout, pattern: int) -> tuple[InstanceSlot, ...]:
+    """pattern 0: all in use; 1: all idle; 2: every other one in use."""
+    return tuple(InstanceSlot(pid, start, size, in_use=pattern == 0 or (pattern == 2 and n % 2 == 0))
+                 for n, (pid, start, size) in enumerate(layout))
+
+
+REQUESTS = [SliceRequest(memory_bytes=n * GiB) for n in (1, 5, 17, 40, 100)] + [
+    SliceRequest(fraction=f) for f in (0.25, 0.5)] + [SliceRequest(profile=p) for p in ("2g.35gb", "1g.10gb")]
+
+
+def decide(fn, *args):
+    try:
+        return fn(*args)
+    except Unplaceable:
+        return None
+
+
+def agree(gpus: list[MigGpu]) -> None:
+    index = PlanningIndex(gpus)
+    for request in REQUESTS:
+        expected = decide(reference_choose_mig, request, gpus)
+        assert decide(choose_mig, request, gpus) == expected, (request, gpus)
+        assert decide(index.choose, request) == expected, (request, gpus)
+
+
+def _ones(size: int, starts, pid: int, mib: int, name: str) -> Profile:
+    return Profile(name, pid, size, mib, 16 * size, len(starts), tuple(Placement(s, size) for s in starts))
+
+
+# Boards no catalog holds, but NVML could describe: placements of 3 and 4 slots that count as the same
+# share of the GPU; and a profile listed without placements that sorts before a placeable one of its size.
+ODD_BOARD = GpuModel("odd", "Board", 8, 81920, (
+    _ones(1, range(8), 19, 10240, "1g.10gb"), _ones(3, (0, 3), 9, 30720, "3g.30gb"),
+    _ones(4, (0, 4), 5, 40960, "4g.40gb"), _ones(8, (0,), 0, 81920, "8g.80gb")))
+SHADOW_BOARD = GpuModel("shadow", "Board", 8, 81920, (
+    Profile("1g.10gb-x", 30, 1, 10240, 8, 1, ()), _ones(1, range(7), 19, 10240, "1g.10gb"),
+    _ones(2, (0, 2, 4, 6), 14, 20480, "2g.20gb"), _ones(4, (0, 4), 5, 40960, "4g.40gb"),
+    _ones(8, (0,), 0, 81920, "7g.80gb")))
+
+
+@pytest.mark.parametrize("model", [get_model("h200-141gb"), get_model("a30-24gb"), ODD_BOARD, SHADOW_BOARD],
+                         ids=lambda m: m.name)
+def test_every_layout_of_one_gpu(model: GpuModel) -> None:
+    for layout in layouts(model):
+        for pattern in range(3):
+            agree([MigGpu("n", 0, model, with_use(layout, pattern))])
+
+
+def test_a_fixed_sample_of_two_gpu_clusters() -> None:
+    h200, a100 = get_model("h200-141gb"), get_model("a100-40gb")
+    rng = random.Random(12)
+    pool = {m: layouts(m) for m in (h200, a100)}
+    for _ in range(400):
+        second = rng.choice([h200, a100])
+        agree([MigGpu("n", 0, h200, with_use(rng.choice(pool[h200]), rng.randrange(3))),
+               MigGpu("n", 1, second, with_use(rng.choice(pool[second]), rng.randrange(3)))])
+
+
+# --- single behaviours the equivalence tests do not pin ---------------------------------------------------
+
+
+def test_a_released_instance_is_idle_and_a_destroyed_one_gone() -> None:
+    gpu = MigGpu("n", 0, H200, (InstanceSlot(19, 0, 1, in_use=True), InstanceSlot(19, 1, 1, in_use=True)))
+    assert gpu.with_released(1).instances == (InstanceSlot(19, 0, 1, True), InstanceSlot(19, 1, 1, False))
+    assert gpu.with_released(1, destroy=True).instances == (InstanceSlot(19, 0, 1, True),)
+
+
+def test_a_decision_names_what_it_reclaims() -> None:
+    idle = MigGpu("node-2", 5, H200, (InstanceSlot(0, 0, 8, in_use=False),))
+    decision = choose_mig(SliceRequest(memory_bytes=GiB), [idle])
+    assert decision.reclaim == (Reclaim("node-2", 5, 0, "7g.141gb", 0, 8),)
+    assert (decision.node, decision.gpu, decision.action) == ("node-2", 5, "create")
+
+
+def board(*profiles: Profile, slots: int = 8) -> GpuModel:
+    return GpuModel("board", "Board", slots, 81920, profiles)
+
+
+def test_too_large_names_the_largest_placeable_profile_and_the_request() -> None:
+    with pytest.raises(Unplaceable) as info:
+        choose_mig(SliceRequest(memory_bytes=200 * GiB), [MigGpu("n", 0, H200)])
+    assert info.value.reason == (
+        "memory 200Gi (204800 MiB) is larger than any MIG profile of any GPU (largest: 7g.141gb, 143360 MiB)")
+    # A board whose largest profile has no placement, and whose one-slot profile cannot hold a whole GPU.
+    small = Profile("1g.10gb", 19, 1, 10240, 16, 8, tuple(Placement(s, 1) for s in range(8)))
+    listed = Profile("7g.80gb", 0, 7, 81920, 132, 1, ())
+    gpus = [MigGpu("n", 0, board(small, listed))]
+    with pytest.raises(Unplaceable) as info:
+        choose_mig(SliceRequest(memory_bytes=20 * GiB), gpus)
+    assert info.value.reason.endswith("(largest: 1g.10gb, 10240 MiB)")
+    with pytest.raises(Unplaceable) as info:
+        choose_mig(SliceRequest(fraction=1.0), gpus)
+    assert info.value.reason == (
+        "fraction 1 is larger than any MIG profile of any GPU (largest: 1g.10gb, 10240 MiB)")
+
+
+def test_the_index_keeps_the_lowest_gpu_of_a_state_as_gpus_come_and_go() -> None:
+    index = PlanningIndex([MigGpu("a", i, H200) for i in range(41)])
+    whole = SliceRequest(profile="7g.141gb")
+    for i in range(40):  # removing the lowest each time, past the point where the heaps are rebuilt
+        assert index.choose(whole).gpu == i
+        index.remove("a", i)
+    index.put(MigGpu("a", 3, H200))
+    assert index.choose(whole).gpu == 3
+
+
+def test_the_index_stays_right_through_many_decisions_and_releases() -> None:
+    index = PlanningIndex([MigGpu("a", 0, H200), MigGpu("b", 0, H200)])
+    request = SliceRequest(memory_bytes=GiB)
+    for _ in range(40):  # the same GPU fills and empties again and again: buckets come and go
+        decision = index.choose(request)
+        assert (decision.node, decision.gpu) == ("a", 0)
+        after = index.apply(decision)
+        assert after == MigGpu("a", 0, H200, (InstanceSlot(19, decision.start, 1, in_use=True),))
+        released = index.release("a", 0, decision.start, destroy=True)
+        assert released == MigGpu("a", 0, H200)
+    assert index.release("a", 0, 0) == MigGpu("a", 0, H200)  # nothing there: nothing changes
+
+
+def test_a_refusal_from_the_index_names_the_roomiest_gpu_as_choose_mig_does() -> None:
+    three_g = InstanceSlot(9, 0, 4, in_use=True)  # a/0: slots 0..3 in use
+    ones = (InstanceSlot(19, 2, 1, in_use=True), InstanceSlot(19, 5, 1, in_use=True))  # b/0: two slots in use
+    gpus = [MigGpu("a", 0, H200, (three_g,)), MigGpu("b", 0, H200, ones)]
+    request = SliceRequest(profile="7g.141gb")
+    with pytest.raises(Unplaceable) as indexed:
+        PlanningIndex(gpus).choose(request)
+    with pytest.raises(Unplaceable) as listed:
+        choose_mig(request, gpus)
+    assert indexed.value.reason == listed.value.reason
+    assert "h200-141gb: 2 GPU(s), 4/8 slots in use on 1, 2/8 slots in use on 1" in indexed.value.reason
+    assert indexed.value.reason.endswith("most room: 6/8 slots not in use on b/gpu 0")
+
+
+@pytest.mark.parametrize(("nodes", "message"), [
+    (["p", "q", "r", "s", "t", "u"], "no MIG-enabled GPU on node p, q, r, s, t ..."),
+    (["q", "p", "r", "s", "t"], "no MIG-enabled GPU on node p, q, r, s, t"),
+    ([], "no node given"),
+])
+def test_pinning_to_nodes_without_gpus(nodes, message: str) -> None:
+    with pytest.raises(Unplaceable) as info:
+        PlanningIndex([MigGpu("a", 0, H200)]).choose(SliceRequest(memory_bytes=GiB), nodes=nodes)
+    assert info.value.reason == message
+
+
+def test_two_models_with_one_grant_size_are_both_tried() -> None:
+    # Two boards with the same profile table offer the same grants; the one whose name sorts first
+    # is full, so the other one's 1g.10gb is the answer, not a larger profile.
+    h100 = get_model("h100-80gb")
+    twin = GpuModel("board-twin", "Board", 8, h100.memory_mib, h100.profiles)
+    request = SliceRequest(memory_bytes=GiB)
+    for twin_full in (True, False):
+        held = (InstanceSlot(0, 0, 8, in_use=True),) if twin_full else ()
+        gpus = [MigGpu("a", 0, twin, held), MigGpu("b", 0, h100)]
+        expected = reference_choose_mig(request, gpus)
+        assert expected.profile.name == "1g.10gb"
+        assert choose_mig(request, gpus) == expected
+        assert PlanningIndex(gpus).choose(request) == expected
