@@ -104,7 +104,6 @@ class KubeClient:
         self._connections = connections
         self._session: aiohttp.ClientSession | None = None
         self.host = config.host.rstrip("/")
-        self.writes = 0  # API writes made, for the benchmark's writes-per-slice figure
 
     @classmethod
     def from_environment(cls, kubeconfig: str | None = None, **kwargs: Any) -> KubeClient:
@@ -146,7 +145,6 @@ class KubeClient:
     ) -> dict:
         """One API call, retried while it fails transiently; the decoded JSON answer."""
         if method != "GET":
-            self.writes += 1
             log.debug("%s %s", method, path)
         if not retry:
             return await self._once(method, path, body, params, content_type)
