@@ -22,7 +22,9 @@ from mig_operator.core.cluster import (
     binding_from_status,
     build_view,
     describe_binding,
+    gpu_role,
     inventory_from_status,
+    model_of,
     plan_binding,
 )
 from mig_operator.core.planner import PlannerSettings
@@ -249,3 +251,98 @@ def test_a_gpu_that_reports_no_memory_serves_no_fraction() -> None:
     assert refused.value.code == "NoGpu"
     planner.set_inventory(NodeInventory("a", (no_mig_gpu(0, 1),)))  # one MiB is memory
     assert planner.plan(slice_request(memory="1Mi")) == Binding("", "a", 0, MODE_FRACTION, MiB)
+
+
+# --- the view, the roles and the refusals, word for word ---------------------------------------------------
+
+
+def test_no_gpu_refusals_say_what_kind_of_gpu_is_missing_and_where() -> None:
+    empty = build_view([], set(), [])
+    for request, node, message in [
+        (slice_request(memory="1Gi"), None, "no GPU in the cluster can take slices: memory 1Gi waits for one"),
+        (slice_request(profile="1g.18gb"), None,
+         "no MIG GPU in the cluster can take slices: profile 1g.18gb waits for one"),
+        (slice_request(memory="1Gi"), "n", "no GPU on node n can take slices: memory 1Gi waits for one"),
+    ]:
+        with pytest.raises(Refusal) as refused:
+            plan_binding(request, empty, node)
+        assert (refused.value.code, refused.value.message) == ("NoGpu", message)
+
+
+def test_a_refusal_message_is_cut_to_4096_characters() -> None:
+    base = len("no GPU on node  can take slices: memory 1Gi waits for one")
+    for extra, cut in ((0, False), (1, True)):
+        node = "n" * (4096 - base + extra)
+        with pytest.raises(Refusal) as refused:
+            plan_binding(slice_request(memory="1Gi"), build_view([], set(), []), node)
+        message = refused.value.message
+        assert len(message) == 4096
+        assert message.endswith("…") == cut
+        assert message.endswith("waits for one") != cut
+
+
+def test_a_refusal_gives_the_mig_and_the_fraction_reasons() -> None:
+    nodes = [NodeInventory("a", (mig_gpu(H200),)), NodeInventory("b", (no_mig_gpu(0, 46068),))]
+    with pytest.raises(Refusal) as refused:
+        plan_binding(slice_request(memory="200Gi"), build_view(nodes, {"a"}, []))
+    assert refused.value.code == "TooLarge"
+    assert refused.value.message.startswith("memory 200Gi fits nowhere in the cluster: MIG: memory 200Gi (204800 MiB)")
+    assert "; fractions: memory 200Gi is larger than any GPU (largest: 46068Mi)" in refused.value.message
+
+
+def test_a_mig_binding_from_plan_binding_has_no_uid_yet() -> None:
+    view = build_view([NodeInventory("a", (mig_gpu(H200),))], {"a"}, [])
+    assert plan_binding(slice_request(memory="1Gi"), view) == Binding(
+        "", "a", 0, MODE_MIG, 16384 * MiB, 19, "1g.18gb", 0, 1)
+
+
+def test_refusal_codes_at_the_edges_of_too_large() -> None:
+    # Exactly the largest MIG profile, on a GPU in use: it waits, it is not too large.
+    busy = mig_gpu(H200, instances=(InstanceState(1, 0, 0, "7g.141gb", 0, 8, "MIG-1", in_use=True),))
+    with pytest.raises(Refusal) as refused:
+        plan_binding(SliceRequest(memory_bytes=143360 * MiB), build_view([NodeInventory("a", (busy,))], {"a"}, []))
+    assert refused.value.code == NO_CAPACITY
+    # Exactly a whole fraction GPU, partly granted: it waits.
+    bound = [Binding("f", "b", 0, MODE_FRACTION, GiB)]
+    view = build_view([NodeInventory("b", (no_mig_gpu(0, 46068),))], set(), bound)
+    with pytest.raises(Refusal) as refused:
+        plan_binding(SliceRequest(memory_bytes=46068 * MiB), view)
+    assert refused.value.code == NO_CAPACITY
+    # A GPU that lists a profile without any placement can never take even one byte.
+    listed = Profile("1g.10gb", 19, 1, 10240, 16, 1, ())
+    odd = GpuState(0, "GPU-0", "Board", "board", 81920, True, True, (listed,))
+    with pytest.raises(Refusal) as refused:
+        plan_binding(SliceRequest(memory_bytes=1), build_view([NodeInventory("c", (odd,))], {"c"}, []))
+    assert refused.value.code == "TooLarge"
+
+
+def test_build_view_records_uuids_and_the_published_model() -> None:
+    nodes = [NodeInventory("a", (mig_gpu(H200), no_mig_gpu(1, 1), no_mig_gpu(2, 0)))]
+    view = build_view(nodes, {"a"}, [])
+    assert view.uuids == {("a", 0): "GPU-h200-141gb-0", ("a", 1): "GPU-1", ("a", 2): "GPU-2"}
+    (gpu,) = view.mig
+    assert (gpu.model.name, gpu.model.product, gpu.model.memory_mib, gpu.model.memory_slots) == (
+        "h200-141gb", "NVIDIA H200", 143771, 8)
+    assert [(g.index, g.memory_bytes) for g in view.fraction] == [(1, MiB)]  # no memory, no fractions
+
+
+def test_model_of_a_published_profile_table() -> None:
+    model = model_of("h200-141gb", "NVIDIA H200", 143771, H200.profiles)
+    assert model == H200
+    assert model_of("", "NVIDIA H200", 143771, H200.profiles).name == "NVIDIA H200"  # no model name: the product
+    bare = model_of("", "Board", 100, ())
+    assert (bare.name, bare.product, bare.memory_slots, bare.memory_mib) == ("Board", "Board", 0, 100)
+
+
+@pytest.mark.parametrize(("labelled", "capable", "enabled", "role", "why"), [
+    (True, True, True, "mig", "MIG mode is enabled and the node is labelled for MIG"),
+    (False, True, True, "none", "MIG mode is enabled but the node is not labelled cdmo.clear.ml/gpu-partitioning=mig: "
+                                "no new slices until it is labelled (or MIG is disabled)"),
+    (True, False, False, "fraction", "the GPU has no MIG: it serves fractions"),
+    (False, False, False, "fraction", "the GPU has no MIG: it serves fractions"),
+    (True, True, False, "fraction", "the node is labelled for MIG but MIG mode is disabled on GPU 3: it serves "
+                                    "fractions until an admin enables MIG (nvidia-smi -i 3 -mig 1)"),
+    (False, True, False, "fraction", "MIG mode is disabled: the GPU serves fractions"),
+])
+def test_gpu_role_in_words(labelled: bool, capable: bool, enabled: bool, role: str, why: str) -> None:
+    assert gpu_role(labelled, GpuState(3, "GPU-3", mig_capable=capable, mig_enabled=enabled)) == (role, why)

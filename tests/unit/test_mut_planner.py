@@ -15,16 +15,18 @@ from mig_operator.core.planner import (
     FractionGpu,
     InstanceSlot,
     MigGpu,
+    PlannerSettings,
     Reclaim,
     Unplaceable,
+    candidate_profiles,
     choose_fraction,
     choose_mig,
     choose_placement,
     fraction_bytes,
 )
-from mig_operator.core.planner_reference import reference_choose_mig
+from mig_operator.core.planner_reference import reference_candidates, reference_choose_mig
 from mig_operator.core.planning_index import IndexStats, PlanningIndex
-from mig_operator.core.profiles import GpuModel, Placement, Profile, get_model
+from mig_operator.core.profiles import CATALOG, GpuModel, Placement, Profile, get_model
 from mig_operator.core.request import SliceRequest
 
 MiB = 2**20
@@ -108,9 +110,10 @@ def test_choose_fraction_refusals() -> None:
 # one GPU (in use, idle, or half of each) and a fixed sample of two-GPU clusters, deterministically.
 
 
-def layouts(model) -> list[tuple[tuple[int, int, int], ...]]:
-    """Every set of disjoint instances of the model's plain profiles, as (profile id, start, size)."""
-    profiles = [p for p in model.profiles if p.placements and "+" not in p.name]
+def layouts(model, media: bool = False) -> list[tuple[tuple[int, int, int], ...]]:
+    """Every set of disjoint instances of the model's plain profiles (and ``+me``/``-me`` ones if
+    ``media``), as (profile id, start, size)."""
+    profiles = [p for p in model.profiles if p.placements and (media or not p.media_extension)]
     found: list[tuple[tuple[int, int, int], ...]] = []
 
     def walk(slot: int, taken: int, chosen: tuple) -> None:
@@ -137,7 +140,12 @@ def with_use(layout, pattern: int) -> tuple[InstanceSlot, ...]:
 
 
 REQUESTS = [SliceRequest(memory_bytes=n * GiB) for n in (1, 5, 17, 40, 100)] + [
-    SliceRequest(fraction=f) for f in (0.25, 0.5)] + [SliceRequest(profile=p) for p in ("2g.35gb", "1g.10gb")]
+    SliceRequest(memory_bytes=16384 * MiB), SliceRequest(memory_bytes=16384 * MiB + 1)] + [
+    SliceRequest(fraction=f) for f in (0.25, 0.5)] + [
+    SliceRequest(profile=p) for p in ("2g.35gb", "1g.10gb", "1g.18gb+me", "2g.12gb+me", "1g.10gb-me")]
+
+
+STRICT = PlannerSettings(allow_larger_profile=False)
 
 
 def decide(fn, *args):
@@ -147,12 +155,21 @@ def decide(fn, *args):
         return None
 
 
-def agree(gpus: list[MigGpu]) -> None:
+# Enough to reach every profile size, both sides of an edge, a fraction and requests by name.
+LAYOUT_REQUESTS = [SliceRequest(memory_bytes=n) for n in (GiB, 16384 * MiB + 1, 40 * GiB, 100 * GiB)] + [
+    SliceRequest(fraction=0.5), SliceRequest(profile="2g.35gb"), SliceRequest(profile="1g.10gb")]
+
+
+def agree(gpus: list[MigGpu], strict_too: bool = False, requests=REQUESTS) -> None:
     index = PlanningIndex(gpus)
-    for request in REQUESTS:
+    for request in requests:
         expected = decide(reference_choose_mig, request, gpus)
         assert decide(choose_mig, request, gpus) == expected, (request, gpus)
         assert decide(index.choose, request) == expected, (request, gpus)
+        if strict_too:
+            expected = decide(reference_choose_mig, request, gpus, False)
+            assert decide(choose_mig, request, gpus, STRICT) == expected, (request, gpus)
+            assert decide(index.choose, request, STRICT) == expected, (request, gpus)
 
 
 def _ones(size: int, starts, pid: int, mib: int, name: str) -> Profile:
@@ -164,28 +181,38 @@ def _ones(size: int, starts, pid: int, mib: int, name: str) -> Profile:
 ODD_BOARD = GpuModel("odd", "Board", 8, 81920, (
     _ones(1, range(8), 19, 10240, "1g.10gb"), _ones(3, (0, 3), 9, 30720, "3g.30gb"),
     _ones(4, (0, 4), 5, 40960, "4g.40gb"), _ones(8, (0,), 0, 81920, "8g.80gb")))
+# A board whose one-slot profile cannot start at slot 0: slot 0 can be stranded. It also has a "-me"
+# variant, which only a request by name gets.
+GAP_BOARD = GpuModel("gap", "Board", 8, 81920, (
+    _ones(1, range(1, 8), 19, 10240, "1g.10gb"), _ones(1, range(1, 8), 20, 10240, "1g.10gb-me"),
+    _ones(2, (0, 2, 4, 6), 14, 20480, "2g.20gb"), _ones(4, (0, 4), 5, 40960, "4g.40gb"),
+    _ones(8, (0,), 0, 81920, "8g.80gb")))
 SHADOW_BOARD = GpuModel("shadow", "Board", 8, 81920, (
     Profile("1g.10gb-x", 30, 1, 10240, 8, 1, ()), _ones(1, range(7), 19, 10240, "1g.10gb"),
     _ones(2, (0, 2, 4, 6), 14, 20480, "2g.20gb"), _ones(4, (0, 4), 5, 40960, "4g.40gb"),
     _ones(8, (0,), 0, 81920, "7g.80gb")))
 
 
-@pytest.mark.parametrize("model", [get_model("h200-141gb"), get_model("a30-24gb"), ODD_BOARD, SHADOW_BOARD],
+@pytest.mark.parametrize("model", [get_model("h200-141gb"), get_model("a30-24gb"), ODD_BOARD, SHADOW_BOARD,
+                                   GAP_BOARD],
                          ids=lambda m: m.name)
 def test_every_layout_of_one_gpu(model: GpuModel) -> None:
+    patterns = range(3) if model.name in CATALOG else (0, 2)
     for layout in layouts(model):
-        for pattern in range(3):
-            agree([MigGpu("n", 0, model, with_use(layout, pattern))])
+        for pattern in patterns:
+            agree([MigGpu("n", 0, model, with_use(layout, pattern))], requests=LAYOUT_REQUESTS)
 
 
 def test_a_fixed_sample_of_two_gpu_clusters() -> None:
-    h200, a100 = get_model("h200-141gb"), get_model("a100-40gb")
+    # Media-extension instances included (a +me instance allows no second one), and the rule with
+    # allow_larger_profile=False as well.
+    models = [get_model("h200-141gb"), get_model("a100-40gb"), get_model("a30-24gb"), GAP_BOARD]
     rng = random.Random(12)
-    pool = {m: layouts(m) for m in (h200, a100)}
-    for _ in range(400):
-        second = rng.choice([h200, a100])
-        agree([MigGpu("n", 0, h200, with_use(rng.choice(pool[h200]), rng.randrange(3))),
-               MigGpu("n", 1, second, with_use(rng.choice(pool[second]), rng.randrange(3)))])
+    pool = {m: layouts(m, media=True) for m in models}
+    for _ in range(300):
+        first, second = rng.choice(models[:2]), rng.choice(models)
+        agree([MigGpu("n", 0, first, with_use(rng.choice(pool[first]), rng.randrange(3))),
+               MigGpu("n", 1, second, with_use(rng.choice(pool[second]), rng.randrange(3)))], strict_too=True)
 
 
 # --- single behaviours the equivalence tests do not pin ---------------------------------------------------
@@ -287,3 +314,32 @@ def test_two_models_with_one_grant_size_are_both_tried() -> None:
         assert expected.profile.name == "1g.10gb"
         assert choose_mig(request, gpus) == expected
         assert PlanningIndex(gpus).choose(request) == expected
+
+
+def test_the_index_compacts_a_states_heap_of_departed_gpus() -> None:
+    index = PlanningIndex([MigGpu("a", i, H200) for i in range(41)])
+    for i in range(40, 4, -1):  # the highest leave: their heap entries go stale below the top
+        index.remove("a", i)
+    assert index.choose(SliceRequest(profile="7g.141gb")).gpu == 0
+    assert [g.index for g in index.gpus()] == [0, 1, 2, 3, 4]
+
+
+def test_a_lazy_release_through_the_index_leaves_the_instance_idle() -> None:
+    index = PlanningIndex([MigGpu("a", 0, H200, (InstanceSlot(19, 4, 1, in_use=True),))])
+    assert index.release("a", 0, 4) == MigGpu("a", 0, H200, (InstanceSlot(19, 4, 1, in_use=False),))
+
+
+def test_the_reference_says_why_it_refuses() -> None:
+    with pytest.raises(Unplaceable, match="^no profile covers it$"):
+        reference_choose_mig(SliceRequest(memory_bytes=200 * GiB), [MigGpu("n", 0, H200)])
+    full = MigGpu("n", 0, H200, (InstanceSlot(0, 0, 8, in_use=True),))
+    with pytest.raises(Unplaceable, match="^no GPU can take it$"):
+        reference_choose_mig(SliceRequest(memory_bytes=GiB), [full])
+
+
+def test_a_fraction_on_a_one_slot_board() -> None:
+    one = _ones(1, (0,), 0, 10240, "1g.10gb")
+    tiny = GpuModel("tiny", "Board", 1, 10240, (one,))
+    for fraction in (0.5, 1.0):
+        request = SliceRequest(fraction=fraction)
+        assert reference_candidates(tiny, request) == candidate_profiles(tiny, request) == [one]
