@@ -17,12 +17,14 @@ from mig_operator.core.planner import (
     MigGpu,
     PlannerSettings,
     Reclaim,
+    RoomSummary,
     Unplaceable,
     candidate_profiles,
     choose_fraction,
     choose_mig,
     choose_placement,
     fraction_bytes,
+    no_room_reason,
 )
 from mig_operator.core.planner_reference import reference_candidates, reference_choose_mig
 from mig_operator.core.planning_index import IndexStats, PlanningIndex
@@ -343,3 +345,119 @@ def test_a_fraction_on_a_one_slot_board() -> None:
     for fraction in (0.5, 1.0):
         request = SliceRequest(fraction=fraction)
         assert reference_candidates(tiny, request) == candidate_profiles(tiny, request) == [one]
+
+
+# --- refusal messages, word for word ---------------------------------------------------------------------
+
+
+def full(node: str, model=H200, index: int = 0) -> MigGpu:
+    whole = next(p for p in model.profiles if p.size == model.memory_slots)
+    return MigGpu(node, index, model, (InstanceSlot(whole.id, 0, whole.size, in_use=True),))
+
+
+def refusal(request: SliceRequest, gpus: list[MigGpu]) -> str:
+    """The reason choose_mig gives, after checking that the index gives the same."""
+    with pytest.raises(Unplaceable) as listed:
+        choose_mig(request, gpus)
+    with pytest.raises(Unplaceable) as indexed:
+        PlanningIndex(gpus).choose(request)
+    assert indexed.value.reason == listed.value.reason
+    return listed.value.reason
+
+
+def test_no_room_names_each_model_and_the_roomiest_gpu() -> None:
+    a100 = get_model("a100-40gb")
+    reason = refusal(SliceRequest(profile="7g.141gb"), [full("", H200), full("b", a100)])
+    assert reason == (
+        "every GPU is held by slices in use: no room for profile 7g.141gb even after reclaiming every idle "
+        "instance (a100-40gb: 1 GPU(s), 8/8 slots in use on 1; h200-141gb: 1 GPU(s), 8/8 slots in use on 1); "
+        "most room: 0/8 slots not in use on gpu 0")
+
+
+def test_no_room_counts_gpus_without_mig_and_never_names_one_as_roomiest() -> None:
+    a10, l4 = get_model("a10-24gb"), get_model("l4-24gb")
+    gpus = [MigGpu("a", 0, a10), full("b"), MigGpu("c", 0, l4)]
+    reason = refusal(SliceRequest(memory_bytes=GiB), gpus)
+    assert "(a10-24gb: 1 GPU(s) without MIG profiles; h200-141gb: 1 GPU(s), 8/8 slots in use on 1; " \
+           "l4-24gb: 1 GPU(s) without MIG profiles)" in reason
+    assert reason.endswith("most room: 0/8 slots not in use on b/gpu 0")
+
+
+def test_no_room_on_a_one_slot_board() -> None:
+    one = _ones(1, (0,), 0, 10240, "1g.10gb")
+    tiny = GpuModel("tiny", "Board", 1, 10240, (one,))
+    reason = refusal(SliceRequest(memory_bytes=GiB), [MigGpu("a", 0, tiny, (InstanceSlot(0, 0, 1, True),))])
+    assert "(tiny: 1 GPU(s), 1/1 slots in use on 1); most room: 0/1 slots not in use on a/gpu 0" in reason
+
+
+def boards(count: int) -> list[MigGpu]:
+    h100 = get_model("h100-80gb")
+    return [full("n", GpuModel(f"b{k}", "Board", 8, h100.memory_mib, h100.profiles), k) for k in range(count)]
+
+
+def test_at_most_eight_models_are_named() -> None:
+    eight = refusal(SliceRequest(memory_bytes=GiB), boards(8))
+    assert "b7: 1 GPU(s), 8/8 slots in use on 1)" in eight and "more models" not in eight
+    nine = refusal(SliceRequest(memory_bytes=GiB), boards(9))
+    assert "b7: 1 GPU(s), 8/8 slots in use on 1; and 1 more models)" in nine
+    with pytest.raises(Unplaceable) as info:
+        choose_mig(SliceRequest(memory_bytes=500 * GiB), [MigGpu("n", k, g.model) for k, g in enumerate(boards(8))])
+    assert "(largest: 7g.80gb, 81152 MiB)" in info.value.reason
+    with pytest.raises(Unplaceable) as info:
+        choose_mig(SliceRequest(profile="9g.1gb"), boards(8))
+    assert info.value.reason.endswith("(models: b0, b1, b2, b3, b4, b5, b6, b7)")
+    with pytest.raises(Unplaceable) as info:
+        choose_mig(SliceRequest(profile="9g.1gb"), boards(10))
+    assert info.value.reason.endswith("(models: b0, b1, b2, b3, b4, b5, b6, b7 and 2 more)")
+
+
+def test_at_most_twelve_profiles_are_named() -> None:
+    # Thirteen one-slot profiles of growing memory on one board, every slot in use: all are tried.
+    many = tuple(_ones(1, range(8), 100 + k, 1024 * (k + 1), f"1g.{k + 1}gb") for k in range(13))
+    model = GpuModel("many", "Board", 8, 16384, many)
+    busy = tuple(InstanceSlot(100, s, 1, in_use=True) for s in range(8))
+    reason = refusal(SliceRequest(memory_bytes=1), [MigGpu("n", 0, model, busy)])
+    names = sorted(p.name for p in many)
+    assert f"(profiles {', '.join(names[:12])} and 1 more)" in reason
+    reason = refusal(SliceRequest(memory_bytes=1024 * MiB + 1), [MigGpu("n", 0, model, busy)])  # 12 of them
+    assert f"(profiles {', '.join(sorted(p.name for p in many[1:]))})" in reason
+
+
+def test_a_refusal_is_cut_to_4096_characters() -> None:
+    request = SliceRequest(profile="7g.141gb")
+    base = len(refusal(request, [full("x")])) - 1
+    exact = refusal(request, [full("x" * (4096 - base))])
+    assert len(exact) == 4096 and exact.endswith("gpu 0")
+    whole = exact.replace("x" * (4096 - base), "x" * (4097 - base))  # what it would say uncut: 4097 characters
+    assert refusal(request, [full("x" * (4097 - base))]) == whole[:4093] + "..."
+
+
+def test_no_room_reason_without_a_summary() -> None:
+    assert no_room_reason(SliceRequest(memory_bytes=GiB), (), RoomSummary()) == (
+        "every GPU is held by slices in use: no room for memory 1Gi (profiles ) even after reclaiming every "
+        "idle instance ()")
+
+
+def test_an_instance_must_lie_inside_the_gpu_and_apart_from_the_others() -> None:
+    for instances in [(InstanceSlot(19, 0, 0, True),), (InstanceSlot(19, 0, 1, True), InstanceSlot(19, 2, 1, True),
+                                                         InstanceSlot(15, 0, 2, True))]:
+        with pytest.raises(ValueError) as info:
+            MigGpu("node", 1, H200, instances)
+        assert str(info.value).startswith("GPU 1 of node 'node' (h200-141gb, 8 slots): instance of profile id")
+        assert str(info.value).endswith(
+            "is outside the GPU or overlaps another; instances must be disjoint within the slots, "
+            "e.g. InstanceSlot(profile_id=19, start=0, size=1, in_use=True)")
+
+
+def test_an_idle_instance_of_a_profile_without_placements_is_never_handed_out() -> None:
+    listed = Profile("1g.10gb-x", 30, 1, 10240, 8, 1, ())
+    model = GpuModel("shadow", "Board", 8, 81920, (listed, *SHADOW_BOARD.profiles[1:]))
+    gpu = MigGpu("n", 0, model, (InstanceSlot(30, 7, 1, in_use=False),))
+    assert choose_placement(gpu, listed) is None
+
+
+def test_the_index_compacts_a_buckets_heap_of_moved_lowest_gpus() -> None:
+    index = PlanningIndex([MigGpu("a", i, H200) for i in range(30)])
+    for i in range(20):  # the lowest leaves twenty times before anyone reads the bucket
+        index.remove("a", i)
+    assert index.choose(SliceRequest(profile="7g.141gb")).gpu == 20
