@@ -169,7 +169,7 @@ def agree(gpus: list[MigGpu], strict_too: bool = False, requests=REQUESTS) -> No
         assert decide(choose_mig, request, gpus) == expected, (request, gpus)
         assert decide(index.choose, request) == expected, (request, gpus)
         if strict_too:
-            expected = decide(reference_choose_mig, request, gpus, False)
+            expected = decide(reference_choose_mig, request, gpus, False)  # allow_larger=False
             assert decide(choose_mig, request, gpus, STRICT) == expected, (request, gpus)
             assert decide(index.choose, request, STRICT) == expected, (request, gpus)
 
@@ -189,6 +189,12 @@ GAP_BOARD = GpuModel("gap", "Board", 8, 81920, (
     _ones(1, range(1, 8), 19, 10240, "1g.10gb"), _ones(1, range(1, 8), 20, 10240, "1g.10gb-me"),
     _ones(2, (0, 2, 4, 6), 14, 20480, "2g.20gb"), _ones(4, (0, 4), 5, 40960, "4g.40gb"),
     _ones(8, (0,), 0, 81920, "8g.80gb")))
+# Media-extension variants listed first, with fewer SMs and other placements than their plain profile:
+# only a request by name may see them, in the rule's cost too.
+MEDIA_FIRST_BOARD = GpuModel("media", "Board", 8, 81920, (
+    _ones(1, (0,), 21, 10240, "1g.10gb+me"), _ones(1, (1,), 22, 10240, "1g.10gb-me"),
+    _ones(1, range(8), 19, 10240, "1g.10gb"), _ones(2, (0, 2, 4, 6), 14, 20480, "2g.20gb"),
+    _ones(4, (0, 4), 5, 40960, "4g.40gb"), _ones(8, (0,), 0, 81920, "8g.80gb")))
 SHADOW_BOARD = GpuModel("shadow", "Board", 8, 81920, (
     Profile("1g.10gb-x", 30, 1, 10240, 8, 1, ()), _ones(1, range(7), 19, 10240, "1g.10gb"),
     _ones(2, (0, 2, 4, 6), 14, 20480, "2g.20gb"), _ones(4, (0, 4), 5, 40960, "4g.40gb"),
@@ -196,7 +202,7 @@ SHADOW_BOARD = GpuModel("shadow", "Board", 8, 81920, (
 
 
 @pytest.mark.parametrize("model", [get_model("h200-141gb"), get_model("a30-24gb"), ODD_BOARD, SHADOW_BOARD,
-                                   GAP_BOARD],
+                                   GAP_BOARD, MEDIA_FIRST_BOARD],
                          ids=lambda m: m.name)
 def test_every_layout_of_one_gpu(model: GpuModel) -> None:
     patterns = range(3) if model.name in CATALOG else (0, 2)
@@ -461,3 +467,19 @@ def test_the_index_compacts_a_buckets_heap_of_moved_lowest_gpus() -> None:
     for i in range(20):  # the lowest leaves twenty times before anyone reads the bucket
         index.remove("a", i)
     assert index.choose(SliceRequest(profile="7g.141gb")).gpu == 20
+
+
+def test_allow_larger_profile_in_all_three() -> None:
+    # The smaller profile allows one instance, which is in use: only the larger one can take 10Gi.
+    small = _ones(1, range(4), 19, 20480, "1g.20gb")
+    small = Profile(small.name, small.id, small.slices, small.memory_mib, small.sm, 1, small.placements)
+    large = _ones(2, (0, 2), 14, 40960, "2g.40gb")
+    gpus = [MigGpu("n", 0, GpuModel("limit", "Board", 4, 81920, (small, large)), (InstanceSlot(19, 0, 1, True),))]
+    request = SliceRequest(memory_bytes=10 * GiB)
+    got = reference_choose_mig(request, gpus)
+    assert (got.profile.name, got.start) == ("2g.40gb", 2)
+    assert choose_mig(request, gpus) == PlanningIndex(gpus).choose(request) == got
+    for refuse in (lambda: reference_choose_mig(request, gpus, False), lambda: choose_mig(request, gpus, STRICT),
+                   lambda: PlanningIndex(gpus).choose(request, STRICT)):
+        with pytest.raises(Unplaceable):
+            refuse()
