@@ -24,6 +24,7 @@ from mig_operator.core.planner import (
     choose_mig,
     choose_placement,
     fraction_bytes,
+    grant_levels,
     no_room_reason,
 )
 from mig_operator.core.planner_reference import reference_candidates, reference_choose_mig
@@ -205,7 +206,7 @@ SHADOW_BOARD = GpuModel("shadow", "Board", 8, 81920, (
                                    GAP_BOARD, MEDIA_FIRST_BOARD],
                          ids=lambda m: m.name)
 def test_every_layout_of_one_gpu(model: GpuModel) -> None:
-    patterns = range(3) if model.name in CATALOG else (0, 2)
+    patterns = range(3) if model.name in CATALOG or model is ODD_BOARD else (0, 2)
     for layout in layouts(model):
         for pattern in patterns:
             agree([MigGpu("n", 0, model, with_use(layout, pattern))], requests=LAYOUT_REQUESTS)
@@ -460,6 +461,15 @@ def test_an_idle_instance_of_a_profile_without_placements_is_never_handed_out() 
     model = GpuModel("shadow", "Board", 8, 81920, (listed, *SHADOW_BOARD.profiles[1:]))
     gpu = MigGpu("n", 0, model, (InstanceSlot(30, 7, 1, in_use=False),))
     assert choose_placement(gpu, listed) is None
+    # Nor is the GPU filed under that profile in the index: one ladder per placeable profile.
+    assert PlanningIndex([gpu]).stats() == IndexStats(gpus=1, states=1, ladders=4, buckets=4)
+
+
+def test_grant_levels_are_keyed_by_mib_then_slices() -> None:
+    levels = grant_levels((H200,), SliceRequest(memory_bytes=GiB), True)
+    assert [level.key for level in levels] == [(16384, 1), (33280, 1), (33280, 2), (71424, 3), (71424, 4),
+                                               (143360, 7)]
+    assert [[p.name for _, p in level.options] for level in levels][:3] == [["1g.18gb"], ["1g.35gb"], ["2g.35gb"]]
 
 
 def test_the_index_compacts_a_buckets_heap_of_moved_lowest_gpus() -> None:
