@@ -325,6 +325,10 @@ class Totals:
     asked_bytes: int = 0
     decisions: int = 0
     seconds: float = 0.0
+    # Refusals split by cause: some GPU had enough slots not in use for the request's smallest profile
+    # there, but in the wrong places (fragmented), or no GPU had that many (full).
+    refused_fragmented: int = 0
+    refused_full: int = 0
 
     def add(self, other: Totals) -> None:
         for name in self.__dataclass_fields__:
@@ -336,6 +340,15 @@ CHOOSERS = {"planner": choose_mig, "planner-eager": choose_mig, "first-fit": fir
             "fixed-1g": fixed_1g}
 
 
+def refusal_is_fragmentation(request: SliceRequest, gpus: list[MigGpu]) -> bool:
+    """Whether some GPU had as many slots not in use as the request's smallest profile there spans."""
+    for gpu in gpus:
+        cands = candidate_profiles(gpu.model, request)
+        if cands and gpu.model.memory_slots - gpu.busy_mask.bit_count() >= cands[0].size:
+            return True
+    return False
+
+
 def run_policy(policy: str, case: Case, check_index: bool = False) -> Totals:
     chooser = CHOOSERS[policy]
     totals = Totals()
@@ -344,6 +357,12 @@ def run_policy(policy: str, case: Case, check_index: bool = False) -> Totals:
         t0 = time.perf_counter()
         try:
             return chooser(request, gpus)
+        except Unplaceable:
+            if refusal_is_fragmentation(request, gpus):
+                totals.refused_fragmented += 1
+            else:
+                totals.refused_full += 1
+            raise
         finally:
             totals.seconds += time.perf_counter() - t0
             totals.decisions += 1
@@ -403,12 +422,15 @@ class SeedSweep:
     traces: int = 0
     churn_lazy_creates: int = 0
     churn_eager_creates: int = 0
+    # family -> refusals over every seed: planner (fragmented, full), first-fit (fragmented, full)
+    refusals: dict[str, tuple[int, int, int, int]] = field(default_factory=dict)
 
 
 def seed_sweep(first: int, count: int) -> SeedSweep:
     sweep = SeedSweep(list(range(first, first + count)))
     for family in FAMILIES:
         rows = []
+        causes = [0, 0, 0, 0]
         for seed in sweep.seeds:
             planner_total, ff_total, asked = 0, 0, 0
             for case in cases(family, seed):
@@ -416,6 +438,9 @@ def seed_sweep(first: int, count: int) -> SeedSweep:
                 theirs = run_policy("first-fit", case)
                 planner_total += mine.accepted
                 ff_total += theirs.accepted
+                for k, n in enumerate((mine.refused_fragmented, mine.refused_full,
+                                       theirs.refused_fragmented, theirs.refused_full)):
+                    causes[k] += n
                 asked += mine.asked
                 sweep.traces += 1
                 sweep.lost_traces += int(mine.accepted < theirs.accepted)
@@ -424,6 +449,7 @@ def seed_sweep(first: int, count: int) -> SeedSweep:
                     sweep.churn_eager_creates += run_policy("planner-eager", case).creates
             rows.append((planner_total, ff_total, asked))
         sweep.per_family[family] = rows
+        sweep.refusals[family] = (causes[0], causes[1], causes[2], causes[3])
         print(f"# sweep {family} done", file=sys.stderr)
     return sweep
 
@@ -441,6 +467,12 @@ def print_sweep(sweep: SeedSweep) -> None:
         lost = sum(1 for r in rows if r[0] < r[1])
         worst = min(r[0] - r[1] for r in rows)
         print(f"| {family} | {mine}/{asked} | {theirs}/{asked} | {lost} | {worst:+d} |")
+    print("\nRefusals over every seed, by cause: *fragmented* (some GPU had enough slots not in use, in the "
+          "wrong places) or *full* (no GPU had that many slots not in use):\n")
+    print("| family | planner fragmented | planner full | first-fit fragmented | first-fit full |")
+    print("|---|---:|---:|---:|---:|")
+    for family, (pf, pu, ff, fu) in sweep.refusals.items():
+        print(f"| {family} | {pf} | {pu} | {ff} | {fu} |")
     print(f"\nSingle traces where first-fit accepted more: {sweep.lost_traces} of {sweep.traces}. "
           f"Churn creates, lazy against eager: {sweep.churn_lazy_creates} vs {sweep.churn_eager_creates}.")
 
