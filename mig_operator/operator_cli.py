@@ -91,6 +91,7 @@ def cmd_controller(args: argparse.Namespace) -> int:
     from .kube.webhook.admission import ShimMount
     from .kube.webhook.server import WebhookOptions, register
 
+    _configure_logs(args)  # first: with json, even an error that stops it at start is a JSON line
     for address in (args.metrics_address, args.webhook):
         if address:
             _address(address)
@@ -108,7 +109,6 @@ def cmd_controller(args: argparse.Namespace) -> int:
             cert_secret=args.webhook_cert_secret, url=args.webhook_url, service=args.webhook_service,
             config_name=args.webhook_config or None, shim=ShimMount(host_dir=args.shim_host_dir),
         ), args.kubeconfig)
-    _configure_logs(args)
     if args.metrics_address:
         metrics.serve(args.metrics_address)
     priority = options.priority if options.priority is not None else default_priority()
@@ -122,6 +122,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
     from .kube.agent.main import AgentOptions, run_agent
     from .kube.agent.record import RecordError, RecordStore
 
+    _configure_logs(args)  # first: with json, even an error that stops it at start is a JSON line
     if args.metrics_address:
         _address(args.metrics_address)
     if not 1 <= args.nvml_attempts <= 100:
@@ -141,6 +142,5 @@ def cmd_agent(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise QuantityError(str(exc)) from None
     settings = AgentSettings(node=args.node, idle_timeout_s=idle, nvml_attempts=args.nvml_attempts)
-    _configure_logs(args)
     run_agent(AgentOptions(settings, record_file, args.kubeconfig, args.metrics_address), backend)
     return 0

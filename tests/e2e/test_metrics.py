@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -169,3 +172,57 @@ def test_json_logs_are_one_object_per_line(operator: OperatorHarness) -> None:
     assert any(r["level"] == "warning" and "broken" in r["message"] for r in agent_records)
     assert any(r["level"] == "debug" and r["logger"].startswith("kopf") for r in agent_records)
     assert all(r["level"] != "debug" for r in records[controller.name])
+
+
+def _json_lines(text: str) -> list[dict[str, Any]]:
+    entries = []
+    for line in text.splitlines():
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            raise AssertionError(f"not a JSON line: {line!r}") from None
+        assert isinstance(entry, dict) and {"time", "level", "logger", "message"} <= set(entry), line
+        entries.append(entry)
+    return entries
+
+
+@pytest.mark.parametrize("log_format", ["json", "text"])
+def test_an_error_that_stops_a_part_at_start_is_a_json_line_too(log_format: str, tmp_path: Path) -> None:
+    """The agent's most likely crash (no NVML on the node, a bad flag) is what a log pipeline must read
+    most; with --log-format json it is a record like every other, with text the familiar one line."""
+    result = subprocess.run(
+        [sys.executable, "-m", "mig_operator.cli", "agent", "--node", "n1", "--log-format", log_format,
+         "--backend", "sim:no-such-gpu", "--state-file", str(tmp_path / "sim.json")],
+        capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and not result.stdout
+    if log_format == "text":
+        assert result.stderr.startswith("mig-operator: backend 'sim:no-such-gpu'"), result.stderr
+        return
+    [entry] = _json_lines(result.stderr)
+    assert entry["level"] == "error" and entry["message"].startswith("mig-operator: backend 'sim:no-such-gpu'")
+
+
+def test_warnings_and_a_crash_are_json_lines_with_json_logs() -> None:
+    """Python warnings, a thread's exception, a process-ending exception and stray stderr writes: each
+    one JSON object on its line, tracebacks inside (``error``), not spread over lines of plain text."""
+    program = (
+        "import logging, sys, threading, warnings\n"
+        "from mig_operator.kube.common.logs import configure\n"
+        "configure('json', 'info')\n"
+        "logging.getLogger('mig_operator.agent').info('line one\\nline two')\n"
+        "warnings.warn('deprecated thing', FutureWarning)\n"
+        "t = threading.Thread(target=lambda: 1 / 0, name='worker'); t.start(); t.join()\n"
+        "print('stray', 'write', file=sys.stderr)\n"
+        "raise RuntimeError('the end')\n"
+    )
+    result = subprocess.run([sys.executable, "-W", "always", "-c", program], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 1 and not result.stdout
+    entries = _json_lines(result.stderr)
+    assert [e.get("logger") for e in entries] == [
+        "mig_operator.agent", "py.warnings", "mig_operator", "stderr", "mig_operator"], entries
+    assert entries[0]["message"] == "line one\nline two"
+    assert "FutureWarning: deprecated thing" in entries[1]["message"]
+    assert "ZeroDivisionError" in entries[2]["error"] and "worker" in entries[2]["message"]
+    assert entries[3] == {**entries[3], "level": "error", "message": "stray write"}
+    assert entries[4]["level"] == "critical" and "RuntimeError: the end" in entries[4]["error"]
