@@ -49,7 +49,7 @@ def exists(cluster: KubeCluster, doc: dict[str, Any], namespace: str) -> bool:
     kind = f"{doc['kind'].lower()}.{doc['apiVersion'].split('/')[0]}" if "/" in doc["apiVersion"] else doc["kind"]
     args = ["get", kind, doc["metadata"]["name"], "--ignore-not-found", "-o", "name"]
     if doc["kind"] not in ("ClusterRole", "ClusterRoleBinding", "MutatingWebhookConfiguration",
-                           "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"):
+                           "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding", "ClusterKopfPeering"):
         args += ["--namespace", namespace]
     return bool(cluster.kubectl(*args).stdout.strip())
 
@@ -87,21 +87,61 @@ def nvidia_runtime_class(kube_cluster: KubeCluster) -> Any:
         node_api.delete_runtime_class("nvidia")
 
 
+def service_account_kubeconfig(cluster: KubeCluster, namespace: str, account: str, path: Path) -> Path:
+    """A kubeconfig that authenticates as ``account`` (a TokenRequest token), as its pods would."""
+    answer = cluster.core_v1().create_namespaced_service_account_token(account, namespace, {
+        "apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": {"expirationSeconds": 3600}})
+    admin = yaml.safe_load(cluster.kubeconfig.read_text())
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "clusters": admin["clusters"],
+        "users": [{"name": "sa", "user": {"token": answer.status.token}}],
+        "contexts": [{"name": "sa", "context": {"cluster": admin["clusters"][0]["name"], "user": "sa"}}],
+        "current-context": "sa"}))
+    return path
+
+
+def controller_start_up_writes(kubeconfig: Path, namespace: str, service: str, config_name: str, peering: str,
+                               ca: bytes) -> None:
+    """What a controller replica of the release writes at start, with the controller's own code and
+    identity: its peering object, then its CA into the webhook configuration (kwok runs no process)."""
+    import asyncio
+
+    from mig_operator.kube.common.client import KubeClient
+    from mig_operator.kube.controller.main import ensure_peering
+    from mig_operator.kube.webhook.server import WebhookOptions, upsert_configuration, webhook_configuration
+
+    async def write() -> None:
+        client = KubeClient.from_environment(str(kubeconfig))
+        try:
+            await ensure_peering(client, peering)
+            options = WebhookOptions(listen="0.0.0.0:9443", namespace=namespace, service=f"{namespace}/{service}:443",
+                                     config_name=config_name)
+            await upsert_configuration(client, webhook_configuration(options, ca))
+        finally:
+            await client.close()
+
+    asyncio.run(write())
+
+
 def test_the_chart_installs_upgrades_and_uninstalls_with_every_object_accepted(
         kube_cluster: KubeCluster, operator: OperatorHarness, nvidia_runtime_class: None, tmp_path: Path) -> None:
     # A GPU node as GPU Feature Discovery labels it; kwok plays its kubelet.
     gpu_node = operator.add_node("h100-80gb", labels={"nvidia.com/gpu.present": "true"})
     namespace = f"chart-{uuid.uuid4().hex[:6]}"
     release = "gpu"
+    # Cluster-wide objects named after this test: a kept control plane may hold the defaults' names.
+    names = ["--set", f"webhook.configurationName={namespace}", "--set", f"controller.peering={namespace}"]
+    admission = kubernetes.client.AdmissionregistrationV1Api(kube_cluster.api_client)
     # The policy is installed by the session (crds/); the chart must be able to install its own copy.
     kube_cluster.kubectl("delete", "-f", str(POLICY), "--ignore-not-found")
     try:
         helm(kube_cluster, "install", release, str(CHART_DIR), "--namespace", namespace, "--create-namespace",
-             *tolerate_kwok(tmp_path))
+             *names, *tolerate_kwok(tmp_path))
         docs = manifest(kube_cluster, release, namespace)
         kinds = sorted({d["kind"] for d in docs})
-        assert kinds == ["ClusterRole", "ClusterRoleBinding", "DaemonSet", "Deployment", "PodDisruptionBudget",
-                         "Role", "RoleBinding", "Service", "ServiceAccount", "ValidatingAdmissionPolicy",
+        assert kinds == ["ClusterKopfPeering", "ClusterRole", "ClusterRoleBinding", "DaemonSet", "Deployment",
+                         "MutatingWebhookConfiguration", "PodDisruptionBudget", "ResourceQuota", "Role",
+                         "RoleBinding", "Service", "ServiceAccount", "ValidatingAdmissionPolicy",
                          "ValidatingAdmissionPolicyBinding"]
         for doc in docs:
             assert exists(kube_cluster, doc, namespace), f"{doc['kind']} {doc['metadata']['name']} was not created"
@@ -112,14 +152,45 @@ def test_the_chart_installs_upgrades_and_uninstalls_with_every_object_accepted(
         assert [p.spec.node_name for p in agent] == [gpu_node.name]
         assert agent[0].spec.runtime_class_name == "nvidia"
         assert agent[0].spec.containers[0].security_context.capabilities.add == ["SYS_ADMIN"]
+        # The quota that clusters limiting critical classes ask for covers the agent pod (counted by it).
+        quota = next(d for d in docs if d["kind"] == "ResourceQuota")["metadata"]["name"]
 
-        # An upgrade with other values is accepted too.
-        helm(kube_cluster, "upgrade", release, str(CHART_DIR), "--namespace", namespace,
+        def counted() -> bool:
+            used = kube_cluster.core_v1().read_namespaced_resource_quota(quota, namespace).status.used or {}
+            return used.get("pods") == "1"
+
+        wait_until(counted, 60, f"ResourceQuota {quota} to count the agent pod")
+
+        # A controller replica starts: as the release's ServiceAccount it finds the chart's peering and
+        # webhook configuration (create: 409) and patches its CA in (patch, by name).
+        ctl_kubeconfig = service_account_kubeconfig(kube_cluster, namespace, pods(
+            kube_cluster, namespace, "controller")[0].spec.service_account_name, tmp_path / "controller.kubeconfig")
+        service = next(d for d in docs if d["kind"] == "Service" and d["metadata"]["name"].endswith("-webhook"))
+        chart_webhook = admission.read_mutating_webhook_configuration(namespace).webhooks[0]
+        assert chart_webhook.client_config.ca_bundle is None  # Helm never writes it
+        controller_start_up_writes(ctl_kubeconfig, namespace, service["metadata"]["name"], namespace, namespace,
+                                   b"ca of the controller")
+
+        def ca_bundle() -> bytes:
+            webhook = admission.read_mutating_webhook_configuration(namespace).webhooks[0]
+            assert webhook.client_config.service.name == service["metadata"]["name"]
+            assert webhook.match_conditions and webhook.namespace_selector == chart_webhook.namespace_selector
+            return base64.b64decode(webhook.client_config.ca_bundle or "")
+
+        assert ca_bundle() == b"ca of the controller"
+
+        # An upgrade with other values is accepted too, and leaves the controller's CA in place.
+        helm(kube_cluster, "upgrade", release, str(CHART_DIR), "--namespace", namespace, *names,
              "--set", "controller.replicas=1", "--set", "agent.idleTimeout=15m", "--set", "metrics.enabled=false",
              "--set", "logging.format=text", *tolerate_kwok(tmp_path))
+        assert ca_bundle() == b"ca of the controller"
+        # The upgrade docs/operations.md gives (the last release's values on the new chart's defaults).
+        helm(kube_cluster, "upgrade", release, str(CHART_DIR), "--namespace", namespace,
+             "--reset-then-reuse-values", "--set", "agent.nvmlAttempts=7")
+        assert ca_bundle() == b"ca of the controller"
         upgraded = manifest(kube_cluster, release, namespace)
         daemonset = kube_cluster.kubectl("get", "daemonset", "-n", namespace, "-o", "json").stdout
-        assert "--idle-timeout=15m" in daemonset
+        assert "--idle-timeout=15m" in daemonset and "--nvml-attempts=7" in daemonset
         assert not [d for d in upgraded if d["metadata"]["name"].endswith("-metrics")]
         assert not kube_cluster.kubectl("get", "service", "-n", namespace, "-o", "name",
                                         "-l", "mig-operator.cdmo.io/metrics").stdout.strip()
@@ -127,6 +198,11 @@ def test_the_chart_installs_upgrades_and_uninstalls_with_every_object_accepted(
         helm(kube_cluster, "uninstall", release, "--namespace", namespace, "--wait")
         for doc in upgraded:
             assert not exists(kube_cluster, doc, namespace), f"{doc['kind']} {doc['metadata']['name']} survived"
+        # Nothing cluster-wide is left that would refuse annotated pods or hold a stale peering.
+        assert not kube_cluster.kubectl("get", "mutatingwebhookconfiguration", namespace, "--ignore-not-found",
+                                        "-o", "name").stdout.strip()
+        assert not kube_cluster.kubectl("get", "clusterkopfpeering", namespace, "--ignore-not-found",
+                                        "-o", "name").stdout.strip()
         # CRDs stay (Helm never deletes them): the slices and inventories in them stay too.
         assert kube_cluster.kubectl("get", "crd", "gpuslices.cdmo.io", "-o", "name").stdout.strip()
     finally:
@@ -253,6 +329,64 @@ def test_each_service_account_is_refused_what_it_does_not_need(
     answer = kube_cluster.kubectl("auth", "can-i", "patch", "pods", "--all-namespaces",
                                   f"--as={chart_identities.user(part)}", check=False)
     assert answer.stdout.strip() == ("yes" if part == "controller" else "no")
+
+
+# ---- a verb missing from the chart fails a real test -------------------------------------------------
+
+# (part, API group, resource, verb): one verb each part's work cannot do without.
+DROPPED = [("agent", "cdmo.io", "gpuslices/status", "patch"), ("controller", "cdmo.io", "gpuslices/status", "patch")]
+
+
+@pytest.mark.parametrize(("part", "group", "resource", "verb"), DROPPED, ids=[f"{d[0]}-{d[2]}-{d[3]}" for d in DROPPED])
+def test_a_verb_missing_from_the_charts_rbac_fails_the_operator(
+        kube_cluster: KubeCluster, operator: OperatorHarness, chart_identities: ChartIdentities, tmp_path: Path,
+        part: str, group: str, resource: str, verb: str) -> None:
+    """The e2e suite runs every controller and agent as the chart's ServiceAccounts; this shows that
+    doing so has teeth: the same part, under the chart's role less one verb, is refused by the API
+    server (in its log, as the suite's teardown looks for) and its slice never becomes Ready."""
+    roles = [d for d in yaml.safe_load_all(chart_identities.rendered) if d and d["kind"] == "ClusterRole"
+             and d["metadata"]["labels"]["app.kubernetes.io/component"] == part]
+    [role] = roles
+    name = f"rbac-probe-{part}-{uuid.uuid4().hex[:6]}"
+    rules = []
+    for rule in role["rules"]:
+        if group in rule["apiGroups"] and resource in rule["resources"] and verb in rule["verbs"]:
+            assert rule["resources"] == [resource] and rule["apiGroups"] == [group], rule
+            rule = {**rule, "verbs": [v for v in rule["verbs"] if v != verb]}
+        if rule["verbs"]:
+            rules.append(rule)
+    assert rules != role["rules"], f"the chart's {part} role has no {verb} on {resource}"
+    account = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": name, "namespace": CHART_NAMESPACE}}
+    reduced = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole", "metadata": {"name": name},
+               "rules": rules}
+    binding = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding", "metadata": {"name": name},
+               "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": name},
+               "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": CHART_NAMESPACE}]}
+    objects = yaml.safe_dump_all([account, reduced, binding])
+    kube_cluster.kubectl("apply", "-f", "-", input=objects)
+    try:
+        operator.kubeconfigs = {**operator.kubeconfigs, part: service_account_kubeconfig(
+            kube_cluster, CHART_NAMESPACE, name, tmp_path / f"{name}.kubeconfig")}
+        node = operator.add_node("h100-80gb")
+        # The agent publishes its GpuNode either way (that needs no gpuslices/status).
+        operator.start_operator(node)
+        operator.wait_gpunode(node)
+        ns = operator.namespace()
+        operator.create_slice(ns, "s", {"memory": "4G"})
+        [proc] = [p for p in operator.procs if p.args[3] == part]
+        refusal = f'User "system:serviceaccount:{CHART_NAMESPACE}:{name}" cannot {verb} resource "{resource}"'
+        wait_until(lambda: refusal in proc.log.read_text(errors="replace"), 30,
+                   lambda: f"the API server's refusal of {verb} {resource} in the {part}'s log\n{operator.logs()}")
+        # Where the slice stops: never bound without the controller's status write; bound but never
+        # realised (not even Creating) without the agent's.
+        phase = ((operator.get_slice(ns, "s") or {}).get("status") or {}).get("phase")
+        assert phase == {"controller": None, "agent": "Bound"}[part], phase
+    finally:
+        # Stopped and forgotten here: the suite's teardown fails on any refusal in its processes' logs.
+        for proc in [p for p in operator.procs if p.args[3] == part]:
+            operator.stop(proc)
+            operator.procs.remove(proc)
+        kube_cluster.kubectl("delete", "-f", "-", "--ignore-not-found", "--wait=false", input=objects)
 
 
 # ---- the webhook certificate Secret -----------------------------------------------------------------

@@ -21,6 +21,8 @@ K8S_SCHEMA_VERSION = "1.34.0"
 # Kinds from other projects' CRDs: no 1.34 schema exists for them; checked field by field below.
 FOREIGN_KINDS = {("cert-manager.io/v1", "Issuer"), ("cert-manager.io/v1", "Certificate"),
                  ("monitoring.coreos.com/v1", "ServiceMonitor")}
+# Kinds of the chart's own CRDs (crds/): checked against those CRDs below.
+OWN_KINDS = {("kopf.dev/v1", "ClusterKopfPeering")}
 SHA = "sha256:" + "ab" * 32
 
 VARIANTS: dict[str, list[str]] = {
@@ -65,13 +67,28 @@ def test_helm_lint_passes_strict_with_default_and_other_values(helm: Any, varian
     assert "1 chart(s) linted, 0 chart(s) failed" in result.stdout
 
 
-def test_every_object_validates_against_the_kubernetes_1_34_schemas(render: Any, variant: list[str]) -> None:
-    docs = render("--include-crds", *variant)
+@pytest.mark.parametrize("namespace", ["mig-operator", "gpu-system"])
+def test_every_object_validates_against_the_kubernetes_1_34_schemas(render: Any, variant: list[str],
+                                                                     namespace: str) -> None:
+    docs = render("--include-crds", *variant, namespace=namespace)
+    crds = {(f"{d['spec']['group']}/{v['name']}", d["spec"]["names"]["kind"]): d for d in docs
+            if d["kind"] == "CustomResourceDefinition" for v in d["spec"]["versions"] if v["served"]}
     checked = set()
     for doc in docs:
         key = (doc["apiVersion"], doc["kind"])
+        if doc["metadata"].get("namespace") is not None:
+            assert doc["metadata"]["namespace"] == namespace, (key, doc["metadata"])
         if key in FOREIGN_KINDS:
             _check_foreign(doc)
+            continue
+        if key in OWN_KINDS:
+            # A kind of one of the chart's CRDs, cluster-scoped, with nothing the CRD's schema lacks.
+            crd = crds[key]
+            assert crd["spec"]["scope"] == "Cluster" and "namespace" not in doc["metadata"]
+            [version] = [v for v in crd["spec"]["versions"] if doc["apiVersion"].endswith("/" + v["name"])]
+            assert set(doc) - {"apiVersion", "kind", "metadata"} <= set(
+                version["schema"]["openAPIV3Schema"].get("properties") or {}), doc
+            checked.add(doc["kind"])
             continue
         try:
             kubernetes_validate.validate(doc, K8S_SCHEMA_VERSION, strict=True)
@@ -79,7 +96,7 @@ def test_every_object_validates_against_the_kubernetes_1_34_schemas(render: Any,
             pytest.fail(f"{doc['kind']} {doc['metadata']['name']}: {exc.message} at {list(exc.path)}")
         checked.add(doc["kind"])
     assert {"CustomResourceDefinition", "Deployment", "DaemonSet", "Service", "ServiceAccount", "ClusterRole",
-            "ClusterRoleBinding"} <= checked
+            "ClusterRoleBinding", "MutatingWebhookConfiguration", "ClusterKopfPeering"} <= checked
 
 
 def test_the_schema_check_refuses_a_misspelt_field() -> None:
@@ -128,27 +145,59 @@ def test_the_node_label_policy_template_is_the_one_in_crds(render: Any) -> None:
     assert rendered == source
 
 
-def test_cert_manager_mode_ships_the_webhook_configuration_the_controller_would_write(render: Any) -> None:
-    docs = render("--set", "webhook.certManager.enabled=true", release="gs", namespace="gpu-system")
+@pytest.mark.parametrize("cert_manager", [False, True], ids=["self-signed", "cert-manager"])
+def test_the_chart_ships_the_webhook_configuration_the_controller_would_write(render: Any,
+                                                                              cert_manager: bool) -> None:
+    """In both certificate modes the configuration is the chart's (so `helm uninstall` removes it) and is
+    the body the controller writes, less the caBundle that Helm must never set: the controller patches
+    its own CA in (default mode), or cert-manager's CA injector does."""
+    docs = render("--set", f"webhook.certManager.enabled={str(cert_manager).lower()}",
+                  "--set", "webhook.configurationName=gpu-webhook", release="gs", namespace="gpu-system")
     rendered = find(docs, "MutatingWebhookConfiguration")
     service = find(docs, "Service", "gs-mig-operator-webhook")
-    certificate = find(docs, "Certificate")
     options = WebhookOptions(listen="0.0.0.0:9443", namespace="gpu-system",
-                             service=f"gpu-system/{service['metadata']['name']}:443", config_name=WEBHOOK_NAME)
+                             service=f"gpu-system/{service['metadata']['name']}:443", config_name="gpu-webhook")
     expected = webhook_configuration(options, b"")
-    del expected["webhooks"][0]["clientConfig"]["caBundle"]  # cert-manager's CA injector fills it in
-    annotations = rendered["metadata"].pop("annotations")
-    assert annotations == {"cert-manager.io/inject-ca-from": f"gpu-system/{certificate['metadata']['name']}"}
+    del expected["webhooks"][0]["clientConfig"]["caBundle"]
+    labels = rendered["metadata"].pop("labels")
+    assert labels["app.kubernetes.io/managed-by"] == "Helm" and labels["app.kubernetes.io/instance"] == "gs"
+    del expected["metadata"]["labels"]  # the controller patches webhooks only, never the chart's labels
+    annotations = rendered["metadata"].pop("annotations", None)
     assert rendered == expected
-    assert certificate["spec"]["secretName"] == _volume(docs, "Deployment", "webhook-tls")["secret"]["secretName"]
-    # The certificate names the Service the way the controller's own certificate would.
-    assert certificate["spec"]["dnsNames"] == [f"{service['metadata']['name']}.gpu-system.svc",
-                                               f"{service['metadata']['name']}.gpu-system.svc.cluster.local"]
+    ctl = _args(container(docs, "Deployment", "controller"))
+    if cert_manager:
+        certificate = find(docs, "Certificate")
+        assert annotations == {"cert-manager.io/inject-ca-from": f"gpu-system/{certificate['metadata']['name']}"}
+        assert ctl.webhook_config == ""  # the controller leaves the configuration to the chart and cert-manager
+        assert certificate["spec"]["secretName"] == _volume(docs, "Deployment", "webhook-tls")["secret"]["secretName"]
+        # The certificate names the Service the way the controller's own certificate would.
+        assert certificate["spec"]["dnsNames"] == [f"{service['metadata']['name']}.gpu-system.svc",
+                                                   f"{service['metadata']['name']}.gpu-system.svc.cluster.local"]
+    else:
+        assert annotations is None
+        # The controller patches its CA into exactly this object, which its RBAC lets it patch.
+        assert ctl.webhook_config == rendered["metadata"]["name"]
+        role = find(docs, "ClusterRole", "gs-mig-operator-controller")
+        mwc = ("admissionregistration.k8s.io", "mutatingwebhookconfigurations")
+        assert (*mwc, "patch", "gpu-webhook") in _grants(role)
+        assert ctl.webhook_service == f"gpu-system/{service['metadata']['name']}:443"
 
 
 def test_the_default_webhook_configuration_name_is_the_code_default(render: Any) -> None:
     args = _args(container(render(), "Deployment", "controller"))
     assert args.webhook_config == WEBHOOK_NAME and args.shim_host_dir == SHIM_HOST_DIR
+
+
+@pytest.mark.parametrize("name", ["default", "everything else changed"])
+def test_the_chart_owns_the_peering_object_the_controller_replicas_use(render: Any, name: str) -> None:
+    docs = render(*VARIANTS[name])
+    peering = find(docs, "ClusterKopfPeering")
+    ctl = _args(container(docs, "Deployment", "controller"))
+    assert peering["metadata"]["name"] == ctl.peering
+    assert peering["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "Helm"
+    role = next(d for d in docs if d["kind"] == "ClusterRole"
+                and d["metadata"]["labels"]["app.kubernetes.io/component"] == "controller")
+    assert {("kopf.dev", "clusterkopfpeerings", verb, "") for verb in ("list", "watch", "patch")} <= _grants(role)
 
 
 # ---- the chart's flags are the command line's ----------------------------------------------------
@@ -343,6 +392,34 @@ def test_the_controller_runs_unprivileged_and_the_agent_with_only_what_mig_needs
     assert len(host_paths) == 2
 
 
+@pytest.mark.parametrize(("agent_class", "controller_class", "quota"), [
+    ("system-node-critical", "", ["system-node-critical"]),  # the default
+    ("system-node-critical", "system-cluster-critical", ["system-node-critical", "system-cluster-critical"]),
+    ("system-cluster-critical", "system-cluster-critical", ["system-cluster-critical"]),
+    ("gpu-agents", "", None),  # the admin's own class: no quota needed
+    ("", "", None),
+])
+def test_a_critical_priority_class_comes_with_the_quota_that_admits_it(
+        render: Any, agent_class: str, controller_class: str, quota: list[str] | None) -> None:
+    """Clusters that limit the built-in critical classes to namespaces with a ResourceQuota naming them
+    (GKE) refuse the agents otherwise; the quota's scope must cover every pod of the chart that uses one."""
+    docs = render("--set", f"agent.priorityClassName={agent_class}",
+                  "--set", f"controller.priorityClassName={controller_class}", namespace="gpu-system")
+    quotas = [d for d in docs if d["kind"] == "ResourceQuota"]
+    if quota is None:
+        assert not quotas
+        return
+    [found] = quotas
+    assert found["metadata"]["namespace"] == "gpu-system"
+    [scope] = found["spec"]["scopeSelector"]["matchExpressions"]
+    assert (scope["scopeName"], scope["operator"], scope["values"]) == ("PriorityClass", "In", quota)
+    assert int(float(found["spec"]["hard"]["pods"].rstrip("G")) * 1e9) >= 10**6  # limits nothing in practice
+    for kind in ("Deployment", "DaemonSet"):
+        pod = find(docs, kind)["spec"]["template"]["spec"]
+        if pod.get("priorityClassName", "").startswith("system-"):
+            assert pod["priorityClassName"] in scope["values"], kind
+
+
 # ---- values.yaml -------------------------------------------------------------------------------------
 
 # Maps whose entries are data, documented by the comment on the map itself.
@@ -369,3 +446,67 @@ def test_every_value_has_a_comment() -> None:
         if not previous.strip().startswith("#"):
             missing.append(".".join([*parents, key]))
     assert not missing, f"values without a comment right above them: {missing}"
+
+
+def _leaves(values: dict[str, Any], prefix: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], Any]]:
+    """Every value an admin can set: scalars, and free-form maps and lists as a whole."""
+    out = []
+    for key, value in values.items():
+        path = (*prefix, key)
+        if isinstance(value, dict) and value and key not in FREE_FORM:
+            out.extend(_leaves(value, path))
+        else:
+            out.append((path, value))
+    return out
+
+
+def _changed(value: Any) -> Any:
+    """Another value of the same shape."""
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, int):
+        return value + 1
+    if isinstance(value, str):
+        return value + "-probe" if value else "probe"
+    if isinstance(value, list):
+        return [*value, {"key": "probe", "name": "probe"}]
+    return {**value, "probe": "probe"}
+
+
+# A value that only matters in another mode is changed on top of that mode.
+MODES = {("webhook", "certManager"): {"webhook": {"certManager": {"enabled": True}}},
+         ("metrics", "serviceMonitor"): {"metrics": {"serviceMonitor": {"enabled": True}}}}
+
+
+def test_every_value_is_used_by_the_templates(render: Any, tmp_path: Path) -> None:
+    """Changing any one value changes what the chart renders: values.yaml documents nothing that does
+    nothing (and a template that stopped reading a value fails here)."""
+    values = yaml.safe_load((CHART_DIR / "values.yaml").read_text())
+    leaves = _leaves(values)
+    assert len(leaves) > 40 and (("agent", "idleTimeout"), "") in leaves
+
+    def nested(path: tuple[str, ...], value: Any) -> dict[str, Any]:
+        out: dict[str, Any] = value
+        for key in reversed(path):
+            out = {key: out}
+        return out
+
+    def merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+        return {**a, **{k: merge(a[k], v) if isinstance(v, dict) and isinstance(a.get(k), dict) and k not in FREE_FORM
+                        else v for k, v in b.items()}}
+
+    def rendered(overrides: dict[str, Any]) -> str:
+        path = tmp_path / "values.yaml"
+        path.write_text(yaml.safe_dump(overrides))
+        return yaml.safe_dump_all(render("--include-crds", "--values", str(path)))
+
+    baselines: dict[tuple[str, ...], str] = {}
+    unused = []
+    for path, value in leaves:
+        mode = next((m for m in MODES if path[:len(m)] == m and path != (*m, "enabled")), ())
+        base = MODES.get(mode, {})
+        if mode not in baselines:
+            baselines[mode] = rendered(base)
+        if rendered(merge(base, nested(path, _changed(value)))) == baselines[mode]:
+            unused.append(".".join(path))
+    assert not unused, f"values that change nothing the chart renders: {unused}"
