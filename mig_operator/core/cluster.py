@@ -236,11 +236,13 @@ def _decide(
     choose: Callable[[PlannerSettings], MigDecision],
     models: Callable[[], Iterable[GpuModel]],
     fraction: list[FractionGpu],
+    where: str | None = None,
 ) -> Binding:
     """The one rule, whether the MIG GPUs come as a list or as a PlanningIndex."""
     if request.profile is not None:
         fraction = []
-    where = f"on node {node}" if node is not None else "in the cluster"
+    if where is None:
+        where = f"on node {node}" if node is not None else "in the cluster"
     if not has_mig and not fraction:
         kind = "MIG GPU" if request.profile is not None else "GPU"
         raise Refusal(NO_GPU, _clip(f"no {kind} {where} can take slices: {request.describe()} waits for one"))
@@ -356,17 +358,30 @@ class ClusterPlanner:
 
     # ---- deciding -------------------------------------------------------------------------------
 
-    def plan(self, request: SliceRequest, node: str | None = None, settings: PlannerSettings | None = None) -> Binding:
-        """``plan_binding(request, build_view(...), node, settings)`` on the current inputs."""
+    def plan(self, request: SliceRequest, node: str | None = None, settings: PlannerSettings | None = None,
+             nodes: Collection[str] | None = None) -> Binding:
+        """``plan_binding(request, build_view(...), node, settings)`` on the current inputs.
+
+        ``nodes``, if given, restricts the choice to those nodes as well (a pod's node selector:
+        the GpuSlice annotation ``cdmo.io/eligible-nodes``); with ``node`` too, both must hold.
+        """
         self._refresh()
         index = self._index
-        pinned = None if node is None else [node]
-        has_mig = bool(len(index)) if node is None else node in index.nodes()
-        fraction = [g for g in self._fraction.values() if node is None or g.node == node]
+        where = None
+        if nodes is not None:
+            allowed = sorted(set(nodes) if node is None else set(nodes) & {node})
+            if node is None:
+                shown = ", ".join(allowed[:5]) + (" ..." if len(allowed) > 5 else "")
+                where = f"on its eligible nodes ({shown or 'none'})"
+            pinned: list[str] | None = allowed
+        else:
+            pinned = None if node is None else [node]
+        has_mig = bool(len(index)) if pinned is None else any(n in index.nodes() for n in pinned)
+        fraction = [g for g in self._fraction.values() if pinned is None or g.node in pinned]
         fraction.sort(key=lambda g: (g.node, g.index))
-        models = (lambda: index.models()) if node is None else (lambda: {g.model for g in index.gpus(pinned)})
+        models = (lambda: index.models()) if pinned is None else (lambda: {g.model for g in index.gpus(pinned)})
         return _decide(request, node, settings or PlannerSettings(), has_mig,
-                       lambda s: index.choose(request, s, nodes=pinned), models, fraction)
+                       lambda s: index.choose(request, s, nodes=pinned), models, fraction, where)
 
     def _refresh(self) -> None:
         gpus = set(self._dirty)

@@ -15,7 +15,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from .quantities import MEMORY_EXAMPLE, QuantityError, clip_repr, clip_text
+from .quantities import MEMORY_EXAMPLE, QUOTE_LIMIT, QuantityError, clip_repr, clip_text
 from .request import PROFILE_EXAMPLE, RequestError, SliceRequest, parse_profile_name, slice_request
 
 ANNOTATION_MEMORY = "cdmo.io/gpu-memory"
@@ -76,12 +76,22 @@ def request_from_annotations(annotations: Mapping[str, str] | None) -> SliceRequ
     if not given:
         return None
     if len(given) > 1:
+        shown = ", ".join(f"{key}: {clip_repr(annotations[key], QUOTE_LIMIT // len(given))}" for key in given)
         raise RequestError(
-            f"a pod may carry only one of {', '.join(REQUEST_ANNOTATIONS)} (got {', '.join(given)}); "
+            f"a pod may carry only one of {', '.join(REQUEST_ANNOTATIONS)} (got {shown}); "
             f"e.g. {ANNOTATION_MEMORY}: '{MEMORY_EXAMPLE}'"
         )
     key = given[0]
     value = annotations[key]
+    # The schema's length limits, with the value quoted (clipped) and an example: a pod's author sees
+    # no field path, only this message.
+    limit, field, example = {ANNOTATION_MEMORY: (MAX_MEMORY_LENGTH, "memory", MEMORY_EXAMPLE),
+                             ANNOTATION_PROFILE: (MAX_PROFILE_LENGTH, "migProfile", PROFILE_EXAMPLE)}.get(
+                                 key, (0, "", ""))
+    if limit and isinstance(value, str) and len(value) > limit:
+        error = RequestError if key == ANNOTATION_PROFILE else QuantityError
+        raise error(f"annotation {key}: {field} {clip_repr(value)} is too long: may not be more than {limit} "
+                    f"characters; use e.g. '{example}'")
     try:
         if key == ANNOTATION_MEMORY:
             _check_memory_text(value)

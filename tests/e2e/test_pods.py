@@ -4,6 +4,8 @@ node pinning and cleanup, on a real control plane with kube-scheduler, kube-cont
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -129,9 +131,13 @@ def test_bad_annotations_and_mixed_requests_are_refused_at_admission(operator: O
     for given, message in cases:
         with pytest.raises(ApiException) as refused:
             create_pod(operator, ns, given, name="bad")
-        text = refused.value.body.lower()
-        assert refused.value.status == 400 and message.lower() in text, (given, refused.value.body)
-        assert next(iter(given)) in text, f"the refusal names the annotation: {refused.value.body}"
+        text = json.loads(refused.value.body)["message"]
+        assert refused.value.status == 400 and message.lower() in text.lower(), (given, text)
+        assert next(iter(given)) in text, f"the refusal names the annotation: {text}"
+        # ... and its value, quoted (at most about 100 characters of it), and what to write instead.
+        value = next(iter(given.values()))
+        assert repr(value)[:30].rstrip("'") in text and len(text) < 600, (given, text)
+        assert re.search(r"(e\.g\.|such as) [^;]*'[^']+'", text), text
     with pytest.raises(ApiException) as mixed:
         create_pod(operator, ns, {"cdmo.io/gpu-memory": "4G"}, name="mixed",
                    containers=[{"name": "main", "image": "busybox", "resources": {"limits": {"nvidia.com/gpu": "1"}}}])
@@ -141,6 +147,14 @@ def test_bad_annotations_and_mixed_requests_are_refused_at_admission(operator: O
                    containers=[{"name": "main", "image": "busybox",
                                 "resources": {"limits": {"nvidia.com/mig-1g.10gb": "1"}}}])
     assert "nvidia.com/mig-1g.10gb" in mig_resource.value.body
+    # A container's own env would win over the slice's envFrom: NVIDIA_VISIBLE_DEVICES=all would show
+    # the whole GPU. It used to be admitted, and the pod ran on the whole GPU beside the others.
+    with pytest.raises(ApiException) as env:
+        create_pod(operator, ns, {"cdmo.io/gpu-memory": "4G"}, name="env",
+                   containers=[{"name": "main", "image": "busybox",
+                                "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]}])
+    text = json.loads(env.value.body)["message"]
+    assert env.value.status == 400 and "NVIDIA_VISIBLE_DEVICES" in text and "cdmo.io/gpu-memory: '4G'" in text
     assert operator.core.list_namespaced_pod(ns).items == []
 
 
@@ -263,3 +277,73 @@ def test_a_hundred_annotated_pods_at_once_on_four_nodes_overcommit_nothing(opera
     for pod in running_pods:
         assert pod.spec.node_name == slice_of(operator, pod)["status"]["node"]
     check_invariants(operator)  # no overlapping placements, fractions within each GPU's memory
+
+
+def test_a_pod_goes_only_to_a_node_its_own_selector_and_affinity_allow(operator: OperatorHarness) -> None:
+    # The slice's node used to be chosen without the pod's nodeSelector or required node affinity;
+    # the pod, pinned to that node too, then stayed Pending for ever (no node matched both).
+    mig = operator.add_node("h100-80gb", labels={"pool": "train"})
+    infer = [operator.add_node("l40s-48gb", labelled=False, labels={"pool": "infer"}) for _ in range(2)]
+    start(operator, mig, *infer)
+    ns = operator.namespace()
+    pooled = [create_pod(operator, ns, {"cdmo.io/gpu-memory": "30Gi"}, name=f"infer-{i}",
+                         nodeSelector={"pool": "infer"})["metadata"]["name"] for i in range(2)]
+    not_train = create_pod(operator, ns, {"cdmo.io/gpu-memory": "4Gi"}, name="not-train", affinity={
+        "nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+            {"matchExpressions": [{"key": "pool", "operator": "NotIn", "values": ["train"]}]}]}}})
+    train_term = {"matchExpressions": [{"key": "pool", "operator": "In", "values": ["train"]}]}
+    train = create_pod(operator, ns, {"cdmo.io/gpu-memory": "4Gi"}, name="train", affinity={
+        "nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [train_term]},
+                         "preferredDuringSchedulingIgnoredDuringExecution": [
+                             {"weight": 1, "preference": {"matchExpressions": [
+                                 {"key": "pool", "operator": "In", "values": ["infer"]}]}}]}})
+    create_pod(operator, ns, {"cdmo.io/gpu-memory": "4Gi"}, name="later", nodeSelector={"later": "yes"})
+    nodes = set()
+    for name in pooled:
+        pod = running(operator, ns, name)
+        env = environment(operator, pod)
+        assert pod.spec.node_name in {n.name for n in infer} and env["NVIDIA_VISIBLE_DEVICES"].startswith("GPU-")
+        assert env["CDMO_GPU_MEMORY_LIMIT"] == str(30 * 2**30)
+        nodes.add(pod.spec.node_name)
+    assert len(nodes) == 2, "30 GiB twice does not fit one L40S: each eligible node takes one"
+    assert running(operator, ns, not_train["metadata"]["name"]).spec.node_name in nodes
+    pod = running(operator, ns, train["metadata"]["name"])
+    assert pod.spec.node_name == mig.name and environment(operator, pod)["NVIDIA_VISIBLE_DEVICES"].startswith("MIG-")
+    terms = pod.spec.affinity.node_affinity.required_during_scheduling_ignored_during_execution.node_selector_terms
+    assert [e.to_dict() for e in terms[0].match_expressions] == [
+        {"key": "pool", "operator": "In", "values": ["train"]},
+        {"key": "kubernetes.io/hostname", "operator": "In", "values": [mig.name]}]
+
+    def no_node() -> Any:
+        events = operator.core.list_namespaced_event(ns, field_selector="involvedObject.name=later").items
+        return [e for e in events if e.reason == "NoEligibleNode"]
+
+    wait_until(no_node, 20, lambda: f"a NoEligibleNode Event on the pod no GPU node matches\n{operator.logs()}")
+    gated = operator.core.read_namespaced_pod("later", ns)
+    assert [g.name for g in gated.spec.scheduling_gates] == [GATE] and gated.spec.node_name is None
+    assert all(s["metadata"]["name"] != gated.metadata.labels["cdmo.io/gpu-slice"] for s in operator.slices(ns))
+    operator.core.patch_node(infer[0].name, {"metadata": {"labels": {"later": "yes"}}})
+    assert running(operator, ns, "later", timeout=60).spec.node_name == infer[0].name
+    check_invariants(operator)
+
+
+def test_a_copy_of_a_running_sliced_pod_gets_a_slice_and_a_device_of_its_own(operator: OperatorHarness) -> None:
+    # `kubectl get pod -o yaml`, minus nodeName and status, created again: it carries the original's
+    # slice label, envFrom and volume. It used to be let through untouched: no gate, no slice of its
+    # own, and it ran on the original's ConfigMap, i.e. on the original's MIG instance.
+    start(operator, operator.add_node("h100-80gb"))
+    ns = operator.namespace()
+    original = running(operator, ns, create_pod(operator, ns, {"cdmo.io/mig-profile": "1g.10gb"},
+                                                name="original")["metadata"]["name"])
+    body = operator.cluster.api_client.sanitize_for_serialization(original)
+    body["metadata"] = {key: body["metadata"][key] for key in ("labels", "annotations")} | {"name": "copy"}
+    del body["spec"]["nodeName"], body["status"]
+    create_pod_body = operator.core.create_namespaced_pod(ns, body)
+    assert create_pod_body.metadata.labels["cdmo.io/gpu-slice"] != original.metadata.labels["cdmo.io/gpu-slice"]
+    copy = running(operator, ns, "copy")
+    ours, theirs = environment(operator, copy), environment(operator, original)
+    assert ours["NVIDIA_VISIBLE_DEVICES"] != theirs["NVIDIA_VISIBLE_DEVICES"], "one instance, two pods"
+    for container in copy.spec.containers:
+        assert [e.config_map_ref.name for e in container.env_from] == [copy.metadata.labels["cdmo.io/gpu-slice"]]
+    assert slice_of(operator, copy)["metadata"]["ownerReferences"][0]["uid"] == copy.metadata.uid
+    check_invariants(operator)

@@ -62,7 +62,7 @@ def test_length_limits_are_inclusive() -> None:
      "cdmo.io/gpu-fraction, cdmo.io/mig-profile, e.g. cdmo.io/gpu-memory: '4Gi'"),
     ({"cdmo.io/gpu-memory": "4G", "cdmo.io/mig-profile": "1g.18gb"},
      "a pod may carry only one of cdmo.io/gpu-memory, cdmo.io/gpu-fraction, cdmo.io/mig-profile "
-     "(got cdmo.io/gpu-memory, cdmo.io/mig-profile); e.g. cdmo.io/gpu-memory: '4Gi'"),
+     "(got cdmo.io/gpu-memory: '4G', cdmo.io/mig-profile: '1g.18gb'); e.g. cdmo.io/gpu-memory: '4Gi'"),
 ])
 def test_annotation_refusals(annotations, message: str) -> None:
     with pytest.raises(RequestError) as info:

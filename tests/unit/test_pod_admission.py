@@ -4,6 +4,7 @@ environment, the ungate-and-pin patch, the webhook configuration and its certifi
 from __future__ import annotations
 
 import copy
+import dataclasses
 import datetime
 import ipaddress
 import re
@@ -14,9 +15,24 @@ from cryptography import x509
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mig_operator.core.cluster import (
+    MODE_FRACTION,
+    MODE_MIG,
+    Binding,
+    ClusterPlanner,
+    GpuState,
+    NodeInventory,
+    Refusal,
+    build_view,
+    plan_binding,
+)
 from mig_operator.core.environment import SHIM_PATH_IN_CONTAINER, gpu_mem_limit_gb, slice_environment
+from mig_operator.core.node_selection import constrains_nodes, node_allowed
+from mig_operator.core.profiles import get_model
 from mig_operator.core.quantities import QuantityError
-from mig_operator.kube.controller.pods import slice_spec_for, ungate_ops
+from mig_operator.core.request import slice_request
+from mig_operator.kube.controller.pods import owned_by, slice_spec_for, ungate_ops
+from mig_operator.kube.controller.state import slice_info
 from mig_operator.kube.webhook.admission import PodRefused, ShimMount, check_pod, mutate_pod, slice_name_for
 from mig_operator.kube.webhook.certs import make_certificate
 from mig_operator.kube.webhook.server import MATCH_EXPRESSION, WebhookOptions, webhook_configuration
@@ -53,7 +69,8 @@ def test_bad_annotations_are_refused_naming_the_annotation_the_value_and_an_exam
         assert word in str(refused.value)
 
 
-@pytest.mark.parametrize("resource", ["nvidia.com/gpu", "nvidia.com/mig-1g.10gb", "nvidia.com/mig-3g.40gb"])
+@pytest.mark.parametrize("resource", ["nvidia.com/gpu", "nvidia.com/gpu.shared", "nvidia.com/mig-1g.10gb",
+                                      "nvidia.com/mig-3g.40gb"])
 @pytest.mark.parametrize("kind", ["limits", "requests"])
 @pytest.mark.parametrize("where", ["containers", "initContainers"])
 def test_a_pod_asking_for_device_plugin_gpus_too_is_refused(resource: str, kind: str, where: str) -> None:
@@ -61,7 +78,52 @@ def test_a_pod_asking_for_device_plugin_gpus_too_is_refused(resource: str, kind:
     body["spec"][where] = [{"name": "c", "resources": {kind: {resource: "1"}}}]
     with pytest.raises(PodRefused) as refused:
         check_pod(body)
-    assert resource in str(refused.value) and "'c'" in str(refused.value)
+    text = str(refused.value)
+    assert resource in text and "'c'" in text
+    assert "cdmo.io/gpu-memory: '4G'" in text and "e.g. cdmo.io/gpu-memory: '4Gi'" in text
+
+
+def test_look_alike_resources_are_not_gpus() -> None:
+    body = pod({"cdmo.io/gpu-memory": "4G"}, containers=[{"name": "c", "resources": {"limits": {
+        "nvidia.com/gpumem": "1", "example.com/nvidia.com/gpu": "1", "cpu": "1"}}}])
+    assert check_pod(body) is not None
+
+
+@pytest.mark.parametrize("variable", ["NVIDIA_VISIBLE_DEVICES", "CDMO_GPU_MEMORY_LIMIT", "CDMO_SLICE", "LD_PRELOAD"])
+@pytest.mark.parametrize("where", ["containers", "initContainers"])
+def test_a_container_that_sets_the_slices_variables_itself_is_refused(variable: str, where: str) -> None:
+    # env wins over envFrom: NVIDIA_VISIBLE_DEVICES=all would show the whole GPU, another LD_PRELOAD
+    # would drop the shim, and the pod would run unlimited beside the others.
+    body = pod({"cdmo.io/gpu-fraction": "0.5"})
+    body["spec"][where] = [{"name": "c", "image": "x", "env": [{"name": "A", "value": "1"},
+                                                                {"name": variable, "value": "all"}]}]
+    with pytest.raises(PodRefused) as refused:
+        check_pod(body)
+    text = str(refused.value)
+    assert variable in text and "'c'" in text and "cdmo.io/gpu-fraction: '0.5'" in text
+
+
+def test_a_mig_profile_pod_may_preload_its_own_library_and_anyone_may_set_the_informational_limit() -> None:
+    env = [{"name": "LD_PRELOAD", "value": "/usr/lib/libtcmalloc.so"}, {"name": "GPU_MEM_LIMIT_GB", "value": "9"}]
+    assert check_pod(pod({"cdmo.io/mig-profile": "1g.10gb"}, containers=[{"name": "c", "env": env}])) is not None
+    with pytest.raises(PodRefused, match="cdmo.io/mig-profile: '2g.35gb'"):
+        check_pod(pod({"cdmo.io/gpu-memory": "4G"}, containers=[{"name": "c", "env": env}]))
+
+
+@pytest.mark.parametrize(("annotations", "words"), [
+    ({"cdmo.io/gpu-memory": "9" * 5000}, ["cdmo.io/gpu-memory", "'9999", "(5000 characters)", "too long", "'4Gi'"]),
+    ({"cdmo.io/mig-profile": "1g." + "1" * 500}, ["cdmo.io/mig-profile", "'1g.111", "(503 characters)", "'2g.35gb'"]),
+    ({"cdmo.io/gpu-fraction": "0." + "5" * 500}, ["cdmo.io/gpu-fraction", "'0.555", "(502 characters)", "'0.5'"]),
+    ({"cdmo.io/gpu-memory": "4G", "cdmo.io/mig-profile": "x" * 5000},
+     ["cdmo.io/gpu-memory: '4G'", "cdmo.io/mig-profile: 'xxx", "(5000 characters)", "only one of", "'4Gi'"]),
+])
+def test_long_annotation_values_are_quoted_clipped_with_an_example(annotations: dict, words: list[str]) -> None:
+    with pytest.raises(QuantityError) as refused:
+        check_pod(pod(annotations))
+    text = str(refused.value)
+    for word in words:
+        assert word in text, (word, text)
+    assert len(text) < 400, text
 
 
 def test_other_resources_are_fine_and_the_request_is_parsed() -> None:
@@ -73,7 +135,9 @@ def test_other_resources_are_fine_and_the_request_is_parsed() -> None:
 def test_a_pod_that_names_its_node_is_refused_with_what_to_do_instead() -> None:
     with pytest.raises(PodRefused) as refused:
         check_pod(pod({"cdmo.io/gpu-memory": "4G"}, nodeName="gpu-1"))
-    assert "spec.nodeName" in str(refused.value) and "'gpu-1'" in str(refused.value)
+    text = str(refused.value)
+    assert "spec.nodeName" in text and "'gpu-1'" in text and "cdmo.io/gpu-memory: '4G'" in text
+    assert "kubernetes.io/hostname" in text
 
 
 # --- what the webhook adds ----------------------------------------------------------------------
@@ -95,12 +159,34 @@ def test_mutation_adds_gate_label_env_from_and_read_only_shim_to_every_container
     assert spec["initContainers"][0]["envFrom"][0] == {"secretRef": {"name": "s"}}, "existing envFrom kept first"
 
 
-def test_mutation_is_idempotent() -> None:
+def test_a_pod_copied_from_a_sliced_pod_gets_a_slice_of_its_own() -> None:
+    # `kubectl get pod -o yaml` of a running sliced pod, re-created: the label, envFrom, volume and
+    # mounts of the other pod's slice come with it, its gate is long gone. It used to be let through
+    # untouched (no gate) and ran on the other pod's ConfigMap, i.e. on the other pod's device.
+    original = pod({"cdmo.io/gpu-memory": "4G"}, initContainers=[{"name": "init", "image": "x"}])
+    mutate_pod(original, "train-gs-00000000")
+    copied = copy.deepcopy(original)
+    copied["spec"]["schedulingGates"] = []
+    copied["spec"]["containers"][0]["envFrom"].insert(0, {"secretRef": {"name": "s"}})
+    mutate_pod(copied, "train-gs-11111111")
+    assert copied["metadata"]["labels"] == {"cdmo.io/gpu-slice": "train-gs-11111111"}
+    assert copied["spec"]["schedulingGates"] == [{"name": GATE}]
+    assert [v["name"] for v in copied["spec"]["volumes"]] == ["cdmo-shim"]
+    for container in copied["spec"]["containers"] + copied["spec"]["initContainers"]:
+        refs = [e.get("configMapRef", {}).get("name") for e in container["envFrom"]]
+        assert "train-gs-00000000" not in refs and refs[-1] == "train-gs-11111111"
+        assert [m["name"] for m in container["volumeMounts"]] == ["cdmo-shim"]
+    assert copied["spec"]["containers"][0]["envFrom"][0] == {"secretRef": {"name": "s"}}, "the pod's own kept"
+
+
+def test_mutating_twice_leaves_one_gate_one_volume_and_one_reference() -> None:
     body = pod({"cdmo.io/gpu-memory": "4G"})
     mutate_pod(body, "a-gs-00000000")
-    once = copy.deepcopy(body)
     mutate_pod(body, "b-gs-11111111")
-    assert body == once
+    spec = body["spec"]
+    assert spec["schedulingGates"] == [{"name": GATE}] and len(spec["volumes"]) == 1
+    assert spec["containers"][0]["envFrom"] == [{"configMapRef": {"name": "b-gs-11111111"}}]
+    assert len(spec["containers"][0]["volumeMounts"]) == 1
 
 
 # Pod names are DNS subdomains; generateName prefixes may end in "-" or ".".
@@ -130,6 +216,18 @@ def test_slice_names_differ_for_pods_made_from_one_generate_name() -> None:
 ])
 def test_a_pods_annotation_becomes_its_slice_spec(annotations: dict, spec: dict) -> None:
     assert slice_spec_for(annotations) == spec
+
+
+def test_a_pod_without_a_slice_annotation_gets_no_slice_spec() -> None:
+    # A pod carrying the label by hand but no annotation: not the operator's (it used to raise KeyError).
+    assert slice_spec_for({}) is None and slice_spec_for({"team": "a"}) is None
+
+
+def test_a_slice_is_the_pods_only_if_its_owner_reference_names_the_pods_uid() -> None:
+    the_pod = {"metadata": {"name": "p", "uid": "u1"}}
+    mine = {"metadata": {"ownerReferences": [{"kind": "Pod", "name": "p", "uid": "u1"}]}}
+    other = {"metadata": {"ownerReferences": [{"kind": "Pod", "name": "p", "uid": "u0"}]}}
+    assert owned_by(mine, the_pod) and not owned_by(other, the_pod) and not owned_by({"metadata": {}}, the_pod)
 
 
 def test_mig_slices_get_only_their_device() -> None:
@@ -194,6 +292,18 @@ def test_ungating_a_pod_with_required_terms_adds_the_node_to_every_term() -> Non
     assert got[1]["matchExpressions"] == [host] and got[1]["matchFields"] == terms[1]["matchFields"]
 
 
+def test_existing_terms_gain_the_nodes_hostname_label_which_may_differ_from_its_name() -> None:
+    terms = [{"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]}]
+    body = _gated(affinity={"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+        "nodeSelectorTerms": copy.deepcopy(terms)}}})
+    after = jsonpatch.apply_patch(body, ungate_ops(body, "ip-10-0-0-7.ec2.internal", "ip-10-0-0-7"))
+    assert _required(after)["nodeSelectorTerms"][0]["matchExpressions"][-1] == {
+        "key": "kubernetes.io/hostname", "operator": "In", "values": ["ip-10-0-0-7"]}
+    bare = _gated()
+    after = jsonpatch.apply_patch(bare, ungate_ops(bare, "ip-10-0-0-7.ec2.internal", "ip-10-0-0-7"))
+    assert _required(after)["nodeSelectorTerms"][0]["matchFields"][0]["values"] == ["ip-10-0-0-7.ec2.internal"]
+
+
 def test_ungating_tests_the_gate_first_so_a_changed_pod_is_not_patched_blindly() -> None:
     body = _gated()
     ops = ungate_ops(body, "n")
@@ -202,6 +312,119 @@ def test_ungating_tests_the_gate_first_so_a_changed_pod_is_not_patched_blindly()
     moved["spec"]["schedulingGates"].reverse()
     with pytest.raises(jsonpatch.JsonPatchTestFailed):
         jsonpatch.apply_patch(moved, ops)
+
+
+# --- the slice's node: one the pod's own nodeSelector and required node affinity allow ------------
+
+LABELS = {"kubernetes.io/hostname": "gpu-a", "pool": "train", "gpus": "8", "zone": "z1"}
+
+
+def _terms(*terms: dict) -> dict:
+    return {"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+        "nodeSelectorTerms": list(terms)}}}}
+
+
+@pytest.mark.parametrize(("spec", "allowed"), [
+    ({}, True),
+    ({"nodeSelector": {"pool": "train"}}, True),
+    ({"nodeSelector": {"pool": "train", "zone": "z2"}}, False),
+    ({"nodeSelector": {"missing": ""}}, False),
+    ({"affinity": {"podAffinity": {}}, "nodeSelector": {}}, True),
+    ({"affinity": {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
+        {"weight": 1, "preference": {"matchExpressions": [{"key": "pool", "operator": "In", "values": ["x"]}]}}]}}},
+     True),
+    (_terms({"matchExpressions": [{"key": "pool", "operator": "In", "values": ["infer", "train"]}]}), True),
+    (_terms({"matchExpressions": [{"key": "pool", "operator": "NotIn", "values": ["train"]}]}), False),
+    (_terms({"matchExpressions": [{"key": "other", "operator": "NotIn", "values": ["train"]}]}), True),
+    (_terms({"matchExpressions": [{"key": "pool", "operator": "Exists"}]}), True),
+    (_terms({"matchExpressions": [{"key": "pool", "operator": "DoesNotExist"}]}), False),
+    (_terms({"matchExpressions": [{"key": "gpus", "operator": "Gt", "values": ["4"]}]}), True),
+    (_terms({"matchExpressions": [{"key": "gpus", "operator": "Lt", "values": ["4"]}]}), False),
+    (_terms({"matchExpressions": [{"key": "zone", "operator": "Gt", "values": ["4"]}]}), False),
+    (_terms({"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["gpu-a"]}]}), True),
+    (_terms({"matchFields": [{"key": "metadata.name", "operator": "NotIn", "values": ["gpu-a"]}]}), False),
+    # A term ANDs its requirements; terms are ORed; an empty term matches nothing.
+    (_terms({"matchExpressions": [{"key": "pool", "operator": "In", "values": ["train"]}],
+             "matchFields": [{"key": "metadata.name", "operator": "In", "values": ["gpu-b"]}]}), False),
+    (_terms({"matchExpressions": [{"key": "pool", "operator": "In", "values": ["x"]}]},
+            {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["z1"]}]}), True),
+    (_terms({}), False),
+    ({"nodeSelector": {"pool": "x"}, **_terms({"matchExpressions": [{"key": "pool", "operator": "Exists"}]})}, False),
+])
+def test_which_nodes_a_pod_allows(spec: dict, allowed: bool) -> None:
+    assert node_allowed(spec, "gpu-a", LABELS) is allowed
+
+
+def test_only_a_node_selector_or_required_node_affinity_constrains_a_pods_nodes() -> None:
+    assert not constrains_nodes({}) and not constrains_nodes({"nodeSelector": {}, "affinity": {"podAffinity": {}}})
+    assert not constrains_nodes({"affinity": {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": []}}})
+    assert constrains_nodes({"nodeSelector": {"pool": "x"}})
+    assert constrains_nodes(_terms({"matchExpressions": [{"key": "pool", "operator": "Exists"}]}))
+
+
+def _gpu(model_name: str, index: int = 0) -> GpuState:
+    model = get_model(model_name)
+    return GpuState(index, f"GPU-{model_name}-{index}", model.product, model.name, model.memory_mib,
+                    model.mig_capable, model.mig_capable, model.profiles if model.mig_capable else (), ())
+
+
+def _planner() -> ClusterPlanner:
+    planner = ClusterPlanner()
+    for node, model in (("a", "h100-80gb"), ("b", "l40s-48gb"), ("c", "l40s-48gb")):
+        planner.set_inventory(NodeInventory(node, (_gpu(model),)))
+    planner.set_labelled("a", True)
+    return planner
+
+
+def test_the_planner_chooses_only_among_a_slices_eligible_nodes() -> None:
+    planner = _planner()
+    request = slice_request(memory="30Gi")
+    assert planner.plan(request).mode == MODE_MIG, "unrestricted, MIG first"
+    first = planner.plan(request, nodes=["b", "c"])
+    assert first.mode == MODE_FRACTION and first.node in ("b", "c")
+    planner.put_binding(dataclasses.replace(first, uid="one"))
+    second = planner.plan(request, nodes=["c", "b"])
+    assert {first.node, second.node} == {"b", "c"}, "a full node is skipped for the other eligible one"
+    planner.put_binding(dataclasses.replace(second, uid="two"))
+    with pytest.raises(Refusal) as refused:
+        planner.plan(request, nodes=["b", "c"])
+    assert refused.value.code == "NoCapacity" and "eligible nodes (b, c)" in refused.value.message
+    with pytest.raises(Refusal):
+        planner.plan(slice_request(memory="4G"), nodes=[])
+    with pytest.raises(Refusal):
+        planner.plan(slice_request(memory="4G"), "a", nodes=["b"])
+    assert planner.plan(slice_request(memory="4G"), "a", nodes=["a", "b"]).node == "a"
+    assert planner.plan(slice_request(profile="1g.10gb"), nodes=["a"]).profile == "1g.10gb"
+
+
+@given(st.lists(st.sampled_from(["h100-80gb", "a100-40gb", "l40s-48gb", "l4-24gb"]), min_size=3, max_size=3),
+       st.sets(st.sampled_from(["n0", "n1", "n2"])), st.sets(st.sampled_from(["n0", "n1", "n2"])),
+       st.sampled_from(["4G", "9Gi", "17Gi", "30Gi", "70Gi", "200Gi"]))
+@settings(max_examples=150, deadline=None)
+def test_planning_among_nodes_decides_as_planning_on_those_nodes_alone(models: list[str], labelled: set[str],
+                                                                       eligible: set[str], memory: str) -> None:
+    inventories = [NodeInventory(f"n{i}", (_gpu(m, 0), _gpu(m, 1))) for i, m in enumerate(models)]
+    planner = ClusterPlanner()
+    planner.reset(inventories, labelled, [])
+    request = slice_request(memory=memory)
+    view = build_view([inv for inv in inventories if inv.node in eligible], labelled, [])
+    try:
+        expected: Binding | str = plan_binding(request, view)
+    except Refusal as refusal:
+        expected = refusal.code
+    try:
+        got: Binding | str = planner.plan(request, nodes=eligible)
+    except Refusal as refusal:
+        got = refusal.code
+    assert got == expected
+
+
+def test_a_slices_eligible_nodes_come_from_its_annotation() -> None:
+    body = {"metadata": {"uid": "u", "namespace": "ns", "name": "s",
+                         "annotations": {"cdmo.io/eligible-nodes": "c, a,,b"}}, "spec": {"memory": "4G"}}
+    assert slice_info(body).eligible == ("a", "b", "c")
+    del body["metadata"]["annotations"]
+    assert slice_info(body).eligible is None
 
 
 # --- the webhook configuration and its certificate -------------------------------------------------

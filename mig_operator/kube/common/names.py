@@ -30,6 +30,9 @@ PEERING_NAME = "mig-operator"
 # Pods: the webhook marks an annotated pod with these, the controller finds it by the label.
 POD_SLICE_LABEL = "cdmo.io/gpu-slice"  # value: the name of the pod's GpuSlice and ConfigMap
 SCHEDULING_GATE = "cdmo.io/gpu-slice"
+# On a pod's GpuSlice: the GPU nodes (comma-separated) the pod's nodeSelector and required node
+# affinity allow, when they allow more than one (one: spec.nodeName); the binder chooses among them only.
+ELIGIBLE_NODES_ANNOTATION = "cdmo.io/eligible-nodes"
 SHIM_VOLUME = "cdmo-shim"
 SHIM_HOST_DIR = "/var/lib/mig-operator/shim"
 SHIM_MOUNT_DIR = "/usr/local/lib/cdmo"

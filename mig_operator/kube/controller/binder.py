@@ -129,7 +129,7 @@ class Binder:
             if info is None or info.binding is not None or uid in self.state.in_flight or info.request is None:
                 return
             try:
-                binding = self.state.planner.plan(info.request, info.pinned, self.planner)
+                binding = self.state.planner.plan(info.request, info.pinned, self.planner, nodes=info.eligible)
             except Refusal as refusal:
                 decision: Binding | Refusal = refusal
             else:

@@ -9,36 +9,57 @@ that ConfigMap and its GpuSlice. Here the controller:
    pod), and only then, in one update, pins the pod to the slice's node with required node affinity
    and removes the gate; kube-scheduler then binds it there;
 3. while the slice cannot be served, leaves the gate on and posts an Event with the reason on the pod.
+
+The slice's node must be one the pod may run on, or the pinned pod would never be scheduled: a pod
+with a ``nodeSelector`` or required node affinity gets a slice pinned to the one GPU node they allow
+(``spec.nodeName``) or limited to those they allow (annotation ``cdmo.io/eligible-nodes``); a pod
+they allow no GPU node waits, gated, with an Event, and is looked at again at every resync. A slice
+is handed only to the pod its owner reference names.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections.abc import Mapping
 from typing import Any
 
 from mig_operator.core.environment import slice_environment
+from mig_operator.core.node_selection import constrains_nodes, node_allowed
 from mig_operator.core.quantities import QuantityError, parse_fraction
 from mig_operator.core.slice_spec import (
     ANNOTATION_FRACTION,
     ANNOTATION_MEMORY,
     ANNOTATION_PROFILE,
-    check_node_name,
     request_from_annotations,
 )
 
 from ..common.client import ApiError, KubeClient, core_path, slices_path
 from ..common.events import EventPoster
-from ..common.names import API_VERSION, POD_SLICE_LABEL, SCHEDULING_GATE, SHIM_LIBRARY, SHIM_MOUNT_DIR, SLICE_KIND
+from ..common.names import (
+    API_VERSION,
+    ELIGIBLE_NODES_ANNOTATION,
+    POD_SLICE_LABEL,
+    SCHEDULING_GATE,
+    SHIM_LIBRARY,
+    SHIM_MOUNT_DIR,
+    SLICE_KIND,
+)
 from .state import ClusterState, SliceInfo
 
 log = logging.getLogger("mig_operator.controller.pods")
 HOSTNAME_LABEL = "kubernetes.io/hostname"
+# Node labels are listed (only for pods that constrain their nodes) at most this often: a burst of
+# pods costs one list.
+NODE_LABELS_TTL_S = 2.0
 
 
-def slice_spec_for(annotations: Mapping[str, str]) -> dict[str, Any]:
-    """The GpuSlice spec a pod's annotations ask for (already checked at admission, checked again)."""
-    request_from_annotations(annotations)
+def slice_spec_for(annotations: Mapping[str, str]) -> dict[str, Any] | None:
+    """The GpuSlice spec a pod's annotations ask for (already checked at admission, checked again);
+    None when they ask for none."""
+    if request_from_annotations(annotations) is None:
+        return None
     if ANNOTATION_MEMORY in annotations:
         return {"memory": annotations[ANNOTATION_MEMORY]}
     if ANNOTATION_FRACTION in annotations:
@@ -51,12 +72,26 @@ def _owner(pod: Mapping[str, Any]) -> list[dict[str, Any]]:
     return [{"apiVersion": "v1", "kind": "Pod", "name": meta["name"], "uid": meta["uid"], "controller": True}]
 
 
-def ungate_ops(pod: Mapping[str, Any], node: str) -> list[dict[str, Any]]:
+def owned_by(body: Mapping[str, Any], pod: Mapping[str, Any]) -> bool:
+    """Whether the object (a GpuSlice) is the pod's own: its owner references name the pod's UID."""
+    uid = pod["metadata"].get("uid")
+    return any(ref.get("kind") == "Pod" and ref.get("uid") == uid
+               for ref in (body.get("metadata") or {}).get("ownerReferences") or [])
+
+
+def _has_required_terms(pod: Mapping[str, Any]) -> bool:
+    affinity = (pod.get("spec") or {}).get("affinity") or {}
+    return (affinity.get("nodeAffinity") or {}).get("requiredDuringSchedulingIgnoredDuringExecution") is not None
+
+
+def ungate_ops(pod: Mapping[str, Any], node: str, hostname: str | None = None) -> list[dict[str, Any]]:
     """One JSON patch that removes the operator's scheduling gate and pins the pod to ``node``.
 
     While a pod is gated the API lets node affinity be set if it was unset, and required terms only
     gain expressions: an unset affinity gets a term matching the node's name; existing terms each
-    gain a hostname expression (the scheduler ANDs within a term and ORs between terms).
+    gain an expression on the node's ``kubernetes.io/hostname`` label, ``hostname`` (its value on
+    that node, which the kubelet may set apart from the node's name; default the name). The
+    scheduler ANDs within a term and ORs between terms.
     """
     spec = pod.get("spec") or {}
     gates = list(spec.get("schedulingGates") or [])
@@ -79,7 +114,7 @@ def ungate_ops(pod: Mapping[str, Any], node: str) -> list[dict[str, Any]]:
         ops.append({"op": "add", "path": "/spec/affinity/nodeAffinity/requiredDuringSchedulingIgnoredDuringExecution",
                     "value": by_name})
     else:
-        expression = {"key": HOSTNAME_LABEL, "operator": "In", "values": [node]}
+        expression = {"key": HOSTNAME_LABEL, "operator": "In", "values": [hostname or node]}
         base = "/spec/affinity/nodeAffinity/requiredDuringSchedulingIgnoredDuringExecution/nodeSelectorTerms"
         for i, term in enumerate(required.get("nodeSelectorTerms") or []):
             if term.get("matchExpressions"):
@@ -103,6 +138,9 @@ class PodSlices:
         self.state = state
         self.shim_path = shim_path
         self.pods: dict[tuple[str, str], dict[str, Any]] = {}  # (namespace, slice name) -> pod
+        self._node_labels: dict[str, dict[str, str]] = {}
+        self._node_labels_at = -float("inf")
+        self._node_labels_lock = asyncio.Lock()
 
     async def pod_event(self, pod: dict[str, Any], deleted: bool) -> None:
         meta = pod["metadata"]
@@ -123,19 +161,51 @@ class PodSlices:
         else:
             await self.slice_changed(info)
 
+    async def node_labels(self) -> dict[str, dict[str, str]]:
+        """Every node's labels, listed at most every NODE_LABELS_TTL_S."""
+        async with self._node_labels_lock:
+            if time.monotonic() - self._node_labels_at > NODE_LABELS_TTL_S:
+                nodes = await self.client.list("/api/v1/nodes")
+                self._node_labels = {n["metadata"]["name"]: dict(n["metadata"].get("labels") or {}) for n in nodes}
+                self._node_labels_at = time.monotonic()
+            return self._node_labels
+
+    async def eligible_nodes(self, pod: Mapping[str, Any]) -> list[str] | None:
+        """The GPU nodes the pod's nodeSelector and required node affinity allow; None when it has
+        neither, so its slice may go anywhere. (All of today's GPU nodes still restricts: a GPU
+        node that joins later may not match.)"""
+        spec = pod.get("spec") or {}
+        if not constrains_nodes(spec):
+            return None
+        labels = await self.node_labels()
+        return [n for n in sorted(self.state.inventories) if n in labels and node_allowed(spec, n, labels[n])]
+
     async def _create_slice(self, pod: Mapping[str, Any], name: str) -> None:
         meta = pod["metadata"]
         try:
             spec = slice_spec_for(meta.get("annotations") or {})
-            pinned = ((pod.get("spec") or {}).get("nodeSelector") or {}).get(HOSTNAME_LABEL)
-            if pinned:
-                spec["nodeName"] = check_node_name(pinned)  # the pod can only go there: so must its slice
         except QuantityError as exc:
             self.events.post(pod, "Warning", "InvalidAnnotation", str(exc))
             return
+        if spec is None:
+            return  # labelled by hand, asking for nothing: not the operator's pod
+        annotations: dict[str, str] = {}
+        eligible = await self.eligible_nodes(pod)
+        if eligible is not None:
+            if not eligible:
+                known = len(self.state.inventories)
+                self.events.post(pod, "Warning", "NoEligibleNode", (
+                    f"none of the {known} GPU nodes matches the pod's nodeSelector and required node affinity; "
+                    "it waits, gated, for one that does (the operator places the pod on its slice's node)"))
+                return
+            if len(eligible) == 1:
+                spec["nodeName"] = eligible[0]  # the pod can only go there: so must its slice
+            else:
+                annotations[ELIGIBLE_NODES_ANNOTATION] = ",".join(eligible)
         body = {"apiVersion": API_VERSION, "kind": SLICE_KIND,
                 "metadata": {"name": name, "namespace": meta["namespace"], "ownerReferences": _owner(pod),
-                             "labels": {"cdmo.io/pod": meta["name"][:63].rstrip("-.")}},
+                             "labels": {"cdmo.io/pod": meta["name"][:63].rstrip("-.")},
+                             **({"annotations": annotations} if annotations else {})},
                 "spec": spec}
         try:
             await self.client.create(slices_path(meta["namespace"]), body)
@@ -148,6 +218,12 @@ class PodSlices:
         pod = self.pods.get((info.namespace, info.name))
         if pod is None or not _gated(pod) or info.deleting:
             return
+        if not owned_by(info.body, pod):
+            # The pod's label names another pod's slice: never hand that slice's device to this pod.
+            self.events.post(pod, "Warning", "SliceNotOwned",
+                             f"GpuSlice {info.ref}, which the pod's label {POD_SLICE_LABEL} names, belongs to "
+                             "another pod; delete this pod and create it again with its annotation only")
+            return
         st = info.body.get("status") or {}
         phase = st.get("phase")
         if phase == "Ready" and info.binding is not None:
@@ -157,6 +233,12 @@ class PodSlices:
                              f"GpuSlice {info.ref} failed: {st.get('message', '')}")
         elif phase == "Pending" and st.get("reason"):
             self.events.post(pod, "Warning", st["reason"], f"waiting for GpuSlice {info.ref}: {st.get('message', '')}")
+
+    async def _hostname(self, pod: Mapping[str, Any], node: str) -> str | None:
+        """The node's kubernetes.io/hostname label, needed only to add to the pod's own required terms."""
+        if not _has_required_terms(pod):
+            return None
+        return (await self.node_labels()).get(node, {}).get(HOSTNAME_LABEL)
 
     async def _release_gate(self, pod: dict[str, Any], info: SliceInfo) -> None:
         assert info.binding is not None
@@ -174,8 +256,9 @@ class PodSlices:
                 raise
             await self.client.merge_patch(core_path("configmaps", info.namespace, info.name), {"data": env})
         path = core_path("pods", info.namespace, meta["name"])
+        node = info.binding.node
         try:
-            answer = await self.client.json_patch(path, ungate_ops(pod, info.binding.node))
+            answer = await self.client.json_patch(path, ungate_ops(pod, node, await self._hostname(pod, node)))
         except ApiError as exc:
             if exc.not_found:
                 return
@@ -184,9 +267,9 @@ class PodSlices:
             fresh = await self.client.get(path)  # changed meanwhile: try again on what it is now
             if not _gated(fresh):
                 return
-            answer = await self.client.json_patch(path, ungate_ops(fresh, info.binding.node))
+            answer = await self.client.json_patch(path, ungate_ops(fresh, node, await self._hostname(fresh, node)))
         self.pods[(info.namespace, info.name)] = answer
-        log.debug("pod %s/%s ungated onto %s", info.namespace, meta["name"], info.binding.node)
+        log.debug("pod %s/%s ungated onto %s", info.namespace, meta["name"], node)
 
     async def resync(self) -> None:
         """Every labelled pod again (after a restart or failover): none is left gated without cause."""

@@ -23,7 +23,7 @@ from mig_operator.core.request import SliceRequest
 from mig_operator.core.slice_spec import request_from_spec
 
 from ..common.client import resource_version
-from ..common.names import AGENT_FINALIZER, SLICE_NODE_LABEL
+from ..common.names import AGENT_FINALIZER, ELIGIBLE_NODES_ANNOTATION, SLICE_NODE_LABEL
 
 
 @dataclass
@@ -43,6 +43,7 @@ class SliceInfo:
     binding: Binding | None
     deleting: bool
     marked: bool  # carries the node label and the agent's finalizer
+    eligible: tuple[str, ...] | None = None  # the only nodes it may go to (a pod's node selector), if set
 
     @property
     def ref(self) -> str:
@@ -72,7 +73,15 @@ def slice_info(body: Mapping) -> SliceInfo:
         version=resource_version(meta), body=dict(body), request=request, invalid=invalid,
         pinned=spec.get("nodeName"), phase=status.get("phase"), binding=binding,
         deleting=bool(meta.get("deletionTimestamp")), marked=marked,
+        eligible=_eligible_nodes(meta),
     )
+
+
+def _eligible_nodes(meta: Mapping) -> tuple[str, ...] | None:
+    text = (meta.get("annotations") or {}).get(ELIGIBLE_NODES_ANNOTATION)
+    if text is None:
+        return None
+    return tuple(sorted({name.strip() for name in str(text).split(",") if name.strip()}))
 
 
 @dataclass

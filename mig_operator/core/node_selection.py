@@ -1,0 +1,73 @@
+"""Which nodes a pod's own scheduling constraints allow, as kube-scheduler judges them.
+
+A sliced pod is pinned to its slice's node, so that node must be one the pod could run on anyway:
+the controller picks the slice's node among the GPU nodes the pod's ``nodeSelector`` and required
+node affinity allow. These are the scheduler's NodeAffinity rules (k8s.io/component-helpers
+``nodeaffinity``): every ``nodeSelector`` pair must be a label of the node; of the required node
+selector terms at least one must match, a term matching when all its ``matchExpressions`` (on
+labels) and ``matchFields`` (``metadata.name`` only) do; an empty term matches nothing. Preferred
+affinity does not restrict, nor do taints (the pod's tolerations are the scheduler's business).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+
+def _required_terms(spec: Mapping[str, Any]) -> Sequence[Mapping[str, Any]] | None:
+    affinity = spec.get("affinity") or {}
+    required = (affinity.get("nodeAffinity") or {}).get("requiredDuringSchedulingIgnoredDuringExecution")
+    if required is None:
+        return None
+    return required.get("nodeSelectorTerms") or []
+
+
+def constrains_nodes(spec: Mapping[str, Any]) -> bool:
+    """Whether a pod spec restricts its nodes at all (a ``nodeSelector`` or required node affinity)."""
+    return bool(spec.get("nodeSelector")) or _required_terms(spec) is not None
+
+
+def _expression_matches(expression: Mapping[str, Any], values: Mapping[str, str]) -> bool:
+    key = expression.get("key", "")
+    operator = expression.get("operator", "")
+    wanted = list(expression.get("values") or [])
+    present = key in values
+    value = values.get(key, "")
+    if operator == "In":
+        return present and value in wanted
+    if operator == "NotIn":
+        return not present or value not in wanted
+    if operator == "Exists":
+        return present
+    if operator == "DoesNotExist":
+        return not present
+    if operator in ("Gt", "Lt"):
+        if not present or len(wanted) != 1:
+            return False
+        try:
+            have, bound = int(value), int(wanted[0])
+        except ValueError:
+            return False
+        return have > bound if operator == "Gt" else have < bound
+    return False  # an operator the API server would have refused
+
+
+def _term_matches(term: Mapping[str, Any], name: str, labels: Mapping[str, str]) -> bool:
+    expressions = term.get("matchExpressions") or []
+    fields = term.get("matchFields") or []
+    if not expressions and not fields:
+        return False
+    return (all(_expression_matches(e, labels) for e in expressions)
+            and all(_expression_matches(f, {"metadata.name": name}) for f in fields))
+
+
+def node_allowed(spec: Mapping[str, Any], name: str, labels: Mapping[str, str]) -> bool:
+    """Whether a pod with this spec may run on node ``name`` carrying ``labels``."""
+    selector = spec.get("nodeSelector") or {}
+    if any(labels.get(key) != value for key, value in selector.items()):
+        return False
+    terms = _required_terms(spec)
+    if terms is None:
+        return True
+    return any(_term_matches(term, name, labels) for term in terms)
