@@ -347,3 +347,24 @@ def test_a_copy_of_a_running_sliced_pod_gets_a_slice_and_a_device_of_its_own(ope
         assert [e.config_map_ref.name for e in container.env_from] == [copy.metadata.labels["cdmo.io/gpu-slice"]]
     assert slice_of(operator, copy)["metadata"]["ownerReferences"][0]["uid"] == copy.metadata.uid
     check_invariants(operator)
+
+
+def test_a_finished_jobs_pods_release_their_slices(operator: OperatorHarness) -> None:
+    # A Job keeps its finished pods; each held its slice (here the whole GPU) until the pod object
+    # went, so the Job's second pod waited, gated, for ever. kwok completes a Job's pod once Running.
+    start(operator, operator.add_node("h100-80gb"))
+    ns = operator.namespace()
+    batch = kubernetes.client.BatchV1Api(operator.cluster.api_client)
+    template = pod_body({"cdmo.io/mig-profile": "7g.80gb"})
+    template["metadata"].pop("generateName")
+    del template["apiVersion"], template["kind"]
+    template["spec"]["restartPolicy"] = "Never"
+    batch.create_namespaced_job(ns, {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "train"},
+                                     "spec": {"completions": 3, "parallelism": 1, "backoffLimit": 0,
+                                              "template": template}})
+    wait_until(lambda: batch.read_namespaced_job("train", ns).status.succeeded == 3, 90,
+               lambda: f"3 completions of the Job: {batch.read_namespaced_job('train', ns).status}\n{operator.logs()}")
+    pods = operator.core.list_namespaced_pod(ns).items
+    assert len(pods) == 3 and all(p.status.phase == "Succeeded" for p in pods), "the finished pods stay"
+    wait_until(lambda: not operator.slices(ns), 30, lambda: f"no slice left: {operator.slices(ns)}\n{operator.logs()}")
+    check_invariants(operator)

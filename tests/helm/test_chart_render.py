@@ -287,7 +287,7 @@ def _table(rows: dict[tuple[str, str], str], names: dict[tuple[str, str], str] |
 # What each part's code calls (mig_operator/kube/), plus what kopf needs: CRD list/watch for its
 # resource observer. docs/operations.md holds the same table; tests/e2e runs every part under it.
 CONTROLLER_RULES = {
-    ("cdmo.io", "gpuslices"): "get list watch create patch",
+    ("cdmo.io", "gpuslices"): "get list watch create patch delete",
     ("cdmo.io", "gpuslices/status"): "patch",
     ("cdmo.io", "gpunodes"): "list watch",
     ("", "nodes"): "list watch",
@@ -338,7 +338,10 @@ def test_no_rule_uses_a_wildcard_or_reaches_secrets_cluster_wide(render: Any, va
     for role in (d for d in render(*variant) if d["kind"] in ("ClusterRole", "Role")):
         for group, resource, verb, _ in _grants(role):
             assert "*" not in (group, resource, verb), role["metadata"]["name"]
-            assert verb not in ("delete", "deletecollection", "update", "escalate", "bind", "impersonate")
+            # The one delete: the controller releases a finished pod's GpuSlice (kube/controller/pods.py).
+            if (group, resource, verb) != ("cdmo.io", "gpuslices", "delete") or not role["metadata"]["name"].endswith(
+                    "-controller"):
+                assert verb not in ("delete", "deletecollection", "update", "escalate", "bind", "impersonate")
             assert resource != "secrets" or role["kind"] == "Role", role["metadata"]["name"]
 
 

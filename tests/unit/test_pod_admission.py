@@ -3,6 +3,7 @@ environment, the ungate-and-pin patch, the webhook configuration and its certifi
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import dataclasses
 import datetime
@@ -31,8 +32,8 @@ from mig_operator.core.node_selection import constrains_nodes, node_allowed
 from mig_operator.core.profiles import get_model
 from mig_operator.core.quantities import QuantityError
 from mig_operator.core.request import slice_request
-from mig_operator.kube.controller.pods import owned_by, slice_spec_for, ungate_ops
-from mig_operator.kube.controller.state import slice_info
+from mig_operator.kube.controller.pods import PodSlices, owned_by, slice_spec_for, ungate_ops
+from mig_operator.kube.controller.state import ClusterState, slice_info
 from mig_operator.kube.webhook.admission import PodRefused, ShimMount, check_pod, mutate_pod, slice_name_for
 from mig_operator.kube.webhook.certs import make_certificate
 from mig_operator.kube.webhook.server import MATCH_EXPRESSION, WebhookOptions, webhook_configuration
@@ -462,3 +463,79 @@ def test_the_certificate_covers_its_hosts_and_chains_to_its_ca() -> None:
     assert cert.not_valid_after_utc > datetime.datetime.now(datetime.UTC) + datetime.timedelta(days=365)
     with pytest.raises(ValueError, match="127.0.0.1"):
         make_certificate([])
+
+
+# --- a finished pod releases its slice; a slice is handed only to its own pod ---------------------
+
+
+class _Client:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str]] = []
+
+    async def delete(self, path: str) -> dict:
+        self.calls.append(("DELETE", path))
+        return {}
+
+    async def json_patch(self, path: str, ops: list) -> dict:
+        self.calls.append(("PATCH", path))
+        return {}
+
+    async def create(self, path: str, body: dict) -> dict:
+        self.calls.append(("POST", path))
+        return body
+
+
+class _Events:
+    def __init__(self) -> None:
+        self.posted: list[str] = []
+
+    def post(self, obj: dict, kind: str, reason: str, message: str) -> None:
+        self.posted.append(reason)
+
+    def forget(self, uid: str) -> None:
+        pass
+
+
+def _slice_body(owner_uid: str, phase: str = "Ready") -> dict:
+    return {"metadata": {"uid": "s-uid", "namespace": "ns", "name": "p-gs-1", "resourceVersion": "5",
+                         "ownerReferences": [{"kind": "Pod", "name": "p", "uid": owner_uid}]},
+            "spec": {"memory": "4G"},
+            "status": {"phase": phase, "mode": "fraction", "node": "n", "gpu": 0, "grantedBytes": 4 * 10**9,
+                       "deviceUUID": "GPU-1", "gpuUUID": "GPU-1"}}
+
+
+def _pod_slices(owner_uid: str) -> tuple[PodSlices, _Client, _Events]:
+    state = ClusterState()
+    state.put_slice(_slice_body(owner_uid))
+    client, events = _Client(), _Events()
+    return PodSlices(client, events, state), client, events  # type: ignore[arg-type]
+
+
+def _pod(phase: str, gated: bool = False) -> dict:
+    spec = {"containers": [{"name": "c"}], **({"schedulingGates": [{"name": GATE}]} if gated else {})}
+    return {"metadata": {"name": "p", "namespace": "ns", "uid": "pod-uid", "labels": {"cdmo.io/gpu-slice": "p-gs-1"}},
+            "spec": spec, "status": {"phase": phase}}
+
+
+@pytest.mark.parametrize("phase", ["Succeeded", "Failed"])
+def test_a_finished_pod_has_its_slice_deleted(phase: str) -> None:
+    pods, client, _ = _pod_slices("pod-uid")
+    asyncio.run(pods.pod_event(_pod(phase), deleted=False))
+    assert client.calls == [("DELETE", "/apis/cdmo.io/v1alpha1/namespaces/ns/gpuslices/p-gs-1")]
+
+
+@pytest.mark.parametrize("phase", ["Running", "Pending"])
+def test_a_running_pod_keeps_its_slice(phase: str) -> None:
+    pods, client, _ = _pod_slices("pod-uid")
+    asyncio.run(pods.pod_event(_pod(phase), deleted=False))
+    assert client.calls == []
+
+
+def test_another_pods_slice_is_neither_released_nor_handed_over() -> None:
+    pods, client, events = _pod_slices("someone-else")
+    asyncio.run(pods.pod_event(_pod("Succeeded"), deleted=False))
+    asyncio.run(pods.pod_event(_pod("Pending", gated=True), deleted=False))
+    assert client.calls == [] and events.posted == ["SliceNotOwned"]
+    mine, client, _ = _pod_slices("pod-uid")
+    asyncio.run(mine.pod_event(_pod("Pending", gated=True), deleted=False))
+    assert [c[0] for c in client.calls] == ["POST", "PATCH"], "its own Ready slice: ConfigMap, then the ungate"

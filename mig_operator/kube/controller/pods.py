@@ -8,7 +8,10 @@ that ConfigMap and its GpuSlice. Here the controller:
 2. once the slice is Ready, writes the ConfigMap with the slice's environment (also owned by the
    pod), and only then, in one update, pins the pod to the slice's node with required node affinity
    and removes the gate; kube-scheduler then binds it there;
-3. while the slice cannot be served, leaves the gate on and posts an Event with the reason on the pod.
+3. while the slice cannot be served, leaves the gate on and posts an Event with the reason on the pod;
+4. once the pod has finished (phase Succeeded or Failed: a Job's pod, kept until its Job goes),
+   deletes its GpuSlice, so the instance is released as when the pod is deleted. A finished pod's
+   containers never run again.
 
 The slice's node must be one the pod may run on, or the pinned pod would never be scheduled: a pod
 with a ``nodeSelector`` or required node affinity gets a slice pinned to the one GPU node they allow
@@ -35,7 +38,7 @@ from mig_operator.core.slice_spec import (
     request_from_annotations,
 )
 
-from ..common.client import ApiError, KubeClient, core_path, slices_path
+from ..common.client import ApiError, KubeClient, core_path, slice_path, slices_path
 from ..common.events import EventPoster
 from ..common.names import (
     API_VERSION,
@@ -53,6 +56,7 @@ HOSTNAME_LABEL = "kubernetes.io/hostname"
 # Node labels are listed (only for pods that constrain their nodes) at most this often: a burst of
 # pods costs one list.
 NODE_LABELS_TTL_S = 2.0
+FINISHED_PHASES = ("Succeeded", "Failed")
 
 
 def slice_spec_for(annotations: Mapping[str, str]) -> dict[str, Any] | None:
@@ -152,6 +156,10 @@ class PodSlices:
             self.pods.pop(key, None)
             self.events.forget(meta["uid"])
             return
+        if (pod.get("status") or {}).get("phase") in FINISHED_PHASES:
+            self.pods.pop(key, None)
+            await self._release(pod, key)
+            return
         self.pods[key] = pod
         if not _gated(pod):
             return
@@ -160,6 +168,18 @@ class PodSlices:
             await self._create_slice(pod, name)
         else:
             await self.slice_changed(info)
+
+    async def _release(self, pod: Mapping[str, Any], key: tuple[str, str]) -> None:
+        """Delete a finished pod's slice (its own only): the agent then releases the instance."""
+        info = self.state.slice_named(*key)
+        if info is None or info.deleting or not owned_by(info.body, pod):
+            return
+        try:
+            await self.client.delete(slice_path(*key))
+        except ApiError as exc:
+            if not exc.not_found:
+                raise
+        log.debug("pod %s/%s finished: its slice %s released", key[0], pod["metadata"]["name"], info.ref)
 
     async def node_labels(self) -> dict[str, dict[str, str]]:
         """Every node's labels, listed at most every NODE_LABELS_TTL_S."""
