@@ -306,7 +306,8 @@ REFUSED: dict[str, list[tuple[str, str, str, str | None, str | None, str | None]
         ("patch", "mutatingwebhookconfigurations", "admissionregistration.k8s.io", None, "someone-elses", None),
         ("delete", "mutatingwebhookconfigurations", "admissionregistration.k8s.io", None, "e2e-mig-operator", None),
         ("patch", "validatingwebhookconfigurations", "admissionregistration.k8s.io", None, "any", None),
-        ("delete", "gpuslices", "cdmo.io", "some-team", None, None),
+        # It deletes one finished pod's slice at a time (kube/controller/pods.py), never a collection.
+        ("deletecollection", "gpuslices", "cdmo.io", "some-team", None, None),
         ("create", "gpunodes", "cdmo.io", None, None, None),
         ("patch", "gpunodes", "cdmo.io", None, "gpu-1", "status"),
         ("create", "pods", "", "some-team", None, None),
