@@ -342,6 +342,16 @@ def _terms(*terms: dict) -> dict:
     (_terms({"matchExpressions": [{"key": "gpus", "operator": "Gt", "values": ["4"]}]}), True),
     (_terms({"matchExpressions": [{"key": "gpus", "operator": "Lt", "values": ["4"]}]}), False),
     (_terms({"matchExpressions": [{"key": "zone", "operator": "Gt", "values": ["4"]}]}), False),
+    # Each operator on both sides and at its edges (the scheduler's nodeaffinity rules).
+    (_terms({"matchExpressions": [{"key": "pool", "operator": "NotIn", "values": ["infer"]}]}), True),
+    (_terms({"matchExpressions": [{"key": "other", "operator": "DoesNotExist"}]}), True),
+    (_terms({"matchExpressions": [{"key": "gpus", "operator": "Lt", "values": ["16"]}]}), True),
+    (_terms({"matchExpressions": [{"key": "gpus", "operator": "Lt", "values": ["8"]}]}), False),
+    (_terms({"matchExpressions": [{"key": "gpus", "operator": "Gt", "values": ["8"]}]}), False),
+    (_terms({"matchExpressions": [{"key": "gpus", "operator": "Gt", "values": ["7"]}]}), True),
+    (_terms({"matchExpressions": [{"key": "other", "operator": "Gt", "values": ["4"]}]}), False),
+    (_terms({"matchExpressions": [{"key": "gpus", "operator": "Gt", "values": ["4", "5"]}]}), False),
+    (_terms({"matchExpressions": [{"key": "pool", "operator": "Equals", "values": ["train"]}]}), False),
     (_terms({"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["gpu-a"]}]}), True),
     (_terms({"matchFields": [{"key": "metadata.name", "operator": "NotIn", "values": ["gpu-a"]}]}), False),
     # A term ANDs its requirements; terms are ORed; an empty term matches nothing.
