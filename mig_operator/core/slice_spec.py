@@ -22,8 +22,14 @@ ANNOTATION_MEMORY = "cdmo.io/gpu-memory"
 ANNOTATION_FRACTION = "cdmo.io/gpu-fraction"
 ANNOTATION_PROFILE = "cdmo.io/mig-profile"
 REQUEST_ANNOTATIONS = (ANNOTATION_MEMORY, ANNOTATION_FRACTION, ANNOTATION_PROFILE)
-# Any annotation under this prefix is meant as a request, so a misspelt one is refused, not ignored.
-ANNOTATION_PREFIX = "cdmo.io/gpu-"
+# Any annotation under these prefixes, in any case, is meant as a request, so a misspelt one
+# (cdmo.io/gpu-memroy, cdmo.io/GPU-memory, cdmo.io/mig-profiles) is refused, not ignored.
+ANNOTATION_PREFIXES = ("cdmo.io/gpu-", "cdmo.io/mig-")
+
+
+def looks_like_request(key: str) -> bool:
+    """Whether an annotation key is one of the request annotations or a misspelling of one."""
+    return key.lower().startswith(ANNOTATION_PREFIXES)
 
 SPEC_FIELDS = ("memory", "fraction", "migProfile", "nodeName")
 # All of the spec is the request: the controller may have acted on any of it, so none may change.
@@ -66,10 +72,11 @@ def request_from_annotations(annotations: Mapping[str, str] | None) -> SliceRequ
     """The request a pod's annotations make, or None when it carries no slice annotation."""
     if not annotations:
         return None
-    stray = sorted(key for key in annotations if key.startswith(ANNOTATION_PREFIX) and key not in REQUEST_ANNOTATIONS)
+    stray = sorted(key for key in annotations if looks_like_request(key) and key not in REQUEST_ANNOTATIONS)
     if stray:
         raise RequestError(
-            f"annotation {clip_text(stray[0])} is not a slice annotation; use one of "
+            f"annotation {clip_text(stray[0])}: {clip_repr(annotations[stray[0]])} is not a slice annotation "
+            f"(keys are lower case); use one of "
             f"{', '.join(REQUEST_ANNOTATIONS)}, e.g. {ANNOTATION_MEMORY}: '{MEMORY_EXAMPLE}'"
         )
     given = [key for key in REQUEST_ANNOTATIONS if key in annotations]

@@ -126,6 +126,10 @@ def test_bad_annotations_and_mixed_requests_are_refused_at_admission(operator: O
     cases += [
         ({"cdmo.io/gpu-memory": "4G", "cdmo.io/gpu-fraction": "0.5"}, "only one of"),
         ({"cdmo.io/gpu-memroy": "4G"}, "not a slice annotation"),
+        # Keys are case-sensitive: a key in the wrong case, or a misspelt mig- key, reaches the webhook
+        # (matchConditions compare in lower case) and is refused instead of leaving the pod unsliced.
+        ({"cdmo.io/GPU-memory": "4G"}, "not a slice annotation"),
+        ({"cdmo.io/mig-profiles": "1g.10gb"}, "not a slice annotation"),
         ({"cdmo.io/gpu-fraction": "half"}, "not a number"),
     ]
     for given, message in cases:

@@ -58,7 +58,8 @@ def test_length_limits_are_inclusive() -> None:
 
 @pytest.mark.parametrize(("annotations", "message"), [
     ({"cdmo.io/gpu-memroy": "4G"},
-     "annotation cdmo.io/gpu-memroy is not a slice annotation; use one of cdmo.io/gpu-memory, "
+     "annotation cdmo.io/gpu-memroy: '4G' is not a slice annotation (keys are lower case); use one of "
+     "cdmo.io/gpu-memory, "
      "cdmo.io/gpu-fraction, cdmo.io/mig-profile, e.g. cdmo.io/gpu-memory: '4Gi'"),
     ({"cdmo.io/gpu-memory": "4G", "cdmo.io/mig-profile": "1g.18gb"},
      "a pod may carry only one of cdmo.io/gpu-memory, cdmo.io/gpu-fraction, cdmo.io/mig-profile "

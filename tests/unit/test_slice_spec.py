@@ -128,7 +128,10 @@ def test_annotations_give_a_request(annotations: dict, expected: SliceRequest) -
         ({ANNOTATION_FRACTION: "\uff10.\uff15"}, "is not a number"),
         ({ANNOTATION_FRACTION: "inf"}, "is not a number"),
         ({ANNOTATION_PROFILE: "2g.35gb\n"}, "is not a MIG profile name"),
-        ({"cdmo.io/gpu-memroy": "4Gi"}, "is not a slice annotation"),
+        ({"cdmo.io/gpu-memroy": "4Gi"}, "annotation cdmo.io/gpu-memroy: '4Gi' is not a slice annotation"),
+        ({"cdmo.io/GPU-memory": "4Gi"}, "annotation cdmo.io/GPU-memory: '4Gi' is not a slice annotation"),
+        ({"cdmo.io/mig-profiles": "1g.10gb"}, "annotation cdmo.io/mig-profiles: '1g.10gb' is not a slice annotation"),
+        ({"CDMO.IO/MIG-PROFILE": "1g.10gb"}, "annotation CDMO.IO/MIG-PROFILE: '1g.10gb' is not a slice annotation"),
     ],
 )
 def test_bad_annotations_are_refused(annotations: dict, message: str) -> None:

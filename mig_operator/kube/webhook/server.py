@@ -28,10 +28,11 @@ log = logging.getLogger("mig_operator.webhook")
 
 HANDLER_ID = "gpu-slice"  # kopf serves each handler at /<id>
 WEBHOOK_ENTRY = "pods.cdmo.io"
-# Any cdmo.io/gpu-* annotation is sent (so a misspelt one is refused, not ignored), and mig-profile.
+# Any cdmo.io/gpu-* or cdmo.io/mig-* annotation, in any case, is sent (core.slice_spec.looks_like_request),
+# so a misspelt one is refused, not ignored.
 MATCH_EXPRESSION = (
     "has(object.metadata.annotations) && object.metadata.annotations.exists(k, "
-    "k.startsWith('cdmo.io/gpu-') || k == 'cdmo.io/mig-profile')"
+    "k.lowerAscii().startsWith('cdmo.io/gpu-') || k.lowerAscii().startsWith('cdmo.io/mig-'))"
 )
 
 
