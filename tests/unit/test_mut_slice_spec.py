@@ -76,3 +76,37 @@ def test_a_changed_request_names_the_old_and_the_new_value() -> None:
         check_request_unchanged({"memory": "4Gi"}, {"memory": "5Gi"})
     assert str(info.value) == (
         "spec.memory cannot change after creation (was '4Gi', now '5Gi'); delete the GpuSlice and create a new one")
+
+
+def test_two_long_annotations_share_the_quote_budget() -> None:
+    # Two values of 200 characters: each is quoted to about half of the ~100 characters one may take.
+    with pytest.raises(RequestError) as info:
+        request_from_annotations({"cdmo.io/gpu-memory": "x" * 200, "cdmo.io/mig-profile": "y" * 200})
+    assert str(info.value) == (
+        "a pod may carry only one of cdmo.io/gpu-memory, cdmo.io/gpu-fraction, cdmo.io/mig-profile (got "
+        "cdmo.io/gpu-memory: '" + "x" * 49 + "... (200 characters), "
+        "cdmo.io/mig-profile: '" + "y" * 49 + "... (200 characters)); e.g. cdmo.io/gpu-memory: '4Gi'")
+
+
+def test_annotation_values_over_the_length_limits_are_quoted_with_an_example() -> None:
+    # 64 characters of memory are judged as a quantity, 65 by their length (the CRD's maxLength).
+    with pytest.raises(QuantityError) as judged:
+        request_from_annotations({"cdmo.io/gpu-memory": "1" * 64})
+    assert "too long" not in str(judged.value) and "larger than 2^63-1 bytes" in str(judged.value)
+    with pytest.raises(QuantityError) as long_memory:
+        request_from_annotations({"cdmo.io/gpu-memory": "1" * 65})
+    assert not isinstance(long_memory.value, RequestError)  # a quantity problem, like every memory refusal
+    assert str(long_memory.value) == (
+        "annotation cdmo.io/gpu-memory: memory '" + "1" * 65 + "' is too long: may not be more than 64 "
+        "characters; use e.g. '4Gi'")
+    with pytest.raises(RequestError) as long_profile:
+        request_from_annotations({"cdmo.io/mig-profile": "a" * 33})
+    assert str(long_profile.value) == (
+        "annotation cdmo.io/mig-profile: migProfile '" + "a" * 33 + "' is too long: may not be more than 32 "
+        "characters; use e.g. '2g.35gb'")
+    # A fraction's limit (32) is the fraction grammar's own, with the same shape of message.
+    with pytest.raises(QuantityError) as long_fraction:
+        request_from_annotations({"cdmo.io/gpu-fraction": "0." + "5" * 31})
+    assert str(long_fraction.value) == (
+        "annotation cdmo.io/gpu-fraction: fraction '0." + "5" * 31 + "' is too long: may not be more than 32 "
+        "characters; use e.g. '0.5'")
