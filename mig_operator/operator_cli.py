@@ -84,6 +84,15 @@ def _configure_logs(args: argparse.Namespace) -> None:
     configure(args.log_format, args.log_level)
 
 
+def _check_credentials(kubeconfig: str | None) -> None:
+    from .kube.common.client import CredentialsError, check_credentials
+
+    try:
+        check_credentials(kubeconfig)
+    except CredentialsError as exc:
+        raise QuantityError(str(exc)) from None
+
+
 def cmd_controller(args: argparse.Namespace) -> int:
     from .kube.common import metrics
     from .kube.common.operator import run_operator
@@ -92,6 +101,7 @@ def cmd_controller(args: argparse.Namespace) -> int:
     from .kube.webhook.server import WebhookOptions, register
 
     _configure_logs(args)  # first: with json, even an error that stops it at start is a JSON line
+    _check_credentials(args.kubeconfig)
     for address in (args.metrics_address, args.webhook):
         if address:
             _address(address)
@@ -123,6 +133,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
     from .kube.agent.record import RecordError, RecordStore
 
     _configure_logs(args)  # first: with json, even an error that stops it at start is a JSON line
+    _check_credentials(args.kubeconfig)
     if args.metrics_address:
         _address(args.metrics_address)
     if not 1 <= args.nvml_attempts <= 100:

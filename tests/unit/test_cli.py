@@ -295,3 +295,22 @@ def test_nvml_failure_is_one_line_not_a_traceback(monkeypatch, capsys) -> None:
     assert code == 1 and out == ""
     assert "NVML_ERROR_LIBRARY_NOT_FOUND" in err and "initialise NVML" in err
     assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize("part", [["controller"], ["agent", "--node", "n1", "--backend", "sim:h100-80gb"]])
+@pytest.mark.parametrize("kubeconfig", ["missing", "broken", "directory"])
+def test_operator_parts_without_usable_credentials_exit_with_one_line(tmp_path, part: list[str],
+                                                                      kubeconfig: str) -> None:
+    # Without this check kopf retries its start-up handler for ever, printing a traceback each time.
+    path = {"missing": tmp_path / "nowhere" / "config", "broken": tmp_path / "config",
+            "directory": tmp_path}[kubeconfig]
+    if kubeconfig == "broken":
+        path.write_text("clusters: [\n")
+    extra = ["--state-file", str(tmp_path / "sim.json")] if part[0] == "agent" else []
+    done = subprocess.run([sys.executable, "-m", "mig_operator.cli", *part, *extra, "--kubeconfig", str(path)],
+                          capture_output=True, text=True, timeout=60, env={**os.environ, "KUBECONFIG": ""})
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    assert lines[0].startswith("mig-operator: no usable Kubernetes credentials from --kubeconfig")
+    assert repr(str(path)) in lines[0] and "e.g. --kubeconfig ~/.kube/config" in lines[0]

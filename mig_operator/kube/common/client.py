@@ -84,6 +84,24 @@ def load_configuration(kubeconfig: str | None = None) -> kubernetes.client.Confi
     return config
 
 
+class CredentialsError(ValueError):
+    """No usable Kubernetes credentials: the message says where they were looked for."""
+
+
+def check_credentials(kubeconfig: str | None = None) -> None:
+    """Load the credentials once before starting, so a missing or broken kubeconfig is one clear line
+    and exit, not a start-up handler retried for ever (an unreachable API server is still retried)."""
+    try:
+        load_configuration(kubeconfig)
+    except Exception as exc:  # the loaders raise ConfigException, OSError, YAML and type errors alike
+        where = (f"--kubeconfig {kubeconfig!r}" if kubeconfig is not None else
+                 "in-cluster credentials, $KUBECONFIG and ~/.kube/config")
+        reason = " ".join(str(exc).split())[:160] or type(exc).__name__
+        raise CredentialsError(
+            f"no usable Kubernetes credentials from {where}: {reason}; run it in a pod with a ServiceAccount, "
+            "or give a kubeconfig, e.g. --kubeconfig ~/.kube/config") from None
+
+
 def bearer_token(config: kubernetes.client.Configuration) -> str | None:
     """``Bearer <token>`` from a loaded configuration; the key's name differs between client versions."""
     for key in ("BearerToken", "authorization"):
