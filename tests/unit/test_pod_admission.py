@@ -408,6 +408,26 @@ def test_the_planner_chooses_only_among_a_slices_eligible_nodes() -> None:
     assert planner.plan(slice_request(profile="1g.10gb"), nodes=["a"]).profile == "1g.10gb"
 
 
+def test_a_refusal_names_at_most_five_eligible_nodes() -> None:
+    # Every GPU is taken by whole-GPU slices, so a refusal says where it looked: the eligible nodes,
+    # five of them named, "..." when there are more, "none" when there are none.
+    planner = ClusterPlanner()
+    names = [f"n{i}" for i in range(7)]
+    for node in names:
+        planner.set_inventory(NodeInventory(node, (_gpu("l40s-48gb"),)))
+    for k, node in enumerate(names):
+        planner.put_binding(dataclasses.replace(planner.plan(slice_request(fraction="1"), node), uid=f"u{k}"))
+    request = slice_request(memory="4G")
+    for eligible, shown in ((names[:5], "(n0, n1, n2, n3, n4)"), (names[:6], "(n0, n1, n2, n3, n4 ...)"),
+                            (names, "(n0, n1, n2, n3, n4 ...)")):
+        with pytest.raises(Refusal) as refused:
+            planner.plan(request, nodes=list(reversed(eligible)))
+        assert f"on its eligible nodes {shown}" in refused.value.message, refused.value.message
+    with pytest.raises(Refusal) as none:
+        planner.plan(request, nodes=[])
+    assert none.value.message.startswith("no GPU on its eligible nodes (none) can take slices"), none.value.message
+
+
 @given(st.lists(st.sampled_from(["h100-80gb", "a100-40gb", "l40s-48gb", "l4-24gb"]), min_size=3, max_size=3),
        st.sets(st.sampled_from(["n0", "n1", "n2"])), st.sets(st.sampled_from(["n0", "n1", "n2"])),
        st.sampled_from(["4G", "9Gi", "17Gi", "30Gi", "70Gi", "200Gi"]))
