@@ -9,6 +9,11 @@ from __future__ import annotations
 from .cluster import MODE_FRACTION, MODE_MIG
 
 SHIM_PATH_IN_CONTAINER = "/usr/local/lib/cdmo/libgpuslice.so"
+DEVICES_VARIABLE = "NVIDIA_VISIBLE_DEVICES"
+PRELOAD_VARIABLE = "LD_PRELOAD"
+LIMIT_VARIABLE = "CDMO_GPU_MEMORY_LIMIT"
+LIMIT_GB_VARIABLE = "GPU_MEM_LIMIT_GB"  # informational, as in ClearML's containers
+SLICE_VARIABLE = "CDMO_SLICE"
 
 
 def gpu_mem_limit_gb(granted_bytes: int) -> str:
@@ -21,13 +26,13 @@ def slice_environment(mode: str, device_uuid: str, granted_bytes: int, namespace
     """``NVIDIA_VISIBLE_DEVICES`` always; in fraction mode also ``LD_PRELOAD``, ``CDMO_GPU_MEMORY_LIMIT``
     (bytes), ``GPU_MEM_LIMIT_GB`` (informational) and ``CDMO_SLICE`` (the shim's accounting group)."""
     if mode == MODE_MIG:
-        return {"NVIDIA_VISIBLE_DEVICES": device_uuid}
+        return {DEVICES_VARIABLE: device_uuid}
     if mode != MODE_FRACTION:
         raise ValueError(f"mode {mode!r} is not 'mig' or 'fraction'")
     return {
-        "NVIDIA_VISIBLE_DEVICES": device_uuid,
-        "LD_PRELOAD": shim_path,
-        "CDMO_GPU_MEMORY_LIMIT": str(granted_bytes),
-        "GPU_MEM_LIMIT_GB": gpu_mem_limit_gb(granted_bytes),
-        "CDMO_SLICE": f"{namespace}/{name}",
+        DEVICES_VARIABLE: device_uuid,
+        PRELOAD_VARIABLE: shim_path,
+        LIMIT_VARIABLE: str(granted_bytes),
+        LIMIT_GB_VARIABLE: gpu_mem_limit_gb(granted_bytes),
+        SLICE_VARIABLE: f"{namespace}/{name}",
     }

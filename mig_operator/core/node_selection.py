@@ -23,9 +23,14 @@ def _required_terms(spec: Mapping[str, Any]) -> Sequence[Mapping[str, Any]] | No
     return required.get("nodeSelectorTerms") or []
 
 
+def has_required_terms(spec: Mapping[str, Any]) -> bool:
+    """Whether a pod spec has required node affinity (terms the scheduler must satisfy)."""
+    return _required_terms(spec) is not None
+
+
 def constrains_nodes(spec: Mapping[str, Any]) -> bool:
     """Whether a pod spec restricts its nodes at all (a ``nodeSelector`` or required node affinity)."""
-    return bool(spec.get("nodeSelector")) or _required_terms(spec) is not None
+    return bool(spec.get("nodeSelector")) or has_required_terms(spec)
 
 
 def _expression_matches(expression: Mapping[str, Any], values: Mapping[str, str]) -> bool:

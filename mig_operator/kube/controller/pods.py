@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from mig_operator.core.environment import slice_environment
-from mig_operator.core.node_selection import constrains_nodes, node_allowed
+from mig_operator.core.node_selection import constrains_nodes, has_required_terms, node_allowed
 from mig_operator.core.quantities import QuantityError, parse_fraction
 from mig_operator.core.slice_spec import (
     ANNOTATION_FRACTION,
@@ -81,11 +81,6 @@ def owned_by(body: Mapping[str, Any], pod: Mapping[str, Any]) -> bool:
     uid = pod["metadata"].get("uid")
     return any(ref.get("kind") == "Pod" and ref.get("uid") == uid
                for ref in (body.get("metadata") or {}).get("ownerReferences") or [])
-
-
-def _has_required_terms(pod: Mapping[str, Any]) -> bool:
-    affinity = (pod.get("spec") or {}).get("affinity") or {}
-    return (affinity.get("nodeAffinity") or {}).get("requiredDuringSchedulingIgnoredDuringExecution") is not None
 
 
 def ungate_ops(pod: Mapping[str, Any], node: str, hostname: str | None = None) -> list[dict[str, Any]]:
@@ -256,7 +251,7 @@ class PodSlices:
 
     async def _hostname(self, pod: Mapping[str, Any], node: str) -> str | None:
         """The node's kubernetes.io/hostname label, needed only to add to the pod's own required terms."""
-        if not _has_required_terms(pod):
+        if not has_required_terms(pod.get("spec") or {}):
             return None
         return (await self.node_labels()).get(node, {}).get(HOSTNAME_LABEL)
 

@@ -19,6 +19,7 @@ from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
+from mig_operator.core.environment import DEVICES_VARIABLE, LIMIT_VARIABLE, PRELOAD_VARIABLE, SLICE_VARIABLE
 from mig_operator.core.quantities import MEMORY_EXAMPLE, clip_repr
 from mig_operator.core.request import PROFILE_EXAMPLE, SliceRequest
 from mig_operator.core.slice_spec import (
@@ -37,8 +38,8 @@ _GPU_RESOURCE_PREFIXES = ("nvidia.com/gpu.", "nvidia.com/mig-")
 # Variables the slice's ConfigMap sets: a container's own ``env`` entry would win over ``envFrom`` and
 # hide the slice (``NVIDIA_VISIBLE_DEVICES=all`` shows the whole GPU; another ``LD_PRELOAD`` drops the
 # shim that enforces a fraction's limit). GPU_MEM_LIMIT_GB is informational and may be set.
-_SLICE_ENV = ("NVIDIA_VISIBLE_DEVICES", "CDMO_GPU_MEMORY_LIMIT", "CDMO_SLICE")
-_SHIM_ENV = "LD_PRELOAD"
+_SLICE_ENV = (DEVICES_VARIABLE, LIMIT_VARIABLE, SLICE_VARIABLE)
+_SHIM_ENV = PRELOAD_VARIABLE
 
 
 class PodRefused(ValueError):
