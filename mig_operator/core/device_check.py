@@ -1,0 +1,71 @@
+"""Whether a Ready slice's device is really on its node, before the controller hands it to a pod.
+
+An agent writes ``status.deviceUUID``; the admission policy limits each agent to its own node's slices,
+and this check keeps a wrong or forged UUID from reaching a pod: the device must be on the bound GPU
+of the bound node's GpuNode, as that node's agent published it. A fraction's device is the GPU
+itself (a GPU not in MIG mode); a MIG slice's device is an instance at the bound placement owned by
+this slice, or by no slice yet (the agent writes Ready about a second before it republishes its
+GpuNode). A device the GpuNode does not list yet is waited for, never handed on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .cluster import MODE_FRACTION, Binding, NodeInventory
+
+ACCEPT = "accept"
+WAIT = "wait"
+REFUSE = "refuse"
+
+# Event reasons (CamelCase, as Kubernetes reasons are).
+DEVICE_MISMATCH = "DeviceMismatch"
+DEVICE_NOT_LISTED = "DeviceNotListed"
+
+
+@dataclass(frozen=True)
+class DeviceVerdict:
+    """``ACCEPT``: hand the device on; ``WAIT``: the GpuNode may not list it yet; ``REFUSE``: never."""
+
+    action: str
+    reason: str = ""
+    message: str = ""
+
+
+def check_ready_device(uid: str, device_uuid: str, binding: Binding, inventory: NodeInventory | None
+                       ) -> DeviceVerdict:
+    """Is ``device_uuid`` (a Ready slice's status) the device of slice ``uid``'s ``binding`` on
+    ``inventory`` (the GpuNode of ``binding.node``, None when there is none)?"""
+    where = f"GPU {binding.gpu} of node {binding.node}"
+    if not device_uuid:
+        return DeviceVerdict(REFUSE, DEVICE_MISMATCH, f"the slice is Ready on {where} but names no device")
+    if inventory is None:
+        return DeviceVerdict(WAIT, DEVICE_NOT_LISTED, f"node {binding.node} has no GpuNode yet to check "
+                                                      f"device {device_uuid} against")
+    gpu = next((g for g in inventory.gpus if g.index == binding.gpu), None)
+    if gpu is None:
+        return DeviceVerdict(REFUSE, DEVICE_MISMATCH, f"the GpuNode of node {binding.node} lists no GPU {binding.gpu}")
+    if binding.mode == MODE_FRACTION:
+        if gpu.mig_enabled:
+            return DeviceVerdict(REFUSE, DEVICE_MISMATCH, f"{where} is in MIG mode; it serves no fractions")
+        if device_uuid != gpu.uuid:
+            return DeviceVerdict(REFUSE, DEVICE_MISMATCH,
+                                 f"the slice names device {device_uuid}, but {where} is {gpu.uuid}")
+        return DeviceVerdict(ACCEPT)
+    instance = next((i for i in gpu.instances if i.device_uuid == device_uuid), None)
+    if instance is None:
+        # Elsewhere on the node (another GPU, or a whole GPU): wrong, whatever the lag.
+        elsewhere = any(g.uuid == device_uuid or any(i.device_uuid == device_uuid for i in g.instances)
+                        for g in inventory.gpus)
+        if elsewhere:
+            return DeviceVerdict(REFUSE, DEVICE_MISMATCH, f"device {device_uuid} is not an instance of {where}")
+        return DeviceVerdict(WAIT, DEVICE_NOT_LISTED, f"the GpuNode of node {binding.node} does not list "
+                                                      f"device {device_uuid} on GPU {binding.gpu} (yet)")
+    if instance.slice_uid and instance.slice_uid != uid:
+        return DeviceVerdict(REFUSE, DEVICE_MISMATCH, f"device {device_uuid} on {where} belongs to slice "
+                                                      f"{instance.slice or instance.slice_uid}")
+    if (instance.profile_id, instance.start, instance.size) != (binding.profile_id, binding.start, binding.size):
+        return DeviceVerdict(REFUSE, DEVICE_MISMATCH, (
+            f"device {device_uuid} is a {instance.profile or instance.profile_id} at {instance.start}:{instance.size}, "
+            f"not the bound {binding.profile or binding.profile_id} at {binding.start}:{binding.size}"))
+    return DeviceVerdict(ACCEPT)

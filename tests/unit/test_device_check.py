@@ -1,0 +1,95 @@
+"""core.device_check: the controller hands a Ready slice's device on only when its node's GpuNode has it.
+
+Each refusal is shown beside the one-field change that makes the same slice acceptable, so a check
+that refused everything (or nothing) fails here.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from mig_operator.core.cluster import MODE_FRACTION, MODE_MIG, Binding, GpuState, InstanceState, NodeInventory
+from mig_operator.core.device_check import (
+    ACCEPT,
+    DEVICE_MISMATCH,
+    DEVICE_NOT_LISTED,
+    REFUSE,
+    WAIT,
+    check_ready_device,
+)
+
+UID, OTHER_UID = "uid-of-the-slice", "uid-of-another-slice"
+MIG_DEVICE = "MIG-0b5f0c5e-aaaa-bbbb-cccc-000000000001"
+# The 1g.18gb profile of an H200 (id 19) at slot 2, one slot wide; 3g.71gb (id 9) spans four.
+PROFILE_ID, PROFILE, START, SIZE = 19, "1g.18gb", 2, 1
+
+
+def instance(device: str = MIG_DEVICE, owner: str = "", profile_id: int = PROFILE_ID, start: int = START,
+             size: int = SIZE) -> InstanceState:
+    return InstanceState(gi_id=3, ci_id=0, profile_id=profile_id, profile=PROFILE, start=start, size=size,
+                         device_uuid=device, slice_uid=owner, slice="team/other" if owner else "")
+
+
+def node(*instances: InstanceState, mig: bool = True) -> NodeInventory:
+    gpus = (GpuState(0, "GPU-node-a-0", mig_enabled=mig, instances=instances),
+            GpuState(1, "GPU-node-a-1", mig_enabled=mig,
+                     instances=(instance("MIG-on-gpu-1"),) if mig else ()))
+    return NodeInventory("node-a", gpus)
+
+
+MIG = Binding(UID, "node-a", 0, MODE_MIG, 16384 * 2**20, PROFILE_ID, PROFILE, START, SIZE)
+FRACTION = Binding(UID, "node-a", 0, MODE_FRACTION, 4 * 2**30)
+
+
+def test_a_mig_device_the_gpunode_lists_at_the_bound_placement_is_accepted_owned_or_not_yet() -> None:
+    assert check_ready_device(UID, MIG_DEVICE, MIG, node(instance(owner=UID))).action == ACCEPT
+    # The agent writes Ready before it republishes its GpuNode: an idle (reused) instance shows no owner yet.
+    assert check_ready_device(UID, MIG_DEVICE, MIG, node(instance(owner=""))).action == ACCEPT
+
+
+def test_a_mig_device_of_another_slice_is_refused() -> None:
+    verdict = check_ready_device(UID, MIG_DEVICE, MIG, node(instance(owner=OTHER_UID)))
+    assert (verdict.action, verdict.reason) == (REFUSE, DEVICE_MISMATCH)
+    assert MIG_DEVICE in verdict.message and "team/other" in verdict.message
+
+
+@pytest.mark.parametrize(("profile_id", "start", "size"), [(9, START, SIZE), (PROFILE_ID, START + 1, SIZE),
+                                                            (PROFILE_ID, START - 1, SIZE), (PROFILE_ID, START, 2)])
+def test_a_mig_device_at_another_placement_or_profile_is_refused(profile_id: int, start: int, size: int) -> None:
+    verdict = check_ready_device(UID, MIG_DEVICE, MIG, node(instance(profile_id=profile_id, start=start, size=size)))
+    assert verdict.action == REFUSE
+    assert f"{start}:{size}" in verdict.message and f"{START}:{SIZE}" in verdict.message
+
+
+def test_a_device_elsewhere_on_the_node_is_refused_and_one_listed_nowhere_is_waited_for() -> None:
+    inventory = node(instance(owner=UID))
+    for elsewhere in ("MIG-on-gpu-1", "GPU-node-a-0", "GPU-node-a-1"):
+        verdict = check_ready_device(UID, elsewhere, MIG, inventory)
+        assert (verdict.action, verdict.reason) == (REFUSE, DEVICE_MISMATCH), elsewhere
+        assert elsewhere in verdict.message
+    # Another node's device, or one just made: not listed here (yet). Waited for, never handed on.
+    verdict = check_ready_device(UID, "MIG-not-published-yet", MIG, inventory)
+    assert (verdict.action, verdict.reason) == (WAIT, DEVICE_NOT_LISTED)
+    assert "MIG-not-published-yet" in verdict.message and "node-a" in verdict.message
+
+
+def test_a_fraction_device_must_be_its_bound_gpu_not_in_mig_mode() -> None:
+    fractions = node(mig=False)
+    assert check_ready_device(UID, "GPU-node-a-0", FRACTION, fractions).action == ACCEPT
+    for wrong in ("GPU-node-a-1", "GPU-of-node-b", MIG_DEVICE):
+        verdict = check_ready_device(UID, wrong, FRACTION, fractions)
+        assert (verdict.action, verdict.reason) == (REFUSE, DEVICE_MISMATCH), wrong
+        assert wrong in verdict.message and "GPU-node-a-0" in verdict.message
+    verdict = check_ready_device(UID, "GPU-node-a-0", FRACTION, node(mig=True))
+    assert verdict.action == REFUSE and "MIG mode" in verdict.message
+
+
+def test_a_gpu_the_gpunode_lacks_no_gpunode_and_no_device() -> None:
+    beyond = Binding(UID, "node-a", 2, MODE_FRACTION, 2**30)  # node-a has GPUs 0 and 1
+    verdict = check_ready_device(UID, "GPU-node-a-2", beyond, node(mig=False))
+    assert verdict.action == REFUSE and "no GPU 2" in verdict.message
+    last = Binding(UID, "node-a", 1, MODE_FRACTION, 2**30)
+    assert check_ready_device(UID, "GPU-node-a-1", last, node(mig=False)).action == ACCEPT
+    verdict = check_ready_device(UID, "GPU-node-a-0", FRACTION, None)
+    assert (verdict.action, verdict.reason) == (WAIT, DEVICE_NOT_LISTED) and "node-a" in verdict.message
+    assert check_ready_device(UID, "", FRACTION, node(mig=False)).action == REFUSE
