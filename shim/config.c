@@ -1,9 +1,15 @@
-/* config.c: environment (read once, in the constructor), logging, loading
- * the real driver and NVML entry points, fork and exit hooks. */
+/* config.c: the environment, read once by the first constructor of the
+ * library, and logging.  It calls into no other module: each module sets
+ * itself up from a constructor of its own that runs after this one
+ * (GS_INIT_MODULE), registers its own fork handlers there, and leaves
+ * everything alone when the shim is not active.
+ *
+ * CDMO_GPU_MEMORY_LIMIT absent: pass-through.  Present, it is this process's
+ * limit, and no variable the workload sets lifts it: a value that is not a
+ * byte count of at least 1 (zero, negative, empty, garbage, beyond 64 bits)
+ * becomes a limit of 0, which refuses every allocation of device memory,
+ * never "no limit".  CDMO_SHIM_DISABLE, once a kill switch, is ignored. */
 #define _GNU_SOURCE
-#include <dlfcn.h>
-#include <errno.h>
-#include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -13,11 +19,6 @@
 #include "gs.h"
 
 struct gs_config gs_cfg;
-void *gs_cu_real[GS_CU_COUNT];
-void *gs_nv_real[GS_NV_COUNT];
-_Atomic int gs_cu_ready;
-_Atomic int gs_nv_ready;
-static pthread_mutex_t load_mu = PTHREAD_MUTEX_INITIALIZER;
 
 static void vlog(const char *tag, const char *fmt, va_list ap)
 {
@@ -56,24 +57,33 @@ static int env_true(const char *name)
     return v && (!strcmp(v, "1") || !strcasecmp(v, "true") || !strcasecmp(v, "yes"));
 }
 
-/* Strict decimal parse of a byte count; 0 and garbage mean "no limit". */
-static uint64_t parse_bytes(const char *v)
+/* CDMO_GPU_MEMORY_LIMIT: a plain decimal byte count from 1 to 2^64 - 1.
+ * Returns 1 with the count, or 0 with why the value is not one. */
+static int parse_limit(const char *v, uint64_t *out, const char **why)
 {
-    if (!v || !*v) return 0;
     uint64_t x = 0;
+    if (!*v) {
+        *why = "is empty";
+        return 0;
+    }
     for (const char *p = v; *p; p++) {
         if (*p < '0' || *p > '9') {
-            gs_warn("CDMO_GPU_MEMORY_LIMIT=%s is not a byte count; no limit applied", v);
+            *why = "is not a plain decimal byte count";
             return 0;
         }
         uint64_t d = (uint64_t)(*p - '0');
         if (x > (UINT64_MAX - d) / 10) {
-            gs_warn("CDMO_GPU_MEMORY_LIMIT=%s overflows; no limit applied", v);
+            *why = "is beyond 18446744073709551615";
             return 0;
         }
         x = x * 10 + d;
     }
-    return x;
+    if (x == 0) {
+        *why = "is zero";
+        return 0;
+    }
+    *out = x;
+    return 1;
 }
 
 /* "<namespace>/<name>" -> file-name-safe form.  Kubernetes names use only
@@ -99,54 +109,27 @@ static void sanitize_slice(const char *in, char *out, size_t cap)
     out[o] = 0;
 }
 
-static void atfork_prepare(void)
-{
-    pthread_mutex_lock(&load_mu);
-    gs_region_atfork_prepare();
-    gs_table_lock(&gs_allocs);
-    gs_table_lock(&gs_handles);
-    gs_table_lock(&gs_maps);
-    gs_table_lock(&gs_graphs);
-}
-
-static void atfork_parent(void)
-{
-    gs_table_unlock(&gs_graphs);
-    gs_table_unlock(&gs_maps);
-    gs_table_unlock(&gs_handles);
-    gs_table_unlock(&gs_allocs);
-    gs_region_atfork_parent();
-    pthread_mutex_unlock(&load_mu);
-}
-
-static void atfork_child(void)
-{
-    /* The child owns none of the parent's device memory (a CUDA context does
-     * not survive fork): forget the parent's pointers and take a slot of our
-     * own on first use.  The shared mappings stay. */
-    gs_table_unlock(&gs_graphs);
-    gs_table_unlock(&gs_maps);
-    gs_table_unlock(&gs_handles);
-    gs_table_unlock(&gs_allocs);
-    gs_tables_reset();
-    gs_region_atfork_child();
-    gs_report_atfork_child();
-    gs_pools_atfork_child();
-    gs_graphs_atfork_child();
-    gs_fp_atfork_child();
-    pthread_mutex_unlock(&load_mu);
-}
-
-__attribute__((constructor)) static void gs_init(void)
+__attribute__((constructor(GS_INIT_CONFIG))) static void gs_init(void)
 {
     gs_cfg.debug = env_true("CDMO_SHIM_DEBUG");
-    gs_cfg.disabled = env_true("CDMO_SHIM_DISABLE");
-    gs_cfg.limit = parse_bytes(getenv("CDMO_GPU_MEMORY_LIMIT"));
-    if (gs_cfg.disabled || gs_cfg.limit == 0) {
-        gs_cfg.active = 0;   /* pure pass-through: nothing else is set up */
-        gs_log("pass-through (%s)", gs_cfg.disabled ? "CDMO_SHIM_DISABLE" : "no limit");
+    const char *lim = getenv("CDMO_GPU_MEMORY_LIMIT");
+    if (!lim) {
+        gs_cfg.active = 0; /* pure pass-through: no module sets anything up */
+        gs_log("pass-through (no CDMO_GPU_MEMORY_LIMIT)");
         return;
     }
+    const char *why = NULL;
+    if (!parse_limit(lim, &gs_cfg.limit, &why)) {
+        /* The operator meant a limit; "none" would hand out the whole GPU. */
+        gs_cfg.limit = 0;
+        gs_warn("CDMO_GPU_MEMORY_LIMIT=\"%.64s\" %s (a limit is a byte count such as "
+                "1073741824 for 1 GiB): every allocation of device memory is refused",
+                lim, why);
+    }
+    const char *off = getenv("CDMO_SHIM_DISABLE");
+    if (off)
+        gs_warn("CDMO_SHIM_DISABLE=%.16s is ignored: a container cannot lift its slice's "
+                "memory limit", off);
     gs_cfg.strict = env_true("CDMO_SHIM_STRICT");
     const char *fp = getenv("CDMO_SHIM_FOOTPRINT");
     if (!fp || !*fp || !strcmp(fp, "auto")) gs_cfg.footprint = GS_FP_AUTO;
@@ -157,48 +140,7 @@ __attribute__((constructor)) static void gs_init(void)
     sanitize_slice(getenv("CDMO_SLICE"), gs_cfg.slice, sizeof gs_cfg.slice);
     const char *dir = getenv("CDMO_SHIM_DIR");
     snprintf(gs_cfg.dir, sizeof gs_cfg.dir, "%s", dir && *dir ? dir : "/dev/shm");
-    gs_tables_init();
-    pthread_atfork(atfork_prepare, atfork_parent, atfork_child);
     gs_cfg.active = 1;
     gs_log("limit %llu bytes, slice %s, dir %s", (unsigned long long)gs_cfg.limit,
            gs_cfg.slice, gs_cfg.dir);
-}
-
-__attribute__((destructor)) static void gs_fini(void)
-{
-    if (gs_cfg.active) gs_region_exit();
-}
-
-void gs_load_cuda(void)
-{
-    pthread_mutex_lock(&load_mu);
-    if (!atomic_load_explicit(&gs_cu_ready, memory_order_relaxed)) {
-        gs_init_real_dlsym();
-        void *h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
-        if (!h) h = dlopen("libcuda.so", RTLD_NOW | RTLD_LOCAL);
-        if (!h) {
-            gs_warn("cannot load libcuda.so.1: %s", dlerror());
-        } else {
-            for (int i = 0; i < GS_CU_COUNT; i++)
-                gs_cu_real[i] = gs_real_dlsym(h, gs_cu_syms[i].name);
-        }
-        atomic_store_explicit(&gs_cu_ready, 1, memory_order_release);
-    }
-    pthread_mutex_unlock(&load_mu);
-}
-
-void gs_load_nvml(void)
-{
-    pthread_mutex_lock(&load_mu);
-    if (!atomic_load_explicit(&gs_nv_ready, memory_order_relaxed)) {
-        gs_init_real_dlsym();
-        void *h = dlopen("libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
-        if (!h) {
-            gs_warn("cannot load libnvidia-ml.so.1: %s", dlerror());
-        } else {
-            for (int i = 0; i < GS_NV_COUNT; i++) gs_nv_real[i] = gs_real_dlsym(h, gs_nv_names[i]);
-        }
-        atomic_store_explicit(&gs_nv_ready, 1, memory_order_release);
-    }
-    pthread_mutex_unlock(&load_mu);
 }

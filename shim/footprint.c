@@ -48,6 +48,7 @@ static int nvml_state;                   /* 0 untried, 1 ready, -1 unusable */
 static uint64_t ctx_delta[GS_MAX_DEV];   /* measured at primary context creation */
 static unsigned char delta_known[GS_MAX_DEV];
 static nvmlProcessInfo_t procs[1024];    /* fp_mu held */
+static int over_warned;                  /* fp_mu held; said once per process */
 
 typedef nvmlReturn_t (*pfn_nv_init)(void);
 typedef nvmlReturn_t (*pfn_nv_by_uuid)(const char *, nvmlDevice_t *);
@@ -203,6 +204,17 @@ void gs_fp_refresh(struct gs_ref *ref)
                        (unsigned long long)ctx, how == GS_CTX_NVML ? "NVML" : "delta");
             gs_fp_set(ref, &ref->ctx, ctx);
             ref->ctx_how = how;
+            /* A limit below the context: the context stays charged (the
+             * driver holds it) and nothing else fits.  Said once, since every
+             * refused allocation measures again.  A limit of 0 said so
+             * already, naming its value. */
+            if (ctx >= gs_cfg.limit && gs_cfg.limit && !over_warned) {
+                over_warned = 1;
+                gs_warn("the CUDA context and driver memory of this process on device %d "
+                        "(%llu bytes) alone take the whole limit of %llu bytes: every "
+                        "allocation of device memory is refused", ref->cudev,
+                        (unsigned long long)ctx, (unsigned long long)gs_cfg.limit);
+            }
         }
         /* next refresh when the slice's free bytes have halved */
         uint64_t used = gs_used(ref), lim = gs_cfg.limit;
@@ -244,7 +256,7 @@ int gs_fp_pressure(struct gs_ref *ref)
     return 1;
 }
 
-void gs_fp_atfork_child(void)
+static void atfork_child(void)
 {
     pthread_mutexattr_t a;
     pthread_mutexattr_init(&a);
@@ -252,7 +264,13 @@ void gs_fp_atfork_child(void)
     pthread_mutex_init(&fp_mu, &a);
     pthread_mutexattr_destroy(&a);
     nvml_state = 0;
+    over_warned = 0; /* the child measures a context of its own */
     memset(delta_known, 0, sizeof delta_known);
+}
+
+__attribute__((constructor(GS_INIT_MODULE))) static void footprint_init(void)
+{
+    if (gs_cfg.active) pthread_atfork(NULL, NULL, atfork_child);
 }
 
 /* The primary context is where the runtimes (cudart, so PyTorch and CuPy;

@@ -20,6 +20,7 @@
  * Launches of graphs without allocation nodes cost one relaxed load.
  */
 #define _GNU_SOURCE
+#include <pthread.h>
 #include <stdlib.h>
 
 #include "gs.h"
@@ -259,4 +260,10 @@ GS_EXPORT CUresult cuDeviceGraphMemTrim(CUdevice dev)
     return r;
 }
 
-void gs_graphs_atfork_child(void) { atomic_store(&mem_execs, 0); }
+/* the child has none of the parent's graph execs */
+static void atfork_child(void) { atomic_store(&mem_execs, 0); }
+
+__attribute__((constructor(GS_INIT_MODULE))) static void graphs_init(void)
+{
+    if (gs_cfg.active) pthread_atfork(NULL, NULL, atfork_child);
+}

@@ -14,14 +14,25 @@
 
 #define GS_MAX_DEV 64
 
+/* ---- start-up order ----------------------------------------------------
+ * config.c reads the environment in the library's first constructor
+ * (GS_INIT_CONFIG).  A module that needs setting up, or keeps state a fork
+ * must lock or reset, does it in a constructor of its own at GS_INIT_MODULE,
+ * only when gs_cfg.active, with its own pthread_atfork handlers: no module
+ * calls another's fork handler.  The locks the prepare handlers take are never
+ * held together anywhere else, so their order across modules does not matter
+ * (it follows SRCS in the Makefile: handlers register in link order). */
+#define GS_INIT_CONFIG 101
+#define GS_INIT_MODULE 102
+
 /* ---- config.c: environment, read once by the constructor --------------- */
 struct gs_config {
-    int active;        /* limit > 0 and not disabled: count and enforce      */
-    int disabled;      /* CDMO_SHIM_DISABLE=1                                */
+    int active;        /* CDMO_GPU_MEMORY_LIMIT present: count and enforce   */
     int strict;        /* CDMO_SHIM_STRICT=1: fail closed without the region  */
     int debug;         /* CDMO_SHIM_DEBUG=1: log decisions to stderr          */
     int footprint;     /* CDMO_SHIM_FOOTPRINT: GS_FP_* below                  */
-    uint64_t limit;    /* CDMO_GPU_MEMORY_LIMIT, bytes                        */
+    uint64_t limit;    /* CDMO_GPU_MEMORY_LIMIT, bytes; 0 (a value that is not
+                        * a byte count >= 1): every allocation is refused  */
     char slice[200];   /* CDMO_SLICE, sanitised for a file name               */
     char dir[256];     /* CDMO_SHIM_DIR or /dev/shm                           */
 };
@@ -33,7 +44,7 @@ extern struct gs_config gs_cfg GS_HIDDEN;
 void gs_log(const char *fmt, ...) GS_HIDDEN __attribute__((format(printf, 1, 2)));
 void gs_warn(const char *fmt, ...) GS_HIDDEN __attribute__((format(printf, 1, 2)));
 
-/* ---- real entry points (config.c) -------------------------------------- */
+/* ---- real entry points (driver.c) -------------------------------------- */
 /* X(id, symbol, base name for cuGetProcAddress, version, per-thread, hooked) */
 #define GS_CU_SYMBOLS(X)                                                            \
     X(MemAlloc_v2, cuMemAlloc_v2, cuMemAlloc, 3020, 0, 1)                           \
@@ -156,7 +167,7 @@ static inline void gs_need_nvml(void)
 }
 #define GS_REAL(id) (gs_cu_real[GS_CU_##id])
 
-/* real dlsym (procaddr.c); resolved with dlvsym, never a GLIBC_PRIVATE name */
+/* real dlsym (driver.c); resolved with dlvsym, never a GLIBC_PRIVATE name */
 extern void *(*gs_real_dlsym)(void *, const char *) GS_HIDDEN;
 void gs_init_real_dlsym(void) GS_HIDDEN;
 
@@ -189,17 +200,12 @@ uint64_t gs_slot_used(const struct gs_ref *ref, int *ok) GS_HIDDEN;
 uint64_t gs_used(const struct gs_ref *ref) GS_HIDDEN;
 int gs_reap_if_due(struct gs_ref *ref, int force) GS_HIDDEN; /* 1: it ran */
 uint64_t gs_peak(const struct gs_ref *ref) GS_HIDDEN;
-void gs_region_atfork_child(void) GS_HIDDEN;
-void gs_region_atfork_prepare(void) GS_HIDDEN;
-void gs_region_atfork_parent(void) GS_HIDDEN;
-void gs_region_exit(void) GS_HIDDEN;
 
 /* ---- device.c (in report.c): CUdevice ordinal -> region ---------------- */
 extern struct gs_ref *gs_dev_ref[GS_MAX_DEV] GS_HIDDEN;
 extern int gs_ndev GS_HIDDEN;         /* 0 unknown, else visible device count */
 struct gs_ref *gs_dev_ref_slow(int dev) GS_HIDDEN;
 int gs_current_dev_slow(void) GS_HIDDEN;
-void gs_report_atfork_child(void) GS_HIDDEN;
 static inline struct gs_ref *gs_ref_of(int dev)
 {
     if (GS_UNLIKELY(dev < 0 || dev >= GS_MAX_DEV)) return NULL;
@@ -234,8 +240,6 @@ extern struct gs_table gs_handles GS_HIDDEN;  /* cuMemCreate handles           *
 extern struct gs_table gs_maps GS_HIDDEN;     /* cuMemMap ranges -> handle     */
 extern struct gs_table gs_graphs GS_HIDDEN;   /* graph execs with alloc nodes  */
 extern _Atomic uint64_t gs_untracked_bytes GS_HIDDEN;
-void gs_tables_init(void) GS_HIDDEN;
-void gs_tables_reset(void) GS_HIDDEN;         /* fork child */
 void gs_table_lock(struct gs_table *t) GS_HIDDEN;
 void gs_table_unlock(struct gs_table *t) GS_HIDDEN;
 /* the _locked variants need gs_table_lock held */
@@ -254,7 +258,6 @@ void gs_fp_refresh(struct gs_ref *ref) GS_HIDDEN;                  /* slow path 
 int gs_fp_pressure(struct gs_ref *ref) GS_HIDDEN;  /* trim + refresh before OOM */
 void gs_fp_mark_hit(struct gs_ref *ref) GS_HIDDEN;
 void gs_fp_set(struct gs_ref *ref, uint64_t *field, uint64_t value) GS_HIDDEN;
-void gs_fp_atfork_child(void) GS_HIDDEN;
 
 /* ---- pools.c: stream-ordered pools ------------------------------------- */
 /* A pool's entry: which region its memory counts in (NULL: host memory, not
@@ -275,14 +278,12 @@ int gs_pool_index(const struct gs_pool *pl) GS_HIDDEN;
 struct gs_pool *gs_pool_at(int index) GS_HIDDEN;
 void gs_pools_measure(struct gs_ref *ref, int trim) GS_HIDDEN;
 void gs_pool_settle(struct gs_pool *pl) GS_HIDDEN;
-void gs_pools_atfork_child(void) GS_HIDDEN;
 
 /* ---- alloc.c ------------------------------------------------------------- */
 void gs_untrack_async(CUdeviceptr p) GS_HIDDEN;
 
 /* ---- graphs.c: graph memory nodes -------------------------------------- */
 void gs_graph_measure(struct gs_ref *ref, int trim) GS_HIDDEN;
-void gs_graphs_atfork_child(void) GS_HIDDEN;
 
 /* ---- procaddr.c --------------------------------------------------------- */
 void *gs_procaddr_substitute(const char *symbol, void *real_pfn, int version,

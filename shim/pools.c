@@ -195,13 +195,18 @@ void gs_pool_settle(struct gs_pool *pl)
     else if (have > truth) gs_unreserve(pl->ref, have - truth);
 }
 
-void gs_pools_atfork_child(void)
+static void atfork_child(void)
 {
     /* the child owns no pool of the parent */
     pthread_mutex_init(&pool_mu, NULL);
     for (int i = 1; i <= GS_MAX_POOLS; i++) memset(&pools[i], 0, sizeof pools[i]);
     atomic_store(&npools, 0);
     for (int d = 0; d < GS_MAX_DEV; d++) atomic_store(&cur_pool[d], NULL);
+}
+
+__attribute__((constructor(GS_INIT_MODULE))) static void pools_init(void)
+{
+    if (gs_cfg.active) pthread_atfork(NULL, NULL, atfork_child);
 }
 
 /* ---- hooks ------------------------------------------------------------- */

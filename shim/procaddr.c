@@ -28,13 +28,6 @@
 #include "gs_api.h"
 
 #define W(f) ((void *)&(f))
-const struct gs_cu_sym gs_cu_syms[GS_CU_COUNT] = {
-#define GS_ROW(id, sym, base_, ver, pt, hk) \
-    [GS_CU_##id] = {.name = #sym, .base = #base_, .version = ver, .ptsz = pt, .hooked = hk},
-    GS_CU_SYMBOLS(GS_ROW)
-#undef GS_ROW
-};
-
 /* wrappers, by variant (NULL: not hooked) */
 static void *const wrappers[GS_CU_COUNT] = {
     [GS_CU_MemAlloc_v2] = W(cuMemAlloc_v2),
@@ -77,11 +70,6 @@ static void *const wrappers[GS_CU_COUNT] = {
     [GS_CU_DeviceGraphMemTrim] = W(cuDeviceGraphMemTrim),
 };
 
-const char *const gs_nv_names[GS_NV_COUNT] = {
-#define GS_NNAME(sym, hk) [GS_NV_##sym] = #sym,
-    GS_NVML_SYMBOLS(GS_NNAME)
-#undef GS_NNAME
-};
 void *const gs_nv_wrappers[GS_NV_COUNT] = {
     [GS_NV_nvmlDeviceGetMemoryInfo] = W(nvmlDeviceGetMemoryInfo),
     [GS_NV_nvmlDeviceGetMemoryInfo_v2] = W(nvmlDeviceGetMemoryInfo_v2),
@@ -160,24 +148,6 @@ GS_EXPORT CUresult cuGetProcAddress(const char *symbol, void **pfn, int cudaVers
 }
 
 /* ---- dlsym ------------------------------------------------------------- */
-void *(*gs_real_dlsym)(void *, const char *);
-
-void gs_init_real_dlsym(void)
-{
-    if (__atomic_load_n(&gs_real_dlsym, __ATOMIC_ACQUIRE)) return;
-    void *f = NULL;
-#if defined(__x86_64__)
-    static const char *const vers[] = {"GLIBC_2.34", "GLIBC_2.2.5"};
-#elif defined(__aarch64__)
-    static const char *const vers[] = {"GLIBC_2.34", "GLIBC_2.17"};
-#else
-#error "libgpuslice supports x86-64 and aarch64"
-#endif
-    for (unsigned i = 0; i < sizeof vers / sizeof vers[0] && !f; i++)
-        f = dlvsym(RTLD_NEXT, "dlsym", vers[i]);
-    __atomic_store_n(&gs_real_dlsym, (void *(*)(void *, const char *))f, __ATOMIC_RELEASE);
-}
-
 enum { LIB_OTHER, LIB_CUDA, LIB_NVML };
 
 static int lib_of(void *handle)

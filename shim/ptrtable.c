@@ -7,6 +7,7 @@
  * table: the critical section is a few probes, and taking it is one atomic
  * exchange with no syscall.  Nothing here allocates after start. */
 #define _GNU_SOURCE
+#include <pthread.h>
 #include <string.h>
 #include <sys/mman.h>
 
@@ -37,14 +38,6 @@ static void table_init(struct gs_table *t, unsigned bits)
     t->cap_limit = n - n / 8; /* keep the load under 7/8 */
 }
 
-void gs_tables_init(void)
-{
-    table_init(&gs_allocs, 20); /* 1M live allocations, 32 MiB of address space */
-    table_init(&gs_handles, 18);
-    table_init(&gs_maps, 18);
-    table_init(&gs_graphs, 12);
-}
-
 static void table_reset(struct gs_table *t)
 {
     if (!t->e) return;
@@ -53,12 +46,42 @@ static void table_reset(struct gs_table *t)
     t->count = 0;
 }
 
-void gs_tables_reset(void)
+/* No table may be mid-update when the process forks. */
+static void atfork_prepare(void)
 {
+    gs_table_lock(&gs_allocs);
+    gs_table_lock(&gs_handles);
+    gs_table_lock(&gs_maps);
+    gs_table_lock(&gs_graphs);
+}
+
+static void atfork_parent(void)
+{
+    gs_table_unlock(&gs_graphs);
+    gs_table_unlock(&gs_maps);
+    gs_table_unlock(&gs_handles);
+    gs_table_unlock(&gs_allocs);
+}
+
+static void atfork_child(void)
+{
+    /* The child owns none of the parent's device memory (a CUDA context does
+     * not survive fork): it forgets the parent's pointers. */
+    atfork_parent();
     table_reset(&gs_allocs);
     table_reset(&gs_handles);
     table_reset(&gs_maps);
     table_reset(&gs_graphs);
+}
+
+__attribute__((constructor(GS_INIT_MODULE))) static void tables_init(void)
+{
+    if (!gs_cfg.active) return;
+    table_init(&gs_allocs, 20); /* 1M live allocations, 32 MiB of address space */
+    table_init(&gs_handles, 18);
+    table_init(&gs_maps, 18);
+    table_init(&gs_graphs, 12);
+    pthread_atfork(atfork_prepare, atfork_parent, atfork_child);
 }
 
 void gs_table_lock(struct gs_table *t)

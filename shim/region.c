@@ -408,10 +408,10 @@ out:
     return ref;
 }
 
-void gs_region_atfork_prepare(void) { pthread_mutex_lock(&attach_mu); }
-void gs_region_atfork_parent(void) { pthread_mutex_unlock(&attach_mu); }
+static void atfork_prepare(void) { pthread_mutex_lock(&attach_mu); }
+static void atfork_parent(void) { pthread_mutex_unlock(&attach_mu); }
 
-void gs_region_atfork_child(void)
+static void atfork_child(void)
 {
     pthread_mutex_unlock(&attach_mu);
     for (int i = 0; i < nrefs; i++) {
@@ -427,8 +427,10 @@ void gs_region_atfork_child(void)
     my_pid = 0;
 }
 
-void gs_region_exit(void)
+/* A normal exit gives this process's shares back. */
+__attribute__((destructor)) static void region_exit(void)
 {
+    if (!gs_cfg.active) return;
     pthread_mutex_lock(&attach_mu);
     for (int i = 0; i < nrefs; i++) {
         struct gs_ref *ref = &refs[i];
@@ -441,4 +443,9 @@ void gs_region_exit(void)
         }
     }
     pthread_mutex_unlock(&attach_mu);
+}
+
+__attribute__((constructor(GS_INIT_MODULE))) static void region_init(void)
+{
+    if (gs_cfg.active) pthread_atfork(atfork_prepare, atfork_parent, atfork_child);
 }

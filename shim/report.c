@@ -99,11 +99,16 @@ struct gs_ref *gs_dev_ref_slow(int dev)
     return ref;
 }
 
-void gs_report_atfork_child(void)
+static void atfork_child(void)
 {
     /* the child's first use of each GPU measures its own footprint */
     pthread_mutex_init(&dev_mu, NULL);
     for (int i = 0; i < GS_MAX_DEV; i++) __atomic_store_n(&gs_dev_ref[i], NULL, __ATOMIC_RELAXED);
+}
+
+__attribute__((constructor(GS_INIT_MODULE))) static void report_init(void)
+{
+    if (gs_cfg.active) pthread_atfork(NULL, NULL, atfork_child);
 }
 
 static void clamp(uint64_t phys_total, uint64_t phys_free, uint64_t used, uint64_t *total,

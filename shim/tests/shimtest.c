@@ -8,11 +8,13 @@
  * Each case runs in a fresh process exec'ed with LD_PRELOAD=libgpuslice.so,
  * the fake libraries first on LD_LIBRARY_PATH, its own CDMO_SHIM_DIR and the
  * environment the case names, so the shim's constructor reads it as in a
- * container.  Device memory is observed through the shim's own cuMemGetInfo
+ * container.  Its stderr goes to $CDMO_SHIM_DIR/stderr (copied to ours at its
+ * end), so a case can count what the shim said, constructor included.  Device memory is observed through the shim's own cuMemGetInfo
  * (used = total - free while the limit is below the fake's 80 GiB). */
 #include <dirent.h>
 #include <dlfcn.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <limits.h>
 #include <pthread.h>
 #include <signal.h>
@@ -167,6 +169,21 @@ static uint64_t used(void)
     return t - f;
 }
 
+/* times `needle` occurs in what this case's processes wrote to stderr */
+static int stderr_count(const char *needle)
+{
+    char path[PATH_MAX], buf[1 << 16];
+    snprintf(path, sizeof path, "%s/stderr", getenv("CDMO_SHIM_DIR"));
+    FILE *fp = fopen(path, "r");
+    CHECK(fp, "open %s", path);
+    size_t n = fread(buf, 1, sizeof buf - 1, fp);
+    fclose(fp);
+    buf[n] = 0;
+    int count = 0;
+    for (const char *p = buf; (p = strstr(p, needle)); p += strlen(needle)) count++;
+    return count;
+}
+
 static const char *lib_of(void *p, const char **symname)
 {
     static char buf[PATH_MAX];
@@ -178,6 +195,8 @@ static const char *lib_of(void *p, const char **symname)
 }
 static int in_shim(void *p) { return strstr(lib_of(p, NULL), "libgpuslice") != NULL; }
 static int in_fake(void *p) { return strstr(lib_of(p, NULL), "libcuda.so") != NULL; }
+
+static void retain(int dev);
 
 /* ====================================================================== */
 static void case_passthrough(void)
@@ -198,20 +217,102 @@ static void case_passthrough(void)
     void *fn = NULL;
     OK(GPA("cuMemAlloc", &fn, 12000, 0));
     CHECK(in_fake(fn), "no limit: cuGetProcAddress must give the driver's pointer");
+    CHECK(stderr_count("libgpuslice") == 0, "pass-through says nothing");
 }
 
-static void case_disable(void)
+/* CDMO_GPU_MEMORY_LIMIT present but not a byte count >= 1: every allocation
+ * of device memory is refused before it reaches the driver, the figures show
+ * an empty slice (total 0, free 0), and the shim says so once, naming the
+ * value.  Never "no limit". */
+static void case_refused(void)
 {
-    CHECK(env_limit() == 1 * GiB, "case runs with a 1 GiB limit");
-    case_passthrough(); /* CDMO_SHIM_DISABLE=1 overrides the limit */
-}
-
-static void case_bad_limit(void)
-{
+    const char *v = getenv("CDMO_GPU_MEMORY_LIMIT");
+    CHECK(v, "case runs with the variable present");
+    /* why the value is refused, worked out here independently of the shim */
+    int digits = *v != 0, nonzero = 0;
+    for (const char *q = v; *q; q++) {
+        digits &= *q >= '0' && *q <= '9';
+        nonzero |= *q > '0' && *q <= '9';
+    }
+    const char *why = !*v ? "is empty" : !digits ? "is not a plain decimal byte count"
+                    : nonzero ? "is beyond 18446744073709551615" : "is zero";
+    char said[256];
+    snprintf(said, sizeof said, "warning: CDMO_GPU_MEMORY_LIMIT=\"%s\" %s (a limit is a byte count "
+             "such as 1073741824 for 1 GiB): every allocation of device memory is refused", v, why);
     open_driver();
+    retain(0); /* with FAKE_CTX_BYTES: a context the driver holds, counted */
+    CHECK(in_shim((void *)Alloc), "a refused limit is enforced, not passed through: dlsym gave %s",
+          lib_of((void *)Alloc, NULL));
     CUdeviceptr p;
-    OK(Alloc(&p, 8 * GiB)); /* "4Gi" is not a byte count: warned, no limit */
-    CHECK(in_fake((void *)Alloc), "an unparseable limit means pass-through");
+    size_t pitch;
+    CHECK(Alloc(&p, 1) == CUDA_ERROR_OUT_OF_MEMORY, "one byte is refused");
+    CHECK(Alloc(&p, 16 * MiB) == CUDA_ERROR_OUT_OF_MEMORY, "16 MiB is refused");
+    CHECK(Pitch(&p, &pitch, 512, 1, 4) == CUDA_ERROR_OUT_OF_MEMORY, "pitched is refused");
+    CHECK(Managed(&p, 4096, 1) == CUDA_ERROR_OUT_OF_MEMORY, "managed is refused");
+    CHECK(AllocAsync(&p, 2 * MiB, NULL) == CUDA_ERROR_OUT_OF_MEMORY, "stream-ordered is refused");
+    CUmemAllocationProp prop;
+    memset(&prop, 0, sizeof prop);
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    CUmemGenericAllocationHandle h;
+    CHECK(Create(&h, 2 * MiB, &prop, 0) == CUDA_ERROR_OUT_OF_MEMORY, "VMM on the device is refused");
+    CUDA_ARRAY_DESCRIPTOR d2 = {.Width = 16, .Height = 16, .Format = CU_AD_FORMAT_FLOAT, .NumChannels = 1};
+    CUarray arr;
+    CHECK(ArrCreate(&arr, &d2) == CUDA_ERROR_OUT_OF_MEMORY, "an array is refused");
+    uint64_t ctx = FakeDevUsed(0);
+    CHECK(FakePhysUsed() == ctx, "nothing but the context reached the driver: %llu bytes",
+          (unsigned long long)(FakePhysUsed() - ctx));
+    prop.location.type = CU_MEM_LOCATION_TYPE_HOST;
+    OK(Create(&h, 2 * MiB, &prop, 0)); /* host memory is not the slice's to refuse */
+    OK(Release(h));
+    size_t f = 1, t = 1, tm = 1;
+    OK(GetInfo(&f, &t));
+    CHECK(t == 0 && f == 0, "cuMemGetInfo: total %zu free %zu, want 0 and 0", t, f);
+    OK(TotalMem(&tm, 0));
+    CHECK(tm == 0, "cuDeviceTotalMem: %zu, want 0", tm);
+    nvmlReturn_t (*init)(void) = (nvmlReturn_t(*)(void))sym(hnvml, "nvmlInit_v2");
+    nvmlReturn_t (*byidx)(unsigned, nvmlDevice_t *) = (nvmlReturn_t(*)(unsigned, nvmlDevice_t *))sym(hnvml, "nvmlDeviceGetHandleByIndex_v2");
+    nvmlReturn_t (*m1)(nvmlDevice_t, nvmlMemory_t *) = (nvmlReturn_t(*)(nvmlDevice_t, nvmlMemory_t *))sym(hnvml, "nvmlDeviceGetMemoryInfo");
+    nvmlDevice_t dev;
+    nvmlMemory_t m;
+    CHECK(init() == NVML_SUCCESS && byidx(0, &dev) == NVML_SUCCESS && m1(dev, &m) == NVML_SUCCESS, "nvml");
+    CHECK(m.total == 0 && m.free == 0 && m.used == 0, "NVML: total %llu free %llu used %llu, want 0",
+          m.total, m.free, m.used);
+    CHECK(stderr_count(said) == 1, "the shim must say once: %s", said);
+    CHECK(stderr_count("libgpuslice") == 1, "and nothing else (no second line about the context)");
+}
+
+/* A valid limit holds at exactly its byte count, one byte either side. */
+static void case_limit_exact(void)
+{
+    CHECK(env_limit() == 1073741824ULL, "case runs with CDMO_GPU_MEMORY_LIMIT=1073741824");
+    open_driver();
+    CUdeviceptr a, b, c;
+    CHECK(Alloc(&a, 1 * GiB + 1) == CUDA_ERROR_OUT_OF_MEMORY, "limit + 1 byte is refused");
+    OK(Alloc(&a, 1 * GiB)); /* the limit itself fits */
+    CHECK(Alloc(&b, 1) == CUDA_ERROR_OUT_OF_MEMORY, "full: one more byte is refused");
+    OK(Free(a));
+    OK(Alloc(&a, 1 * GiB - 1));
+    OK(Alloc(&b, 1)); /* limit - 1, then the last byte */
+    CHECK(Alloc(&c, 1) == CUDA_ERROR_OUT_OF_MEMORY, "and not one byte more");
+    CHECK(used() == 1 * GiB, "used %llu", (unsigned long long)used());
+    CHECK(stderr_count("libgpuslice") == 0, "a valid limit says nothing");
+}
+
+/* CDMO_SHIM_DISABLE, which the container sets, does not lift the limit. */
+static void case_disable_ignored(void)
+{
+    CHECK(env_limit() == 1 * GiB && getenv("CDMO_SHIM_DISABLE"), "case runs with a limit and the old switch");
+    open_driver();
+    CHECK(in_shim((void *)Alloc), "dlsym must still give the shim's cuMemAlloc_v2, got %s", lib_of((void *)Alloc, NULL));
+    CUdeviceptr a, b;
+    OK(Alloc(&a, 1 * GiB));
+    CHECK(Alloc(&b, 1) == CUDA_ERROR_OUT_OF_MEMORY, "the 1 GiB limit holds");
+    size_t f, t;
+    OK(GetInfo(&f, &t));
+    CHECK(t == 1 * GiB && f == 0, "figures are the slice's: %zu/%zu", f, t);
+    CHECK(stderr_count("warning: CDMO_SHIM_DISABLE=1 is ignored: a container cannot lift its slice's memory limit") == 1,
+          "the shim says once that the switch is ignored");
 }
 
 static void case_dlsym(void)
@@ -939,6 +1040,40 @@ static void case_footprint_nvml(void)
     CHECK(used() == 350 * MiB, "the context stays charged: %llu MiB", (unsigned long long)(used() / MiB));
 }
 
+/* A limit the context alone fills (FAKE_CTX_BYTES >= the limit): the
+ * context stays counted, since the driver holds it, and every allocation is
+ * refused; the shim says so once.  One byte more of limit and one byte fits. */
+static void case_context_over_limit(void)
+{
+    uint64_t lim = env_limit(), ctx = strtoull(getenv("FAKE_CTX_BYTES"), NULL, 10);
+    open_driver();
+    retain(0);
+    CHECK(FakeDevUsed(0) == ctx, "the fake's context");
+    size_t f, t;
+    OK(GetInfo(&f, &t));
+    CHECK(t == lim, "total stays the limit: %zu", t);
+    uint64_t room = ctx < lim ? lim - ctx : 0; /* what the slice has left */
+    CHECK(f == room, "free is what the context leaves: %zu, want %llu", f, (unsigned long long)room);
+    CUdeviceptr p, q;
+    for (int i = 0; i < 3; i++) { /* each refusal measures again; said once all the same */
+        if (room) {
+            OK(Alloc(&p, room));
+            CHECK(Alloc(&q, 1) == CUDA_ERROR_OUT_OF_MEMORY, "full after %llu bytes", (unsigned long long)room);
+            OK(Free(p));
+        } else {
+            CHECK(Alloc(&p, 1) == CUDA_ERROR_OUT_OF_MEMORY, "the context fills the limit: 1 byte is refused");
+            CHECK(AllocAsync(&p, 2 * MiB, NULL) == CUDA_ERROR_OUT_OF_MEMORY, "stream-ordered too");
+        }
+    }
+    CHECK(FakeDevUsed(0) == ctx, "the refused calls never reached the driver");
+    char said[256];
+    snprintf(said, sizeof said, "warning: the CUDA context and driver memory of this process on device 0 (%llu bytes) "
+             "alone take the whole limit of %llu bytes: every allocation of device memory is refused",
+             (unsigned long long)ctx, (unsigned long long)lim);
+    CHECK(stderr_count(said) == (room ? 0 : 1), "said %d times, want %d: %s", stderr_count(said), room ? 0 : 1, said);
+    CHECK(stderr_count("libgpuslice") == (room ? 0 : 1), "nothing else said");
+}
+
 static void case_footprint_lag(void)
 {
     /* NVML's per-process figure lagging behind the driver lowers nothing;
@@ -1203,8 +1338,28 @@ static void case_graph_capture(void)
 struct tcase { const char *name; void (*fn)(void); const char *env; };
 static const struct tcase cases[] = {
     {"passthrough", case_passthrough, ""},
-    {"disable", case_disable, "CDMO_GPU_MEMORY_LIMIT=1073741824 CDMO_SHIM_DISABLE=1"},
-    {"bad_limit", case_bad_limit, "CDMO_GPU_MEMORY_LIMIT=4Gi"},
+    {"disable_no_limit", case_passthrough, "CDMO_SHIM_DISABLE=1"},
+    {"disable_ignored", case_disable_ignored, "CDMO_GPU_MEMORY_LIMIT=1073741824 CDMO_SHIM_DISABLE=1"},
+    {"limit_exact", case_limit_exact, "CDMO_GPU_MEMORY_LIMIT=1073741824"},
+    {"limit_zero", case_refused, "CDMO_GPU_MEMORY_LIMIT=0"},
+    {"limit_zeros", case_refused, "CDMO_GPU_MEMORY_LIMIT=000"},
+    {"limit_abc", case_refused, "CDMO_GPU_MEMORY_LIMIT=abc"},
+    {"limit_negative", case_refused, "CDMO_GPU_MEMORY_LIMIT=-5"},
+    {"limit_empty", case_refused, "CDMO_GPU_MEMORY_LIMIT="},
+    {"limit_2pow64", case_refused, "CDMO_GPU_MEMORY_LIMIT=18446744073709551616"},
+    {"limit_trailing", case_refused, "CDMO_GPU_MEMORY_LIMIT=12abc"},
+    {"limit_unit", case_refused, "CDMO_GPU_MEMORY_LIMIT=4Gi"},
+    {"limit_zero_context", case_refused,
+     "CDMO_GPU_MEMORY_LIMIT=0 CDMO_SHIM_FOOTPRINT=nvml FAKE_CTX_BYTES=314572800"},
+    /* 1(c): a 300 MiB context, limits of 256 MiB, exactly 300 MiB, 300 MiB + 1 byte */
+    {"context_over_limit", case_context_over_limit,
+     "CDMO_GPU_MEMORY_LIMIT=268435456 CDMO_SHIM_FOOTPRINT=nvml FAKE_CTX_BYTES=314572800"},
+    {"context_over_limit_delta", case_context_over_limit,
+     "CDMO_GPU_MEMORY_LIMIT=268435456 CDMO_SHIM_FOOTPRINT=delta FAKE_CTX_BYTES=314572800"},
+    {"context_at_limit", case_context_over_limit,
+     "CDMO_GPU_MEMORY_LIMIT=314572800 CDMO_SHIM_FOOTPRINT=nvml FAKE_CTX_BYTES=314572800"},
+    {"context_below_limit", case_context_over_limit,
+     "CDMO_GPU_MEMORY_LIMIT=314572801 CDMO_SHIM_FOOTPRINT=nvml FAKE_CTX_BYTES=314572800"},
     {"dlsym", case_dlsym, "CDMO_GPU_MEMORY_LIMIT=1073741824"},
     {"procaddr", case_procaddr, "CDMO_GPU_MEMORY_LIMIT=1073741824"},
     {"procaddr_internal", case_procaddr, "CDMO_GPU_MEMORY_LIMIT=1073741824 FAKE_PROCADDR_INTERNAL=1"},
@@ -1295,12 +1450,24 @@ static int run_case(const struct tcase *c)
         ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
         if (n <= 0) _exit(127);
         self[n] = 0;
+        snprintf(buf, sizeof buf, "%s/stderr", dir);
+        int efd = open(buf, O_WRONLY | O_CREAT | O_TRUNC | O_APPEND, 0600);
+        if (efd < 0 || dup2(efd, 2) < 0) _exit(126);
+        close(efd);
         alarm(120);
         execl(self, self, "--case", c->name, (char *)NULL);
         _exit(127);
     }
     int st = 0;
     waitpid(pid, &st, 0);
+    char path[PATH_MAX + 16];
+    snprintf(path, sizeof path, "%s/stderr", dir);
+    FILE *ef = fopen(path, "r");
+    if (ef) { /* what the case said, for whoever reads our output */
+        char line[1024];
+        while (fgets(line, sizeof line, ef)) fputs(line, stderr);
+        fclose(ef);
+    }
     rmtree(dir);
     if (WIFSIGNALED(st)) fprintf(stderr, "  [%s] killed by signal %d\n", c->name, WTERMSIG(st));
     return WIFEXITED(st) && WEXITSTATUS(st) == 0;

@@ -56,3 +56,24 @@ def test_no_cuda_headers_and_warnings_as_errors() -> None:
     src = "".join(p.read_text() for p in SHIM.glob("*.[ch]"))
     assert "#include <cuda.h>" not in src and "#include <nvml.h>" not in src
     assert "-Werror" in (SHIM / "Makefile").read_text()
+
+
+def _undefined(obj: Path) -> set[str]:
+    out = subprocess.run(["nm", "-u", str(obj)], check=True, capture_output=True, text=True).stdout
+    return {line.split()[-1] for line in out.splitlines() if line.strip()}
+
+
+def test_config_calls_into_no_other_module() -> None:
+    """config.c reads the environment and logs; no module is set up from it (issue 19)."""
+    _build()
+    called = sorted(n for n in _undefined(SHIM / "build" / "config.o") if n.startswith("gs_"))
+    assert not called, f"config.c calls other modules: {called}"
+
+
+def test_each_module_registers_its_own_fork_handlers() -> None:
+    _build()
+    objs = sorted((SHIM / "build").glob("*.o"))
+    assert len(objs) >= 10, objs
+    for obj in objs:
+        foreign = sorted(n for n in _undefined(obj) if "atfork" in n and n != "pthread_atfork")
+        assert not foreign, f"{obj.name} calls another module's fork handler: {foreign}"
