@@ -27,11 +27,12 @@ from .planner import (
     Unplaceable,
     choose_fraction,
     choose_mig,
+    fraction_bytes,
 )
 from .planning_index import PlanningIndex
 from .profiles import GpuModel, Placement, Profile
 from .quantities import MIB, format_bytes, mib_ceil
-from .request import SliceRequest
+from .request import MIN_SLICE_BYTES, SliceRequest
 
 MODE_MIG = "mig"
 MODE_FRACTION = "fraction"
@@ -42,6 +43,10 @@ NO_GPU = "NoGpu"
 TOO_LARGE = "TooLarge"
 NO_SUCH_PROFILE = "NoSuchProfile"
 NO_CAPACITY = "NoCapacity"
+# A fraction that comes to less than the smallest slice on every GPU it may use.
+TOO_SMALL = "TooSmall"
+# spec.nodeName names a node with no GpuNode: no such node, or no agent runs on it.
+NO_SUCH_NODE = "NoSuchNode"
 
 # Kubernetes caps status.message at 4096 characters; a refusal must fit however many GPUs there are.
 MAX_MESSAGE = 4096
@@ -147,6 +152,7 @@ class ClusterView:
     mig: list[MigGpu] = field(default_factory=list)
     fraction: list[FractionGpu] = field(default_factory=list)
     uuids: dict[tuple[str, int], str] = field(default_factory=dict)
+    nodes: set[str] = field(default_factory=set)  # nodes that have an inventory (a GpuNode)
 
 
 def _same(inst: InstanceState, binding: Binding) -> bool:
@@ -168,6 +174,7 @@ def build_view(
         live.add(binding.uid)
     view = ClusterView()
     for inventory in inventories:
+        view.nodes.add(inventory.node)
         labelled = inventory.node in labelled_nodes
         for gpu in inventory.gpus:
             view.uuids[(inventory.node, gpu.index)] = gpu.uuid
@@ -222,10 +229,20 @@ def plan_binding(
     ``node`` pins the choice to one node (spec.nodeName). A request by profile name needs a MIG GPU.
     The returned binding has no uid; raises Refusal with a code and a message of at most MAX_MESSAGE.
     """
+    if node is not None and node not in view.nodes:
+        raise no_such_node(request, node)
     mig = [g for g in view.mig if node is None or g.node == node]
     fraction = [g for g in view.fraction if node is None or g.node == node]
     return _decide(request, node, settings or PlannerSettings(), bool(mig),
                    lambda s: choose_mig(request, mig, s), lambda: {g.model for g in mig}, fraction)
+
+
+def no_such_node(request: SliceRequest, node: str) -> Refusal:
+    """The refusal of a slice pinned to a node that has no GpuNode: it binds once the node's agent
+    publishes one (every GpuNode change plans Pending slices again)."""
+    return Refusal(NO_SUCH_NODE, _clip(
+        f"node {node} does not exist or runs no mig-operator agent (there is no GpuNode {node}): "
+        f"{request.describe()} waits for it"))
 
 
 def _decide(
@@ -271,7 +288,8 @@ def _decide(
 
 
 def _refusal_code(request: SliceRequest, models: list[GpuModel], fraction: list[FractionGpu]) -> str:
-    """TooLarge (or NoSuchProfile) when no GPU could ever take it, else NoCapacity: it waits for room."""
+    """TooLarge (or NoSuchProfile, TooSmall) when no GPU could ever take it, else NoCapacity: it waits
+    for room."""
     if request.profile is not None:
         offered = any(model.has_profile(request.profile) for model in models)
         return NO_CAPACITY if offered else NO_SUCH_PROFILE
@@ -281,6 +299,10 @@ def _refusal_code(request: SliceRequest, models: list[GpuModel], fraction: list[
         largest_gpu = max((g.memory_bytes for g in fraction), default=0)
         if need_mib > largest_mig and request.memory_bytes > largest_gpu:
             return TOO_LARGE
+    if request.fraction is not None and not models and fraction:
+        largest_gpu = max(g.memory_bytes for g in fraction)
+        if fraction_bytes(request, largest_gpu) < MIN_SLICE_BYTES:
+            return TOO_SMALL
     return NO_CAPACITY
 
 
@@ -365,6 +387,8 @@ class ClusterPlanner:
         ``nodes``, if given, restricts the choice to those nodes as well (a pod's node selector:
         the GpuSlice annotation ``cdmo.io/eligible-nodes``); with ``node`` too, both must hold.
         """
+        if node is not None and node not in self._inventories:
+            raise no_such_node(request, node)
         self._refresh()
         index = self._index
         where = None

@@ -24,7 +24,7 @@ from functools import lru_cache
 
 from .profiles import GpuModel, Profile
 from .quantities import MIB, format_bytes, mib_ceil
-from .request import SliceRequest
+from .request import MIN_SLICE_BYTES, SliceRequest
 
 # What Kubernetes keeps of a status message; a refusal must fit in it on any number of GPUs.
 STATUS_MESSAGE_LIMIT = 4096
@@ -514,7 +514,8 @@ def no_room_reason(request: SliceRequest, levels: tuple[GrantLevel, ...], summar
         if slots <= 0:
             parts.append(f"{name}: {total} GPU(s) without MIG profiles")
             continue
-        counts = ", ".join(f"{used}/{slots} slots in use on {n}" for used, n in sorted(hist.items(), reverse=True))
+        counts = ", ".join(f"{used}/{slots} slots in use on {n} GPU{'' if n == 1 else 's'}"
+                           for used, n in sorted(hist.items(), reverse=True))
         parts.append(f"{name}: {total} GPU(s), {counts}")
     if len(summary.by_model) > _MODELS_SHOWN:
         parts.append(f"and {len(summary.by_model) - _MODELS_SHOWN} more models")
@@ -569,12 +570,21 @@ def fraction_bytes(request: SliceRequest, gpu_memory_bytes: int) -> int:
 
 
 def choose_fraction(request: SliceRequest, gpus: list[FractionGpu]) -> FractionDecision:
-    """Memory bin-packing: the GPU with the least free memory that still fits (best fit)."""
+    """Memory bin-packing: the GPU with the least free memory that still fits (best fit).
+
+    A GPU on which a fraction's grant would be less than ``MIN_SLICE_BYTES`` (a small share of a small
+    GPU) is never chosen: the CUDA context alone would fill such a slice. Memory requests below it are
+    refused at admission (``slice_spec.check_floor``), not here, so ``plan`` traces may use any size.
+    """
     if not gpus:
         raise Unplaceable("no GPU is available for fractions")
     best: tuple[tuple, FractionGpu, int] | None = None
+    large_enough = []
     for gpu in gpus:
         need = fraction_bytes(request, gpu.memory_bytes)
+        if request.fraction is not None and need < MIN_SLICE_BYTES:
+            continue
+        large_enough.append(gpu)
         if need > gpu.free_bytes:
             continue
         key = (gpu.free_bytes - need, gpu.node, gpu.index)
@@ -583,6 +593,11 @@ def choose_fraction(request: SliceRequest, gpus: list[FractionGpu]) -> FractionD
     if best is None:
         largest = max(gpus, key=lambda g: g.memory_bytes)
         need = fraction_bytes(request, largest.memory_bytes)
+        if not large_enough:
+            raise Unplaceable(
+                f"{request.describe()} comes to {format_bytes(need)} even on the largest GPU "
+                f"({format_bytes(largest.memory_bytes)}), below the smallest slice, {format_bytes(MIN_SLICE_BYTES)}"
+            )
         if need > largest.memory_bytes:
             raise Unplaceable(
                 f"{request.describe()} is larger than any GPU (largest: {format_bytes(largest.memory_bytes)})"

@@ -166,13 +166,23 @@ def _check_bytes(shown: str, amount: Fraction) -> int:
     return int(amount)
 
 
+def show_fraction(value: object) -> str:
+    """A fraction for a message: text quoted as written, a number in plain decimal (``0.00002``, not
+    ``2e-05``), to nine places, as the CRD's message writes it."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return clip_repr(value)
+    if isinstance(value, int) or abs(value) >= 1e15:
+        return clip_repr(value)
+    return f"{value:.9f}".rstrip("0").rstrip(".")
+
+
 def parse_fraction(value: str | float | int) -> float:
     """A share of one GPU in (0, 1], from an annotation string (``"0.5"``) or a number.
 
     Text must match the module's fraction grammar; its value is compared exactly, so
     ``1.0000000000000000001`` is refused although it rounds to the float 1.0.
     """
-    shown = clip_repr(value)
+    shown = show_fraction(value)
     not_a_number = (
         f"fraction {shown} is not a number; write a decimal such as {FRACTION_EXAMPLE!r} "
         f"(ASCII digits and at most one point)"
@@ -186,6 +196,11 @@ def parse_fraction(value: str | float | int) -> float:
                 f"use e.g. {FRACTION_EXAMPLE!r}"
             )
         if _FRACTION_TEXT.fullmatch(value) is None:
+            if value[:1] in "+-" and _FRACTION_TEXT.fullmatch(value[1:]) is not None:
+                # A signed decimal is a number, just not one this grammar writes: say what is wrong.
+                if value[0] == "-":
+                    raise QuantityError(f"fraction {shown} must be in (0, 1]; use e.g. {FRACTION_EXAMPLE!r}")
+                raise QuantityError(f"fraction {shown} must be written without a sign; use e.g. {FRACTION_EXAMPLE!r}")
             raise QuantityError(not_a_number)
         exact = Fraction(value if not value.endswith(".") else value[:-1])
     elif isinstance(value, int):

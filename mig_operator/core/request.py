@@ -8,6 +8,13 @@ from dataclasses import dataclass
 from .quantities import QuantityError, clip_repr, format_bytes, parse_fraction, parse_memory
 
 PROFILE_EXAMPLE = "2g.35gb"
+# The least a slice holds. Its limit counts the whole process footprint, and the CUDA context alone
+# takes about 0.5 GiB (518 MiB with PyTorch on an H100), so a smaller slice could not allocate at all.
+MIN_SLICE_BYTES = 2**30
+# The least share a fraction may ask for (both floors are checked at admission: core/slice_spec.py).
+# On a GPU where a share comes to less than MIN_SLICE_BYTES (0.01 of an 80 GiB H100 is 819 MiB) the
+# planner does not place it.
+MIN_FRACTION = 0.01
 # `<compute slices>g.<memory GB>gb`, optionally with NVML's engine suffixes (+me, -me, +gfx, +me.all).
 PROFILE_NAME = re.compile(r"^[1-8]g\.[1-9][0-9]{0,3}gb(\+me|-me|\+gfx|\+me\.all)?$")
 

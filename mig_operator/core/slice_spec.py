@@ -15,8 +15,25 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from .quantities import MEMORY_EXAMPLE, QUOTE_LIMIT, QuantityError, clip_repr, clip_text
-from .request import PROFILE_EXAMPLE, RequestError, SliceRequest, parse_profile_name, slice_request
+from .quantities import (
+    FRACTION_EXAMPLE,
+    MEMORY_EXAMPLE,
+    QUOTE_LIMIT,
+    QuantityError,
+    clip_repr,
+    clip_text,
+    format_bytes,
+    show_fraction,
+)
+from .request import (
+    MIN_FRACTION,
+    MIN_SLICE_BYTES,
+    PROFILE_EXAMPLE,
+    RequestError,
+    SliceRequest,
+    parse_profile_name,
+    slice_request,
+)
 
 ANNOTATION_MEMORY = "cdmo.io/gpu-memory"
 ANNOTATION_FRACTION = "cdmo.io/gpu-fraction"
@@ -65,7 +82,26 @@ def request_from_spec(spec: Mapping[str, Any]) -> SliceRequest:
         _check_profile_text(profile)
     if node_name is not None:
         check_node_name(node_name)
-    return slice_request(memory=memory, fraction=fraction, profile=profile)
+    return check_floor(slice_request(memory=memory, fraction=fraction, profile=profile), memory or fraction)
+
+
+def check_floor(request: SliceRequest, given: object) -> SliceRequest:
+    """Refuse a memory request below ``MIN_SLICE_BYTES`` or a fraction below ``MIN_FRACTION``.
+
+    The floor is the schema's, not parsing's: ``plan`` traces and the planner take any size. ``given``
+    is the value as written, for the message.
+    """
+    if request.memory_bytes is not None and request.memory_bytes < MIN_SLICE_BYTES:
+        raise QuantityError(
+            f"memory {clip_repr(given)} is below the smallest slice, {format_bytes(MIN_SLICE_BYTES)} "
+            f"(the CUDA context alone takes about 0.5 GiB); use e.g. '{MEMORY_EXAMPLE}'"
+        )
+    if request.fraction is not None and request.fraction < MIN_FRACTION:
+        raise QuantityError(
+            f"fraction {show_fraction(given)} is below the smallest share, {MIN_FRACTION:g}; "
+            f"use e.g. {FRACTION_EXAMPLE}"
+        )
+    return request
 
 
 def request_from_annotations(annotations: Mapping[str, str] | None) -> SliceRequest | None:
@@ -102,10 +138,10 @@ def request_from_annotations(annotations: Mapping[str, str] | None) -> SliceRequ
     try:
         if key == ANNOTATION_MEMORY:
             _check_memory_text(value)
-            return slice_request(memory=value)
+            return check_floor(slice_request(memory=value), value)
         if key == ANNOTATION_FRACTION:
             # Annotation values are strings; core parses "0.5" itself.
-            return slice_request(fraction=value)
+            return check_floor(slice_request(fraction=value), value)
         _check_profile_text(value)
         return slice_request(profile=value)
     except RequestError as error:

@@ -200,6 +200,7 @@ MEMORY_REFUSALS = (
     "must be greater than zero",
     "is larger than 2^63-1 bytes",
     "is not a whole number of bytes",
+    "is below the smallest slice, 1Gi",
 )
 
 
@@ -303,6 +304,7 @@ def test_kubectl_get_gs_shows_the_columns(api: Any, kube_cluster: Any, namespace
     api.create_namespaced_custom_object(GROUP, VERSION, namespace, SLICES, _slice(name, {"memory": "17G"}))
     status = {
         "phase": "Ready",
+        "reason": "Ready",
         "request": "memory 17G",
         "mode": "mig",
         "node": "gpu-node-1",
@@ -330,8 +332,8 @@ def test_kubectl_get_gs_shows_the_columns(api: Any, kube_cluster: Any, namespace
     }
     api.patch_namespaced_custom_object_status(GROUP, VERSION, namespace, SLICES, name, {"status": status})
     rows = _table(kube_cluster.kubectl("get", "gs", name, "-n", namespace).stdout)
-    assert rows[0] == ["NAME", "REQUEST", "PHASE", "NODE", "GPU", "PROFILE", "REUSED", "AGE"]
-    assert rows[1][:7] == [name, "memory 17G", "Ready", "gpu-node-1", "0", "1g.18gb", "false"]
+    assert rows[0] == ["NAME", "REQUEST", "PHASE", "REASON", "NODE", "GPU", "PROFILE", "REUSED", "AGE"]
+    assert rows[1][:8] == [name, "memory 17G", "Ready", "Ready", "gpu-node-1", "0", "1g.18gb", "false"]
     wide = _table(kube_cluster.kubectl("get", "gpuslice", name, "-n", namespace, "-o", "wide").stdout)
     assert wide[0][-5:] == ["MODE", "MEMORY", "FRACTION", "MIG-PROFILE", "DEVICE"]
     assert wide[1][-5:] == ["mig", "17G", "", "", status["deviceUUID"]]
@@ -386,6 +388,8 @@ def test_kubectl_get_gn_shows_the_columns(kube_cluster: Any, api: Any, crds: Non
             "gpuCount": 2,
             "migGpuCount": 1,
             "freeSlots": 7,
+            "usedSlots": 0,
+            "idleSlots": 1,
             "idleInstances": 1,
             "inUseInstances": 0,
             "fractionSlices": 0,
@@ -393,8 +397,9 @@ def test_kubectl_get_gn_shows_the_columns(kube_cluster: Any, api: Any, crds: Non
         }
         api.patch_cluster_custom_object_status(GROUP, VERSION, NODES, name, {"status": status})
         rows = _table(kube_cluster.kubectl("get", "gn", name).stdout)
-        assert rows[0] == ["NAME", "GPUS", "MIG GPUS", "IN USE", "IDLE", "FREE SLOTS", "FRACTIONS", "OBSERVED", "AGE"]
-        assert rows[1][:7] == [name, "2", "1", "0", "1", "7", "0"]
+        assert rows[0] == ["NAME", "GPUS", "MIG GPUS", "INSTANCES IN USE", "IDLE INSTANCES", "SLOTS IN USE",
+                           "IDLE SLOTS", "FREE SLOTS", "FRACTIONS", "OBSERVED", "AGE"]
+        assert rows[1][:9] == [name, "2", "1", "0", "1", "0", "1", "7", "0"]
         stored = api.get_cluster_custom_object(GROUP, VERSION, NODES, name)
         assert stored["status"]["gpus"] == [gpu]  # nothing pruned: the schema has every field
         changed = dict(stored, spec={"nodeName": "another"})

@@ -48,7 +48,7 @@ H100 = get_model("h100-80gb")
 A30 = get_model("a30-24gb")
 L4 = get_model("l4-24gb")
 L40S = get_model("l40s-48gb")
-REFUSAL_CODES = {NO_GPU, TOO_LARGE, NO_SUCH_PROFILE, NO_CAPACITY}
+REFUSAL_CODES = {NO_GPU, TOO_LARGE, NO_SUCH_PROFILE, NO_CAPACITY, "TooSmall", "NoSuchNode"}
 
 
 # --- helpers ------------------------------------------------------------------------------------
@@ -275,7 +275,8 @@ def test_node_name_pins_the_choice() -> None:
 
 
 def test_node_name_of_a_node_without_gpus_is_refused_no_gpu() -> None:
-    r = refusal(mem(GiB), [NodeInventory("a", (gpu(H200),))], {"a"}, node="elsewhere")
+    r = refusal(mem(GiB), [NodeInventory("a", (gpu(H200),)), NodeInventory("elsewhere", ())], {"a"},
+                node="elsewhere")
     assert r.code == NO_GPU
     assert "elsewhere" in r.message
 
@@ -406,7 +407,7 @@ def test_refusal_message_fits_a_status_with_thousands_of_gpus(request_: SliceReq
 
 
 def test_no_gpu_message_fits_with_a_huge_pinned_node_name() -> None:
-    r = refusal(mem(GiB), [], set(), node="n" * 10_000)
+    r = refusal(mem(GiB), [NodeInventory("n" * 10_000, ())], set(), node="n" * 10_000)
     assert r.code == NO_GPU and len(r.message) <= MAX_MESSAGE
 
 
@@ -545,6 +546,7 @@ def _check_decision(c: Cluster, req: SliceRequest, b: Binding) -> None:
             assert b.granted_bytes == req.memory_bytes
         else:
             assert total * req.fraction - MiB < b.granted_bytes <= total * req.fraction
+            assert b.granted_bytes >= 2**30, "a fraction granted less than the 1 GiB floor"
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

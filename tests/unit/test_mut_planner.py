@@ -295,7 +295,7 @@ def test_a_refusal_from_the_index_names_the_roomiest_gpu_as_choose_mig_does() ->
     with pytest.raises(Unplaceable) as listed:
         choose_mig(request, gpus)
     assert indexed.value.reason == listed.value.reason
-    assert "h200-141gb: 2 GPU(s), 4/8 slots in use on 1, 2/8 slots in use on 1" in indexed.value.reason
+    assert "h200-141gb: 2 GPU(s), 4/8 slots in use on 1 GPU, 2/8 slots in use on 1 GPU" in indexed.value.reason
     assert indexed.value.reason.endswith("most room: 6/8 slots not in use on b/gpu 0")
 
 
@@ -377,7 +377,7 @@ def test_no_room_names_each_model_and_the_roomiest_gpu() -> None:
     reason = refusal(SliceRequest(profile="7g.141gb"), [full("", H200), full("b", a100)])
     assert reason == (
         "every GPU is held by slices in use: no room for profile 7g.141gb even after reclaiming every idle "
-        "instance (a100-40gb: 1 GPU(s), 8/8 slots in use on 1; h200-141gb: 1 GPU(s), 8/8 slots in use on 1); "
+        "instance (a100-40gb: 1 GPU(s), 8/8 slots in use on 1 GPU; h200-141gb: 1 GPU(s), 8/8 slots in use on 1 GPU); "
         "most room: 0/8 slots not in use on gpu 0")
 
 
@@ -385,7 +385,7 @@ def test_no_room_counts_gpus_without_mig_and_never_names_one_as_roomiest() -> No
     a10, l4 = get_model("a10-24gb"), get_model("l4-24gb")
     gpus = [MigGpu("a", 0, a10), full("b"), MigGpu("c", 0, l4)]
     reason = refusal(SliceRequest(memory_bytes=GiB), gpus)
-    assert "(a10-24gb: 1 GPU(s) without MIG profiles; h200-141gb: 1 GPU(s), 8/8 slots in use on 1; " \
+    assert "(a10-24gb: 1 GPU(s) without MIG profiles; h200-141gb: 1 GPU(s), 8/8 slots in use on 1 GPU; " \
            "l4-24gb: 1 GPU(s) without MIG profiles)" in reason
     assert reason.endswith("most room: 0/8 slots not in use on b/gpu 0")
 
@@ -394,7 +394,7 @@ def test_no_room_on_a_one_slot_board() -> None:
     one = _ones(1, (0,), 0, 10240, "1g.10gb")
     tiny = GpuModel("tiny", "Board", 1, 10240, (one,))
     reason = refusal(SliceRequest(memory_bytes=GiB), [MigGpu("a", 0, tiny, (InstanceSlot(0, 0, 1, True),))])
-    assert "(tiny: 1 GPU(s), 1/1 slots in use on 1); most room: 0/1 slots not in use on a/gpu 0" in reason
+    assert "(tiny: 1 GPU(s), 1/1 slots in use on 1 GPU); most room: 0/1 slots not in use on a/gpu 0" in reason
 
 
 def boards(count: int) -> list[MigGpu]:
@@ -404,9 +404,9 @@ def boards(count: int) -> list[MigGpu]:
 
 def test_at_most_eight_models_are_named() -> None:
     eight = refusal(SliceRequest(memory_bytes=GiB), boards(8))
-    assert "b7: 1 GPU(s), 8/8 slots in use on 1)" in eight and "more models" not in eight
+    assert "b7: 1 GPU(s), 8/8 slots in use on 1 GPU)" in eight and "more models" not in eight
     nine = refusal(SliceRequest(memory_bytes=GiB), boards(9))
-    assert "b7: 1 GPU(s), 8/8 slots in use on 1; and 1 more models)" in nine
+    assert "b7: 1 GPU(s), 8/8 slots in use on 1 GPU; and 1 more models)" in nine
     with pytest.raises(Unplaceable) as info:
         choose_mig(SliceRequest(memory_bytes=500 * GiB), [MigGpu("n", k, g.model) for k, g in enumerate(boards(8))])
     assert "(largest: 7g.80gb, 81152 MiB)" in info.value.reason

@@ -1,4 +1,6 @@
 
+import re
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -129,7 +131,7 @@ def test_fraction_grammar_accepts_plain_decimals(text: str, expected: float) -> 
 @pytest.mark.parametrize(
     "text",
     ["0.2_5", "\uff10.\uff15", "0.\u0665", "inf", "Infinity", "nan", "NaN", " 0.5", "0.5 ", "0.5\n", "\t0.5",
-     "1e-1", "5E-1", "+0.5", "0x1p-1", ".", "", "0,5", "1/2", "50%", "half", "0.5.1"],
+     "1e-1", "5E-1", "0x1p-1", "-", "+", "-x", "+-0.5", "--1", ".", "", "0,5", "1/2", "50%", "half", "0.5.1"],
 )
 def test_fraction_grammar_refuses_what_float_would_take(text: str) -> None:
     with pytest.raises(QuantityError) as info:
@@ -142,9 +144,22 @@ def test_fractions_out_of_range_refused(value: object) -> None:
     with pytest.raises(QuantityError) as info:
         parse_fraction(value)  # type: ignore[arg-type]
     message = str(info.value)
-    # '-0.5' is outside the grammar (no sign); the rest are numbers outside (0, 1].
-    assert ("must be in (0, 1]" in message) != (value == "-0.5")
+    # Every one is a number outside (0, 1], '-0.5' included: it is named as such, not "not a number".
+    assert f"fraction {value!r} must be in (0, 1]" in message
     assert "'0.5'" in message
+
+
+@pytest.mark.parametrize("text", ["-1", "-0", "-.5", "-1.", "-0.0"])
+def test_a_negative_fraction_is_out_of_range_not_a_non_number(text: str) -> None:
+    with pytest.raises(QuantityError, match=rf"^fraction '{re.escape(text)}' must be in \(0, 1\]; use e\.g\. '0\.5'$"):
+        parse_fraction(text)
+
+
+@pytest.mark.parametrize("text", ["+0.5", "+1", "+.25"])
+def test_a_plus_sign_is_named(text: str) -> None:
+    expected = rf"^fraction '{re.escape(text)}' must be written without a sign; use e\.g\. '0\.5'$"
+    with pytest.raises(QuantityError, match=expected):
+        parse_fraction(text)
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), True, None, [0.5]])

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mig_operator.core.quantities import MAX_BYTES, QuantityError
-from mig_operator.core.request import RequestError, SliceRequest
+from mig_operator.core.request import MIN_FRACTION, MIN_SLICE_BYTES, RequestError, SliceRequest
 from mig_operator.core.slice_spec import (
     ANNOTATION_FRACTION,
     ANNOTATION_MEMORY,
@@ -127,6 +127,10 @@ def test_annotations_give_a_request(annotations: dict, expected: SliceRequest) -
         ({ANNOTATION_FRACTION: " 0.5"}, "fraction ' 0.5' is not a number"),
         ({ANNOTATION_FRACTION: "\uff10.\uff15"}, "is not a number"),
         ({ANNOTATION_FRACTION: "inf"}, "is not a number"),
+        ({ANNOTATION_FRACTION: "-1"}, "cdmo.io/gpu-fraction: fraction '-1' must be in (0, 1]; use e.g. '0.5'"),
+        ({ANNOTATION_FRACTION: "0.000000000000000000001"},
+         "cdmo.io/gpu-fraction: fraction '0.000000000000000000001' is below the smallest share, 0.01"),
+        ({ANNOTATION_MEMORY: "512Mi"}, "cdmo.io/gpu-memory: memory '512Mi' is below the smallest slice, 1Gi"),
         ({ANNOTATION_PROFILE: "2g.35gb\n"}, "is not a MIG profile name"),
         ({"cdmo.io/gpu-memroy": "4Gi"}, "annotation cdmo.io/gpu-memroy: '4Gi' is not a slice annotation"),
         ({"cdmo.io/GPU-memory": "4Gi"}, "annotation cdmo.io/GPU-memory: '4Gi' is not a slice annotation"),
@@ -184,18 +188,55 @@ _UNITS = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "Ki": 2**10, "
 _ALIASES = {"GB": "G", "MB": "M", "GIB": "Gi", "MIB": "Mi"}
 
 
-@given(st.integers(min_value=1, max_value=MAX_BYTES))
-def test_any_byte_count_is_accepted_as_itself(count: int) -> None:
+@given(st.integers(min_value=2**30, max_value=MAX_BYTES))
+def test_any_byte_count_from_the_floor_up_is_accepted_as_itself(count: int) -> None:
     assert request_from_spec({"memory": str(count)}).memory_bytes == count
+
+
+@given(st.integers(min_value=1, max_value=2**30 - 1))
+def test_any_byte_count_below_one_gibibyte_is_refused_with_the_floor(count: int) -> None:
+    # The floor is 1 GiB, written here as a number, not taken from the code under test.
+    with pytest.raises(QuantityError, match=rf"memory '{count}' is below the smallest slice, 1Gi .* e\.g\. '4Gi'"):
+        request_from_spec({"memory": str(count)})
+    with pytest.raises(QuantityError, match=rf"annotation {ANNOTATION_MEMORY}: memory '{count}' is below"):
+        request_from_annotations({ANNOTATION_MEMORY: str(count)})
+
+
+def test_the_floor_is_one_gibibyte_to_the_byte() -> None:
+    assert MIN_SLICE_BYTES == 1073741824
+    assert request_from_spec({"memory": "1073741824"}).memory_bytes == 1073741824
+    assert request_from_spec({"memory": "1Gi"}).memory_bytes == 1073741824
+    assert request_from_annotations({ANNOTATION_MEMORY: "1GiB"}).memory_bytes == 1073741824
+    for below in ("1073741823", "1G", "1023Mi", "1073741.823k"):
+        with pytest.raises(QuantityError, match="below the smallest slice, 1Gi"):
+            request_from_spec({"memory": below})
+        with pytest.raises(QuantityError, match="below the smallest slice, 1Gi"):
+            request_from_annotations({ANNOTATION_MEMORY: below})
+
+
+def test_the_smallest_share_is_one_hundredth() -> None:
+    assert MIN_FRACTION == 0.01
+    assert request_from_spec({"fraction": 0.01}).fraction == 0.01
+    assert request_from_annotations({ANNOTATION_FRACTION: "0.01"}).fraction == 0.01
+    # Written in plain decimal to nine places, as the API server's message writes them.
+    for below, shown in ((0.0099999, "0.0099999"), (0.00002, "0.00002"), (0.009999999999, "0.01"), (5e-324, "0")):
+        with pytest.raises(QuantityError) as refused:
+            request_from_spec({"fraction": below})
+        assert str(refused.value) == f"fraction {shown} is below the smallest share, 0.01; use e.g. 0.5"
+    for below in ("0.0099999", "0.000000000000000000001", ".001"):
+        with pytest.raises(QuantityError, match=rf"annotation {ANNOTATION_FRACTION}: fraction '{below}' is below"):
+            request_from_annotations({ANNOTATION_FRACTION: below})
 
 
 @given(st.integers(min_value=1, max_value=10**6), st.sampled_from(sorted(_UNITS)))
 def test_whole_units_give_their_bytes(count: int, unit: str) -> None:
+    if count * _UNITS[unit] < 2**30:
+        count = -(-(2**30) // _UNITS[unit])  # the least count of this unit at or above the floor
     assert request_from_spec({"memory": f"{count}{unit}"}).memory_bytes == count * _UNITS[unit]
 
 
 @given(
-    st.integers(min_value=1, max_value=10**6),
+    st.integers(min_value=1100, max_value=10**6),
     st.sampled_from(sorted(_ALIASES)),
     st.lists(st.booleans(), min_size=3, max_size=3),
 )
@@ -217,7 +258,7 @@ def test_zero_and_negatives_are_refused(count: int) -> None:
         request_from_spec({"memory": str(count)})
 
 
-@given(st.floats(min_value=0.0, max_value=1.0, exclude_min=True))
+@given(st.floats(min_value=0.01, max_value=1.0))
 def test_fractions_in_range_are_accepted(value: float) -> None:
     assert request_from_spec({"fraction": value}).fraction == value
 
@@ -239,7 +280,7 @@ def test_any_memory_text_is_accepted_or_refused_cleanly(text: str) -> None:
         assert request.memory_bytes is not None and 1 <= request.memory_bytes <= MAX_BYTES
 
 
-@given(st.integers(min_value=1, max_value=10**9), st.integers(min_value=1, max_value=9))
+@given(st.integers(min_value=2**30, max_value=10**12), st.integers(min_value=1, max_value=9))
 def test_up_to_nine_places_are_judged_by_value_alone(whole: int, places: int) -> None:
     # 'N.000' with up to nine zeros is the whole number N; ten or more places are refused outright.
     assert request_from_spec({"memory": f"{whole}.{'0' * places}"}).memory_bytes == whole
