@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from planner_reference import reference_candidates, reference_choose_mig
 
 from mig_operator.core.planner import (
     FractionDecision,
@@ -27,7 +28,6 @@ from mig_operator.core.planner import (
     grant_levels,
     no_room_reason,
 )
-from mig_operator.core.planner_reference import reference_candidates, reference_choose_mig
 from mig_operator.core.planning_index import IndexStats, PlanningIndex
 from mig_operator.core.profiles import CATALOG, GpuModel, Placement, Profile, get_model
 from mig_operator.core.request import SliceRequest

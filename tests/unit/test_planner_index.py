@@ -1,9 +1,10 @@
 """PlanningIndex decides exactly as choose_mig, and both exactly as the rule written out plainly
-(core/planner_reference.py), on every cluster state hypothesis can build."""
+(tests/unit/planner_reference.py), on every cluster state hypothesis can build."""
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from planner_reference import reference_choose_mig
 
 from mig_operator.core.planner import (
     InstanceSlot,
@@ -13,7 +14,6 @@ from mig_operator.core.planner import (
     Unplaceable,
     choose_mig,
 )
-from mig_operator.core.planner_reference import reference_choose_mig
 from mig_operator.core.planning_index import PlanningIndex
 from mig_operator.core.profiles import CATALOG, GpuModel, Placement, Profile, get_model
 from mig_operator.core.request import SliceRequest, slice_request

@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import math
 
-from .planner import InstanceSlot, MigDecision, MigGpu, Reclaim, Unplaceable
-from .profiles import GpuModel, Profile
-from .request import SliceRequest
+from mig_operator.core.planner import InstanceSlot, MigDecision, MigGpu, Reclaim, Unplaceable
+from mig_operator.core.profiles import GpuModel, Profile
+from mig_operator.core.request import SliceRequest
 
 _MIB = 2**20
 
