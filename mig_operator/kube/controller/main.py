@@ -88,6 +88,8 @@ def build_registry(options: ControllerOptions) -> kopf.OperatorRegistry:
     @kopf.on.event(GROUP, VERSION, NODES, registry=registry)
     async def gpunode_event(body: kopf.Body, type: str | None, **_: Any) -> None:
         state["binder"].inventory_event(dict(body), deleted=type == "DELETED")
+        # A device a Ready slice names may have just been published: its pod is looked at again.
+        await state["pods"].inventory_changed((body.get("spec") or {}).get("nodeName") or body["metadata"]["name"])
 
     @kopf.on.event("v1", "nodes", registry=registry)
     async def node_event(body: kopf.Body, type: str | None, **_: Any) -> None:

@@ -28,6 +28,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from mig_operator.core.device_check import ACCEPT, REFUSE, check_ready_device
 from mig_operator.core.environment import slice_environment
 from mig_operator.core.node_selection import constrains_nodes, has_required_terms, node_allowed
 from mig_operator.core.quantities import QuantityError, parse_fraction
@@ -140,6 +141,8 @@ class PodSlices:
         self._node_labels: dict[str, dict[str, str]] = {}
         self._node_labels_at = -float("inf")
         self._node_labels_lock = asyncio.Lock()
+        # Pods whose Ready slice's device the node's GpuNode did not list (yet), by node.
+        self._device_waits: dict[str, set[tuple[str, str]]] = {}
 
     async def pod_event(self, pod: dict[str, Any], deleted: bool) -> None:
         meta = pod["metadata"]
@@ -242,12 +245,40 @@ class PodSlices:
         st = info.body.get("status") or {}
         phase = st.get("phase")
         if phase == "Ready" and info.binding is not None:
-            await self._release_gate(pod, info)
+            if await self._device_checked(pod, info):
+                await self._release_gate(pod, info)
         elif phase == "Failed":
             self.events.post(pod, "Warning", st.get("reason") or "Failed",
                              f"GpuSlice {info.ref} failed: {st.get('message', '')}")
         elif phase == "Pending" and st.get("reason"):
             self.events.post(pod, "Warning", st["reason"], f"waiting for GpuSlice {info.ref}: {st.get('message', '')}")
+
+    async def _device_checked(self, pod: Mapping[str, Any], info: SliceInfo) -> bool:
+        """Whether the Ready slice's device is on its node's GpuNode (core/device_check); if not yet, the
+        pod is looked at again when that GpuNode changes; a wrong device is never handed on."""
+        assert info.binding is not None
+        node = info.binding.node
+        verdict = check_ready_device(info.uid, (info.body.get("status") or {}).get("deviceUUID", ""), info.binding,
+                                     self.state.inventories.get(node))
+        key = (info.namespace, info.name)
+        if verdict.action == ACCEPT:
+            self._device_waits.get(node, set()).discard(key)
+            return True
+        self._device_waits.setdefault(node, set()).add(key)
+        if verdict.action == REFUSE:
+            log.warning("slice %s: device refused: %s", info.ref, verdict.message)
+            self.events.post(pod, "Warning", verdict.reason,
+                             f"GpuSlice {info.ref}: {verdict.message}; the pod stays gated")
+        else:  # usually the second between the agent's Ready and its GpuNode's next publish
+            self.events.post(pod, "Normal", verdict.reason, f"GpuSlice {info.ref}: {verdict.message}; waiting")
+        return False
+
+    async def inventory_changed(self, node: str) -> None:
+        """A GpuNode changed: look again at the pods whose slice's device it did not list."""
+        for key in sorted(self._device_waits.pop(node, set())):
+            info = self.state.slice_named(*key)
+            if info is not None:
+                await self.slice_changed(info)
 
     async def _hostname(self, pod: Mapping[str, Any], node: str) -> str | None:
         """The node's kubernetes.io/hostname label, needed only to add to the pod's own required terms."""
@@ -262,7 +293,9 @@ class PodSlices:
         env = slice_environment(info.binding.mode, st.get("deviceUUID", ""), info.binding.granted_bytes,
                                 info.namespace, info.name, self.shim_path)
         config = {"apiVersion": "v1", "kind": "ConfigMap",
-                  "metadata": {"name": info.name, "namespace": info.namespace, "ownerReferences": _owner(pod)},
+                  "metadata": {"name": info.name, "namespace": info.namespace, "ownerReferences": _owner(pod),
+                               # the chart's controller policy lets it write only ConfigMaps labelled so
+                               "labels": {POD_SLICE_LABEL: info.name}},
                   "data": env}
         try:
             await self.client.create(core_path("configmaps", info.namespace), config)
