@@ -137,7 +137,8 @@ def test_the_chart_crds_are_copies_of_the_crds_directory() -> None:
 
 
 def test_the_node_label_policy_template_is_the_one_in_crds(render: Any) -> None:
-    rendered = [d for d in render() if d["kind"].startswith("ValidatingAdmissionPolicy")]
+    rendered = [d for d in render() if d["kind"].startswith("ValidatingAdmissionPolicy")
+                and d["metadata"]["name"] == "gpuslice-node-label.cdmo.io"]
     source = [d for d in yaml.safe_load_all((REPO_ROOT / "crds" / "slice-node-label.yaml").read_text()) if d]
     for doc in rendered:
         labels = doc["metadata"].pop("labels")
@@ -339,7 +340,11 @@ def test_no_rule_uses_a_wildcard_or_reaches_secrets_cluster_wide(render: Any, va
         for group, resource, verb, _ in _grants(role):
             assert "*" not in (group, resource, verb), role["metadata"]["name"]
             # The one delete: the controller releases a finished pod's GpuSlice (kube/controller/pods.py).
-            if (group, resource, verb) != ("cdmo.io", "gpuslices", "delete") or not role["metadata"]["name"].endswith(
+            # Users (the roles aggregated into edit and admin) create, change and delete their GpuSlices.
+            user = role["metadata"]["labels"]["app.kubernetes.io/component"] == "user"
+            if user and (group, resource) == ("cdmo.io", "gpuslices"):
+                assert verb not in ("escalate", "bind", "impersonate")
+            elif (group, resource, verb) != ("cdmo.io", "gpuslices", "delete") or not role["metadata"]["name"].endswith(
                     "-controller"):
                 assert verb not in ("delete", "deletecollection", "update", "escalate", "bind", "impersonate")
             assert resource != "secrets" or role["kind"] == "Role", role["metadata"]["name"]
@@ -513,3 +518,90 @@ def test_every_value_is_used_by_the_templates(render: Any, tmp_path: Path) -> No
         if rendered(merge(base, nested(path, _changed(value)))) == baselines[mode]:
             unused.append(".".join(path))
     assert not unused, f"values that change nothing the chart renders: {unused}"
+
+
+# ---- who may write and read what (issue 19, items 2, 4, 5) ----------------------------------------------
+
+
+def _policy(docs: list[dict[str, Any]], suffix: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    [policy] = [d for d in docs if d["kind"] == "ValidatingAdmissionPolicy" and d["metadata"]["name"].endswith(suffix)]
+    [binding] = [d for d in docs if d["kind"] == "ValidatingAdmissionPolicyBinding"
+                 and d["metadata"]["name"] == policy["metadata"]["name"]]
+    assert binding["spec"] == {"policyName": policy["metadata"]["name"], "validationActions": ["Deny"]}
+    assert policy["spec"]["failurePolicy"] == "Fail"
+    return policy, binding
+
+
+@pytest.mark.parametrize("name", ["default", "everything else changed"])
+def test_the_agent_node_policy_binds_the_releases_agent_to_its_node(render: Any, name: str) -> None:
+    docs = render(*VARIANTS[name], release="mo", namespace="gpu-system")
+    policy, _ = _policy(docs, "-agent-node.cdmo.io")
+    account = find(docs, "ServiceAccount", find(docs, "DaemonSet")["spec"]["template"]["spec"]["serviceAccountName"])
+    [condition] = policy["spec"]["matchConditions"]
+    assert condition["expression"] == (
+        f'request.userInfo.username == "system:serviceaccount:gpu-system:{account["metadata"]["name"]}"')
+    [rule] = policy["spec"]["matchConstraints"]["resourceRules"]
+    # Every object the agents' ClusterRole lets them write, the status subresources included.
+    agent_role = next(d for d in docs if d["kind"] == "ClusterRole" and d["metadata"]["name"].endswith("-agent"))
+    written = {r for g, r, v, _ in _grants(agent_role) if g == "cdmo.io" and v in ("create", "patch", "update")}
+    assert written <= set(rule["resources"]) and {"CREATE", "UPDATE"} <= set(rule["operations"])
+    text = yaml.safe_dump(policy)
+    assert "authentication.kubernetes.io/node-name" in text and "status.node" in text and "spec.nodeName" in text
+    assert not [d for d in render("--set", "agentNodePolicy.enabled=false") if "agent-node" in d["metadata"]["name"]]
+
+
+def test_the_controller_write_policy_names_the_releases_configuration_peering_and_slice_variables(
+        render: Any) -> None:
+    from mig_operator.core.cluster import MODE_FRACTION, MODE_MIG
+    from mig_operator.core.environment import slice_environment
+
+    docs = render(*VARIANTS["everything else changed"], release="mo", namespace="gpu-system")
+    policy, _ = _policy(docs, "-controller-writes.cdmo.io")
+    [condition] = policy["spec"]["matchConditions"]
+    assert condition["expression"] == 'request.userInfo.username == "system:serviceaccount:gpu-system:ctl"'
+    expressions = [v["expression"] for v in policy["spec"]["validations"]]
+    assert any('request.name == "gpu-slices"' in e for e in expressions)  # webhook.configurationName
+    assert any('request.name == "gpu-peers"' in e for e in expressions)  # controller.peering
+    # The ConfigMap data keys it may write are exactly the variables the controller writes, in both modes.
+    [configmaps] = [e for e in expressions if "'configmaps'" in e]
+    allowed = set(re.findall(r"'([A-Z_]+)'", configmaps.split("k in [", 1)[1].split("]", 1)[0]))
+    written = set(slice_environment(MODE_FRACTION, "GPU-x", 2**30, "ns", "s")) | set(
+        slice_environment(MODE_MIG, "MIG-x", 2**30, "ns", "s"))
+    assert allowed == written
+    resources = {(r["apiGroups"][0], res) for r in policy["spec"]["matchConstraints"]["resourceRules"]
+                 for res in r["resources"]}
+    assert resources == {("", "pods"), ("", "configmaps"), ("admissionregistration.k8s.io",
+                                                             "mutatingwebhookconfigurations"),
+                         ("kopf.dev", "clusterkopfpeerings")}
+    assert not [d for d in render("--set", "controllerWritePolicy.enabled=false") if "controller-writes" in
+                d["metadata"]["name"]]
+
+
+AGGREGATE = "rbac.authorization.k8s.io/aggregate-to-"
+
+
+@pytest.mark.parametrize("gpunode_read", [False, True])
+def test_users_get_gpuslices_through_view_edit_admin_and_gpunodes_only_when_asked(render: Any,
+                                                                                  gpunode_read: bool) -> None:
+    docs = render("--set", f"userRoles.gpuNodeRead={str(gpunode_read).lower()}", release="mo")
+    user_roles = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ClusterRole"
+                  and d["metadata"]["labels"]["app.kubernetes.io/component"] == "user"}
+    by_target: dict[str, set[Rule]] = {"view": set(), "edit": set(), "admin": set()}
+    for role in user_roles.values():
+        for target in by_target:
+            if role["metadata"]["labels"].get(AGGREGATE + target) == "true":
+                by_target[target] |= _grants(role)
+    read = {("cdmo.io", "gpuslices", v, "") for v in ("get", "list", "watch")}
+    write = {("cdmo.io", "gpuslices", v, "") for v in ("create", "update", "patch", "delete")}
+    assert read <= by_target["view"] and not write & by_target["view"]
+    assert read | write <= by_target["edit"] and read | write <= by_target["admin"]
+    for target, grants in by_target.items():
+        # Never the status (the operator's), never a GpuNode unless the value asks for it.
+        assert not {g for g in grants if g[1] == "gpuslices/status" and g[2] != "get"
+                    and g[2] not in ("list", "watch")}, target
+        nodes = {g for g in grants if g[1].startswith("gpunodes")}
+        assert bool(nodes) == gpunode_read, (target, nodes)
+        if gpunode_read:
+            assert {g[2] for g in nodes} == {"get", "list", "watch"}
+    assert not [d for d in render("--set", "userRoles.enabled=false") if d["kind"] == "ClusterRole"
+                and d["metadata"]["labels"]["app.kubernetes.io/component"] == "user"]
