@@ -313,6 +313,51 @@ def test_reporting_torch_and_nvidia_smi(gpu: str, shim: Path, tmp_path: Path) ->
     assert plain[0] > limit // MiB
 
 
+# CDMO_GPU_MEMORY_LIMIT as the container gets it, and what it must do (issue 19)
+SMALL = {
+    "1GiB": ("1073741824", {}),  # the floor a slice is granted: what is left for tensors
+    "1GiB-disable": ("1073741824", {"CDMO_SHIM_DISABLE": "1"}),  # the old kill switch lifts nothing
+    "256MiB": (str(256 * MiB), {}),  # the context alone fills it
+    "zero": ("0", {}),  # present but not a byte count >= 1: every allocation refused
+}
+
+
+@pytest.mark.parametrize("case", list(SMALL))
+def test_small_and_refused_limits(gpu: str, shim: Path, tmp_path: Path, case: str) -> None:
+    value, extra = SMALL[case]
+    limit = int(value)
+    env = shim_env(shim, tmp_path, f"gputest/small-{case}", None, {"CDMO_GPU_MEMORY_LIMIT": value, **extra})
+    w = fill("torch", env)
+    try:
+        ready = w.read("ready")
+        ctx = footprint(w.pid)
+        w.go()
+        done = w.read("done")
+        held = footprint(w.pid)
+    finally:
+        stderr = w.finish()
+    allocated, err, info = done["allocated"]["0"], done["error"]["0"], ready["info"]["0"]
+    said = [ln for ln in stderr.splitlines() if "libgpuslice" in ln]
+    rec = {"test": "small", "case": case, "limit": limit, "footprint_before": ctx, "footprint_held": held,
+           "allocated": allocated, "framework_error": err, "ready": info, "info": done["info"], "shim_said": said}
+    log(rec)
+    assert err, f"{case}: never ran out of memory: {rec}"
+    if case.startswith("1GiB"):
+        assert info["total"] == limit, rec
+        assert held <= limit, f"footprint {held / MiB:.0f} MiB over the limit: {rec}"
+        assert allocated >= limit - ctx - SLACK * limit, rec
+        assert ("CDMO_SHIM_DISABLE=1 is ignored" in stderr) == ("CDMO_SHIM_DISABLE" in extra), said
+        return
+    # nothing but the context: every tensor refused before it reached the driver
+    assert allocated == 0, rec
+    assert held <= ctx + 2 * MiB, rec
+    assert info["free"] == 0 and info["total"] == limit, rec
+    if limit == 0:
+        assert 'CDMO_GPU_MEMORY_LIMIT="0" is zero' in stderr, said
+    else:
+        assert ctx > limit and "alone take the whole limit" in stderr, said
+
+
 def test_no_limit_changes_nothing(gpu: str, shim: Path, tmp_path: Path) -> None:
     env = shim_env(shim, tmp_path, "gputest/nolimit", None)
     w = fill("torch", env, cap_mib=6144)
