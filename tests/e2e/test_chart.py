@@ -288,7 +288,6 @@ REFUSED: dict[str, list[tuple[str, str, str, str | None, str | None, str | None]
         ("list", "secrets", "", None, None, None),
         ("get", "secrets", "", CHART_NAMESPACE, "e2e-mig-operator-webhook-cert", None),
         ("create", "configmaps", "", "some-team", None, None),
-        ("list", "nodes", "", None, None, None),
         ("patch", "nodes", "", None, "gpu-1", None),
         ("patch", "gpunodes", "cdmo.io", None, "gpu-1", None),
         ("delete", "gpunodes", "cdmo.io", None, "gpu-1", None),

@@ -303,7 +303,7 @@ AGENT_RULES = {
     ("cdmo.io", "gpuslices/status"): "patch",
     ("cdmo.io", "gpunodes"): "create",
     ("cdmo.io", "gpunodes/status"): "patch",
-    ("", "nodes"): "get",
+    ("", "nodes"): "get list watch",  # its own Node's label, watched by a metadata.name field selector
     ("", "events"): "create",
 }
 

@@ -257,7 +257,7 @@ def test_a_gpu_that_reports_no_memory_serves_no_fraction() -> None:
 
 
 def test_no_gpu_refusals_say_what_kind_of_gpu_is_missing_and_where() -> None:
-    empty = build_view([], set(), [])
+    empty = build_view([NodeInventory("n", ())], set(), [])  # node n has a GpuNode, with no GPU
     for request, node, message in [
         (slice_request(memory="1Gi"), None, "no GPU in the cluster can take slices: memory 1Gi waits for one"),
         (slice_request(profile="1g.18gb"), None,
@@ -274,7 +274,7 @@ def test_a_refusal_message_is_cut_to_4096_characters() -> None:
     for extra, cut in ((0, False), (1, True)):
         node = "n" * (4096 - base + extra)
         with pytest.raises(Refusal) as refused:
-            plan_binding(slice_request(memory="1Gi"), build_view([], set(), []), node)
+            plan_binding(slice_request(memory="1Gi"), build_view([NodeInventory(node, ())], set(), []), node)
         message = refused.value.message
         assert len(message) == 4096
         assert message.endswith("…") == cut

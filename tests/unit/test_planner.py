@@ -266,7 +266,7 @@ def test_refused_when_only_busy_instances_block() -> None:
     assert info.value.reason == (
         "every GPU is held by slices in use: no room for memory 17Gi (profiles 1g.35gb, 2g.35gb, 3g.71gb, "
         "4g.71gb, 7g.141gb) even after reclaiming every idle instance (h200-141gb: 1 GPU(s), 4/8 slots in use "
-        "on 1); most room: 4/8 slots not in use on n1/gpu 0"
+        "on 1 GPU); most room: 4/8 slots not in use on n1/gpu 0"
     )
 
 
@@ -402,7 +402,7 @@ def test_a_refusal_fits_a_status_message_on_16384_gpus() -> None:
     reason = info.value.reason
     assert len(reason) <= STATUS_MESSAGE_LIMIT
     per_model = 16384 // len(models)
-    assert f"a100-40gb: {per_model + 1} GPU(s), 8/8 slots in use on {per_model + 1}" in reason
+    assert f"a100-40gb: {per_model + 1} GPU(s), 8/8 slots in use on {per_model + 1} GPUs" in reason
     assert "and 16 more models" in reason  # counted, not listed
     assert "node-00001" not in reason, "no per-GPU list"
     with pytest.raises(Unplaceable) as indexed:
@@ -418,7 +418,7 @@ def test_a_refusal_names_the_roomiest_gpu() -> None:
     ]
     with pytest.raises(Unplaceable) as info:
         choose_mig(slice_request(memory="17Gi"), gpus)
-    assert "8/8 slots in use on 1, 4/8 slots in use on 2" in info.value.reason
+    assert "8/8 slots in use on 1 GPU, 4/8 slots in use on 2 GPUs" in info.value.reason
     assert info.value.reason.endswith("most room: 4/8 slots not in use on n1/gpu 3")
 
 

@@ -113,6 +113,8 @@ class NodeAgent:
         self._labelled = False
         self._node_uid = ""
         self._publish_pending: asyncio.Task | None = None
+        self._publish_again = False  # a change arrived while a publish was under way
+        self._publish_at_once = False  # the next publish skips the coalescing delay
         self._tasks: list[asyncio.Task] = []
         self._written: dict[str, int] = {}  # slice UID -> resourceVersion of the agent's last write
         # (GPU, GI id) -> the slice whose step holds the instance until that step is recorded: a
@@ -209,8 +211,21 @@ class NodeAgent:
                 raise
             self._labelled, self._node_uid = False, ""
             return
-        self._labelled = (node["metadata"].get("labels") or {}).get(MIG_NODE_LABEL) == MIG_NODE_VALUE
-        self._node_uid = node["metadata"]["uid"]
+        self._take_node(node)
+
+    def _take_node(self, node: Mapping) -> bool:
+        """Note the node's MIG label and UID; True when the label changed."""
+        labelled = (node["metadata"].get("labels") or {}).get(MIG_NODE_LABEL) == MIG_NODE_VALUE
+        changed = labelled != self._labelled
+        self._labelled, self._node_uid = labelled, node["metadata"]["uid"]
+        return changed
+
+    def node_changed(self, node: Mapping) -> None:
+        """A watch event of this agent's own Node: a changed MIG label changes what every GPU serves,
+        so the GpuNode says so at once, not at the next heartbeat (30 s)."""
+        if self._take_node(node):
+            log.info("node %s is %s for MIG now", self.settings.node, "labelled" if self._labelled else "not labelled")
+            self.schedule_publish(at_once=True)
 
     # ---- slice events ------------------------------------------------------------------------------
 
@@ -248,6 +263,7 @@ class NodeAgent:
         finalizer was removed by hand, its instance becomes idle now."""
         self._written.pop(body["metadata"]["uid"], None)
         if body["metadata"]["uid"] in self.store.record.owners:
+            self._log_release(self.store.record.owners[body["metadata"]["uid"]])
             await asyncio.to_thread(self.store.drop, body["metadata"]["uid"], status.now())
             self.schedule_publish()
 
@@ -273,6 +289,7 @@ class NodeAgent:
             await self._fail(body, "InUse" if exc.transient else "Conflict", exc.message)
             return
         await self._write_status(body, ready)
+        log.info("slice %s ready: %s", ref, ready["message"])
         metrics.REALISE_SECONDS.labels(action).observe(time.perf_counter() - started)
         self.schedule_publish()
 
@@ -290,7 +307,7 @@ class NodeAgent:
         entry = OwnerEntry(uid, ref, MODE_FRACTION, gpu.index, COMPLETED, binding.granted_bytes,
                            device_uuid=gpu.uuid)
         await asyncio.to_thread(self.store.put, entry)
-        message = f"{format_bytes(binding.granted_bytes)} of GPU {gpu.index} ({gpu.uuid}), enforced by libgpuslice"
+        message = f"{describe_binding(binding)} ({gpu.uuid}), enforced by libgpuslice"
         return "fraction", status.ready(None, gpu.uuid, binding.granted_bytes, False, message)
 
     async def _realise_mig(self, uid: str, ref: str, binding: Binding, body: Mapping) -> tuple[str, dict]:
@@ -366,9 +383,12 @@ class NodeAgent:
                 reclaim = f" after reclaiming {len(steps.destroy)} idle instance(s)" if steps.destroy else ""
                 await self._write_status(body, status.creating(body.get("status"),
                                                                f"{what} {describe_binding(binding)}{reclaim}"))
+                log.info("slice %s: %s %s%s", ref, what, describe_binding(binding), reclaim)
             crashpoint("agent:after-intent")
         for n, victim in enumerate(steps.destroy):
             await self._gpu("destroy_instance", self.backend.destroy_instance, gpu, victim.gi_id)
+            log.info("slice %s: reclaimed idle %s (%s) to make room", ref,
+                     _describe_instance(self.settings.node, gpu, victim), victim.device_uuid or "no device")
             if victim.device_uuid:
                 await asyncio.to_thread(self.store.update, lambda r, u=victim.device_uuid: replace(
                     r, idle_since={k: v for k, v in r.idle_since.items() if k != u}))
@@ -433,10 +453,24 @@ class NodeAgent:
         """The slice is being deleted: its instance becomes idle, then the finalizer goes."""
         meta = body["metadata"]
         if meta["uid"] in self.store.record.owners:
+            self._log_release(self.store.record.owners[meta["uid"]])
             await asyncio.to_thread(self.store.drop, meta["uid"], status.now())
             self.schedule_publish()
         crashpoint("agent:during-release")
         await remove_finalizer(self.client, slice_path(meta["namespace"], meta["name"]), meta, AGENT_FINALIZER)
+
+    def _log_release(self, entry: OwnerEntry) -> None:
+        if entry.mode == MODE_MIG:
+            where = Binding(entry.uid, self.settings.node, entry.gpu, MODE_MIG, entry.granted_bytes, entry.profile_id,
+                            entry.profile, entry.start, entry.size)
+            if entry.device_uuid:
+                log.info("slice %s released: %s stays as an idle instance (%s)", entry.slice,
+                         describe_binding(where), entry.device_uuid)
+            else:
+                log.info("slice %s released before its instance %s was made", entry.slice, describe_binding(where))
+        else:
+            where = Binding(entry.uid, self.settings.node, entry.gpu, entry.mode, entry.granted_bytes)
+            log.info("slice %s released: its %s is free", entry.slice, describe_binding(where))
 
     # ---- idle time-out -----------------------------------------------------------------------------
 
@@ -465,6 +499,8 @@ class NodeAgent:
                     if inst.in_use or not since or _parse_time(since) > limit:
                         continue
                     await self._gpu("destroy_instance", self.backend.destroy_instance, gpu.index, inst.gi_id)
+                    log.info("reclaimed idle %s (%s): idle since %s, longer than the idle time-out",
+                             _describe_instance(self.settings.node, gpu.index, inst), inst.device_uuid, since)
                     await asyncio.to_thread(self.store.update, lambda r, u=inst.device_uuid: replace(
                         r, idle_since={k: v for k, v in r.idle_since.items() if k != u}))
                     destroyed += 1
@@ -475,17 +511,25 @@ class NodeAgent:
 
     # ---- GpuNode -----------------------------------------------------------------------------------
 
-    def schedule_publish(self) -> None:
-        """Publish soon; changes within ``publish_delay_s`` share one write."""
+    def schedule_publish(self, at_once: bool = False) -> None:
+        """Publish soon; changes within ``publish_delay_s`` share one write. A change that arrives
+        while a write is under way gets a write of its own after it (the one under way may have read
+        the GPUs and the record before the change: skipping it left the GpuNode stale until the
+        heartbeat, up to 30 s). ``at_once``: no coalescing delay (a change people wait to see)."""
+        self._publish_again = True
+        self._publish_at_once |= at_once
         if self._publish_pending is None or self._publish_pending.done():
             self._publish_pending = asyncio.create_task(self._publish_later(), name="gpunode-publish")
 
     async def _publish_later(self) -> None:
-        await asyncio.sleep(self.settings.publish_delay_s)
-        try:
-            await self.publish()
-        except (GpuError, ApiError) as exc:
-            log.warning("publishing GpuNode %s failed, the heartbeat retries: %s", self.settings.node, exc)
+        while self._publish_again:
+            if not self._publish_at_once:
+                await asyncio.sleep(self.settings.publish_delay_s)
+            self._publish_again = self._publish_at_once = False
+            try:
+                await self.publish()
+            except (GpuError, ApiError) as exc:
+                log.warning("publishing GpuNode %s failed, the heartbeat retries: %s", self.settings.node, exc)
 
     async def _heartbeat(self) -> None:
         while True:
@@ -539,6 +583,10 @@ class NodeAgent:
 def _as_mig(gpu: int, inst: Any) -> MigInstance:
     return MigInstance(gpu, inst.gi_id, inst.ci_id, inst.profile_id, inst.profile, inst.start, inst.size,
                        inst.device_uuid, inst.in_use)
+
+
+def _describe_instance(node: str, gpu: int, inst: InstanceState) -> str:
+    return f"{inst.profile} at {{{inst.start}}}:{inst.size} on {node} GPU {gpu}"
 
 
 def _parse_time(text: str) -> datetime:

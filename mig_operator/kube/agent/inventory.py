@@ -63,7 +63,7 @@ def gpunode_status(
 ) -> dict[str, Any]:
     """The whole status of the node's GpuNode (written with one merge patch: lists are replaced)."""
     entries = []
-    free_slots = idle = in_use = 0
+    free_slots = used_slots = idle_slots = idle = in_use = 0
     for info in gpus:
         model = models.get(info.index)
         insts = list(instances.get(info.index, ()))
@@ -78,13 +78,19 @@ def gpunode_status(
             e.granted_bytes for e in record.owners.values() if e.mode == MODE_MIG and e.gpu == info.index
         )
         body = [_instance(info.index, inst, record) for inst in insts]
+        # One rule for instances and their slots: held by a slice (the record names it) or running a
+        # process is in use, anything else is idle; slots under no instance are free.
+        held_mask = idle_mask = 0
+        for inst, entry in zip(insts, body, strict=True):
+            mask = ((1 << inst.size) - 1) << inst.start
+            if entry["sliceUID"] or entry["inUse"]:
+                in_use, held_mask = in_use + 1, held_mask | mask
+            else:
+                idle, idle_mask = idle + 1, idle_mask | mask
         if info.mig_enabled and model is not None:
-            covered = 0
-            for inst in insts:
-                covered |= ((1 << inst.size) - 1) << inst.start
-            free_slots += model.memory_slots - covered.bit_count()
-        idle += sum(1 for b in body if not b["sliceUID"] and not b["inUse"])
-        in_use += sum(1 for b in body if b["sliceUID"] or b["inUse"])
+            used_slots += held_mask.bit_count()
+            idle_slots += idle_mask.bit_count()
+            free_slots += model.memory_slots - (held_mask | idle_mask).bit_count()
         entries.append({
             "index": info.index, "uuid": info.uuid, "product": info.product,
             "model": model.name if model is not None else "", "memoryMiB": info.memory_mib,
@@ -93,6 +99,7 @@ def gpunode_status(
         })
     return {
         "gpus": entries, "gpuCount": len(entries), "migGpuCount": sum(1 for g in gpus if g.mig_enabled),
-        "freeSlots": free_slots, "idleInstances": idle, "inUseInstances": in_use,
+        "freeSlots": free_slots, "usedSlots": used_slots, "idleSlots": idle_slots, "idleInstances": idle,
+        "inUseInstances": in_use,
         "fractionSlices": sum(len(e["fractions"]) for e in entries), "observedAt": observed_at,
     }

@@ -42,6 +42,8 @@ def build_registry(options: AgentOptions, backend: GpuBackend) -> kopf.OperatorR
     async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
         tune(settings, AGENT_PREFIX)
         settings.watching.label_selectors[GROUP, SLICES] = f"{SLICE_NODE_LABEL}={options.settings.node}"
+        # Its own Node only: a MIG label added or removed shows in the GpuNode within a second.
+        settings.watching.field_selectors["v1", "nodes"] = f"metadata.name={options.settings.node}"
         client = KubeClient.from_environment(options.kubeconfig)
         agent = NodeAgent(options.settings, backend, RecordStore(options.record_file), client,
                           EventPoster(client, "mig-operator-agent", options.settings.node))
@@ -54,6 +56,11 @@ def build_registry(options: AgentOptions, backend: GpuBackend) -> kopf.OperatorR
             await state["agent"].deleted(body)
         else:
             await state["agent"].handle(body)
+
+    @kopf.on.event("v1", "nodes", registry=registry)
+    async def own_node_event(body: kopf.Body, type: str | None, **_: Any) -> None:
+        if type != "DELETED":
+            state["agent"].node_changed(body)
 
     @kopf.on.cleanup(registry=registry)
     async def cleanup(**_: Any) -> None:

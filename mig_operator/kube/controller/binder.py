@@ -173,16 +173,17 @@ class Binder:
     async def _write_binding(self, info: SliceInfo, binding: Binding, gpu_uuid: str) -> None:
         assert info.request is not None
         message = f"bound to {describe_binding(binding)}"
+        reclaim = self._reclaim(binding)
         body = {
             "metadata": {"resourceVersion": str(info.version)},
-            "status": status.bound(info.body.get("status"), info.request, binding, gpu_uuid,
-                                   self._reclaim(binding), message),
+            "status": status.bound(info.body.get("status"), info.request, binding, gpu_uuid, reclaim, message),
         }
         answer = await self.client.merge_patch(slice_path(info.namespace, info.name, status=True), body)
         updated = self.state.put_slice(answer) or self.state.slices[info.uid]
         crashpoint("controller:after-bind")
+        log.info("slice %s (%s) %s%s", info.ref, info.request.describe(), message,
+                 f", reclaiming {len(reclaim)} idle instance(s)" if reclaim else "")
         await self.mark(updated)
-        log.debug("bound %s: %s", info.ref, message)
 
     async def mark(self, info: SliceInfo) -> None:
         """Add the node label the agents select on and the agent's finalizer (second binding write)."""
@@ -219,6 +220,7 @@ class Binder:
                 current.get("message") != refusal.message):
             assert info.request is not None
             await self._write(info, status.pending(current, info.request, refusal.code, refusal.message))
+            log.info("slice %s waits (%s): %s", info.ref, refusal.code, refusal.message)
         self.events.post(info.body, "Warning", refusal.code, refusal.message)
 
     async def _write(self, info: SliceInfo, new_status: dict) -> None:

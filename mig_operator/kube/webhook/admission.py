@@ -14,6 +14,7 @@ The slice's name is made here: a pod made from ``generateName`` has no name yet 
 
 from __future__ import annotations
 
+import logging
 import secrets
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
@@ -44,6 +45,27 @@ _SHIM_ENV = PRELOAD_VARIABLE
 
 class PodRefused(ValueError):
     """The pod cannot be admitted; the message says why and what to write instead."""
+
+
+class RefusalsAtInfo(logging.Filter):
+    """For the ``kopf.objects`` logger: a pod refused at admission is the user's request turned down,
+    not an operator error, so kopf's ``ERROR Webhook '<id>' failed permanently: ...`` (how it logs the
+    handler's ``AdmissionError``) becomes one INFO line naming the namespace and the pod. Every other
+    failure of the handler (kopf says "failed with an exception") stays an ERROR."""
+
+    def __init__(self, handler_id: str) -> None:
+        super().__init__()
+        self._prefix = f"Webhook {handler_id!r} failed permanently: "
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno != logging.ERROR or not str(record.msg).startswith(self._prefix):
+            return True
+        ref = getattr(record, "k8s_ref", None) or {}
+        pod = f"{ref.get('namespace') or '?'}/{ref.get('name') or '(name not yet generated)'}"
+        record.levelno, record.levelname = logging.INFO, logging.getLevelName(logging.INFO)
+        record.msg, record.args = f"pod {pod} refused at admission: {str(record.msg)[len(self._prefix):]}", None
+        # The logger's level let an ERROR through; an INFO line is shown only where INFO is asked for.
+        return logging.getLogger().isEnabledFor(logging.INFO)
 
 
 @dataclass(frozen=True)

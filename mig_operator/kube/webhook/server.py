@@ -21,7 +21,7 @@ from mig_operator.core.quantities import QuantityError
 
 from ..common.client import ApiError, KubeClient
 from ..common.names import WEBHOOK_NAME
-from .admission import PodRefused, ShimMount, check_pod, mutate_pod, slice_name_for
+from .admission import PodRefused, RefusalsAtInfo, ShimMount, check_pod, mutate_pod, slice_name_for
 from .certs import CertBundle, make_certificate
 
 log = logging.getLogger("mig_operator.webhook")
@@ -163,6 +163,9 @@ async def prepare(options: WebhookOptions, client: KubeClient) -> tuple[str, str
 def register(registry: kopf.OperatorRegistry, options: WebhookOptions, kubeconfig: str | None) -> None:
     """Add the webhook to a kopf registry: the server is set up at start, the handler on every pod
     CREATE the configuration sends (annotated pods only)."""
+    kopf_objects = logging.getLogger("kopf.objects")
+    if not any(isinstance(f, RefusalsAtInfo) for f in kopf_objects.filters):
+        kopf_objects.addFilter(RefusalsAtInfo(HANDLER_ID))
 
     @kopf.on.startup(registry=registry, backoff=2)
     async def start_webhook(settings: kopf.OperatorSettings, **_: Any) -> None:
