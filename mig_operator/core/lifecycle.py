@@ -243,3 +243,19 @@ def _pointing_at(entry: OwnerEntry, gpu: int, inst: InstanceState) -> OwnerEntry
 def idle_instances(record: OwnerRecord, gpu: int, instances: Iterable[InstanceState]) -> list[InstanceState]:
     """Instances on ``gpu`` that no slice of the record owns."""
     return [i for i in instances if record.owner_of(gpu, i) is None]
+
+
+# A pod whose slice Failed gets a new slice after a back-off, this many times in all, then waits for
+# its owner (the failure is then not a passing one: an NVML error the agent could not retry away).
+SLICE_TRIES = 4
+SLICE_RETRY_BASE_S = 5.0
+
+
+def slice_retry_delay(failed_tries: int, base_s: float = SLICE_RETRY_BASE_S) -> float | None:
+    """Seconds to wait before a pod's next slice after ``failed_tries`` slices of it failed (1, 2,
+    ...): ``base_s`` doubling each time (5, 10, 20 s); None once ``SLICE_TRIES`` slices have failed."""
+    if failed_tries < 1:
+        raise ValueError(f"failed_tries {failed_tries} must be at least 1")
+    if failed_tries >= SLICE_TRIES:
+        return None
+    return base_s * 2 ** (failed_tries - 1)

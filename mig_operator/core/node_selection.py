@@ -6,7 +6,13 @@ node affinity allow. These are the scheduler's NodeAffinity rules (k8s.io/compon
 ``nodeaffinity``): every ``nodeSelector`` pair must be a label of the node; of the required node
 selector terms at least one must match, a term matching when all its ``matchExpressions`` (on
 labels) and ``matchFields`` (``metadata.name`` only) do; an empty term matches nothing. Preferred
-affinity does not restrict, nor do taints (the pod's tolerations are the scheduler's business).
+affinity does not restrict.
+
+A node's taints of effect ``NoSchedule`` or ``NoExecute`` keep off every pod that does not tolerate
+them (the scheduler's TaintToleration rule, k8s.io/api ``Toleration.ToleratesTaint``);
+``PreferNoSchedule`` only discourages. A toleration matches a taint when its effect is empty or the
+same, and either its operator is ``Exists`` (an empty key then matching every key) or its key and
+value equal the taint's (operator ``Equal``, the default).
 """
 
 from __future__ import annotations
@@ -76,3 +82,26 @@ def node_allowed(spec: Mapping[str, Any], name: str, labels: Mapping[str, str]) 
     if terms is None:
         return True
     return any(_term_matches(term, name, labels) for term in terms)
+
+
+HARD_TAINT_EFFECTS = ("NoSchedule", "NoExecute")
+
+
+def _tolerates(toleration: Mapping[str, Any], taint: Mapping[str, Any]) -> bool:
+    effect = toleration.get("effect") or ""
+    if effect and effect != taint.get("effect"):
+        return False
+    key = toleration.get("key") or ""
+    operator = toleration.get("operator") or "Equal"
+    if operator == "Exists":
+        return not key or key == taint.get("key")
+    if operator == "Equal":
+        return key == taint.get("key") and (toleration.get("value") or "") == (taint.get("value") or "")
+    return False  # an operator the API server would have refused
+
+
+def taints_tolerated(spec: Mapping[str, Any], taints: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether a pod with this spec tolerates every ``NoSchedule``/``NoExecute`` taint in ``taints``."""
+    tolerations = spec.get("tolerations") or []
+    return all(any(_tolerates(t, taint) for t in tolerations)
+               for taint in taints if taint.get("effect") in HARD_TAINT_EFFECTS)

@@ -372,3 +372,79 @@ def test_a_finished_jobs_pods_release_their_slices(operator: OperatorHarness) ->
     assert len(pods) == 3 and all(p.status.phase == "Succeeded" for p in pods), "the finished pods stay"
     wait_until(lambda: not operator.slices(ns), 30, lambda: f"no slice left: {operator.slices(ns)}\n{operator.logs()}")
     check_invariants(operator)
+
+
+@pytest.mark.parametrize("variable", ["CDMO_SHIM_DISABLE", "NVIDIA_VISIBLE_DEVICES"])
+def test_a_pod_labelled_and_gated_by_hand_then_annotated_is_checked_before_it_gets_a_slice(
+        operator: OperatorHarness, variable: str) -> None:
+    # The side door: no annotation at creation, so the webhook never sees the pod; the annotation
+    # comes later, by update. The controller checks the pod itself before it makes a slice.
+    node = operator.add_node("l40s-48gb", labelled=False)
+    start(operator, node)
+    ns = operator.namespace()
+    body = pod_body(None, name="side-door")
+    body["metadata"]["labels"] = {"cdmo.io/gpu-slice": "side-door-gs-0"}
+    body["spec"]["schedulingGates"] = [{"name": GATE}]
+    body["spec"]["containers"][0]["env"] = [{"name": variable, "value": "1" if variable.startswith("CDMO") else "all"}]
+    operator.core.create_namespaced_pod(ns, body)
+    operator.core.patch_namespaced_pod("side-door", ns, {"metadata": {"annotations": {"cdmo.io/gpu-fraction": "0.5"}}})
+
+    def refused() -> Any:
+        events = operator.core.list_namespaced_event(ns, field_selector="involvedObject.name=side-door").items
+        return [e for e in events if e.reason == "Refused"]
+
+    event = wait_until(refused, 30, lambda: f"a Refused Event on the pod\n{operator.logs()}")[0]
+    assert f"sets '{variable}' in env" in event.message or f"sets {variable} in env" in event.message
+    assert operator.get_slice(ns, "side-door-gs-0") is None
+    pod = operator.core.read_namespaced_pod("side-door", ns)
+    assert [g.name for g in pod.spec.scheduling_gates] == [GATE] and pod.spec.node_name is None
+    # The same pod without the variable, through the same door, is served: the check is not a blanket refusal.
+    body["metadata"]["name"] = "side-door-clean"
+    body["metadata"]["labels"] = {"cdmo.io/gpu-slice": "side-door-clean-gs-0"}
+    body["spec"]["containers"][0]["env"] = []
+    operator.core.create_namespaced_pod(ns, body)
+    operator.core.patch_namespaced_pod("side-door-clean", ns,
+                                       {"metadata": {"annotations": {"cdmo.io/gpu-fraction": "0.5"}}})
+    wait_until(lambda: operator.get_slice(ns, "side-door-clean-gs-0"), 30, "the clean pod's slice")
+
+
+def test_a_pods_slice_goes_only_to_a_node_whose_taints_it_tolerates(operator: OperatorHarness) -> None:
+    # Node a holds a slice already, so best fit alone would pack the pod's slice there; but a is
+    # tainted team=a:NoSchedule, which the pod does not tolerate: the slice (and pod) must go to b.
+    a = operator.add_node("h100-80gb", name=f"taint-a-{operator.namespace()[-6:]}")
+    b = operator.add_node("h100-80gb", name=f"taint-b-{operator.namespace()[-6:]}")
+    operator.core.patch_node(a.name, {"spec": {"taints": [
+        {"key": "kwok.x-k8s.io/node", "value": "fake", "effect": "NoSchedule"},
+        {"key": "team", "value": "a", "effect": "NoSchedule"}]}})
+    start(operator, a, b)
+    ns = operator.namespace()
+    operator.create_slice(ns, "holder", {"migProfile": "1g.10gb", "nodeName": a.name})
+    operator.wait_phase(ns, "holder", "Ready")
+    name = create_pod(operator, ns, {"cdmo.io/mig-profile": "1g.10gb"}, name="untolerated")["metadata"]["name"]
+    pod = running(operator, ns, name)
+    assert pod.spec.node_name == b.name == slice_of(operator, pod)["status"]["node"]
+    # A pod that tolerates the taint may go to a, and does (best fit).
+    tolerant = create_pod(operator, ns, {"cdmo.io/mig-profile": "1g.10gb"}, name="tolerant",
+                          tolerations=[KWOK_TOLERATION, {"key": "team", "operator": "Exists"}])["metadata"]["name"]
+    pod = running(operator, ns, tolerant)
+    assert slice_of(operator, pod)["status"]["node"] == pod.spec.node_name
+
+
+def test_a_pod_whose_slice_failed_gets_a_new_slice_after_a_back_off(operator: OperatorHarness) -> None:
+    node = operator.add_node("h100-80gb")
+    start(operator, node)
+    ns = operator.namespace()
+    node.backend().inject_fault("create_instance", "INSUFFICIENT_RESOURCES", times=1)  # permanent: Failed
+    name = create_pod(operator, ns, {"cdmo.io/mig-profile": "2g.20gb"}, name="unlucky")["metadata"]["name"]
+
+    def retry_event() -> Any:
+        events = operator.core.list_namespaced_event(ns, field_selector=f"involvedObject.name={name}").items
+        return [e for e in events if "a new slice in 5 s (try 2 of 4)" in (e.message or "")]
+
+    event = wait_until(retry_event, 40, lambda: f"an Event announcing the second slice\n{operator.logs()}")[0]
+    assert "NVML_ERROR_INSUFFICIENT_RESOURCES" in event.message
+    pod = running(operator, ns, name, timeout=60)
+    second = slice_of(operator, pod)
+    assert second["metadata"]["annotations"]["cdmo.io/slice-try"] == "2"
+    assert second["status"]["phase"] == "Ready" and second["status"]["profile"] == "2g.20gb"
+    check_invariants(operator)

@@ -29,12 +29,13 @@ from mig_operator.core.cluster import (
 )
 from mig_operator.core.environment import SHIM_PATH_IN_CONTAINER, gpu_mem_limit_gb, slice_environment
 from mig_operator.core.node_selection import constrains_nodes, node_allowed
+from mig_operator.core.pod_admission import PodRefused, check_pod
 from mig_operator.core.profiles import get_model
 from mig_operator.core.quantities import QuantityError
 from mig_operator.core.request import slice_request
 from mig_operator.kube.controller.pods import PodSlices, owned_by, slice_spec_for, ungate_ops
 from mig_operator.kube.controller.state import ClusterState, slice_info
-from mig_operator.kube.webhook.admission import PodRefused, ShimMount, check_pod, mutate_pod, slice_name_for
+from mig_operator.kube.webhook.admission import ShimMount, mutate_pod, slice_name_for
 from mig_operator.kube.webhook.certs import make_certificate
 from mig_operator.kube.webhook.server import MATCH_EXPRESSION, WebhookOptions, webhook_configuration
 
@@ -102,6 +103,26 @@ def test_a_container_that_sets_the_slices_variables_itself_is_refused(variable: 
         check_pod(body)
     text = str(refused.value)
     assert variable in text and "'c'" in text and "cdmo.io/gpu-fraction: '0.5'" in text
+
+
+@pytest.mark.parametrize("variable", ["CDMO_SHIM_DISABLE", "CDMO_SHIM_DIR", "CDMO_SHIM_FOOTPRINT", "CDMO_",
+                                      "CDMO_ANYTHING_ELSE"])
+@pytest.mark.parametrize("annotation", [{"cdmo.io/gpu-fraction": "0.5"}, {"cdmo.io/mig-profile": "1g.10gb"}])
+def test_every_cdmo_variable_in_a_sliced_containers_env_is_refused(variable: str, annotation: dict) -> None:
+    # CDMO_SHIM_DISABLE=1 used to turn the limit off; CDMO_SHIM_DIR would split the slice's accounting.
+    body = pod(annotation)
+    body["spec"]["initContainers"] = [{"name": "init", "image": "x", "env": [{"name": variable, "value": "1"}]}]
+    with pytest.raises(PodRefused) as refused:
+        check_pod(body)
+    text = str(refused.value)
+    assert f"container 'init' sets {variable!r} in env" in text
+    assert "CDMO_*" in text and "drop that env entry" in text
+
+
+@pytest.mark.parametrize("variable", ["CDMO", "CDMOX_LIMIT", "cdmo_shim_disable", "XCDMO_SHIM_DISABLE", "GPU_MEM_LIMIT_GB"])
+def test_names_that_only_look_like_the_operators_are_allowed(variable: str) -> None:
+    body = pod({"cdmo.io/gpu-fraction": "0.5"}, containers=[{"name": "c", "env": [{"name": variable, "value": "1"}]}])
+    assert check_pod(body) is not None
 
 
 def test_a_mig_profile_pod_may_preload_its_own_library_and_anyone_may_set_the_informational_limit() -> None:

@@ -30,7 +30,9 @@ from typing import Any
 
 from mig_operator.core.device_check import ACCEPT, REFUSE, check_ready_device
 from mig_operator.core.environment import slice_environment
-from mig_operator.core.node_selection import constrains_nodes, has_required_terms, node_allowed
+from mig_operator.core.lifecycle import SLICE_TRIES, slice_retry_delay
+from mig_operator.core.node_selection import constrains_nodes, has_required_terms, node_allowed, taints_tolerated
+from mig_operator.core.pod_admission import PodRefused, check_pod
 from mig_operator.core.quantities import QuantityError, parse_fraction
 from mig_operator.core.slice_spec import (
     ANNOTATION_FRACTION,
@@ -58,6 +60,8 @@ HOSTNAME_LABEL = "kubernetes.io/hostname"
 # pods costs one list.
 NODE_LABELS_TTL_S = 2.0
 FINISHED_PHASES = ("Succeeded", "Failed")
+# On a pod's GpuSlice: how many slices the pod has had, this one included (absent: the first).
+SLICE_TRY_ANNOTATION = "cdmo.io/slice-try"
 
 
 def slice_spec_for(annotations: Mapping[str, str]) -> dict[str, Any] | None:
@@ -139,6 +143,8 @@ class PodSlices:
         self.shim_path = shim_path
         self.pods: dict[tuple[str, str], dict[str, Any]] = {}  # (namespace, slice name) -> pod
         self._node_labels: dict[str, dict[str, str]] = {}
+        self._node_taints: dict[str, list[dict[str, Any]]] = {}
+        self._retries: dict[tuple[str, str], asyncio.Task] = {}  # pods waiting out a failed slice's back-off
         self._node_labels_at = -float("inf")
         self._node_labels_lock = asyncio.Lock()
         # Pods whose Ready slice's device the node's GpuNode did not list (yet), by node.
@@ -159,8 +165,8 @@ class PodSlices:
             await self._release(pod, key)
             return
         self.pods[key] = pod
-        if not _gated(pod):
-            return
+        if not _gated(pod) or key in self._retries:
+            return  # a pod waiting out a failed slice's back-off gets its next slice from that task
         info = self.state.slice_named(*key)
         if info is None:
             await self._create_slice(pod, name)
@@ -180,30 +186,41 @@ class PodSlices:
         log.debug("pod %s/%s finished: its slice %s released", key[0], pod["metadata"]["name"], info.ref)
 
     async def node_labels(self) -> dict[str, dict[str, str]]:
-        """Every node's labels, listed at most every NODE_LABELS_TTL_S."""
+        """Every node's labels (and, in ``_node_taints``, taints), listed at most every NODE_LABELS_TTL_S."""
         async with self._node_labels_lock:
             if time.monotonic() - self._node_labels_at > NODE_LABELS_TTL_S:
                 nodes = await self.client.list("/api/v1/nodes")
                 self._node_labels = {n["metadata"]["name"]: dict(n["metadata"].get("labels") or {}) for n in nodes}
+                self._node_taints = {n["metadata"]["name"]: list((n.get("spec") or {}).get("taints") or [])
+                                     for n in nodes}
                 self._node_labels_at = time.monotonic()
             return self._node_labels
 
     async def eligible_nodes(self, pod: Mapping[str, Any]) -> list[str] | None:
-        """The GPU nodes the pod's nodeSelector and required node affinity allow; None when it has
-        neither, so its slice may go anywhere. (All of today's GPU nodes still restricts: a GPU
-        node that joins later may not match.)"""
+        """The GPU nodes the pod's nodeSelector, required node affinity and tolerations allow; None
+        when it may go to every GPU node there is, so its slice may go anywhere. (All of today's GPU
+        nodes still restricts a pod with a selector: a GPU node that joins later may not match.)"""
         spec = pod.get("spec") or {}
-        if not constrains_nodes(spec):
-            return None
         labels = await self.node_labels()
-        return [n for n in sorted(self.state.inventories) if n in labels and node_allowed(spec, n, labels[n])]
+        constrained = constrains_nodes(spec)
+        allowed = [n for n in sorted(self.state.inventories)
+                   if (n in labels or not constrained) and (not constrained or node_allowed(spec, n, labels[n]))
+                   and taints_tolerated(spec, self._node_taints.get(n, []))]
+        if not constrained and len(allowed) == len(self.state.inventories):
+            return None
+        return allowed
 
-    async def _create_slice(self, pod: Mapping[str, Any], name: str) -> None:
+    async def _create_slice(self, pod: Mapping[str, Any], name: str, tries: int = 1) -> None:
         meta = pod["metadata"]
         try:
+            # Again, not only at admission: a pod made with the label and gate but no annotation never
+            # reached the webhook, and its annotations may be added or changed later.
+            check_pod(pod)
             spec = slice_spec_for(meta.get("annotations") or {})
-        except QuantityError as exc:
-            self.events.post(pod, "Warning", "InvalidAnnotation", str(exc))
+        except (QuantityError, PodRefused) as exc:
+            self.events.post(pod, "Warning", "InvalidAnnotation" if isinstance(exc, QuantityError) else "Refused",
+                             f"{exc}; the pod stays gated: delete it and create it again")
+            log.info("pod %s/%s: no slice made: %s", meta["namespace"], meta["name"], exc)
             return
         if spec is None:
             return  # labelled by hand, asking for nothing: not the operator's pod
@@ -213,13 +230,16 @@ class PodSlices:
             if not eligible:
                 known = len(self.state.inventories)
                 self.events.post(pod, "Warning", "NoEligibleNode", (
-                    f"none of the {known} GPU nodes matches the pod's nodeSelector and required node affinity; "
-                    "it waits, gated, for one that does (the operator places the pod on its slice's node)"))
+                    f"none of the {known} GPU nodes matches the pod's nodeSelector and required node affinity "
+                    "and has only taints it tolerates; it waits, gated, for one that does (the operator places "
+                    "the pod on its slice's node)"))
                 return
             if len(eligible) == 1:
                 spec["nodeName"] = eligible[0]  # the pod can only go there: so must its slice
             else:
                 annotations[ELIGIBLE_NODES_ANNOTATION] = ",".join(eligible)
+        if tries > 1:
+            annotations[SLICE_TRY_ANNOTATION] = str(tries)
         body = {"apiVersion": API_VERSION, "kind": SLICE_KIND,
                 "metadata": {"name": name, "namespace": meta["namespace"], "ownerReferences": _owner(pod),
                              "labels": {"cdmo.io/pod": meta["name"][:63].rstrip("-.")},
@@ -248,10 +268,55 @@ class PodSlices:
             if await self._device_checked(pod, info):
                 await self._release_gate(pod, info)
         elif phase == "Failed":
-            self.events.post(pod, "Warning", st.get("reason") or "Failed",
-                             f"GpuSlice {info.ref} failed: {st.get('message', '')}")
+            self._slice_failed(pod, info)
         elif phase == "Pending" and st.get("reason"):
             self.events.post(pod, "Warning", st["reason"], f"waiting for GpuSlice {info.ref}: {st.get('message', '')}")
+
+    def _slice_failed(self, pod: Mapping[str, Any], info: SliceInfo) -> None:
+        """A pod's slice Failed: a new slice of the same name after a back-off (core's
+        ``slice_retry_delay``), an Event each time; after SLICE_TRIES the pod waits for its owner."""
+        key = (info.namespace, info.name)
+        if key in self._retries:
+            return
+        st = info.body.get("status") or {}
+        try:
+            tries = max(1, int(((info.body.get("metadata") or {}).get("annotations") or {})
+                               .get(SLICE_TRY_ANNOTATION, "1")))
+        except ValueError:
+            tries = 1
+        delay = slice_retry_delay(tries)
+        failed = f"GpuSlice {info.ref} failed: {st.get('message', '')}"
+        if delay is None:
+            self.events.post(pod, "Warning", st.get("reason") or "Failed",
+                             f"{failed}; {tries} slices of this pod failed, so no new one is made: the pod stays "
+                             "gated; delete it (kubectl describe gs shows each failure)")
+            return
+        self.events.post(pod, "Warning", st.get("reason") or "Failed",
+                         f"{failed}; a new slice in {delay:g} s (try {tries + 1} of {SLICE_TRIES})")
+        log.info("slice %s failed (try %d of %d); a new one in %g s", info.ref, tries, SLICE_TRIES, delay)
+        self._retries[key] = asyncio.create_task(self._replace_failed(key, tries, delay))
+
+    async def _replace_failed(self, key: tuple[str, str], tries: int, delay: float) -> None:
+        """Delete the failed slice and, once it is gone, make the pod's next one (same name: the pod's
+        label and envFrom name it)."""
+        try:
+            await asyncio.sleep(delay)
+            try:
+                await self.client.delete(slice_path(*key))
+            except ApiError as exc:
+                if not exc.not_found:
+                    raise
+            deadline = time.monotonic() + 60
+            while self.state.slice_named(*key) is not None and time.monotonic() < deadline:
+                await asyncio.sleep(0.2)
+            pod = self.pods.get(key)
+            if pod is None or not _gated(pod) or self.state.slice_named(*key) is not None:
+                return
+            await self._create_slice(pod, key[1], tries + 1)
+        except ApiError as exc:
+            log.warning("slice %s/%s: a new slice after a failure: %s", key[0], key[1], exc)
+        finally:
+            self._retries.pop(key, None)
 
     async def _device_checked(self, pod: Mapping[str, Any], info: SliceInfo) -> bool:
         """Whether the Ready slice's device is on its node's GpuNode (core/device_check); if not yet, the

@@ -17,11 +17,12 @@ from typing import Any
 
 import kopf
 
+from mig_operator.core.pod_admission import PodRefused, check_pod
 from mig_operator.core.quantities import QuantityError
 
 from ..common.client import ApiError, KubeClient
 from ..common.names import WEBHOOK_NAME
-from .admission import PodRefused, RefusalsAtInfo, ShimMount, check_pod, mutate_pod, slice_name_for
+from .admission import RefusalsAtInfo, ShimMount, mutate_pod, slice_name_for
 from .certs import CertBundle, make_certificate
 
 log = logging.getLogger("mig_operator.webhook")
