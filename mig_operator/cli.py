@@ -8,7 +8,7 @@ import os
 import re
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from .core.profiles import CATALOG, CatalogError, GpuModel, get_model
 from .core.quantities import QuantityError, clip_repr, clip_text
@@ -24,14 +24,45 @@ EXIT_BAD_INPUT = 2
 MAX_TRACE_BYTES = 16 * 2**20
 # `plan --gpus`: a replay holds every GPU in memory and scans them per event.
 MAX_PLAN_GPUS = 4096
+SIM_EXAMPLE = "sim:h100-80gb"
+
+
+def placement_note(start: int, size: int, slots: int) -> str:
+    """What ``{start}:size`` means, in words, for the first time a user meets it."""
+    last = start + size - 1
+    where = f"slot {start}" if size == 1 else f"slots {start}-{last}"
+    return (f"({{{start}}}:{size} is where the instance sits on its GPU: {size} of the GPU's {slots} memory "
+            f"slots, {where}; the number in braces is the first slot, the one after ':' how many)")
 
 
 class UsageError(Exception):
     """Bad input from the user: printed as one line, exit status 2."""
 
 
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """``--help`` shows each option's default, unless it has none or its help already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        unset = action.default is None or action.default is False or action.default == argparse.SUPPRESS
+        if unset or "default" in text or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)" if text else "(default: %(default)s)"
+
+
 class Parser(argparse.ArgumentParser):
-    """argparse with one-line errors (exit 2), like every other bad input of this command."""
+    """argparse with one-line errors (exit 2), like every other bad input of this command; subcommands
+    are made with the same class, so each has both.
+
+    A value that starts with a minus and a digit (``--idle-timeout -1s``) is a value, not an option:
+    no option of this command looks like that, and the value's own check can then name it. By
+    default argparse takes only plain negative numbers as values and says "expected one argument".
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = re.compile(r"^-[0-9]")
 
     def error(self, message: str) -> NoReturn:
         # argparse quotes whole values (an unknown argument of 5000 characters): keep the line short.
@@ -77,7 +108,15 @@ def cmd_catalog(args: argparse.Namespace) -> int:
 def cmd_inspect(args: argparse.Namespace) -> int:
     from .gpu.inventory import describe, render_text
 
-    backend = _open_backend(args.backend, args.state_file)
+    try:
+        backend = _open_backend(args.backend, args.state_file)
+    except GpuError as exc:
+        if args.backend != "nvml":
+            raise
+        # Most often: no NVIDIA driver on this machine. The simulator shows the same view.
+        print(f"mig-operator: {exc}; without an NVIDIA GPU, try the simulator: "
+              f"mig-operator inspect --backend {SIM_EXAMPLE}", file=sys.stderr)
+        return EXIT_GPU_ERROR
     try:
         desc = describe(backend)
     finally:
@@ -161,16 +200,31 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     """Replay a trace on simulated GPUs: plan each request, carry it out through the GPU backend,
     keep released instances idle, then reopen the backend as a restarted agent would."""
-    import os
+    import contextlib
+    import signal
     import tempfile
+
+    events = _read_trace(args.trace)
+    with contextlib.ExitStack() as stack:
+        if args.state_file:
+            state, where = args.state_file, args.state_file
+        else:
+            # Removed at exit, also when stopped by SIGTERM; --state-file keeps the state.
+            previous = signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
+            stack.callback(signal.signal, signal.SIGTERM, previous)
+            state = os.path.join(stack.enter_context(tempfile.TemporaryDirectory(prefix="mig-demo-")),
+                                 "sim-state.json")
+            where = "a temporary file, removed at exit (--state-file PATH keeps it)"
+        return _demo(args, events, state, where)
+
+
+def _demo(args: argparse.Namespace, events: list[TraceEvent], state: str, where: str) -> int:
     import time
 
     from .core.planner import Unplaceable, choose_mig
     from .gpu.inventory import describe, render_text
     from .kube.agent.direct import planner_view, realise_decision
 
-    events = _read_trace(args.trace)
-    state = args.state_file or os.path.join(tempfile.mkdtemp(prefix="mig-demo-"), "sim-state.json")
     backend = _open_backend(args.backend, state)
     if not any(gpu.mig_enabled for gpu in backend.gpus()):
         backend.close()
@@ -178,7 +232,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
             f"backend {clip_text(args.backend)} has no GPU in MIG mode; demo plans MIG slices, "
             "e.g. --backend sim:h200-141gbx2"
         )
-    print(f"== {len(backend.gpus())} simulated GPU(s) from {args.backend}; state in {state}")
+    print(f"== {len(backend.gpus())} simulated GPU(s) from {args.backend}; state in {where}")
+    explained = False
     bound: dict[str, tuple[int, int]] = {}  # slice -> (gpu, GI id)
     for event in events:
         if event.op == "free":
@@ -199,6 +254,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
         reclaimed = "".join(f", reclaimed {r.profile}@{r.start}" for r in decision.reclaim)
         print(f"{event.id}: {event.request.describe()} -> {decision.action} {made.profile} on GPU {made.gpu_index} "
               f"at {{{made.start}}}:{made.size}{reclaimed}, {made.device_uuid} ({took:.1f} ms)")
+        if not explained:
+            slots = backend.model(made.gpu_index).memory_slots
+            print(f"  {placement_note(made.start, made.size, slots)}")
+            explained = True
         bound[event.id] = (made.gpu_index, made.gi_id)
     backend.close()
     restarted = _open_backend(args.backend, state)
@@ -234,7 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="plan and carry out a trace on simulated GPUs")
     p.add_argument("--backend", default="sim:h200-141gbx2", help="a simulator spec, e.g. sim:h100-80gbx4")
-    p.add_argument("--trace", default="examples/trace-h200.json")
+    p.add_argument("--trace", default="examples/trace-h200.json", help="JSON list of alloc/free events")
     p.add_argument("--state-file", help="simulator state file (default: a new temporary file)")
     p.set_defaults(func=cmd_demo)
     from .operator_cli import add_operator_commands

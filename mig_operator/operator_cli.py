@@ -7,9 +7,16 @@ processes (kopf operators) rather than printing an answer.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import re
+import signal
+import sys
+import tempfile
+from types import FrameType
 
 from .core.quantities import QuantityError
+from .core.slice_spec import MAX_NODE_NAME_LENGTH, NODE_NAME
 
 DURATION_EXAMPLE = "10m"
 _DURATION = re.compile(r"^(?P<number>[0-9]+(?:\.[0-9]+)?)(?P<unit>ms|s|m|h|d)?$")
@@ -29,11 +36,76 @@ def parse_duration(text: str) -> float:
     return seconds
 
 
-def _address(text: str) -> str:
+# Kubernetes' own name rules: a DNS-1123 label (namespaces), a DNS-1035 label (Services).
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+_SERVICE_NAME = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
+MAX_LABEL_LENGTH = 63
+MAX_PEERING_LIFETIME_S = 3600
+SERVICE_EXAMPLE = "mig-operator/mig-operator-webhook:443"
+
+
+def _shown(text: str) -> str:
+    return repr(text if len(text) <= 60 else text[:60] + "…")
+
+
+def _address(flag: str, text: str, example: str) -> str:
     host, sep, port = text.rpartition(":")
     if not sep or not port.isdigit() or not 0 < int(port) < 65536:
-        raise QuantityError(f"address {text[:60]!r} is not HOST:PORT; use e.g. '127.0.0.1:9443' or ':9090'")
+        raise QuantityError(f"{flag} {_shown(text)} is not HOST:PORT (a port from 1 to 65535); use e.g. "
+                            f"{flag} {example}")
     return text
+
+
+def _duration_flag(flag: str, text: str) -> float:
+    """A duration flag's value in seconds; an error names the flag and the value as given."""
+    if text.strip().startswith("-"):
+        raise QuantityError(f"{flag} {_shown(text)} is negative; a duration is more than 0, "
+                            f"e.g. {flag} {DURATION_EXAMPLE}")
+    try:
+        return parse_duration(text)
+    except QuantityError as exc:
+        raise QuantityError(f"{flag}: {exc}") from None
+
+
+def _dns_subdomain(flag: str, text: str, example: str, what: str) -> str:
+    """A name Kubernetes takes as a DNS subdomain (nodes, cluster-scoped objects such as the peering)."""
+    if len(text) > MAX_NODE_NAME_LENGTH or NODE_NAME.fullmatch(text) is None:
+        raise QuantityError(f"{flag} {_shown(text)} is not a {what} (a lower-case DNS subdomain: a-z, 0-9, "
+                            f"'-' and '.', at most {MAX_NODE_NAME_LENGTH} characters); use e.g. {flag} {example}")
+    return text
+
+
+def _dns_label(flag: str, text: str, example: str, what: str) -> str:
+    if len(text) > MAX_LABEL_LENGTH or _DNS_LABEL.fullmatch(text) is None:
+        raise QuantityError(f"{flag} {_shown(text)} is not a {what} (a lower-case DNS label: a-z, 0-9 and '-', "
+                            f"at most {MAX_LABEL_LENGTH} characters); use e.g. {flag} {example}")
+    return text
+
+
+def _webhook_service(text: str) -> str:
+    """``NAMESPACE/NAME[:PORT]``: a namespace, a Service name and a port the API server can call."""
+    namespace, slash, rest = text.partition("/")
+    name, colon, port = rest.partition(":")
+    valid = (bool(slash) and len(namespace) <= MAX_LABEL_LENGTH and _DNS_LABEL.fullmatch(namespace) is not None
+             and len(name) <= MAX_LABEL_LENGTH and _SERVICE_NAME.fullmatch(name) is not None
+             and (not colon or (re.fullmatch(r"[0-9]{1,5}", port, re.ASCII) is not None and 0 < int(port) < 65536)))
+    if not valid:
+        raise QuantityError(f"--webhook-service {_shown(text)} is not NAMESPACE/NAME[:PORT] (a namespace, a Service "
+                            f"name and a port from 1 to 65535); use e.g. --webhook-service {SERVICE_EXAMPLE}")
+    return text
+
+
+def _peering_lifetime(text: str) -> int:
+    if re.fullmatch(r"[0-9]{1,5}", text, re.ASCII) is None or not 1 <= int(text) <= MAX_PEERING_LIFETIME_S:
+        raise QuantityError(f"--peering-lifetime {_shown(text)} must be a whole number of seconds from 1 to "
+                            f"{MAX_PEERING_LIFETIME_S}; use e.g. --peering-lifetime 10")
+    return int(text)
+
+
+def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
+    # SystemExit unwinds the ``with`` blocks, so temporary files go even when the process is stopped.
+    # kopf installs its own handler while it runs (it stops gracefully, and the blocks unwind then).
+    sys.exit(128 + signum)
 
 
 def add_operator_commands(sub: argparse._SubParsersAction) -> None:
@@ -41,14 +113,15 @@ def add_operator_commands(sub: argparse._SubParsersAction) -> None:
     common.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster, then KUBECONFIG, ~/.kube/config)")
     common.add_argument("--log-format", choices=("text", "json"), default="text",
                         help="one JSON object per line with json")
-    common.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
+    common.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info",
+                        help="the least severe messages logged")
     common.add_argument("--metrics-address", help="serve Prometheus metrics on HOST:PORT (e.g. :9090); off by default")
 
     p = sub.add_parser("controller", parents=[common], help="run the cluster-wide controller (binds GpuSlices)")
     p.add_argument("--priority", type=int, help="peering priority of this replica (default: derived, distinct)")
     p.add_argument("--peering", default="mig-operator", help="name of the ClusterKopfPeering the replicas share")
-    p.add_argument("--peering-lifetime", type=int, default=10,
-                   help="seconds before a silent active replica is replaced")
+    p.add_argument("--peering-lifetime", default="10",
+                   help=f"seconds before a silent active replica is replaced, 1 to {MAX_PEERING_LIFETIME_S}")
     p.add_argument("--resync", default="30s", help="how often the full state is read again (driven by events)")
     p.add_argument("--webhook", metavar="HOST:PORT", help="serve the pod admission webhook there (TLS)")
     p.add_argument("--webhook-cert", help="serving certificate (PEM); default: one made at start")
@@ -95,57 +168,102 @@ def _check_credentials(kubeconfig: str | None) -> None:
 
 def cmd_controller(args: argparse.Namespace) -> int:
     from .kube.common import metrics
+    from .kube.common.listen import ListenError
     from .kube.common.operator import run_operator
     from .kube.controller.main import ControllerOptions, build_registry, default_priority
     from .kube.webhook.admission import ShimMount
-    from .kube.webhook.server import WebhookOptions, register
+    from .kube.webhook.certs import CertificateFileError, check_pem_pair
+    from .kube.webhook.server import WebhookOptions, bind, register
 
     _configure_logs(args)  # first: with json, even an error that stops it at start is a JSON line
     _check_credentials(args.kubeconfig)
-    for address in (args.metrics_address, args.webhook):
-        if address:
-            _address(address)
+    # Every value is checked here, before kopf starts: inside kopf a bad one is a start-up handler
+    # that fails and is retried every 2 s for ever.
+    if args.metrics_address:
+        _address("--metrics-address", args.metrics_address, ":9090")
+    if args.webhook:
+        _address("--webhook", args.webhook, "127.0.0.1:9443")
+    _dns_subdomain("--peering", args.peering, "mig-operator", "peering name")
+    lifetime = _peering_lifetime(args.peering_lifetime)
+    resync = _duration_flag("--resync", args.resync)
+    _dns_label("--namespace", args.namespace, "mig-operator", "namespace")
+    if args.webhook_config:
+        _dns_subdomain("--webhook-config", args.webhook_config, "mig-operator", "MutatingWebhookConfiguration name")
+    if args.webhook_service:
+        _webhook_service(args.webhook_service)
     if bool(args.webhook_cert) != bool(args.webhook_key):
         raise QuantityError("--webhook-cert and --webhook-key go together; e.g. --webhook-cert tls.crt "
                             "--webhook-key tls.key")
+    if args.webhook_cert:
+        try:
+            check_pem_pair(args.webhook_cert, args.webhook_key)
+        except CertificateFileError as exc:
+            raise QuantityError(str(exc)) from None
     options = ControllerOptions(
         kubeconfig=args.kubeconfig, priority=args.priority, peering=args.peering,
-        peering_lifetime_s=args.peering_lifetime, resync_s=parse_duration(args.resync),
+        peering_lifetime_s=lifetime, resync_s=resync,
     )
     registry = build_registry(options)
-    if args.webhook:
-        register(registry, WebhookOptions(
-            listen=args.webhook, namespace=args.namespace, cert_file=args.webhook_cert, key_file=args.webhook_key,
-            cert_secret=args.webhook_cert_secret, url=args.webhook_url, service=args.webhook_service,
-            config_name=args.webhook_config or None, shim=ShimMount(host_dir=args.shim_host_dir),
-        ), args.kubeconfig)
-    if args.metrics_address:
-        metrics.serve(args.metrics_address)
-    priority = options.priority if options.priority is not None else default_priority()
-    run_operator(registry, standalone=False, priority=priority, peering_name=options.peering)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    with contextlib.ExitStack() as stack:
+        try:
+            metrics_socket = metrics.bind(args.metrics_address) if args.metrics_address else None
+            if metrics_socket is not None:
+                stack.callback(metrics_socket.close)
+            if args.webhook:
+                webhook = WebhookOptions(
+                    listen=args.webhook, namespace=args.namespace, cert_file=args.webhook_cert,
+                    key_file=args.webhook_key, cert_secret=args.webhook_cert_secret, url=args.webhook_url,
+                    service=args.webhook_service, config_name=args.webhook_config or None,
+                    shim=ShimMount(host_dir=args.shim_host_dir),
+                )
+                webhook_socket = stack.enter_context(bind(webhook))
+                if not args.webhook_cert:
+                    # The made certificate's key lives only as long as this process.
+                    key_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="mig-operator-webhook-"))
+                    webhook = dataclasses.replace(webhook, key_dir=key_dir)
+                register(registry, webhook, args.kubeconfig, webhook_socket)
+        except ListenError as exc:
+            raise QuantityError(str(exc)) from None
+        if metrics_socket is not None:
+            metrics.serve(metrics_socket)
+        priority = options.priority if options.priority is not None else default_priority()
+        run_operator(registry, standalone=False, priority=priority, peering_name=options.peering)
     return 0
 
 
 def cmd_agent(args: argparse.Namespace) -> int:
     from .gpu import open_backend
     from .kube.agent.agent import AgentSettings
-    from .kube.agent.main import AgentOptions, run_agent
+    from .kube.agent.main import AgentOptions, node_exists, run_agent
     from .kube.agent.record import RecordError, RecordStore
+    from .kube.common import metrics
+    from .kube.common.listen import ListenError
 
     _configure_logs(args)  # first: with json, even an error that stops it at start is a JSON line
+    _dns_subdomain("--node", args.node, "gpu-node-1", "node name")
     _check_credentials(args.kubeconfig)
     if args.metrics_address:
-        _address(args.metrics_address)
+        _address("--metrics-address", args.metrics_address, ":9090")
     if not 1 <= args.nvml_attempts <= 100:
         raise QuantityError(f"--nvml-attempts {args.nvml_attempts} must be 1..100; e.g. --nvml-attempts 5")
     if not 0 <= args.sim_latency <= 600:
         raise QuantityError(f"--sim-latency {args.sim_latency} must be 0..600 seconds; e.g. --sim-latency 1.5")
-    idle = parse_duration(args.idle_timeout) if args.idle_timeout else None
+    idle = _duration_flag("--idle-timeout", args.idle_timeout) if args.idle_timeout is not None else None
     record_file = args.record_file or (
         f"{args.state_file}.owners.json" if args.state_file else "/var/lib/mig-operator/owners.json")
     try:
         RecordStore(record_file)  # refuse a bad record before anything starts
     except RecordError as exc:
+        raise QuantityError(str(exc)) from None
+    if node_exists(args.kubeconfig, args.node) is False:
+        # Started anyway, it would publish a GpuNode for a node that no pod can ever run on.
+        raise QuantityError(f"--node {args.node!r}: the API server has no such Node (kubectl get node "
+                            f"{args.node}); give this node's name, e.g. --node \"$(hostname)\" or from the "
+                            "downward API's spec.nodeName")
+    try:
+        metrics_socket = metrics.bind(args.metrics_address) if args.metrics_address else None
+    except ListenError as exc:
         raise QuantityError(str(exc)) from None
     try:
         backend = open_backend(args.backend, state_file=args.state_file,
@@ -153,5 +271,5 @@ def cmd_agent(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise QuantityError(str(exc)) from None
     settings = AgentSettings(node=args.node, idle_timeout_s=idle, nvml_attempts=args.nvml_attempts)
-    run_agent(AgentOptions(settings, record_file, args.kubeconfig, args.metrics_address), backend)
+    run_agent(AgentOptions(settings, record_file, args.kubeconfig, args.metrics_address, metrics_socket), backend)
     return 0

@@ -1,7 +1,11 @@
+import argparse
 import json
 import os
+import re
+import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -116,7 +120,7 @@ def test_plan_lazy_reuse_versus_eager(tmp_path, capsys) -> None:
 def test_plan_reports_reclaim_and_refusal(tmp_path, capsys) -> None:
     events = [{"op": "alloc", "id": f"s{i}", "profile": "1g.10gb"} for i in range(7)]
     events += [{"op": "free", "id": f"s{i}"} for i in range(7)]
-    events += [{"op": "alloc", "id": "big", "profile": "7g.80gb"}, {"op": "alloc", "id": "more", "memory": "1G"}]
+    events += [{"op": "alloc", "id": "big", "profile": "7g.80gb"}, {"op": "alloc", "id": "more", "memory": "2G"}]
     code, out, _ = run(capsys, "plan", "--gpu", "h100-80gb", "--trace", write_trace(tmp_path, events), "--json")
     assert code == 0
     results = json.loads(out)
@@ -314,3 +318,256 @@ def test_operator_parts_without_usable_credentials_exit_with_one_line(tmp_path, 
     assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
     assert lines[0].startswith("mig-operator: no usable Kubernetes credentials from --kubeconfig")
     assert repr(str(path)) in lines[0] and "e.g. --kubeconfig ~/.kube/config" in lines[0]
+
+
+# ---- start-up robustness (issue 19): every bad value is one line and exit 2, before kopf starts --------
+
+
+def unreachable_kubeconfig(tmp_path: Path) -> Path:
+    """Credentials that load but lead nowhere: a value check that waited for kopf would never end."""
+    path = tmp_path / "kubeconfig"
+    path.write_text(
+        "apiVersion: v1\nkind: Config\ncurrent-context: c\n"
+        "clusters: [{name: c, cluster: {server: 'https://127.0.0.1:1', insecure-skip-tls-verify: true}}]\n"
+        "users: [{name: u, user: {token: t}}]\ncontexts: [{name: c, context: {cluster: c, user: u}}]\n")
+    return path
+
+
+def part(tmp_path: Path, *argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``mig-operator controller|agent ...`` against an unreachable API server; a part that starts
+    instead of refusing runs into the time-out, which fails the test."""
+    extra = ["--state-file", str(tmp_path / "sim.json")] if argv[0] == "agent" else []
+    try:
+        return subprocess.run([sys.executable, "-m", "mig_operator.cli", *argv, *extra,
+                               "--kubeconfig", str(unreachable_kubeconfig(tmp_path))],
+                              capture_output=True, text=True, timeout=20, env={**os.environ, **(env or {})})
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"{' '.join(argv)} was still running after 20 s instead of refusing: {exc.stderr!r:.300}")
+
+
+@pytest.mark.parametrize(("argv", "fragments"), [
+    (["agent", "--node", ""], ["--node '' is not a node name", "use e.g. --node gpu-node-1"]),
+    (["agent", "--node", "Bad_Node!"], ["--node 'Bad_Node!' is not a node name", "use e.g. --node gpu-node-1"]),
+    (["agent", "--node", "n" * 254], ["is not a node name", "at most 253 characters"]),
+    (["controller", "--peering", "Bad Peering"], ["--peering 'Bad Peering' is not a peering name",
+                                                  "use e.g. --peering mig-operator"]),
+    (["controller", "--peering", ""], ["--peering '' is not a peering name"]),
+])
+def test_bad_names_exit_2_before_kopf_starts(tmp_path, argv: list[str], fragments: list[str]) -> None:
+    proc = part(tmp_path, *argv, "--backend", "sim:h100-80gb") if argv[0] == "agent" else part(tmp_path, *argv)
+    assert_one_line_error(proc, 2, fragments[0])
+    for fragment in fragments[1:]:
+        assert fragment in proc.stderr
+
+
+def test_names_at_the_length_limit_pass_the_name_check() -> None:
+    from mig_operator.operator_cli import _dns_label, _dns_subdomain
+
+    assert _dns_subdomain("--node", "n" * 253, "x", "node name") == "n" * 253
+    assert _dns_subdomain("--node", "gpu-node-1.example", "x", "node name") == "gpu-node-1.example"
+    assert _dns_label("--namespace", "a" * 63, "x", "namespace") == "a" * 63
+    with pytest.raises(Exception, match="at most 63"):
+        _dns_label("--namespace", "a" * 64, "x", "namespace")
+
+
+def _pem_pair(tmp_path: Path, name: str) -> tuple[Path, Path]:
+    from mig_operator.kube.webhook.certs import make_certificate
+
+    bundle = make_certificate(["127.0.0.1"])
+    cert, key = tmp_path / f"{name}.crt", tmp_path / f"{name}.key"
+    cert.write_bytes(bundle.cert_pem)
+    key.write_bytes(bundle.key_pem)
+    return cert, key
+
+
+def test_webhook_certificate_files_are_checked_before_kopf_starts(tmp_path) -> None:
+    cert, key = _pem_pair(tmp_path, "a")
+    other_cert, other_key = _pem_pair(tmp_path, "b")
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("not a certificate\n")
+    cases = [
+        (["/nope.pem", str(key)], "--webhook-cert '/nope.pem': cannot read the certificate: No such file"),
+        ([str(cert), "/nope.key"], "--webhook-key '/nope.key': cannot read the private key: No such file"),
+        ([str(garbage), str(key)], f"--webhook-cert {str(garbage)!r} holds no PEM certificate"),
+        ([str(cert), str(garbage)], f"--webhook-key {str(garbage)!r} holds no PEM private key"),
+        ([str(cert), str(cert)], f"--webhook-key {str(cert)!r} holds no PEM private key"),
+        ([str(cert), str(other_key)], f"--webhook-key {str(other_key)!r} is not the key of --webhook-cert"),
+    ]
+    for (cert_arg, key_arg), fragment in cases:
+        proc = part(tmp_path, "controller", "--webhook", "127.0.0.1:9443", "--webhook-cert", cert_arg,
+                    "--webhook-key", key_arg)
+        assert_one_line_error(proc, 2, fragment)
+        assert "e.g. --webhook-" in proc.stderr
+
+
+def test_a_matching_certificate_pair_passes_the_check(tmp_path) -> None:
+    from mig_operator.kube.webhook.certs import check_pem_pair
+
+    cert, key = _pem_pair(tmp_path, "a")
+    assert check_pem_pair(str(cert), str(key)) is None
+
+
+def _listening(reuse_port: bool) -> socket.socket:
+    sock = socket.socket()
+    if reuse_port:  # as kopf's own webhook server binds, which let two controllers share a port
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    return sock
+
+
+@pytest.mark.parametrize("reuse_port", [False, True])
+def test_ports_in_use_and_foreign_addresses_exit_2(tmp_path, reuse_port: bool) -> None:
+    with _listening(reuse_port) as taken:
+        port = taken.getsockname()[1]
+        proc = part(tmp_path, "controller", "--metrics-address", f"127.0.0.1:{port}")
+        assert_one_line_error(proc, 2, f"--metrics-address '127.0.0.1:{port}' cannot be listened on: port {port} "
+                                       "is in use")
+        proc = part(tmp_path, "controller", "--webhook", f"127.0.0.1:{port}")
+        assert_one_line_error(proc, 2, f"--webhook '127.0.0.1:{port}' cannot be listened on: port {port} is in use")
+    # 192.0.2.0/24 is reserved for documentation (RFC 5737): never an address of this host.
+    proc = part(tmp_path, "controller", "--webhook", "192.0.2.1:9443")
+    assert_one_line_error(proc, 2, "--webhook '192.0.2.1:9443' cannot be listened on: 192.0.2.1 is not an address "
+                                   "of this host; use e.g. --webhook 127.0.0.1:9443")
+
+
+def test_the_webhook_socket_holds_its_port_against_a_reuse_port_bind() -> None:
+    from mig_operator.kube.common.listen import ListenError, listen
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    held = listen("--webhook", f"127.0.0.1:{port}", "127.0.0.1:9443")
+    try:
+        with pytest.raises(ListenError, match="in use"):
+            listen("--webhook", f"127.0.0.1:{port}", "127.0.0.1:9443")
+        with socket.socket() as other, pytest.raises(OSError):
+            other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            other.bind(("127.0.0.1", port))
+    finally:
+        held.close()
+
+
+@pytest.mark.parametrize("argv", [["--idle-timeout", "-1s"], ["--idle-timeout=-1s"], ["--idle-timeout", "-5"]])
+def test_a_negative_idle_timeout_is_named_not_taken_for_a_flag(tmp_path, argv: list[str]) -> None:
+    value = argv[-1].removeprefix("--idle-timeout=")
+    proc = part(tmp_path, "agent", "--node", "n1", "--backend", "sim:h100-80gb", *argv)
+    assert_one_line_error(proc, 2, f"--idle-timeout {value!r} is negative")
+    assert "e.g. --idle-timeout 10m" in proc.stderr
+
+
+def test_a_bad_idle_timeout_names_the_flag(tmp_path) -> None:
+    proc = part(tmp_path, "agent", "--node", "n1", "--backend", "sim:h100-80gb", "--idle-timeout", "soon")
+    assert_one_line_error(proc, 2, "--idle-timeout: duration 'soon' is not a duration")
+
+
+@pytest.mark.parametrize("value", ["-5", "0", "3601", "ten", "1.5", ""])
+def test_peering_lifetime_out_of_range_exits_2(tmp_path, value: str) -> None:
+    proc = part(tmp_path, "controller", "--peering-lifetime", value)
+    assert_one_line_error(proc, 2, f"--peering-lifetime {value!r} must be a whole number of seconds from 1 to 3600")
+    assert "e.g. --peering-lifetime 10" in proc.stderr
+
+
+def test_peering_lifetime_bounds_are_accepted() -> None:
+    from mig_operator.operator_cli import _peering_lifetime
+
+    assert [_peering_lifetime(v) for v in ("1", "10", "3600")] == [1, 10, 3600]
+
+
+@pytest.mark.parametrize("value", ["garbage", "ns/", "/svc", "ns/svc:", "ns/svc:0", "ns/svc:65536", "ns/svc:http",
+                                   "Ns/svc", "ns/9svc", "ns/svc/x", "a" * 64 + "/svc", "ns/" + "s" * 64])
+def test_webhook_service_must_be_namespace_name_port(tmp_path, value: str) -> None:
+    proc = part(tmp_path, "controller", "--webhook", "127.0.0.1:9443", "--webhook-service", value)
+    assert_one_line_error(proc, 2, "is not NAMESPACE/NAME[:PORT]")
+    assert repr(value[:60] + ("…" if len(value) > 60 else "")) in proc.stderr
+    assert "e.g. --webhook-service mig-operator/mig-operator-webhook:443" in proc.stderr
+
+
+@pytest.mark.parametrize("value", ["mig-operator/mig-operator-webhook", "ns/svc:1", "ns/svc:65535",
+                                   "a" * 63 + "/" + "s" * 63 + ":443"])
+def test_valid_webhook_services_are_accepted(value: str) -> None:
+    from mig_operator.operator_cli import _webhook_service
+
+    assert _webhook_service(value) == value
+
+
+def test_demo_leaves_no_temporary_directory(tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    code, out, _ = run(capsys, "demo")
+    assert code == 0 and "removed at exit" in out
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_demo_stopped_by_sigterm_removes_its_temporary_directory(tmp_path, monkeypatch, capsys) -> None:
+    import signal
+
+    from mig_operator.kube.agent import direct
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    realise = direct.realise_decision
+    seen: list[list[Path]] = []
+
+    def realise_then_stop(*args, **kwargs):
+        made = realise(*args, **kwargs)
+        seen.append(list(tmp_path.iterdir()))  # the directory exists while the demo runs
+        os.kill(os.getpid(), signal.SIGTERM)
+        return made
+
+    monkeypatch.setattr(direct, "realise_decision", realise_then_stop)
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as stopped:
+        main(["demo"])
+    assert stopped.value.code == 128 + signal.SIGTERM
+    assert len(seen) == 1 and [p.name.startswith("mig-demo-") for p in seen[0]] == [True]
+    assert list(tmp_path.iterdir()) == []
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_demo_explains_the_placement_notation_where_it_first_appears(capsys) -> None:
+    code, out, _ = run(capsys, "demo", "--backend", "sim:h200-141gbx2")
+    assert code == 0
+    lines = out.splitlines()
+    first = next(i for i, line in enumerate(lines) if re.search(r" at \{\d+\}:\d+", line))
+    start, size = map(int, re.search(r" at \{(\d+)\}:(\d+)", lines[first]).groups())
+    note = lines[first + 1]
+    slots = CATALOG["h200-141gb"].memory_slots
+    assert note.strip().startswith(f"({{{start}}}:{size} is where the instance sits on its GPU: {size} of the "
+                                   f"GPU's {slots} memory slots")
+    assert "the number in braces is the first slot, the one after ':' how many" in note
+    assert sum("is where the instance sits" in line for line in lines) == 1  # said once
+
+
+def test_inspect_without_nvml_points_to_the_simulator(monkeypatch, capsys) -> None:
+    import pynvml
+
+    def no_library() -> None:
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)
+
+    monkeypatch.setattr(pynvml, "nvmlInit", no_library)
+    code, out, err = run(capsys, "inspect")
+    assert code == 1 and out == "" and err.count("\n") == 1
+    assert "NVML_ERROR_LIBRARY_NOT_FOUND" in err
+    assert err.rstrip().endswith("try the simulator: mig-operator inspect --backend sim:h100-80gb")
+
+
+def _subcommands() -> dict[str, argparse.ArgumentParser]:
+    from mig_operator.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(sub.choices)
+
+
+@pytest.mark.parametrize("command", sorted(_subcommands()))
+def test_every_subcommands_help_shows_its_defaults(command: str) -> None:
+    # COLUMNS wide: argparse wraps help to the terminal, and a wrap may split "(default: ...)".
+    shown = subprocess.run([sys.executable, "-m", "mig_operator.cli", command, "--help"], capture_output=True,
+                           text=True, timeout=60, env={**os.environ, "COLUMNS": "400"}, check=True).stdout
+    options = [a for a in _subcommands()[command]._actions
+               if a.option_strings and a.default not in (None, argparse.SUPPRESS) and a.default is not False]
+    # One block per option: its line, and its help on the lines below when the option is long.
+    blocks = [" ".join(block.split()) for block in re.split(r"\n(?=  -)", shown)]
+    for action in options:
+        block = next(b for b in blocks if b.startswith(action.option_strings[0] + " "))
+        assert f"(default: {action.default})" in block or f"(default {action.default})" in block, block
+    if command in ("controller", "agent", "demo", "inspect"):
+        assert options  # these have defaults to show, so the loop above checked something

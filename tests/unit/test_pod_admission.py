@@ -119,7 +119,8 @@ def test_every_cdmo_variable_in_a_sliced_containers_env_is_refused(variable: str
     assert "CDMO_*" in text and "drop that env entry" in text
 
 
-@pytest.mark.parametrize("variable", ["CDMO", "CDMOX_LIMIT", "cdmo_shim_disable", "XCDMO_SHIM_DISABLE", "GPU_MEM_LIMIT_GB"])
+@pytest.mark.parametrize("variable", ["CDMO", "CDMOX_LIMIT", "cdmo_shim_disable", "XCDMO_SHIM_DISABLE",
+                                      "GPU_MEM_LIMIT_GB"])
 def test_names_that_only_look_like_the_operators_are_allowed(variable: str) -> None:
     body = pod({"cdmo.io/gpu-fraction": "0.5"}, containers=[{"name": "c", "env": [{"name": variable, "value": "1"}]}])
     assert check_pod(body) is not None
@@ -559,6 +560,9 @@ def _slice_body(owner_uid: str, phase: str = "Ready") -> dict:
 def _pod_slices(owner_uid: str) -> tuple[PodSlices, _Client, _Events]:
     state = ClusterState()
     state.put_slice(_slice_body(owner_uid))
+    # Node n's GpuNode lists the slice's device, so the controller's device check accepts it.
+    state.put_inventory({"metadata": {"name": "n"}, "spec": {"nodeName": "n"},
+                         "status": {"gpus": [{"index": 0, "uuid": "GPU-1", "memoryMiB": 81559}]}})
     client, events = _Client(), _Events()
     return PodSlices(client, events, state), client, events  # type: ignore[arg-type]
 

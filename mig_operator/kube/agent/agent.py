@@ -562,15 +562,18 @@ class NodeAgent:
         except ApiError as exc:
             if not exc.not_found:
                 raise
+            if not self._node_uid:
+                # The Node is gone (the garbage collector removed its GpuNode): publish nothing until a
+                # Node of this name exists again, so no inventory outlives its node.
+                log.warning("node %s does not exist: its GpuNode is not written", self.settings.node)
+                return
             await self._create_gpunode()
             await self.client.merge_patch(path, {"status": body})
 
     async def _create_gpunode(self) -> None:
-        meta: dict[str, Any] = {"name": self.settings.node}
-        if self._node_uid:
-            # Owned by its Node: deleting the Node deletes its inventory.
-            meta["ownerReferences"] = [{"apiVersion": "v1", "kind": "Node", "name": self.settings.node,
-                                        "uid": self._node_uid}]
+        # Owned by its Node: deleting the Node deletes its inventory (kube-controller-manager's GC).
+        meta: dict[str, Any] = {"name": self.settings.node, "ownerReferences": [
+            {"apiVersion": "v1", "kind": "Node", "name": self.settings.node, "uid": self._node_uid}]}
         body = {"apiVersion": API_VERSION, "kind": NODE_KIND, "metadata": meta,
                 "spec": {"nodeName": self.settings.node}}
         try:

@@ -6,7 +6,9 @@ work and traffic grow with its own node's slices, not with the cluster.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,7 +17,7 @@ import kopf
 from mig_operator.gpu.protocol import GpuBackend
 
 from ..common import metrics
-from ..common.client import KubeClient
+from ..common.client import ApiError, KubeClient, Retry
 from ..common.events import EventPoster
 from ..common.names import AGENT_PREFIX, GROUP, SLICE_NODE_LABEL, SLICES, VERSION
 from ..common.operator import register_login, run_operator, tune
@@ -31,6 +33,7 @@ class AgentOptions:
     record_file: str
     kubeconfig: str | None = None
     metrics_address: str | None = None
+    metrics_socket: socket.socket | None = None  # bound before start (metrics.bind); else bound from the address
 
 
 def build_registry(options: AgentOptions, backend: GpuBackend) -> kopf.OperatorRegistry:
@@ -73,9 +76,29 @@ def build_registry(options: AgentOptions, backend: GpuBackend) -> kopf.OperatorR
     return registry
 
 
+def node_exists(kubeconfig: str | None, node: str) -> bool | None:
+    """Whether the API server has Node ``node``: None when it cannot tell (unreachable, forbidden), so
+    that the agent starts and kopf keeps retrying as for any other outage."""
+
+    async def ask() -> bool | None:
+        client = KubeClient.from_environment(kubeconfig, retry=Retry(attempts=3), timeout_s=10.0)
+        try:
+            await client.get(f"/api/v1/nodes/{node}")
+            return True
+        except ApiError as exc:
+            if exc.not_found:
+                return False
+            log.warning("cannot check that node %s exists, starting anyway: %s", node, exc)
+            return None
+        finally:
+            await client.close()
+
+    return asyncio.run(ask())
+
+
 def run_agent(options: AgentOptions, backend: GpuBackend) -> None:
-    if options.metrics_address:
-        metrics.serve(options.metrics_address)
+    if options.metrics_socket is not None or options.metrics_address:
+        metrics.serve(options.metrics_socket or options.metrics_address or "")
     try:
         run_operator(build_registry(options, backend), standalone=True)
     finally:

@@ -6,7 +6,14 @@ Each process serves only the metrics of its part; ``serve`` starts the HTTP endp
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram, start_http_server
+import socket
+import threading
+from wsgiref.simple_server import WSGIRequestHandler
+
+from prometheus_client import Counter, Gauge, Histogram, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
+
+from .listen import listen
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -32,7 +39,34 @@ RECONCILE_ERRORS = Counter(
 )
 
 
-def serve(address: str) -> None:
-    """Serve /metrics on ``HOST:PORT`` (``:9090`` for every interface) in a background thread."""
-    host, _, port = address.rpartition(":")
-    start_http_server(int(port), addr=host or "0.0.0.0")
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 (the base class's name)
+        """A scrape every few seconds is not worth a line each."""
+
+
+class _MetricsServer(ThreadingWSGIServer):
+    """Serves on a socket bound beforehand (``listen``), so it neither binds nor shares a port itself."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        super().__init__(sock.getsockname()[:2], _QuietHandler, bind_and_activate=False)
+        self.socket.close()  # the one the base class made; ours is already bound and listening
+        self.socket = sock
+        self.address_family = sock.family
+        self.server_address = sock.getsockname()[:2]
+        self.server_name, self.server_port = str(self.server_address[0]), int(self.server_address[1])
+        self.setup_environ()
+
+
+def bind(address: str) -> socket.socket:
+    """The metrics socket, bound and listening; a port in use or an address not of this host raises
+    ListenError (one line at start, before kopf runs)."""
+    return listen("--metrics-address", address, ":9090")
+
+
+def serve(where: str | socket.socket) -> None:
+    """Serve /metrics on a socket from ``bind`` (or on ``HOST:PORT``, ``:9090`` for every interface) in a
+    background thread."""
+    sock = bind(where) if isinstance(where, str) else where
+    server = _MetricsServer(sock)
+    server.set_app(make_wsgi_app())
+    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()

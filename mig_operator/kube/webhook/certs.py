@@ -12,6 +12,7 @@ import ipaddress
 from dataclasses import dataclass
 
 from cryptography import x509
+from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
@@ -70,3 +71,46 @@ def make_certificate(hosts: list[str], days: int = VALID_DAYS) -> CertBundle:
         key_pem=key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                   serialization.NoEncryption()),
     )
+
+
+class CertificateFileError(ValueError):
+    """A given certificate or key file that cannot serve: missing, unreadable, not PEM, or not a pair."""
+
+
+def _read_pem(path: str, what: str, flag: str, example: str) -> bytes:
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(1 << 20)  # a certificate chain is a few KiB; no need to read a device to its end
+    except OSError as exc:
+        raise CertificateFileError(f"{flag} {path!r}: cannot read the {what}: {exc.strerror or exc}; "
+                                   f"give a PEM file, e.g. {flag} {example}") from None
+    except ValueError as exc:  # a path holding a NUL byte
+        raise CertificateFileError(f"{flag} {path!r}: {exc}; e.g. {flag} {example}") from None
+
+
+def check_pem_pair(cert_file: str, key_file: str) -> None:
+    """Refuse, before anything starts, a serving certificate and key that the TLS server could not load:
+    each must be readable PEM (an unencrypted key), and the key must be the certificate's."""
+    import ssl
+
+    cert_pem = _read_pem(cert_file, "certificate", "--webhook-cert", "tls.crt")
+    key_pem = _read_pem(key_file, "private key", "--webhook-key", "tls.key")
+    try:
+        if not x509.load_pem_x509_certificates(cert_pem):
+            raise ValueError("no certificate")
+    except ValueError:
+        raise CertificateFileError(f"--webhook-cert {cert_file!r} holds no PEM certificate (-----BEGIN CERTIFICATE-----"
+                                   "); e.g. --webhook-cert tls.crt") from None
+    try:
+        serialization.load_pem_private_key(key_pem, password=None)
+    except TypeError:  # cryptography's word for "encrypted, and no password given"
+        raise CertificateFileError(f"--webhook-key {key_file!r} is encrypted; give an unencrypted PEM key, "
+                                   "e.g. --webhook-key tls.key") from None
+    except (ValueError, UnsupportedAlgorithm):
+        raise CertificateFileError(f"--webhook-key {key_file!r} holds no PEM private key (-----BEGIN PRIVATE KEY-----"
+                                   "); e.g. --webhook-key tls.key") from None
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert_file, key_file)
+    except ssl.SSLError:
+        raise CertificateFileError(f"--webhook-key {key_file!r} is not the key of --webhook-cert {cert_file!r}; "
+                                   "give the pair, e.g. --webhook-cert tls.crt --webhook-key tls.key") from None

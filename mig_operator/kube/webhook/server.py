@@ -8,19 +8,25 @@ neither (it filters annotations client-side), so the controller writes the confi
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import logging
 import os
+import socket
+import ssl
 import tempfile
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp.web
 import kopf
 
 from mig_operator.core.pod_admission import PodRefused, check_pod
 from mig_operator.core.quantities import QuantityError
 
 from ..common.client import ApiError, KubeClient
+from ..common.listen import listen
 from ..common.names import WEBHOOK_NAME
 from .admission import RefusalsAtInfo, ShimMount, mutate_pod, slice_name_for
 from .certs import CertBundle, make_certificate
@@ -49,11 +55,65 @@ class WebhookOptions:
     config_name: str | None = WEBHOOK_NAME  # the configuration to create/update; None: managed elsewhere
     failure_policy: str = "Fail"
     shim: ShimMount = field(default_factory=ShimMount)
+    key_dir: str | None = None  # where a made certificate's files go; the caller removes it at exit
 
     @property
     def host_port(self) -> tuple[str, int]:
         host, _, port = self.listen.rpartition(":")
         return host or "0.0.0.0", int(port)
+
+
+def bind(options: WebhookOptions) -> socket.socket:
+    """The webhook's socket, bound and listening before kopf starts (see kube.common.listen)."""
+    return listen("--webhook", options.listen, "127.0.0.1:9443")
+
+
+class BoundWebhookServer(kopf.WebhookServer):
+    """kopf's webhook server on a socket bound beforehand.
+
+    kopf's own binds with SO_REUSEPORT, so a second controller on the same port shared it silently
+    and a bad address was a traceback retried every 2 s; this one is handed a socket that ``bind``
+    already holds. The server restarts when the certificate files change (cert-manager renewals).
+    """
+
+    def __init__(self, sock: socket.socket, *, certfile: str, pkeyfile: str, host: str,
+                 file_check_interval: float = 60.0) -> None:
+        super().__init__(addr=sock.getsockname()[0], port=sock.getsockname()[1], host=host, certfile=certfile,
+                         pkeyfile=pkeyfile, file_check_interval=file_check_interval)
+        self.sock = sock
+
+    def _files_stamp(self) -> tuple[tuple[float, int], ...]:
+        stamps = []
+        for path in (self.certfile, self.pkeyfile):
+            try:
+                st = os.stat(str(path))
+                stamps.append((st.st_mtime, st.st_size))
+            except OSError:
+                stamps.append((0.0, -1))
+        return tuple(stamps)
+
+    async def __call__(self, fn: Any) -> AsyncIterator[Any]:
+        async def serve(request: aiohttp.web.Request) -> aiohttp.web.Response:
+            return await self._serve(fn, request)
+
+        while True:
+            stamp = self._files_stamp()
+            context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            context.load_cert_chain(str(self.certfile), str(self.pkeyfile))
+            app = aiohttp.web.Application()
+            app.add_routes([aiohttp.web.post("/{id:.*}", serve)])
+            runner = aiohttp.web.AppRunner(app, handle_signals=False)
+            await runner.setup()
+            try:
+                # A duplicate: stopping the site closes the socket it was given, and ours must stay
+                # bound across certificate renewals so that no other process can take the port.
+                await aiohttp.web.SockSite(runner, self.sock.dup(), ssl_context=context).start()
+                yield {"url": f"https://{self.host}:{self.port}"}
+                while self._files_stamp() == stamp:
+                    await asyncio.sleep(self.file_check_interval)
+                log.info("webhook certificate files changed: serving the new ones")
+            finally:
+                await runner.cleanup()
 
 
 def certificate_hosts(options: WebhookOptions) -> list[str]:
@@ -151,7 +211,7 @@ async def prepare(options: WebhookOptions, client: KubeClient) -> tuple[str, str
         bundle = await shared_certificate(client, options.namespace, options.cert_secret, hosts)
     else:
         bundle = make_certificate(hosts)
-    directory = tempfile.mkdtemp(prefix="mig-operator-webhook-")
+    directory = options.key_dir or tempfile.mkdtemp(prefix="mig-operator-webhook-")
     cert_path, key_path = os.path.join(directory, "tls.crt"), os.path.join(directory, "tls.key")
     with open(cert_path, "wb") as fh:
         fh.write(bundle.cert_pem + bundle.ca_pem)
@@ -161,9 +221,11 @@ async def prepare(options: WebhookOptions, client: KubeClient) -> tuple[str, str
     return cert_path, key_path, bundle.ca_pem
 
 
-def register(registry: kopf.OperatorRegistry, options: WebhookOptions, kubeconfig: str | None) -> None:
+def register(registry: kopf.OperatorRegistry, options: WebhookOptions, kubeconfig: str | None,
+             sock: socket.socket | None = None) -> None:
     """Add the webhook to a kopf registry: the server is set up at start, the handler on every pod
-    CREATE the configuration sends (annotated pods only)."""
+    CREATE the configuration sends (annotated pods only). ``sock`` is from ``bind`` (bound at start
+    when not given)."""
     kopf_objects = logging.getLogger("kopf.objects")
     if not any(isinstance(f, RefusalsAtInfo) for f in kopf_objects.filters):
         kopf_objects.addFilter(RefusalsAtInfo(HANDLER_ID))
@@ -173,8 +235,7 @@ def register(registry: kopf.OperatorRegistry, options: WebhookOptions, kubeconfi
         client = KubeClient.from_environment(kubeconfig)
         try:
             cert, key, ca = await prepare(options, client)
-            host, port = options.host_port
-            settings.admission.server = kopf.WebhookServer(addr=host, port=port, certfile=cert, pkeyfile=key,
+            settings.admission.server = BoundWebhookServer(sock or bind(options), certfile=cert, pkeyfile=key,
                                                            host=certificate_hosts(options)[0])
             settings.admission.managed = None
             if options.config_name:
