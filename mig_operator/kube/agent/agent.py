@@ -223,9 +223,18 @@ class NodeAgent:
     def node_changed(self, node: Mapping) -> None:
         """A watch event of this agent's own Node: a changed MIG label changes what every GPU serves,
         so the GpuNode says so at once, not at the next heartbeat (30 s)."""
+        known = self._node_uid
         if self._take_node(node):
             log.info("node %s is %s for MIG now", self.settings.node, "labelled" if self._labelled else "not labelled")
             self.schedule_publish(at_once=True)
+        elif self._node_uid != known:  # a Node of this name again: its GpuNode is written anew
+            self.schedule_publish(at_once=True)
+
+    def node_deleted(self) -> None:
+        """This agent's Node is gone: the garbage collector removes its GpuNode (owned by the Node), and
+        none is written again until a Node of this name exists (``node_changed``)."""
+        log.warning("node %s was deleted: its GpuNode goes with it", self.settings.node)
+        self._labelled, self._node_uid = False, ""
 
     # ---- slice events ------------------------------------------------------------------------------
 
@@ -565,7 +574,7 @@ class NodeAgent:
             if not self._node_uid:
                 # The Node is gone (the garbage collector removed its GpuNode): publish nothing until a
                 # Node of this name exists again, so no inventory outlives its node.
-                log.warning("node %s does not exist: its GpuNode is not written", self.settings.node)
+                log.debug("node %s does not exist: its GpuNode is not written", self.settings.node)
                 return
             await self._create_gpunode()
             await self.client.merge_patch(path, {"status": body})

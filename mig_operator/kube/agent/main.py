@@ -62,7 +62,9 @@ def build_registry(options: AgentOptions, backend: GpuBackend) -> kopf.OperatorR
 
     @kopf.on.event("v1", "nodes", registry=registry)
     async def own_node_event(body: kopf.Body, type: str | None, **_: Any) -> None:
-        if type != "DELETED":
+        if type == "DELETED":
+            state["agent"].node_deleted()
+        else:
             state["agent"].node_changed(body)
 
     @kopf.on.cleanup(registry=registry)
