@@ -256,11 +256,6 @@ def cmd_agent(args: argparse.Namespace) -> int:
         RecordStore(record_file)  # refuse a bad record before anything starts
     except RecordError as exc:
         raise QuantityError(str(exc)) from None
-    if node_exists(args.kubeconfig, args.node) is False:
-        # Started anyway, it would publish a GpuNode for a node that no pod can ever run on.
-        raise QuantityError(f"--node {args.node!r}: the API server has no such Node (kubectl get node "
-                            f"{args.node}); give this node's name, e.g. --node \"$(hostname)\" or from the "
-                            "downward API's spec.nodeName")
     try:
         metrics_socket = metrics.bind(args.metrics_address) if args.metrics_address else None
     except ListenError as exc:
@@ -270,6 +265,13 @@ def cmd_agent(args: argparse.Namespace) -> int:
                                latency_s=args.sim_latency if args.sim_latency else None, host=args.node)
     except ValueError as exc:
         raise QuantityError(str(exc)) from None
+    # Last, after every local check: the one that asks the API server.
+    if node_exists(args.kubeconfig, args.node) is False:
+        backend.close()
+        # Started anyway, it would publish a GpuNode for a node that no pod can ever run on.
+        raise QuantityError(f"--node {args.node!r}: the API server has no such Node (kubectl get node "
+                            f"{args.node}); give this node's name, e.g. --node \"$(hostname)\" or from the "
+                            "downward API's spec.nodeName")
     settings = AgentSettings(node=args.node, idle_timeout_s=idle, nvml_attempts=args.nvml_attempts)
     run_agent(AgentOptions(settings, record_file, args.kubeconfig, args.metrics_address, metrics_socket), backend)
     return 0
