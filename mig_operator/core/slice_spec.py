@@ -99,7 +99,7 @@ def check_floor(request: SliceRequest, given: object) -> SliceRequest:
     if request.fraction is not None and request.fraction < MIN_FRACTION:
         raise QuantityError(
             f"fraction {show_fraction(given)} is below the smallest share, {MIN_FRACTION:g}; "
-            f"use e.g. {FRACTION_EXAMPLE}"
+            f"use e.g. {FRACTION_EXAMPLE!r}"
         )
     return request
 

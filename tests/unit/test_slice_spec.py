@@ -222,7 +222,7 @@ def test_the_smallest_share_is_one_hundredth() -> None:
     for below, shown in ((0.0099999, "0.0099999"), (0.00002, "0.00002"), (0.009999999999, "0.01"), (5e-324, "0")):
         with pytest.raises(QuantityError) as refused:
             request_from_spec({"fraction": below})
-        assert str(refused.value) == f"fraction {shown} is below the smallest share, 0.01; use e.g. 0.5"
+        assert str(refused.value) == f"fraction {shown} is below the smallest share, 0.01; use e.g. '0.5'"
     for below in ("0.0099999", "0.000000000000000000001", ".001"):
         with pytest.raises(QuantityError, match=rf"annotation {ANNOTATION_FRACTION}: fraction '{below}' is below"):
             request_from_annotations({ANNOTATION_FRACTION: below})
