@@ -267,6 +267,9 @@ class NvmlBackend:
             raise GpuError(int(status), f"{op}: activation failed")
         self._models.pop(index, None)
 
+    def device_root(self) -> str:
+        return "/"
+
     def close(self) -> None:
         if not self._closed:
             self._closed = True
@@ -326,8 +329,9 @@ class NvmlBackend:
             uuid = _text(pynvml.nvmlDeviceGetUUID(handle))
             product = _text(pynvml.nvmlDeviceGetName(handle))
             memory_mib = int(pynvml.nvmlDeviceGetMemoryInfo(handle).total) // _MIB
+            minor = int(pynvml.nvmlDeviceGetMinorNumber(handle))
         capable, enabled = self._mig_mode(handle, index)
-        return GpuInfo(index, uuid, product, memory_mib, capable, enabled)
+        return GpuInfo(index, uuid, product, memory_mib, capable, enabled, minor)
 
     def _mig_mode(self, handle: Any, index: int) -> tuple[bool, bool]:
         try:

@@ -98,6 +98,7 @@ class GpuInfo:
     memory_mib: int
     mig_capable: bool
     mig_enabled: bool
+    minor: int = -1  # the device minor: /dev/nvidia<minor>, and gpu<minor> under /proc/driver/nvidia
 
 
 @dataclass(frozen=True)
@@ -169,6 +170,11 @@ class GpuBackend(Protocol):
 
     def set_mig_mode(self, index: int, enabled: bool) -> None:
         """Turn MIG mode on or off; IN_USE when the GPU is not idle."""
+        ...
+
+    def device_root(self) -> str:
+        """Where this node's ``/dev`` and ``/proc`` device files are (``gpu.device_files``): "/" on a
+        node; the simulator lays out the files of its GPUs and instances there first."""
         ...
 
     def close(self) -> None:

@@ -43,6 +43,7 @@ from typing import Any
 
 from mig_operator.core.profiles import CatalogError, GpuModel, Profile, get_model
 from mig_operator.core.quantities import clip_repr
+from mig_operator.gpu.device_files import write_simulated_files
 from mig_operator.gpu.protocol import NVML_ERROR_CODES, GpuError, GpuInfo, MigInstance
 
 # Fixed namespace so every run, process and machine derives the same UUIDs from the same names.
@@ -147,6 +148,7 @@ class SimulatedBackend:
         self._model = get_model(model_name)
         self._count = count
         self._state_file = state_file
+        self._device_root: str | None = None
         self._lock = threading.RLock()
         self._gpu_locks = [threading.Lock() for _ in range(count)]
         self._faults: dict[str, list[list[Any]]] = {}
@@ -241,6 +243,7 @@ class SimulatedBackend:
                     memory_mib=self._model.memory_mib,
                     mig_capable=self._model.mig_capable,
                     mig_enabled=gpu.mig_enabled,
+                    minor=i,  # a node's GPUs are /dev/nvidia0.. in index order
                 )
                 for i, gpu in enumerate(self._gpus)
             ]
@@ -355,6 +358,19 @@ class SimulatedBackend:
                 gpu.mig_enabled = enabled
                 pause = self._latency_of("set_mig_mode")
             time.sleep(pause)
+
+    def device_root(self) -> str:
+        """The driver's files for the simulated GPUs (``/proc/devices``, MIG capability files), laid
+        out now from the current instances: beside the state file (``STATE.devices``), else in a
+        directory of this process."""
+        with self._state():
+            if self._device_root is None:
+                self._device_root = (f"{self._state_file}.devices" if self._state_file is not None
+                                     else tempfile.mkdtemp(prefix="mig-operator-sim-devices-"))
+            instances = [(i, inst.gi_id, inst.ci_id) for i, gpu in enumerate(self._gpus)
+                         for inst in gpu.instances.values()]
+            write_simulated_files(self._device_root, range(self._count), instances)
+            return self._device_root
 
     def close(self) -> None:
         # Nothing is held between calls: the state file is locked only inside each operation.

@@ -1,0 +1,121 @@
+"""The CDI spec that hands one slice's device to a container (DESIGN "Handing a device to a container").
+
+The kubelet passes the CDI device ID this spec defines (``gpu.cdmo.io/slice=<slice UID>``) to the
+container runtime, which applies the spec's edits: the device nodes of the GPU (and, for MIG, the
+GPU and compute instance's ``nvidia-caps`` nodes), ``NVIDIA_VISIBLE_DEVICES=void`` so that no
+runtime hook widens the set, the slice's variables, and for fractions the shim mounted read-only
+and preloaded. Pure: the caller reads the device numbers and writes the file.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from .cluster import MODE_FRACTION, MODE_MIG
+from .environment import DEVICES_VARIABLE, SHIM_PATH_IN_CONTAINER, slice_environment
+
+DRIVER = "gpu.cdmo.io"
+CDI_KIND = f"{DRIVER}/slice"
+NVIDIA_CDI_KIND = "nvidia.com/gpu"  # the NVIDIA Container Toolkit's spec (nvidia-ctk cdi generate)
+SHIM_FILE = "libgpuslice.so"
+# The value the NVIDIA runtime hook reads as "no devices": the CDI edits alone decide what is visible.
+NO_DEVICES = "void"
+# Device names starting with a digit need CDI 0.5.0 (a UID may start with one); nothing else here
+# needs more than 0.3.0. The lowest version the fields need keeps older runtimes able to read it.
+CDI_BASE_VERSION = "0.3.0"
+CDI_DIGIT_NAME_VERSION = "0.5.0"
+_DEVICE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]*")
+
+
+@dataclass(frozen=True)
+class DeviceNode:
+    """A device node the container gets at ``path``. ``major``/``minor`` (a character device) are given
+    where the node's driver numbers are known, so the spec is complete even where the node's file is
+    absent (the simulator); None leaves them to the runtime, which reads them from the host's file."""
+
+    path: str
+    major: int | None = None
+    minor: int | None = None
+
+
+@dataclass(frozen=True)
+class SliceDevice:
+    """What the CDI spec of one slice needs to know."""
+
+    slice_uid: str
+    namespace: str
+    name: str
+    mode: str  # MODE_MIG or MODE_FRACTION
+    device_uuid: str  # MIG-... or GPU-...
+    granted_bytes: int
+    device_nodes: tuple[DeviceNode, ...]
+    shim_host_dir: str = "/var/lib/mig-operator/shim"
+
+
+def device_id(slice_uid: str) -> str:
+    """The fully qualified CDI device ID of a slice: ``gpu.cdmo.io/slice=<uid>``."""
+    return f"{CDI_KIND}={slice_uid}"
+
+
+def nvidia_device_id(device_uuid: str) -> str:
+    """The NVIDIA toolkit's CDI device ID for the same GPU or MIG device (its specs name them by UUID)."""
+    return f"{NVIDIA_CDI_KIND}={device_uuid}"
+
+
+def spec_file_name(slice_uid: str) -> str:
+    """The spec's file name in the CDI directory: vendor and class first, as CDI tools name them."""
+    return f"{DRIVER}-slice_{slice_uid}.json"
+
+
+def cdi_version(device_name: str) -> str:
+    return CDI_DIGIT_NAME_VERSION if device_name[:1].isdigit() else CDI_BASE_VERSION
+
+
+def _device_node(node: DeviceNode) -> dict[str, Any]:
+    body: dict[str, Any] = {"path": node.path}
+    if node.major is not None and node.minor is not None:
+        body.update(type="c", major=node.major, minor=node.minor)
+    return body
+
+
+def slice_spec(device: SliceDevice) -> dict[str, Any]:
+    """The CDI spec (as JSON-ready data) defining one device, named by the slice's UID.
+
+    Raises ValueError for a name CDI cannot carry, a mode other than mig/fraction, or no device nodes.
+    """
+    if _DEVICE_NAME.fullmatch(device.slice_uid) is None:
+        raise ValueError(f"slice UID {device.slice_uid!r} is not a CDI device name; e.g. "
+                         "'4f9c1e2a-0b7d-4c55-9a7e-2f1d3c4b5a6e'")
+    if device.mode not in (MODE_MIG, MODE_FRACTION):
+        raise ValueError(f"mode {device.mode!r} is not 'mig' or 'fraction'")
+    if not device.device_nodes:
+        raise ValueError(f"slice {device.namespace}/{device.name} has no device nodes to hand over")
+    shim_dir = SHIM_PATH_IN_CONTAINER.rsplit("/", 1)[0]
+    env = slice_environment(device.mode, device.device_uuid, device.granted_bytes, device.namespace, device.name)
+    env.pop(DEVICES_VARIABLE)
+    variables = [f"{DEVICES_VARIABLE}={NO_DEVICES}"] + [f"{key}={value}" for key, value in sorted(env.items())]
+    edits: dict[str, Any] = {
+        "env": variables,
+        "deviceNodes": [_device_node(node) for node in device.device_nodes],
+    }
+    if device.mode == MODE_FRACTION:
+        edits["mounts"] = [{
+            "hostPath": f"{device.shim_host_dir.rstrip('/')}/{SHIM_FILE}",
+            "containerPath": f"{shim_dir}/{SHIM_FILE}",
+            "options": ["ro", "nosuid", "nodev", "bind"],
+        }]
+    return {
+        "cdiVersion": cdi_version(device.slice_uid),
+        "kind": CDI_KIND,
+        "devices": [{"name": device.slice_uid, "containerEdits": edits}],
+    }
+
+
+def names_device(spec: Any, kind: str, name: str) -> bool:
+    """Whether a parsed CDI spec (of any vendor) defines device ``name`` of ``kind``."""
+    if not isinstance(spec, dict) or spec.get("kind") != kind:
+        return False
+    devices = spec.get("devices")
+    return isinstance(devices, list) and any(isinstance(d, dict) and d.get("name") == name for d in devices)
