@@ -15,7 +15,6 @@ is in force in the last one, the earlier ones' labels are known to it too):
 
 from __future__ import annotations
 
-import copy
 import subprocess
 import uuid
 from collections.abc import Iterator
@@ -123,6 +122,13 @@ def policy(kube_cluster: KubeCluster, tmp_path_factory: pytest.TempPathFactory) 
         kube_cluster.kubectl("delete", "-f", "-", "--ignore-not-found", "--wait=false", input=rendered.stdout)
         for namespace in names.values():
             kube_cluster.kubectl("delete", "namespace", namespace, "--ignore-not-found", "--wait=false")
+
+
+def current_pod(cluster: KubeCluster, namespace: str, name: str) -> dict[str, Any]:
+    """The pod as a dict to replace with, unconditionally: kube-scheduler and kwok write it meanwhile."""
+    body = cluster.api_client.sanitize_for_serialization(cluster.core_v1().read_namespaced_pod(name, namespace))
+    del body["metadata"]["resourceVersion"]
+    return body
 
 
 def in_force(cluster: KubeCluster, namespace: str, probe: dict[str, Any]) -> bool:
@@ -245,8 +251,7 @@ def test_an_ephemeral_container_added_later_is_checked_and_the_pods_own_updates_
     core.create_namespaced_pod(ns, pod("debugged", env=[var("HOME", "/")]))
 
     def with_ephemeral(name: str, env: list[dict[str, str]]) -> dict[str, Any]:
-        current = kube_cluster.api_client.sanitize_for_serialization(core.read_namespaced_pod("debugged", ns))
-        body = copy.deepcopy(current)
+        body = current_pod(kube_cluster, ns, "debugged")
         body["spec"].setdefault("ephemeralContainers", []).append(
             {"name": name, "image": "busybox", "env": env, "targetContainerName": "main"})
         return body
@@ -283,7 +288,7 @@ def test_a_pod_made_before_its_namespace_was_checked_stays_updatable(kube_cluste
     assert refusal(lambda: core.patch_namespaced_pod(policy.old_pod, ns, {"metadata": {
         "annotations": {"nvidia.cdi.k8s.io/pod": "nvidia.com/gpu=0"}}})) == (
         f"pod sets annotation nvidia.cdi.k8s.io/pod{ANNOTATION}")
-    body = kube_cluster.api_client.sanitize_for_serialization(core.read_namespaced_pod(policy.old_pod, ns))
+    body = current_pod(kube_cluster, ns, policy.old_pod)
     body["spec"]["ephemeralContainers"] = [{"name": "debug", "image": "busybox",
                                             "env": [var("NVIDIA_MOFED", "enabled")]}]
     assert refusal(lambda: core.replace_namespaced_pod_ephemeralcontainers(policy.old_pod, ns, body)) == (
