@@ -295,3 +295,19 @@ def chart_identities(kube_cluster: KubeCluster, tmp_path_factory: pytest.TempPat
     assert len(secret_rules) == 1 and len(secret_rules[0]["resourceNames"]) == 1, secret_rules
     return ChartIdentities(CHART_NAMESPACE, accounts, kubeconfigs, CHART_WEBHOOK_CONFIG,
                            secret_rules[0]["resourceNames"][0], rendered)
+
+
+# ---- the CDI validator --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def cdi_validate() -> Path:
+    """tools/cdi-validate, the official CDI library as a checker of CDI specs, built (seconds, no
+    Kubernetes build) by ``scripts/control-plane build cdi-validate`` into the cache's bin dir.
+    ``[str(cdi_validate), "--cdi-dir", DIR, "gpu.cdmo.io/slice=<uid>"]`` prints, as JSON, the env,
+    mounts and device nodes a container would get (docs/control-plane.md)."""
+    build = _control_plane("build", "cdi-validate", state_dir=None, timeout=UP_TIMEOUT_S)
+    if build.returncode != 0:
+        pytest.fail(f"scripts/control-plane build cdi-validate failed:\n{build.stderr}", pytrace=False)
+    env = dict(line.split("=", 1) for line in _control_plane("env", state_dir=None).stdout.splitlines() if "=" in line)
+    return Path(env["CDI_VALIDATE"])

@@ -107,7 +107,13 @@ func run(args []string, out io.Writer) error {
 		}
 	}
 	if _, err := cache.InjectDevices(spec, devices...); err != nil {
-		return fmt.Errorf("%w (devices known: %s)", err, strings.Join(cache.ListDevices(), ", "))
+		hint := ""
+		if strings.Contains(err.Error(), "failed to stat CDI host device") {
+			// The library reads type, major and minor from the host's node when the spec omits them.
+			hint = "; a device node absent on this host needs type, major and minor in the spec, " +
+				`e.g. {"path": "/dev/nvidiactl", "type": "c", "major": 195, "minor": 255}`
+		}
+		return fmt.Errorf("%w (devices known: %s)%s", err, strings.Join(cache.ListDevices(), ", "), hint)
 	}
 	if ociOut != "" {
 		data, err := json.MarshalIndent(spec, "", "  ")
