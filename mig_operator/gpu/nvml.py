@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import math
 import re
 import threading
@@ -33,6 +34,8 @@ import pynvml
 
 from mig_operator.core.profiles import GpuModel, Placement, Profile, model_for_product
 from mig_operator.gpu.protocol import GpuError, GpuInfo, MigInstance
+
+log = logging.getLogger("mig_operator.gpu")
 
 _MIB = 1024 * 1024
 # Profile-info indices scanned: the binding's documented count, or more, for a driver newer than it.
@@ -329,7 +332,12 @@ class NvmlBackend:
             uuid = _text(pynvml.nvmlDeviceGetUUID(handle))
             product = _text(pynvml.nvmlDeviceGetName(handle))
             memory_mib = int(pynvml.nvmlDeviceGetMemoryInfo(handle).total) // _MIB
+        try:
             minor = int(pynvml.nvmlDeviceGetMinorNumber(handle))
+        except pynvml.NVMLError as exc:
+            # Only handing the GPU to a container needs it (/dev/nvidia<minor>); that refuses then.
+            log.warning("cannot read the device minor of GPU %s: %s", index, exc)
+            minor = -1
         capable, enabled = self._mig_mode(handle, index)
         return GpuInfo(index, uuid, product, memory_mib, capable, enabled, minor)
 

@@ -41,6 +41,7 @@ from mig_operator.core.lifecycle import (
     COMPLETED,
     CREATING,
     FORGET,
+    READY,
     REALISE,
     RELEASE,
     STARTED,
@@ -72,6 +73,7 @@ from ..common.finalizers import remove_finalizer
 from ..common.names import AGENT_FINALIZER, API_VERSION, MIG_NODE_LABEL, MIG_NODE_VALUE, NODE_KIND, SLICE_NODE_LABEL
 from .inventory import gpunode_status, instance_state
 from .record import RecordStore, boot_id
+from .resource_slice import ResourceSlicePublisher, device_info
 
 log = logging.getLogger("mig_operator.agent")
 T = TypeVar("T")
@@ -120,6 +122,52 @@ class NodeAgent:
         # (GPU, GI id) -> the slice whose step holds the instance until that step is recorded: a
         # reuse and a create's reclaim on one GPU never take the same instance.
         self._claims: dict[tuple[int, int], str] = {}
+        # Slices Ready on this node and not being deleted: the devices of the node's ResourceSlice.
+        self._ready: set[str] = set()
+        self.resource_slice = ResourceSlicePublisher(client, settings.node)
+
+    # ---- what the kubelet plugin asks (kubelet_plugin.SliceHolder) --------------------------------
+
+    @property
+    def node(self) -> str:
+        return self.settings.node
+
+    def ready_entry(self, slice_uid: str) -> OwnerEntry | None:
+        entry = self.store.record.owners.get(slice_uid)
+        if (entry is None or entry.state != COMPLETED or slice_uid not in self._ready
+                or slice_uid in self.store.revoked or not entry.device_uuid):
+            return None
+        return entry
+
+    def gpu_minor(self, gpu_index: int) -> int | None:
+        return next((g.minor for g in self._gpus if g.index == gpu_index), None)
+
+    async def device_root(self) -> str:
+        return await self._gpu("device_root", self.backend.device_root)
+
+    async def claim_released(self, slice_uid: str) -> None:
+        """The kubelet unprepared a claim on the slice: a slice deleted meanwhile lets its instance go
+        now that no claim holds it (DESIGN: never reused while a claim on it is prepared)."""
+        if slice_uid in self.store.revoked and not self.store.claims_on(slice_uid):
+            entry = self.store.record.owners.get(slice_uid)
+            if entry is not None:
+                self._log_release(entry)
+            await asyncio.to_thread(self.store.drop, slice_uid, status.now())
+            self.schedule_publish()
+
+    async def _let_go(self, uid: str) -> None:
+        """The slice is gone or failed: its instance becomes idle, unless a prepared claim holds it
+        (then it stays the slice's, held and offered to nobody, until the kubelet unprepares it)."""
+        self._ready.discard(uid)
+        if self.store.claims_on(uid):
+            if uid not in self.store.revoked:
+                entry = self.store.record.owners.get(uid)
+                log.info("slice %s is gone while its claim is prepared: %s stays held until the kubelet "
+                         "unprepares it", entry.slice if entry else uid, entry.device_uuid if entry else "")
+                await asyncio.to_thread(self.store.revoke, uid)
+        else:
+            await asyncio.to_thread(self.store.drop, uid, status.now())
+        self.schedule_publish()
 
     # ---- GPU calls, measured and off the event loop ----------------------------------------------
 
@@ -176,7 +224,13 @@ class NodeAgent:
         names = {b["metadata"]["uid"]: f"{b['metadata']['namespace']}/{b['metadata']['name']}" for b in slices}
         owners = {uid: (replace(e, slice=names.get(uid, e.slice)) if not e.slice else e)
                   for uid, e in record.owners.items()}
+        # A slice gone while a claim on it is prepared keeps its instance until the kubelet unprepares
+        # the claim, across restarts too: adoption dropped its entry (no live slice), so it comes back.
+        held = {c.slice_uid for c in self.store.prepared.values()}
+        kept = {uid: e for uid, e in self.store.record.owners.items() if uid in held and uid not in owners}
+        owners.update(kept)
         record = replace(record, owners=owners)
+        revoke = [uid for uid in held if uid in owners and uid not in bindings]
         # Idle instances found on start count as idle from now (for the idle time-out).
         idle = dict(record.idle_since)
         for gpu, insts in found.items():
@@ -185,6 +239,11 @@ class NodeAgent:
                     idle.setdefault(inst.device_uuid, since)
         record = replace(record, idle_since=idle)
         await asyncio.to_thread(self.store.update, lambda _old: record)
+        for uid in revoke:
+            await asyncio.to_thread(self.store.revoke, uid)
+        self._ready = {b["metadata"]["uid"] for b in slices
+                       if (b.get("status") or {}).get("phase") == READY and not b["metadata"].get("deletionTimestamp")
+                       and b["metadata"]["uid"] in bindings}
         for gpu, inst in adoption.incomplete:
             # A GPU instance without its compute instance: complete it so that it can be handed out.
             try:
@@ -228,6 +287,7 @@ class NodeAgent:
             log.info("node %s is %s for MIG now", self.settings.node, "labelled" if self._labelled else "not labelled")
             self.schedule_publish(at_once=True)
         elif self._node_uid != known:  # a Node of this name again: its GpuNode is written anew
+            self.resource_slice.forget()
             self.schedule_publish(at_once=True)
 
     def node_deleted(self) -> None:
@@ -235,6 +295,7 @@ class NodeAgent:
         none is written again until a Node of this name exists (``node_changed``)."""
         log.warning("node %s was deleted: its GpuNode goes with it", self.settings.node)
         self._labelled, self._node_uid = False, ""
+        self.resource_slice.forget()
 
     # ---- slice events ------------------------------------------------------------------------------
 
@@ -249,6 +310,13 @@ class NodeAgent:
         if resource_version(meta) < self._written.get(uid, 0):
             return
         entry = self.store.record.owners.get(uid)
+        phase_ready = (body.get("status") or {}).get("phase") == READY and not meta.get("deletionTimestamp")
+        if phase_ready and entry is not None and entry.state == COMPLETED and uid not in self._ready:
+            self._ready.add(uid)
+            self.schedule_publish()
+        elif not phase_ready and uid in self._ready:
+            self._ready.discard(uid)
+            self.schedule_publish()
         step = agent_step(
             (body.get("status") or {}).get("phase"), bool(meta.get("deletionTimestamp")),
             AGENT_FINALIZER in (meta.get("finalizers") or ()), entry,
@@ -259,8 +327,7 @@ class NodeAgent:
             elif step == REALISE:
                 await self._realise(body)
             elif step == FORGET:
-                await asyncio.to_thread(self.store.drop, uid, status.now())
-                self.schedule_publish()
+                await self._let_go(uid)
         except ApiError as exc:
             if exc.not_found:
                 return  # deleted meanwhile: its deletion event releases it
@@ -271,10 +338,11 @@ class NodeAgent:
         """The slice is gone. Normally its release already ran (the finalizer held it); if the
         finalizer was removed by hand, its instance becomes idle now."""
         self._written.pop(body["metadata"]["uid"], None)
+        self._ready.discard(body["metadata"]["uid"])
         if body["metadata"]["uid"] in self.store.record.owners:
-            self._log_release(self.store.record.owners[body["metadata"]["uid"]])
-            await asyncio.to_thread(self.store.drop, body["metadata"]["uid"], status.now())
-            self.schedule_publish()
+            if body["metadata"]["uid"] not in self.store.revoked:
+                self._log_release(self.store.record.owners[body["metadata"]["uid"]])
+            await self._let_go(body["metadata"]["uid"])
 
     async def _realise(self, body: Mapping) -> None:
         meta, current = body["metadata"], body.get("status") or {}
@@ -298,6 +366,7 @@ class NodeAgent:
             await self._fail(body, "InUse" if exc.transient else "Conflict", exc.message)
             return
         await self._write_status(body, ready)
+        self._ready.add(uid)
         log.info("slice %s ready: %s", ref, ready["message"])
         metrics.REALISE_SECONDS.labels(action).observe(time.perf_counter() - started)
         self.schedule_publish()
@@ -447,7 +516,7 @@ class NodeAgent:
         meta = body["metadata"]
         log.warning("slice %s/%s failed: %s", meta["namespace"], meta["name"], message)
         metrics.RECONCILE_ERRORS.labels("agent", reason).inc()
-        await asyncio.to_thread(self.store.drop, meta["uid"], status.now())
+        await self._let_go(meta["uid"])
         await self._write_status(body, status.failed(body.get("status"), reason, message))
         self.events.post(body, "Warning", reason, message)
         self.schedule_publish()
@@ -462,9 +531,10 @@ class NodeAgent:
         """The slice is being deleted: its instance becomes idle, then the finalizer goes."""
         meta = body["metadata"]
         if meta["uid"] in self.store.record.owners:
-            self._log_release(self.store.record.owners[meta["uid"]])
-            await asyncio.to_thread(self.store.drop, meta["uid"], status.now())
-            self.schedule_publish()
+            if not self.store.claims_on(meta["uid"]):
+                self._log_release(self.store.record.owners[meta["uid"]])
+            await self._let_go(meta["uid"])
+        self._ready.discard(meta["uid"])
         crashpoint("agent:during-release")
         await remove_finalizer(self.client, slice_path(meta["namespace"], meta["name"]), meta, AGENT_FINALIZER)
 
@@ -578,6 +648,18 @@ class NodeAgent:
                 return
             await self._create_gpunode()
             await self.client.merge_patch(path, {"status": body})
+        await self.publish_devices()
+
+    async def publish_devices(self) -> None:
+        """The node's ResourceSlice: one device per slice Ready here (written only when that changes)."""
+        record, revoked = self.store.record, self.store.revoked
+        devices = [device_info(e) for uid, e in record.owners.items()
+                   if uid in self._ready and uid not in revoked and e.state == COMPLETED and e.device_uuid]
+        try:
+            await self.resource_slice.publish(devices, self._node_uid)
+        except ApiError as exc:
+            self.resource_slice.forget()  # written again at the next publish or heartbeat
+            log.warning("publishing the ResourceSlice of node %s failed, retried: %s", self.settings.node, exc)
 
     async def _create_gpunode(self) -> None:
         # Owned by its Node: deleting the Node deletes its inventory (kube-controller-manager's GC).

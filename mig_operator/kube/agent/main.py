@@ -22,6 +22,7 @@ from ..common.events import EventPoster
 from ..common.names import AGENT_PREFIX, GROUP, SLICE_NODE_LABEL, SLICES, VERSION
 from ..common.operator import register_login, run_operator, tune
 from .agent import AgentSettings, NodeAgent
+from .kubelet_plugin import KubeletPlugin, PluginSettings
 from .record import RecordStore
 
 log = logging.getLogger("mig_operator.agent")
@@ -34,6 +35,7 @@ class AgentOptions:
     kubeconfig: str | None = None
     metrics_address: str | None = None
     metrics_socket: socket.socket | None = None  # bound before start (metrics.bind); else bound from the address
+    plugin: PluginSettings = PluginSettings()  # the kubelet's DRA plugin (registry dir "": none)
 
 
 def build_registry(options: AgentOptions, backend: GpuBackend) -> kopf.OperatorRegistry:
@@ -52,6 +54,15 @@ def build_registry(options: AgentOptions, backend: GpuBackend) -> kopf.OperatorR
                           EventPoster(client, "mig-operator-agent", options.settings.node))
         await agent.start()
         state.update(agent=agent, client=client)
+        # After the agent has adopted its instances: a prepare needs the record and the Ready slices.
+        plugin = KubeletPlugin(agent, options.plugin)
+        try:
+            await plugin.start()
+        except (OSError, RuntimeError) as exc:
+            # The slices are still realised and published; only the kubelet cannot hand them out.
+            log.error("cannot serve the kubelet plugin (%s, %s): %s", options.plugin.registration_socket,
+                      options.plugin.dra_socket, exc)
+        state.update(plugin=plugin)
 
     @kopf.on.event(GROUP, VERSION, SLICES, registry=registry)
     async def slice_event(body: kopf.Body, type: str | None, **_: Any) -> None:
@@ -69,6 +80,9 @@ def build_registry(options: AgentOptions, backend: GpuBackend) -> kopf.OperatorR
 
     @kopf.on.cleanup(registry=registry)
     async def cleanup(**_: Any) -> None:
+        plugin = state.get("plugin")
+        if plugin is not None:
+            await plugin.stop()
         agent = state.get("agent")
         if agent is not None:
             await agent.stop()

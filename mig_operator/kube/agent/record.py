@@ -1,7 +1,9 @@
 """The agent's owner record on the node's disk: written atomically before and after each NVML step.
 
 The file is JSON (``core.lifecycle.OwnerRecord``): the boot id it was written in, each slice the
-agent has taken on by UID, and when each idle instance became idle. Every change is written to a
+agent has taken on by UID, and when each idle instance became idle; beside it, the ResourceClaims
+the kubelet has had prepared (claim UID -> slice UID) and the slices deleted while a claim on them
+was prepared (their instances stay held until the kubelet unprepares the claim). Every change is written to a
 temporary file, fsynced and renamed over the old one, so a crash leaves the old record or the new
 one, never half of either; the directory is fsynced too, so the rename survives a power cut.
 """
@@ -14,12 +16,22 @@ import os
 import tempfile
 import threading
 from collections.abc import Callable
-from dataclasses import asdict, fields, replace
+from dataclasses import asdict, dataclass, fields, replace
 
 from mig_operator.core.lifecycle import OwnerEntry, OwnerRecord
 
 BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
 _VERSION = 1
+
+
+@dataclass(frozen=True)
+class PreparedClaim:
+    """A ResourceClaim the kubelet had the agent prepare: which slice's device it got."""
+
+    claim_uid: str
+    namespace: str
+    name: str
+    slice_uid: str
 
 
 class RecordError(Exception):
@@ -42,6 +54,12 @@ def _entry(raw: object) -> OwnerEntry:
         if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
             raise TypeError(f"field {key!r} is {value!r}, not {kind}")
     return OwnerEntry(**raw)
+
+
+def _prepared(claim_uid: str, raw: object) -> PreparedClaim:
+    if not isinstance(raw, dict) or not all(isinstance(raw.get(k), str) for k in ("namespace", "name", "sliceUID")):
+        raise TypeError(f"prepared claim {claim_uid!r} is {raw!r}, not {{namespace, name, sliceUID}}")
+    return PreparedClaim(str(claim_uid), raw["namespace"], raw["name"], raw["sliceUID"])
 
 
 def boot_id(path: str = BOOT_ID_PATH) -> str:
@@ -68,11 +86,51 @@ class RecordStore:
                 os.makedirs(directory, exist_ok=True)
             except OSError as exc:
                 raise RecordError(f"cannot create the directory of owner record {path!r}: {exc.strerror}") from None
+        self._prepared: dict[str, PreparedClaim] = {}
+        self._revoked: frozenset[str] = frozenset()
         self._record = self._read()
 
     @property
     def record(self) -> OwnerRecord:
         return self._record
+
+    @property
+    def prepared(self) -> dict[str, PreparedClaim]:
+        """Prepared claims by claim UID (a copy)."""
+        return dict(self._prepared)
+
+    @property
+    def revoked(self) -> frozenset[str]:
+        """Slice UIDs whose slice is gone while a claim on it is prepared: held, never handed out."""
+        return self._revoked
+
+    def claims_on(self, slice_uid: str) -> list[PreparedClaim]:
+        return [c for c in self._prepared.values() if c.slice_uid == slice_uid]
+
+    def put_prepared(self, claim: PreparedClaim) -> None:
+        with self._lock:
+            prepared = {**self._prepared, claim.claim_uid: claim}
+            self._write(self._record, prepared, self._revoked)
+            self._prepared = prepared
+
+    def drop_prepared(self, claim_uid: str) -> PreparedClaim | None:
+        """Forget a prepared claim; a revoked slice no claim names any more is dropped with it (its
+        instance becomes idle from ``now``). Returns the claim forgotten, if any."""
+        with self._lock:
+            prepared = dict(self._prepared)
+            claim = prepared.pop(claim_uid, None)
+            if claim is None:
+                return None
+            self._write(self._record, prepared, self._revoked)
+            self._prepared = prepared
+            return claim
+
+    def revoke(self, slice_uid: str) -> None:
+        """Slice ``slice_uid`` is gone but a claim on it is prepared: keep its owner entry, held."""
+        with self._lock:
+            revoked = self._revoked | {slice_uid}
+            self._write(self._record, self._prepared, revoked)
+            self._revoked = revoked
 
     def _read(self) -> OwnerRecord:
         try:
@@ -85,6 +143,8 @@ class RecordStore:
                               "move it aside to start afresh") from None
         try:
             owners = {uid: _entry(entry) for uid, entry in (data.get("owners") or {}).items()}
+            self._prepared = {uid: _prepared(uid, raw) for uid, raw in (data.get("preparedClaims") or {}).items()}
+            self._revoked = frozenset(str(uid) for uid in (data.get("revoked") or ()))
             return OwnerRecord(
                 boot_id=str(data.get("bootId", "")),
                 owners=owners,
@@ -98,8 +158,10 @@ class RecordStore:
         """Apply ``change`` to the record and write it; the in-memory record changes only if the write did."""
         with self._lock:
             new = change(self._record)
-            self._write(new)
-            self._record = new
+            # A slice no longer in the record is no longer held for a claim.
+            revoked = frozenset(uid for uid in self._revoked if uid in new.owners)
+            self._write(new, self._prepared, revoked)
+            self._record, self._revoked = new, revoked
             return new
 
     def put(self, entry: OwnerEntry) -> OwnerRecord:
@@ -122,12 +184,15 @@ class RecordStore:
 
         return self.update(change)
 
-    def _write(self, record: OwnerRecord) -> None:
+    def _write(self, record: OwnerRecord, prepared: dict[str, PreparedClaim], revoked: frozenset[str]) -> None:
         data = {
             "version": _VERSION,
             "bootId": record.boot_id,
             "owners": {uid: asdict(entry) for uid, entry in sorted(record.owners.items())},
             "idleSince": dict(sorted(record.idle_since.items())),
+            "preparedClaims": {uid: {"namespace": c.namespace, "name": c.name, "sliceUID": c.slice_uid}
+                               for uid, c in sorted(prepared.items())},
+            "revoked": sorted(revoked),
         }
         directory = os.path.dirname(os.path.abspath(self.path))
         try:

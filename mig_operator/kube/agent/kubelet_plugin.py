@@ -1,0 +1,353 @@
+"""The agent as the kubelet's DRA plugin for driver ``gpu.cdmo.io`` (Kubernetes 1.34, DRA v1 gRPC).
+
+Two unix sockets, as the kubelet's plugin manager expects:
+
+- ``<registry dir>/gpu.cdmo.io-reg.sock``: the plugin registration service. The kubelet finds the
+  socket, calls ``GetInfo`` (type ``DRAPlugin``, our name, the DRA socket, the service ``v1.DRAPlugin``)
+  and then ``NotifyRegistrationStatus``.
+- ``<plugin dir>/dra.sock``: ``NodePrepareResources`` / ``NodeUnprepareResources``.
+
+Prepare reads each ResourceClaim from the API server, checks that what the scheduler allocated from
+this driver is a device of this node's pool and a slice the agent holds Ready, writes the slice's CDI
+spec and answers its CDI device ID (plus the NVIDIA toolkit's ID for the same UUID where the node has
+that spec: the driver's user-space libraries come from it). The prepared claim is recorded before
+the answer, so that an agent restarted later still unprepares it and still holds the instance.
+Both calls are idempotent; a claim's failure is its own error string, which the kubelet shows in
+the pod's events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import glob
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import grpc
+import yaml
+
+from mig_operator.core.cdi import (
+    DRIVER,
+    NVIDIA_CDI_KIND,
+    SliceDevice,
+    device_id,
+    names_device,
+    nvidia_device_id,
+    slice_spec,
+    spec_file_name,
+)
+from mig_operator.core.cluster import MODE_MIG
+from mig_operator.core.lifecycle import OwnerEntry
+from mig_operator.gpu.device_files import DeviceFileError, device_nodes
+
+from ..common.client import ApiError, KubeClient
+from .kubeletapi import DRA_PLUGIN_SERVICE, DRA_PLUGIN_TYPE
+from .kubeletapi import dra_v1_pb2 as dra
+from .kubeletapi import dra_v1_pb2_grpc as dra_grpc
+from .kubeletapi import pluginregistration_v1_pb2 as reg
+from .kubeletapi import pluginregistration_v1_pb2_grpc as reg_grpc
+from .record import PreparedClaim, RecordStore
+from .resource_slice import resource_claim_path
+
+log = logging.getLogger("mig_operator.agent.kubelet")
+
+REGISTRATION_SOCKET = f"{DRIVER}-reg.sock"
+DRA_SOCKET = "dra.sock"
+DEFAULT_REGISTRY_DIR = "/var/lib/kubelet/plugins_registry"
+DEFAULT_PLUGIN_DIR = f"/var/lib/kubelet/plugins/{DRIVER}"
+DEFAULT_CDI_DIR = "/var/run/cdi"
+DEFAULT_SHIM_HOST_DIR = "/var/lib/mig-operator/shim"
+# Where the NVIDIA toolkit's spec may be (nvidia-ctk cdi generate; the GPU Operator with CDI on).
+NVIDIA_CDI_DIRS = ("/etc/cdi", "/var/run/cdi")
+MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes with the terminating NUL
+
+
+@dataclass(frozen=True)
+class PluginSettings:
+    registry_dir: str = DEFAULT_REGISTRY_DIR  # "" serves no plugin (no kubelet on this machine)
+    plugin_dir: str = DEFAULT_PLUGIN_DIR
+    cdi_dir: str = DEFAULT_CDI_DIR
+    shim_host_dir: str = DEFAULT_SHIM_HOST_DIR
+    nvidia_cdi_dirs: tuple[str, ...] = NVIDIA_CDI_DIRS
+
+    @property
+    def registration_socket(self) -> str:
+        return os.path.join(self.registry_dir, REGISTRATION_SOCKET)
+
+    @property
+    def dra_socket(self) -> str:
+        return os.path.join(self.plugin_dir, DRA_SOCKET)
+
+
+class SliceHolder(Protocol):
+    """What the plugin needs of the node agent (``NodeAgent`` is one)."""
+
+    @property
+    def node(self) -> str: ...
+
+    @property
+    def store(self) -> RecordStore: ...
+
+    @property
+    def client(self) -> KubeClient: ...
+
+    def ready_entry(self, slice_uid: str) -> OwnerEntry | None:
+        """The slice's completed owner entry if it is Ready here and not being taken away."""
+        ...
+
+    def gpu_minor(self, gpu_index: int) -> int | None: ...
+
+    async def device_root(self) -> str: ...
+
+    async def claim_released(self, slice_uid: str) -> None:
+        """A prepared claim on the slice was unprepared (a held instance may go now)."""
+        ...
+
+
+class PrepareRefused(Exception):
+    """One claim cannot be prepared; the message (for the pod's events) names the claim, the device, why."""
+
+
+def _claim_ref(claim: Any) -> str:
+    return f"ResourceClaim {claim.namespace}/{claim.name} (uid {claim.uid})"
+
+
+def write_file_atomically(path: str, text: str, mode: int = 0o644) -> None:
+    directory = os.path.dirname(path)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def find_nvidia_device(dirs: Sequence[str], device_uuid: str) -> str | None:
+    """The NVIDIA toolkit's CDI device ID for ``device_uuid`` if a spec in ``dirs`` defines it."""
+    for directory in dirs:
+        for path in sorted(glob.glob(os.path.join(directory, "*.json")) + glob.glob(os.path.join(directory, "*.yaml"))):
+            try:
+                with open(path) as fh:
+                    spec = json.load(fh) if path.endswith(".json") else yaml.safe_load(fh)
+            except (OSError, ValueError, yaml.YAMLError):
+                continue  # not ours to judge; the runtime reports specs it cannot read
+            if names_device(spec, NVIDIA_CDI_KIND, device_uuid):
+                return nvidia_device_id(device_uuid)
+    return None
+
+
+class ClaimPreparer:
+    """Prepare and unprepare claims for the agent; one call at a time (they share the record)."""
+
+    def __init__(self, holder: SliceHolder, settings: PluginSettings) -> None:
+        self.holder = holder
+        self.settings = settings
+        self._lock = asyncio.Lock()
+
+    async def prepare(self, claims: Sequence[Any]) -> dra.NodePrepareResourcesResponse:
+        answer = dra.NodePrepareResourcesResponse()
+        async with self._lock:
+            for claim in claims:
+                try:
+                    devices = await self._prepare_one(claim)
+                    answer.claims[claim.uid].devices.extend(devices)
+                except PrepareRefused as exc:
+                    log.warning("refused to prepare %s: %s", _claim_ref(claim), exc)
+                    answer.claims[claim.uid].error = str(exc)
+                except (ApiError, OSError, DeviceFileError) as exc:
+                    log.warning("cannot prepare %s: %s", _claim_ref(claim), exc)
+                    answer.claims[claim.uid].error = f"{_claim_ref(claim)}: {exc}"
+        return answer
+
+    async def unprepare(self, claims: Sequence[Any]) -> dra.NodeUnprepareResourcesResponse:
+        answer = dra.NodeUnprepareResourcesResponse()
+        async with self._lock:
+            for claim in claims:
+                try:
+                    await self._unprepare_one(claim)
+                    answer.claims[claim.uid].error = ""
+                except OSError as exc:
+                    answer.claims[claim.uid].error = f"{_claim_ref(claim)}: {exc}"
+        return answer
+
+    async def _prepare_one(self, claim: Any) -> list[dra.Device]:
+        holder = self.holder
+        ref = _claim_ref(claim)
+        try:
+            body = await holder.client.get(resource_claim_path(claim.namespace, claim.name))
+        except ApiError as exc:
+            if exc.not_found:
+                raise PrepareRefused(f"{ref} does not exist") from None
+            raise
+        if body["metadata"].get("uid") != claim.uid:
+            raise PrepareRefused(f"{ref}: the API server's claim of that name has uid "
+                                 f"{body['metadata'].get('uid')}, another claim")
+        results = [r for r in ((((body.get("status") or {}).get("allocation") or {}).get("devices") or {})
+                               .get("results") or []) if r.get("driver") == DRIVER]
+        if not results:
+            raise PrepareRefused(f"{ref} has no device of driver {DRIVER} allocated")
+        devices: list[dra.Device] = []
+        for result in results:
+            name, pool = str(result.get("device", "")), str(result.get("pool", ""))
+            where = f"device {DRIVER}/{pool}/{name}"
+            if pool != holder.node:
+                raise PrepareRefused(f"{ref}: {where} is in pool {pool!r}, not this node's ({holder.node})")
+            entry = holder.ready_entry(name)
+            if entry is None and any(c.claim_uid == claim.uid for c in holder.store.claims_on(name)):
+                # Prepared before (the kubelet asks again): the instance is still held for this claim,
+                # even if its slice has gone since.
+                entry = holder.store.record.owners.get(name)
+            if entry is None:
+                raise PrepareRefused(f"{ref}: {where} is not a slice Ready on node {holder.node} "
+                                     "(deleted, failed, not yet Ready, or bound elsewhere)")
+            others = [c for c in holder.store.claims_on(name) if c.claim_uid != claim.uid]
+            if others:
+                other = others[0]
+                raise PrepareRefused(f"{ref}: {where} (slice {entry.slice}) is already prepared for "
+                                     f"ResourceClaim {other.namespace}/{other.name} (uid {other.claim_uid})")
+            ids = await self._write_spec(ref, where, entry)
+            devices.append(dra.Device(request_names=[str(result.get("request", ""))], pool_name=pool,
+                                      device_name=name, cdi_device_ids=ids))
+        # Recorded before answering: from here on the instance stays until the claim is unprepared.
+        for device in devices:
+            await asyncio.to_thread(holder.store.put_prepared,
+                                    PreparedClaim(claim.uid, claim.namespace, claim.name, device.device_name))
+        log.info("prepared %s: %s", ref, ", ".join(i for d in devices for i in d.cdi_device_ids))
+        return devices
+
+    async def _write_spec(self, ref: str, where: str, entry: OwnerEntry) -> list[str]:
+        minor = self.holder.gpu_minor(entry.gpu)
+        if minor is None or minor < 0:
+            raise PrepareRefused(f"{ref}: {where}: GPU {entry.gpu} of node {self.holder.node} has no device minor")
+        root = await self.holder.device_root()
+        try:
+            if entry.mode == MODE_MIG:
+                nodes = device_nodes(root, minor, entry.gi_id, entry.ci_id)
+            else:
+                nodes = device_nodes(root, minor)
+        except DeviceFileError as exc:
+            raise PrepareRefused(f"{ref}: {where}: {exc}") from None
+        namespace, _, name = entry.slice.partition("/")
+        spec = slice_spec(SliceDevice(entry.uid, namespace, name, entry.mode, entry.device_uuid, entry.granted_bytes,
+                                      tuple(nodes), self.settings.shim_host_dir))
+        os.makedirs(self.settings.cdi_dir, exist_ok=True)
+        path = os.path.join(self.settings.cdi_dir, spec_file_name(entry.uid))
+        await asyncio.to_thread(write_file_atomically, path, json.dumps(spec, indent=1) + "\n")
+        ids = [device_id(entry.uid)]
+        nvidia = await asyncio.to_thread(find_nvidia_device, self.settings.nvidia_cdi_dirs, entry.device_uuid)
+        if nvidia is not None:
+            ids.append(nvidia)
+        return ids
+
+    async def _unprepare_one(self, claim: Any) -> None:
+        store = self.holder.store
+        prepared = await asyncio.to_thread(store.drop_prepared, claim.uid)
+        if prepared is None:
+            log.info("unprepare %s: not prepared here (already unprepared)", _claim_ref(claim))
+            return
+        if not store.claims_on(prepared.slice_uid):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(self.settings.cdi_dir, spec_file_name(prepared.slice_uid)))
+        log.info("unprepared %s (slice %s)", _claim_ref(claim), prepared.slice_uid)
+        await self.holder.claim_released(prepared.slice_uid)
+
+
+class _Registration(reg_grpc.RegistrationServicer):
+    def __init__(self, settings: PluginSettings) -> None:
+        self.settings = settings
+        self.registered: asyncio.Event = asyncio.Event()
+
+    async def GetInfo(self, request: reg.InfoRequest, context: grpc.aio.ServicerContext) -> reg.PluginInfo:  # noqa: N802
+        return reg.PluginInfo(type=DRA_PLUGIN_TYPE, name=DRIVER, endpoint=self.settings.dra_socket,
+                              supported_versions=[DRA_PLUGIN_SERVICE])
+
+    async def NotifyRegistrationStatus(self, request: reg.RegistrationStatus,  # noqa: N802
+                                       context: grpc.aio.ServicerContext) -> reg.RegistrationStatusResponse:
+        if request.plugin_registered:
+            log.info("the kubelet registered DRA driver %s at %s", DRIVER, self.settings.dra_socket)
+            self.registered.set()
+        else:
+            log.error("the kubelet refused DRA driver %s: %s", DRIVER, request.error)
+        return reg.RegistrationStatusResponse()
+
+
+class _DraService(dra_grpc.DRAPluginServicer):
+    def __init__(self, preparer: ClaimPreparer) -> None:
+        self.preparer = preparer
+
+    async def NodePrepareResources(self, request: dra.NodePrepareResourcesRequest,  # noqa: N802
+                                   context: grpc.aio.ServicerContext) -> dra.NodePrepareResourcesResponse:
+        return await self.preparer.prepare(request.claims)
+
+    async def NodeUnprepareResources(self, request: dra.NodeUnprepareResourcesRequest,  # noqa: N802
+                                     context: grpc.aio.ServicerContext) -> dra.NodeUnprepareResourcesResponse:
+        return await self.preparer.unprepare(request.claims)
+
+
+class KubeletPlugin:
+    """Both gRPC servers on their unix sockets, in the running asyncio loop."""
+
+    def __init__(self, holder: SliceHolder, settings: PluginSettings) -> None:
+        self.settings = settings
+        self.preparer = ClaimPreparer(holder, settings)
+        self.registration = _Registration(settings)
+        self._servers: list[grpc.aio.Server] = []
+
+    async def start(self) -> bool:
+        """Serve both sockets; False (and nothing served) when there is no kubelet registry here."""
+        if not self.settings.registry_dir:
+            return False
+        if not os.path.isdir(self.settings.registry_dir):
+            log.warning("no kubelet plugin registry at %s: the kubelet cannot find DRA driver %s on this "
+                        "node (mount the kubelet's plugins_registry there, or pass --kubelet-registry-dir)",
+                        self.settings.registry_dir, DRIVER)
+            return False
+        os.makedirs(self.settings.plugin_dir, exist_ok=True)
+        dra_server = grpc.aio.server()
+        dra_grpc.add_DRAPluginServicer_to_server(_DraService(self.preparer), dra_server)
+        await self._serve(dra_server, self.settings.dra_socket)
+        # Registration last: the kubelet calls the DRA socket as soon as it has registered us.
+        reg_server = grpc.aio.server()
+        reg_grpc.add_RegistrationServicer_to_server(self.registration, reg_server)
+        await self._serve(reg_server, self.settings.registration_socket)
+        log.info("DRA driver %s: registration at %s, service %s at %s", DRIVER, self.settings.registration_socket,
+                 DRA_PLUGIN_SERVICE, self.settings.dra_socket)
+        return True
+
+    async def _serve(self, server: grpc.aio.Server, path: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)  # a socket left by an earlier agent
+        server.add_insecure_port(f"unix://{path}")
+        await server.start()
+        self._servers.append(server)
+
+    async def stop(self) -> None:
+        # The registration socket goes first: the kubelet deregisters the plugin when it disappears.
+        for server, path in zip(reversed(self._servers), (self.settings.registration_socket, self.settings.dra_socket),
+                                strict=False):
+            await server.stop(grace=1.0)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        self._servers.clear()
+
+
+def socket_paths_fit(settings: PluginSettings) -> list[str]:
+    """The socket paths too long for a unix socket (empty when all fit)."""
+    paths = [settings.dra_socket] + ([settings.registration_socket] if settings.registry_dir else [])
+    return [p for p in paths if len(p.encode()) > MAX_SOCKET_PATH]
+
+
+def describe_claims(claims: Mapping[str, PreparedClaim]) -> str:
+    return ", ".join(f"{c.namespace}/{c.name}->{c.slice_uid}" for c in claims.values()) or "none"
