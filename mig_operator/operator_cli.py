@@ -148,7 +148,26 @@ def add_operator_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--idle-timeout", help="destroy idle instances after this long, e.g. 10m (default: keep them)")
     p.add_argument("--sim-latency", type=float, default=0.0, help="simulator: seconds each create/destroy takes")
     p.add_argument("--nvml-attempts", type=int, default=5, help="tries of a transiently failing GPU call")
+    p.add_argument("--kubelet-registry-dir", default="/var/lib/kubelet/plugins_registry",
+                   help="the kubelet's plugin registry: the DRA driver's registration socket goes there "
+                   "('' serves no kubelet plugin)")
+    p.add_argument("--kubelet-plugin-dir", default="/var/lib/kubelet/plugins/gpu.cdmo.io",
+                   help="directory of the DRA gRPC socket the kubelet calls (dra.sock)")
+    p.add_argument("--cdi-dir", default="/var/run/cdi", help="where the CDI specs of prepared slices are written")
+    p.add_argument("--shim-host-dir", default="/var/lib/mig-operator/shim",
+                   help="host directory holding libgpuslice.so, mounted read-only into fraction containers")
     p.set_defaults(func=cmd_agent)
+
+
+def _directory_flag(flag: str, text: str, example: str) -> str:
+    """An absolute directory path (it may not exist yet); refused when something else is there."""
+    import os
+
+    if not text.startswith("/") or "\0" in text or "\n" in text or len(text) > 4000:
+        raise QuantityError(f"{flag} {_shown(text)} is not an absolute directory path; use e.g. {flag} {example}")
+    if os.path.exists(text) and not os.path.isdir(text):
+        raise QuantityError(f"{flag} {_shown(text)} exists and is not a directory; use e.g. {flag} {example}")
+    return text.rstrip("/") or "/"
 
 
 def _configure_logs(args: argparse.Namespace) -> None:
@@ -235,6 +254,7 @@ def cmd_controller(args: argparse.Namespace) -> int:
 def cmd_agent(args: argparse.Namespace) -> int:
     from .gpu import open_backend
     from .kube.agent.agent import AgentSettings
+    from .kube.agent.kubelet_plugin import MAX_SOCKET_PATH, PluginSettings, socket_paths_fit
     from .kube.agent.main import AgentOptions, node_exists, run_agent
     from .kube.agent.record import RecordError, RecordStore
     from .kube.common import metrics
@@ -250,6 +270,21 @@ def cmd_agent(args: argparse.Namespace) -> int:
     if not 0 <= args.sim_latency <= 600:
         raise QuantityError(f"--sim-latency {args.sim_latency} must be 0..600 seconds; e.g. --sim-latency 1.5")
     idle = _duration_flag("--idle-timeout", args.idle_timeout) if args.idle_timeout is not None else None
+    registry_dir = (_directory_flag("--kubelet-registry-dir", args.kubelet_registry_dir,
+                                    "/var/lib/kubelet/plugins_registry") if args.kubelet_registry_dir else "")
+    plugin = PluginSettings(
+        registry_dir=registry_dir,
+        plugin_dir=_directory_flag("--kubelet-plugin-dir", args.kubelet_plugin_dir,
+                                   "/var/lib/kubelet/plugins/gpu.cdmo.io"),
+        cdi_dir=_directory_flag("--cdi-dir", args.cdi_dir, "/var/run/cdi"),
+        shim_host_dir=_directory_flag("--shim-host-dir", args.shim_host_dir, "/var/lib/mig-operator/shim"),
+    )
+    for path in socket_paths_fit(plugin):
+        flag = "--kubelet-plugin-dir" if path == plugin.dra_socket else "--kubelet-registry-dir"
+        raise QuantityError(f"{flag}: socket {_shown(path)} is longer than a unix socket path may be "
+                            f"({MAX_SOCKET_PATH} bytes); use a shorter directory, e.g. {flag} "
+                            + ("/var/lib/kubelet/plugins/gpu.cdmo.io" if flag == "--kubelet-plugin-dir"
+                               else "/var/lib/kubelet/plugins_registry"))
     record_file = args.record_file or (
         f"{args.state_file}.owners.json" if args.state_file else "/var/lib/mig-operator/owners.json")
     try:
@@ -273,5 +308,6 @@ def cmd_agent(args: argparse.Namespace) -> int:
                             f"{args.node}); give this node's name, e.g. --node \"$(hostname)\" or from the "
                             "downward API's spec.nodeName")
     settings = AgentSettings(node=args.node, idle_timeout_s=idle, nvml_attempts=args.nvml_attempts)
-    run_agent(AgentOptions(settings, record_file, args.kubeconfig, args.metrics_address, metrics_socket), backend)
+    run_agent(AgentOptions(settings, record_file, args.kubeconfig, args.metrics_address, metrics_socket, plugin),
+              backend)
     return 0
