@@ -1,12 +1,15 @@
 """The local control plane itself: the version it reports, basic API round trips, and the
-optional components (scheduler, controller-manager, kwok) doing their part."""
+optional components (scheduler, controller-manager, kwok, hollow node) doing their part."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import kubernetes
 import pytest
@@ -149,3 +152,107 @@ def test_kwok_node_becomes_ready_and_runs_pods(kube_cluster, namespace):
             assert core.read_namespaced_pod("scheduled", namespace).spec.node_name == node_name
     finally:
         core.delete_node(node_name)
+
+
+# ---- the hollow node ---------------------------------------------------------------------------------
+
+CONTROL_PLANE = Path(__file__).resolve().parents[2] / "scripts" / "control-plane"
+
+
+@pytest.fixture
+def hollow_plane(tmp_path: Path) -> Iterator[tuple[dict[str, str], kubernetes.client.ApiClient]]:
+    """A control plane of its own (the session's has no hollow node) with the scheduler, the
+    controller-manager and a hollow node named and labelled through the script's environment;
+    stopped at the end."""
+    env = dict(os.environ, MIG_OPERATOR_RUN=str(tmp_path / "state"), MIG_OPERATOR_HOLLOW_NODE="hollow-e2e",
+               MIG_OPERATOR_HOLLOW_NODE_LABELS="cdmo.test/role=hollow,cdmo.test/zone=a")
+
+    def script(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([str(CONTROL_PLANE), *args], env=env, capture_output=True, text=True, timeout=600)
+
+    # The controller-manager's node lifecycle controller lifts the not-ready taint the kubelet
+    # registers its Node with; without it nothing is scheduled there.
+    up = script("up", "--with", "scheduler,controller-manager,hollow-node")
+    try:
+        assert up.returncode == 0, f"up failed:\n{up.stderr[-4000:]}"
+        settings = dict(line.split("=", 1) for line in script("env").stdout.splitlines() if "=" in line)
+        settings["KUBECONFIG"] = up.stdout.strip().splitlines()[-1].removeprefix("KUBECONFIG=")
+        settings["status"] = script("status").stdout
+        client = kubernetes.config.new_client_from_config(config_file=settings["KUBECONFIG"])
+        try:
+            yield settings, client
+        finally:
+            client.close()
+    finally:
+        down = script("down")
+        assert down.returncode == 0, down.stderr
+
+
+def test_hollow_node_registers_a_ready_node_and_calls_dra(hollow_plane):
+    """`up --with hollow-node`: the real kubelet code registers a Ready Node, runs a plain pod on its
+    fake runtime, and for a pod whose claim is allocated on it asks the claim's DRA driver to
+    prepare it (here no driver is registered, so the pod waits and the kubelet says why)."""
+    settings, client = hollow_plane
+    core = kubernetes.client.CoreV1Api(client)
+    state = Path(settings["STATE_DIR"])
+    assert settings["HOLLOW_NODE"] == "hollow-e2e"
+    assert "hollow-node running" in settings["status"]
+    # The kubelet's files are under the state dir, the plugin registry where `env` says.
+    assert Path(settings["KUBELET_DIR"]) == state / "kubelet"
+    assert Path(settings["PLUGIN_REGISTRY_DIR"]) == state / "kubelet" / "plugins_registry"
+    assert Path(settings["PLUGIN_REGISTRY_DIR"]).is_dir()
+    assert (state / "kubelet" / "dra_manager_state").is_file()  # the kubelet's DRA checkpoint
+
+    node = core.read_node("hollow-e2e")  # `up` returned only once it was Ready
+    assert [c.status for c in node.status.conditions if c.type == "Ready"] == ["True"]
+    assert node.status.node_info.kubelet_version == "v1.34.4"
+    assert node.metadata.labels["cdmo.test/role"] == "hollow"
+    assert node.metadata.labels["cdmo.test/zone"] == "a"
+
+    namespace = "default"
+    plain = kubernetes.client.V1Pod(
+        metadata=kubernetes.client.V1ObjectMeta(name="plain"),
+        spec=kubernetes.client.V1PodSpec(containers=[kubernetes.client.V1Container(name="main", image="fake")]),
+    )
+    core.create_namespaced_pod(namespace, plain)
+    wait_until(lambda: core.read_namespaced_pod("plain", namespace).status.phase == "Running", 60,
+               "a plain pod to run on the hollow node")
+    assert core.read_namespaced_pod("plain", namespace).spec.node_name == "hollow-e2e"
+
+    driver = "probe.cdmo.test"
+    resource_objects = [
+        {"apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass", "metadata": {"name": driver},
+         "spec": {"selectors": [{"cel": {"expression": f'device.driver == "{driver}"'}}]}},
+        {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice", "metadata": {"name": "hollow-e2e-probe"},
+         "spec": {"driver": driver, "nodeName": "hollow-e2e", "devices": [{"name": "dev0"}],
+                  "pool": {"name": "hollow-e2e", "generation": 1, "resourceSliceCount": 1}}},
+        {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+         "metadata": {"name": "probe", "namespace": namespace},
+         "spec": {"devices": {"requests": [{"name": "r", "exactly": {"deviceClassName": driver}}]}}},
+    ]
+    kubectl = [str(Path(settings["BIN_DIR"]) / "kubectl"), f"--kubeconfig={settings['KUBECONFIG']}"]
+    subprocess.run([*kubectl, "apply", "-f", "-"], input=json.dumps({"apiVersion": "v1", "kind": "List",
+                   "items": resource_objects}), text=True, check=True, capture_output=True, timeout=60)
+    claimed = kubernetes.client.V1Pod(
+        metadata=kubernetes.client.V1ObjectMeta(name="claimed"),
+        spec=kubernetes.client.V1PodSpec(
+            resource_claims=[kubernetes.client.V1PodResourceClaim(name="dev", resource_claim_name="probe")],
+            containers=[kubernetes.client.V1Container(
+                name="main", image="fake",
+                resources=kubernetes.client.V1ResourceRequirements(claims=[{"name": "dev"}]))],
+        ),
+    )
+    core.create_namespaced_pod(namespace, claimed)
+
+    def prepare_refused() -> list[str]:
+        events = core.list_namespaced_event(namespace, field_selector="involvedObject.name=claimed").items
+        return [e.message for e in events if e.reason == "FailedPrepareDynamicResources"]
+
+    messages = wait_until(prepare_refused, 60, "the kubelet's FailedPrepareDynamicResources event")
+    assert f"DRA driver {driver} is not registered" in messages[0]
+    pod = core.read_namespaced_pod("claimed", namespace)
+    assert pod.spec.node_name == "hollow-e2e" and pod.status.phase == "Pending"
+    claim = json.loads(subprocess.run([*kubectl, "get", "resourceclaim", "probe", "-n", namespace, "-o", "json"],
+                                      capture_output=True, text=True, check=True, timeout=60).stdout)
+    assert [r["device"] for r in claim["status"]["allocation"]["devices"]["results"]] == ["dev0"]
+    assert [r["name"] for r in claim["status"]["reservedFor"]] == ["claimed"]
