@@ -1,0 +1,414 @@
+"""The agent's kubelet plugin driven as the kubelet drives it: over the real unix sockets, with the
+kubelet's own protos (the vendored stubs), against a real NodeAgent on simulated GPUs.
+
+The API server here is an in-memory stand-in holding the few objects the agent reads and writes
+(the Node, GpuSlices, ResourceClaims); the e2e tests use the real one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import os
+import shutil
+import stat
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from mig_operator.core.cdi import SliceDevice, slice_spec
+from mig_operator.core.lifecycle import idle_instances
+from mig_operator.gpu.device_files import device_nodes, simulated_cap_minor
+from mig_operator.gpu.simulated import SimulatedBackend
+from mig_operator.kube.agent.agent import AgentSettings, NodeAgent
+from mig_operator.kube.agent.inventory import instance_state
+from mig_operator.kube.agent.kubelet_plugin import KubeletPlugin, PluginSettings
+from mig_operator.kube.agent.kubeletapi import dra_v1_pb2 as dra
+from mig_operator.kube.agent.kubeletapi import dra_v1_pb2_grpc as dra_grpc
+from mig_operator.kube.agent.kubeletapi import pluginregistration_v1_pb2 as reg
+from mig_operator.kube.agent.kubeletapi import pluginregistration_v1_pb2_grpc as reg_grpc
+from mig_operator.kube.agent.record import RecordStore
+from mig_operator.kube.common.client import ApiError
+
+NODE = "node-a"
+SLICES = "/apis/cdmo.io/v1alpha1"
+CLAIMS = "/apis/resource.k8s.io/v1"
+MIG_PROFILE_ID, MIG_PROFILE = 19, "1g.10gb"  # h100-80gb's smallest profile
+
+
+class ApiStandIn:
+    """Objects by path; just what NodeAgent and the plugin call."""
+
+    def __init__(self) -> None:
+        self.objects: dict[str, dict] = {
+            f"/api/v1/nodes/{NODE}": {"metadata": {"name": NODE, "uid": "node-uid-1", "labels": {}}},
+        }
+        self.version = 1
+
+    def _bump(self, body: dict) -> dict:
+        self.version += 1
+        body.setdefault("metadata", {})["resourceVersion"] = str(self.version)
+        return copy.deepcopy(body)
+
+    async def get(self, path: str, params: Any = None) -> dict:
+        if path not in self.objects:
+            raise ApiError(404, "NotFound", f"{path} not found")
+        return copy.deepcopy(self.objects[path])
+
+    async def list(self, path: str, label_selector: str | None = None, field_selector: str | None = None) -> list:
+        return [copy.deepcopy(o) for p, o in self.objects.items() if p.startswith(SLICES) and "/gpuslices/" in p]
+
+    async def merge_patch(self, path: str, body: dict) -> dict:
+        target = path.removesuffix("/status")
+        if target.startswith(f"{SLICES}/gpunodes"):
+            return {"metadata": {"resourceVersion": "1"}}
+        if target not in self.objects:
+            raise ApiError(404, "NotFound", f"{path} not found")
+        self.objects[target].setdefault("status", {}).update(copy.deepcopy(body.get("status") or {}))
+        return self._bump(self.objects[target])
+
+    async def json_patch(self, path: str, ops: list) -> dict:
+        # Only the agent's finalizer removal: drop the finalizers the ops remove.
+        body = self.objects[path]
+        for op in ops:
+            if op["op"] == "remove":
+                body["metadata"]["finalizers"].pop(int(op["path"].rsplit("/", 1)[1]))
+        return self._bump(body)
+
+    async def create(self, path: str, body: dict) -> dict:
+        full = f"{path}/{body['metadata']['name']}"
+        if full in self.objects:
+            raise ApiError(409, "Conflict", "exists")
+        self.objects[full] = copy.deepcopy(dict(body))
+        return self._bump(self.objects[full])
+
+    async def request(self, method: str, path: str, body: Any = None, **_: Any) -> dict:
+        assert method == "PUT"
+        self.objects[path] = copy.deepcopy(body)
+        return self._bump(self.objects[path])
+
+    async def delete(self, path: str) -> dict:
+        return self.objects.pop(path)
+
+
+class NoEvents:
+    def post(self, *args: Any) -> None:
+        pass
+
+    async def drain(self) -> None:
+        pass
+
+
+def mig_slice(uid: str, name: str, start: int, phase: str = "Bound") -> dict:
+    return {"metadata": {"uid": uid, "name": name, "namespace": "team", "resourceVersion": "1",
+                         "finalizers": ["cdmo.io/agent"]},
+            "status": {"phase": phase, "node": NODE, "gpu": 0, "mode": "mig", "grantedBytes": 10 * 2**30,
+                       "profileId": MIG_PROFILE_ID, "profile": MIG_PROFILE, "placement": {"start": start, "size": 1}}}
+
+
+def allocated_claim(uid: str, name: str, device: str, pool: str = NODE) -> dict:
+    return {"metadata": {"uid": uid, "name": name, "namespace": "team"},
+            "status": {"allocation": {"devices": {"results": [
+                {"request": "gpu", "driver": "gpu.cdmo.io", "pool": pool, "device": device}]}}}}
+
+
+class Node:
+    """One simulated node: API stand-in, backend, record, agent and plugin, restartable."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.api = ApiStandIn()
+        self.settings = PluginSettings(registry_dir=str(root / "reg"), plugin_dir=str(root / "plug"),
+                                       cdi_dir=str(root / "cdi"), shim_host_dir="/opt/shim",
+                                       nvidia_cdi_dirs=(str(root / "etc-cdi"), str(root / "cdi")))
+        (root / "reg").mkdir()
+        self.agent: NodeAgent | None = None
+        self.plugin: KubeletPlugin | None = None
+
+    def backend(self) -> SimulatedBackend:
+        return SimulatedBackend("h100-80gb", count=1, state_file=str(self.root / "sim.json"), host=NODE)
+
+    async def start(self) -> None:
+        store = RecordStore(str(self.root / "owners.json"))
+        self.agent = NodeAgent(AgentSettings(NODE, publish_delay_s=0.01, heartbeat_s=3600), self.backend(), store,
+                               self.api, NoEvents())  # type: ignore[arg-type]
+        await self.agent.start()
+        self.plugin = KubeletPlugin(self.agent, self.settings)
+        assert await self.plugin.start()
+
+    async def stop(self) -> None:
+        assert self.plugin is not None and self.agent is not None
+        await self.plugin.stop()
+        await self.agent.stop()
+
+    async def add_slice(self, body: dict) -> dict:
+        path = f"{SLICES}/namespaces/team/gpuslices/{body['metadata']['name']}"
+        self.api.objects[path] = body
+        assert self.agent is not None
+        await self.agent.handle(copy.deepcopy(body))
+        # The watch then shows the agent's own Ready write.
+        await self.agent.handle(copy.deepcopy(self.api.objects[path]))
+        return self.api.objects[path]
+
+    def add_claim(self, body: dict) -> None:
+        self.api.objects[f"{CLAIMS}/namespaces/team/resourceclaims/{body['metadata']['name']}"] = body
+
+    def spec_path(self, slice_uid: str) -> Path:
+        return self.root / "cdi" / f"gpu.cdmo.io-slice_{slice_uid}.json"
+
+
+class FakeKubelet:
+    """What the kubelet's plugin watcher and DRA manager call, from the kubelet's protos."""
+
+    def __init__(self, registration_socket: str) -> None:
+        self.registration_socket = registration_socket
+        self.dra: dra_grpc.DRAPluginStub | None = None
+        self._channels: list[grpc.aio.Channel] = []
+
+    async def register(self) -> reg.PluginInfo:
+        channel = grpc.aio.insecure_channel(f"unix://{self.registration_socket}")
+        self._channels.append(channel)
+        stub = reg_grpc.RegistrationStub(channel)
+        info = await stub.GetInfo(reg.InfoRequest(), timeout=5)
+        await stub.NotifyRegistrationStatus(reg.RegistrationStatus(plugin_registered=True), timeout=5)
+        dra_channel = grpc.aio.insecure_channel(f"unix://{info.endpoint}")
+        self._channels.append(dra_channel)
+        self.dra = dra_grpc.DRAPluginStub(dra_channel)
+        return info
+
+    async def prepare(self, *claims: tuple[str, str]) -> dra.NodePrepareResourcesResponse:
+        assert self.dra is not None
+        request = dra.NodePrepareResourcesRequest(
+            claims=[dra.Claim(namespace="team", uid=uid, name=name) for uid, name in claims])
+        return await self.dra.NodePrepareResources(request, timeout=10)
+
+    async def unprepare(self, *claims: tuple[str, str]) -> dra.NodeUnprepareResourcesResponse:
+        assert self.dra is not None
+        request = dra.NodeUnprepareResourcesRequest(
+            claims=[dra.Claim(namespace="team", uid=uid, name=name) for uid, name in claims])
+        return await self.dra.NodeUnprepareResources(request, timeout=10)
+
+    async def close(self) -> None:
+        for channel in self._channels:
+            await channel.close()
+
+
+@pytest.fixture
+def root() -> Iterator[Path]:
+    # Short: a unix socket path holds at most 107 bytes, and pytest's tmp_path can be longer.
+    path = Path(tempfile.mkdtemp(prefix="kp-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_registration_prepare_unprepare_repeated(root: Path) -> None:
+    async def scenario() -> None:
+        node = Node(root)
+        await node.start()
+        kubelet = FakeKubelet(str(root / "reg" / "gpu.cdmo.io-reg.sock"))
+        try:
+            info = await kubelet.register()
+            assert (info.type, info.name, info.endpoint, list(info.supported_versions)) == \
+                ("DRAPlugin", "gpu.cdmo.io", str(root / "plug" / "dra.sock"), ["v1.DRAPlugin"])
+            assert node.plugin is not None and node.plugin.registration.registered.is_set()
+
+            await node.add_slice(mig_slice("s-1", "train", 0))
+            node.add_claim(allocated_claim("c-1", "train", "s-1"))
+            first = await kubelet.prepare(("c-1", "train"))
+            assert first.claims["c-1"].error == ""
+            [device] = first.claims["c-1"].devices
+            assert (list(device.request_names), device.pool_name, device.device_name, list(device.cdi_device_ids)) \
+                == (["gpu"], NODE, "s-1", ["gpu.cdmo.io/slice=s-1"])
+
+            # The spec names the instance's own capability files, as the driver numbers them.
+            inst = node.backend().instances(0)[0]
+            spec = json.loads(node.spec_path("s-1").read_text())
+            expected = slice_spec(SliceDevice("s-1", "team", "train", "mig", inst.device_uuid, 10 * 2**30,
+                                              tuple(device_nodes(str(root / "sim.json.devices"), 0, inst.gi_id, 0)),
+                                              "/opt/shim"))
+            assert spec == expected
+            paths = [n["path"] for n in spec["devices"][0]["containerEdits"]["deviceNodes"]]
+            assert paths[-2:] == [f"/dev/nvidia-caps/nvidia-cap{simulated_cap_minor(0, inst.gi_id)}",
+                                  f"/dev/nvidia-caps/nvidia-cap{simulated_cap_minor(0, inst.gi_id, 0)}"]
+            assert stat.S_IMODE(os.stat(node.spec_path("s-1")).st_mode) == 0o644
+            assert [p.name for p in (root / "cdi").iterdir()] == ["gpu.cdmo.io-slice_s-1.json"]  # no temp file left
+
+            again = await kubelet.prepare(("c-1", "train"))
+            assert again == first  # idempotent
+            assert json.loads((root / "owners.json").read_text())["preparedClaims"] == {
+                "c-1": {"namespace": "team", "name": "train", "sliceUID": "s-1"}}
+
+            gone = await kubelet.unprepare(("c-1", "train"))
+            assert gone.claims["c-1"].error == "" and "c-1" in gone.claims
+            assert not node.spec_path("s-1").exists()
+            twice = await kubelet.unprepare(("c-1", "train"))
+            assert twice.claims["c-1"].error == ""
+            assert json.loads((root / "owners.json").read_text())["preparedClaims"] == {}
+        finally:
+            await kubelet.close()
+            await node.stop()
+
+    asyncio.run(scenario())
+
+
+def test_refuses_what_is_not_a_ready_slice_of_this_node(root: Path) -> None:
+    async def scenario() -> None:
+        node = Node(root)
+        await node.start()
+        kubelet = FakeKubelet(str(root / "reg" / "gpu.cdmo.io-reg.sock"))
+        try:
+            await kubelet.register()
+            await node.add_slice(mig_slice("s-1", "train", 0))
+            node.add_claim(allocated_claim("c-other", "elsewhere", "s-1", pool="node-b"))
+            node.add_claim(allocated_claim("c-unknown", "unknown", "s-404"))
+            node.add_claim(allocated_claim("c-pending", "pending", "s-2"))
+            node.add_claim({"metadata": {"uid": "c-none", "name": "none", "namespace": "team"}, "status": {}})
+            node.add_claim(allocated_claim("c-new", "recreated", "s-1"))
+            # A slice bound here but not Ready: the agent has not realised it.
+            node.api.objects[f"{SLICES}/namespaces/team/gpuslices/pending"] = mig_slice("s-2", "pending", 1)
+            answer = await kubelet.prepare(("c-other", "elsewhere"), ("c-unknown", "unknown"),
+                                           ("c-pending", "pending"), ("c-none", "none"), ("c-old", "recreated"),
+                                           ("c-missing", "missing"))
+            errors = {uid: r.error for uid, r in answer.claims.items()}
+            assert "ResourceClaim team/elsewhere" in errors["c-other"]
+            assert "device gpu.cdmo.io/node-b/s-1 is in pool 'node-b', not this node's (node-a)" in errors["c-other"]
+            assert "device gpu.cdmo.io/node-a/s-404 is not a slice Ready on node node-a" in errors["c-unknown"]
+            assert "device gpu.cdmo.io/node-a/s-2 is not a slice Ready on node node-a" in errors["c-pending"]
+            assert "has no device of driver gpu.cdmo.io allocated" in errors["c-none"]
+            assert "has uid c-new, another claim" in errors["c-old"]
+            assert "team/missing (uid c-missing) does not exist" in errors["c-missing"]
+            assert all(not r.devices for r in answer.claims.values())
+            assert not node.spec_path("s-1").exists() and not node.spec_path("s-2").exists()
+
+            # One device, one claim: a second claim on a prepared device is refused.
+            node.add_claim(allocated_claim("c-1", "train", "s-1"))
+            node.add_claim(allocated_claim("c-2", "copy", "s-1"))
+            assert (await kubelet.prepare(("c-1", "train"))).claims["c-1"].error == ""
+            second = await kubelet.prepare(("c-2", "copy"))
+            assert "is already prepared for ResourceClaim team/train (uid c-1)" in second.claims["c-2"].error
+        finally:
+            await kubelet.close()
+            await node.stop()
+
+    asyncio.run(scenario())
+
+
+def test_nvidia_toolkit_spec_adds_its_device_id(root: Path) -> None:
+    async def scenario() -> None:
+        node = Node(root)
+        await node.start()
+        kubelet = FakeKubelet(str(root / "reg" / "gpu.cdmo.io-reg.sock"))
+        try:
+            await kubelet.register()
+            await node.add_slice(mig_slice("s-1", "train", 0))
+            uuid = node.backend().instances(0)[0].device_uuid
+            (root / "etc-cdi").mkdir()
+            (root / "etc-cdi" / "nvidia.yaml").write_text(
+                f"cdiVersion: 0.5.0\nkind: nvidia.com/gpu\ndevices:\n- name: '0'\n- name: {uuid}\n"
+                "containerEdits: {}\n")
+            (root / "etc-cdi" / "broken.json").write_text("{not json")
+            node.add_claim(allocated_claim("c-1", "train", "s-1"))
+            answer = await kubelet.prepare(("c-1", "train"))
+            assert list(answer.claims["c-1"].devices[0].cdi_device_ids) == \
+                ["gpu.cdmo.io/slice=s-1", f"nvidia.com/gpu={uuid}"]
+        finally:
+            await kubelet.close()
+            await node.stop()
+
+    asyncio.run(scenario())
+
+
+def test_prepared_claim_survives_a_restart_and_holds_a_deleted_slices_instance(root: Path) -> None:
+    async def scenario() -> None:
+        node = Node(root)
+        await node.start()
+        kubelet = FakeKubelet(str(root / "reg" / "gpu.cdmo.io-reg.sock"))
+        try:
+            await kubelet.register()
+            body = await node.add_slice(mig_slice("s-1", "train", 0))
+            node.add_claim(allocated_claim("c-1", "train", "s-1"))
+            prepared = await kubelet.prepare(("c-1", "train"))
+            assert prepared.claims["c-1"].error == ""
+            slice_in_api = f"{SLICES}/namespaces/team/gpuslices/train"
+            await asyncio.sleep(0.1)  # the coalesced publish
+            assert [d["name"] for d in node.api.objects[f"{CLAIMS}/resourceslices/{NODE}-gpu.cdmo.io"]["spec"]
+                    ["devices"]] == ["s-1"]
+
+            # The slice is deleted while the pod runs: its instance stays held, offered to nobody.
+            deleting = copy.deepcopy(body)
+            deleting["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+            assert node.agent is not None
+            await node.agent.handle(deleting)
+            del node.api.objects[slice_in_api]
+            await node.agent.deleted(deleting)
+            record = node.agent.store.record
+            assert "s-1" in record.owners and "s-1" in node.agent.store.revoked
+            assert idle_instances(record, 0, [instance_state(i) for i in node.backend().instances(0)]) == []
+            await asyncio.sleep(0.1)  # the coalesced publish
+            assert node.api.objects[f"{CLAIMS}/resourceslices/{NODE}-gpu.cdmo.io"]["spec"]["devices"] == []
+
+            # The agent restarts (new servers, the same record): still held, and the kubelet's calls work.
+            await kubelet.close()
+            await node.stop()
+            await node.start()
+            kubelet = FakeKubelet(str(root / "reg" / "gpu.cdmo.io-reg.sock"))
+            await kubelet.register()
+            assert node.agent.store.prepared.keys() == {"c-1"} and "s-1" in node.agent.store.revoked
+            assert "s-1" in node.agent.store.record.owners
+            again = await kubelet.prepare(("c-1", "train"))  # the kubelet may ask again: same answer
+            assert again == prepared
+
+            await kubelet.unprepare(("c-1", "train"))
+            assert not node.spec_path("s-1").exists()
+            record = node.agent.store.record
+            uuid = node.backend().instances(0)[0].device_uuid
+            assert "s-1" not in record.owners and uuid in record.idle_since  # idle now, reusable
+            assert not node.agent.store.revoked
+        finally:
+            await kubelet.close()
+            await node.stop()
+
+    asyncio.run(scenario())
+
+
+def test_unprepare_after_restart_removes_the_spec(root: Path) -> None:
+    async def scenario() -> None:
+        node = Node(root)
+        await node.start()
+        kubelet = FakeKubelet(str(root / "reg" / "gpu.cdmo.io-reg.sock"))
+        await kubelet.register()
+        await node.add_slice(mig_slice("s-1", "train", 0))
+        node.add_claim(allocated_claim("c-1", "train", "s-1"))
+        assert (await kubelet.prepare(("c-1", "train"))).claims["c-1"].error == ""
+        await kubelet.close()
+        await node.stop()
+
+        await node.start()
+        kubelet = FakeKubelet(str(root / "reg" / "gpu.cdmo.io-reg.sock"))
+        try:
+            await kubelet.register()
+            assert node.spec_path("s-1").exists()
+            assert (await kubelet.unprepare(("c-1", "train"))).claims["c-1"].error == ""
+            assert not node.spec_path("s-1").exists()
+            assert "s-1" in node.agent.store.record.owners  # the slice lives on: only its claim went
+        finally:
+            await kubelet.close()
+            await node.stop()
+
+    asyncio.run(scenario())
+
+
+def test_no_registry_dir_serves_nothing(root: Path) -> None:
+    async def scenario() -> None:
+        settings = PluginSettings(registry_dir=str(root / "absent"), plugin_dir=str(root / "plug"))
+        plugin = KubeletPlugin(None, settings)  # type: ignore[arg-type]
+        assert not await plugin.start()
+        assert not (root / "plug").exists()
+        assert not await KubeletPlugin(None, PluginSettings(registry_dir="")).start()  # type: ignore[arg-type]
+
+    asyncio.run(scenario())
