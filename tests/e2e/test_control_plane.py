@@ -162,10 +162,11 @@ CONTROL_PLANE = Path(__file__).resolve().parents[2] / "scripts" / "control-plane
 @pytest.fixture
 def hollow_plane(tmp_path: Path) -> Iterator[tuple[dict[str, str], kubernetes.client.ApiClient]]:
     """A control plane of its own (the session's has no hollow node) with the scheduler, the
-    controller-manager and a hollow node named and labelled through the script's environment;
-    stopped at the end."""
+    controller-manager and a hollow node named, labelled and given 8 GPUs through the script's
+    environment; stopped at the end."""
     env = dict(os.environ, MIG_OPERATOR_RUN=str(tmp_path / "state"), MIG_OPERATOR_HOLLOW_NODE="hollow-e2e",
-               MIG_OPERATOR_HOLLOW_NODE_LABELS="cdmo.test/role=hollow,cdmo.test/zone=a")
+               MIG_OPERATOR_HOLLOW_NODE_LABELS="cdmo.test/role=hollow,cdmo.test/zone=a",
+               MIG_OPERATOR_HOLLOW_NODE_RESOURCES="nvidia.com/gpu=8")
 
     def script(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run([str(CONTROL_PLANE), *args], env=env, capture_output=True, text=True, timeout=600)
@@ -208,6 +209,7 @@ def test_hollow_node_registers_a_ready_node_and_calls_dra(hollow_plane):
     assert node.status.node_info.kubelet_version == "v1.34.4"
     assert node.metadata.labels["cdmo.test/role"] == "hollow"
     assert node.metadata.labels["cdmo.test/zone"] == "a"
+    assert node.status.capacity["nvidia.com/gpu"] == node.status.allocatable["nvidia.com/gpu"] == "8"
 
     namespace = "default"
     plain = kubernetes.client.V1Pod(
