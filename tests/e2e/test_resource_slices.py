@@ -1,14 +1,29 @@
 """Each agent publishes its node's ResourceSlice for driver gpu.cdmo.io: one device per Ready slice,
-described as the GpuSlice's status says, and no device for an idle instance (issue 16 item 1)."""
+described as the GpuSlice's status says, and no device for an idle instance (issue 16 item 1); and
+the agent's kubelet plugin, called as the kubelet calls it, writes CDI specs the official CDI library
+accepts and applies (issue 16 items 4 and 5)."""
 
 from __future__ import annotations
 
+import json
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+import grpc
 import kubernetes
+import pytest
 from harness import OperatorHarness, SimNode, wait_until
 from kubernetes.client.exceptions import ApiException
 from kubernetes.utils import parse_quantity
+
+from mig_operator.kube.agent.kubeletapi import dra_v1_pb2 as dra
+from mig_operator.kube.agent.kubeletapi import dra_v1_pb2_grpc as dra_grpc
+from mig_operator.kube.agent.kubeletapi import pluginregistration_v1_pb2 as reg
+from mig_operator.kube.agent.kubeletapi import pluginregistration_v1_pb2_grpc as reg_grpc
 
 DRIVER = "gpu.cdmo.io"
 
@@ -97,3 +112,144 @@ def test_resource_slices_list_the_ready_slices_and_no_idle_instance(operator: Op
     wait_until(lambda: devices_of(operator, mig).keys() == {ready["big"]["metadata"]["uid"]}, 15,
                lambda: f"ResourceSlice of {mig.name}: {resource_slice(operator, mig)}\n{operator.logs()}")
     assert resource_slice(operator, mig)["spec"]["pool"]["generation"] > generation
+
+
+# ---- the kubelet plugin ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    # A unix socket path holds at most 107 bytes; pytest's tmp_path can be longer.
+    path = Path(tempfile.mkdtemp(prefix="dra-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+class Kubelet:
+    """The calls the kubelet's plugin watcher and DRA manager make, from the kubelet's own protos."""
+
+    def __init__(self, registry_dir: Path) -> None:
+        self.registry_dir = registry_dir
+        self.channels: list[grpc.Channel] = []
+
+    def register(self) -> dra_grpc.DRAPluginStub:
+        socket = self.registry_dir / "gpu.cdmo.io-reg.sock"
+        wait_until(socket.exists, 30, f"the registration socket {socket}")
+        channel = grpc.insecure_channel(f"unix://{socket}")
+        self.channels.append(channel)
+        registration = reg_grpc.RegistrationStub(channel)
+        info = registration.GetInfo(reg.InfoRequest(), timeout=10)
+        assert (info.type, info.name, list(info.supported_versions)) == ("DRAPlugin", DRIVER, ["v1.DRAPlugin"])
+        registration.NotifyRegistrationStatus(reg.RegistrationStatus(plugin_registered=True), timeout=10)
+        service = grpc.insecure_channel(f"unix://{info.endpoint}")
+        self.channels.append(service)
+        return dra_grpc.DRAPluginStub(service)
+
+    def close(self) -> None:
+        for channel in self.channels:
+            channel.close()
+
+
+def allocated_claim(operator: OperatorHarness, ns: str, name: str, node: SimNode, device: str) -> dict:
+    """A ResourceClaim allocated as kube-scheduler would (status written with the admin's credentials)."""
+    api = kubernetes.client.CustomObjectsApi(operator.custom.api_client)
+    api.create_namespaced_custom_object("resource.k8s.io", "v1", ns, "resourceclaims", {
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": name},
+        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpuslice.cdmo.io"}}]}}})
+    return api.patch_namespaced_custom_object_status("resource.k8s.io", "v1", ns, "resourceclaims", name, {
+        "status": {"allocation": {"devices": {"results": [
+            {"request": "gpu", "driver": DRIVER, "pool": node.name, "device": device}]}}}})
+
+
+def claim_of(body: dict) -> dra.Claim:
+    meta = body["metadata"]
+    return dra.Claim(namespace=meta["namespace"], name=meta["name"], uid=meta["uid"])
+
+
+def test_kubelet_plugin_prepares_specs_the_cdi_library_applies(operator: OperatorHarness, cdi_validate: Path,
+                                                               short_dir: Path) -> None:
+    mig = operator.add_node("h100-80gb")
+    plain = operator.add_node("l4-24gb", labelled=False)
+    flags = {}
+    for node in (mig, plain):
+        (short_dir / node.name / "reg").mkdir(parents=True)
+        flags[node.name] = ["--kubelet-registry-dir", str(short_dir / node.name / "reg"),
+                            "--kubelet-plugin-dir", str(short_dir / node.name / "plug"),
+                            "--cdi-dir", str(short_dir / node.name / "cdi"), "--shim-host-dir", "/opt/cdmo-shim"]
+    agents = {node.name: operator.agent(node, None, *flags[node.name]) for node in (mig, plain)}
+    for node in (mig, plain):
+        operator.wait_gpunode(node)
+    operator.controller()
+    ns = operator.namespace()
+    operator.create_slice(ns, "train", {"migProfile": "1g.10gb", "nodeName": mig.name})
+    operator.create_slice(ns, "notebook", {"fraction": 0.25, "nodeName": plain.name})
+    train = operator.wait_phase(ns, "train", "Ready")
+    notebook = operator.wait_phase(ns, "notebook", "Ready")
+    train_uid, notebook_uid = train["metadata"]["uid"], notebook["metadata"]["uid"]
+
+    mig_claim = allocated_claim(operator, ns, "train-claim", mig, train_uid)
+    fraction_claim = allocated_claim(operator, ns, "nb-claim", plain, notebook_uid)
+    stolen = allocated_claim(operator, ns, "stolen", mig, notebook_uid)  # another node's device
+
+    kubelets = {name: Kubelet(short_dir / name / "reg") for name in (mig.name, plain.name)}
+    try:
+        service = kubelets[mig.name].register()
+        answer = service.NodePrepareResources(dra.NodePrepareResourcesRequest(claims=[claim_of(mig_claim)]),
+                                              timeout=30)
+        result = answer.claims[mig_claim["metadata"]["uid"]]
+        assert result.error == ""
+        assert list(result.devices[0].cdi_device_ids) == [f"{DRIVER}/slice={train_uid}"]
+        seen = json.loads(subprocess.run(
+            [str(cdi_validate), "--cdi-dir", str(short_dir / mig.name / "cdi"), f"{DRIVER}/slice={train_uid}"],
+            check=True, capture_output=True, text=True).stdout)
+        assert "NVIDIA_VISIBLE_DEVICES=void" in seen["env"]
+        assert not any(e.startswith("LD_PRELOAD=") for e in seen["env"]) and not seen["mounts"]
+        paths = sorted(d["path"] for d in seen["deviceNodes"])
+        caps = [p for p in paths if p.startswith("/dev/nvidia-caps/")]
+        assert len(caps) == 2, paths  # the GPU instance's and the compute instance's
+        assert {"/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"} <= set(paths)
+
+        refused = service.NodePrepareResources(dra.NodePrepareResourcesRequest(claims=[claim_of(stolen)]),
+                                               timeout=30).claims[stolen["metadata"]["uid"]]
+        assert f"device {DRIVER}/{mig.name}/{notebook_uid} is not a slice Ready on node {mig.name}" in refused.error
+
+        fraction_service = kubelets[plain.name].register()
+        answer = fraction_service.NodePrepareResources(
+            dra.NodePrepareResourcesRequest(claims=[claim_of(fraction_claim)]), timeout=30)
+        assert answer.claims[fraction_claim["metadata"]["uid"]].error == ""
+        seen = json.loads(subprocess.run(
+            [str(cdi_validate), "--cdi-dir", str(short_dir / plain.name / "cdi"), f"{DRIVER}/slice={notebook_uid}"],
+            check=True, capture_output=True, text=True).stdout)
+        granted = notebook["status"]["grantedBytes"]
+        assert {"NVIDIA_VISIBLE_DEVICES=void", f"CDMO_GPU_MEMORY_LIMIT={granted}", f"CDMO_SLICE={ns}/notebook",
+                "LD_PRELOAD=/usr/local/lib/cdmo/libgpuslice.so"} <= set(seen["env"])
+        assert [(m["source"], m["destination"]) for m in seen["mounts"]] == \
+            [("/opt/cdmo-shim/libgpuslice.so", "/usr/local/lib/cdmo/libgpuslice.so")]
+        assert "ro" in seen["mounts"][0]["options"]
+
+        # SIGKILL the MIG node's agent; the restarted one still knows the prepared claim.
+        operator.kill(agents[mig.name])
+        operator.start(agents[mig.name])
+        kubelets[mig.name].close()
+        kubelets[mig.name] = Kubelet(short_dir / mig.name / "reg")
+        spec_file = short_dir / mig.name / "cdi" / f"{DRIVER}-slice_{train_uid}.json"
+        assert spec_file.exists()
+        service = wait_until(lambda: _registered(kubelets[mig.name]), 30, lambda: operator.logs())
+        again = service.NodePrepareResources(dra.NodePrepareResourcesRequest(claims=[claim_of(mig_claim)]),
+                                             timeout=30).claims[mig_claim["metadata"]["uid"]]
+        assert again == result
+        gone = service.NodeUnprepareResources(dra.NodeUnprepareResourcesRequest(claims=[claim_of(mig_claim)]),
+                                              timeout=30)
+        assert gone.claims[mig_claim["metadata"]["uid"]].error == ""
+        assert not spec_file.exists()
+    finally:
+        for kubelet in kubelets.values():
+            kubelet.close()
+
+
+def _registered(kubelet: Kubelet) -> dra_grpc.DRAPluginStub | None:
+    """The restarted agent's plugin, once it answers (its socket file may be the dead one's until then)."""
+    try:
+        return kubelet.register()
+    except grpc.RpcError:
+        return None
