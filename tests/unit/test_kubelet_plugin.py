@@ -13,6 +13,8 @@ import json
 import os
 import shutil
 import stat
+import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -412,3 +414,47 @@ def test_no_registry_dir_serves_nothing(root: Path) -> None:
         assert not await KubeletPlugin(None, PluginSettings(registry_dir="")).start()  # type: ignore[arg-type]
 
     asyncio.run(scenario())
+
+
+# ---- the agent's flags -----------------------------------------------------------------------------
+
+
+def _agent(tmp: Path, *argv: str) -> subprocess.CompletedProcess:
+    """``mig-operator agent`` with flags that must be refused before anything starts (so before the
+    unreachable API server is ever asked)."""
+    kubeconfig = tmp / "kubeconfig"
+    kubeconfig.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": "c",
+        "clusters": [{"name": "c", "cluster": {"server": "https://127.0.0.1:1"}}],
+        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
+        "users": [{"name": "u", "user": {"token": "t"}}]}))
+    return subprocess.run([sys.executable, "-m", "mig_operator.cli", "agent", "--node", "n1", "--backend",
+                           "sim:h100-80gb", "--state-file", str(tmp / "sim.json"), "--kubeconfig", str(kubeconfig),
+                           *argv], capture_output=True, text=True, timeout=20)
+
+
+@pytest.mark.parametrize(("flag", "value", "fragment"), [
+    ("--kubelet-plugin-dir", "plugins/gpu", "--kubelet-plugin-dir 'plugins/gpu' is not an absolute directory path; "
+     "use e.g. --kubelet-plugin-dir /var/lib/kubelet/plugins/gpu.cdmo.io"),
+    ("--cdi-dir", "{file}", "exists and is not a directory; use e.g. --cdi-dir /var/run/cdi"),
+    ("--shim-host-dir", "", "--shim-host-dir '' is not an absolute directory path; "
+     "use e.g. --shim-host-dir /var/lib/mig-operator/shim"),
+    ("--kubelet-registry-dir", "/" + "r" * 100, "--kubelet-registry-dir: socket '/rrrr"),
+    ("--kubelet-plugin-dir", "/" + "p" * 100, "is longer than a unix socket path may be (107 bytes); use a shorter "
+     "directory, e.g. --kubelet-plugin-dir /var/lib/kubelet/plugins/gpu.cdmo.io"),
+])
+def test_bad_plugin_flags_are_refused_in_one_line(root: Path, flag: str, value: str, fragment: str) -> None:
+    (root / "a-file").write_text("")
+    proc = _agent(root, flag, value.replace("{file}", str(root / "a-file")))
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert fragment in proc.stderr, proc.stderr
+
+
+def test_a_socket_path_of_107_bytes_fits() -> None:
+    from mig_operator.kube.agent.kubelet_plugin import socket_paths_fit
+
+    plugin_dir = "/" + "p" * (107 - len("/dra.sock") - 1)
+    assert len(plugin_dir + "/dra.sock") == 107
+    assert socket_paths_fit(PluginSettings(registry_dir="", plugin_dir=plugin_dir)) == []
+    assert socket_paths_fit(PluginSettings(registry_dir="", plugin_dir=plugin_dir + "p")) == [plugin_dir + "p/dra.sock"]
