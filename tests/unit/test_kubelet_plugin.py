@@ -218,6 +218,13 @@ def test_registration_prepare_unprepare_repeated(root: Path) -> None:
             assert (info.type, info.name, info.endpoint, list(info.supported_versions)) == \
                 ("DRAPlugin", "gpu.cdmo.io", str(root / "plug" / "dra.sock"), ["v1.DRAPlugin"])
             assert node.plugin is not None and node.plugin.registration.registered.is_set()
+            # The kubelet deletes its node's ResourceSlices when it starts; registering writes it again.
+            resource_slice = f"{CLAIMS}/resourceslices/{NODE}-gpu.cdmo.io"
+            await asyncio.sleep(0.1)
+            del node.api.objects[resource_slice]
+            await kubelet.register()
+            await asyncio.sleep(0.1)
+            assert node.api.objects[resource_slice]["spec"]["nodeName"] == NODE
 
             await node.add_slice(mig_slice("s-1", "train", 0))
             node.add_claim(allocated_claim("c-1", "train", "s-1"))

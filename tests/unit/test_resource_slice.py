@@ -111,3 +111,27 @@ def test_generation_goes_up_only_when_the_devices_change() -> None:
         assert api.objects[path]["metadata"]["ownerReferences"][0]["uid"] == "node-uid-2"
 
     asyncio.run(scenario())
+
+
+def test_verify_rewrites_a_resource_slice_the_kubelet_deleted_and_reads_canonical_quantities() -> None:
+    async def scenario() -> None:
+        api = Api()
+        publisher = ResourceSlicePublisher(api, "node-a")  # type: ignore[arg-type]
+        path = resource_slice_path("node-a")
+        assert await publisher.publish([MIG], "node-uid")
+        # The API server stores quantities canonically: the same devices, no write.
+        api.objects[path]["spec"]["devices"][0]["capacity"]["gpu.cdmo.io/memory"]["value"] = "10Gi"
+        writes = len(api.writes)
+        assert not await publisher.publish([MIG], "node-uid", verify=True)
+        assert len(api.writes) == writes
+        # A different value there is a change.
+        api.objects[path]["spec"]["devices"][0]["capacity"]["gpu.cdmo.io/memory"]["value"] = "9Gi"
+        assert await publisher.publish([MIG], "node-uid", verify=True)
+        assert api.objects[path]["spec"]["pool"]["generation"] == 2
+        # The kubelet deleted it (at its start): unchanged here, so only a verifying publish sees it.
+        del api.objects[path]
+        assert not await publisher.publish([MIG], "node-uid")
+        assert await publisher.publish([MIG], "node-uid", verify=True)
+        assert [d["name"] for d in api.objects[path]["spec"]["devices"]] == ["b-uid"]
+
+    asyncio.run(scenario())

@@ -616,11 +616,11 @@ class NodeAgent:
             try:
                 self._gpus = await self._gpu("gpus", self.backend.gpus)
                 await self._read_node()
-                await self.publish()
+                await self.publish(verify_devices=True)
             except (GpuError, ApiError) as exc:
                 log.warning("GpuNode heartbeat failed: %s", exc)
 
-    async def publish(self) -> None:
+    async def publish(self, verify_devices: bool = False) -> None:
         models: dict[int, Any] = {}
         instances: dict[int, list[MigInstance]] = {}
         for gpu in self._gpus:
@@ -648,15 +648,22 @@ class NodeAgent:
                 return
             await self._create_gpunode()
             await self.client.merge_patch(path, {"status": body})
-        await self.publish_devices()
+        await self.publish_devices(verify_devices)
 
-    async def publish_devices(self) -> None:
-        """The node's ResourceSlice: one device per slice Ready here (written only when that changes)."""
+    def kubelet_registered(self) -> None:
+        """The kubelet (re)registered the plugin: it deletes its node's ResourceSlices when it starts,
+        so the ResourceSlice is read and written again now rather than at the next heartbeat."""
+        self.resource_slice.forget()
+        self.schedule_publish(at_once=True)
+
+    async def publish_devices(self, verify: bool = False) -> None:
+        """The node's ResourceSlice: one device per slice Ready here (written only when that changes;
+        ``verify``: read back even if unchanged here, since the kubelet may have deleted it)."""
         record, revoked = self.store.record, self.store.revoked
         devices = [device_info(e) for uid, e in record.owners.items()
                    if uid in self._ready and uid not in revoked and e.state == COMPLETED and e.device_uuid]
         try:
-            await self.resource_slice.publish(devices, self._node_uid)
+            await self.resource_slice.publish(devices, self._node_uid, verify=verify)
         except ApiError as exc:
             self.resource_slice.forget()  # written again at the next publish or heartbeat
             log.warning("publishing the ResourceSlice of node %s failed, retried: %s", self.settings.node, exc)

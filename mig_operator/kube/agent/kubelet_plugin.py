@@ -109,6 +109,10 @@ class SliceHolder(Protocol):
         """A prepared claim on the slice was unprepared (a held instance may go now)."""
         ...
 
+    def kubelet_registered(self) -> None:
+        """The kubelet registered the plugin (it may have deleted the node's ResourceSlices)."""
+        ...
+
 
 class PrepareRefused(Exception):
     """One claim cannot be prepared; the message (for the pod's events) names the claim, the device, why."""
@@ -265,7 +269,8 @@ class ClaimPreparer:
 
 
 class _Registration(reg_grpc.RegistrationServicer):
-    def __init__(self, settings: PluginSettings) -> None:
+    def __init__(self, holder: SliceHolder, settings: PluginSettings) -> None:
+        self.holder = holder
         self.settings = settings
         self.registered: asyncio.Event = asyncio.Event()
 
@@ -278,6 +283,7 @@ class _Registration(reg_grpc.RegistrationServicer):
         if request.plugin_registered:
             log.info("the kubelet registered DRA driver %s at %s", DRIVER, self.settings.dra_socket)
             self.registered.set()
+            self.holder.kubelet_registered()
         else:
             log.error("the kubelet refused DRA driver %s: %s", DRIVER, request.error)
         return reg.RegistrationStatusResponse()
@@ -302,7 +308,7 @@ class KubeletPlugin:
     def __init__(self, holder: SliceHolder, settings: PluginSettings) -> None:
         self.settings = settings
         self.preparer = ClaimPreparer(holder, settings)
-        self.registration = _Registration(settings)
+        self.registration = _Registration(holder, settings)
         self._servers: list[grpc.aio.Server] = []
 
     async def start(self) -> bool:

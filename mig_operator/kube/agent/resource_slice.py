@@ -13,6 +13,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kubernetes.utils import parse_quantity
+
 from mig_operator.core.cdi import DRIVER
 from mig_operator.core.cluster import MODE_MIG
 from mig_operator.core.lifecycle import OwnerEntry
@@ -101,14 +103,16 @@ class ResourceSlicePublisher:
         self._published: list[dict[str, Any]] | None = None  # the devices last written
         self._published_for = ""  # the Node UID that ResourceSlice is owned by
 
-    async def publish(self, devices: Iterable[SliceDeviceInfo], node_uid: str) -> bool:
+    async def publish(self, devices: Iterable[SliceDeviceInfo], node_uid: str, verify: bool = False) -> bool:
         """Make the ResourceSlice list ``devices``; True when it was written. Nothing is written
-        without the Node (``node_uid`` empty): the ResourceSlice goes with it."""
+        without the Node (``node_uid`` empty): the ResourceSlice goes with it. ``verify``: read it
+        even if this publisher wrote the same devices last (the kubelet deletes its node's
+        ResourceSlices when it starts, and a driver's 30 s after that driver's plugin went away)."""
         if not node_uid:
             return False
         devices = list(devices)
         wanted = slice_spec(self.node, devices, 0)["devices"]
-        if wanted == self._published and node_uid == self._published_for:
+        if not verify and wanted == self._published and node_uid == self._published_for:
             return False
         path = resource_slice_path(self.node)
         try:
@@ -134,6 +138,9 @@ class ResourceSlicePublisher:
                 raise
         else:
             spec = current.get("spec") or {}
+            if _same_devices(spec.get("devices") or [], wanted):
+                self._published, self._published_for = wanted, node_uid
+                return False
             generation = int((spec.get("pool") or {}).get("generation", 0)) + 1
             body = {**current, "spec": slice_spec(self.node, devices, generation)}
             # A PUT with the resourceVersion read: a concurrent writer makes it fail, not vanish.
@@ -145,6 +152,20 @@ class ResourceSlicePublisher:
     def forget(self) -> None:
         """Write again at the next publish (the Node or the ResourceSlice changed under us)."""
         self._published = None
+
+
+def _comparable(devices: Iterable[Mapping]) -> list[tuple]:
+    # The API server writes quantities in canonical form (10737418240 -> 10Gi): compare their values.
+    return [(d.get("name"), d.get("attributes") or {},
+             {k: parse_quantity(v.get("value", "0")) for k, v in (d.get("capacity") or {}).items()})
+            for d in devices]
+
+
+def _same_devices(current: Iterable[Mapping], wanted: Iterable[Mapping]) -> bool:
+    try:
+        return _comparable(current) == _comparable(wanted)
+    except (ValueError, AttributeError, TypeError):
+        return False
 
 
 def _owner_uid(body: Mapping) -> str:
