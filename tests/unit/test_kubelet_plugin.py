@@ -385,7 +385,7 @@ def test_prepared_claim_survives_a_restart_and_holds_a_deleted_slices_instance(r
     asyncio.run(scenario())
 
 
-def test_unprepare_after_restart_removes_the_spec(root: Path) -> None:
+def test_a_restart_writes_prepared_specs_again_and_unprepare_removes_them(root: Path) -> None:
     async def scenario() -> None:
         node = Node(root)
         await node.start()
@@ -396,12 +396,19 @@ def test_unprepare_after_restart_removes_the_spec(root: Path) -> None:
         assert (await kubelet.prepare(("c-1", "train"))).claims["c-1"].error == ""
         await kubelet.close()
         await node.stop()
+        # While it is down the node reboots (/var/run/cdi is a tmpfs) or a spec is left from an old claim.
+        written = node.spec_path("s-1").read_text()
+        node.spec_path("s-1").unlink()
+        node.spec_path("s-old").write_text("{}")
+        (root / "cdi" / "other-vendor.json").write_text("{}")
 
         await node.start()
         kubelet = FakeKubelet(str(root / "reg" / "gpu.cdmo.io-reg.sock"))
         try:
             await kubelet.register()
-            assert node.spec_path("s-1").exists()
+            assert node.spec_path("s-1").read_text() == written  # written again for the prepared claim
+            assert not node.spec_path("s-old").exists()  # no prepared claim names it
+            assert (root / "cdi" / "other-vendor.json").exists()  # not ours
             assert (await kubelet.unprepare(("c-1", "train"))).claims["c-1"].error == ""
             assert not node.spec_path("s-1").exists()
             assert "s-1" in node.agent.store.record.owners  # the slice lives on: only its claim went

@@ -255,6 +255,34 @@ class ClaimPreparer:
             ids.append(nvidia)
         return ids
 
+    async def resync(self) -> None:
+        """On start: the spec of every claim still prepared is written again (``/var/run/cdi`` is a
+        tmpfs, and the kubelet does not prepare a claim again that its own checkpoint says is
+        prepared), and specs of this driver that no prepared claim names are removed."""
+        async with self._lock:
+            store = self.holder.store
+            wanted: set[str] = set()
+            for claim in store.prepared.values():
+                entry = store.record.owners.get(claim.slice_uid)
+                if entry is None or not entry.device_uuid:
+                    log.warning("prepared ResourceClaim %s/%s names slice %s, which this node no longer holds",
+                                claim.namespace, claim.name, claim.slice_uid)
+                    continue
+                wanted.add(spec_file_name(claim.slice_uid))
+                ref = f"ResourceClaim {claim.namespace}/{claim.name} (uid {claim.claim_uid})"
+                try:
+                    await self._write_spec(ref, f"device {DRIVER}/{self.holder.node}/{claim.slice_uid}", entry)
+                except (PrepareRefused, OSError, DeviceFileError) as exc:
+                    log.warning("cannot write the CDI spec of %s again: %s", ref, exc)
+            prefix = spec_file_name("")
+            with contextlib.suppress(FileNotFoundError):
+                for name in os.listdir(self.settings.cdi_dir):
+                    if name.startswith(prefix.removesuffix(".json")) and name.endswith(".json") \
+                            and name not in wanted:
+                        with contextlib.suppress(FileNotFoundError):
+                            os.unlink(os.path.join(self.settings.cdi_dir, name))
+                        log.info("removed CDI spec %s: no prepared claim names its slice", name)
+
     async def _unprepare_one(self, claim: Any) -> None:
         store = self.holder.store
         prepared = await asyncio.to_thread(store.drop_prepared, claim.uid)
@@ -321,6 +349,7 @@ class KubeletPlugin:
                         self.settings.registry_dir, DRIVER)
             return False
         os.makedirs(self.settings.plugin_dir, exist_ok=True)
+        await self.preparer.resync()
         dra_server = grpc.aio.server()
         dra_grpc.add_DRAPluginServicer_to_server(_DraService(self.preparer), dra_server)
         await self._serve(dra_server, self.settings.dra_socket)
