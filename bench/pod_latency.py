@@ -1,13 +1,16 @@
-"""Annotated pods, created to Running: 100 pods on kwok nodes, with new instances and then reused ones.
+"""Annotated pods, created to Running: 100 pods on kwok nodes, with new instances and then reused
+ones, against plain pods (no annotation) in the same run.
 
     .venv/bin/python bench/pod_latency.py [--pods 100] [--nodes 4] [--latency 0] [--gap 0] [--json out.json]
 
 The whole path runs for real: the admission webhook (served by the controller), the pod's GpuSlice,
-binding, the agent (simulated GPUs), the ConfigMap, ungating, kube-scheduler binding the pod, kwok
-starting it. Created-to-Running is measured from just before the client's create call to the moment
-a watch on the pods first shows the pod Running (this machine's clock for both). First round: every
-pod needs a new MIG instance; then all pods are deleted, and the second round finds the instances
-idle and reuses them.
+binding, the agent (simulated GPUs) and its ResourceSlice, the slice's ResourceClaim, ungating,
+kube-scheduler allocating the claim and binding the pod, kwok starting it. Created-to-Running is
+measured from just before the client's create call to the moment a watch on the pods first shows
+the pod Running (this machine's clock for both). First round: plain pods, the baseline. Then every
+annotated pod needs a new MIG instance; then all pods are deleted, and the last round finds the
+instances idle and reuses them. Writes per pod: kube-apiserver's own count of non-GET requests
+during a round (every client: operator, scheduler, controller-manager, kwok), over the pods.
 """
 
 from __future__ import annotations
@@ -34,10 +37,11 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def round_trip(core: kubernetes.client.CoreV1Api, ns: str, pods: int, memory: str, tag: str,
+def round_trip(core: kubernetes.client.CoreV1Api, ns: str, pods: int, memory: str | None, tag: str,
                gap_s: float = 0.0) -> dict[str, list[float]]:
-    """Create ``pods`` annotated pods at once: seconds from create to first seen Running, each; and
-    the two halves, create to the slice's Ready (its status.phaseTimes) and from there to Running."""
+    """Create ``pods`` pods (annotated for ``memory``; plain when None) at once: seconds from create
+    to first seen Running, each; and the two halves, create to the slice's Ready (its
+    status.phaseTimes) and from there to Running."""
     created: dict[str, float] = {}
     running: dict[str, float] = {}
     done = threading.Event()
@@ -60,7 +64,7 @@ def round_trip(core: kubernetes.client.CoreV1Api, ns: str, pods: int, memory: st
     def create(i: int) -> None:
         name = f"{tag}-{i:03d}"
         body = {"apiVersion": "v1", "kind": "Pod",
-                "metadata": {"name": name, "annotations": {"cdmo.io/gpu-memory": memory}},
+                "metadata": {"name": name, "annotations": {"cdmo.io/gpu-memory": memory} if memory else {}},
                 "spec": {"tolerations": [{"key": "kwok.x-k8s.io/node", "operator": "Exists"}],
                          "containers": [{"name": "main", "image": "busybox"}]}}
         created[name] = time.time()
@@ -108,31 +112,43 @@ def main() -> int:
     ns = f"pods-{os.getpid()}"
     core.create_namespace({"metadata": {"name": ns}})
     time.sleep(2)  # the webhook configuration is in place
-    try:
-        new = round_trip(core, ns, args.pods, "9Gi", "new", args.gap)
+    custom = kubernetes.client.CustomObjectsApi(plane.api)
+    writes: dict[str, float] = {}
+
+    def measured(memory: str | None, tag: str) -> dict[str, list[float]]:
+        before = sum(plane.apiserver_writes().values())
+        times = round_trip(core, ns, args.pods, memory, tag, args.gap)
+        writes[tag] = (sum(plane.apiserver_writes().values()) - before) / args.pods
         core.delete_collection_namespaced_pod(ns, grace_period_seconds=0)
         deadline = time.monotonic() + 120
-        custom = kubernetes.client.CustomObjectsApi(plane.api)
         while custom.list_namespaced_custom_object("cdmo.io", "v1alpha1", ns, "gpuslices")["items"]:
             if time.monotonic() > deadline:
                 raise SystemExit("the deleted pods' slices were not released in 120 s")
             time.sleep(0.5)
         while core.list_namespaced_pod(ns).items:
             time.sleep(0.5)
-        reused = round_trip(core, ns, args.pods, "9Gi", "again", args.gap)
+        return times
+
+    try:
+        plain = measured(None, "plain")
+        new = measured("9Gi", "new")
+        reused = measured("9Gi", "again")
     finally:
         cluster.stop()
         core.delete_namespace(ns)
         plane.down()
     def summary(times: dict[str, list[float]]) -> dict:
         out = {part: {"p50_ms": 1000 * pct(v, 0.5), "p99_ms": 1000 * pct(v, 0.99)}
-               for part, v in times.items() if part != "send_s"}
+               for part, v in times.items() if part != "send_s" and v}
         out["send_s"] = times["send_s"][0]  # how long the benchmark took to send its creates
         return out
 
     result = {"pods": args.pods, "nodes": args.nodes, "gpus": args.nodes * 8, "latency_s": args.latency,
-              "gap_s": args.gap,
-              "new": summary(new), "reused": summary(reused)}
+              "gap_s": args.gap, "plain": {"total": summary(plain)["total"], "send_s": plain["send_s"][0]},
+              "new": summary(new), "reused": summary(reused),
+              "writes_per_pod": {"plain": writes["plain"], "new": writes["new"], "reused": writes["again"]}}
+    baseline = pct(plain["total"], 0.5)
+    result["ratio_p50"] = {"new": pct(new["total"], 0.5) / baseline, "reused": pct(reused["total"], 0.5) / baseline}
     print(json.dumps(result, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))

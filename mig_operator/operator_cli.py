@@ -135,8 +135,6 @@ def add_operator_commands(sub: argparse._SubParsersAction) -> None:
                    help="MutatingWebhookConfiguration to create or update with the CA bundle ('' to leave it alone)")
     p.add_argument("--namespace", default="mig-operator",
                    help="the operator's own namespace: its pods are never sent to the webhook")
-    p.add_argument("--shim-host-dir", default="/var/lib/mig-operator/shim",
-                   help="host directory holding libgpuslice.so, mounted read-only into sliced pods")
     p.set_defaults(func=cmd_controller)
 
     p = sub.add_parser("agent", parents=[common], help="run the node agent (realises slices bound to this node)")
@@ -190,7 +188,6 @@ def cmd_controller(args: argparse.Namespace) -> int:
     from .kube.common.listen import ListenError
     from .kube.common.operator import run_operator
     from .kube.controller.main import ControllerOptions, build_registry, default_priority
-    from .kube.webhook.admission import ShimMount
     from .kube.webhook.certs import CertificateFileError, check_pem_pair
     from .kube.webhook.server import WebhookOptions, bind, register
 
@@ -234,7 +231,6 @@ def cmd_controller(args: argparse.Namespace) -> int:
                     listen=args.webhook, namespace=args.namespace, cert_file=args.webhook_cert,
                     key_file=args.webhook_key, cert_secret=args.webhook_cert_secret, url=args.webhook_url,
                     service=args.webhook_service, config_name=args.webhook_config or None,
-                    shim=ShimMount(host_dir=args.shim_host_dir),
                 )
                 webhook_socket = stack.enter_context(bind(webhook))
                 if not args.webhook_cert:

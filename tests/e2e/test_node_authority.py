@@ -187,6 +187,22 @@ def test_each_agents_token_writes_only_its_own_nodes_slices_and_gpunode(
     refused(lambda: patch_status(b, slices[a]), f"node '{b}'", f"bound to '{a}'")
     refused(lambda: custom[b].patch_cluster_custom_object_status(GROUP, VERSION, NODES, a,
                                                                  {"status": {"gpuCount": 0}}))
+    # ResourceSlices (issue 16): its own node's, of the operator's driver, only; create, update, delete.
+    def resource_slice(name: str, node: str, driver: str = "gpu.cdmo.io") -> dict[str, Any]:
+        return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice", "metadata": {"name": name},
+                "spec": {"driver": driver, "nodeName": node, "pool": {"name": node, "generation": 1,
+                                                                       "resourceSliceCount": 1}, "devices": []}}
+
+    dra = ("resource.k8s.io", "v1", "resourceslices")
+    refused(lambda: custom[a].create_cluster_custom_object(*dra, resource_slice(f"{b}-gpu", b)),
+            f"node '{a}'", "ResourceSlices of driver gpu.cdmo.io")
+    refused(lambda: custom[a].create_cluster_custom_object(*dra, resource_slice(f"{a}-other", a, "gpu.nvidia.com")))
+    custom[a].create_cluster_custom_object(*dra, resource_slice(f"{a}-gpu", a))
+    admin.create_cluster_custom_object(*dra, resource_slice(f"{b}-gpu", b))
+    refused(lambda: custom[a].delete_cluster_custom_object(*dra, f"{b}-gpu"))
+    refused(lambda: custom[a].patch_cluster_custom_object(*dra, f"{b}-gpu", {"metadata": {"labels": {"x": "y"}}}))
+    custom[a].delete_cluster_custom_object(*dra, f"{a}-gpu")
+    admin.delete_cluster_custom_object(*dra, f"{b}-gpu")
     # A token of the agents' ServiceAccount bound to no pod names no node: refused everything.
     unbound = kubernetes.client.CustomObjectsApi(client_for(kube_cluster, token(kube_cluster, ns, account)))
     refused(lambda: unbound.patch_namespaced_custom_object_status(GROUP, VERSION, ns, SLICES, slices[a], message),
@@ -228,8 +244,11 @@ def test_the_controller_never_hands_on_a_device_its_nodes_gpunode_does_not_have(
                                                  {"status": {"deviceUUID": "GPU-l40s-real"}})
     wait_until(lambda: not core.read_namespaced_pod("p", ns).spec.scheduling_gates, 30,
                lambda: f"the pod ungated once its slice names the node's GPU\n{operator.logs()}")
-    env = core.read_namespaced_config_map("p-slice", ns).data
-    assert env["NVIDIA_VISIBLE_DEVICES"] == "GPU-l40s-real"
+    claim = custom.get_namespaced_custom_object("resource.k8s.io", "v1", ns, "resourceclaims", "p-slice")
+    uid = operator.get_slice(ns, "p-slice")["metadata"]["uid"]
+    [request] = claim["spec"]["devices"]["requests"]
+    expression = f'device.attributes["gpu.cdmo.io"].slice == "{uid}"'
+    assert request["exactly"]["selectors"] == [{"cel": {"expression": expression}}]
 
 
 # ---- item 4: the controller's ServiceAccount writes only what its code writes -----------------------------
@@ -261,21 +280,30 @@ def test_the_controllers_writes_are_narrowed_to_what_its_code_writes(
     refused(lambda: core.patch_namespaced_pod("ungated", ns, {"spec": {"activeDeadlineSeconds": 5}}))
     assert ungated["spec"].get("schedulingGates") is None
 
-    owner = [{"apiVersion": "v1", "kind": "Pod", "name": "gated", "uid": gated["metadata"]["uid"],
-              "controller": True}]
+    # ResourceClaims: a GpuSlice's own only (claims.py's body passes), deletes only of claims a GpuSlice owns.
+    from mig_operator.kube.controller.claims import claim_body
 
-    def config(name: str, labels: dict[str, str] | None, data: dict[str, str]) -> dict[str, Any]:
-        return {"metadata": {"name": name, "ownerReferences": owner, **({"labels": labels} if labels else {})},
-                "data": data}
-
-    env = {"NVIDIA_VISIBLE_DEVICES": "GPU-x", "CDMO_GPU_MEMORY_LIMIT": "1073741824"}
-    core.create_namespaced_config_map(ns, config("gated", {GATE: "gated"}, env))
-    core.patch_namespaced_config_map("gated", ns, {"data": {"CDMO_GPU_MEMORY_LIMIT": "2147483648"}})
-    refused(lambda: core.create_namespaced_config_map(ns, config("plain", None, env)), "slice environments")
-    refused(lambda: core.create_namespaced_config_map(ns, config("extra", {GATE: "extra"}, {**env, "PATH": "/x"})))
-    refused(lambda: core.create_namespaced_config_map(ns, config("misnamed", {GATE: "other"}, env)))
-    admin.create_namespaced_config_map(ns, {"metadata": {"name": "users"}, "data": {"a": "b"}})
-    refused(lambda: core.patch_namespaced_config_map("users", ns, {"data": {"NVIDIA_VISIBLE_DEVICES": "all"}}))
+    slice_body = kube_cluster.custom_objects().create_namespaced_custom_object(GROUP, VERSION, ns, SLICES, {
+        "apiVersion": f"{GROUP}/{VERSION}", "kind": "GpuSlice", "metadata": {"name": "mine"},
+        "spec": {"memory": "2Gi"}})
+    uid = slice_body["metadata"]["uid"]
+    claims = ("resource.k8s.io", "v1", ns, "resourceclaims")
+    custom.create_namespaced_custom_object(*claims, claim_body(ns, "mine", uid))
+    wider = claim_body(ns, "wider", uid)  # another name than its owner's
+    refused(lambda: custom.create_namespaced_custom_object(*claims, wider), "GpuSlices' ResourceClaims")
+    any_device = claim_body(ns, "mine2", uid)
+    any_device["metadata"]["ownerReferences"][0]["name"] = "mine2"
+    any_device["spec"]["devices"]["requests"][0]["exactly"]["selectors"] = [{"cel": {"expression": "true"}}]
+    refused(lambda: custom.create_namespaced_custom_object(*claims, any_device))
+    other_class = claim_body(ns, "mine3", uid)
+    other_class["metadata"]["ownerReferences"][0]["name"] = "mine3"
+    other_class["spec"]["devices"]["requests"][0]["exactly"]["deviceClassName"] = "gpu.nvidia.com"
+    refused(lambda: custom.create_namespaced_custom_object(*claims, other_class))
+    unowned = claim_body(ns, "users", uid)
+    unowned["metadata"].pop("ownerReferences")
+    kube_cluster.custom_objects().create_namespaced_custom_object(*claims, unowned)
+    refused(lambda: custom.delete_namespaced_custom_object(*claims, "users"))
+    custom.delete_namespaced_custom_object(*claims, "mine")
     # The release's webhook configuration and peering object only (create cannot be named in RBAC).
     refused(lambda: admission.create_mutating_webhook_configuration({"metadata": {"name": f"{ns}-other"}}),
             f"not {ns}-other")

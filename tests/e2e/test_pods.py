@@ -1,6 +1,7 @@
-"""Pods that ask for a slice with one annotation, end to end: the webhook, the gate, the ConfigMap,
-node pinning and cleanup, on a real control plane with kube-scheduler, kube-controller-manager
-(garbage collection, Deployments) and kwok nodes matching the simulated agents."""
+"""Pods that ask for a slice with one annotation, end to end: the webhook, the gate, the slice's
+ResourceClaim allocated by kube-scheduler from the agent's ResourceSlice, node pinning and cleanup,
+on a real control plane with kube-scheduler, kube-controller-manager (garbage collection,
+Deployments) and kwok nodes matching the simulated agents."""
 
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ from kubernetes.client.rest import ApiException
 
 CORPUS = Path(__file__).resolve().parents[1] / "corpus" / "gpuslice_specs.yaml"
 KWOK_TOLERATION = {"key": "kwok.x-k8s.io/node", "operator": "Exists"}
-SHIM_IN_CONTAINER = "/usr/local/lib/cdmo/libgpuslice.so"
 GATE = "cdmo.io/gpu-slice"
 
 
@@ -50,10 +50,32 @@ def slice_of(op: OperatorHarness, pod: Any) -> dict:
     return op.get_slice(pod.metadata.namespace, name)
 
 
-def environment(op: OperatorHarness, pod: Any) -> dict[str, str]:
-    name = pod.metadata.labels["cdmo.io/gpu-slice"]
-    assert pod.spec.containers[0].env_from[0].config_map_ref.name == name
-    return op.core.read_namespaced_config_map(name, pod.metadata.namespace).data
+def handed_device(op: OperatorHarness, pod: Any) -> dict[str, str]:
+    """The device the pod gets, checked on the way: the pod names its slice's ResourceClaim (and adds
+    no env, envFrom or volume of the operator's), the claim is allocated by kube-scheduler to exactly
+    the slice's device on the pod's node and reserved for the pod. Returns the device's attributes as
+    the agent's ResourceSlice publishes them (names without the driver prefix), plus its memory."""
+    ns, name = pod.metadata.namespace, pod.metadata.labels["cdmo.io/gpu-slice"]
+    assert [(c.name, c.resource_claim_name) for c in pod.spec.resource_claims or []] == [("gpu-slice", name)]
+    for container in [*pod.spec.containers, *(pod.spec.init_containers or [])]:
+        assert [c.name for c in container.resources.claims] == ["gpu-slice"]
+        assert not container.env_from
+        assert not [e for e in container.env or [] if e.name.startswith(("CDMO_", "NVIDIA_"))]
+        assert not [m for m in container.volume_mounts or [] if "cdmo" in m.name]
+    sl = op.get_slice(ns, name)
+    assert sl["status"]["claim"] == name
+    claim = op.custom.get_namespaced_custom_object("resource.k8s.io", "v1", ns, "resourceclaims", name)
+    owners = [(r["kind"], r["uid"]) for r in claim["metadata"]["ownerReferences"]]
+    assert owners == [("GpuSlice", sl["metadata"]["uid"])]
+    [result] = claim["status"]["allocation"]["devices"]["results"]
+    assert (result["driver"], result["pool"], result["device"]) == (
+        "gpu.cdmo.io", pod.spec.node_name, sl["metadata"]["uid"])
+    assert [r["uid"] for r in claim["status"]["reservedFor"]] == [pod.metadata.uid]
+    slices = op.custom.list_cluster_custom_object("resource.k8s.io", "v1", "resourceslices")["items"]
+    [device] = [d for s in slices if (s["spec"]["driver"], s["spec"]["nodeName"]) == ("gpu.cdmo.io", pod.spec.node_name)
+                for d in s["spec"].get("devices") or [] if d["name"] == result["device"]]
+    attributes = {k.removeprefix("gpu.cdmo.io/"): str(next(iter(v.values()))) for k, v in device["attributes"].items()}
+    return {**attributes, "memory": str(device["capacity"]["gpu.cdmo.io/memory"]["value"])}
 
 
 def start(op: OperatorHarness, *nodes: SimNode) -> None:
@@ -72,25 +94,24 @@ def test_annotated_pods_run_on_their_slice_with_exactly_its_environment(operator
                              initContainers=[{"name": "init", "image": "busybox"}])["metadata"]["name"]
     for name in (by_memory, by_profile):
         pod = running(operator, ns, name)
-        st = slice_of(operator, pod)["status"]
+        sl = slice_of(operator, pod)
+        st = sl["status"]
         assert pod.spec.node_name == mig.name == st["node"]
-        assert environment(operator, pod) == {"NVIDIA_VISIBLE_DEVICES": st["deviceUUID"]}
+        assert handed_device(operator, pod) == {
+            "slice": sl["metadata"]["uid"], "sliceName": sl["metadata"]["name"], "sliceNamespace": ns, "mode": "mig",
+            "profile": st["profile"], "uuid": st["deviceUUID"], "memory": str(st["grantedBytes"])}
         assert st["deviceUUID"].startswith("MIG-")
         assert pod.spec.scheduling_gates is None or all(g.name != GATE for g in pod.spec.scheduling_gates)
     assert slice_of(operator, running(operator, ns, by_memory))["status"]["profile"] == "1g.10gb"
     pod = running(operator, ns, by_fraction)
-    st = slice_of(operator, pod)["status"]
+    sl = slice_of(operator, pod)
+    st = sl["status"]
     limit = int(46068 * 2**20 * 0.25) // 2**20 * 2**20  # a quarter of the L40S's memory, whole MiB
     assert pod.spec.node_name == plain.name and st["mode"] == "fraction" and st["grantedBytes"] == limit
-    assert environment(operator, pod) == {
-        "NVIDIA_VISIBLE_DEVICES": st["gpuUUID"], "LD_PRELOAD": SHIM_IN_CONTAINER,
-        "CDMO_GPU_MEMORY_LIMIT": str(limit), "GPU_MEM_LIMIT_GB": f"{limit / 1e9:.2f}",
-        "CDMO_SLICE": f"{ns}/{pod.metadata.labels['cdmo.io/gpu-slice']}",
-    }
+    assert handed_device(operator, pod) == {
+        "slice": sl["metadata"]["uid"], "sliceName": sl["metadata"]["name"], "sliceNamespace": ns, "mode": "fraction",
+        "profile": "", "uuid": st["gpuUUID"], "memory": str(limit)}
     assert st["gpuUUID"].startswith("GPU-")
-    for container in [*pod.spec.containers, *pod.spec.init_containers]:
-        mount = next(m for m in container.volume_mounts if m.name == "cdmo-shim")
-        assert mount.read_only and mount.mount_path == "/usr/local/lib/cdmo"
     check_invariants(operator)
 
 
@@ -102,10 +123,9 @@ def test_a_memory_request_runs_as_a_fraction_when_every_mig_gpu_is_full(operator
     full = create_pod(operator, ns, {"cdmo.io/mig-profile": "7g.40gb"}, name="full")["metadata"]["name"]
     assert running(operator, ns, full).spec.node_name == mig.name
     pod = running(operator, ns, create_pod(operator, ns, {"cdmo.io/gpu-memory": "4Gi"})["metadata"]["name"])
-    env = environment(operator, pod)
+    device = handed_device(operator, pod)
     assert pod.spec.node_name == plain.name
-    assert env["NVIDIA_VISIBLE_DEVICES"].startswith("GPU-") and env["CDMO_GPU_MEMORY_LIMIT"] == str(4 * 2**30)
-    assert env["LD_PRELOAD"].endswith("libgpuslice.so")
+    assert device["uuid"].startswith("GPU-") and device["mode"] == "fraction" and device["memory"] == str(4 * 2**30)
 
 
 def test_bad_annotations_and_mixed_requests_are_refused_at_admission(operator: OperatorHarness) -> None:
@@ -151,8 +171,8 @@ def test_bad_annotations_and_mixed_requests_are_refused_at_admission(operator: O
                    containers=[{"name": "main", "image": "busybox",
                                 "resources": {"limits": {"nvidia.com/mig-1g.10gb": "1"}}}])
     assert "nvidia.com/mig-1g.10gb" in mig_resource.value.body
-    # A container's own env would win over the slice's envFrom: NVIDIA_VISIBLE_DEVICES=all would show
-    # the whole GPU. It used to be admitted, and the pod ran on the whole GPU beside the others.
+    # A container's own NVIDIA_VISIBLE_DEVICES=all would show the whole GPU where the runtime honours
+    # the variable. It used to be admitted, and the pod ran on the whole GPU beside the others.
     with pytest.raises(ApiException) as env:
         create_pod(operator, ns, {"cdmo.io/gpu-memory": "4G"}, name="env",
                    containers=[{"name": "main", "image": "busybox",
@@ -196,7 +216,7 @@ def test_a_deployment_of_ten_annotated_replicas_runs(operator: OperatorHarness) 
         return ok if len(ok) == 10 else None
 
     pods = wait_until(all_running, 90, lambda: f"10 Running replicas\n{operator.logs()}")
-    devices = [environment(operator, p)["NVIDIA_VISIBLE_DEVICES"] for p in pods]
+    devices = [handed_device(operator, p)["uuid"] for p in pods]
     assert len(set(devices)) == 10, "no instance serves two pods"
     check_invariants(operator)
 
@@ -207,7 +227,7 @@ def test_deleting_pods_frees_their_slices_and_the_next_pods_reuse_the_instances(
     ns = operator.namespace()
     first = [running(operator, ns, create_pod(operator, ns, {"cdmo.io/mig-profile": "1g.10gb"},
                                               name=f"a{i}")["metadata"]["name"]) for i in range(3)]
-    devices = {environment(operator, p)["NVIDIA_VISIBLE_DEVICES"] for p in first}
+    devices = {handed_device(operator, p)["uuid"] for p in first}
     slices = [p.metadata.labels["cdmo.io/gpu-slice"] for p in first]
     for pod in first:
         operator.core.delete_namespaced_pod(pod.metadata.name, ns, grace_period_seconds=0)
@@ -215,7 +235,7 @@ def test_deleting_pods_frees_their_slices_and_the_next_pods_reuse_the_instances(
         operator.wait_gone(ns, name, timeout=60)  # garbage collection of the pod's slice
     second = [running(operator, ns, create_pod(operator, ns, {"cdmo.io/gpu-memory": "9Gi"},
                                                name=f"b{i}")["metadata"]["name"]) for i in range(3)]
-    assert {environment(operator, p)["NVIDIA_VISIBLE_DEVICES"] for p in second} == devices
+    assert {handed_device(operator, p)["uuid"] for p in second} == devices
     assert all(slice_of(operator, p)["status"]["reused"] for p in second)
     check_invariants(operator)
 
@@ -275,7 +295,7 @@ def test_a_hundred_annotated_pods_at_once_on_four_nodes_overcommit_nothing(opera
     # Each run of four asks 1+1+2+4 = 8 memory slots: a whole H100, so the six H100s hold 24 by MIG
     # alone; the L40S takes more as fractions once every MIG GPU is full.
     assert len(running_pods) > 24
-    devices = [environment(operator, p)["NVIDIA_VISIBLE_DEVICES"] for p in running_pods]
+    devices = [handed_device(operator, p)["uuid"] for p in running_pods]
     mig_devices = [d for d in devices if d.startswith("MIG-")]
     assert len(mig_devices) == len(set(mig_devices)), "no MIG instance given to two pods"
     for pod in running_pods:
@@ -305,14 +325,14 @@ def test_a_pod_goes_only_to_a_node_its_own_selector_and_affinity_allow(operator:
     nodes = set()
     for name in pooled:
         pod = running(operator, ns, name)
-        env = environment(operator, pod)
-        assert pod.spec.node_name in {n.name for n in infer} and env["NVIDIA_VISIBLE_DEVICES"].startswith("GPU-")
-        assert env["CDMO_GPU_MEMORY_LIMIT"] == str(30 * 2**30)
+        device = handed_device(operator, pod)
+        assert pod.spec.node_name in {n.name for n in infer} and device["uuid"].startswith("GPU-")
+        assert device["memory"] == str(30 * 2**30)
         nodes.add(pod.spec.node_name)
     assert len(nodes) == 2, "30 GiB twice does not fit one L40S: each eligible node takes one"
     assert running(operator, ns, not_train["metadata"]["name"]).spec.node_name in nodes
     pod = running(operator, ns, train["metadata"]["name"])
-    assert pod.spec.node_name == mig.name and environment(operator, pod)["NVIDIA_VISIBLE_DEVICES"].startswith("MIG-")
+    assert pod.spec.node_name == mig.name and handed_device(operator, pod)["uuid"].startswith("MIG-")
     terms = pod.spec.affinity.node_affinity.required_during_scheduling_ignored_during_execution.node_selector_terms
     assert [e.to_dict() for e in terms[0].match_expressions] == [
         {"key": "pool", "operator": "In", "values": ["train"]},
@@ -333,8 +353,8 @@ def test_a_pod_goes_only_to_a_node_its_own_selector_and_affinity_allow(operator:
 
 def test_a_copy_of_a_running_sliced_pod_gets_a_slice_and_a_device_of_its_own(operator: OperatorHarness) -> None:
     # `kubectl get pod -o yaml`, minus nodeName and status, created again: it carries the original's
-    # slice label, envFrom and volume. It used to be let through untouched: no gate, no slice of its
-    # own, and it ran on the original's ConfigMap, i.e. on the original's MIG instance.
+    # slice label and claim. It must get no gate-free pass: a slice and a claim of its own, or it
+    # would share the original's MIG instance.
     start(operator, operator.add_node("h100-80gb"))
     ns = operator.namespace()
     original = running(operator, ns, create_pod(operator, ns, {"cdmo.io/mig-profile": "1g.10gb"},
@@ -345,10 +365,8 @@ def test_a_copy_of_a_running_sliced_pod_gets_a_slice_and_a_device_of_its_own(ope
     create_pod_body = operator.core.create_namespaced_pod(ns, body)
     assert create_pod_body.metadata.labels["cdmo.io/gpu-slice"] != original.metadata.labels["cdmo.io/gpu-slice"]
     copy = running(operator, ns, "copy")
-    ours, theirs = environment(operator, copy), environment(operator, original)
-    assert ours["NVIDIA_VISIBLE_DEVICES"] != theirs["NVIDIA_VISIBLE_DEVICES"], "one instance, two pods"
-    for container in copy.spec.containers:
-        assert [e.config_map_ref.name for e in container.env_from] == [copy.metadata.labels["cdmo.io/gpu-slice"]]
+    ours, theirs = handed_device(operator, copy), handed_device(operator, original)
+    assert ours["uuid"] != theirs["uuid"], "one instance, two pods"
     assert slice_of(operator, copy)["metadata"]["ownerReferences"][0]["uid"] == copy.metadata.uid
     check_invariants(operator)
 

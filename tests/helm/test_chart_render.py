@@ -13,7 +13,7 @@ import yaml
 from helm_chart import CHART_DIR, REPO_ROOT, container, find
 
 from mig_operator.cli import build_parser
-from mig_operator.kube.common.names import SHIM_HOST_DIR, WEBHOOK_NAME
+from mig_operator.kube.common.names import WEBHOOK_NAME
 from mig_operator.kube.webhook.server import WebhookOptions, webhook_configuration
 from mig_operator.operator_cli import parse_duration
 
@@ -128,8 +128,10 @@ def _check_foreign(doc: dict[str, Any]) -> None:
 
 def test_the_chart_crds_are_copies_of_the_crds_directory() -> None:
     """crds/ at the repo root is the source; `make chart-crds` copies it into the chart. The policy
-    (slice-node-label.yaml) is not a CRD, so it is a template (compared below)."""
-    source = {p.name: p.read_bytes() for p in (REPO_ROOT / "crds").glob("*.yaml") if p.name != "slice-node-label.yaml"}
+    (slice-node-label.yaml) and the DeviceClass (device-class.yaml) are not CRDs, so they are
+    templates (compared below)."""
+    source = {p.name: p.read_bytes() for p in (REPO_ROOT / "crds").glob("*.yaml")
+              if p.name not in ("slice-node-label.yaml", "device-class.yaml")}
     chart = {p.name: p.read_bytes() for p in (CHART_DIR / "crds").glob("*.yaml")}
     assert sorted(chart) == sorted(source), "run `make chart-crds`"
     for name, text in source.items():
@@ -144,6 +146,18 @@ def test_the_node_label_policy_template_is_the_one_in_crds(render: Any) -> None:
         labels = doc["metadata"].pop("labels")
         assert labels["app.kubernetes.io/managed-by"] == "Helm"
     assert rendered == source
+
+
+def test_the_device_class_template_is_the_one_in_crds_and_selects_the_driver(render: Any) -> None:
+    from mig_operator.kube.common.names import DEVICE_CLASS, DRA_DRIVER
+
+    rendered = [d for d in render() if d["kind"] == "DeviceClass"]
+    source = [d for d in yaml.safe_load_all((REPO_ROOT / "crds" / "device-class.yaml").read_text()) if d]
+    for doc in rendered:
+        assert doc["metadata"].pop("labels")["app.kubernetes.io/managed-by"] == "Helm"
+    assert rendered == source
+    assert source[0]["metadata"]["name"] == DEVICE_CLASS
+    assert source[0]["spec"]["selectors"] == [{"cel": {"expression": f'device.driver == "{DRA_DRIVER}"'}}]
 
 
 @pytest.mark.parametrize("cert_manager", [False, True], ids=["self-signed", "cert-manager"])
@@ -186,7 +200,7 @@ def test_the_chart_ships_the_webhook_configuration_the_controller_would_write(re
 
 def test_the_default_webhook_configuration_name_is_the_code_default(render: Any) -> None:
     args = _args(container(render(), "Deployment", "controller"))
-    assert args.webhook_config == WEBHOOK_NAME and args.shim_host_dir == SHIM_HOST_DIR
+    assert args.webhook_config == WEBHOOK_NAME
 
 
 @pytest.mark.parametrize("name", ["default", "everything else changed"])
@@ -234,8 +248,7 @@ def test_the_rendered_arguments_parse_and_agree_with_each_other(render: Any, nam
     assert ports["webhook"] == int(ctl.webhook.rpartition(":")[2])
     assert service["spec"]["selector"].items() <= find(docs, "Deployment")["spec"]["template"]["metadata"][
         "labels"].items()
-    # The shim: installed by the agents' init container where the controller tells pods to mount it.
-    assert _volume(docs, "DaemonSet", "shim")["hostPath"]["path"] == ctl.shim_host_dir
+    # The shim: installed by the agents' init container.
     assert container(docs, "DaemonSet", "install-shim", init=True)["volumeMounts"] == [
         {"name": "shim", "mountPath": "/host-shim"}]
     # The agent's node comes from the downward API; its record lives in the host state directory.
@@ -293,7 +306,7 @@ CONTROLLER_RULES = {
     ("cdmo.io", "gpunodes"): "list watch",
     ("", "nodes"): "list watch",
     ("", "pods"): "get list watch patch",
-    ("", "configmaps"): "create patch",
+    ("resource.k8s.io", "resourceclaims"): "get create delete",
     ("", "events"): "create",
     ("kopf.dev", "clusterkopfpeerings"): "list watch create patch",
 }
@@ -304,6 +317,8 @@ AGENT_RULES = {
     ("cdmo.io", "gpunodes"): "create",
     ("cdmo.io", "gpunodes/status"): "patch",
     ("", "nodes"): "get list watch",  # its own Node's label, watched by a metadata.name field selector
+    ("resource.k8s.io", "resourceslices"): "get create update delete",  # its node's devices (DRA)
+    ("resource.k8s.io", "resourceclaims"): "get",  # a claim's allocation, at NodePrepareResources
     ("", "events"): "create",
 }
 
@@ -335,17 +350,27 @@ def test_with_cert_manager_the_controller_gets_no_secrets_and_no_webhook_configu
     assert not [d for d in docs if d["kind"] in ("Role", "RoleBinding")]
 
 
+ALLOWED_DELETES_AND_UPDATES = {
+    ("controller", "cdmo.io", "gpuslices", "delete"),
+    ("controller", "resource.k8s.io", "resourceclaims", "delete"),
+    ("agent", "resource.k8s.io", "resourceslices", "update"),
+    ("agent", "resource.k8s.io", "resourceslices", "delete"),
+}
+
+
 def test_no_rule_uses_a_wildcard_or_reaches_secrets_cluster_wide(render: Any, variant: list[str]) -> None:
     for role in (d for d in render(*variant) if d["kind"] in ("ClusterRole", "Role")):
         for group, resource, verb, _ in _grants(role):
             assert "*" not in (group, resource, verb), role["metadata"]["name"]
-            # The one delete: the controller releases a finished pod's GpuSlice (kube/controller/pods.py).
+            # The deletes and updates the code makes: the controller releases a finished pod's GpuSlice
+            # (kube/controller/pods.py) and deletes a claim an earlier slice of the same name left
+            # (claims.py, narrowed by its write policy); the agent keeps its node's ResourceSlice.
             # Users (the roles aggregated into edit and admin) create, change and delete their GpuSlices.
             user = role["metadata"]["labels"]["app.kubernetes.io/component"] == "user"
+            part = role["metadata"]["name"].rpartition("-")[2]
             if user and (group, resource) == ("cdmo.io", "gpuslices"):
                 assert verb not in ("escalate", "bind", "impersonate")
-            elif (group, resource, verb) != ("cdmo.io", "gpuslices", "delete") or not role["metadata"]["name"].endswith(
-                    "-controller"):
+            elif (part, group, resource, verb) not in ALLOWED_DELETES_AND_UPDATES:
                 assert verb not in ("delete", "deletecollection", "update", "escalate", "bind", "impersonate")
             assert resource != "secrets" or role["kind"] == "Role", role["metadata"]["name"]
 
@@ -540,20 +565,23 @@ def test_the_agent_node_policy_binds_the_releases_agent_to_its_node(render: Any,
     [condition] = policy["spec"]["matchConditions"]
     assert condition["expression"] == (
         f'request.userInfo.username == "system:serviceaccount:gpu-system:{account["metadata"]["name"]}"')
-    [rule] = policy["spec"]["matchConstraints"]["resourceRules"]
+    rules = policy["spec"]["matchConstraints"]["resourceRules"]
     # Every object the agents' ClusterRole lets them write, the status subresources included.
     agent_role = next(d for d in docs if d["kind"] == "ClusterRole" and d["metadata"]["name"].endswith("-agent"))
-    written = {r for g, r, v, _ in _grants(agent_role) if g == "cdmo.io" and v in ("create", "patch", "update")}
-    assert written <= set(rule["resources"]) and {"CREATE", "UPDATE"} <= set(rule["operations"])
+    written = {(g, r) for g, r, v, _ in _grants(agent_role) if v in ("create", "patch", "update", "delete")
+               and (g, r) != ("", "events")}
+    covered = {(g, r) for rule in rules for g in rule["apiGroups"] for r in rule["resources"]
+               if {"CREATE", "UPDATE", "DELETE"} <= set(rule["operations"])}
+    assert written <= covered, written - covered
     text = yaml.safe_dump(policy)
     assert "authentication.kubernetes.io/node-name" in text and "status.node" in text and "spec.nodeName" in text
     assert not [d for d in render("--set", "agentNodePolicy.enabled=false") if "agent-node" in d["metadata"]["name"]]
 
 
-def test_the_controller_write_policy_names_the_releases_configuration_peering_and_slice_variables(
+def test_the_controller_write_policy_names_the_releases_configuration_peering_and_claim_shape(
         render: Any) -> None:
-    from mig_operator.core.cluster import MODE_FRACTION, MODE_MIG
-    from mig_operator.core.environment import slice_environment
+    from mig_operator.kube.common.names import DEVICE_CLASS
+    from mig_operator.kube.controller.claims import device_selector
 
     docs = render(*VARIANTS["everything else changed"], release="mo", namespace="gpu-system")
     policy, _ = _policy(docs, "-controller-writes.cdmo.io")
@@ -562,16 +590,15 @@ def test_the_controller_write_policy_names_the_releases_configuration_peering_an
     expressions = [v["expression"] for v in policy["spec"]["validations"]]
     assert any('request.name == "gpu-slices"' in e for e in expressions)  # webhook.configurationName
     assert any('request.name == "gpu-peers"' in e for e in expressions)  # controller.peering
-    # The ConfigMap data keys it may write are exactly the variables the controller writes, in both modes.
-    [configmaps] = [e for e in expressions if "'configmaps'" in e]
-    allowed = set(re.findall(r"'([A-Z_]+)'", configmaps.split("k in [", 1)[1].split("]", 1)[0]))
-    written = set(slice_environment(MODE_FRACTION, "GPU-x", 2**30, "ns", "s")) | set(
-        slice_environment(MODE_MIG, "MIG-x", 2**30, "ns", "s"))
-    assert allowed == written
+    # The claim it may write is the one claims.py writes: the class and the selector, up to the slice's UID.
+    [claims] = [e for e in expressions if "'resourceclaims'" in e]
+    assert f"q.exactly.deviceClassName == '{DEVICE_CLASS}'" in claims
+    prefix, suffix = device_selector("UID").split("UID")
+    assert f"== '{prefix}' + r.uid + '{suffix}'" in claims
     resources = {(r["apiGroups"][0], res) for r in policy["spec"]["matchConstraints"]["resourceRules"]
                  for res in r["resources"]}
-    assert resources == {("", "pods"), ("", "configmaps"), ("admissionregistration.k8s.io",
-                                                             "mutatingwebhookconfigurations"),
+    assert resources == {("", "pods"), ("resource.k8s.io", "resourceclaims"), ("admissionregistration.k8s.io",
+                                                                              "mutatingwebhookconfigurations"),
                          ("kopf.dev", "clusterkopfpeerings")}
     assert not [d for d in render("--set", "controllerWritePolicy.enabled=false") if "controller-writes" in
                 d["metadata"]["name"]]

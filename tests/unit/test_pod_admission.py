@@ -1,4 +1,4 @@
-"""The pod path's pure parts: what the webhook adds or refuses, the slice name, the ConfigMap's
+"""The pod path's pure parts: what the webhook adds or refuses, the slice name, the slice's
 environment, the ungate-and-pin patch, the webhook configuration and its certificate."""
 
 from __future__ import annotations
@@ -33,9 +33,10 @@ from mig_operator.core.pod_admission import PodRefused, check_pod
 from mig_operator.core.profiles import get_model
 from mig_operator.core.quantities import QuantityError
 from mig_operator.core.request import slice_request
+from mig_operator.kube.controller.claims import SliceClaims
 from mig_operator.kube.controller.pods import PodSlices, owned_by, slice_spec_for, ungate_ops
 from mig_operator.kube.controller.state import ClusterState, slice_info
-from mig_operator.kube.webhook.admission import ShimMount, mutate_pod, slice_name_for
+from mig_operator.kube.webhook.admission import mutate_pod, slice_name_for
 from mig_operator.kube.webhook.certs import make_certificate
 from mig_operator.kube.webhook.server import MATCH_EXPRESSION, WebhookOptions, webhook_configuration
 
@@ -166,50 +167,54 @@ def test_a_pod_that_names_its_node_is_refused_with_what_to_do_instead() -> None:
 # --- what the webhook adds ----------------------------------------------------------------------
 
 
-def test_mutation_adds_gate_label_env_from_and_read_only_shim_to_every_container() -> None:
+def test_mutation_adds_gate_label_and_the_slices_claim_to_every_container_and_nothing_else() -> None:
     body = pod({"cdmo.io/gpu-memory": "4G"}, initContainers=[{"name": "init", "image": "x", "envFrom": [
         {"secretRef": {"name": "s"}}]}], volumes=[{"name": "data", "emptyDir": {}}],
-        schedulingGates=[{"name": "other.io/gate"}])
-    mutate_pod(body, "train-gs-1234abcd", ShimMount("/host/shim", "/opt/shim"))
+        schedulingGates=[{"name": "other.io/gate"}],
+        resourceClaims=[{"name": "fpga", "resourceClaimName": "team-fpga"}])
+    before = copy.deepcopy(body)
+    mutate_pod(body, "train-gs-1234abcd")
     spec = body["spec"]
     assert body["metadata"]["labels"] == {"cdmo.io/gpu-slice": "train-gs-1234abcd"}
     assert spec["schedulingGates"] == [{"name": "other.io/gate"}, {"name": GATE}]
-    assert spec["volumes"] == [{"name": "data", "emptyDir": {}},
-                               {"name": "cdmo-shim", "hostPath": {"path": "/host/shim", "type": "Directory"}}]
+    assert spec["resourceClaims"] == [{"name": "fpga", "resourceClaimName": "team-fpga"},
+                                      {"name": "gpu-slice", "resourceClaimName": "train-gs-1234abcd"}]
     for container in spec["containers"] + spec["initContainers"]:
-        assert container["envFrom"][-1] == {"configMapRef": {"name": "train-gs-1234abcd"}}
-        assert container["volumeMounts"] == [{"name": "cdmo-shim", "mountPath": "/opt/shim", "readOnly": True}]
-    assert spec["initContainers"][0]["envFrom"][0] == {"secretRef": {"name": "s"}}, "existing envFrom kept first"
+        assert container["resources"]["claims"] == [{"name": "gpu-slice"}]
+    # No env, no envFrom, no volume, no mount: the device and its variables come only through the claim.
+    for key in ("volumes",):
+        assert spec[key] == before["spec"][key]
+    for got, was in zip(spec["containers"] + spec["initContainers"],
+                        before["spec"]["containers"] + before["spec"]["initContainers"], strict=True):
+        assert {k: v for k, v in got.items() if k != "resources"} == was
 
 
 def test_a_pod_copied_from_a_sliced_pod_gets_a_slice_of_its_own() -> None:
-    # `kubectl get pod -o yaml` of a running sliced pod, re-created: the label, envFrom, volume and
-    # mounts of the other pod's slice come with it, its gate is long gone. It used to be let through
-    # untouched (no gate) and ran on the other pod's ConfigMap, i.e. on the other pod's device.
+    # `kubectl get pod -o yaml` of a running sliced pod, re-created: the label and the claim of the
+    # other pod's slice come with it, its gate is long gone. It must name a claim of its own.
     original = pod({"cdmo.io/gpu-memory": "4G"}, initContainers=[{"name": "init", "image": "x"}])
     mutate_pod(original, "train-gs-00000000")
     copied = copy.deepcopy(original)
     copied["spec"]["schedulingGates"] = []
-    copied["spec"]["containers"][0]["envFrom"].insert(0, {"secretRef": {"name": "s"}})
+    copied["spec"]["containers"][0]["resources"]["claims"].insert(0, {"name": "own"})
+    copied["spec"]["resourceClaims"].insert(0, {"name": "own", "resourceClaimName": "mine"})
     mutate_pod(copied, "train-gs-11111111")
     assert copied["metadata"]["labels"] == {"cdmo.io/gpu-slice": "train-gs-11111111"}
     assert copied["spec"]["schedulingGates"] == [{"name": GATE}]
-    assert [v["name"] for v in copied["spec"]["volumes"]] == ["cdmo-shim"]
-    for container in copied["spec"]["containers"] + copied["spec"]["initContainers"]:
-        refs = [e.get("configMapRef", {}).get("name") for e in container["envFrom"]]
-        assert "train-gs-00000000" not in refs and refs[-1] == "train-gs-11111111"
-        assert [m["name"] for m in container["volumeMounts"]] == ["cdmo-shim"]
-    assert copied["spec"]["containers"][0]["envFrom"][0] == {"secretRef": {"name": "s"}}, "the pod's own kept"
+    assert copied["spec"]["resourceClaims"] == [{"name": "own", "resourceClaimName": "mine"},
+                                                {"name": "gpu-slice", "resourceClaimName": "train-gs-11111111"}]
+    assert copied["spec"]["containers"][0]["resources"]["claims"] == [{"name": "own"}, {"name": "gpu-slice"}]
+    assert copied["spec"]["initContainers"][0]["resources"]["claims"] == [{"name": "gpu-slice"}]
 
 
-def test_mutating_twice_leaves_one_gate_one_volume_and_one_reference() -> None:
+def test_mutating_twice_leaves_one_gate_and_one_claim() -> None:
     body = pod({"cdmo.io/gpu-memory": "4G"})
     mutate_pod(body, "a-gs-00000000")
     mutate_pod(body, "b-gs-11111111")
     spec = body["spec"]
-    assert spec["schedulingGates"] == [{"name": GATE}] and len(spec["volumes"]) == 1
-    assert spec["containers"][0]["envFrom"] == [{"configMapRef": {"name": "b-gs-11111111"}}]
-    assert len(spec["containers"][0]["volumeMounts"]) == 1
+    assert spec["schedulingGates"] == [{"name": GATE}]
+    assert spec["resourceClaims"] == [{"name": "gpu-slice", "resourceClaimName": "b-gs-11111111"}]
+    assert spec["containers"][0]["resources"]["claims"] == [{"name": "gpu-slice"}]
 
 
 # Pod names are DNS subdomains; generateName prefixes may end in "-" or ".".
@@ -537,6 +542,10 @@ class _Client:
         self.calls.append(("POST", path))
         return body
 
+    async def merge_patch(self, path: str, body: dict) -> dict:
+        self.calls.append(("MERGE", path))
+        return body
+
 
 class _Events:
     def __init__(self) -> None:
@@ -564,7 +573,8 @@ def _pod_slices(owner_uid: str) -> tuple[PodSlices, _Client, _Events]:
     state.put_inventory({"metadata": {"name": "n"}, "spec": {"nodeName": "n"},
                          "status": {"gpus": [{"index": 0, "uuid": "GPU-1", "memoryMiB": 81559}]}})
     client, events = _Client(), _Events()
-    return PodSlices(client, events, state), client, events  # type: ignore[arg-type]
+    claims = SliceClaims(client, events, state)  # type: ignore[arg-type]
+    return PodSlices(client, events, state, claims), client, events  # type: ignore[arg-type]
 
 
 def _pod(phase: str, gated: bool = False) -> dict:
@@ -594,4 +604,5 @@ def test_another_pods_slice_is_neither_released_nor_handed_over() -> None:
     assert client.calls == [] and events.posted == ["SliceNotOwned"]
     mine, client, _ = _pod_slices("pod-uid")
     asyncio.run(mine.pod_event(_pod("Pending", gated=True), deleted=False))
-    assert [c[0] for c in client.calls] == ["POST", "PATCH"], "its own Ready slice: ConfigMap, then the ungate"
+    assert [c[0] for c in client.calls] == ["POST", "MERGE", "PATCH"], "its own Ready slice: claim, status, ungate"
+    assert client.calls[0][1] == "/apis/resource.k8s.io/v1/namespaces/ns/resourceclaims"

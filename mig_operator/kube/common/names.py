@@ -28,13 +28,20 @@ AGENT_PREFIX = "agent.cdmo.io"
 PEERING_NAME = "mig-operator"
 
 # Pods: the webhook marks an annotated pod with these, the controller finds it by the label.
-POD_SLICE_LABEL = "cdmo.io/gpu-slice"  # value: the name of the pod's GpuSlice and ConfigMap
+POD_SLICE_LABEL = "cdmo.io/gpu-slice"  # value: the name of the pod's GpuSlice and ResourceClaim
 SCHEDULING_GATE = "cdmo.io/gpu-slice"
+# The claim entry the webhook adds to an annotated pod (spec.resourceClaims[].name and each
+# container's resources.claims[].name).
+POD_CLAIM_ENTRY = "gpu-slice"
+
+# Dynamic Resource Allocation: the agents publish devices of this driver; each GpuSlice's
+# ResourceClaim (same name) asks for one device of this class.
+DRA_API = "resource.k8s.io/v1"
+DRA_DRIVER = "gpu.cdmo.io"
+DEVICE_CLASS = "gpuslice.cdmo.io"
+# The node's directory the agent installs the shim into; the CDI spec of a fraction mounts it, read-only.
+SHIM_HOST_DIR = "/var/lib/mig-operator/shim"
 # On a pod's GpuSlice: the GPU nodes (comma-separated) the pod's nodeSelector and required node
 # affinity allow, when they allow more than one (one: spec.nodeName); the binder chooses among them only.
 ELIGIBLE_NODES_ANNOTATION = "cdmo.io/eligible-nodes"
-SHIM_VOLUME = "cdmo-shim"
-SHIM_HOST_DIR = "/var/lib/mig-operator/shim"
-SHIM_MOUNT_DIR = "/usr/local/lib/cdmo"
-SHIM_LIBRARY = "libgpuslice.so"
 WEBHOOK_NAME = "mig-operator"

@@ -29,6 +29,7 @@ from ..common.names import (
 )
 from ..common.operator import register_login, tune
 from .binder import Binder
+from .claims import SliceClaims
 from .pods import PodSlices
 
 log = logging.getLogger("mig_operator.controller")
@@ -73,11 +74,13 @@ def build_registry(options: ControllerOptions) -> kopf.OperatorRegistry:
         await ensure_peering(client, options.peering)
         events = EventPoster(client, "mig-operator-controller", os.uname().nodename)
         binder = Binder(client, events, resync_s=options.resync_s)
-        pods = PodSlices(client, events, binder.state)
-        binder.on_slice_changed.append(pods.slice_changed)
-        binder.on_resync.append(pods.resync)
+        claims = SliceClaims(client, events, binder.state)
+        pods = PodSlices(client, events, binder.state, claims)
+        # Claims first: a pod is released once its slice's claim exists.
+        binder.on_slice_changed.extend([claims.slice_changed, pods.slice_changed])
+        binder.on_resync.extend([claims.resync, pods.resync])
         await binder.resync()
-        state.update(client=client, binder=binder, pods=pods)
+        state.update(client=client, binder=binder, pods=pods, claims=claims)
 
     @kopf.on.event(GROUP, VERSION, SLICES, registry=registry)
     async def slice_event(body: kopf.Body, type: str | None, **_: Any) -> None:
@@ -88,8 +91,10 @@ def build_registry(options: ControllerOptions) -> kopf.OperatorRegistry:
     @kopf.on.event(GROUP, VERSION, NODES, registry=registry)
     async def gpunode_event(body: kopf.Body, type: str | None, **_: Any) -> None:
         state["binder"].inventory_event(dict(body), deleted=type == "DELETED")
-        # A device a Ready slice names may have just been published: its pod is looked at again.
-        await state["pods"].inventory_changed((body.get("spec") or {}).get("nodeName") or body["metadata"]["name"])
+        # A device a Ready slice names may have just been published: its claim and pod are looked at again.
+        node = (body.get("spec") or {}).get("nodeName") or body["metadata"]["name"]
+        await state["claims"].inventory_changed(node)
+        await state["pods"].inventory_changed(node)
 
     @kopf.on.event("v1", "nodes", registry=registry)
     async def node_event(body: kopf.Body, type: str | None, **_: Any) -> None:

@@ -1,13 +1,13 @@
-"""Pods that ask for a slice with an annotation: their GpuSlice, ConfigMap and release from the gate.
+"""Pods that ask for a slice with an annotation: their GpuSlice and release from the gate.
 
-The webhook gave the pod a scheduling gate, ``envFrom`` of a ConfigMap and the label naming both
-that ConfigMap and its GpuSlice. Here the controller:
+The webhook gave the pod a scheduling gate, the label naming its GpuSlice, and that slice's
+ResourceClaim (same name) in the pod and its containers. Here the controller:
 
 1. creates the GpuSlice, owned by the pod (deleting the pod deletes the slice through garbage
    collection, and the agent then releases its instance);
-2. once the slice is Ready, writes the ConfigMap with the slice's environment (also owned by the
-   pod), and only then, in one update, pins the pod to the slice's node with required node affinity
-   and removes the gate; kube-scheduler then binds it there;
+2. once the slice is Ready and its ResourceClaim written (claims.py), in one update pins the pod to
+   the slice's node with required node affinity and removes the gate; kube-scheduler then binds it
+   there and allocates the claim, and the kubelet has the agent prepare the device;
 3. while the slice cannot be served, leaves the gate on and posts an Event with the reason on the pod;
 4. once the pod has finished (phase Succeeded or Failed: a Job's pod, kept until its Job goes),
    deletes its GpuSlice, so the instance is released as when the pod is deleted. A finished pod's
@@ -29,7 +29,6 @@ from collections.abc import Mapping
 from typing import Any
 
 from mig_operator.core.device_check import ACCEPT, REFUSE, check_ready_device
-from mig_operator.core.environment import slice_environment
 from mig_operator.core.lifecycle import SLICE_TRIES, slice_retry_delay
 from mig_operator.core.node_selection import constrains_nodes, has_required_terms, node_allowed, taints_tolerated
 from mig_operator.core.pod_admission import PodRefused, check_pod
@@ -48,10 +47,9 @@ from ..common.names import (
     ELIGIBLE_NODES_ANNOTATION,
     POD_SLICE_LABEL,
     SCHEDULING_GATE,
-    SHIM_LIBRARY,
-    SHIM_MOUNT_DIR,
     SLICE_KIND,
 )
+from .claims import SliceClaims
 from .state import ClusterState, SliceInfo
 
 log = logging.getLogger("mig_operator.controller.pods")
@@ -133,14 +131,13 @@ def _gated(pod: Mapping[str, Any]) -> bool:
 
 
 class PodSlices:
-    """Keeps each annotated pod's GpuSlice, ConfigMap and gate in step with its slice."""
+    """Keeps each annotated pod's GpuSlice and gate in step with its slice."""
 
-    def __init__(self, client: KubeClient, events: EventPoster, state: ClusterState,
-                 shim_path: str = f"{SHIM_MOUNT_DIR}/{SHIM_LIBRARY}") -> None:
+    def __init__(self, client: KubeClient, events: EventPoster, state: ClusterState, claims: SliceClaims) -> None:
         self.client = client
         self.events = events
         self.state = state
-        self.shim_path = shim_path
+        self.claims = claims
         self.pods: dict[tuple[str, str], dict[str, Any]] = {}  # (namespace, slice name) -> pod
         self._node_labels: dict[str, dict[str, str]] = {}
         self._node_taints: dict[str, list[dict[str, Any]]] = {}
@@ -265,7 +262,7 @@ class PodSlices:
         st = info.body.get("status") or {}
         phase = st.get("phase")
         if phase == "Ready" and info.binding is not None:
-            if await self._device_checked(pod, info):
+            if await self._device_checked(pod, info) and await self.claims.ensure(info):
                 await self._release_gate(pod, info)
         elif phase == "Failed":
             self._slice_failed(pod, info)
@@ -298,7 +295,7 @@ class PodSlices:
 
     async def _replace_failed(self, key: tuple[str, str], tries: int, delay: float) -> None:
         """Delete the failed slice and, once it is gone, make the pod's next one (same name: the pod's
-        label and envFrom name it)."""
+        label and claim name it)."""
         try:
             await asyncio.sleep(delay)
             try:
@@ -354,20 +351,6 @@ class PodSlices:
     async def _release_gate(self, pod: dict[str, Any], info: SliceInfo) -> None:
         assert info.binding is not None
         meta = pod["metadata"]
-        st = info.body["status"]
-        env = slice_environment(info.binding.mode, st.get("deviceUUID", ""), info.binding.granted_bytes,
-                                info.namespace, info.name, self.shim_path)
-        config = {"apiVersion": "v1", "kind": "ConfigMap",
-                  "metadata": {"name": info.name, "namespace": info.namespace, "ownerReferences": _owner(pod),
-                               # the chart's controller policy lets it write only ConfigMaps labelled so
-                               "labels": {POD_SLICE_LABEL: info.name}},
-                  "data": env}
-        try:
-            await self.client.create(core_path("configmaps", info.namespace), config)
-        except ApiError as exc:
-            if not exc.conflict:
-                raise
-            await self.client.merge_patch(core_path("configmaps", info.namespace, info.name), {"data": env})
         path = core_path("pods", info.namespace, meta["name"])
         node = info.binding.node
         try:

@@ -1,11 +1,10 @@
 """What the admission webhook does to a pod that asks for a slice with an annotation.
 
 It checks the pod with ``core.pod_admission.check_pod`` (the controller checks it again before it
-makes the slice). Then it adds, at creation (the only time the
-API allows it): a scheduling gate, so the pod waits for its slice; a label naming the pod's slice
-(and ConfigMap), so the controller finds the pod with a server-side selector; ``envFrom`` of that
-ConfigMap and the shim's host directory, read-only, in every container and init container (a pod's
-environment cannot change after creation, so the controller fills the ConfigMap in later).
+makes the slice). Then it adds, at creation (the only time the API allows it): a scheduling gate,
+so the pod waits for its slice; a label naming the pod's slice, so the controller finds the pod
+with a server-side selector; and the slice's ResourceClaim (same name, written by the controller
+when the slice is Ready) in the pod and in every container and init container.
 
 The slice's name is made here: a pod made from ``generateName`` has no name yet at admission.
 """
@@ -15,10 +14,9 @@ from __future__ import annotations
 import logging
 import secrets
 from collections.abc import Mapping, MutableMapping
-from dataclasses import dataclass
 from typing import Any
 
-from ..common.names import POD_SLICE_LABEL, SCHEDULING_GATE, SHIM_HOST_DIR, SHIM_MOUNT_DIR, SHIM_VOLUME
+from ..common.names import POD_CLAIM_ENTRY, POD_SLICE_LABEL, SCHEDULING_GATE
 
 
 class RefusalsAtInfo(logging.Filter):
@@ -42,12 +40,6 @@ class RefusalsAtInfo(logging.Filter):
         return logging.getLogger().isEnabledFor(logging.INFO)
 
 
-@dataclass(frozen=True)
-class ShimMount:
-    host_dir: str = SHIM_HOST_DIR
-    mount_dir: str = SHIM_MOUNT_DIR
-
-
 def slice_name_for(pod: Mapping[str, Any], token: str | None = None) -> str:
     """A name for the pod's GpuSlice and ConfigMap, unique without knowing the pod's final name:
     the pod's name (or generateName) cut to 40 characters, ``-gs-`` and 8 random hex digits. It is
@@ -57,36 +49,30 @@ def slice_name_for(pod: Mapping[str, Any], token: str | None = None) -> str:
     return f"{base}-gs-{token or secrets.token_hex(4)}"
 
 
-def mutate_pod(pod: MutableMapping[str, Any], slice_name: str, shim: ShimMount | None = None) -> None:
-    """Add the gate, the slice label, ``envFrom`` and the shim volume to ``pod`` (in place).
+def mutate_pod(pod: MutableMapping[str, Any], slice_name: str) -> None:
+    """Add the gate, the slice label and the claim of the pod's slice to ``pod`` (in place).
+
+    The pod names its slice's ResourceClaim (same name) once, in ``spec.resourceClaims``, and every
+    container and init container lists it in ``resources.claims``; the kubelet then hands the
+    device over through the agent (DRA, CDI). Nothing else is added: no env, no volume.
 
     The pod always gets ``slice_name``, its own: a pod that arrives carrying the slice label already
     (copied from a sliced pod, e.g. ``kubectl get pod -o yaml``) would otherwise run on the other
-    pod's device. The ``envFrom`` of the ConfigMap the old label names is dropped; the gate, the
-    volume and the mounts are never doubled.
+    pod's device. A claim entry of the operator's name it already has is replaced, never doubled.
     """
-    shim = shim or ShimMount()
     meta = pod.setdefault("metadata", {})
-    labels = dict(meta.get("labels") or {})
-    stale = labels.get(POD_SLICE_LABEL)
-    labels[POD_SLICE_LABEL] = slice_name
-    meta["labels"] = labels
+    meta["labels"] = {**(meta.get("labels") or {}), POD_SLICE_LABEL: slice_name}
     spec = pod.setdefault("spec", {})
     gates = list(spec.get("schedulingGates") or [])
     if not any(g.get("name") == SCHEDULING_GATE for g in gates):
         gates.append({"name": SCHEDULING_GATE})
     spec["schedulingGates"] = gates
-    volumes = [v for v in spec.get("volumes") or [] if v.get("name") != SHIM_VOLUME]
-    # Directory, not DirectoryOrCreate: on a node where the agent never installed the shim the pod
-    # fails to start, rather than run a fraction with no limit (ld.so skips a missing LD_PRELOAD).
-    volumes.append({"name": SHIM_VOLUME, "hostPath": {"path": shim.host_dir, "type": "Directory"}})
-    spec["volumes"] = volumes
+    claims = [c for c in spec.get("resourceClaims") or [] if c.get("name") != POD_CLAIM_ENTRY]
+    claims.append({"name": POD_CLAIM_ENTRY, "resourceClaimName": slice_name})
+    spec["resourceClaims"] = claims
     for key in ("containers", "initContainers"):
         for container in spec.get(key) or []:
-            env_from = [e for e in container.get("envFrom") or []
-                        if not stale or (e.get("configMapRef") or {}).get("name") not in (stale, slice_name)]
-            env_from.append({"configMapRef": {"name": slice_name}})
-            container["envFrom"] = env_from
-            mounts = [m for m in container.get("volumeMounts") or [] if m.get("name") != SHIM_VOLUME]
-            mounts.append({"name": SHIM_VOLUME, "mountPath": shim.mount_dir, "readOnly": True})
-            container["volumeMounts"] = mounts
+            resources = container.setdefault("resources", {})
+            used = [c for c in resources.get("claims") or [] if c.get("name") != POD_CLAIM_ENTRY]
+            used.append({"name": POD_CLAIM_ENTRY})
+            resources["claims"] = used

@@ -16,7 +16,7 @@ import socket
 import ssl
 import tempfile
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp.web
@@ -28,7 +28,7 @@ from mig_operator.core.quantities import QuantityError
 from ..common.client import ApiError, KubeClient
 from ..common.listen import listen
 from ..common.names import WEBHOOK_NAME
-from .admission import RefusalsAtInfo, ShimMount, mutate_pod, slice_name_for
+from .admission import RefusalsAtInfo, mutate_pod, slice_name_for
 from .certs import CertBundle, make_certificate
 
 log = logging.getLogger("mig_operator.webhook")
@@ -54,7 +54,6 @@ class WebhookOptions:
     service: str | None = None  # or NAMESPACE/NAME[:PORT] of the Service in front of the replicas
     config_name: str | None = WEBHOOK_NAME  # the configuration to create/update; None: managed elsewhere
     failure_policy: str = "Fail"
-    shim: ShimMount = field(default_factory=ShimMount)
     key_dir: str | None = None  # where a made certificate's files go; the caller removes it at exit
 
     @property
@@ -253,4 +252,4 @@ def register(registry: kopf.OperatorRegistry, options: WebhookOptions, kubeconfi
         if request is None:
             return
         name = slice_name_for(body)
-        patch.fns.append(lambda pod: mutate_pod(pod, name, options.shim))
+        patch.fns.append(lambda pod: mutate_pod(pod, name))

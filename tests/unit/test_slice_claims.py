@@ -1,0 +1,168 @@
+"""Each Ready GpuSlice's ResourceClaim (kube/controller/claims.py): its shape, when it is written, and
+what happens to a claim of the same name that is not this slice's."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from mig_operator.kube.common.client import ApiError
+from mig_operator.kube.controller import claims as claims_module
+from mig_operator.kube.controller.claims import SliceClaims, claim_body, slice_owner
+from mig_operator.kube.controller.state import ClusterState
+
+UID = "0b9e6a8c-2f43-4d7a-9c1e-5a6b7c8d9e0f"
+CLAIMS = "/apis/resource.k8s.io/v1/namespaces/ns/resourceclaims"
+
+
+def test_the_claim_asks_for_exactly_the_slices_device_of_the_operators_class() -> None:
+    body = claim_body("ns", "train", UID)
+    # Written out by hand from resource.k8s.io/v1 (ResourceClaim, DeviceRequest.exactly), not from the code.
+    assert body == {
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+        "metadata": {"name": "train", "namespace": "ns", "ownerReferences": [
+            {"apiVersion": "cdmo.io/v1alpha1", "kind": "GpuSlice", "name": "train", "uid": UID, "controller": True}]},
+        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
+            "deviceClassName": "gpuslice.cdmo.io", "allocationMode": "ExactCount", "count": 1,
+            "selectors": [{"cel": {"expression": f'device.attributes["gpu.cdmo.io"].slice == "{UID}"'}}]}}]}},
+    }
+
+
+@pytest.mark.parametrize(("refs", "owner"), [
+    ([{"apiVersion": "cdmo.io/v1alpha1", "kind": "GpuSlice", "uid": "u1"}], "u1"),
+    ([{"apiVersion": "v1", "kind": "Pod", "uid": "p"}, {"apiVersion": "cdmo.io/v1", "kind": "GpuSlice", "uid": "u2"}],
+     "u2"),
+    ([{"apiVersion": "other.io/v1", "kind": "GpuSlice", "uid": "u3"}], None),  # same kind, another group
+    ([{"apiVersion": "v1", "kind": "Pod", "uid": "p"}], None),
+    ([], None),
+])
+def test_only_a_gpuslice_of_this_api_owns_a_claim(refs: list[dict], owner: str | None) -> None:
+    assert slice_owner({"metadata": {"ownerReferences": refs}}) == owner
+
+
+class _Client:
+    def __init__(self, existing: dict | None = None, gone_after: int = 0) -> None:
+        self.calls: list[tuple[str, str]] = []
+        self.existing = existing
+        self.gone_after = gone_after  # GETs of the existing claim before it is gone (after a delete)
+        self.deleted = False
+
+    async def create(self, path: str, body: dict) -> dict:
+        self.calls.append(("POST", path))
+        if self.existing is not None:
+            raise ApiError(409, "AlreadyExists", "exists")
+        self.existing = body
+        return body
+
+    async def get(self, path: str) -> dict:
+        self.calls.append(("GET", path))
+        if self.existing is None:
+            raise ApiError(404, "NotFound", "gone")
+        if self.deleted:
+            if self.gone_after <= 0:
+                self.existing = None
+                raise ApiError(404, "NotFound", "gone")
+            self.gone_after -= 1
+        return self.existing
+
+    async def delete(self, path: str) -> dict:
+        self.calls.append(("DELETE", path))
+        self.deleted = True
+        return {}
+
+    async def merge_patch(self, path: str, body: dict) -> dict:
+        self.calls.append(("MERGE", path))
+        assert body == {"status": {"claim": "train"}}
+        return body
+
+
+class _Events:
+    def __init__(self) -> None:
+        self.posted: list[tuple[str, str]] = []
+
+    def post(self, obj: Any, kind: str, reason: str, message: str) -> None:
+        self.posted.append((reason, message))
+
+
+def _slice(phase: str = "Ready", device: str = "GPU-1") -> dict:
+    return {"metadata": {"uid": UID, "namespace": "ns", "name": "train", "resourceVersion": "5"},
+            "spec": {"memory": "4G"},
+            "status": {"phase": phase, "mode": "fraction", "node": "n", "gpu": 0, "grantedBytes": 4 * 10**9,
+                       "deviceUUID": device, "gpuUUID": "GPU-1"}}
+
+
+def _claims(client: _Client, phase: str = "Ready", inventory: bool = True,
+            device: str = "GPU-1") -> tuple[SliceClaims, ClusterState, _Events]:
+    state = ClusterState()
+    state.put_slice(_slice(phase, device))
+    if inventory:
+        state.put_inventory({"metadata": {"name": "n"}, "spec": {"nodeName": "n"},
+                             "status": {"gpus": [{"index": 0, "uuid": "GPU-1", "memoryMiB": 81559}]}})
+    events = _Events()
+    return SliceClaims(client, events, state), state, events  # type: ignore[arg-type]
+
+
+def test_a_ready_slice_gets_its_claim_once_and_its_status_names_it() -> None:
+    client = _Client()
+    claims, state, _ = _claims(client)
+    info = state.slice_named("ns", "train")
+    assert asyncio.run(claims.ensure(info)) is True
+    assert asyncio.run(claims.ensure(info)) is True
+    assert client.calls == [("POST", CLAIMS), ("MERGE", "/apis/cdmo.io/v1alpha1/namespaces/ns/gpuslices/train/status")]
+
+
+@pytest.mark.parametrize("phase", ["Pending", "Bound", "Creating", "Failed", "Released"])
+def test_a_slice_not_ready_gets_no_claim(phase: str) -> None:
+    client = _Client()
+    claims, state, _ = _claims(client, phase=phase)
+    assert asyncio.run(claims.ensure(state.slice_named("ns", "train"))) is False
+    assert client.calls == []
+
+
+def test_a_device_its_gpunode_does_not_list_yet_gets_its_claim_when_the_gpunode_does() -> None:
+    client = _Client()
+    claims, state, _ = _claims(client, inventory=False)
+    assert asyncio.run(claims.ensure(state.slice_named("ns", "train"))) is False
+    assert client.calls == [] and claims.waiting == {"n": {("ns", "train")}}
+    state.put_inventory({"metadata": {"name": "n"}, "spec": {"nodeName": "n"},
+                         "status": {"gpus": [{"index": 0, "uuid": "GPU-1", "memoryMiB": 81559}]}})
+    asyncio.run(claims.inventory_changed("n"))
+    assert [c[0] for c in client.calls] == ["POST", "MERGE"]
+
+
+def test_a_device_of_another_gpu_never_gets_a_claim() -> None:
+    client = _Client()
+    claims, state, _ = _claims(client, device="GPU-someone-elses")
+    assert asyncio.run(claims.ensure(state.slice_named("ns", "train"))) is False
+    assert client.calls == []
+
+
+def test_a_claim_the_operator_did_not_write_is_left_alone_and_said() -> None:
+    client = _Client(existing={"metadata": {"name": "train", "ownerReferences": []}})
+    claims, state, events = _claims(client)
+    assert asyncio.run(claims.ensure(state.slice_named("ns", "train"))) is False
+    assert [c[0] for c in client.calls] == ["POST", "GET"]
+    [(reason, message)] = events.posted
+    assert reason == "ClaimNameTaken" and "ns/train" in message and "not written by mig-operator" in message
+
+
+def test_this_slices_own_claim_is_taken_as_written() -> None:
+    mine = claim_body("ns", "train", UID)
+    client = _Client(existing=mine)
+    claims, state, _ = _claims(client)
+    assert asyncio.run(claims.ensure(state.slice_named("ns", "train"))) is True
+    assert [c[0] for c in client.calls] == ["POST", "GET", "MERGE"]
+
+
+def test_an_earlier_slices_claim_is_deleted_and_this_ones_written_once_it_is_gone(monkeypatch) -> None:
+    async def no_wait(_: float) -> None:
+        return None
+
+    monkeypatch.setattr(claims_module.asyncio, "sleep", no_wait)
+    client = _Client(existing=claim_body("ns", "train", "an-earlier-uid"), gone_after=2)
+    claims, state, _ = _claims(client)
+    assert asyncio.run(claims.ensure(state.slice_named("ns", "train"))) is True
+    assert [c[0] for c in client.calls] == ["POST", "GET", "DELETE", "GET", "GET", "GET", "POST", "MERGE"]
+    assert slice_owner(client.existing) == UID
