@@ -419,10 +419,20 @@ def test_the_controller_runs_unprivileged_and_the_agent_with_only_what_mig_needs
     host_paths = sorted(v["hostPath"]["path"] for v in agent_pod["volumes"] if "hostPath" in v)
     values = yaml.safe_load((CHART_DIR / "values.yaml").read_text())
     if not variant:
-        assert host_paths == sorted([values["agent"]["stateDir"], values["shim"]["hostDir"]])
+        kubelet = values["agent"]["kubeletDir"]
+        assert host_paths == sorted([values["agent"]["stateDir"], values["shim"]["hostDir"],
+                                     f"{kubelet}/plugins_registry", f"{kubelet}/plugins/gpu.cdmo.io",
+                                     values["agent"]["cdiDir"], "/etc/cdi"])
         assert agent_pod["runtimeClassName"] == "nvidia"
         assert agent_pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
-    assert len(host_paths) == 2
+    assert len(host_paths) == 6
+    # The agent serves the kubelet where the kubelet looks (its flags), and writes CDI specs where it mounts them.
+    args = _args(agent)
+    mounts = {m["mountPath"]: m.get("readOnly", False) for m in agent["volumeMounts"]}
+    for directory in (args.kubelet_registry_dir, args.kubelet_plugin_dir, args.cdi_dir):
+        assert directory in host_paths and mounts[directory] is False
+    assert mounts["/etc/cdi"] is True
+    assert args.shim_host_dir == _volume(docs, "DaemonSet", "shim")["hostPath"]["path"]
 
 
 @pytest.mark.parametrize(("agent_class", "controller_class", "quota"), [

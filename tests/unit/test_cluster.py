@@ -754,6 +754,21 @@ def test_round_trip_keeps_a_live_owner_in_use_in_the_controller_view() -> None:
     assert slot_view(build_view([inv], {"a"}, []), "a", 0) == {(mi.profile_id, 2, 1, False)}
 
 
+def test_a_gone_slices_instance_a_prepared_claim_holds_stays_in_use_in_the_controller_view() -> None:
+    # Issue 16 item 7: the slice was deleted while a pod's claim on it is prepared; the agent keeps the
+    # instance until the kubelet unprepares it, and the controller must neither reuse nor reclaim it.
+    info = GpuInfo(0, "GPU-0", H200.product, H200.memory_mib, True, True)
+    mi = MigInstance(0, 5, 0, H200.profile("1g.18gb").id, "1g.18gb", 2, 1, "MIG-5", False)
+    owner = OwnerEntry("u1", "ns/a", MODE_MIG, 0, COMPLETED, 16384 * MiB, mi.profile_id, "1g.18gb", 2, 1, 5, 0, "MIG-5")
+    record = OwnerRecord("b", {"u1": owner})
+    held = gpunode_status([info], {0: H200}, {0: [mi]}, record, True, "t", frozenset({"u1"}))
+    assert held["gpus"][0]["instances"][0]["inUse"] is True
+    assert slot_view(build_view([inventory_from_status("a", held)], {"a"}, []), "a", 0) == {
+        (mi.profile_id, 2, 1, True)}
+    other = gpunode_status([info], {0: H200}, {0: [mi]}, record, True, "t", frozenset({"u2"}))
+    assert other["gpus"][0]["instances"][0]["inUse"] is False
+
+
 def test_profile_round_trip_keeps_placements_memory_and_limits() -> None:
     info = GpuInfo(0, "GPU-0", A30.product, A30.memory_mib, True, True)
     status = gpunode_status([info], {0: A30}, {0: []}, OwnerRecord(), True, "t")

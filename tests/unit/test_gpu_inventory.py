@@ -86,6 +86,9 @@ class FakeNvml:
     def nvmlDeviceGetName(self, handle: Any) -> str:
         return self.product
 
+    def nvmlDeviceGetMinorNumber(self, handle: Any) -> int:
+        return 0  # /dev/nvidia0: the one GPU
+
     def nvmlDeviceGetUUID(self, handle: Any) -> str:
         if isinstance(handle, tuple):
             return f"MIG-fake-{handle[1]}-{handle[2]}"

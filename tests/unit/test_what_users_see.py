@@ -27,6 +27,7 @@ from mig_operator.gpu.simulated import SimulatedBackend
 from mig_operator.kube.agent.agent import AgentSettings, NodeAgent
 from mig_operator.kube.agent.inventory import gpunode_status
 from mig_operator.kube.agent.record import RecordStore
+from mig_operator.kube.common.client import ApiError
 from mig_operator.kube.webhook.server import WebhookOptions, register
 
 H100 = get_model("h100-80gb")
@@ -116,6 +117,13 @@ class RecordingClient:
             await self.hold.wait()
         self.writes.append(body["status"])
         return {"metadata": {"resourceVersion": "1"}}
+
+    async def get(self, path: str, params: Any = None) -> dict:
+        # The ResourceSlice the agent publishes beside its GpuNode: none yet (it then creates one).
+        raise ApiError(404, "NotFound", path)
+
+    async def create(self, path: str, body: dict) -> dict:
+        return body
 
 
 def make_agent(tmp_path: Any, client: RecordingClient) -> NodeAgent:

@@ -627,7 +627,8 @@ class NodeAgent:
             models[gpu.index] = await self._gpu("model", self.backend.model, gpu.index) if gpu.mig_capable else None
             instances[gpu.index] = await self._instances(gpu)
         record = self.store.record
-        body = gpunode_status(self._gpus, models, instances, record, self._labelled, status.now())
+        body = gpunode_status(self._gpus, models, instances, record, self._labelled, status.now(),
+                              self.store.revoked)
         for gpu in body["gpus"]:
             states = {"in_use": 0, "idle": 0}
             for inst in gpu["instances"]:

@@ -36,12 +36,15 @@ def _profiles(model: GpuModel | None) -> list[dict[str, Any]]:
     ]
 
 
-def _instance(gpu: int, inst: MigInstance, record: OwnerRecord) -> dict[str, Any]:
+def _instance(gpu: int, inst: MigInstance, record: OwnerRecord, held: frozenset[str]) -> dict[str, Any]:
     state = instance_state(inst)
     owner = record.owner_of(gpu, state)
+    # A deleted slice's instance that a pod's claim still holds (prepared): in use, as if a process ran
+    # there, so the controller neither reuses nor reclaims it before the kubelet lets it go.
+    in_use = inst.in_use or (owner is not None and owner.uid in held)
     body: dict[str, Any] = {
         "giId": inst.gi_id, "profile": inst.profile, "profileId": inst.profile_id, "start": inst.start,
-        "size": inst.size, "inUse": inst.in_use, "complete": state.complete,
+        "size": inst.size, "inUse": in_use, "complete": state.complete,
         "slice": owner.slice if owner else "", "sliceUID": owner.uid if owner else "",
     }
     if inst.ci_id >= 0:
@@ -60,8 +63,10 @@ def gpunode_status(
     record: OwnerRecord,
     labelled: bool,
     observed_at: str,
+    held: frozenset[str] = frozenset(),
 ) -> dict[str, Any]:
-    """The whole status of the node's GpuNode (written with one merge patch: lists are replaced)."""
+    """The whole status of the node's GpuNode (written with one merge patch: lists are replaced).
+    ``held``: the UIDs of deleted slices whose instances a prepared claim still holds."""
     entries = []
     free_slots = used_slots = idle_slots = idle = in_use = 0
     for info in gpus:
@@ -77,7 +82,7 @@ def gpunode_status(
         granted = sum(f["bytes"] for f in fractions) + sum(
             e.granted_bytes for e in record.owners.values() if e.mode == MODE_MIG and e.gpu == info.index
         )
-        body = [_instance(info.index, inst, record) for inst in insts]
+        body = [_instance(info.index, inst, record, held) for inst in insts]
         # One rule for instances and their slots: held by a slice (the record names it) or running a
         # process is in use, anything else is idle; slots under no instance are free.
         held_mask = idle_mask = 0
