@@ -29,6 +29,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 CHART_DIR = REPO_ROOT / "helm" / "mig-operator"
 CHART_NAMESPACE = "mig-operator-system"  # where tests/e2e/conftest.py puts the chart's identities
 POLICY = REPO_ROOT / "crds" / "slice-node-label.yaml"
+DEVICE_CLASS = REPO_ROOT / "crds" / "device-class.yaml"
 KWOK_TAINT = {"key": "kwok.x-k8s.io/node", "operator": "Exists", "effect": "NoSchedule"}
 
 
@@ -133,14 +134,14 @@ def test_the_chart_installs_upgrades_and_uninstalls_with_every_object_accepted(
     names = ["--set", f"webhook.configurationName={namespace}", "--set", f"controller.peering={namespace}"]
     admission = kubernetes.client.AdmissionregistrationV1Api(kube_cluster.api_client)
     # The policy is installed by the session (crds/); the chart must be able to install its own copy.
-    kube_cluster.kubectl("delete", "-f", str(POLICY), "--ignore-not-found")
+    kube_cluster.kubectl("delete", "-f", str(POLICY), "-f", str(DEVICE_CLASS), "--ignore-not-found")
     try:
         helm(kube_cluster, "install", release, str(CHART_DIR), "--namespace", namespace, "--create-namespace",
              *names, *tolerate_kwok(tmp_path))
         docs = manifest(kube_cluster, release, namespace)
         kinds = sorted({d["kind"] for d in docs})
         assert kinds == ["ClusterKopfPeering", "ClusterRole", "ClusterRoleBinding", "DaemonSet", "Deployment",
-                         "MutatingWebhookConfiguration", "PodDisruptionBudget", "ResourceQuota", "Role",
+                         "DeviceClass", "MutatingWebhookConfiguration", "PodDisruptionBudget", "ResourceQuota", "Role",
                          "RoleBinding", "Service", "ServiceAccount", "ValidatingAdmissionPolicy",
                          "ValidatingAdmissionPolicyBinding"]
         for doc in docs:
@@ -208,7 +209,7 @@ def test_the_chart_installs_upgrades_and_uninstalls_with_every_object_accepted(
     finally:
         helm(kube_cluster, "uninstall", release, "--namespace", namespace, check=False)
         kube_cluster.kubectl("delete", "namespace", namespace, "--ignore-not-found", "--wait=false")
-        kube_cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(POLICY))
+        kube_cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(POLICY), "-f", str(DEVICE_CLASS))
 
 
 def test_pod_security_the_controller_meets_restricted_and_the_agent_needs_privileged(

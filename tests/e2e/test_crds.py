@@ -319,6 +319,7 @@ def test_kubectl_get_gs_shows_the_columns(api: Any, kube_cluster: Any, namespace
         "reused": False,
         "phaseTimes": {"Bound": "2026-01-01T00:00:00.000Z", "Ready": "2026-01-01T00:00:00.120Z"},
         "observedGeneration": 1,
+        "claim": name,
         "reclaim": [{"gpu": 0, "profile": "1g.18gb", "start": 4}],
         "conditions": [
             {
@@ -332,8 +333,8 @@ def test_kubectl_get_gs_shows_the_columns(api: Any, kube_cluster: Any, namespace
     }
     api.patch_namespaced_custom_object_status(GROUP, VERSION, namespace, SLICES, name, {"status": status})
     rows = _table(kube_cluster.kubectl("get", "gs", name, "-n", namespace).stdout)
-    assert rows[0] == ["NAME", "REQUEST", "PHASE", "REASON", "NODE", "GPU", "PROFILE", "REUSED", "AGE"]
-    assert rows[1][:8] == [name, "memory 17G", "Ready", "Ready", "gpu-node-1", "0", "1g.18gb", "false"]
+    assert rows[0] == ["NAME", "REQUEST", "PHASE", "REASON", "NODE", "GPU", "PROFILE", "REUSED", "CLAIM", "AGE"]
+    assert rows[1][:9] == [name, "memory 17G", "Ready", "Ready", "gpu-node-1", "0", "1g.18gb", "false", name]
     wide = _table(kube_cluster.kubectl("get", "gpuslice", name, "-n", namespace, "-o", "wide").stdout)
     assert wide[0][-5:] == ["MODE", "MEMORY", "FRACTION", "MIG-PROFILE", "DEVICE"]
     assert wide[1][-5:] == ["mig", "17G", "", "", status["deviceUUID"]]

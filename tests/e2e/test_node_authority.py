@@ -289,7 +289,8 @@ def test_the_controllers_writes_are_narrowed_to_what_its_code_writes(
     uid = slice_body["metadata"]["uid"]
     claims = ("resource.k8s.io", "v1", ns, "resourceclaims")
     custom.create_namespaced_custom_object(*claims, claim_body(ns, "mine", uid))
-    wider = claim_body(ns, "wider", uid)  # another name than its owner's
+    wider = claim_body(ns, "wider", uid)
+    wider["metadata"]["ownerReferences"][0]["name"] = "mine"  # another name than its owner's
     refused(lambda: custom.create_namespaced_custom_object(*claims, wider), "GpuSlices' ResourceClaims")
     any_device = claim_body(ns, "mine2", uid)
     any_device["metadata"]["ownerReferences"][0]["name"] = "mine2"
