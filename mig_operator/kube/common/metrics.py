@@ -34,6 +34,16 @@ NVML_ERRORS = Counter(
 )
 INSTANCES = Gauge("mig_operator_instances", "MIG instances on a GPU, by state (in_use, idle)", ["node", "gpu", "state"])
 GRANTED_BYTES = Gauge("mig_operator_granted_bytes", "Memory granted to slices on a GPU", ["node", "gpu"])
+SLOTS = Gauge("mig_operator_slots", "Memory slots of a MIG GPU, by state (in_use, idle, free) and GPU model",
+              ["node", "gpu", "model", "state"])
+PENDING_SLICES = Gauge("mig_operator_pending_slices", "Pending GpuSlices, by reason (NoCapacity, QuotaExceeded, ...)",
+                       ["reason"])
+QUOTA_USED_BYTES = Gauge("mig_operator_quota_used_bytes", "GPU memory a namespace's slices hold (granted)",
+                         ["namespace"])
+QUOTA_HARD_BYTES = Gauge("mig_operator_quota_hard_bytes", "A namespace's GpuQuota spec.memory", ["namespace"])
+QUOTA_USED_SLICES = Gauge("mig_operator_quota_used_slices", "Slices a namespace holds", ["namespace"])
+QUOTA_WAITING_SLICES = Gauge("mig_operator_quota_waiting_slices", "A namespace's slices Pending for its quota",
+                             ["namespace"])
 RECONCILE_ERRORS = Counter(
     "mig_operator_reconcile_errors_total", "Handler runs that ended in an error, by part and kind", ["part", "kind"]
 )
