@@ -102,6 +102,23 @@ def _peering_lifetime(text: str) -> int:
     return int(text)
 
 
+DEFAULT_WATCH_S = 2
+MIN_WATCH_S = 0.5
+MAX_WATCH_S = 3600
+
+
+def _watch_seconds(text: str) -> float:
+    """``top --watch``'s interval: seconds (``2``, ``0.5``) or a duration (``10s``, ``1m``)."""
+    try:
+        seconds = None if text.strip().startswith("-") else parse_duration(text)
+    except QuantityError:
+        seconds = None
+    if seconds is None or not MIN_WATCH_S <= seconds <= MAX_WATCH_S:
+        raise QuantityError(f"--watch {_shown(text)} is not a number of seconds from {MIN_WATCH_S} to "
+                            f"{MAX_WATCH_S}; use e.g. --watch {DEFAULT_WATCH_S}")
+    return seconds
+
+
 def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
     # SystemExit unwinds the ``with`` blocks, so temporary files go even when the process is stopped.
     # kopf installs its own handler while it runs (it stops gracefully, and the blocks unwind then).
@@ -155,6 +172,15 @@ def add_operator_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--shim-host-dir", default="/var/lib/mig-operator/shim",
                    help="host directory holding libgpuslice.so, mounted read-only into fraction containers")
     p.set_defaults(func=cmd_agent)
+
+    p = sub.add_parser("top", help="who holds which GPU slots and memory, what waits, and the namespaces' quotas")
+    p.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster, then KUBECONFIG, ~/.kube/config)")
+    p.add_argument("--watch", nargs="?", const=str(DEFAULT_WATCH_S), metavar="SECONDS",
+                   help=f"draw again every SECONDS ({MIN_WATCH_S} to {MAX_WATCH_S}, default {DEFAULT_WATCH_S}) "
+                   "until Ctrl-C")
+    p.add_argument("--json", action="store_true",
+                   help="one JSON object (with --watch: one per line, each on its own line) for scripts")
+    p.set_defaults(func=cmd_top)
 
 
 def _directory_flag(flag: str, text: str, example: str) -> str:
@@ -307,3 +333,51 @@ def cmd_agent(args: argparse.Namespace) -> int:
     run_agent(AgentOptions(settings, record_file, args.kubeconfig, args.metrics_address, metrics_socket, plugin),
               backend)
     return 0
+
+
+def cmd_top(args: argparse.Namespace) -> int:
+    """Draw the cluster's GPUs once, or again every ``--watch`` seconds until Ctrl-C."""
+    import asyncio
+    import json
+    import time
+
+    from .core.top_view import render_text, view_json
+    from .kube.top import TopError, client_for, read_view
+
+    interval = _watch_seconds(args.watch) if args.watch is not None else None
+    _check_credentials(args.kubeconfig)
+    # On a terminal each picture replaces the last; in a pipe or a log they follow each other.
+    clear = "\x1b[H\x1b[2J" if interval is not None and not args.json and sys.stdout.isatty() else ""
+
+    async def draw() -> int:
+        client = client_for(args.kubeconfig)
+        try:
+            while True:
+                try:
+                    view = await read_view(client)
+                except TopError as exc:
+                    line = "mig-operator: " + " ".join(str(exc).split())
+                    if interval is None:
+                        print(line, file=sys.stderr)
+                        return 1
+                    print(f"{line}; trying again in {interval:g} s", file=sys.stderr, flush=True)
+                    await asyncio.sleep(interval)
+                    continue
+                if args.json:
+                    print(json.dumps(view_json(view), indent=None if interval is not None else 2), flush=True)
+                elif interval is None:
+                    print(render_text(view), end="", flush=True)
+                else:
+                    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+                    print(f"{clear}--- mig-operator top at {stamp}, every {interval:g} s (Ctrl-C stops)\n"
+                          + render_text(view), end="" if clear else "\n", flush=True)
+                if interval is None:
+                    return 0
+                await asyncio.sleep(interval)
+        finally:
+            await client.close()
+
+    try:
+        return asyncio.run(draw())
+    except KeyboardInterrupt:
+        return 0  # how a watch is meant to end

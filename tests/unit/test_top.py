@@ -1,0 +1,265 @@
+"""`mig-operator top`: a known layout drawn as text (golden text written by hand from the layout), its
+JSON shape, the edge cases of the drawing, and the command's flags."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from mig_operator.cli import main
+from mig_operator.core.top_view import (
+    BAR_WIDTH,
+    QUOTAS_ABSENT,
+    WIDTH,
+    build_view,
+    memory_bar,
+    render_text,
+    view_json,
+)
+
+GIB = 2**30
+MIB = 2**20
+# A profile table whose placements span 8 memory slots (an H100's); top reads the slot count from it.
+H100_PROFILES = [{"name": "7g.80gb", "placements": [{"start": 0, "size": 8}]},
+                 {"name": "1g.10gb", "placements": [{"start": s, "size": 1} for s in range(7)]}]
+
+
+def gpunode(name: str, observed: str, gpus: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"metadata": {"name": name}, "status": {"observedAt": observed, "gpus": gpus}}
+
+
+def h100(index: int, instances: list[dict[str, Any]], granted: int = 0) -> dict[str, Any]:
+    return {"index": index, "product": "NVIDIA H100 80GB HBM3", "model": "h100-80gb", "memoryMiB": 81559,
+            "migCapable": True, "migEnabled": True, "serves": "mig", "profiles": H100_PROFILES,
+            "instances": instances, "fractions": [], "grantedBytes": granted}
+
+
+def instance(profile: str, start: int, size: int, slice_ref: str = "", uid: str = "", in_use: bool = False,
+             complete: bool = True) -> dict[str, Any]:
+    return {"giId": start + 1, "profile": profile, "start": start, "size": size, "inUse": in_use,
+            "slice": slice_ref, "sliceUID": uid, "complete": complete, "deviceUUID": f"MIG-{start}-{profile}"}
+
+
+def gpuslice(ref: str, uid: str, phase: str, reason: str = "", **status: Any) -> dict[str, Any]:
+    namespace, name = ref.split("/")
+    return {"metadata": {"namespace": namespace, "name": name, "uid": uid},
+            "status": {"phase": phase, "reason": reason, **status}}
+
+
+def mig_binding(node: str, gpu: int, profile: str, start: int, size: int) -> dict[str, Any]:
+    return {"mode": "mig", "node": node, "gpu": gpu, "profile": profile, "placement": {"start": start, "size": size}}
+
+
+def layout() -> tuple[list[dict], list[dict], list[dict]]:
+    """Two nodes. gpu-a's GPU 0: team-a/train's 3g.40gb on slots 0-3 (Ready), an idle 1g.20gb on 4-5,
+    team-b/nb's 1g.10gb on 6 (Creating), slot 7 free. Its GPU 1: team-b/new bound to 1g.20gb at {0}:2
+    (no instance yet), an idle 1g.20gb on 4-5 that team-c/big's 3g.40gb at {4}:4 will reclaim, and a
+    1g.10gb on 7 that a process uses outside any slice. l4-a's L4: team-a/infer holds 8Gi, team-c/dev is
+    bound to 4Gi. Three slices wait; two namespaces have quotas."""
+    nodes = [
+        gpunode("gpu-a", "2026-11-24T15:00:00.000Z", [
+            h100(0, [instance("3g.40gb", 0, 4, "team-a/train", "u-train"), instance("1g.20gb", 4, 2),
+                     instance("1g.10gb", 6, 1, "team-b/nb", "u-nb")], granted=(40448 + 9984) * MIB),
+            h100(1, [instance("1g.20gb", 4, 2), instance("1g.10gb", 7, 1, in_use=True)]),
+        ]),
+        gpunode("l4-a", "2026-11-24T15:00:01.000Z", [
+            {"index": 0, "product": "NVIDIA L4", "model": "l4-24gb", "memoryMiB": 23034, "migCapable": False,
+             "migEnabled": False, "serves": "fraction", "profiles": [], "instances": [],
+             "fractions": [{"slice": "team-a/infer", "sliceUID": "u-infer", "bytes": 8 * GIB}],
+             "grantedBytes": 8 * GIB},
+        ]),
+    ]
+    slices = [
+        gpuslice("team-a/train", "u-train", "Ready", **mig_binding("gpu-a", 0, "3g.40gb", 0, 4)),
+        gpuslice("team-b/nb", "u-nb", "Creating", **mig_binding("gpu-a", 0, "1g.10gb", 6, 1)),
+        gpuslice("team-b/new", "u-new", "Bound", **mig_binding("gpu-a", 1, "1g.20gb", 0, 2)),
+        gpuslice("team-c/big", "u-big", "Bound", **mig_binding("gpu-a", 1, "3g.40gb", 4, 4)),
+        gpuslice("team-a/infer", "u-infer", "Ready", mode="fraction", node="l4-a", gpu=0, grantedBytes=8 * GIB),
+        gpuslice("team-c/dev", "u-dev", "Bound", mode="fraction", node="l4-a", gpu=0, grantedBytes=4 * GIB),
+        gpuslice("team-a/wait", "u-wait", "Pending", "QuotaExceeded"),
+        gpuslice("team-c/huge", "u-huge", "Pending", "NoCapacity"),
+        gpuslice("team-c/huge2", "u-huge2", "Pending", "NoCapacity"),
+    ]
+    quotas = [
+        {"metadata": {"namespace": "team-b", "name": "gpus"}, "spec": {"memory": "20Gi"},
+         "status": {"used": {"memory": "9984Mi", "slices": 1}, "waiting": 0}},
+        {"metadata": {"namespace": "team-a", "name": "gpus"}, "spec": {"memory": "40Gi", "slices": 4},
+         "status": {"used": {"memory": "40448Mi", "slices": 1}, "waiting": 1}},
+    ]
+    return nodes, slices, quotas
+
+
+# Written by hand from the layout: 7 columns per slot, each box "[" label (profile if it fits) fill "]".
+GOLDEN = """\
+2 node(s), 3 GPU(s); slots and memory: # in use, ~ creating, - idle, . free
+
+node gpu-a  (observed 2026-11-24T15:00:00.000Z)
+  GPU 0  NVIDIA H100 80GB HBM3 (h100-80gb)  MIG, 8 slots: 4 in use, 1 creating, 2 idle, 1 free
+    slot     0      1      2      3      4      5      6      7
+          [A 3g.40gb ################][B 1g.20gb --][C~~~~]   .
+      A  {0}:4  3g.40gb  in use    team-a/train
+      B  {4}:2  1g.20gb  idle      -
+      C  {6}:1  1g.10gb  creating  team-b/nb
+  GPU 1  NVIDIA H100 80GB HBM3 (h100-80gb)  MIG, 8 slots: 1 in use, 2 creating, 2 idle, 3 free
+    slot     0      1      2      3      4      5      6      7
+          [A 1g.20gb ~~]   .      .   [B 1g.20gb --]   .   [D####]
+      A  {0}:2  1g.20gb  creating  team-b/new
+      B  {4}:2  1g.20gb  idle      -
+      C  {4}:4  3g.40gb  creating  team-c/big (waits for the instances there to be reclaimed)
+      D  {7}:1  1g.10gb  in use    - (a process outside any slice)
+
+node l4-a  (observed 2026-11-24T15:00:01.000Z)
+  GPU 0  NVIDIA L4 (l4-24gb)  fractions, 12 GiB of 22.5 GiB granted: 1 in use, 1 creating
+    memory |A#################B~~~~~~~~.......................|
+      A  8 GiB   36%  in use    team-a/infer
+      B  4 GiB   18%  creating  team-c/dev
+
+pending slices: 3 (NoCapacity 2, QuotaExceeded 1)
+quotas (GpuQuota; memory counts what each slice was granted)
+  namespace  memory used / hard    %  slices used / hard  waiting
+  team-a     39.5 GiB / 40 GiB   99%  1 / 4               1
+  team-b     9.8 GiB / 20 GiB    49%  1 / -               0
+"""
+
+
+def test_a_known_layout_renders_to_the_golden_text() -> None:
+    text = render_text(build_view(*layout()))
+    assert text == GOLDEN, "\n" + text
+    assert max(len(line) for line in text.splitlines()) <= WIDTH
+    assert text.isascii()  # no colours, no box-drawing characters: the same in a terminal and a log
+
+
+def test_the_slot_counts_agree_with_the_gpunode_rule() -> None:
+    """in use + creating (held by a slice or a process) + idle + free = the GPU's slots, per GPU; the
+    instances that exist count as the GpuNode columns count them (SLOTS IN USE, IDLE SLOTS)."""
+    view = build_view(*layout())
+    gpu0, gpu1 = view.nodes[0].gpus
+    assert gpu0.slot_states == ("in_use",) * 4 + ("idle",) * 2 + ("creating", "free")
+    assert gpu1.slot_states == ("creating",) * 2 + ("free",) * 2 + ("idle",) * 2 + ("free", "in_use")
+    for gpu in (gpu0, gpu1):
+        assert sum(gpu.slot_counts().values()) == gpu.slots == 8
+
+
+def test_json_has_the_documented_shape() -> None:
+    out = view_json(build_view(*layout()))
+    json.dumps(out)  # serialisable as it is
+    assert set(out) == {"nodes", "pending", "quotas"}
+    assert [n["name"] for n in out["nodes"]] == ["gpu-a", "l4-a"]
+    gpu0 = out["nodes"][0]["gpus"][0]
+    assert set(gpu0) == {"index", "product", "model", "memoryBytes", "mode", "serves", "servesReason", "slots",
+                         "slotStates", "slotCounts", "grantedBytes", "instances", "fractions"}
+    assert (gpu0["mode"], gpu0["slots"], gpu0["memoryBytes"]) == ("mig", 8, 81559 * MIB)
+    assert gpu0["slotCounts"] == {"in_use": 4, "creating": 1, "idle": 2, "free": 1}
+    assert gpu0["instances"][0] == {"label": "A", "start": 0, "size": 4, "profile": "3g.40gb", "state": "in_use",
+                                    "slice": "team-a/train", "sliceUID": "u-train", "deviceUUID": "MIG-0-3g.40gb",
+                                    "drawn": True}
+    big = out["nodes"][0]["gpus"][1]["instances"][2]
+    assert (big["slice"], big["state"], big["drawn"], big["deviceUUID"]) == ("team-c/big", "creating", False, "")
+    l4 = out["nodes"][1]["gpus"][0]
+    assert (l4["mode"], l4["slots"], l4["slotStates"], l4["slotCounts"], l4["grantedBytes"]) == (
+        "fraction", 0, [], {}, 12 * GIB)
+    assert l4["fractions"] == [
+        {"label": "A", "slice": "team-a/infer", "sliceUID": "u-infer", "bytes": 8 * GIB, "state": "in_use"},
+        {"label": "B", "slice": "team-c/dev", "sliceUID": "u-dev", "bytes": 4 * GIB, "state": "creating"}]
+    assert out["pending"] == {"total": 3, "byReason": {"NoCapacity": 2, "QuotaExceeded": 1}}
+    assert out["quotas"]["state"] == "listed"
+    assert out["quotas"]["items"] == [
+        {"namespace": "team-a", "name": "gpus", "usedBytes": 40448 * MIB, "hardBytes": 40 * GIB, "usedSlices": 1,
+         "hardSlices": 4, "waiting": 1},
+        {"namespace": "team-b", "name": "gpus", "usedBytes": 9984 * MIB, "hardBytes": 20 * GIB, "usedSlices": 1,
+         "hardSlices": None, "waiting": 0}]
+
+
+def test_without_the_quota_crd_the_table_is_one_line_and_the_rest_is_drawn() -> None:
+    nodes, slices, _ = layout()
+    view = build_view(nodes, slices, None, QUOTAS_ABSENT, "the GpuQuota CRD is not installed (no namespace is limited)")
+    lines = render_text(view).splitlines()
+    assert lines[-1] == "quotas: the GpuQuota CRD is not installed (no namespace is limited)"
+    assert lines[:-1] == GOLDEN.splitlines()[:-4]
+    assert view_json(view)["quotas"] == {"state": "absent", "note": lines[-1].removeprefix("quotas: "),
+                                         "items": []}
+
+
+def test_no_quota_objects_and_no_nodes() -> None:
+    text = render_text(build_view([], [], []))
+    assert text == ("0 node(s), 0 GPU(s); slots and memory: # in use, ~ creating, - idle, . free\n"
+                    "no GpuNodes: no mig-operator agent has published its GPUs (kubectl get gn)\n"
+                    "\n"
+                    "pending slices: none\n"
+                    "quotas: none (no GpuQuota: every namespace may take any free GPU memory)\n")
+
+
+def test_an_empty_mig_gpu_is_all_free_and_a_gpu_taking_no_new_slices_says_why() -> None:
+    gpu = h100(0, []) | {"serves": "none", "servesReason": "MIG mode is enabled but the node is not labelled"}
+    lines = render_text(build_view([gpunode("n", "t", [gpu])], [], [])).splitlines()
+    at = lines.index("node n  (observed t)")
+    assert lines[at + 1:at + 6] == [
+        "  GPU 0  NVIDIA H100 80GB HBM3 (h100-80gb)  MIG, 8 slots: 0 in use, 0 creating, 0 idle, 8 free",
+        "    slot     0      1      2      3      4      5      6      7",
+        "             .      .      .      .      .      .      .      .",
+        "      no instances",
+        "      takes no new slices: MIG mode is enabled but the node is not labelled",
+    ]
+
+
+def test_a_whole_gpu_instance_fills_the_map_to_the_last_column() -> None:
+    gpu = h100(0, [instance("7g.80gb", 0, 8, "a/b", "u")])
+    view = build_view([gpunode("n", "t", [gpu])], [gpuslice("a/b", "u", "Ready")], [])
+    line = render_text(view).splitlines()[5]
+    assert line == "          [A 7g.80gb " + "#" * (8 * 7 - 2 - len("A 7g.80gb ")) + "]"
+    assert len(line) == 10 + 8 * 7
+
+
+@pytest.mark.parametrize(("shares", "bar"), [
+    ([], "." * BAR_WIDTH),
+    ([GIB // 2], "A" + "." * (BAR_WIDTH - 1)),  # 0.5 of 20 GiB is 1.25 columns: 1
+    ([20 * GIB], "A" + "#" * (BAR_WIDTH - 1)),  # 20 of 20 GiB: every column, none free
+    ([10 * GIB, 10 * GIB], "A" + "#" * 24 + "B" + "#" * 24),
+    ([MIB] * 3, "ABC" + "." * (BAR_WIDTH - 3)),  # slivers still show: a column each
+])
+def test_the_memory_bar_gives_each_share_its_columns(shares: list[int], bar: str) -> None:
+    gpu = {"index": 0, "product": "GPU", "model": "", "memoryMiB": 20 * 1024, "migEnabled": False,
+           "serves": "fraction", "instances": [], "profiles": [],
+           "fractions": [{"slice": f"ns/s{i}", "sliceUID": f"u{i}", "bytes": b} for i, b in enumerate(shares)]}
+    view = build_view([gpunode("n", "t", [gpu])], [], [])
+    assert memory_bar(view.nodes[0].gpus[0]) == f"    memory |{bar}|"
+    assert len(bar) == BAR_WIDTH
+
+
+def test_long_names_are_clipped_to_the_width() -> None:
+    ref = "n" * 63 + "/" + "s" * 200
+    gpu = h100(0, [instance("1g.10gb", 0, 1, ref, "u")])
+    view = build_view([gpunode("x" * 200, "t", [gpu])], [gpuslice(ref, "u", "Ready")], [])
+    lines = render_text(view).splitlines()
+    assert max(len(line) for line in lines) == WIDTH
+    assert any(line.endswith("...") and "A  {0}:1  1g.10gb  in use    nnn" in line for line in lines)
+
+
+# ---- the command line --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("args", "words"), [
+    (["--watch", "0"], "--watch '0'"),
+    (["--watch", "-1"], "--watch '-1'"),
+    (["--watch", "soon"], "--watch 'soon'"),
+    (["--watch", "7200"], "--watch '7200'"),
+    (["--color"], "unrecognized arguments: --color"),
+])
+def test_bad_flags_are_one_line_with_a_valid_example(args: list[str], words: str,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    try:
+        code = main(["top", *args])  # a value's own check
+    except SystemExit as stopped:  # argparse's
+        code = stopped.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and words in err
+    assert "--watch 2" in err or "--help" in err
+
+
+def test_a_missing_kubeconfig_is_one_line(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["top", "--kubeconfig", str(tmp_path / "nothing")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--kubeconfig" in err and "e.g." in err
