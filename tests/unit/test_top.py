@@ -263,3 +263,59 @@ def test_a_missing_kubeconfig_is_one_line(tmp_path: Any, capsys: pytest.CaptureF
     assert main(["top", "--kubeconfig", str(tmp_path / "nothing")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--kubeconfig" in err and "e.g." in err
+
+
+# ---- mig_operator_slots: the agent's gauge of the same counts ------------------------------------------
+
+
+def _published_gpu() -> tuple[dict[str, Any], Any]:
+    """One H200 as its agent publishes it: a slice's 2g.35gb on 0-1, an idle 1g.18gb on 2, a 1g.18gb a
+    process uses on 3 (no slice), the rest free."""
+    from mig_operator.core.lifecycle import COMPLETED, OwnerEntry, OwnerRecord
+    from mig_operator.core.profiles import get_model
+    from mig_operator.gpu.protocol import GpuInfo, MigInstance
+    from mig_operator.kube.agent.inventory import gpunode_status
+
+    h200 = get_model("h200-141gb")
+    p2, p1 = h200.profile("2g.35gb"), h200.profile("1g.18gb")
+    insts = [MigInstance(0, 1, 0, p2.id, p2.name, 0, 2, "MIG-a", False),
+             MigInstance(0, 2, 0, p1.id, p1.name, 2, 1, "MIG-b", False),
+             MigInstance(0, 3, 0, p1.id, p1.name, 3, 1, "MIG-c", True)]
+    owner = OwnerEntry("u1", "ns/a", "mig", 0, COMPLETED, p2.memory_mib * MIB, p2.id, p2.name, 0, 2, 1, 0, "MIG-a")
+    info = GpuInfo(0, "GPU-0", h200.product, h200.memory_mib, True, True)
+    status = gpunode_status([info], {0: h200}, {0: insts}, OwnerRecord("b", {"u1": owner}), True, "t")
+    return status, h200
+
+
+def test_the_slots_gauge_counts_what_the_gpunode_columns_and_top_count() -> None:
+    from mig_operator.kube.agent.agent import slot_states
+
+    status, h200 = _published_gpu()
+    counts = slot_states(status["gpus"][0], h200.memory_slots)
+    assert counts == {"in_use": 3, "idle": 1, "free": 4}  # by hand: slots 0, 1, 3 / 2 / 4-7
+    assert (counts["in_use"], counts["idle"], counts["free"]) == (
+        status["usedSlots"], status["idleSlots"], status["freeSlots"])
+    view = build_view([{"metadata": {"name": "n"}, "status": status}],
+                      [gpuslice("ns/a", "u1", "Ready", **mig_binding("n", 0, "2g.35gb", 0, 2))], [])
+    top = view.nodes[0].gpus[0].slot_counts()
+    assert (top["in_use"] + top["creating"], top["idle"], top["free"]) == (3, 1, 4)
+
+
+def test_the_agent_sets_the_slots_gauge_and_drops_it_when_the_gpu_leaves_mig() -> None:
+    from types import SimpleNamespace
+
+    from prometheus_client import REGISTRY
+
+    from mig_operator.kube.agent.agent import NodeAgent
+
+    status, h200 = _published_gpu()
+    agent = SimpleNamespace(settings=SimpleNamespace(node="slots-node"), _slot_models={})
+
+    def sample(state: str, model: str = "h200-141gb") -> float | None:
+        return REGISTRY.get_sample_value("mig_operator_slots", {"node": "slots-node", "gpu": "0", "model": model,
+                                                                "state": state})
+
+    NodeAgent._publish_slots(agent, status["gpus"][0], h200)  # type: ignore[arg-type]
+    assert [sample(s) for s in ("in_use", "idle", "free")] == [3, 1, 4]
+    NodeAgent._publish_slots(agent, status["gpus"][0] | {"migEnabled": False}, h200)  # type: ignore[arg-type]
+    assert [sample(s) for s in ("in_use", "idle", "free")] == [None, None, None]

@@ -124,6 +124,7 @@ class NodeAgent:
         self._claims: dict[tuple[int, int], str] = {}
         # Slices Ready on this node and not being deleted: the devices of the node's ResourceSlice.
         self._ready: set[str] = set()
+        self._slot_models: dict[str, str] = {}  # GPU index -> the model label of its mig_operator_slots series
         self.resource_slice = ResourceSlicePublisher(client, settings.node)
 
     # ---- what the kubelet plugin asks (kubelet_plugin.SliceHolder) --------------------------------
@@ -636,6 +637,7 @@ class NodeAgent:
             for state, count in states.items():
                 metrics.INSTANCES.labels(self.settings.node, str(gpu["index"]), state).set(count)
             metrics.GRANTED_BYTES.labels(self.settings.node, str(gpu["index"])).set(gpu["grantedBytes"])
+            self._publish_slots(gpu, models.get(gpu["index"]))
         path = gpunode_path(self.settings.node, status=True)
         try:
             await self.client.merge_patch(path, {"status": body})
@@ -650,6 +652,20 @@ class NodeAgent:
             await self._create_gpunode()
             await self.client.merge_patch(path, {"status": body})
         await self.publish_devices(verify_devices)
+
+    def _publish_slots(self, gpu: Mapping[str, Any], model: Any) -> None:
+        """``mig_operator_slots`` of one GPU: the GpuNode's slot columns, per GPU and model."""
+        node, index = self.settings.node, str(gpu["index"])
+        slots = slot_states(gpu, model.memory_slots) if gpu["migEnabled"] and model is not None else None
+        before = self._slot_models.pop(index, None)
+        if before is not None and (slots is None or before != model.name):
+            # No longer a MIG GPU (or another model): its old series would count slots it does not have.
+            for state in ("in_use", "idle", "free"):
+                metrics.SLOTS.remove(node, index, before, state)
+        if slots is not None:
+            for state, count in slots.items():
+                metrics.SLOTS.labels(node, index, model.name, state).set(count)
+            self._slot_models[index] = model.name
 
     def kubelet_registered(self) -> None:
         """The kubelet (re)registered the plugin: it deletes its node's ResourceSlices when it starts,
@@ -680,6 +696,20 @@ class NodeAgent:
         except ApiError as exc:
             if not exc.conflict:
                 raise
+
+
+def slot_states(gpu: Mapping[str, Any], memory_slots: int) -> dict[str, int]:
+    """A MIG GPU's memory slots under instances in use, under idle ones and under none, from its GpuNode
+    entry: the rule of the GpuNode's columns (held by a slice or running a process is in use)."""
+    held = idle = 0
+    for inst in gpu["instances"]:
+        mask = ((1 << inst["size"]) - 1) << inst["start"]
+        if inst["sliceUID"] or inst["inUse"]:
+            held |= mask
+        else:
+            idle |= mask
+    return {"in_use": held.bit_count(), "idle": idle.bit_count(),
+            "free": memory_slots - (held | idle).bit_count()}
 
 
 def _as_mig(gpu: int, inst: Any) -> MigInstance:
