@@ -1,0 +1,253 @@
+"""core/quota.py: admission at the quota's edge, shares, the hold rule, and the fair order, each
+checked against a computation written here (sums of bytes, a brute-force simulation of the order)."""
+
+from __future__ import annotations
+
+import random
+from fractions import Fraction
+
+import pytest
+
+from mig_operator.core.cluster import NO_CAPACITY, TOO_LARGE
+from mig_operator.core.quantities import QuantityError
+from mig_operator.core.quota import (
+    QUOTA_EXCEEDED,
+    FairQueue,
+    Quota,
+    Usage,
+    admit,
+    holds_back,
+    quota_from_spec,
+    share,
+)
+
+GIB = 2**30
+MIB = 2**20
+H200_1G = 16384 * MIB  # what a 1g.18gb grants, whatever was asked (10G, say)
+
+
+# ---- the spec -------------------------------------------------------------------------------------
+
+
+def test_spec_memory_has_the_slice_grammar_and_slices_is_optional() -> None:
+    assert quota_from_spec("a", {"memory": "40Gi"}) == Quota("a", 40 * GIB, None)
+    assert quota_from_spec("a", {"memory": "160GB", "slices": 8}) == Quota("a", 160 * 10**9, 8)
+    assert quota_from_spec("a", {"memory": "1", "slices": 0}).slices == 0
+
+
+@pytest.mark.parametrize("spec, names", [
+    ({"memory": "40X"}, ["'40X'", "4Gi"]),
+    ({"memory": "0"}, ["'0'", "greater than zero"]),
+    ({"memory": "-1Gi"}, ["'-1Gi'"]),
+    ({"memory": 40}, ["40", "quantity string"]),
+    ({}, ["None", "4Gi"]),
+    ({"memory": "4Gi", "slices": -1}, ["-1", "slices: 8"]),
+    ({"memory": "4Gi", "slices": True}, ["True"]),
+    ({"memory": "4Gi", "slices": 1.5}, ["1.5"]),
+])
+def test_a_bad_spec_is_refused_naming_the_value_and_an_example(spec: dict, names: list[str]) -> None:
+    with pytest.raises(QuantityError) as raised:
+        quota_from_spec("a", spec)
+    for name in names:
+        assert name in str(raised.value)
+
+
+# ---- admission ------------------------------------------------------------------------------------
+
+
+def test_no_quota_no_limit() -> None:
+    assert admit(None, Usage(10**18, 10**6), 10**18).allowed
+
+
+@pytest.mark.parametrize("used", [0, 1, 40 * GIB - H200_1G - 1, 40 * GIB - H200_1G, 40 * GIB - H200_1G + 1, 40 * GIB])
+def test_memory_admission_is_exact_to_the_byte(used: int) -> None:
+    quota = Quota("a", 40 * GIB)
+    verdict = admit(quota, Usage(used, 3), H200_1G)
+    # Independent: the binding fits when what is held plus the grant does not exceed the quota.
+    assert verdict.allowed == (used + H200_1G <= 40 * GIB)
+    if not verdict.allowed:
+        assert verdict.could_fit
+        assert "GpuQuota a/quota" in verdict.message and "16Gi" in verdict.message and "40Gi" in verdict.message
+
+
+def test_the_quota_one_byte_either_side() -> None:
+    grant = H200_1G
+    assert admit(Quota("a", grant), Usage(), grant).allowed
+    assert not admit(Quota("a", grant - 1), Usage(), grant).allowed
+    assert admit(Quota("a", grant + 1), Usage(1, 1), grant).allowed
+    assert not admit(Quota("a", grant + 1), Usage(2, 1), grant).allowed
+
+
+def test_the_grant_counts_not_the_request() -> None:
+    # A 10G request (9537 MiB) granted a 1g.18gb counts 16384 MiB: 2 fit in 32Gi, not 3.
+    quota = Quota("a", 32 * GIB)
+    used = Usage()
+    admitted = 0
+    while admit(quota, used, H200_1G).allowed:
+        used = used.plus(H200_1G)
+        admitted += 1
+    assert admitted == 32 * GIB // H200_1G == 2
+    assert used == Usage(2 * H200_1G, 2)
+
+
+@pytest.mark.parametrize("held, hard, allowed", [
+    (0, 1, True), (1, 1, False), (2, 3, True), (3, 3, False), (0, 0, False)])
+def test_slice_count_admission(held: int, hard: int, allowed: bool) -> None:
+    verdict = admit(Quota("a", 10**15, hard), Usage(held * GIB, held), GIB)
+    assert verdict.allowed == allowed
+    if not allowed:
+        assert f"{held} of its {hard} slices" in verdict.message and "slices" in verdict.message
+        assert verdict.could_fit == (hard >= 1)
+
+
+def test_the_message_says_used_hard_and_what_it_would_add() -> None:
+    verdict = admit(Quota("team-a", 40 * GIB, 4), Usage(32 * GIB, 2), H200_1G)
+    assert not verdict.allowed
+    assert "namespace team-a holds 32Gi of its 40Gi GPU memory and 2 of its 4 slices" in verdict.message
+    assert "would add 16Gi" in verdict.message and "memory" in verdict.message
+    unknown = admit(Quota("team-a", 40 * GIB), Usage(40 * GIB, 1), 4 * GIB, at_least=True)
+    assert "at least 4Gi" in unknown.message
+
+
+def test_a_grant_larger_than_the_quota_could_never_fit() -> None:
+    verdict = admit(Quota("a", 10 * GIB), Usage(), H200_1G)
+    assert not verdict.allowed and not verdict.could_fit and "raise spec.memory" in verdict.message
+
+
+def test_lowering_a_quota_below_what_is_held_refuses_only_new_bindings() -> None:
+    held = Usage(48 * GIB, 3)
+    # Nothing in admit takes back what is held; any new binding is refused, even the smallest.
+    assert not admit(Quota("a", 16 * GIB), held, 1).allowed
+    assert admit(Quota("a", 48 * GIB + GIB), held, GIB).allowed
+
+
+# ---- shares ---------------------------------------------------------------------------------------
+
+
+def test_shares() -> None:
+    assert share(Quota("a", 40 * GIB), Usage(10 * GIB, 1), 0) == Fraction(1, 4)
+    assert share(Quota("a", 40 * GIB, 2), Usage(10 * GIB, 1), 0) == Fraction(1, 2)  # the larger share
+    assert share(None, Usage(10 * GIB, 1), 80 * GIB) == Fraction(1, 8)  # of the cluster
+    assert share(None, Usage(), 0) == 0
+    assert share(Quota("a", 40 * GIB, 0), Usage(), 0) == 0
+    assert share(Quota("a", 40 * GIB, 0), Usage(GIB, 2), 0) > 1  # held past a quota of none
+    assert share(Quota("a", 16 * GIB), Usage(32 * GIB, 2), 0) == 2  # lowered below what is held
+
+
+# ---- the hold --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("code, could_fit, waited, held", [
+    (NO_CAPACITY, True, 0.0, True),
+    (NO_CAPACITY, True, 59.999, True),
+    (NO_CAPACITY, True, 60.0, False),  # the bound
+    (QUOTA_EXCEEDED, True, 10.0, True),
+    (QUOTA_EXCEEDED, False, 10.0, False),  # its quota can never hold it: it holds nobody back
+    (TOO_LARGE, True, 1.0, False),  # no room can ever free for it
+    (NO_CAPACITY, True, -5.0, False),  # a clock skewed into the future holds nothing
+])
+def test_holds_back(code: str, could_fit: bool, waited: float, held: bool) -> None:
+    assert holds_back(code, could_fit, waited, 60.0) == held
+
+
+# ---- the fair order -------------------------------------------------------------------------------
+
+
+def serve(items: list[tuple[str, int, str]], quotas: dict[str, Quota], grant: dict[str, int], room: int,
+          cluster_bytes: int) -> list[str]:
+    """Drive a FairQueue as the binder does: each slice binds if its grant fits the room left and its
+    namespace's quota, else it is refused (no hold). Returns the bound items in order."""
+    used: dict[str, Usage] = {}
+    shares = {ns: share(quotas.get(ns), Usage(), cluster_bytes) for ns, _a, _i in items}
+    line: FairQueue[str] = FairQueue(items, shares)
+    bound = []
+    while (step := line.next()) is not None:
+        ns, item = step
+        u = used.get(ns, Usage())
+        if grant[item] <= room and admit(quotas.get(ns), u, grant[item]).allowed:
+            room -= grant[item]
+            used[ns] = u.plus(grant[item])
+            bound.append(item)
+        line.settle(ns, share(quotas.get(ns), used.get(ns, Usage()), cluster_bytes))
+    return bound
+
+
+def test_b_gets_its_10_before_a_gets_its_41st() -> None:
+    # A made 100 slices, then B 10, all waiting; room for 40.
+    items = [("a", i, f"a{i}") for i in range(100)] + [("b", 100 + i, f"b{i}") for i in range(10)]
+    grant = {item: GIB for _ns, _age, item in items}
+    bound = serve(items, {}, grant, 40 * GIB, 40 * GIB)
+    assert len(bound) == 40
+    assert {f"b{i}" for i in range(10)} <= set(bound)
+    assert [i for i in bound if i.startswith("a")] == [f"a{i}" for i in range(30)]  # A's oldest, in order
+
+
+def test_the_namespace_with_the_smaller_share_of_its_quota_goes_first() -> None:
+    # a holds 3 of its 4, b 1 of its 8 slices: b's slices go first though a's are older.
+    items = [("a", 0, "a0"), ("a", 1, "a1"), ("b", 2, "b0"), ("b", 3, "b1")]
+    line: FairQueue[str] = FairQueue(items, {"a": Fraction(3, 4), "b": Fraction(1, 8)})
+    order = []
+    shares = {"a": Fraction(3, 4), "b": Fraction(1, 8)}
+    while (step := line.next()) is not None:
+        order.append(step[1])
+        shares[step[0]] += Fraction(1, 8)
+        line.settle(step[0], shares[step[0]])
+    # b: 1/8 -> 2/8 -> 3/8, then a (3/4) is the smallest only once b's line is empty.
+    assert order == ["b0", "b1", "a0", "a1"]
+
+
+def test_equal_shares_serve_the_oldest_head_first() -> None:
+    items = [("b", 5, "b5"), ("a", 7, "a7"), ("a", 3, "a3"), ("c", 4, "c4")]
+    line: FairQueue[str] = FairQueue(items, {})
+    first = line.next()
+    assert first == ("a", "a3")
+
+
+def test_hold_takes_the_rest_of_a_namespace_out_of_the_pass() -> None:
+    items = [("a", 0, "big"), ("a", 1, "small1"), ("a", 2, "small2"), ("b", 3, "b0")]
+    line: FairQueue[str] = FairQueue(items, {})
+    assert line.next() == ("a", "big")
+    assert line.settle("a", Fraction(0), hold=True) == ["small1", "small2"]  # oldest first
+    assert line.next() == ("b", "b0")
+    assert line.settle("b", Fraction(0)) == []
+    assert line.next() is None
+
+
+def test_settle_must_name_the_namespace_given() -> None:
+    line: FairQueue[str] = FairQueue([("a", 0, "x"), ("b", 1, "y")], {})
+    assert line.next() == ("a", "x")
+    with pytest.raises(AssertionError):
+        line.next()
+    with pytest.raises(AssertionError):
+        line.settle("b", Fraction(0))
+
+
+def test_fair_order_matches_a_brute_force_simulation() -> None:
+    """Random namespaces, quotas, ages and grants: the queue's order equals picking, at every step,
+    the minimum (share, oldest age, namespace) over every namespace scanned from scratch."""
+    rng = random.Random(18)
+    for _ in range(200):
+        namespaces = [f"n{i}" for i in range(rng.randint(1, 5))]
+        quotas = {ns: Quota(ns, rng.choice([4, 8, 16, 40]) * GIB, rng.choice([None, 2, 5]))
+                  for ns in namespaces if rng.random() < 0.7}
+        items = [(rng.choice(namespaces), rng.randint(0, 50), f"s{k}") for k in range(rng.randint(1, 30))]
+        grant = {item: rng.choice([1, 2, 4, 8]) * GIB for _ns, _age, item in items}
+        room, cluster = rng.randint(0, 60) * GIB, 64 * GIB
+        got = serve(items, quotas, grant, room, cluster)
+
+        # Brute force: lines per namespace by (age, position), pick the minimum key each step.
+        lines = {ns: sorted([(age, k, item) for k, (n, age, item) in enumerate(items) if n == ns]) for ns in namespaces}
+        used = {ns: Usage() for ns in namespaces}
+        left, expected = room, []
+        while any(lines.values()):
+            ns = min((n for n in namespaces if lines[n]),
+                     key=lambda n: (share(quotas.get(n), used[n], cluster), lines[n][0][0], n))
+            _age, _k, item = lines[ns].pop(0)
+            q = quotas.get(ns)
+            fits_quota = q is None or (used[ns].memory_bytes + grant[item] <= q.memory_bytes
+                                       and (q.slices is None or used[ns].slices < q.slices))
+            if grant[item] <= left and fits_quota:
+                left -= grant[item]
+                used[ns] = used[ns].plus(grant[item])
+                expected.append(item)
+        assert got == expected
