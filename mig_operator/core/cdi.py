@@ -20,8 +20,6 @@ DRIVER = "gpu.cdmo.io"
 CDI_KIND = f"{DRIVER}/slice"
 NVIDIA_CDI_KIND = "nvidia.com/gpu"  # the NVIDIA Container Toolkit's spec (nvidia-ctk cdi generate)
 SHIM_FILE = "libgpuslice.so"
-# The value the NVIDIA runtime hook reads as "no devices": the CDI edits alone decide what is visible.
-NO_DEVICES = "void"
 # Device names starting with a digit need CDI 0.5.0 (a UID may start with one); nothing else here
 # needs more than 0.3.0. The lowest version the fields need keeps older runtimes able to read it.
 CDI_BASE_VERSION = "0.3.0"
@@ -93,9 +91,10 @@ def slice_spec(device: SliceDevice) -> dict[str, Any]:
     if not device.device_nodes:
         raise ValueError(f"slice {device.namespace}/{device.name} has no device nodes to hand over")
     shim_dir = SHIM_PATH_IN_CONTAINER.rsplit("/", 1)[0]
-    env = slice_environment(device.mode, device.device_uuid, device.granted_bytes, device.namespace, device.name)
-    env.pop(DEVICES_VARIABLE)
-    variables = [f"{DEVICES_VARIABLE}={NO_DEVICES}"] + [f"{key}={value}" for key, value in sorted(env.items())]
+    env = slice_environment(device.mode, device.granted_bytes, device.namespace, device.name)
+    # NVIDIA_VISIBLE_DEVICES first (what a reader looks for), then the rest in name order.
+    order = sorted(env, key=lambda key: (key != DEVICES_VARIABLE, key))
+    variables = [f"{key}={env[key]}" for key in order]
     edits: dict[str, Any] = {
         "env": variables,
         "deviceNodes": [_device_node(node) for node in device.device_nodes],

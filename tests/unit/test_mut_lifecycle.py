@@ -124,7 +124,7 @@ def test_reusing_after_destroying_needs_nvml() -> None:
 def test_gpu_mem_limit_gb_is_decimal_gb_with_at_most_two_places() -> None:
     assert [gpu_mem_limit_gb(b) for b in (4 * 10**9, 4_500_000_000, 4_250_000_000, 10**9 // 2, 16384 * MiB)] == [
         "4", "4.5", "4.25", "0.5", "17.18"]
-    env = slice_environment(MODE_FRACTION, "GPU-x", 20 * 10**9, "ns", "a")
+    env = slice_environment(MODE_FRACTION, 20 * 10**9, "ns", "a")
     assert env["GPU_MEM_LIMIT_GB"] == "20"
 
 

@@ -258,15 +258,16 @@ def test_a_slice_is_the_pods_only_if_its_owner_reference_names_the_pods_uid() ->
     assert owned_by(mine, the_pod) and not owned_by(other, the_pod) and not owned_by({"metadata": {}}, the_pod)
 
 
-def test_mig_slices_get_only_their_device() -> None:
-    assert slice_environment("mig", "MIG-abc", 10 * 2**30, "ns", "s") == {"NVIDIA_VISIBLE_DEVICES": "MIG-abc"}
+def test_mig_slices_get_no_variable_but_void_devices() -> None:
+    # The device nodes come from the CDI spec; "void" keeps the NVIDIA runtime hook from adding any.
+    assert slice_environment("mig", 10 * 2**30, "ns", "s") == {"NVIDIA_VISIBLE_DEVICES": "void"}
 
 
 @pytest.mark.parametrize(("granted", "gb"), [(4 * 2**30, "4.29"), (4 * 10**9, "4"), (10**9 + 6 * 10**6, "1.01"),
                                              (1, "0"), (123_456_789_012, "123.46")])
 def test_fraction_slices_get_the_shim_and_their_limit(granted: int, gb: str) -> None:
-    env = slice_environment("fraction", "GPU-1", granted, "team-a", "train")
-    assert env == {"NVIDIA_VISIBLE_DEVICES": "GPU-1", "LD_PRELOAD": SHIM_PATH_IN_CONTAINER,
+    env = slice_environment("fraction", granted, "team-a", "train")
+    assert env == {"NVIDIA_VISIBLE_DEVICES": "void", "LD_PRELOAD": SHIM_PATH_IN_CONTAINER,
                    "CDMO_GPU_MEMORY_LIMIT": str(granted), "GPU_MEM_LIMIT_GB": gb, "CDMO_SLICE": "team-a/train"}
     assert gpu_mem_limit_gb(granted) == gb
     assert SHIM_PATH_IN_CONTAINER.endswith("/libgpuslice.so")
@@ -274,7 +275,7 @@ def test_fraction_slices_get_the_shim_and_their_limit(granted: int, gb: str) -> 
 
 def test_an_unknown_mode_is_an_error() -> None:
     with pytest.raises(ValueError, match="'whole'"):
-        slice_environment("whole", "GPU-1", 1, "ns", "s")
+        slice_environment("whole", 1, "ns", "s")
 
 
 # --- releasing the pod: one patch removes the gate and pins the node ---------------------------

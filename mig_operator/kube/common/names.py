@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from mig_operator.core.cdi import DRIVER
+
 GROUP = "cdmo.io"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -37,7 +39,7 @@ POD_CLAIM_ENTRY = "gpu-slice"
 # Dynamic Resource Allocation: the agents publish devices of this driver; each GpuSlice's
 # ResourceClaim (same name) asks for one device of this class.
 DRA_API = "resource.k8s.io/v1"
-DRA_DRIVER = "gpu.cdmo.io"
+DRA_DRIVER = DRIVER  # core/cdi.py's: the CDI kind is named after it
 DEVICE_CLASS = "gpuslice.cdmo.io"
 # The node's directory the agent installs the shim into; the CDI spec of a fraction mounts it, read-only.
 SHIM_HOST_DIR = "/var/lib/mig-operator/shim"
