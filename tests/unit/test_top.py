@@ -65,7 +65,7 @@ def layout() -> tuple[list[dict], list[dict], list[dict]]:
             h100(1, [instance("1g.20gb", 4, 2), instance("1g.10gb", 7, 1, in_use=True)]),
         ]),
         gpunode("l4-a", "2026-11-24T15:00:01.000Z", [
-            {"index": 0, "product": "NVIDIA L4", "model": "l4-24gb", "memoryMiB": 23034, "migCapable": False,
+            {"index": 0, "product": "NVIDIA L4", "model": "", "memoryMiB": 23034, "migCapable": False,
              "migEnabled": False, "serves": "fraction", "profiles": [], "instances": [],
              "fractions": [{"slice": "team-a/infer", "sliceUID": "u-infer", "bytes": 8 * GIB}],
              "grantedBytes": 8 * GIB},
@@ -111,7 +111,7 @@ node gpu-a  (observed 2026-11-24T15:00:00.000Z)
       D  {7}:1  1g.10gb  in use    - (a process outside any slice)
 
 node l4-a  (observed 2026-11-24T15:00:01.000Z)
-  GPU 0  NVIDIA L4 (l4-24gb)  fractions, 12 GiB of 22.5 GiB granted: 1 in use, 1 creating
+  GPU 0  NVIDIA L4  fractions, 12 GiB of 22.5 GiB granted: 1 in use, 1 creating
     memory |A#################B~~~~~~~~.......................|
       A  8 GiB   36%  in use    team-a/infer
       B  4 GiB   18%  creating  team-c/dev
