@@ -111,7 +111,8 @@ def test_top_draws_the_layout_the_operator_made(operator: OperatorHarness) -> No
     [free] = set(range(8)) - taken
     assert_free(block[2], free)
 
-    # The fraction (the GpuNode names no model for a GPU without MIG): 0.5 of the L4's 23034 MiB is 11517 MiB, 25 of the bar's 50 columns.
+    # The fraction (the GpuNode names no model for a GPU without MIG): 0.5 of the L4's 23034 MiB is
+    # 11517 MiB, 25 of the bar's 50 columns.
     assert ready["part"]["grantedBytes"] == 11517 * MIB
     assert gpu_block(text, plain.name) == [
         "  GPU 0  NVIDIA L4  fractions, 11.2 GiB of 22.5 GiB granted: 1 in use, 0 creating",
