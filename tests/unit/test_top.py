@@ -319,3 +319,24 @@ def test_the_agent_sets_the_slots_gauge_and_drops_it_when_the_gpu_leaves_mig() -
     assert [sample(s) for s in ("in_use", "idle", "free")] == [3, 1, 4]
     NodeAgent._publish_slots(agent, status["gpus"][0] | {"migEnabled": False}, h200)  # type: ignore[arg-type]
     assert [sample(s) for s in ("in_use", "idle", "free")] == [None, None, None]
+
+
+def test_an_unreachable_api_server_is_one_line_and_exit_1(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    import socket
+
+    import yaml
+
+    with socket.socket() as sock:  # a port nothing listens on once closed
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    config = {"apiVersion": "v1", "kind": "Config", "current-context": "c",
+              "clusters": [{"name": "c", "cluster": {"server": f"http://127.0.0.1:{port}"}}],
+              "users": [{"name": "u", "user": {"token": "t"}}],
+              "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}]}
+    path = tmp_path / "kubeconfig"
+    path.write_text(yaml.safe_dump(config))
+    assert main(["top", "--kubeconfig", str(path)]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.count("\n") == 1 and captured.err.startswith("mig-operator: cannot list GpuNodes: ")
+    assert f"127.0.0.1:{port}" in captured.err
