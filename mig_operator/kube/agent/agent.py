@@ -638,6 +638,10 @@ class NodeAgent:
                 metrics.INSTANCES.labels(self.settings.node, str(gpu["index"]), state).set(count)
             metrics.GRANTED_BYTES.labels(self.settings.node, str(gpu["index"])).set(gpu["grantedBytes"])
             self._publish_slots(gpu, models.get(gpu["index"]))
+        # Devices first: the controller writes a slice's claim and ungates its pod once the GpuNode lists
+        # the device, and kube-scheduler must then find that device in the ResourceSlice already (else
+        # the pod is unschedulable until the next ResourceSlice event requeues it).
+        await self.publish_devices(verify_devices)
         path = gpunode_path(self.settings.node, status=True)
         try:
             await self.client.merge_patch(path, {"status": body})
@@ -651,7 +655,6 @@ class NodeAgent:
                 return
             await self._create_gpunode()
             await self.client.merge_patch(path, {"status": body})
-        await self.publish_devices(verify_devices)
 
     def _publish_slots(self, gpu: Mapping[str, Any], model: Any) -> None:
         """``mig_operator_slots`` of one GPU: the GpuNode's slot columns, per GPU and model."""
