@@ -304,6 +304,8 @@ CONTROLLER_RULES = {
     ("cdmo.io", "gpuslices"): "get list watch create patch delete",
     ("cdmo.io", "gpuslices/status"): "patch",
     ("cdmo.io", "gpunodes"): "list watch",
+    ("cdmo.io", "gpuquotas"): "list watch",
+    ("cdmo.io", "gpuquotas/status"): "patch",
     ("", "nodes"): "list watch",
     ("", "pods"): "get list watch patch",
     ("resource.k8s.io", "resourceclaims"): "get create delete",
@@ -632,7 +634,10 @@ def test_users_get_gpuslices_through_view_edit_admin_and_gpunodes_only_when_aske
     write = {("cdmo.io", "gpuslices", v, "") for v in ("create", "update", "patch", "delete")}
     assert read <= by_target["view"] and not write & by_target["view"]
     assert read | write <= by_target["edit"] and read | write <= by_target["admin"]
+    quota_read = {("cdmo.io", r, v, "") for r in ("gpuquotas", "gpuquotas/status") for v in ("get", "list", "watch")}
     for target, grants in by_target.items():
+        # Every user role reads GpuQuotas; none writes one (only cluster-admin does).
+        assert {g for g in grants if g[1].startswith("gpuquotas")} == quota_read, target
         # Never the status (the operator's), never a GpuNode unless the value asks for it.
         assert not {g for g in grants if g[1] == "gpuslices/status" and g[2] != "get"
                     and g[2] not in ("list", "watch")}, target

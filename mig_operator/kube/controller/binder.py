@@ -10,6 +10,11 @@ takes no status: first ``status`` (phase Bound and the decision, with the resour
 from as a precondition), then the node label the agents select on and the agent's finalizer. The
 agent sees the slice only once it carries the label, so it never sees a half-written binding; a
 controller that dies between the two writes adds the label on its next pass (``mark``).
+
+Quotas and the fair order (``core.quota``): a binding that would take its namespace past its
+GpuQuota is not made (the slice stays Pending, reason QuotaExceeded). While slices wait, a new slice
+joins the line instead of being bound at once, and each pass serves the line in fair order: the
+namespace holding the smallest share of its quota first, then its oldest slice.
 """
 
 from __future__ import annotations
@@ -18,9 +23,12 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
 
-from mig_operator.core.cluster import MODE_MIG, Binding, Refusal, describe_binding
+from mig_operator.core.cluster import MODE_MIG, NO_CAPACITY, Binding, Refusal, describe_binding
 from mig_operator.core.planner import PlannerSettings
+from mig_operator.core.quota import DEFAULT_HOLD_S, QUOTA_EXCEEDED, FairQueue, admit, holds_back
 
 from ..common import metrics, status
 from ..common.client import ApiError, KubeClient, gpunodes_path, slice_path, slices_path
@@ -30,16 +38,40 @@ from ..common.names import AGENT_FINALIZER, MIG_NODE_LABEL, MIG_NODE_VALUE, SLIC
 from .state import ClusterState, SliceInfo
 
 log = logging.getLogger("mig_operator.controller")
+QUOTAS_PATH = "/apis/cdmo.io/v1alpha1/gpuquotas"
+
+
+@dataclass(frozen=True)
+class BindOutcome:
+    """What one attempt to bind a slice came to: bound, or the refusal's code and whether the room it
+    waits for can free (``could_fit``: False when its quota cannot hold it even alone)."""
+
+    bound: bool
+    code: str = ""
+    could_fit: bool = True
+
+
+def _created_s(created: str) -> float | None:
+    """A creationTimestamp (RFC 3339) as seconds since the epoch; None when absent or not one."""
+    try:
+        return datetime.fromisoformat(created.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
 
 
 class Binder:
     def __init__(self, client: KubeClient, events: EventPoster, planner: PlannerSettings | None = None,
-                 resync_s: float = 30.0) -> None:
+                 resync_s: float = 30.0, hold_s: float = DEFAULT_HOLD_S) -> None:
         self.client = client
         self.events = events
         self.planner = planner or PlannerSettings()
         self.state = ClusterState()
         self.resync_s = resync_s
+        self.hold_s = hold_s
+        # Slices refused and waiting: uid -> (namespace, reason), for the line, the metrics and the quotas.
+        self.waiting: dict[str, tuple[str, str]] = {}
+        self._waiting_by_namespace: dict[str, int] = {}
+        self._waiting_for_room = 0  # how many of them wait for GPU room (NoCapacity)
         self._lock = asyncio.Lock()
         self._replan_task: asyncio.Task | None = None
         self._replan_again = False
@@ -48,6 +80,8 @@ class Binder:
         self._count_later: asyncio.TimerHandle | None = None
         self.on_resync: list[Callable[[], Awaitable[None]]] = []
         self.on_slice_changed: list[Callable[[SliceInfo], Awaitable[None]]] = []
+        # Told the namespace whose quota use or waiting slices may have changed (the GpuQuota status).
+        self.on_namespace_changed: list[Callable[[str], None]] = []
 
     # ---- full lists ----------------------------------------------------------------------------
 
@@ -55,12 +89,18 @@ class Binder:
         """Read slices, inventories and labelled nodes afresh, then finish what is unfinished
         (and whatever else registered in ``on_resync``, e.g. the pods)."""
         async with self._lock:
-            slices, inventories, nodes = await asyncio.gather(
+            slices, inventories, nodes, quotas = await asyncio.gather(
                 self.client.list(slices_path()), self.client.list(gpunodes_path()),
                 self.client.list("/api/v1/nodes", label_selector=f"{MIG_NODE_LABEL}={MIG_NODE_VALUE}"),
+                self.client.list(QUOTAS_PATH),
             )
             self.state.replace_all(slices, inventories, [n["metadata"]["name"] for n in nodes])
+            self.state.replace_quotas(quotas)
             self._last_resync = time.monotonic()
+            for uid in [uid for uid in self.waiting if uid not in self.state.slices]:
+                self._set_waiting(uid, None)
+        for namespace in {s.namespace for s in self.state.slices.values()} | set(self.state.quotas):
+            self._namespace_changed(namespace)
         for info in list(self.state.slices.values()):
             if info.binding is not None and not info.marked and not info.deleting:
                 await self._guard(self.mark(info))
@@ -88,19 +128,29 @@ class Binder:
         if deleted:
             gone = self.state.remove_slice(body["metadata"]["uid"])
             self.events.forget(body["metadata"]["uid"])
+            self._set_waiting(body["metadata"]["uid"], None)
+            self._namespace_changed(body["metadata"]["namespace"])
             if gone is not None and gone.binding is not None:
                 self.request_replan()  # its room is free (or idle) now
             return
         info = self.state.put_slice(body)
         if info is None:
             return
+        self._namespace_changed(info.namespace)
+        if info.binding is not None or info.deleting or info.phase not in (None, "Pending"):
+            self._set_waiting(info.uid, None)
         if info.deleting:
+            if info.binding is not None:
+                self.request_replan()  # its quota is free now (its GPU room once the agent releases it)
             return
         if info.invalid and info.phase != "Failed":
             await self._write(info, status.failed(info.body.get("status"), "InvalidSpec", info.invalid))
             self.events.post(info.body, "Warning", "InvalidSpec", info.invalid)
         elif info.binding is None and info.phase in (None, "Pending"):
-            await self.bind(info.uid)
+            if not self._in_line(info.namespace):
+                await self.bind(info.uid)
+            elif info.phase is None:
+                self.request_replan()  # slices wait: a new one joins the line rather than jump it
         elif info.binding is not None and not info.marked:
             await self.mark(info)
         for callback in self.on_slice_changed:
@@ -119,43 +169,116 @@ class Binder:
         self.state.set_labelled(name, labelled)
         self.request_replan()
 
+    def quota_event(self, body: dict, deleted: bool) -> None:
+        """A GpuQuota changed: raised, lowered, made or removed; the waiting slices are planned again."""
+        if deleted:
+            self.state.remove_quota(body)
+        elif not self.state.put_quota(body) and body["metadata"]["namespace"] in self.state.quota_errors:
+            log.warning("GpuQuota %s/%s is ignored: %s", body["metadata"]["namespace"], body["metadata"]["name"],
+                        self.state.quota_errors[body["metadata"]["namespace"]])
+        self._namespace_changed(body["metadata"]["namespace"])
+        self.request_replan()
+        self.maybe_resync()
+
+    # ---- the line of waiting slices --------------------------------------------------------------
+
+    def _set_waiting(self, uid: str, entry: tuple[str, str] | None) -> None:
+        old = self.waiting.pop(uid, None)
+        if old is not None:
+            self._waiting_by_namespace[old[0]] -= 1
+            if not self._waiting_by_namespace[old[0]]:
+                del self._waiting_by_namespace[old[0]]
+            self._waiting_for_room -= old[1] == NO_CAPACITY
+        if entry is not None:
+            self.waiting[uid] = entry
+            self._waiting_by_namespace[entry[0]] = self._waiting_by_namespace.get(entry[0], 0) + 1
+            self._waiting_for_room += entry[1] == NO_CAPACITY
+        if old != entry:
+            for namespace in {e[0] for e in (old, entry) if e is not None}:
+                self._namespace_changed(namespace)
+
+    def _in_line(self, namespace: str) -> bool:
+        """Whether a new slice of ``namespace`` must queue: slices wait for GPU room, or older slices
+        of its own namespace wait (for room or for its quota)."""
+        return self._waiting_for_room > 0 or namespace in self._waiting_by_namespace
+
+    def _namespace_changed(self, namespace: str) -> None:
+        for callback in self.on_namespace_changed:
+            callback(namespace)
+
+    def quota_waiting(self, namespace: str) -> int:
+        """Pending slices of ``namespace`` held back by its quota (status.waiting of its GpuQuota)."""
+        return sum(1 for ns, reason in self.waiting.values() if ns == namespace and reason == QUOTA_EXCEEDED)
+
+    def pending_by_reason(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for _ns, reason in self.waiting.values():
+            counts[reason] = counts.get(reason, 0) + 1
+        return counts
+
     # ---- binding -------------------------------------------------------------------------------
 
-    async def bind(self, uid: str) -> None:
-        """Plan and write one slice's binding, or its refusal (Pending with a reason and an Event)."""
+    async def bind(self, uid: str, refused: dict | None = None) -> BindOutcome | None:
+        """Plan and write one slice's binding, or its refusal (Pending with a reason and an Event).
+
+        ``refused`` (one pass of the line) remembers the requests no GPU could take: within a pass
+        room only shrinks, so an equal request is refused without planning again. None when there
+        was nothing to plan (the slice is gone, bound or in flight) or a write failed.
+        """
         started = time.perf_counter()
         async with self._lock:
             info = self.state.slices.get(uid)
             if info is None or info.binding is not None or uid in self.state.in_flight or info.request is None:
-                return
+                return None
+            quota = self.state.quotas.get(info.namespace)
+            used = self.state.used(info.namespace)
+            shape = (info.request, info.pinned, info.eligible)
+            could_fit = True
             try:
+                if refused is not None and shape in refused:
+                    raise refused[shape]
                 binding = self.state.planner.plan(info.request, info.pinned, self.planner, nodes=info.eligible)
             except Refusal as refusal:
                 decision: Binding | Refusal = refusal
+                if refusal.code == NO_CAPACITY:
+                    if refused is not None:
+                        refused[shape] = refusal
+                    # No placement, so no grant: the request's bytes are the least it would add.
+                    verdict = admit(quota, used, info.request.memory_bytes or 0, at_least=True)
+                    if not verdict.allowed:
+                        decision, could_fit = Refusal(QUOTA_EXCEEDED, verdict.message), verdict.could_fit
             else:
-                binding = Binding(uid, binding.node, binding.gpu, binding.mode, binding.granted_bytes,
-                                  binding.profile_id, binding.profile, binding.start, binding.size)
-                self.state.reserve(binding)
-                decision = binding
+                verdict = admit(quota, used, binding.granted_bytes)
+                if not verdict.allowed:
+                    decision, could_fit = Refusal(QUOTA_EXCEEDED, verdict.message), verdict.could_fit
+                else:
+                    binding = Binding(uid, binding.node, binding.gpu, binding.mode, binding.granted_bytes,
+                                      binding.profile_id, binding.profile, binding.start, binding.size)
+                    self.state.reserve(binding)
+                    decision = binding
             gpu_uuid = "" if isinstance(decision, Refusal) else self.state.planner.uuids.get(
                 (decision.node, decision.gpu), "")
         if isinstance(decision, Refusal):
             await self._refuse(info, decision)
-            return
+            return BindOutcome(False, decision.code, could_fit)
+        self._set_waiting(uid, None)
+        self._namespace_changed(info.namespace)
         try:
             await self._write_binding(info, decision, gpu_uuid)
         except ApiError as exc:
             self.state.unreserve(uid)
+            self._namespace_changed(info.namespace)
             if exc.conflict:
                 # The slice changed since it was read; its newer event plans it again.
-                return
+                return None
             if not exc.not_found:
                 metrics.RECONCILE_ERRORS.labels("controller", "api").inc()
                 log.warning("binding %s failed: %s", info.ref, exc)
                 self.request_replan()
-            return
+            return None
         metrics.BIND_SECONDS.observe(time.perf_counter() - started)
         metrics.BINDS.labels(decision.mode).inc()
+        return BindOutcome(True)
 
     def _reclaim(self, binding: Binding) -> list[dict]:
         """Idle instances the placement overlaps: the agent destroys them first (shown in status)."""
@@ -215,6 +338,7 @@ class Binder:
             return
 
     async def _refuse(self, info: SliceInfo, refusal: Refusal) -> None:
+        self._set_waiting(info.uid, (info.namespace, refusal.code))
         current = info.body.get("status") or {}
         if current.get("phase") != "Pending" or current.get("reason") != refusal.code or (
                 current.get("message") != refusal.message):
@@ -236,7 +360,7 @@ class Binder:
     # ---- planning again --------------------------------------------------------------------------
 
     def request_replan(self) -> None:
-        """Plan every Pending slice again soon, oldest first; requests while one runs make one more."""
+        """Plan every Pending slice again soon, in fair order; requests while one runs make one more."""
         if self._replan_task is not None and not self._replan_task.done():
             self._replan_again = True
             return
@@ -246,10 +370,46 @@ class Binder:
         while True:
             self._replan_again = False
             await asyncio.sleep(0.05)  # let a burst of inventory updates land first
-            for info in self.state.pending():
-                await self._guard(self.bind(info.uid))
+            await self._serve_line()
             if not self._replan_again:
                 return
+
+    async def _serve_line(self) -> None:
+        """One pass over the waiting slices in fair order (``core.quota.FairQueue``): the namespace with
+        the smallest share of its quota first, then its oldest slice. A slice refused for room that
+        can free holds its namespace's younger slices back for its first ``hold_s`` seconds of waiting.
+        Planning costs what ``ClusterPlanner`` costs (independent of the cluster's size) per distinct
+        request, plus O(log namespaces) per slice in line."""
+        pending = self.state.pending()
+        shares = {ns: self.state.share(ns) for ns in {s.namespace for s in pending}}
+        line: FairQueue[str] = FairQueue(((s.namespace, s.order, s.uid) for s in pending), shares)
+        refused: dict = {}
+        now = time.time()
+        while (step := line.next()) is not None:
+            namespace, uid = step
+            try:
+                outcome = await self.bind(uid, refused)
+            except ApiError as exc:
+                metrics.RECONCILE_ERRORS.labels("controller", "api").inc()
+                log.warning("controller pass failed, the next event retries: %s", exc)
+                outcome = None
+            head = self.state.slices.get(uid)
+            created = _created_s(head.created) if head is not None else None
+            hold = (outcome is not None and not outcome.bound and head is not None and created is not None
+                    and holds_back(outcome.code, outcome.could_fit, now - created, self.hold_s))
+            for other in line.settle(namespace, self.state.share(namespace), hold):
+                assert head is not None and outcome is not None and created is not None
+                await self._guard(self._hold(other, head, outcome.code, created + self.hold_s))
+
+    async def _hold(self, uid: str, head: SliceInfo, code: str, until_s: float) -> None:
+        """Keep ``uid`` waiting behind ``head``, the older slice of its namespace that waits for room."""
+        info = self.state.slices.get(uid)
+        if info is None or info.binding is not None or uid in self.state.in_flight or info.request is None:
+            return
+        until = datetime.fromtimestamp(until_s, tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        await self._refuse(info, Refusal(code, (
+            f"waits behind {head.ref}, the older slice of its namespace, which waits for room ({code}) and "
+            f"has the first call on the room its namespace gets until {until}; then slices are served around it")))
 
     def publish_counts(self) -> None:
         """Slices by phase and mode, for the metrics: at most once a second (it visits every slice),
@@ -267,3 +427,6 @@ class Binder:
         metrics.SLICES.clear()
         for (phase, mode), count in self.state.counts().items():
             metrics.SLICES.labels(phase, mode).set(count)
+        metrics.PENDING_SLICES.clear()
+        for reason, count in self.pending_by_reason().items():
+            metrics.PENDING_SLICES.labels(reason).set(count)

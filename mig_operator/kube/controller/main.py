@@ -31,6 +31,7 @@ from ..common.operator import register_login, tune
 from .binder import Binder
 from .claims import SliceClaims
 from .pods import PodSlices
+from .quotas import QUOTAS, QuotaStatus
 
 log = logging.getLogger("mig_operator.controller")
 
@@ -76,11 +77,12 @@ def build_registry(options: ControllerOptions) -> kopf.OperatorRegistry:
         binder = Binder(client, events, resync_s=options.resync_s)
         claims = SliceClaims(client, events, binder.state)
         pods = PodSlices(client, events, binder.state, claims)
+        quotas = QuotaStatus(client, binder)
         # Claims first: a pod is released once its slice's claim exists.
         binder.on_slice_changed.extend([claims.slice_changed, pods.slice_changed])
-        binder.on_resync.extend([claims.resync, pods.resync])
+        binder.on_resync.extend([claims.resync, pods.resync, quotas.resync])
         await binder.resync()
-        state.update(client=client, binder=binder, pods=pods, claims=claims)
+        state.update(client=client, binder=binder, pods=pods, claims=claims, quotas=quotas)
 
     @kopf.on.event(GROUP, VERSION, SLICES, registry=registry)
     async def slice_event(body: kopf.Body, type: str | None, **_: Any) -> None:
@@ -95,6 +97,13 @@ def build_registry(options: ControllerOptions) -> kopf.OperatorRegistry:
         node = (body.get("spec") or {}).get("nodeName") or body["metadata"]["name"]
         await state["claims"].inventory_changed(node)
         await state["pods"].inventory_changed(node)
+
+    @kopf.on.event(GROUP, VERSION, QUOTAS, registry=registry)
+    async def gpuquota_event(body: kopf.Body, type: str | None, **_: Any) -> None:
+        # A quota raised, lowered, made or removed: waiting slices are planned again (no restart).
+        deleted = type == "DELETED"
+        state["binder"].quota_event(dict(body), deleted=deleted)
+        state["quotas"].quota_event(dict(body), deleted=deleted)
 
     @kopf.on.event("v1", "nodes", registry=registry)
     async def node_event(body: kopf.Body, type: str | None, **_: Any) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any
 
 from mig_operator.core.cluster import (
@@ -18,7 +19,8 @@ from mig_operator.core.cluster import (
     binding_from_status,
     inventory_from_status,
 )
-from mig_operator.core.quantities import QuantityError
+from mig_operator.core.quantities import MIB, QuantityError
+from mig_operator.core.quota import QUOTA_NAME, Quota, Usage, quota_from_spec, share
 from mig_operator.core.request import SliceRequest
 from mig_operator.core.slice_spec import request_from_spec
 
@@ -96,16 +98,80 @@ class ClusterState:
     in_flight: dict[str, Binding] = field(default_factory=dict)
     names: dict[tuple[str, str], str] = field(default_factory=dict)  # (namespace, name) -> uid
     planner: ClusterPlanner = field(default_factory=ClusterPlanner)
+    # Quotas: each namespace's GpuQuota (named QUOTA_NAME), and what its slices hold, kept current
+    # slice by slice so an admission costs the same however many slices there are.
+    quotas: dict[str, Quota] = field(default_factory=dict)
+    quota_errors: dict[str, str] = field(default_factory=dict)  # namespace -> why its GpuQuota is ignored
+    usage: dict[str, Usage] = field(default_factory=dict)
+    charged: dict[str, tuple[str, int]] = field(default_factory=dict)  # uid -> (namespace, granted bytes)
+    gpu_bytes: dict[str, int] = field(default_factory=dict)  # node -> its GPUs' memory
+    cluster_bytes: int = 0
 
     def _held(self, uid: str) -> None:
         """Tell the planner what room slice ``uid`` holds now: its written binding, else the one in
-        flight, else none."""
+        flight, else none; and charge its namespace's quota use the same way (a slice being deleted
+        holds room until its agent releases it, but no longer counts against its quota)."""
         info = self.slices.get(uid)
         binding = info.binding if info is not None and info.binding is not None else self.in_flight.get(uid)
         if binding is None:
             self.planner.drop_binding(uid)
         else:
             self.planner.put_binding(binding)
+        charge = None
+        if binding is not None and info is not None and not info.deleting:
+            charge = (info.namespace, binding.granted_bytes)
+        self._charge(uid, charge)
+
+    def _charge(self, uid: str, charge: tuple[str, int] | None) -> None:
+        old = self.charged.get(uid)
+        if old == charge:
+            return
+        if old is not None:
+            del self.charged[uid]
+            left = self.usage[old[0]].plus(-old[1], -1)
+            if left.slices:
+                self.usage[old[0]] = left
+            else:
+                del self.usage[old[0]]
+        if charge is not None:
+            self.charged[uid] = charge
+            self.usage[charge[0]] = self.usage.get(charge[0], Usage()).plus(charge[1])
+
+    def used(self, namespace: str) -> Usage:
+        return self.usage.get(namespace, Usage())
+
+    def share(self, namespace: str) -> Fraction:
+        """The namespace's place in the fair order: the share of its quota (or of the cluster) it holds."""
+        return share(self.quotas.get(namespace), self.used(namespace), self.cluster_bytes)
+
+    # ---- quotas --------------------------------------------------------------------------------
+
+    def put_quota(self, body: Mapping) -> bool:
+        """Take a GpuQuota event; False when it is not the namespace's quota (another name: the CRD
+        refuses those, an API server without CEL may not) or its spec is not valid (then ignored)."""
+        meta = body["metadata"]
+        namespace, name = meta["namespace"], meta["name"]
+        if name != QUOTA_NAME:
+            return False
+        try:
+            self.quotas[namespace] = quota_from_spec(namespace, body.get("spec"), name)
+        except QuantityError as exc:
+            self.quotas.pop(namespace, None)
+            self.quota_errors[namespace] = str(exc)
+            return False
+        self.quota_errors.pop(namespace, None)
+        return True
+
+    def remove_quota(self, body: Mapping) -> None:
+        meta = body["metadata"]
+        if meta["name"] == QUOTA_NAME:
+            self.quotas.pop(meta["namespace"], None)
+            self.quota_errors.pop(meta["namespace"], None)
+
+    def replace_quotas(self, bodies: Iterable[Mapping]) -> None:
+        self.quotas, self.quota_errors = {}, {}
+        for body in bodies:
+            self.put_quota(body)
 
     def reserve(self, binding: Binding) -> None:
         self.in_flight[binding.uid] = binding
@@ -140,6 +206,7 @@ class ClusterState:
         if gone is not None and self.names.get((gone.namespace, gone.name)) == uid:
             del self.names[(gone.namespace, gone.name)]
         self.planner.drop_binding(uid)
+        self._charge(uid, None)
         return gone
 
     def slice_named(self, namespace: str, name: str) -> SliceInfo | None:
@@ -168,11 +235,23 @@ class ClusterState:
         node = (body.get("spec") or {}).get("nodeName") or name
         self.inventories[node] = inventory_from_status(node, body.get("status"))
         self.planner.set_inventory(self.inventories[node])
+        self._count_memory(node)
 
     def remove_inventory(self, body: Mapping) -> None:
         node = (body.get("spec") or {}).get("nodeName") or body["metadata"]["name"]
         self.inventories.pop(node, None)
         self.planner.remove_inventory(node)
+        self._count_memory(node)
+
+    def _count_memory(self, node: str) -> None:
+        """Keep ``cluster_bytes``, every GPU's memory (the share of namespaces without a quota), current."""
+        inventory = self.inventories.get(node)
+        now = sum(g.memory_mib for g in inventory.gpus) * MIB if inventory is not None else 0
+        self.cluster_bytes += now - self.gpu_bytes.get(node, 0)
+        if now:
+            self.gpu_bytes[node] = now
+        else:
+            self.gpu_bytes.pop(node, None)
 
     def replace_all(self, slices: Iterable[Mapping], inventories: Iterable[Mapping], labelled: Iterable[str]) -> None:
         """A fresh full list: what is not in it is gone (events may have been missed while paused)."""
@@ -190,6 +269,12 @@ class ClusterState:
             self.inventories[node] = inventory_from_status(node, body.get("status"))
         self.labelled = set(labelled)
         self.planner.reset(self.inventories.values(), self.labelled, self.bindings())
+        self.gpu_bytes, self.cluster_bytes = {}, 0
+        for node in self.inventories:
+            self._count_memory(node)
+        self.charged, self.usage = {}, {}
+        for uid in self.slices:
+            self._held(uid)
 
     def counts(self) -> dict[tuple[str, str], int]:
         """Slices by (phase, mode), for the metrics."""

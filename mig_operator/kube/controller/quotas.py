@@ -1,0 +1,122 @@
+"""GpuQuota status and the quota metrics: what each namespace holds and how many of its slices wait.
+
+The binder says which namespaces changed (``changed``); their status is written at most every
+``interval_s`` (a burst of bindings makes one write per quota), and only when it differs from what
+was last written: ``used.memory`` (granted bytes, as a quantity string of bytes), ``used.slices``,
+``waiting`` (Pending slices the quota holds back) and ``observedGeneration``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from mig_operator.core.quota import QUOTA_NAME
+
+from ..common import metrics
+from ..common.client import ApiError, KubeClient
+from .binder import Binder
+
+log = logging.getLogger("mig_operator.controller")
+QUOTAS = "gpuquotas"
+
+
+def quota_status_path(namespace: str) -> str:
+    return f"/apis/cdmo.io/v1alpha1/namespaces/{namespace}/{QUOTAS}/{QUOTA_NAME}/status"
+
+
+class QuotaStatus:
+    def __init__(self, client: KubeClient, binder: Binder, interval_s: float = 0.5) -> None:
+        self.client = client
+        self.binder = binder
+        self.interval_s = interval_s
+        self._dirty: set[str] = set()
+        self._task: asyncio.Task | None = None
+        self._written: dict[str, dict] = {}  # namespace -> the status last written
+        self._generations: dict[str, int] = {}  # namespace -> its GpuQuota's metadata.generation
+        self._shown: set[str] = set()  # namespaces with quota metrics set
+        binder.on_namespace_changed.append(self.changed)
+
+    def quota_event(self, body: dict, deleted: bool) -> None:
+        meta = body["metadata"]
+        if meta["name"] != QUOTA_NAME:
+            return
+        namespace = meta["namespace"]
+        if deleted:
+            self._generations.pop(namespace, None)
+            self._written.pop(namespace, None)
+        else:
+            self._generations[namespace] = int(meta.get("generation") or 0)
+            written = body.get("status")
+            if written is not None and namespace not in self._written:
+                self._written[namespace] = dict(written)  # e.g. after a restart: no write when equal
+        self.changed(namespace)
+
+    def changed(self, namespace: str) -> None:
+        self._dirty.add(namespace)
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._flush_soon())
+
+    async def _flush_soon(self) -> None:
+        await asyncio.sleep(self.interval_s)
+        while self._dirty:
+            dirty, self._dirty = self._dirty, set()
+            for namespace in sorted(dirty):
+                self._publish(namespace)
+                await self._write(namespace)
+
+    def status_of(self, namespace: str) -> dict:
+        used = self.binder.state.used(namespace)
+        return {
+            "used": {"memory": str(used.memory_bytes), "slices": used.slices},
+            "waiting": self.binder.quota_waiting(namespace),
+            "observedGeneration": self._generations.get(namespace, 0),
+        }
+
+    def _publish(self, namespace: str) -> None:
+        """The quota metrics: use for every namespace that holds slices or has a quota."""
+        used = self.binder.state.used(namespace)
+        quota = self.binder.state.quotas.get(namespace)
+        if quota is None and not used.slices:
+            if namespace in self._shown:
+                self._shown.discard(namespace)
+                for gauge in (metrics.QUOTA_USED_BYTES, metrics.QUOTA_USED_SLICES, metrics.QUOTA_HARD_BYTES,
+                              metrics.QUOTA_WAITING_SLICES):
+                    try:
+                        gauge.remove(namespace)
+                    except KeyError:
+                        pass
+            return
+        self._shown.add(namespace)
+        metrics.QUOTA_USED_BYTES.labels(namespace).set(used.memory_bytes)
+        metrics.QUOTA_USED_SLICES.labels(namespace).set(used.slices)
+        if quota is not None:
+            metrics.QUOTA_HARD_BYTES.labels(namespace).set(quota.memory_bytes)
+            metrics.QUOTA_WAITING_SLICES.labels(namespace).set(self.binder.quota_waiting(namespace))
+        else:
+            for gauge in (metrics.QUOTA_HARD_BYTES, metrics.QUOTA_WAITING_SLICES):
+                try:
+                    gauge.remove(namespace)
+                except KeyError:
+                    pass
+
+    async def _write(self, namespace: str) -> None:
+        if namespace not in self._generations:
+            return  # no GpuQuota object in the namespace: nothing to write to
+        wanted = self.status_of(namespace)
+        if self._written.get(namespace) == wanted:
+            return
+        try:
+            await self.client.merge_patch(quota_status_path(namespace), {"status": wanted})
+        except ApiError as exc:
+            if exc.not_found:
+                return
+            metrics.RECONCILE_ERRORS.labels("controller", "api").inc()
+            log.warning("GpuQuota %s/%s status not written, the next change retries: %s", namespace, QUOTA_NAME, exc)
+            return
+        self._written[namespace] = wanted
+
+    async def resync(self) -> None:
+        """After a full list: every namespace's status and metrics again (written only where changed)."""
+        for namespace in set(self._generations) | set(self.binder.state.usage) | self._shown:
+            self.changed(namespace)

@@ -1,0 +1,198 @@
+"""GpuQuota end to end: a real kube-apiserver with the CRD's CEL rules, the controller and simulated
+agents as processes. Expected grants come from the catalog's numbers (an H200 1g.18gb holds 16384 MiB),
+not from the code under test."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import yaml
+from harness import GROUP, VERSION, OperatorHarness, wait_until
+from kubernetes.client.rest import ApiException
+
+MIB = 2**20
+GIB = 2**30
+QUOTAS = "gpuquotas"
+H200_1G = 16384 * MIB  # what a 1g.18gb grants (catalog), e.g. for a 10G request
+BOUND = ("Bound", "Creating", "Ready")
+
+
+def put_quota(op: OperatorHarness, ns: str, memory: str, slices: int | None = None, name: str = "quota") -> dict:
+    spec: dict[str, Any] = {"memory": memory}
+    if slices is not None:
+        spec["slices"] = slices
+    body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "GpuQuota", "metadata": {"name": name}, "spec": spec}
+    try:
+        return op.custom.create_namespaced_custom_object(GROUP, VERSION, ns, QUOTAS, body)
+    except ApiException as exc:
+        if exc.status != 409:
+            raise
+    return op.custom.patch_namespaced_custom_object(GROUP, VERSION, ns, QUOTAS, name,
+                                                    {"spec": {"memory": memory, "slices": slices}})
+
+
+def quota_status(op: OperatorHarness, ns: str) -> dict:
+    return op.custom.get_namespaced_custom_object(GROUP, VERSION, ns, QUOTAS, "quota").get("status") or {}
+
+
+def wait_quota_status(op: OperatorHarness, ns: str, memory: int, slices: int, waiting: int) -> dict:
+    wanted = {"memory": str(memory), "slices": slices}
+    return wait_until(
+        lambda: (st := quota_status(op, ns)).get("used") == wanted and st.get("waiting") == waiting and st,
+        20, lambda: f"GpuQuota {ns}/quota status used={wanted} waiting={waiting}: {quota_status(op, ns)}\n{op.logs()}")
+
+
+def phase(op: OperatorHarness, ns: str, name: str) -> str | None:
+    return ((op.get_slice(ns, name) or {}).get("status") or {}).get("phase")
+
+
+def wait_quota_crd(op: OperatorHarness) -> None:
+    wait_until(lambda: op.cluster.kubectl("get", "gq", "-A", check=False).returncode == 0, 60, "gpuquotas to be served")
+
+
+def test_one_quota_per_namespace_and_its_spec_is_checked_at_admission(operator: OperatorHarness) -> None:
+    wait_quota_crd(operator)
+    ns = operator.namespace()
+    put_quota(operator, ns, "40Gi", 4)
+    second = yaml.safe_dump({"apiVersion": "cdmo.io/v1alpha1", "kind": "GpuQuota",
+                             "metadata": {"name": "team-b", "namespace": ns}, "spec": {"memory": "8Gi"}})
+    refused = operator.cluster.kubectl("apply", "-f", "-", input=second, check=False)
+    assert refused.returncode != 0
+    assert "GpuQuota name 'team-b' is not allowed" in refused.stderr and "'quota'" in refused.stderr
+    for memory, words in (("40X", "unknown unit"), ("0", "greater than zero"), ("1.5", "whole number of bytes")):
+        bad = yaml.safe_dump({"apiVersion": "cdmo.io/v1alpha1", "kind": "GpuQuota",
+                              "metadata": {"name": "quota", "namespace": ns}, "spec": {"memory": memory}})
+        answer = operator.cluster.kubectl("apply", "-f", "-", input=bad, check=False)
+        assert answer.returncode != 0, answer.stdout
+        assert f"memory '{memory}'" in answer.stderr and words in answer.stderr, answer.stderr
+    negative = yaml.safe_dump({"apiVersion": "cdmo.io/v1alpha1", "kind": "GpuQuota",
+                               "metadata": {"name": "quota", "namespace": ns}, "spec": {"memory": "8Gi", "slices": -1}})
+    assert operator.cluster.kubectl("apply", "-f", "-", input=negative, check=False).returncode != 0
+    # The one that exists is unchanged, and kubectl shows used and hard side by side.
+    shown = operator.cluster.kubectl("get", "gq", "-n", ns).stdout.splitlines()
+    assert shown[0].split()[:6] == ["NAME", "MEMORY-USED", "MEMORY-HARD", "SLICES-USED", "SLICES-HARD", "WAITING"]
+    assert shown[1].split()[0] == "quota" and "40Gi" in shown[1].split() and "4" in shown[1].split()
+
+
+def test_direct_slices_refused_at_the_quota_bound_on_release_raise_and_lower(operator: OperatorHarness) -> None:
+    node = operator.add_node("h200-141gb")
+    operator.start_operator(node)
+    wait_quota_crd(operator)
+    ns = operator.namespace()
+    put_quota(operator, ns, "32Gi")  # exactly two 1g.18gb grants
+    for name in ("s1", "s2"):
+        operator.create_slice(ns, name, {"memory": "10G"})  # granted 1g.18gb: counts 16384 MiB, not 10G
+        assert operator.wait_phase(ns, name, "Ready")["status"]["grantedBytes"] == H200_1G
+    operator.create_slice(ns, "s3", {"memory": "10G"})
+    st = operator.wait_phase(ns, "s3", "Pending", reason="QuotaExceeded")["status"]
+    assert f"GpuQuota {ns}/quota" in st["message"]
+    assert "holds 32Gi of its 32Gi" in st["message"] and "would add 16Gi" in st["message"], st["message"]
+    wait_quota_status(operator, ns, 2 * H200_1G, 2, 1)
+    shown = operator.cluster.kubectl("get", "gq", "-n", ns, "--no-headers").stdout.split()
+    assert shown[1:4] == [str(2 * H200_1G), "32Gi", "2"], shown
+
+    # Release: s3 is bound as soon as s1 is gone, no restart.
+    operator.delete_slice(ns, "s1")
+    operator.wait_phase(ns, "s3", "Ready")
+    wait_quota_status(operator, ns, 2 * H200_1G, 2, 0)
+
+    # Raise: a waiting slice binds when the quota grows, to the byte.
+    operator.create_slice(ns, "s4", {"memory": "10G"})
+    operator.wait_phase(ns, "s4", "Pending", reason="QuotaExceeded")
+    put_quota(operator, ns, f"{3 * H200_1G - 1}")  # one byte short of a third grant: still waits
+    time.sleep(2)
+    assert phase(operator, ns, "s4") == "Pending"
+    put_quota(operator, ns, f"{3 * H200_1G}")
+    operator.wait_phase(ns, "s4", "Ready")
+    wait_quota_status(operator, ns, 3 * H200_1G, 3, 0)
+
+    # Lower below what is held: nothing is taken away, new slices wait.
+    put_quota(operator, ns, "16Gi")
+    operator.create_slice(ns, "s5", {"memory": "10G"})
+    st = operator.wait_phase(ns, "s5", "Pending", reason="QuotaExceeded")["status"]
+    assert "holds 48Gi of its 16Gi" in st["message"], st["message"]
+    assert [phase(operator, ns, n) for n in ("s2", "s3", "s4")] == ["Ready"] * 3
+    final = wait_quota_status(operator, ns, 3 * H200_1G, 3, 1)
+    quota = operator.custom.get_namespaced_custom_object(GROUP, VERSION, ns, QUOTAS, "quota")
+    assert final["observedGeneration"] == quota["metadata"]["generation"]
+
+    # The slice count limit, and another namespace without a quota is not limited by this one.
+    put_quota(operator, ns, "1Ti", slices=3)
+    time.sleep(2)
+    assert phase(operator, ns, "s5") == "Pending"
+    other = operator.namespace()
+    operator.create_slice(other, "free", {"memory": "10G"})
+    operator.wait_phase(other, "free", "Ready")
+    operator.custom.delete_namespaced_custom_object(GROUP, VERSION, ns, QUOTAS, "quota")
+    operator.wait_phase(ns, "s5", "Ready")  # no quota: no limit
+
+
+def test_a_pod_refused_by_the_quota_gets_an_event_naming_it_and_runs_once_room_frees(
+        operator: OperatorHarness) -> None:
+    node = operator.add_node("h200-141gb")
+    operator.start_operator(node, webhook=True)
+    wait_quota_crd(operator)
+    ns = operator.namespace()
+    put_quota(operator, ns, "16Gi")
+    toleration = {"key": "kwok.x-k8s.io/node", "operator": "Exists"}
+
+    def pod(name: str) -> dict:
+        return {"apiVersion": "v1", "kind": "Pod",
+                "metadata": {"name": name, "annotations": {"cdmo.io/gpu-memory": "10G"}},
+                "spec": {"tolerations": [toleration], "containers": [{"name": "main", "image": "busybox"}]}}
+
+    def running(name: str) -> Any:
+        return wait_until(lambda: (p := operator.core.read_namespaced_pod(name, ns)).status.phase == "Running" and p,
+                          60, lambda: f"pod {name} Running\n{operator.logs()}")
+
+    operator.core.create_namespaced_pod(ns, pod("first"))
+    running("first")
+    operator.core.create_namespaced_pod(ns, pod("second"))
+
+    def quota_event() -> Any:
+        events = operator.core.list_namespaced_event(ns, field_selector="involvedObject.name=second").items
+        return [e for e in events if e.reason == "QuotaExceeded" and f"GpuQuota {ns}/quota" in e.message]
+
+    wait_until(quota_event, 30, lambda: f"a QuotaExceeded Event on pod second\n{operator.logs()}")
+    second = operator.core.read_namespaced_pod("second", ns)
+    assert [g.name for g in second.spec.scheduling_gates or []] == ["cdmo.io/gpu-slice"]
+    operator.core.delete_namespaced_pod("first", ns, grace_period_seconds=0)
+    running("second")
+
+
+def test_fair_order_b_gets_its_10_before_a_gets_its_41st(operator: OperatorHarness) -> None:
+    # Room for 40: ten L4s (no MIG), four 0.25 fractions each.
+    node = operator.add_node("l4-24gb", count=10, labelled=False)
+    operator.start_operator(node)
+    team_a, team_b = operator.namespace(), operator.namespace()
+    a_names = [f"a-{i:03d}" for i in range(100)]
+    for name in a_names:
+        operator.create_slice(team_a, name, {"fraction": 0.25})
+
+    def bound(ns: str) -> list[str]:
+        return sorted(s["metadata"]["name"] for s in operator.slices(ns)
+                      if (s.get("status") or {}).get("phase") in BOUND)
+
+    wait_until(lambda: len(bound(team_a)) == 40, 90, lambda: f"40 of A's slices bound: {len(bound(team_a))}")
+    b_names = [f"b-{i:02d}" for i in range(10)]
+    for name in b_names:
+        operator.create_slice(team_b, name, {"fraction": 0.25})
+    for name in b_names:
+        operator.wait_phase(team_b, name, "Pending", reason="NoCapacity")
+    held_by_a = bound(team_a)
+    assert len(held_by_a) == 40
+    # Ten of A's slices finish: their room goes to B, which holds nothing, not to A's 41st.
+    for name in held_by_a[:10]:
+        operator.delete_slice(team_a, name)
+    wait_until(lambda: len(bound(team_b)) == 10, 60,
+               lambda: f"B's 10 bound: B {bound(team_b)}, A {len(bound(team_a))}\n{operator.logs()}")
+    assert len(bound(team_a)) == 30, "no slice of A was bound before B's ten"
+    # Then A's next (its oldest waiting) gets the next room.
+    operator.delete_slice(team_b, b_names[0])
+    wait_until(lambda: len(bound(team_a)) == 31, 60, lambda: f"A's 41st bound: {len(bound(team_a))}")
+    waiting_a = sorted(set(a_names) - set(held_by_a))
+    assert waiting_a[0] in bound(team_a), "A's oldest waiting slice went first"
+    # The metrics' view of the line: every slice Pending says why.
+    left = [s for s in operator.slices(team_a) if (s.get("status") or {}).get("phase") == "Pending"]
+    assert len(left) == 59 and all(s["status"].get("reason") for s in left)
