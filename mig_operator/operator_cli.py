@@ -179,7 +179,7 @@ def add_operator_commands(sub: argparse._SubParsersAction) -> None:
                    help=f"draw again every SECONDS ({MIN_WATCH_S} to {MAX_WATCH_S}, default {DEFAULT_WATCH_S}) "
                    "until Ctrl-C")
     p.add_argument("--json", action="store_true",
-                   help="one JSON object (with --watch: one per line, each on its own line) for scripts")
+                   help="one JSON object for scripts (with --watch: one per line)")
     p.set_defaults(func=cmd_top)
 
 

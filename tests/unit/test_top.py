@@ -4,6 +4,7 @@ JSON shape, the edge cases of the drawing, and the command's flags."""
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import pytest
@@ -340,3 +341,70 @@ def test_an_unreachable_api_server_is_one_line_and_exit_1(tmp_path: Any, capsys:
     assert captured.out == ""
     assert captured.err.count("\n") == 1 and captured.err.startswith("mig-operator: cannot list GpuNodes: ")
     assert f"127.0.0.1:{port}" in captured.err
+
+
+def _kubeconfig(tmp_path: Any, server: str) -> str:
+    import yaml
+
+    config = {"apiVersion": "v1", "kind": "Config", "current-context": "c",
+              "clusters": [{"name": "c", "cluster": {"server": server}}],
+              "users": [{"name": "u", "user": {"token": "t"}}],
+              "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}]}
+    path = tmp_path / "kubeconfig"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+@pytest.mark.parametrize("terminal", [True, False])
+def test_watch_redraws_clears_only_a_terminal_and_survives_an_unreadable_moment(
+        terminal: bool, tmp_path: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Three reads: a picture, an API failure (one line on stderr, then it goes on), a picture; Ctrl-C
+    during the fourth ends it with status 0."""
+    from mig_operator.kube import top as kube_top
+
+    reads = []
+
+    async def read_view(client: Any) -> Any:
+        reads.append(client)
+        if len(reads) == 2:
+            raise kube_top.TopError("cannot list GpuNodes: refused\nby the server")
+        if len(reads) == 4:
+            raise KeyboardInterrupt
+        return build_view(*layout())
+
+    monkeypatch.setattr(kube_top, "read_view", read_view)
+    monkeypatch.setattr("sys.stdout.isatty", lambda: terminal)
+    assert main(["top", "--kubeconfig", _kubeconfig(tmp_path, "http://127.0.0.1:9"), "--watch", "0.5"]) == 0
+    out, err = capsys.readouterr()
+    assert err == "mig-operator: cannot list GpuNodes: refused by the server; trying again in 0.5 s\n"
+    frames = out.split("--- mig-operator top at ")
+    assert len(frames) == 3 and frames[0] == ("\x1b[H\x1b[2J" if terminal else "")
+    # On a terminal each picture starts by clearing the screen; in a log a blank line parts them.
+    pictures = [GOLDEN + "\x1b[H\x1b[2J", GOLDEN] if terminal else [GOLDEN + "\n", GOLDEN + "\n"]
+    for frame, picture in zip(frames[1:], pictures, strict=True):
+        header, _, rest = frame.partition("\n")
+        assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ, every 0.5 s \(Ctrl-C stops\)", header)
+        assert rest == picture
+    assert len({id(c) for c in reads}) == 1  # one client, one connection pool, for the whole watch
+
+
+def test_json_once_is_indented_and_with_watch_one_line_each(tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    from mig_operator.kube import top as kube_top
+
+    calls = []
+
+    async def read_view(client: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 4:  # the single picture, then two of the watch
+            raise KeyboardInterrupt
+        return build_view(*layout())
+
+    monkeypatch.setattr(kube_top, "read_view", read_view)
+    config = _kubeconfig(tmp_path, "http://127.0.0.1:9")
+    assert main(["top", "--kubeconfig", config, "--json"]) == 0
+    once = capsys.readouterr().out
+    assert json.loads(once) == view_json(build_view(*layout())) and once.startswith("{\n  ")
+    assert main(["top", "--kubeconfig", config, "--json", "--watch", "0.5"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and all(json.loads(line) == json.loads(once) for line in lines)
