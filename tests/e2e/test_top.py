@@ -175,21 +175,32 @@ def test_top_draws_the_layout_the_operator_made(operator: OperatorHarness) -> No
                            for i in n["gpus"][0]["instances"]), 20, "late in use in top --json")
 
 
-def test_top_shows_a_namespaces_quota_when_the_crd_is_there(operator: OperatorHarness) -> None:
+def test_top_shows_a_namespaces_quota_and_its_use(operator: OperatorHarness) -> None:
     if operator.cluster.kubectl("get", "crd", "gpuquotas.cdmo.io", check=False).returncode != 0:
         # Until the GpuQuota CRD is in crds/, the table is one line and top still works.
         text = top(operator).stdout
         assert text.splitlines()[-1] == "quotas: the GpuQuota CRD is not installed (no namespace is limited)"
         return
+    node = operator.add_node("h100-80gb")
+    operator.start_operator(node)
     ns = operator.namespace()
     operator.custom.create_namespaced_custom_object("cdmo.io", "v1alpha1", ns, "gpuquotas", {
         "apiVersion": "cdmo.io/v1alpha1", "kind": "GpuQuota", "metadata": {"name": "quota"},
         "spec": {"memory": "40Gi", "slices": 3}})
+    operator.create_slice(ns, "one", {"migProfile": "1g.10gb"})  # 9984 MiB granted
+    operator.wait_phase(ns, "one", "Ready")
+
+    def item() -> dict | None:
+        found = [q for q in json.loads(top(operator, "--json").stdout)["quotas"]["items"] if q["namespace"] == ns]
+        return found[0] if found and found[0]["usedSlices"] == 1 else None
+
+    quota = wait_until(item, 20, "the quota's use in top --json")
+    assert quota == {"namespace": ns, "name": "quota", "usedBytes": 9984 * MIB, "hardBytes": 40 * 2**30,
+                     "usedSlices": 1, "hardSlices": 3, "waiting": 0}
     text = top(operator).stdout
     [row] = [line for line in text.splitlines() if line.startswith(f"  {ns} ")]
-    assert "/ 40 GiB" in row and "/ 3" in row, row
-    [item] = [q for q in json.loads(top(operator, "--json").stdout)["quotas"]["items"] if q["namespace"] == ns]
-    assert (item["name"], item["hardBytes"], item["hardSlices"]) == ("quota", 40 * 2**30, 3)
+    # 9984 MiB is 9.75 GiB (9.8 at one decimal), 24 % of 40 GiB.
+    assert row.split() == [ns, "9.8", "GiB", "/", "40", "GiB", "24%", "1", "/", "3", "0"], row
 
 
 def test_watch_draws_again_until_ctrl_c(operator: OperatorHarness) -> None:
