@@ -72,6 +72,7 @@ class Binder:
         self.waiting: dict[str, tuple[str, str]] = {}
         self._waiting_by_namespace: dict[str, int] = {}
         self._waiting_for_room = 0  # how many of them wait for GPU room (NoCapacity)
+        self._hold_ends: set[float] = set()  # when holds end (epoch seconds): a pass is due then
         self._lock = asyncio.Lock()
         self._replan_task: asyncio.Task | None = None
         self._replan_again = False
@@ -397,9 +398,26 @@ class Binder:
             created = _created_s(head.created) if head is not None else None
             hold = (outcome is not None and not outcome.bound and head is not None and created is not None
                     and holds_back(outcome.code, outcome.could_fit, now - created, self.hold_s))
-            for other in line.settle(namespace, self.state.share(namespace), hold):
+            held = line.settle(namespace, self.state.share(namespace), hold)
+            if held:
+                assert head is not None and outcome is not None and created is not None
+                self._replan_when_hold_ends(created + self.hold_s)
+            for other in held:
                 assert head is not None and outcome is not None and created is not None
                 await self._guard(self._hold(other, head, outcome.code, created + self.hold_s))
+
+    def _replan_when_hold_ends(self, until_s: float) -> None:
+        """Nothing else may happen when a hold ends (no release, no new slice): plan again then."""
+        when = round(until_s, 1)
+        if when in self._hold_ends:
+            return
+        self._hold_ends.add(when)
+
+        def fire() -> None:
+            self._hold_ends.discard(when)
+            self.request_replan()
+
+        asyncio.get_running_loop().call_later(max(0.0, until_s - time.time()) + 0.1, fire)
 
     async def _hold(self, uid: str, head: SliceInfo, code: str, until_s: float) -> None:
         """Keep ``uid`` waiting behind ``head``, the older slice of its namespace that waits for room."""

@@ -196,3 +196,100 @@ def test_fair_order_b_gets_its_10_before_a_gets_its_41st(operator: OperatorHarne
     # The metrics' view of the line: every slice Pending says why.
     left = [s for s in operator.slices(team_a) if (s.get("status") or {}).get("phase") == "Pending"]
     assert len(left) == 59 and all(s["status"].get("reason") for s in left)
+
+
+H200_2G = 33280 * MIB  # 2g.35gb (catalog)
+
+
+def held_namespace(op: OperatorHarness) -> str:
+    """A namespace holding two 1g.18gb (32Gi) of its 64Gi quota, whose 2g.35gb (32.5Gi more: past the
+    quota) waits, with a 10G (16Gi more: it would fit) made after it."""
+    node = op.add_node("h200-141gb")
+    op.start_operator(node)
+    wait_quota_crd(op)
+    ns = op.namespace()
+    put_quota(op, ns, "64Gi")
+    for name in ("s1", "s2"):
+        op.create_slice(ns, name, {"memory": "10G"})
+        op.wait_phase(ns, name, "Ready")
+    op.create_slice(ns, "big", {"migProfile": "2g.35gb"})
+    op.wait_phase(ns, "big", "Pending", reason="QuotaExceeded")
+    op.create_slice(ns, "small", {"memory": "10G"})
+    st = op.wait_phase(ns, "small", "Pending", reason="QuotaExceeded")["status"]
+    assert f"waits behind {ns}/big" in st["message"], st["message"]
+    return ns
+
+
+def test_a_large_waiting_request_gets_the_room_its_namespace_frees_first(operator: OperatorHarness) -> None:
+    ns = held_namespace(operator)
+    time.sleep(2)
+    assert phase(operator, ns, "small") == "Pending", "the smaller, younger slice waits behind the large one"
+    operator.delete_slice(ns, "s1")  # 16Gi held now: room for the large one (32.5Gi), which goes first
+    operator.wait_phase(ns, "big", "Ready")
+    st = operator.wait_phase(ns, "small", "Pending", reason="QuotaExceeded")["status"]
+    # 16Gi + 32.5Gi held: the small one's 16Gi would make 64.5Gi, past 64Gi.
+    held = f"{16384 + 33280}Mi"
+    wait_until(lambda: f"holds {held} of its 64Gi" in ((operator.get_slice(ns, "small") or {}).get("status") or {})
+               .get("message", ""), 20, lambda: f"small's own refusal: {operator.get_slice(ns, 'small')['status']}")
+    wait_quota_status(operator, ns, H200_1G + H200_2G, 2, 1)
+    assert st["reason"] == "QuotaExceeded"
+
+
+def test_the_hold_ends_sixty_seconds_after_the_large_request_began_waiting(operator: OperatorHarness) -> None:
+    ns = held_namespace(operator)
+    big = operator.get_slice(ns, "big")
+    began = time.mktime(time.strptime(big["metadata"]["creationTimestamp"], "%Y-%m-%dT%H:%M:%SZ")) - time.timezone
+    small = operator.wait_phase(ns, "small", "Ready", timeout=90)["status"]
+    bound = time.mktime(time.strptime(small["phaseTimes"]["Bound"][:19], "%Y-%m-%dT%H:%M:%S")) - time.timezone
+    # The hold's bound: 60 s of the large slice's waiting (the creation time has whole seconds), then
+    # the small one is served around it, within a pass.
+    assert began + 59 <= bound <= began + 75, (big["metadata"]["creationTimestamp"], small["phaseTimes"])
+    assert phase(operator, ns, "big") == "Pending"
+    wait_quota_status(operator, ns, 3 * H200_1G, 3, 1)
+
+
+def test_quota_metrics_follow_use_hard_and_waiting(operator: OperatorHarness) -> None:
+    from test_metrics import free_port, scrape, value
+
+    node = operator.add_node("h200-141gb")
+    operator.agent(node)
+    operator.wait_gpunode(node)
+    port = free_port()
+    operator.controller(None, "--metrics-address", f"127.0.0.1:{port}")
+    wait_quota_crd(operator)
+    limited, free = operator.namespace(), operator.namespace()
+    put_quota(operator, limited, "32Gi")
+    for name in ("m1", "m2", "m3"):
+        operator.create_slice(limited, name, {"memory": "10G"})
+    operator.create_slice(free, "f1", {"migProfile": "2g.35gb"})
+    operator.wait_phase(limited, "m3", "Pending", reason="QuotaExceeded")
+    operator.wait_phase(free, "f1", "Ready")
+    expected = {
+        ("mig_operator_quota_used_bytes", limited): 2 * H200_1G,
+        ("mig_operator_quota_hard_bytes", limited): 32 * GIB,
+        ("mig_operator_quota_used_slices", limited): 2,
+        ("mig_operator_quota_waiting_slices", limited): 1,
+        ("mig_operator_quota_used_bytes", free): H200_2G,
+        ("mig_operator_quota_used_slices", free): 1,
+        ("mig_operator_quota_hard_bytes", free): None,  # no quota: no hard, no waiting
+        ("mig_operator_quota_waiting_slices", free): None,
+    }
+    seen: list[dict] = [{}]
+
+    def matches() -> bool:
+        samples = scrape(port)[1]
+        seen[0] = {key: value(samples, key[0], namespace=key[1]) for key in expected}
+        seen[0]["pending"] = value(samples, "mig_operator_pending_slices", reason="QuotaExceeded")
+        return seen[0] == {**expected, "pending": 1}
+
+    wait_until(matches, 20, lambda: f"quota metrics {expected}: {seen[0]}\n{operator.logs()}")
+    operator.delete_slice(limited, "m1")
+    operator.wait_phase(limited, "m3", "Ready")
+    expected[("mig_operator_quota_waiting_slices", limited)] = 0
+
+    def released() -> bool:
+        samples = scrape(port)[1]
+        seen[0] = {key: value(samples, key[0], namespace=key[1]) for key in expected}
+        return seen[0] == expected and not value(samples, "mig_operator_pending_slices", reason="QuotaExceeded")
+
+    wait_until(released, 20, lambda: f"quota metrics after a release {expected}: {seen[0]}")
