@@ -251,3 +251,77 @@ def test_fair_order_matches_a_brute_force_simulation() -> None:
                 used[ns] = used[ns].plus(grant[item])
                 expected.append(item)
         assert got == expected
+
+
+# ---- the controller's bookkeeping (kube/controller/state.py) ------------------------------------
+
+def slice_body(uid: str, ns: str, phase: str | None, granted: int = 0, deleting: bool = False,
+               version: int = 1) -> dict:
+    meta = {"uid": uid, "namespace": ns, "name": uid, "resourceVersion": str(version),
+            "creationTimestamp": "2026-11-24T15:00:00Z"}
+    if deleting:
+        meta["deletionTimestamp"] = "2026-11-24T15:01:00Z"
+    status = {} if phase is None else {"phase": phase}
+    if phase in ("Bound", "Creating", "Ready"):
+        status.update(node="n1", gpu=0, mode="fraction", grantedBytes=granted)
+    return {"metadata": meta, "spec": {"fraction": 0.5}, "status": status}
+
+
+def test_the_controller_counts_grants_from_bound_on_and_stops_at_deletion() -> None:
+    from mig_operator.kube.controller.state import ClusterState
+
+    state = ClusterState()
+    state.put_slice(slice_body("p", "a", "Pending"))
+    state.put_slice(slice_body("f", "a", "Failed"))
+    for uid, phase in (("b", "Bound"), ("c", "Creating"), ("r", "Ready")):
+        state.put_slice(slice_body(uid, "a", phase, granted=3 * GIB))
+    state.put_slice(slice_body("o", "other", "Ready", granted=GIB))
+    assert state.used("a") == Usage(9 * GIB, 3) and state.used("other") == Usage(GIB, 1)
+    state.put_slice(slice_body("r", "a", "Ready", granted=3 * GIB, deleting=True, version=2))
+    assert state.used("a") == Usage(6 * GIB, 2)  # deleted: no longer counted, though its room is held
+    state.remove_slice("b")
+    assert state.used("a") == Usage(3 * GIB, 1)
+    state.remove_slice("c")
+    assert state.used("a") == Usage() and "a" not in state.usage
+    # A full list recomputes from scratch: the same sums as a sum written here.
+    bodies = [slice_body(f"s{i}", f"n{i % 3}", "Ready", granted=(i + 1) * GIB) for i in range(9)]
+    state.replace_all(bodies, [], [])
+    for ns in ("n0", "n1", "n2"):
+        mine = [(i + 1) * GIB for i in range(9) if f"n{i % 3}" == ns]
+        assert state.used(ns) == Usage(sum(mine), len(mine))
+    assert state.used("other") == Usage()
+
+
+def test_the_controller_takes_only_the_quota_named_quota_and_a_valid_spec() -> None:
+    from mig_operator.kube.controller.state import ClusterState
+
+    state = ClusterState()
+    assert state.put_quota({"metadata": {"namespace": "a", "name": "quota"}, "spec": {"memory": "40Gi"}})
+    assert not state.put_quota({"metadata": {"namespace": "a", "name": "other"}, "spec": {"memory": "1Gi"}})
+    assert state.quotas["a"] == Quota("a", 40 * GIB)
+    assert not state.put_quota({"metadata": {"namespace": "a", "name": "quota"}, "spec": {"memory": "40X"}})
+    assert "a" not in state.quotas and "'40X'" in state.quota_errors["a"]  # ignored: no limit, and why
+    state.put_quota({"metadata": {"namespace": "a", "name": "quota"}, "spec": {"memory": "8Gi", "slices": 2}})
+    state.put_slice(slice_body("x", "a", "Ready", granted=2 * GIB))
+    assert state.share("a") == Fraction(1, 2)  # 1 of 2 slices is more than 2Gi of 8Gi
+    state.remove_quota({"metadata": {"namespace": "a", "name": "quota"}})
+    assert "a" not in state.quotas and state.share("a") == 0  # no inventories: the cluster has no memory
+
+
+def test_a_namespace_without_a_quota_is_ranked_by_its_share_of_every_gpu() -> None:
+    from mig_operator.kube.controller.state import ClusterState
+
+    def gpunode(name: str, *mib: int) -> dict:
+        gpus = [{"index": i, "uuid": f"GPU-{name}-{i}", "memoryMiB": m} for i, m in enumerate(mib)]
+        return {"metadata": {"name": name}, "spec": {"nodeName": name}, "status": {"gpus": gpus}}
+
+    state = ClusterState()
+    state.put_inventory(gpunode("n1", 81559, 81559))
+    state.put_inventory(gpunode("n2", 23034))
+    assert state.cluster_bytes == (2 * 81559 + 23034) * MIB
+    state.put_inventory(gpunode("n1", 81559))  # a GPU fewer
+    assert state.cluster_bytes == (81559 + 23034) * MIB
+    state.put_slice(slice_body("x", "a", "Ready", granted=23034 * MIB))
+    assert state.share("a") == Fraction(23034, 81559 + 23034)
+    state.remove_inventory(gpunode("n2"))
+    assert state.cluster_bytes == 81559 * MIB

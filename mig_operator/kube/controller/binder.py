@@ -93,7 +93,7 @@ class Binder:
             slices, inventories, nodes, quotas = await asyncio.gather(
                 self.client.list(slices_path()), self.client.list(gpunodes_path()),
                 self.client.list("/api/v1/nodes", label_selector=f"{MIG_NODE_LABEL}={MIG_NODE_VALUE}"),
-                self.client.list(QUOTAS_PATH),
+                self._list_quotas(),
             )
             self.state.replace_all(slices, inventories, [n["metadata"]["name"] for n in nodes])
             self.state.replace_quotas(quotas)
@@ -108,6 +108,17 @@ class Binder:
         for extra in self.on_resync:
             await self._guard(extra())
         self.request_replan()
+
+    async def _list_quotas(self) -> list[dict]:
+        """Every GpuQuota; none when the CRD is not installed (an upgrade that skipped
+        ``kubectl apply -f crds/``): then no namespace has a limit, as before quotas existed."""
+        try:
+            return await self.client.list(QUOTAS_PATH)
+        except ApiError as exc:
+            if not exc.not_found:
+                raise
+            log.warning("GpuQuotas cannot be listed (is crds/gpuquota.yaml applied?): no namespace is limited")
+            return []
 
     def maybe_resync(self) -> None:
         """Resync when the last one is older than ``resync_s``; driven by events, so a paused
