@@ -520,7 +520,8 @@ def _changed(value: Any) -> Any:
 
 # A value that only matters in another mode is changed on top of that mode.
 MODES = {("webhook", "certManager"): {"webhook": {"certManager": {"enabled": True}}},
-         ("metrics", "serviceMonitor"): {"metrics": {"serviceMonitor": {"enabled": True}}}}
+         ("metrics", "serviceMonitor"): {"metrics": {"serviceMonitor": {"enabled": True}}},
+         ("grafana", "dashboard"): {"grafana": {"dashboard": {"enabled": True}}}}
 
 
 def test_every_value_is_used_by_the_templates(render: Any, tmp_path: Path) -> None:

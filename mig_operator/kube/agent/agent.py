@@ -387,7 +387,8 @@ class NodeAgent:
                            device_uuid=gpu.uuid)
         await asyncio.to_thread(self.store.put, entry)
         message = f"{describe_binding(binding)} ({gpu.uuid}), enforced by libgpuslice"
-        return "fraction", status.ready(None, gpu.uuid, binding.granted_bytes, False, message)
+        return "fraction", status.ready(None, gpu.uuid, binding.granted_bytes, False, message,
+                                        claim=ref.rpartition("/")[2])
 
     async def _realise_mig(self, uid: str, ref: str, binding: Binding, body: Mapping) -> tuple[str, dict]:
         """A reuse (or a resume after a crash) is handed over at once: it makes no NVML call, so it must
@@ -500,7 +501,7 @@ class NodeAgent:
         verb = "reused idle" if reused else "created"
         message = f"{verb} {describe_binding(binding)}: {made.device_uuid}"
         ready = status.ready(body.get("status"), made.device_uuid, binding.granted_bytes, reused, message,
-                             gi_id=made.gi_id, ci_id=made.ci_id)
+                             gi_id=made.gi_id, ci_id=made.ci_id, claim=ref.rpartition("/")[2])
         return ("reuse" if reused else "create"), ready
 
     async def _clear_half_made(self, gpu: int, binding: Binding) -> None:

@@ -82,7 +82,9 @@ def creating(previous: Mapping | None, message: str) -> dict:
 
 
 def ready(previous: Mapping | None, device_uuid: str, granted_bytes: int, reused: bool, message: str,
-          gi_id: int | None = None, ci_id: int | None = None) -> dict:
+          gi_id: int | None = None, ci_id: int | None = None, claim: str = "") -> dict:
+    """``claim``: the slice's ResourceClaim (its own name), named in the same write as Ready so that
+    the controller, which writes the claim itself, need not write the slice's status again."""
     when = now()
     body: dict[str, Any] = {
         "phase": READY, "reason": "Ready", "message": _message(message), "deviceUUID": device_uuid,
@@ -95,6 +97,8 @@ def ready(previous: Mapping | None, device_uuid: str, granted_bytes: int, reused
     }
     if gi_id is not None:
         body.update(giId=gi_id, ciId=ci_id)
+    if claim:
+        body["claim"] = claim
     return body
 
 
