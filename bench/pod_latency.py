@@ -114,11 +114,15 @@ def main() -> int:
     time.sleep(2)  # the webhook configuration is in place
     custom = kubernetes.client.CustomObjectsApi(plane.api)
     writes: dict[str, float] = {}
+    by_resource: dict[str, dict[str, float]] = {}
 
     def measured(memory: str | None, tag: str) -> dict[str, list[float]]:
-        before = sum(plane.apiserver_writes().values())
+        before = plane.apiserver_writes()
         times = round_trip(core, ns, args.pods, memory, tag, args.gap)
-        writes[tag] = (sum(plane.apiserver_writes().values()) - before) / args.pods
+        after = plane.apiserver_writes()
+        delta = {key: (after[key] - before.get(key, 0.0)) / args.pods for key in after}
+        writes[tag] = sum(delta.values())
+        by_resource[tag] = {key: round(value, 2) for key, value in sorted(delta.items()) if value >= 0.01}
         core.delete_collection_namespaced_pod(ns, grace_period_seconds=0)
         deadline = time.monotonic() + 120
         while custom.list_namespaced_custom_object("cdmo.io", "v1alpha1", ns, "gpuslices")["items"]:
@@ -146,7 +150,9 @@ def main() -> int:
     result = {"pods": args.pods, "nodes": args.nodes, "gpus": args.nodes * 8, "latency_s": args.latency,
               "gap_s": args.gap, "plain": {"total": summary(plain)["total"], "send_s": plain["send_s"][0]},
               "new": summary(new), "reused": summary(reused),
-              "writes_per_pod": {"plain": writes["plain"], "new": writes["new"], "reused": writes["again"]}}
+              "writes_per_pod": {"plain": writes["plain"], "new": writes["new"], "reused": writes["again"]},
+              "writes_per_pod_by_resource": {"plain": by_resource["plain"], "new": by_resource["new"],
+                                             "reused": by_resource["again"]}}
     baseline = pct(plain["total"], 0.5)
     result["ratio_p50"] = {"new": pct(new["total"], 0.5) / baseline, "reused": pct(reused["total"], 0.5) / baseline}
     print(json.dumps(result, indent=2))
