@@ -4,11 +4,12 @@ not from the code under test."""
 
 from __future__ import annotations
 
+import subprocess
 import time
 from typing import Any
 
 import yaml
-from harness import GROUP, VERSION, OperatorHarness, wait_until
+from harness import GROUP, REPO_ROOT, VERSION, OperatorHarness, wait_until
 from kubernetes.client.rest import ApiException
 
 MIB = 2**20
@@ -293,3 +294,36 @@ def test_quota_metrics_follow_use_hard_and_waiting(operator: OperatorHarness) ->
         return seen[0] == expected and not value(samples, "mig_operator_pending_slices", reason="QuotaExceeded")
 
     wait_until(released, 20, lambda: f"quota metrics after a release {expected}: {seen[0]}")
+
+
+def test_view_edit_and_admin_read_quotas_and_only_cluster_admin_writes_them(operator: OperatorHarness) -> None:
+    wait_quota_crd(operator)
+    ns = operator.namespace()
+    put_quota(operator, ns, "40Gi")
+    release = "quota-roles"
+    rendered = subprocess.run(
+        [str(operator.cluster.bin_dir / "helm"), "template", release, str(REPO_ROOT / "helm" / "mig-operator"),
+         "--show-only", "templates/user-roles.yaml"], capture_output=True, text=True, timeout=120, check=True).stdout
+    operator.cluster.kubectl("apply", "-f", "-", input=rendered)
+    users = {"viewer": "view", "editor": "edit", "owner": "admin"}
+    try:
+        for user, role in users.items():
+            operator.cluster.kubectl("create", "rolebinding", f"{user}-{role}", f"--clusterrole={role}",
+                                     f"--user={user}", "-n", ns)
+
+        def can(user: str, verb: str, resource: str) -> bool:
+            answer = operator.cluster.kubectl("auth", "can-i", verb, resource, "-n", ns, f"--as={user}", check=False)
+            return answer.stdout.strip() == "yes"
+
+        # kube-controller-manager aggregates the chart's roles into view, edit and admin.
+        wait_until(lambda: all(can(u, "get", "gpuquotas.cdmo.io") for u in users), 30,
+                   "the chart's user roles aggregated into view, edit and admin")
+        for user in users:
+            assert can(user, "list", "gpuquotas.cdmo.io") and can(user, "watch", "gpuquotas.cdmo.io")
+            for verb in ("create", "update", "patch", "delete", "deletecollection"):
+                assert not can(user, verb, "gpuquotas.cdmo.io"), (user, verb)
+            assert not can(user, "patch", "gpuquotas.cdmo.io/status"), user
+        # The edit role still writes its GpuSlices: the quota is what it cannot raise.
+        assert can("editor", "create", "gpuslices.cdmo.io") and not can("viewer", "create", "gpuslices.cdmo.io")
+    finally:
+        operator.cluster.kubectl("delete", "-f", "-", "--ignore-not-found", input=rendered, check=False)
