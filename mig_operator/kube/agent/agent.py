@@ -314,7 +314,7 @@ class NodeAgent:
         phase_ready = (body.get("status") or {}).get("phase") == READY and not meta.get("deletionTimestamp")
         if phase_ready and entry is not None and entry.state == COMPLETED and uid not in self._ready:
             self._ready.add(uid)
-            self.schedule_publish()
+            self.schedule_publish(at_once=True)
         elif not phase_ready and uid in self._ready:
             self._ready.discard(uid)
             self.schedule_publish()
@@ -370,7 +370,10 @@ class NodeAgent:
         self._ready.add(uid)
         log.info("slice %s ready: %s", ref, ready["message"])
         metrics.REALISE_SECONDS.labels(action).observe(time.perf_counter() - started)
-        self.schedule_publish()
+        # At once: the controller hands the device on only when the GpuNode lists it (and kube-scheduler
+        # allocates it from the ResourceSlice): a pod waits for this write. Writes under way still
+        # coalesce what arrives meanwhile into one more.
+        self.schedule_publish(at_once=True)
 
     async def _realise_fraction(self, uid: str, ref: str, binding: Binding, gpu: GpuInfo) -> tuple[str, dict]:
         if gpu.mig_enabled:
