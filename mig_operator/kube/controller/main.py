@@ -14,6 +14,8 @@ from typing import Any
 
 import kopf
 
+from mig_operator.core.quota import DEFAULT_HOLD_S
+
 from ..common.client import ApiError, KubeClient
 from ..common.events import EventPoster
 from ..common.names import (
@@ -43,6 +45,8 @@ class ControllerOptions:
     peering: str = PEERING_NAME
     peering_lifetime_s: int = 10
     resync_s: float = 30.0
+    # How long a slice waiting for room keeps its namespace's younger slices behind it (fair order).
+    fair_hold_s: float = DEFAULT_HOLD_S
 
 
 def default_priority() -> int:
@@ -74,7 +78,7 @@ def build_registry(options: ControllerOptions) -> kopf.OperatorRegistry:
         client = KubeClient.from_environment(options.kubeconfig)
         await ensure_peering(client, options.peering)
         events = EventPoster(client, "mig-operator-controller", os.uname().nodename)
-        binder = Binder(client, events, resync_s=options.resync_s)
+        binder = Binder(client, events, resync_s=options.resync_s, hold_s=options.fair_hold_s)
         claims = SliceClaims(client, events, binder.state)
         pods = PodSlices(client, events, binder.state, claims)
         quotas = QuotaStatus(client, binder)
