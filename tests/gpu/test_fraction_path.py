@@ -134,50 +134,6 @@ class NoEvents:
         pass
 
 
-class FakeKubelet:
-    """The calls the kubelet's plugin watcher and DRA manager make, built from the kubelet's protos."""
-
-    def __init__(self, registration_socket: str) -> None:
-        self.registration_socket = registration_socket
-        self.dra: Any = None
-        self._channels: list[Any] = []
-
-    async def register(self) -> Any:
-        import grpc
-
-        from mig_operator.kube.agent.kubeletapi import dra_v1_pb2_grpc as dra_grpc
-        from mig_operator.kube.agent.kubeletapi import pluginregistration_v1_pb2 as reg
-        from mig_operator.kube.agent.kubeletapi import pluginregistration_v1_pb2_grpc as reg_grpc
-
-        channel = grpc.aio.insecure_channel(f"unix://{self.registration_socket}")
-        self._channels.append(channel)
-        stub = reg_grpc.RegistrationStub(channel)
-        info = await stub.GetInfo(reg.InfoRequest(), timeout=10)
-        await stub.NotifyRegistrationStatus(reg.RegistrationStatus(plugin_registered=True), timeout=10)
-        service = grpc.aio.insecure_channel(f"unix://{info.endpoint}")
-        self._channels.append(service)
-        self.dra = dra_grpc.DRAPluginStub(service)
-        return info
-
-    async def prepare(self, *claims: tuple[str, str]) -> Any:
-        from mig_operator.kube.agent.kubeletapi import dra_v1_pb2 as dra
-
-        request = dra.NodePrepareResourcesRequest(
-            claims=[dra.Claim(namespace=NAMESPACE, uid=uid, name=name) for uid, name in claims])
-        return await self.dra.NodePrepareResources(request, timeout=30)
-
-    async def unprepare(self, *claims: tuple[str, str]) -> Any:
-        from mig_operator.kube.agent.kubeletapi import dra_v1_pb2 as dra
-
-        request = dra.NodeUnprepareResourcesRequest(
-            claims=[dra.Claim(namespace=NAMESPACE, uid=uid, name=name) for uid, name in claims])
-        return await self.dra.NodeUnprepareResources(request, timeout=30)
-
-    async def close(self) -> None:
-        for channel in self._channels:
-            await channel.close()
-
-
 def bound_fraction(name: str, uid: str, gpu: int, granted: int) -> dict:
     """A GpuSlice as the controller leaves it for the agent: phase Bound, mode fraction."""
     return {
@@ -425,7 +381,9 @@ def test_agent_prepares_fraction_claims_and_torch_holds_each_limit(
         await agent.start()
         plugin = KubeletPlugin(agent, settings)
         assert await plugin.start()
-        kubelet = FakeKubelet(settings.registration_socket)
+        from fake_kubelet import FakeKubelet  # here: grpc is needed only where the test runs
+
+        kubelet = FakeKubelet(settings.registration_socket, namespace=NAMESPACE, timeout_s=30)
         try:
             info = await kubelet.register()
             assert (info.type, info.name, info.endpoint, list(info.supported_versions)) == \

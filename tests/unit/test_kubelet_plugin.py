@@ -20,8 +20,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
+from fake_kubelet import FakeKubelet
 
 from mig_operator.core.cdi import SliceDevice, slice_spec
 from mig_operator.core.lifecycle import idle_instances
@@ -30,10 +30,6 @@ from mig_operator.gpu.simulated import SimulatedBackend
 from mig_operator.kube.agent.agent import AgentSettings, NodeAgent
 from mig_operator.kube.agent.inventory import instance_state
 from mig_operator.kube.agent.kubelet_plugin import KubeletPlugin, PluginSettings
-from mig_operator.kube.agent.kubeletapi import dra_v1_pb2 as dra
-from mig_operator.kube.agent.kubeletapi import dra_v1_pb2_grpc as dra_grpc
-from mig_operator.kube.agent.kubeletapi import pluginregistration_v1_pb2 as reg
-from mig_operator.kube.agent.kubeletapi import pluginregistration_v1_pb2_grpc as reg_grpc
 from mig_operator.kube.agent.record import RecordStore
 from mig_operator.kube.common.client import ApiError
 
@@ -162,42 +158,6 @@ class Node:
 
     def spec_path(self, slice_uid: str) -> Path:
         return self.root / "cdi" / f"gpu.cdmo.io-slice_{slice_uid}.json"
-
-
-class FakeKubelet:
-    """What the kubelet's plugin watcher and DRA manager call, from the kubelet's protos."""
-
-    def __init__(self, registration_socket: str) -> None:
-        self.registration_socket = registration_socket
-        self.dra: dra_grpc.DRAPluginStub | None = None
-        self._channels: list[grpc.aio.Channel] = []
-
-    async def register(self) -> reg.PluginInfo:
-        channel = grpc.aio.insecure_channel(f"unix://{self.registration_socket}")
-        self._channels.append(channel)
-        stub = reg_grpc.RegistrationStub(channel)
-        info = await stub.GetInfo(reg.InfoRequest(), timeout=5)
-        await stub.NotifyRegistrationStatus(reg.RegistrationStatus(plugin_registered=True), timeout=5)
-        dra_channel = grpc.aio.insecure_channel(f"unix://{info.endpoint}")
-        self._channels.append(dra_channel)
-        self.dra = dra_grpc.DRAPluginStub(dra_channel)
-        return info
-
-    async def prepare(self, *claims: tuple[str, str]) -> dra.NodePrepareResourcesResponse:
-        assert self.dra is not None
-        request = dra.NodePrepareResourcesRequest(
-            claims=[dra.Claim(namespace="team", uid=uid, name=name) for uid, name in claims])
-        return await self.dra.NodePrepareResources(request, timeout=10)
-
-    async def unprepare(self, *claims: tuple[str, str]) -> dra.NodeUnprepareResourcesResponse:
-        assert self.dra is not None
-        request = dra.NodeUnprepareResourcesRequest(
-            claims=[dra.Claim(namespace="team", uid=uid, name=name) for uid, name in claims])
-        return await self.dra.NodeUnprepareResources(request, timeout=10)
-
-    async def close(self) -> None:
-        for channel in self._channels:
-            await channel.close()
 
 
 @pytest.fixture
