@@ -140,6 +140,8 @@ def add_operator_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--peering-lifetime", default="10",
                    help=f"seconds before a silent active replica is replaced, 1 to {MAX_PEERING_LIFETIME_S}")
     p.add_argument("--resync", default="30s", help="how often the full state is read again (driven by events)")
+    p.add_argument("--fair-hold", default="60s",
+                   help="how long a waiting slice may hold back its namespace's smaller ones (fair order)")
     p.add_argument("--webhook", metavar="HOST:PORT", help="serve the pod admission webhook there (TLS)")
     p.add_argument("--webhook-cert", help="serving certificate (PEM); default: one made at start")
     p.add_argument("--webhook-key", help="its private key (PEM)")
@@ -148,6 +150,9 @@ def add_operator_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--webhook-url", help="URL the API server calls (default https://HOST:PORT/gpu-slice)")
     p.add_argument("--webhook-service", metavar="NAMESPACE/NAME[:PORT]",
                    help="point the webhook configuration at this Service instead of a URL (in a cluster)")
+    p.add_argument("--mig-request-namespaces", default=None, metavar="NS[,NS...]",
+                   help="namespaces whose nvidia.com/mig-* requests the webhook serves (default: every one it "
+                        "serves; a namespace labelled cdmo.io/mig-requests=off is always left out)")
     p.add_argument("--webhook-config", default="mig-operator",
                    help="MutatingWebhookConfiguration to create or update with the CA bundle ('' to leave it alone)")
     p.add_argument("--namespace", default="mig-operator",
@@ -228,11 +233,15 @@ def cmd_controller(args: argparse.Namespace) -> int:
     _dns_subdomain("--peering", args.peering, "mig-operator", "peering name")
     lifetime = _peering_lifetime(args.peering_lifetime)
     resync = _duration_flag("--resync", args.resync)
+    fair_hold = _duration_flag("--fair-hold", args.fair_hold)
     _dns_label("--namespace", args.namespace, "mig-operator", "namespace")
     if args.webhook_config:
         _dns_subdomain("--webhook-config", args.webhook_config, "mig-operator", "MutatingWebhookConfiguration name")
     if args.webhook_service:
         _webhook_service(args.webhook_service)
+    mig_namespaces = tuple(n.strip() for n in (args.mig_request_namespaces or "").split(",") if n.strip())
+    for namespace in mig_namespaces:
+        _dns_label("--mig-request-namespaces", namespace, "team-a,team-b", "namespace")
     if bool(args.webhook_cert) != bool(args.webhook_key):
         raise QuantityError("--webhook-cert and --webhook-key go together; e.g. --webhook-cert tls.crt "
                             "--webhook-key tls.key")
@@ -243,7 +252,7 @@ def cmd_controller(args: argparse.Namespace) -> int:
             raise QuantityError(str(exc)) from None
     options = ControllerOptions(
         kubeconfig=args.kubeconfig, priority=args.priority, peering=args.peering,
-        peering_lifetime_s=lifetime, resync_s=resync,
+        peering_lifetime_s=lifetime, resync_s=resync, fair_hold_s=fair_hold,
     )
     registry = build_registry(options)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
@@ -257,6 +266,7 @@ def cmd_controller(args: argparse.Namespace) -> int:
                     listen=args.webhook, namespace=args.namespace, cert_file=args.webhook_cert,
                     key_file=args.webhook_key, cert_secret=args.webhook_cert_secret, url=args.webhook_url,
                     service=args.webhook_service, config_name=args.webhook_config or None,
+                    mig_request_namespaces=mig_namespaces,
                 )
                 webhook_socket = stack.enter_context(bind(webhook))
                 if not args.webhook_cert:

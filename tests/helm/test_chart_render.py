@@ -41,6 +41,7 @@ VARIANTS: dict[str, list[str]] = {
         "--set", f"image.digest={SHA}", "--set", "imagePullSecrets[0].name=pull",
         "--set", "logging.level=debug", "--set", "logging.format=text", "--set", "metrics.enabled=false",
         "--set", "controller.replicas=3", "--set", "controller.resync=2m", "--set", "controller.peering=gpu-peers",
+        "--set", "controller.fairHold=90s",
         "--set", "controller.priorityClassName=system-cluster-critical",
         "--set", "controller.podDisruptionBudget.enabled=false", "--set", "webhook.port=8443",
         "--set", "webhook.configurationName=gpu-slices", "--set", "webhook.selfSigned.secretName=gpu-slices-tls",
@@ -173,7 +174,8 @@ def test_the_chart_ships_the_webhook_configuration_the_controller_would_write(re
     options = WebhookOptions(listen="0.0.0.0:9443", namespace="gpu-system",
                              service=f"gpu-system/{service['metadata']['name']}:443", config_name="gpu-webhook")
     expected = webhook_configuration(options, b"")
-    del expected["webhooks"][0]["clientConfig"]["caBundle"]
+    for entry in expected["webhooks"]:
+        del entry["clientConfig"]["caBundle"]
     labels = rendered["metadata"].pop("labels")
     assert labels["app.kubernetes.io/managed-by"] == "Helm" and labels["app.kubernetes.io/instance"] == "gs"
     del expected["metadata"]["labels"]  # the controller patches webhooks only, never the chart's labels
@@ -216,6 +218,23 @@ def test_the_chart_owns_the_peering_object_the_controller_replicas_use(render: A
 
 
 # ---- the chart's flags are the command line's ----------------------------------------------------
+
+
+def test_the_mig_request_namespaces_reach_the_configuration_and_the_controller_alike(render: Any) -> None:
+    """The chart's webhook entry for nvidia.com/mig-* requests and the one the controller writes from its
+    --mig-request-namespaces flag select the same namespaces (the controller's patch must not widen it)."""
+    docs = render("--set", "webhook.migRequestNamespaces={team-a,team-b}", release="gs", namespace="gpu-system")
+    ctl = _args(container(docs, "Deployment", "controller"))
+    assert ctl.mig_request_namespaces == "team-a,team-b"
+    rendered = find(docs, "MutatingWebhookConfiguration")["webhooks"][1]
+    options = WebhookOptions(listen="0.0.0.0:9443", namespace="gpu-system", service=ctl.webhook_service,
+                             mig_request_namespaces=("team-a", "team-b"))
+    expected = webhook_configuration(options, b"")["webhooks"][1]
+    assert rendered["namespaceSelector"] == expected["namespaceSelector"]
+    assert rendered["namespaceSelector"]["matchExpressions"][-1]["values"] == ["team-a", "team-b"]
+    assert rendered["matchConditions"] == expected["matchConditions"]
+    default = _args(container(render(release="gs", namespace="gpu-system"), "Deployment", "controller"))
+    assert default.mig_request_namespaces is None
 
 
 def _args(c: dict[str, Any]) -> Any:

@@ -571,3 +571,38 @@ def test_every_subcommands_help_shows_its_defaults(command: str) -> None:
         assert f"(default: {action.default})" in block or f"(default {action.default})" in block, block
     if command in ("controller", "agent", "demo", "inspect"):
         assert options  # these have defaults to show, so the loop above checked something
+
+
+@pytest.mark.parametrize("value", ["-1s", "0", "soon", ""])
+def test_a_bad_fair_hold_exits_2_naming_the_value(tmp_path, value: str) -> None:
+    proc = part(tmp_path, "controller", "--fair-hold", value)
+    assert_one_line_error(proc, 2, "--fair-hold")
+    assert repr(value) in proc.stderr
+
+
+@pytest.mark.parametrize(("value", "seconds"), [(None, 60.0), ("90s", 90.0), ("2m", 120.0), ("0.5", 0.5)])
+def test_the_fair_hold_reaches_the_controller(monkeypatch, tmp_path, value: str | None, seconds: float) -> None:
+    import mig_operator.kube.controller.main as controller_main
+
+    seen = []
+
+    class Built(Exception):
+        pass
+
+    def build_registry(options):
+        seen.append(options)
+        raise Built
+
+    kubeconfig = unreachable_kubeconfig(tmp_path)
+    monkeypatch.setattr(controller_main, "build_registry", build_registry)
+    argv = ["controller", "--kubeconfig", str(kubeconfig)] + (["--fair-hold", value] if value else [])
+    with pytest.raises(Built):
+        main(argv)
+    assert [o.fair_hold_s for o in seen] == [seconds]
+
+
+@pytest.mark.parametrize("value", ["Team-A", "a,b_c", "x" * 64])
+def test_a_bad_mig_request_namespace_exits_2_naming_it(tmp_path, value: str) -> None:
+    proc = part(tmp_path, "controller", "--webhook", "127.0.0.1:9443", "--mig-request-namespaces", value)
+    assert_one_line_error(proc, 2, "--mig-request-namespaces")
+    assert "is not a namespace" in proc.stderr and "e.g. --mig-request-namespaces team-a,team-b" in proc.stderr
