@@ -39,14 +39,19 @@ ANNOTATION_MEMORY = "cdmo.io/gpu-memory"
 ANNOTATION_FRACTION = "cdmo.io/gpu-fraction"
 ANNOTATION_PROFILE = "cdmo.io/mig-profile"
 REQUEST_ANNOTATIONS = (ANNOTATION_MEMORY, ANNOTATION_FRACTION, ANNOTATION_PROFILE)
-# Any annotation under these prefixes, in any case, is meant as a request, so a misspelt one
-# (cdmo.io/gpu-memroy, cdmo.io/GPU-memory, cdmo.io/mig-profiles) is refused, not ignored.
-ANNOTATION_PREFIXES = ("cdmo.io/gpu-", "cdmo.io/mig-")
+# Written by the webhook on a pod whose containers asked through nvidia.com/mig-* resources: what they
+# asked for (core/request_forms.py). Informational: a pod may carry it (a copy of such a pod does).
+ANNOTATION_REQUESTED = "cdmo.io/requested-resources"
+POD_ANNOTATIONS = (*REQUEST_ANNOTATIONS, ANNOTATION_REQUESTED)
+# Any other annotation under this prefix, in any case, is refused, not ignored: a misspelt request
+# (cdmo.io/gpu-memroy, cdmo.io/GPU-memory, cdmo.io/mig-profiles) or a guessed one (cdmo.io/gpu: 1)
+# would otherwise run with no slice and no word said.
+ANNOTATION_PREFIX = "cdmo.io/"
 
 
 def looks_like_request(key: str) -> bool:
-    """Whether an annotation key is one of the request annotations or a misspelling of one."""
-    return key.lower().startswith(ANNOTATION_PREFIXES)
+    """Whether a pod annotation key is under the operator's prefix but not one the operator knows."""
+    return key.lower().startswith(ANNOTATION_PREFIX) and key not in POD_ANNOTATIONS
 
 SPEC_FIELDS = ("memory", "fraction", "migProfile", "nodeName")
 # All of the spec is the request: the controller may have acted on any of it, so none may change.
@@ -108,7 +113,7 @@ def request_from_annotations(annotations: Mapping[str, str] | None) -> SliceRequ
     """The request a pod's annotations make, or None when it carries no slice annotation."""
     if not annotations:
         return None
-    stray = sorted(key for key in annotations if looks_like_request(key) and key not in REQUEST_ANNOTATIONS)
+    stray = sorted(key for key in annotations if looks_like_request(key))
     if stray:
         raise RequestError(
             f"annotation {clip_text(stray[0])}: {clip_repr(annotations[stray[0]])} is not a slice annotation "

@@ -93,7 +93,19 @@ def test_non_mapping_spec_is_refused() -> None:
 def test_no_slice_annotation_means_no_request() -> None:
     assert request_from_annotations(None) is None
     assert request_from_annotations({}) is None
-    assert request_from_annotations({"app": "x", "cdmo.io/slice": "ns/name"}) is None
+    assert request_from_annotations({"app": "x", "cdmo.clear.ml/queue": "q"}) is None
+    # What the webhook records of a pod's nvidia.com/mig-* request is informational: no request.
+    assert request_from_annotations({"cdmo.io/requested-resources": '{"c":{"nvidia.com/mig-1g.10gb":"1"}}'}) is None
+
+
+@pytest.mark.parametrize("key", ["cdmo.io/gpu", "cdmo.io/slice", "CDMO.IO/gpus", "cdmo.io/gpu-count",
+                                 "cdmo.io/Requested-Resources", "cdmo.io/"])
+def test_an_unknown_cdmo_annotation_is_refused_with_the_known_keys(key: str) -> None:
+    with pytest.raises(RequestError) as caught:
+        request_from_annotations({key: "1"})
+    message = str(caught.value)
+    assert f"annotation {key}: '1' is not a slice annotation" in message
+    assert "cdmo.io/gpu-memory, cdmo.io/gpu-fraction, cdmo.io/mig-profile" in message
 
 
 @pytest.mark.parametrize(

@@ -24,22 +24,42 @@ import kopf
 
 from mig_operator.core.pod_admission import PodRefused, check_pod
 from mig_operator.core.quantities import QuantityError
+from mig_operator.core.request_forms import (
+    MIG_REQUESTS_LABEL,
+    MIG_REQUESTS_OFF,
+    MIG_RESOURCE_PREFIX,
+    mig_resource_request,
+)
+from mig_operator.core.slice_spec import ANNOTATION_PREFIX
 
 from ..common.client import ApiError, KubeClient
 from ..common.listen import listen
 from ..common.names import WEBHOOK_NAME
-from .admission import RefusalsAtInfo, mutate_pod, slice_name_for
+from .admission import RefusalsAtInfo, mutate_pod, serve_mig_request, slice_name_for, with_mig_request
 from .certs import CertBundle, make_certificate
 
 log = logging.getLogger("mig_operator.webhook")
 
 HANDLER_ID = "gpu-slice"  # kopf serves each handler at /<id>
 WEBHOOK_ENTRY = "pods.cdmo.io"
-# Any cdmo.io/gpu-* or cdmo.io/mig-* annotation, in any case, is sent (core.slice_spec.looks_like_request),
-# so a misspelt one is refused, not ignored.
+# Any cdmo.io/* annotation, in any case, is sent (core.slice_spec.looks_like_request), so a misspelt or
+# guessed one is refused, not ignored.
 MATCH_EXPRESSION = (
     "has(object.metadata.annotations) && object.metadata.annotations.exists(k, "
-    "k.lowerAscii().startsWith('cdmo.io/gpu-') || k.lowerAscii().startsWith('cdmo.io/mig-'))"
+    f"k.lowerAscii().startsWith('{ANNOTATION_PREFIX}'))"
+)
+# The second entry: pods whose containers ask for nvidia.com/mig-* devices (core/request_forms.py), in
+# the namespaces that did not opt out. It comes after the first, which sees the pod as it was created.
+MIG_HANDLER_ID = "mig-resources"
+MIG_WEBHOOK_ENTRY = "mig-requests.cdmo.io"
+_ASKS_FOR_MIG = (
+    "has(c.resources) && ((has(c.resources.limits) && c.resources.limits.exists(k, "
+    f"k.startsWith('{MIG_RESOURCE_PREFIX}'))) || (has(c.resources.requests) && c.resources.requests.exists(k, "
+    f"k.startsWith('{MIG_RESOURCE_PREFIX}'))))"
+)
+MIG_MATCH_EXPRESSION = (
+    f"object.spec.containers.exists(c, {_ASKS_FOR_MIG}) || "
+    f"(has(object.spec.initContainers) && object.spec.initContainers.exists(c, {_ASKS_FOR_MIG}))"
 )
 
 
@@ -55,6 +75,8 @@ class WebhookOptions:
     config_name: str | None = WEBHOOK_NAME  # the configuration to create/update; None: managed elsewhere
     failure_policy: str = "Fail"
     key_dir: str | None = None  # where a made certificate's files go; the caller removes it at exit
+    # Namespaces whose nvidia.com/mig-* requests are served; empty: every one the webhook serves.
+    mig_request_namespaces: tuple[str, ...] = ()
 
     @property
     def host_port(self) -> tuple[str, int]:
@@ -130,34 +152,48 @@ def certificate_hosts(options: WebhookOptions) -> list[str]:
 
 
 def webhook_configuration(options: WebhookOptions, ca_bundle: bytes) -> dict[str, Any]:
-    if options.service:
-        ns, _, rest = options.service.partition("/")
-        name, _, port = rest.partition(":")
-        client_config: dict[str, Any] = {"service": {"namespace": ns, "name": name, "port": int(port or 443),
-                                                     "path": f"/{HANDLER_ID}"}}
-    else:
-        host, port = options.host_port
-        url = options.url or f"https://{'127.0.0.1' if host == '0.0.0.0' else host}:{port}/{HANDLER_ID}"
-        client_config = {"url": url}
-    client_config["caBundle"] = base64.b64encode(ca_bundle).decode()
-    return {
-        "apiVersion": "admissionregistration.k8s.io/v1",
-        "kind": "MutatingWebhookConfiguration",
-        "metadata": {"name": options.config_name, "labels": {"app.kubernetes.io/name": "mig-operator"}},
-        "webhooks": [{
-            "name": WEBHOOK_ENTRY,
+    def client_config(handler: str) -> dict[str, Any]:
+        if options.service:
+            ns, _, rest = options.service.partition("/")
+            name, _, port = rest.partition(":")
+            config: dict[str, Any] = {"service": {"namespace": ns, "name": name, "port": int(port or 443),
+                                                  "path": f"/{handler}"}}
+        else:
+            host, port = options.host_port
+            base = options.url.rsplit("/", 1)[0] if options.url else \
+                f"https://{'127.0.0.1' if host == '0.0.0.0' else host}:{port}"
+            config = {"url": f"{base}/{handler}"}
+        config["caBundle"] = base64.b64encode(ca_bundle).decode()
+        return config
+
+    def entry(name: str, handler: str, selector: list[dict[str, Any]], condition: str, expression: str) -> dict:
+        return {
+            "name": name,
             "admissionReviewVersions": ["v1"],
             "sideEffects": "None",
             "failurePolicy": options.failure_policy,
             "reinvocationPolicy": "Never",
             "timeoutSeconds": 10,
-            "clientConfig": client_config,
+            "clientConfig": client_config(handler),
             "rules": [{"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"], "resources": ["pods"],
                        "scope": "Namespaced"}],
-            "namespaceSelector": {"matchExpressions": [
-                {"key": "kubernetes.io/metadata.name", "operator": "NotIn", "values": [options.namespace]}]},
-            "matchConditions": [{"name": "asks-for-a-gpu-slice", "expression": MATCH_EXPRESSION}],
-        }],
+            "namespaceSelector": {"matchExpressions": selector},
+            "matchConditions": [{"name": condition, "expression": expression}],
+        }
+
+    not_ours = {"key": "kubernetes.io/metadata.name", "operator": "NotIn", "values": [options.namespace]}
+    mig_selector = [not_ours, {"key": MIG_REQUESTS_LABEL, "operator": "NotIn", "values": [MIG_REQUESTS_OFF]}]
+    if options.mig_request_namespaces:
+        mig_selector.append({"key": "kubernetes.io/metadata.name", "operator": "In",
+                             "values": list(options.mig_request_namespaces)})
+    return {
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "MutatingWebhookConfiguration",
+        "metadata": {"name": options.config_name, "labels": {"app.kubernetes.io/name": "mig-operator"}},
+        "webhooks": [
+            entry(WEBHOOK_ENTRY, HANDLER_ID, [not_ours], "asks-for-a-gpu-slice", MATCH_EXPRESSION),
+            entry(MIG_WEBHOOK_ENTRY, MIG_HANDLER_ID, mig_selector, "asks-for-a-mig-device", MIG_MATCH_EXPRESSION),
+        ],
     }
 
 
@@ -227,7 +263,7 @@ def register(registry: kopf.OperatorRegistry, options: WebhookOptions, kubeconfi
     when not given)."""
     kopf_objects = logging.getLogger("kopf.objects")
     if not any(isinstance(f, RefusalsAtInfo) for f in kopf_objects.filters):
-        kopf_objects.addFilter(RefusalsAtInfo(HANDLER_ID))
+        kopf_objects.addFilter(RefusalsAtInfo(HANDLER_ID, MIG_HANDLER_ID))
 
     @kopf.on.startup(registry=registry, backoff=2)
     async def start_webhook(settings: kopf.OperatorSettings, **_: Any) -> None:
@@ -253,3 +289,16 @@ def register(registry: kopf.OperatorRegistry, options: WebhookOptions, kubeconfi
             return
         name = slice_name_for(body)
         patch.fns.append(lambda pod: mutate_pod(pod, name))
+
+    @kopf.on.mutate("v1", "pods", id=MIG_HANDLER_ID, operations=["CREATE"], registry=registry)
+    def mutate_mig_request(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
+        try:
+            asked = mig_resource_request(body)
+            if asked is None:
+                return
+            # Every other rule of an annotated pod applies to the pod as it will go on.
+            check_pod(with_mig_request(body, asked))
+        except (QuantityError, PodRefused) as exc:
+            raise kopf.AdmissionError(str(exc), code=400) from None
+        name = slice_name_for(body)
+        patch.fns.append(lambda pod: serve_mig_request(pod, asked, name))
