@@ -1,8 +1,9 @@
 """Serving the webhook inside the controller's process, and its MutatingWebhookConfiguration.
 
-Only annotated pods are ever sent to it: the configuration selects them with ``matchConditions`` (CEL
-on the annotations) and leaves the operator's own namespace out, so an unannotated pod is never
-changed and never waits for the webhook, even while it is down. kopf's managed configuration can do
+Only pods that ask are ever sent to it: the configuration selects them with ``matchConditions`` (CEL
+on the annotations, and in a second entry on the containers' ``nvidia.com/mig-*`` resources) and
+leaves the operator's own namespace out, so any other pod is never changed and never waits for the
+webhook, even while it is down. kopf's managed configuration can do
 neither (it filters annotations client-side), so the controller writes the configuration itself.
 """
 
