@@ -18,6 +18,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+from .device_plugin import conflict_from_conditions, conflict_message
 from .planner import (
     FractionGpu,
     InstanceSlot,
@@ -47,6 +48,9 @@ NO_CAPACITY = "NoCapacity"
 TOO_SMALL = "TooSmall"
 # spec.nodeName names a node with no GpuNode: no such node, or no agent runs on it.
 NO_SUCH_NODE = "NoSuchNode"
+# Every node the slice may use has NVIDIA's device plugin advertising its GPUs too (core.device_plugin):
+# no new slice goes there until the plugin is off or the node is labelled as shared deliberately.
+DEVICE_PLUGIN_CONFLICT = "DevicePluginConflict"
 
 # Kubernetes caps status.message at 4096 characters; a refusal must fit however many GPUs there are.
 MAX_MESSAGE = 4096
@@ -93,6 +97,9 @@ class GpuState:
 class NodeInventory:
     node: str
     gpus: tuple[GpuState, ...] = ()
+    # The device plugin's resources its GpuNode's DevicePluginConflict condition names while True:
+    # the node takes no new slice (its bindings stay). Empty: it may take new slices.
+    device_plugin_conflict: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -153,6 +160,8 @@ class ClusterView:
     fraction: list[FractionGpu] = field(default_factory=list)
     uuids: dict[tuple[str, int], str] = field(default_factory=dict)
     nodes: set[str] = field(default_factory=set)  # nodes that have an inventory (a GpuNode)
+    # Nodes left out for a device plugin conflict -> the plugin's resources there.
+    blocked: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 def _same(inst: InstanceState, binding: Binding) -> bool:
@@ -176,8 +185,12 @@ def build_view(
     for inventory in inventories:
         view.nodes.add(inventory.node)
         labelled = inventory.node in labelled_nodes
+        if inventory.device_plugin_conflict:
+            view.blocked[inventory.node] = inventory.device_plugin_conflict
         for gpu in inventory.gpus:
             view.uuids[(inventory.node, gpu.index)] = gpu.uuid
+            if inventory.device_plugin_conflict:
+                continue  # another allocator hands these GPUs out: no new slice here
             role, _why = gpu_role(labelled, gpu)
             bound = by_gpu.get((inventory.node, gpu.index), [])
             if role == MODE_MIG and gpu.profiles:
@@ -233,8 +246,10 @@ def plan_binding(
         raise no_such_node(request, node)
     mig = [g for g in view.mig if node is None or g.node == node]
     fraction = [g for g in view.fraction if node is None or g.node == node]
+    blocked = {n: r for n, r in view.blocked.items() if node is None or n == node}
     return _decide(request, node, settings or PlannerSettings(), bool(mig),
-                   lambda s: choose_mig(request, mig, s), lambda: {g.model for g in mig}, fraction)
+                   lambda s: choose_mig(request, mig, s), lambda: {g.model for g in mig}, fraction,
+                   blocked=blocked)
 
 
 def no_such_node(request: SliceRequest, node: str) -> Refusal:
@@ -254,13 +269,21 @@ def _decide(
     models: Callable[[], Iterable[GpuModel]],
     fraction: list[FractionGpu],
     where: str | None = None,
+    blocked: Mapping[str, tuple[str, ...]] | None = None,
 ) -> Binding:
-    """The one rule, whether the MIG GPUs come as a list or as a PlanningIndex."""
+    """The one rule, whether the MIG GPUs come as a list or as a PlanningIndex.
+
+    ``blocked``: the nodes within reach whose GPUs were left out for a device plugin conflict; a
+    refusal names them, and when nothing else was within reach its code is DevicePluginConflict.
+    """
     if request.profile is not None:
         fraction = []
     if where is None:
         where = f"on node {node}" if node is not None else "in the cluster"
+    blocked = blocked or {}
     if not has_mig and not fraction:
+        if blocked:
+            raise Refusal(DEVICE_PLUGIN_CONFLICT, _clip(_blocked_text(request, blocked)))
         kind = "MIG GPU" if request.profile is not None else "GPU"
         raise Refusal(NO_GPU, _clip(f"no {kind} {where} can take slices: {request.describe()} waits for one"))
     reasons: list[str] = []
@@ -284,7 +307,27 @@ def _decide(
             return Binding(uid="", node=share.node, gpu=share.gpu, mode=MODE_FRACTION,
                            granted_bytes=share.granted_bytes)
     code = _refusal_code(request, list(models()) if has_mig else [], fraction)
+    if blocked:
+        reasons.append(_blocked_note(blocked))
     raise Refusal(code, _clip(f"{request.describe()} fits nowhere {where}: " + "; ".join(reasons)))
+
+
+def _blocked_text(request: SliceRequest, blocked: Mapping[str, tuple[str, ...]]) -> str:
+    """Why a slice waits when every node it may use has a device plugin conflict: one node, its full
+    message (the resource names and the two ways out); several, a count and the first few."""
+    if len(blocked) == 1:
+        ((node, resources),) = blocked.items()
+        return f"{request.describe()} waits: {conflict_message(node, resources)}"
+    return f"{request.describe()} waits: {_blocked_note(blocked)}"
+
+
+def _blocked_note(blocked: Mapping[str, tuple[str, ...]]) -> str:
+    shown = sorted(blocked)[:5]
+    named = ", ".join(f"{n} ({', '.join(blocked[n])})" for n in shown) + (" ..." if len(blocked) > 5 else "")
+    return (
+        f"{len(blocked)} node(s) take no new slice while NVIDIA's device plugin also advertises their GPUs: "
+        f"{named}; see each GpuNode's DevicePluginConflict condition"
+    )
 
 
 def _refusal_code(request: SliceRequest, models: list[GpuModel], fraction: list[FractionGpu]) -> str:
@@ -326,16 +369,22 @@ class ClusterPlanner:
         self._index = PlanningIndex()
         self._fraction: dict[tuple[str, int], FractionGpu] = {}
         self._shown: dict[str, set[int]] = {}  # node -> GPU indices currently in the index or fractions
+        self._blocked: dict[str, tuple[str, ...]] = {}  # node -> device plugin resources (no new slices)
         self.uuids: dict[tuple[str, int], str] = {}
 
     # ---- inputs ---------------------------------------------------------------------------------
 
     def set_inventory(self, inventory: NodeInventory) -> None:
         self._inventories[inventory.node] = inventory
+        if inventory.device_plugin_conflict:
+            self._blocked[inventory.node] = inventory.device_plugin_conflict
+        else:
+            self._blocked.pop(inventory.node, None)
         self._dirty_nodes.add(inventory.node)
 
     def remove_inventory(self, node: str) -> None:
         self._inventories.pop(node, None)
+        self._blocked.pop(node, None)
         self._dirty_nodes.add(node)
 
     def set_labelled(self, node: str, labelled: bool) -> None:
@@ -404,8 +453,9 @@ class ClusterPlanner:
         fraction = [g for g in self._fraction.values() if pinned is None or g.node in pinned]
         fraction.sort(key=lambda g: (g.node, g.index))
         models = (lambda: index.models()) if pinned is None else (lambda: {g.model for g in index.gpus(pinned)})
+        blocked = self._blocked if pinned is None else {n: self._blocked[n] for n in pinned if n in self._blocked}
         return _decide(request, node, settings or PlannerSettings(), has_mig,
-                       lambda s: index.choose(request, s, nodes=pinned), models, fraction, where)
+                       lambda s: index.choose(request, s, nodes=pinned), models, fraction, where, blocked)
 
     def _refresh(self) -> None:
         gpus = set(self._dirty)
@@ -430,6 +480,8 @@ class ClusterPlanner:
             self.uuids.pop((node, index), None)
             return
         self.uuids[(node, index)] = gpu.uuid
+        if node in self._blocked:
+            return  # a device plugin hands these GPUs out too: in neither the index nor the fractions
         bound = list(self._by_gpu.get((node, index), {}).values())
         role, _why = gpu_role(node in self._labelled, gpu)
         if role == MODE_MIG and gpu.profiles:
@@ -485,7 +537,8 @@ def inventory_from_status(node: str, status: Mapping | None) -> NodeInventory:
             )
         except (KeyError, TypeError, ValueError, AttributeError):
             continue  # the agent wrote it; a malformed entry is skipped rather than stopping every binding
-    return NodeInventory(node, tuple(sorted(gpus, key=lambda g: g.index)))
+    conflict = conflict_from_conditions((status or {}).get("conditions"), (status or {}).get("devicePluginResources"))
+    return NodeInventory(node, tuple(sorted(gpus, key=lambda g: g.index)), conflict)
 
 
 def binding_from_status(uid: str, status: Mapping | None) -> Binding | None:

@@ -37,6 +37,7 @@ from mig_operator.core.cluster import (
     binding_from_status,
     describe_binding,
 )
+from mig_operator.core.device_plugin import CONDITION_TYPE, DevicePluginCheck, check_node
 from mig_operator.core.lifecycle import (
     COMPLETED,
     CREATING,
@@ -114,6 +115,11 @@ class NodeAgent:
         self._gpus: list[GpuInfo] = []
         self._labelled = False
         self._node_uid = ""
+        # Whether NVIDIA's device plugin advertises this node's GPUs too (its Node's capacity), and
+        # when that last changed: the GpuNode's DevicePluginConflict condition.
+        self._device_plugin = DevicePluginCheck(settings.node)
+        self._device_plugin_since: str | None = None
+        self._conflict_reported = False  # a Warning Event about it was posted and not yet answered
         self._publish_pending: asyncio.Task | None = None
         self._publish_again = False  # a change arrived while a publish was under way
         self._publish_at_once = False  # the next publish skips the coalescing delay
@@ -270,25 +276,42 @@ class NodeAgent:
             if not exc.not_found:
                 raise
             self._labelled, self._node_uid = False, ""
+            self._take_device_plugin(DevicePluginCheck(self.settings.node))
             return
         self._take_node(node)
 
     def _take_node(self, node: Mapping) -> bool:
-        """Note the node's MIG label and UID; True when the label changed."""
+        """Note the node's MIG label, UID and device plugin resources; True when the label or what the
+        GpuNode says about the device plugin changed."""
         labelled = (node["metadata"].get("labels") or {}).get(MIG_NODE_LABEL) == MIG_NODE_VALUE
         changed = labelled != self._labelled
         self._labelled, self._node_uid = labelled, node["metadata"]["uid"]
-        return changed
+        return self._take_device_plugin(check_node(self.settings.node, node)) or changed
+
+    def _take_device_plugin(self, check: DevicePluginCheck) -> bool:
+        """Note the device plugin check of the Node; True when it changed (the GpuNode says so at once)."""
+        if check == self._device_plugin and self._device_plugin_since is not None:
+            return False
+        before = self._device_plugin
+        if check.conflict != before.conflict or self._device_plugin_since is None:
+            self._device_plugin_since = status.now()
+        self._device_plugin = check
+        if check.conflict:
+            log.warning("%s", check.message)
+        elif before.conflict:
+            log.info("node %s: device plugin conflict resolved (%s)", self.settings.node, check.reason)
+        return True
 
     def node_changed(self, node: Mapping) -> None:
         """A watch event of this agent's own Node: a changed MIG label changes what every GPU serves,
         so the GpuNode says so at once, not at the next heartbeat (30 s)."""
-        known = self._node_uid
-        if self._take_node(node):
+        known, labelled = self._node_uid, self._labelled
+        changed = self._take_node(node)
+        if labelled != self._labelled:
             log.info("node %s is %s for MIG now", self.settings.node, "labelled" if self._labelled else "not labelled")
-            self.schedule_publish(at_once=True)
-        elif self._node_uid != known:  # a Node of this name again: its GpuNode is written anew
+        if self._node_uid != known:  # a Node of this name again: its GpuNode is written anew
             self.resource_slice.forget()
+        if changed or self._node_uid != known:
             self.schedule_publish(at_once=True)
 
     def node_deleted(self) -> None:
@@ -296,6 +319,7 @@ class NodeAgent:
         none is written again until a Node of this name exists (``node_changed``)."""
         log.warning("node %s was deleted: its GpuNode goes with it", self.settings.node)
         self._labelled, self._node_uid = False, ""
+        self._take_device_plugin(DevicePluginCheck(self.settings.node))
         self.resource_slice.forget()
 
     # ---- slice events ------------------------------------------------------------------------------
@@ -632,8 +656,10 @@ class NodeAgent:
             models[gpu.index] = await self._gpu("model", self.backend.model, gpu.index) if gpu.mig_capable else None
             instances[gpu.index] = await self._instances(gpu)
         record = self.store.record
+        check = self._device_plugin
         body = gpunode_status(self._gpus, models, instances, record, self._labelled, status.now(),
-                              self.store.revoked)
+                              self.store.revoked, check, self._device_plugin_since)
+        metrics.DEVICE_PLUGIN_CONFLICT.labels(self.settings.node).set(1 if check.conflict else 0)
         for gpu in body["gpus"]:
             states = {"in_use": 0, "idle": 0}
             for inst in gpu["instances"]:
@@ -648,7 +674,7 @@ class NodeAgent:
         await self.publish_devices(verify_devices)
         path = gpunode_path(self.settings.node, status=True)
         try:
-            await self.client.merge_patch(path, {"status": body})
+            written = await self.client.merge_patch(path, {"status": body})
         except ApiError as exc:
             if not exc.not_found:
                 raise
@@ -658,7 +684,21 @@ class NodeAgent:
                 log.debug("node %s does not exist: its GpuNode is not written", self.settings.node)
                 return
             await self._create_gpunode()
-            await self.client.merge_patch(path, {"status": body})
+            written = await self.client.merge_patch(path, {"status": body})
+        self._post_device_plugin_event(written, check)
+
+    def _post_device_plugin_event(self, gpunode: Mapping | None, check: DevicePluginCheck) -> None:
+        """An Event on the GpuNode when a device plugin conflict appears, changes or is resolved (the
+        poster skips one that repeats the last, so the heartbeat's publishes post nothing new)."""
+        if not isinstance(gpunode, Mapping) or not (gpunode.get("metadata") or {}).get("uid"):
+            return
+        if check.conflict:
+            self.events.post(gpunode, "Warning", CONDITION_TYPE, check.message)
+            self._conflict_reported = True
+        elif check.resources or self._conflict_reported:
+            # Shared deliberately, or resolved after a conflict this agent reported: said once.
+            self.events.post(gpunode, "Normal", check.reason, check.message)
+            self._conflict_reported = False
 
     def _publish_slots(self, gpu: Mapping[str, Any], model: Any) -> None:
         """``mig_operator_slots`` of one GPU: the GpuNode's slot columns, per GPU and model."""

@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from mig_operator.core.cluster import MODE_FRACTION, MODE_MIG, GpuState, InstanceState, gpu_role
+from mig_operator.core.device_plugin import DevicePluginCheck
 from mig_operator.core.lifecycle import OwnerRecord
 from mig_operator.core.profiles import GpuModel
 from mig_operator.gpu.protocol import GpuInfo, MigInstance
@@ -64,9 +65,13 @@ def gpunode_status(
     labelled: bool,
     observed_at: str,
     held: frozenset[str] = frozenset(),
+    device_plugin: DevicePluginCheck | None = None,
+    device_plugin_since: str | None = None,
 ) -> dict[str, Any]:
     """The whole status of the node's GpuNode (written with one merge patch: lists are replaced).
-    ``held``: the UIDs of deleted slices whose instances a prepared claim still holds."""
+    ``held``: the UIDs of deleted slices whose instances a prepared claim still holds.
+    ``device_plugin``: the check of the node's capacity (core.device_plugin), written as the
+    ``DevicePluginConflict`` condition (last changed at ``device_plugin_since``, else now)."""
     entries = []
     free_slots = used_slots = idle_slots = idle = in_use = 0
     for info in gpus:
@@ -102,7 +107,12 @@ def gpunode_status(
             "migCapable": info.mig_capable, "migEnabled": info.mig_enabled, "serves": role, "servesReason": why,
             "profiles": _profiles(model), "instances": body, "fractions": fractions, "grantedBytes": granted,
         })
+    extra: dict[str, Any] = {}
+    if device_plugin is not None:
+        extra = {"devicePluginResources": list(device_plugin.resources),
+                 "conditions": [device_plugin.condition(device_plugin_since or observed_at)]}
     return {
+        **extra,
         "gpus": entries, "gpuCount": len(entries), "migGpuCount": sum(1 for g in gpus if g.mig_enabled),
         "freeSlots": free_slots, "usedSlots": used_slots, "idleSlots": idle_slots, "idleInstances": idle,
         "inUseInstances": in_use,

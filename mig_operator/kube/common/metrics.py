@@ -36,6 +36,11 @@ INSTANCES = Gauge("mig_operator_instances", "MIG instances on a GPU, by state (i
 GRANTED_BYTES = Gauge("mig_operator_granted_bytes", "Memory granted to slices on a GPU", ["node", "gpu"])
 SLOTS = Gauge("mig_operator_slots", "Memory slots of a MIG GPU, by state (in_use, idle, free) and GPU model",
               ["node", "gpu", "model", "state"])
+# 1 while NVIDIA's device plugin also advertises the node's GPUs and no admin marked it as shared
+# (the GpuNode's DevicePluginConflict condition is True): the controller places no new slice there.
+DEVICE_PLUGIN_CONFLICT = Gauge("mig_operator_device_plugin_conflict",
+                               "1 while a device plugin also hands out the node's GPUs (no new slices there)",
+                               ["node"])
 PENDING_SLICES = Gauge("mig_operator_pending_slices", "Pending GpuSlices, by reason (NoCapacity, QuotaExceeded, ...)",
                        ["reason"])
 QUOTA_USED_BYTES = Gauge("mig_operator_quota_used_bytes", "GPU memory a namespace's slices hold (granted)",
