@@ -14,7 +14,7 @@ placement. That is what keeps two slices bound in the same second off one placem
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -456,6 +456,50 @@ class ClusterPlanner:
         blocked = self._blocked if pinned is None else {n: self._blocked[n] for n in pinned if n in self._blocked}
         return _decide(request, node, settings or PlannerSettings(), has_mig,
                        lambda s: index.choose(request, s, nodes=pinned), models, fraction, where, blocked)
+
+    def plan_group(self, members: Sequence[tuple[str, SliceRequest]], node: str | None = None,
+                   settings: PlannerSettings | None = None, nodes: Collection[str] | None = None,
+                   what: str = "the group") -> list[Binding]:
+        """Where a pod's devices go: every member ``(uid, request)`` on one node, or none (a Refusal).
+
+        The node the planner would choose for the first member is tried first, then every other
+        allowed node in name order; on each, the members are planned one after another, each
+        holding its room for the next. A node that cannot take them all keeps none of them, so a
+        waiting group holds nothing. On success the bindings stay put in the planner (the caller
+        reserves them); on a refusal the planner is as before. ``node``: the members must go there
+        (a member already bound there, or spec.nodeName).
+        """
+        if not members:
+            return []
+        settings = settings or PlannerSettings()
+        _, first = members[0]
+        try:
+            candidates = [self.plan(first, node, settings, nodes).node]
+        except Refusal as refusal:
+            if refusal.code != NO_CAPACITY or node is not None:
+                raise Refusal(refusal.code, _clip(f"{what} of {len(members)} devices: {refusal.message}")) from None
+            candidates = []
+        if node is None:
+            allowed = set(self._inventories) if nodes is None else set(nodes) & set(self._inventories)
+            candidates += sorted(allowed - set(candidates))
+        for candidate in candidates:
+            placed: list[Binding] = []
+            try:
+                for uid, request in members:
+                    b = self.plan(request, candidate, settings, nodes)
+                    binding = Binding(uid, b.node, b.gpu, b.mode, b.granted_bytes, b.profile_id, b.profile,
+                                      b.start, b.size)
+                    self.put_binding(binding)
+                    placed.append(binding)
+            except Refusal:
+                for binding in placed:
+                    self.drop_binding(binding.uid)
+                continue
+            return placed
+        where = f"node {node}" if node is not None else "any single node"
+        raise Refusal(NO_CAPACITY, _clip(
+            f"{what} needs {len(members)} devices ({first.describe()} first) on one node, and {where} "
+            f"has room for fewer; it waits, holding none, until one node has room for all"))
 
     def _refresh(self) -> None:
         gpus = set(self._dirty)

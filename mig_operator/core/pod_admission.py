@@ -16,7 +16,8 @@ from typing import Any
 from .environment import DEVICES_VARIABLE, LIMIT_VARIABLE, PRELOAD_VARIABLE, SLICE_VARIABLE
 from .quantities import MEMORY_EXAMPLE, clip_repr
 from .request import PROFILE_EXAMPLE, SliceRequest
-from .slice_spec import ANNOTATION_MEMORY, ANNOTATION_PROFILE, REQUEST_ANNOTATIONS, request_from_annotations
+from .request_forms import PodDevice, pod_devices
+from .slice_spec import ANNOTATION_MEMORY, ANNOTATION_PROFILE, ANNOTATION_REQUESTED, REQUEST_ANNOTATIONS
 
 # Device-plugin resources a sliced pod must not also ask for: the slice is its GPU. ``nvidia.com/gpu``
 # and its renamed shares (``nvidia.com/gpu.shared`` with the device plugin's time-slicing), and MIG devices.
@@ -48,14 +49,22 @@ def _gpu_resource(key: str) -> bool:
 
 
 def check_pod(pod: Mapping[str, Any]) -> SliceRequest | None:
-    """The pod's slice request, None when it asks for none; raises PodRefused or core's
-    QuantityError/RequestError. Every message names the annotation, its value and what to write."""
+    """The request of the pod's (first) device, None when it asks for none (``check_pod_devices``)."""
+    devices = check_pod_devices(pod)
+    return devices[0].request if devices else None
+
+
+def check_pod_devices(pod: Mapping[str, Any]) -> tuple[PodDevice, ...]:
+    """The devices the pod asks for (``core.request_forms.pod_devices``), none when it asks for none;
+    raises PodRefused or core's QuantityError/RequestError. Every message names the annotation, its
+    value and what to write."""
     annotations = (pod.get("metadata") or {}).get("annotations") or {}
-    request = request_from_annotations(annotations)
-    if request is None:
-        return None
-    key = next(k for k in REQUEST_ANNOTATIONS if k in annotations)
+    devices = pod_devices(annotations)
+    if not devices:
+        return ()
+    key = next((k for k in REQUEST_ANNOTATIONS if k in annotations), ANNOTATION_REQUESTED)
     asked = f"annotation {key}: {clip_repr(annotations[key])}"
+    fraction_possible = any(d.request.profile is None for d in devices)
     spec = pod.get("spec") or {}
     if spec.get("nodeName"):
         raise PodRefused(
@@ -86,12 +95,12 @@ def check_pod(pod: Mapping[str, Any]) -> SliceRequest | None:
                     f"container {name} sets {var} in env, which would hide the value its slice gives it "
                     f"({asked}); drop that env entry: the operator sets {var} from the slice"
                 )
-            if var == _SHIM_ENV and request.profile is None:
+            if var == _SHIM_ENV and fraction_possible:
                 raise PodRefused(
                     f"container {name} sets {_SHIM_ENV} in env, which would replace the shim that enforces "
                     f"the memory limit when the slice is a fraction ({asked}); drop that env entry, or ask "
                     f"for a MIG instance by name ({ANNOTATION_PROFILE}: '{PROFILE_EXAMPLE}'), which needs no shim"
                 )
-    return request
+    return devices
 
 

@@ -82,8 +82,9 @@ class Admission:
     could_fit: bool = True
 
 
-def admit(quota: Quota | None, used: Usage, granted_bytes: int, at_least: bool = False) -> Admission:
-    """Would a binding granting ``granted_bytes`` take the namespace past its quota?
+def admit(quota: Quota | None, used: Usage, granted_bytes: int, at_least: bool = False, slices: int = 1) -> Admission:
+    """Would bindings granting ``granted_bytes`` in all to ``slices`` slices (a pod's devices are bound
+    together) take the namespace past its quota?
 
     No quota: no limit. ``at_least``: the grant is not known (no placement was found), so
     ``granted_bytes`` is a lower bound (the request's bytes) and the message says so.
@@ -91,18 +92,20 @@ def admit(quota: Quota | None, used: Usage, granted_bytes: int, at_least: bool =
     if quota is None:
         return Admission(True)
     over_memory = used.memory_bytes + granted_bytes > quota.memory_bytes
-    over_slices = quota.slices is not None and used.slices + 1 > quota.slices
+    over_slices = quota.slices is not None and used.slices + slices > quota.slices
     if not over_memory and not over_slices:
         return Admission(True)
-    could_fit = granted_bytes <= quota.memory_bytes and (quota.slices is None or quota.slices >= 1)
+    could_fit = granted_bytes <= quota.memory_bytes and (quota.slices is None or quota.slices >= slices)
     add = f"{'at least ' if at_least else ''}{format_bytes(granted_bytes)}"
     held = f"{format_bytes(used.memory_bytes)} of its {format_bytes(quota.memory_bytes)} GPU memory"
     if quota.slices is not None:
         held += f" and {used.slices} of its {quota.slices} slices"
     over = " and ".join(part for part, yes in (("memory", over_memory), ("slices", over_slices)) if yes)
     message = (
-        f"GpuQuota {quota.ref}: namespace {quota.namespace} holds {held}; this slice would add {add} "
-        f"and 1 slice, past the quota's {over}: it waits until the namespace releases slices or the quota is raised"
+        f"GpuQuota {quota.ref}: namespace {quota.namespace} holds {held}; "
+        f"{'this slice' if slices == 1 else 'this group'} would add {add} "
+        f"and {slices} slice{'s' if slices != 1 else ''}, past the quota's {over}: it waits until the namespace "
+        "releases slices or the quota is raised"
     )
     if not could_fit:
         field_name = "memory" if granted_bytes > quota.memory_bytes else "slices"

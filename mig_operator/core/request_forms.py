@@ -1,14 +1,20 @@
-"""GPU requests written in forms other than the operator's own annotations (pure: no I/O).
+"""The devices a pod asks for, whichever form it asks in (pure: no I/O).
 
-A container's ``resources.limits: {nvidia.com/mig-<profile>: 1}``, the name NVIDIA's device plugin
-advertises MIG devices under and the one MIG workloads and ClearML's CDMO queue templates already use,
-is served as a slice of that profile for that container. ``mig_resource_request`` reads it from a pod;
-the webhook then removes the extended resource (so neither kube-scheduler nor a device plugin needs
-it), records what was asked in ``REQUESTED_ANNOTATION`` and adds the profile annotation, so the pod
-goes on as an annotated pod whose claim reaches only the asking container.
+Two forms reach the operator:
 
-One device per pod: a pod whose containers ask for more than one MIG device in all is refused, naming
-what each asks for.
+* the operator's annotations: one of ``cdmo.io/gpu-memory``, ``cdmo.io/gpu-fraction``,
+  ``cdmo.io/mig-profile``, and optionally ``cdmo.io/gpu-count: "N"`` beside it: N devices of that
+  request, every container and init container sees all of them (as it sees the one device without
+  the count);
+* a container's ``resources.limits: {nvidia.com/mig-<profile>: N}``, the name NVIDIA's device plugin
+  advertises MIG devices under and the one MIG workloads and ClearML's CDMO queue templates use: N
+  MIG devices of that profile for that container alone. ``mig_resource_request`` reads it; the
+  webhook then takes the extended resource out (so neither kube-scheduler nor a device plugin needs
+  it) and records what was asked in ``ANNOTATION_REQUESTED``, which from then on is the pod's request.
+
+``pod_devices`` turns either into the pod's devices, each one GpuSlice: the webhook gives the pod a
+claim per device, the controller makes the slices and has them planned as one group, all on one
+node or none (``docs/api.md``, "Request forms").
 """
 
 from __future__ import annotations
@@ -18,18 +24,27 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .quantities import clip_repr
-from .request import PROFILE_EXAMPLE, RequestError, parse_profile_name
-from .slice_spec import ANNOTATION_PROFILE, ANNOTATION_REQUESTED, REQUEST_ANNOTATIONS
+from .quantities import clip_repr, parse_fraction
+from .request import PROFILE_EXAMPLE, RequestError, SliceRequest, parse_profile_name
+from .slice_spec import (
+    ANNOTATION_COUNT,
+    ANNOTATION_FRACTION,
+    ANNOTATION_MEMORY,
+    ANNOTATION_PROFILE,
+    ANNOTATION_REQUESTED,
+    REQUEST_ANNOTATIONS,
+    request_from_annotations,
+)
 
 MIG_RESOURCE_PREFIX = "nvidia.com/mig-"
 MIG_RESOURCE_EXAMPLE = f"{MIG_RESOURCE_PREFIX}{PROFILE_EXAMPLE}"
-# What a pod asked for before the webhook took the extended resources out: JSON
-# ``{"<container>": {"<resource>": "<quantity>"}}``, for the pod's author and for `kubectl describe`.
 REQUESTED_ANNOTATION = ANNOTATION_REQUESTED
 # A namespace labelled so keeps its nvidia.com/mig-* requests for a device plugin (static MIG).
 MIG_REQUESTS_LABEL = "cdmo.io/mig-requests"
 MIG_REQUESTS_OFF = "off"
+# The most devices one pod may ask for: a node of 8 GPUs has at most 56 MIG instances, and each device
+# is a slice, a claim and a claim entry in the pod; 16 covers every multi-GPU job seen in practice.
+MAX_POD_DEVICES = 16
 MAX_RECORD_LENGTH = 4096
 
 
@@ -38,18 +53,25 @@ class RequestFormError(RequestError):
 
 
 @dataclass(frozen=True)
-class MigResourceRequest:
-    """One MIG device of ``profile`` for the containers named (those that asked for it)."""
+class PodDevice:
+    """One device of a pod: its GpuSlice's spec and the containers that see it (None: every one)."""
 
-    profile: str
-    containers: tuple[str, ...]
-    # What each container asked for, as the record annotation's value shows it.
+    spec: Mapping[str, Any]
+    request: SliceRequest
+    containers: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
+class MigResourceRequest:
+    """The nvidia.com/mig-* devices a pod's containers ask for: ``asked`` maps each asking container
+    to its resources and quantities, as the record annotation shows them."""
+
     asked: Mapping[str, Mapping[str, str]]
 
     def annotations(self) -> dict[str, str]:
-        """The annotations the pod goes on with: the profile annotation and the record."""
+        """What the pod goes on with: the record of what was asked (its request from then on)."""
         record = json.dumps({c: dict(r) for c, r in self.asked.items()}, sort_keys=True, separators=(",", ":"))
-        return {ANNOTATION_PROFILE: self.profile, REQUESTED_ANNOTATION: record[:MAX_RECORD_LENGTH]}
+        return {ANNOTATION_REQUESTED: record}
 
 
 def is_mig_resource(key: object) -> bool:
@@ -64,19 +86,28 @@ def _containers(pod: Mapping[str, Any]) -> list[Mapping[str, Any]]:
 def _device_count(container: str, key: str, value: object) -> int:
     """An extended resource's quantity: a whole number of devices, at least 1 ("1" or 1)."""
     text = str(value).strip() if isinstance(value, (str, int)) and not isinstance(value, bool) else None
-    if text is None or not text.isdigit() or int(text) < 1:
+    if text is None or not text.isdigit() or not 1 <= int(text) <= MAX_POD_DEVICES:
         raise RequestFormError(
             f"container {clip_repr(container)} asks for {clip_repr(key)}: {clip_repr(value)}; a MIG device "
-            f"count is a whole number of at least 1, e.g. {MIG_RESOURCE_EXAMPLE}: 1")
+            f"count is a whole number from 1 to {MAX_POD_DEVICES}, e.g. {MIG_RESOURCE_EXAMPLE}: 1")
     return int(text)
 
 
+def _profile_of(container: str, key: str) -> str:
+    profile = key[len(MIG_RESOURCE_PREFIX):]
+    try:
+        return parse_profile_name(profile)
+    except RequestError:
+        raise RequestFormError(
+            f"container {clip_repr(container)} asks for {clip_repr(key)}: {clip_repr(profile)} is not a MIG "
+            f"profile name; use e.g. {MIG_RESOURCE_EXAMPLE}: 1") from None
+
+
 def mig_resource_request(pod: Mapping[str, Any]) -> MigResourceRequest | None:
-    """The MIG device a pod's containers ask for through ``nvidia.com/mig-<profile>`` resources, None
+    """The MIG devices a pod's containers ask for through ``nvidia.com/mig-<profile>`` resources, None
     when none does. Raises RequestFormError for what is not served: a bad profile name or count,
-    requests that differ from limits, more than one device in all, or a slice annotation as well."""
+    requests that differ from limits, more than MAX_POD_DEVICES in all, or a slice annotation as well."""
     asked: dict[str, dict[str, str]] = {}
-    profiles: dict[str, int] = {}
     for container in _containers(pod):
         name = str(container.get("name") or "")
         resources = container.get("resources") or {}
@@ -89,30 +120,22 @@ def mig_resource_request(pod: Mapping[str, Any]) -> MigResourceRequest | None:
                     f"and requests {clip_repr(requests[key])}; an extended resource's request equals its "
                     f"limit: set limits only, e.g. {MIG_RESOURCE_EXAMPLE}: 1")
             value = limits[key] if key in limits else requests[key]
-            count = _device_count(name, key, value)
-            profile = key[len(MIG_RESOURCE_PREFIX):]
-            try:
-                parse_profile_name(profile)
-            except RequestError:
-                raise RequestFormError(
-                    f"container {clip_repr(name)} asks for {clip_repr(key)}: {clip_repr(profile)} is not a MIG "
-                    f"profile name; use e.g. {MIG_RESOURCE_EXAMPLE}: 1") from None
+            _device_count(name, key, value)
+            _profile_of(name, key)
             asked.setdefault(name, {})[key] = str(value).strip()
-            profiles[profile] = profiles.get(profile, 0) + count
     if not asked:
         return None
     annotations = (pod.get("metadata") or {}).get("annotations") or {}
-    given = [k for k in REQUEST_ANNOTATIONS if k in annotations]
+    given = [k for k in (*REQUEST_ANNOTATIONS, ANNOTATION_COUNT) if k in annotations]
     if given:
         raise RequestFormError(
             f"the pod asks for a slice with annotation {given[0]}: {clip_repr(annotations[given[0]])} and for "
             f"{_shown(asked)}; ask for one or the other, e.g. {MIG_RESOURCE_EXAMPLE}: 1 alone")
-    if sum(profiles.values()) > 1:
+    total = sum(int(v) for resources in asked.values() for v in resources.values())
+    if total > MAX_POD_DEVICES:
         raise RequestFormError(
-            f"the pod asks for {sum(profiles.values())} MIG devices ({_shown(asked)}); one device per pod is "
-            f"served: ask for one in one container, e.g. {MIG_RESOURCE_EXAMPLE}: 1")
-    [profile] = profiles
-    return MigResourceRequest(profile=profile, containers=tuple(asked), asked=asked)
+            f"the pod asks for {total} MIG devices ({_shown(asked)}); a pod may have at most {MAX_POD_DEVICES}")
+    return MigResourceRequest(asked=asked)
 
 
 def _shown(asked: Mapping[str, Mapping[str, str]]) -> str:
@@ -132,3 +155,77 @@ def without_mig_resources(container: Mapping[str, Any]) -> dict[str, Any]:
             else:
                 del resources[kind]
     return resources
+
+
+def _count(annotations: Mapping[str, str]) -> int:
+    text = annotations.get(ANNOTATION_COUNT)
+    if text is None:
+        return 1
+    if not isinstance(text, str) or not text.strip().isdigit() or not 1 <= int(text) <= MAX_POD_DEVICES:
+        raise RequestFormError(
+            f"annotation {ANNOTATION_COUNT}: {clip_repr(text)} is not a device count; use a whole number from 1 "
+            f"to {MAX_POD_DEVICES} beside a request, e.g. {ANNOTATION_COUNT}: '2' with {ANNOTATION_MEMORY}: '4G'")
+    return int(text)
+
+
+def _recorded(annotations: Mapping[str, str]) -> tuple[PodDevice, ...]:
+    """The devices ``ANNOTATION_REQUESTED`` records: per container (in name order), per resource (in
+    name order), as many as its quantity."""
+    text = annotations[ANNOTATION_REQUESTED]
+    example = f'{{"train":{{"{MIG_RESOURCE_EXAMPLE}":"1"}}}}'
+    try:
+        record = json.loads(text) if isinstance(text, str) and len(text) <= MAX_RECORD_LENGTH else None
+    except ValueError:
+        record = None
+    if not isinstance(record, dict) or not record or not all(
+            isinstance(c, str) and isinstance(r, dict) and r for c, r in record.items()):
+        raise RequestFormError(
+            f"annotation {ANNOTATION_REQUESTED}: {clip_repr(text)} is not what the webhook records: a JSON object "
+            f"of containers and their {MIG_RESOURCE_PREFIX}* requests, e.g. {example}")
+    devices: list[PodDevice] = []
+    for container in sorted(record):
+        for key in sorted(record[container]):
+            if not is_mig_resource(key):
+                raise RequestFormError(
+                    f"annotation {ANNOTATION_REQUESTED}: {clip_repr(key)} is not a {MIG_RESOURCE_PREFIX}* resource; "
+                    f"e.g. {example}")
+            profile = _profile_of(container, key)
+            count = _device_count(container, key, record[container][key])
+            devices += [PodDevice({"migProfile": profile}, SliceRequest(profile=profile), (container,))] * count
+    if len(devices) > MAX_POD_DEVICES:
+        raise RequestFormError(f"annotation {ANNOTATION_REQUESTED} asks for {len(devices)} MIG devices; a pod may "
+                               f"have at most {MAX_POD_DEVICES}")
+    return tuple(devices)
+
+
+def pod_devices(annotations: Mapping[str, str] | None) -> tuple[PodDevice, ...]:
+    """The devices a pod's annotations ask for (none: an empty tuple). Raises RequestError (or core's
+    QuantityError) naming the annotation and its value."""
+    annotations = annotations or {}
+    request = request_from_annotations(annotations)
+    if ANNOTATION_REQUESTED in annotations and request is None and ANNOTATION_COUNT not in annotations:
+        return _recorded(annotations)
+    if request is None:
+        if ANNOTATION_COUNT in annotations:
+            raise RequestFormError(
+                f"annotation {ANNOTATION_COUNT}: {clip_repr(annotations[ANNOTATION_COUNT])} goes beside a request; "
+                f"add one of {', '.join(REQUEST_ANNOTATIONS)}, e.g. {ANNOTATION_MEMORY}: '4G'")
+        return ()
+    if ANNOTATION_REQUESTED in annotations:
+        key = next(k for k in REQUEST_ANNOTATIONS if k in annotations)
+        raise RequestFormError(
+            f"the pod asks with annotation {key}: {clip_repr(annotations[key])} and with "
+            f"{ANNOTATION_REQUESTED}: {clip_repr(annotations[ANNOTATION_REQUESTED])}; keep one of the two")
+    if ANNOTATION_MEMORY in annotations:
+        spec: dict[str, Any] = {"memory": annotations[ANNOTATION_MEMORY]}
+    elif ANNOTATION_FRACTION in annotations:
+        spec = {"fraction": parse_fraction(annotations[ANNOTATION_FRACTION])}
+    else:
+        spec = {"migProfile": annotations[ANNOTATION_PROFILE]}
+    return (PodDevice(spec, request),) * _count(annotations)
+
+
+def device_slice_names(group: str, count: int) -> tuple[str, ...]:
+    """The GpuSlice (and ResourceClaim) names of a pod's devices: the group name itself for one device,
+    ``<group>-<k>`` for several (a group name is at most 52 characters, so these stay labels too)."""
+    return (group,) if count == 1 else tuple(f"{group}-{k}" for k in range(count))

@@ -42,7 +42,9 @@ REQUEST_ANNOTATIONS = (ANNOTATION_MEMORY, ANNOTATION_FRACTION, ANNOTATION_PROFIL
 # Written by the webhook on a pod whose containers asked through nvidia.com/mig-* resources: what they
 # asked for (core/request_forms.py). Informational: a pod may carry it (a copy of such a pod does).
 ANNOTATION_REQUESTED = "cdmo.io/requested-resources"
-POD_ANNOTATIONS = (*REQUEST_ANNOTATIONS, ANNOTATION_REQUESTED)
+# Beside a request annotation: how many devices of that request (core/request_forms.py).
+ANNOTATION_COUNT = "cdmo.io/gpu-count"
+POD_ANNOTATIONS = (*REQUEST_ANNOTATIONS, ANNOTATION_COUNT, ANNOTATION_REQUESTED)
 # Any other annotation under this prefix, in any case, is refused, not ignored: a misspelt request
 # (cdmo.io/gpu-memroy, cdmo.io/GPU-memory, cdmo.io/mig-profiles) or a guessed one (cdmo.io/gpu: 1)
 # would otherwise run with no slice and no word said.

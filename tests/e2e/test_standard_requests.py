@@ -9,7 +9,7 @@ import json
 from typing import Any
 
 import pytest
-from harness import OperatorHarness, check_invariants
+from harness import OperatorHarness, check_invariants, wait_until
 from kubernetes.client.rest import ApiException
 from test_pods import KWOK_TOLERATION, running, start
 
@@ -62,7 +62,8 @@ def test_an_opted_out_namespace_keeps_its_mig_resources_for_a_device_plugin(oper
 
 
 @pytest.mark.parametrize(("limits", "annotations", "fragments"), [
-    ({"nvidia.com/mig-1g.10gb": "2"}, None, ["asks for 2 MIG devices", "nvidia.com/mig-1g.10gb", "e.g. "]),
+    ({"nvidia.com/mig-1g.10gb": "17"}, None, ["'nvidia.com/mig-1g.10gb': '17'", "from 1 to 16", "e.g. "]),
+    ({"nvidia.com/mig-1g.10gb": "0"}, None, ["'nvidia.com/mig-1g.10gb': '0'", "from 1 to 16"]),
     ({"nvidia.com/mig-huge": "1"}, None, ["'nvidia.com/mig-huge'", "is not a MIG profile name"]),
     ({"nvidia.com/mig-1g.10gb": "1"}, {"cdmo.io/gpu-memory": "4G"}, ["cdmo.io/gpu-memory: '4G'", "one or the other"]),
     ({"cpu": "1"}, {"cdmo.io/gpu": "1"}, ["annotation cdmo.io/gpu: '1' is not a slice annotation",
@@ -80,3 +81,83 @@ def test_what_is_not_served_is_refused_naming_the_key_and_value(operator: Operat
     for fragment in fragments:
         assert fragment in message, message
     assert operator.core.list_namespaced_pod(ns).items == []
+
+
+def _claim_device(operator: OperatorHarness, ns: str, name: str) -> tuple[str, str]:
+    claim = operator.custom.get_namespaced_custom_object("resource.k8s.io", "v1", ns, "resourceclaims", name)
+    [result] = claim["status"]["allocation"]["devices"]["results"]
+    return result["pool"], result["device"]
+
+
+def test_two_containers_get_a_device_each_and_see_only_their_own(operator: OperatorHarness) -> None:
+    mig = operator.add_node("h100-80gb")
+    start(operator, mig)
+    ns = operator.namespace()
+    body = mig_pod("pair", {"nvidia.com/mig-1g.10gb": "1"})
+    body["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/mig-2g.20gb"] = "1"
+    operator.core.create_namespaced_pod(ns, body)
+    pod = running(operator, ns, "pair")
+    group = pod.metadata.labels["cdmo.io/gpu-slice"]
+    assert [(c.name, c.resource_claim_name) for c in pod.spec.resource_claims] == [
+        ("gpu-slice-0", f"{group}-0"), ("gpu-slice-1", f"{group}-1")]
+    sidecar, train = pod.spec.containers
+    # Devices in container order: the sidecar's 2g.20gb is device 0, train's 1g.10gb device 1.
+    assert [c.name for c in sidecar.resources.claims] == ["gpu-slice-0"]
+    assert [c.name for c in train.resources.claims] == ["gpu-slice-1"]
+    slices = [operator.get_slice(ns, f"{group}-{k}") for k in (0, 1)]
+    assert [s["status"]["profile"] for s in slices] == ["2g.20gb", "1g.10gb"]
+    assert {s["status"]["node"] for s in slices} == {mig.name} == {pod.spec.node_name}
+    assert slices[0]["status"]["deviceUUID"] != slices[1]["status"]["deviceUUID"]
+    for k, sl in enumerate(slices):
+        assert sl["metadata"]["annotations"]["cdmo.io/group"] == group
+        assert _claim_device(operator, ns, f"{group}-{k}") == (mig.name, sl["metadata"]["uid"])
+    check_invariants(operator)
+
+
+def test_a_device_count_annotation_gives_the_pod_that_many_slices(operator: OperatorHarness) -> None:
+    mig = operator.add_node("a100-40gb")
+    start(operator, mig)
+    ns = operator.namespace()
+    operator.core.create_namespaced_pod(ns, mig_pod("counted", {}, {"cdmo.io/gpu-memory": "4G",
+                                                                    "cdmo.io/gpu-count": "3"}))
+    pod = running(operator, ns, "counted")
+    group = pod.metadata.labels["cdmo.io/gpu-slice"]
+    for c in pod.spec.containers:
+        assert [x.name for x in c.resources.claims] == ["gpu-slice-0", "gpu-slice-1", "gpu-slice-2"]
+    devices = {operator.get_slice(ns, f"{group}-{k}")["status"]["deviceUUID"] for k in range(3)}
+    assert len(devices) == 3
+
+
+def test_two_four_device_pods_racing_for_six_gpus_one_runs_the_other_waits_holding_nothing(
+        operator: OperatorHarness) -> None:
+    node = operator.add_node("h100-80gb", count=6)
+    start(operator, node)
+    ns = operator.namespace()
+    for name in ("left", "right"):
+        operator.core.create_namespaced_pod(ns, mig_pod(name, {"nvidia.com/mig-7g.80gb": "4"}))
+
+    def settled() -> tuple[str, str] | None:
+        pods = {n: operator.core.read_namespaced_pod(n, ns) for n in ("left", "right")}
+        ran = [n for n, p in pods.items() if p.status.phase == "Running"]
+        if len(ran) != 1:
+            return None
+        other = "right" if ran[0] == "left" else "left"
+        group = pods[other].metadata.labels["cdmo.io/gpu-slice"]
+        slices = [operator.get_slice(ns, f"{group}-{k}") for k in range(4)]
+        if not all(s and (s.get("status") or {}).get("reason") for s in slices):
+            return None
+        return ran[0], other
+
+    winner, waiting = wait_until(settled, 60, lambda: f"one pod running, the other waiting\n{operator.logs()}")
+    pod = operator.core.read_namespaced_pod(waiting, ns)
+    assert any(g.name == "cdmo.io/gpu-slice" for g in pod.spec.scheduling_gates)
+    group = pod.metadata.labels["cdmo.io/gpu-slice"]
+    for k in range(4):
+        st = operator.get_slice(ns, f"{group}-{k}")["status"]
+        assert st["phase"] == "Pending" and st["reason"] == "NoCapacity" and "node" not in st, st
+        assert "on one node" in st["message"] and "holding none" in st["message"]
+    # The winner's four instances are on four GPUs (the simulator's own state); the waiting pod holds none.
+    backend = node.backend()
+    assert sum(1 for gpu in backend.gpus() if backend.instances(gpu.index)) == 4
+    operator.core.delete_namespaced_pod(winner, ns, grace_period_seconds=0)
+    running(operator, ns, waiting, timeout=60)

@@ -8,11 +8,18 @@ from typing import Any
 
 import pytest
 
-from mig_operator.core.pod_admission import check_pod
+from mig_operator.core.pod_admission import check_pod_devices
 from mig_operator.core.request import SliceRequest
-from mig_operator.core.request_forms import RequestFormError, mig_resource_request, without_mig_resources
+from mig_operator.core.request_forms import (
+    PodDevice,
+    RequestFormError,
+    device_slice_names,
+    mig_resource_request,
+    pod_devices,
+    without_mig_resources,
+)
 from mig_operator.kube.common.names import POD_CLAIM_ENTRY, POD_SLICE_LABEL, SCHEDULING_GATE
-from mig_operator.kube.webhook.admission import serve_mig_request, with_mig_request
+from mig_operator.kube.webhook.admission import mutate_pod, serve_mig_request, with_mig_request
 from mig_operator.kube.webhook.server import (
     MIG_MATCH_EXPRESSION,
     WebhookOptions,
@@ -47,22 +54,66 @@ def test_one_mig_device_in_one_container(value: object) -> None:
     body = pod(container("sidecar", {"cpu": "1"}), container("train", {"nvidia.com/mig-1g.10gb": value, "cpu": "2"}))
     asked = mig_resource_request(body)
     assert asked is not None
-    assert asked.profile == "1g.10gb" and asked.containers == ("train",)
     annotations = asked.annotations()
-    assert annotations["cdmo.io/mig-profile"] == "1g.10gb"
     assert json.loads(annotations["cdmo.io/requested-resources"]) == {"train": {"nvidia.com/mig-1g.10gb": "1"}}
+    assert pod_devices(annotations) == (
+        PodDevice({"migProfile": "1g.10gb"}, SliceRequest(profile="1g.10gb"), ("train",)),)
 
 
 def test_requests_alone_or_equal_to_limits_are_read() -> None:
     only_requests = pod(container("a", requests={"nvidia.com/mig-3g.40gb": "1"}))
-    assert mig_resource_request(only_requests).profile == "3g.40gb"
+    assert mig_resource_request(only_requests).asked == {"a": {"nvidia.com/mig-3g.40gb": "1"}}
     both = pod(container("a", {"nvidia.com/mig-3g.40gb": "1"}, {"nvidia.com/mig-3g.40gb": "1"}))
-    assert mig_resource_request(both).profile == "3g.40gb"
+    assert mig_resource_request(both).asked == {"a": {"nvidia.com/mig-3g.40gb": "1"}}
 
 
 def test_an_init_container_asking_is_the_one_that_gets_it() -> None:
     asked = mig_resource_request(pod(container("main"), init=[container("warm", {"nvidia.com/mig-1g.18gb+me": 1})]))
-    assert asked.profile == "1g.18gb+me" and asked.containers == ("warm",)
+    [device] = pod_devices(asked.annotations())
+    assert device.spec == {"migProfile": "1g.18gb+me"} and device.containers == ("warm",)
+
+
+def test_each_container_gets_its_own_devices_in_container_then_resource_order() -> None:
+    body = pod(container("b", {"nvidia.com/mig-2g.20gb": "1", "nvidia.com/mig-1g.10gb": "2"}),
+               container("a", {"nvidia.com/mig-1g.10gb": "1"}))
+    devices = pod_devices(mig_resource_request(body).annotations())
+    assert [(d.spec["migProfile"], d.containers) for d in devices] == [
+        ("1g.10gb", ("a",)), ("1g.10gb", ("b",)), ("1g.10gb", ("b",)), ("2g.20gb", ("b",))]
+
+
+def test_sixteen_devices_are_served_and_seventeen_refused() -> None:
+    sixteen = pod(container("a", {"nvidia.com/mig-1g.10gb": "8"}), container("b", {"nvidia.com/mig-1g.10gb": "8"}))
+    assert len(pod_devices(mig_resource_request(sixteen).annotations())) == 16
+    seventeen = pod(container("a", {"nvidia.com/mig-1g.10gb": "8"}), container("b", {"nvidia.com/mig-1g.10gb": "9"}))
+    with pytest.raises(RequestFormError, match="asks for 17 MIG devices .* at most 16"):
+        mig_resource_request(seventeen)
+    with pytest.raises(RequestFormError, match="from 1 to 16"):
+        mig_resource_request(pod(container("a", {"nvidia.com/mig-1g.10gb": "17"})))
+
+
+@pytest.mark.parametrize(("count", "expected"), [(None, 1), ("1", 1), ("2", 2), ("16", 16)])
+def test_a_device_count_beside_a_request_annotation(count: str | None, expected: int) -> None:
+    annotations = {"cdmo.io/gpu-memory": "4G", **({"cdmo.io/gpu-count": count} if count else {})}
+    devices = pod_devices(annotations)
+    assert devices == (PodDevice({"memory": "4G"}, SliceRequest(memory_bytes=4 * 10**9), None),) * expected
+
+
+@pytest.mark.parametrize(("annotations", "fragment"), [
+    ({"cdmo.io/gpu-memory": "4G", "cdmo.io/gpu-count": "0"}, "cdmo.io/gpu-count: '0' is not a device count"),
+    ({"cdmo.io/gpu-memory": "4G", "cdmo.io/gpu-count": "17"}, "cdmo.io/gpu-count: '17' is not a device count"),
+    ({"cdmo.io/gpu-memory": "4G", "cdmo.io/gpu-count": "two"}, "cdmo.io/gpu-count: 'two' is not a device count"),
+    ({"cdmo.io/gpu-count": "2"}, "cdmo.io/gpu-count: '2' goes beside a request"),
+    ({"cdmo.io/requested-resources": "{}"}, "is not what the webhook records"),
+    ({"cdmo.io/requested-resources": "nonsense"}, "is not what the webhook records"),
+    ({"cdmo.io/requested-resources": '{"a":{"nvidia.com/gpu":"1"}}'}, "'nvidia.com/gpu' is not a nvidia.com/mig-*"),
+    ({"cdmo.io/requested-resources": '{"a":{"nvidia.com/mig-1g.10gb":"0"}}'}, "a MIG device count"),
+    ({"cdmo.io/mig-profile": "1g.10gb", "cdmo.io/requested-resources": '{"a":{"nvidia.com/mig-1g.10gb":"1"}}'},
+     "keep one of the two"),
+])
+def test_bad_counts_and_records_are_refused_naming_the_value(annotations: dict[str, str], fragment: str) -> None:
+    with pytest.raises(RequestFormError) as caught:
+        pod_devices(annotations)
+    assert fragment in str(caught.value)
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "1.5", "one", "", True, None, "1e3"])
@@ -86,17 +137,6 @@ def test_limits_and_requests_that_differ_are_refused() -> None:
         mig_resource_request(pod(container("a", {"nvidia.com/mig-1g.10gb": "1"}, {"nvidia.com/mig-1g.10gb": "2"})))
 
 
-@pytest.mark.parametrize("body", [
-    pod(container("a", {"nvidia.com/mig-1g.10gb": "2"})),
-    pod(container("a", {"nvidia.com/mig-1g.10gb": "1"}), container("b", {"nvidia.com/mig-1g.10gb": "1"})),
-    pod(container("a", {"nvidia.com/mig-1g.10gb": "1", "nvidia.com/mig-2g.20gb": "1"})),
-    pod(container("a", {"nvidia.com/mig-1g.10gb": "1"}), init=[container("i", {"nvidia.com/mig-1g.10gb": "1"})]),
-])
-def test_more_than_one_device_in_all_is_refused_not_halved(body: dict[str, Any]) -> None:
-    with pytest.raises(RequestFormError, match=r"asks for 2 MIG devices .*one device per pod is served"):
-        mig_resource_request(body)
-
-
 def test_an_annotation_and_a_mig_resource_together_are_refused() -> None:
     body = pod(container("a", {"nvidia.com/mig-1g.10gb": "1"}), annotations={"cdmo.io/gpu-memory": "4G"})
     with pytest.raises(RequestFormError, match="annotation cdmo.io/gpu-memory: '4G' and for container 'a'"):
@@ -109,14 +149,15 @@ def test_without_mig_resources_keeps_every_other_resource() -> None:
     assert without_mig_resources(container("b", {"nvidia.com/mig-1g.10gb": "1"})) == {}
 
 
-def test_the_pod_goes_on_as_an_annotated_pod_whose_claim_reaches_only_the_asking_container() -> None:
+def test_the_pod_goes_on_with_its_record_and_the_claim_reaches_only_the_asking_container() -> None:
     body = pod(container("sidecar", {"cpu": "1"}), container("train", {"nvidia.com/mig-1g.10gb": "1", "cpu": "2"}),
                init=[container("setup")])
     asked = mig_resource_request(body)
     # The admission check sees the pod as it goes on: a MIG slice request, no device-plugin resource left.
-    assert check_pod(with_mig_request(body, asked)) == SliceRequest(profile="1g.10gb")
+    devices = check_pod_devices(with_mig_request(body, asked))
+    assert [d.request for d in devices] == [SliceRequest(profile="1g.10gb")]
     assert "nvidia.com/mig-1g.10gb" in body["spec"]["containers"][1]["resources"]["limits"]  # the copy only
-    serve_mig_request(body, asked, "p-gs-0000abcd")
+    serve_mig_request(body, asked, "p-gs-0000abcd", devices)
     sidecar, train = body["spec"]["containers"]
     assert train["resources"] == {"limits": {"cpu": "2"}, "claims": [{"name": POD_CLAIM_ENTRY}]}
     assert sidecar["resources"] == {"limits": {"cpu": "1"}}
@@ -124,7 +165,36 @@ def test_the_pod_goes_on_as_an_annotated_pod_whose_claim_reaches_only_the_asking
     assert body["spec"]["resourceClaims"] == [{"name": POD_CLAIM_ENTRY, "resourceClaimName": "p-gs-0000abcd"}]
     assert body["spec"]["schedulingGates"] == [{"name": SCHEDULING_GATE}]
     assert body["metadata"]["labels"] == {POD_SLICE_LABEL: "p-gs-0000abcd"}
-    assert body["metadata"]["annotations"]["cdmo.io/mig-profile"] == "1g.10gb"
+    assert "cdmo.io/mig-profile" not in body["metadata"]["annotations"]
+
+
+def test_several_devices_get_numbered_claims_and_each_container_only_its_own() -> None:
+    body = pod(container("a", {"nvidia.com/mig-1g.10gb": "1"}), container("b", {"nvidia.com/mig-2g.20gb": "2"}),
+               container("log"))
+    body["spec"]["resourceClaims"] = [{"name": "gpu-slice-0", "resourceClaimName": "someone-elses"},
+                                      {"name": "gpu-slice-extra", "resourceClaimName": "users-own"}]
+    asked = mig_resource_request(body)
+    devices = check_pod_devices(with_mig_request(body, asked))
+    serve_mig_request(body, asked, "p-gs-00000001", devices)
+    assert body["spec"]["resourceClaims"] == [
+        {"name": "gpu-slice-extra", "resourceClaimName": "users-own"},
+        {"name": "gpu-slice-0", "resourceClaimName": "p-gs-00000001-0"},
+        {"name": "gpu-slice-1", "resourceClaimName": "p-gs-00000001-1"},
+        {"name": "gpu-slice-2", "resourceClaimName": "p-gs-00000001-2"}]
+    a, b, log = body["spec"]["containers"]
+    assert a["resources"]["claims"] == [{"name": "gpu-slice-0"}]
+    assert b["resources"]["claims"] == [{"name": "gpu-slice-1"}, {"name": "gpu-slice-2"}]
+    assert "resources" not in log
+
+
+def test_a_device_count_annotation_gives_every_container_every_device() -> None:
+    body = pod(container("a"), container("b"), annotations={"cdmo.io/gpu-fraction": "0.5", "cdmo.io/gpu-count": "2"})
+    devices = check_pod_devices(body)
+    mutate_pod(body, "g", devices)
+    assert [c["resources"]["claims"] for c in body["spec"]["containers"]] == [
+        [{"name": "gpu-slice-0"}, {"name": "gpu-slice-1"}]] * 2
+    assert [c["resourceClaimName"] for c in body["spec"]["resourceClaims"]] == ["g-0", "g-1"]
+    assert device_slice_names("g", 1) == ("g",) and device_slice_names("g", 3) == ("g-0", "g-1", "g-2")
 
 
 def test_the_mig_entry_leaves_out_opted_out_namespaces_and_honours_the_list() -> None:

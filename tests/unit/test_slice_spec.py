@@ -98,7 +98,7 @@ def test_no_slice_annotation_means_no_request() -> None:
     assert request_from_annotations({"cdmo.io/requested-resources": '{"c":{"nvidia.com/mig-1g.10gb":"1"}}'}) is None
 
 
-@pytest.mark.parametrize("key", ["cdmo.io/gpu", "cdmo.io/slice", "CDMO.IO/gpus", "cdmo.io/gpu-count",
+@pytest.mark.parametrize("key", ["cdmo.io/gpu", "cdmo.io/slice", "CDMO.IO/gpus", "cdmo.io/gpu-counts",
                                  "cdmo.io/Requested-Resources", "cdmo.io/"])
 def test_an_unknown_cdmo_annotation_is_refused_with_the_known_keys(key: str) -> None:
     with pytest.raises(RequestError) as caught:

@@ -46,4 +46,8 @@ SHIM_HOST_DIR = "/var/lib/mig-operator/shim"
 # On a pod's GpuSlice: the GPU nodes (comma-separated) the pod's nodeSelector and required node
 # affinity allow, when they allow more than one (one: spec.nodeName); the binder chooses among them only.
 ELIGIBLE_NODES_ANNOTATION = "cdmo.io/eligible-nodes"
+# On each GpuSlice of a pod with several devices: the pod's group (its cdmo.io/gpu-slice label) and how
+# many slices it has; the binder places a group's slices on one node together or not at all.
+GROUP_ANNOTATION = "cdmo.io/group"
+GROUP_SIZE_ANNOTATION = "cdmo.io/group-size"
 WEBHOOK_NAME = "mig-operator"

@@ -237,6 +237,16 @@ class Binder:
         room only shrinks, so an equal request is refused without planning again. None when there
         was nothing to plan (the slice is gone, bound or in flight) or a write failed.
         """
+        known = self.state.slices.get(uid)
+        if known is not None and known.group is not None:
+            # One pass plans a group once: its other members were refused with it.
+            key = ("group", known.namespace, known.group)
+            if refused is not None and key in refused:
+                return refused[key]
+            outcome = await self._bind_group(uid)
+            if refused is not None and outcome is not None and not outcome.bound:
+                refused[key] = outcome
+            return outcome
         started = time.perf_counter()
         async with self._lock:
             info = self.state.slices.get(uid)
@@ -291,6 +301,88 @@ class Binder:
         metrics.BIND_SECONDS.observe(time.perf_counter() - started)
         metrics.BINDS.labels(decision.mode).inc()
         return BindOutcome(True)
+
+    async def _bind_group(self, uid: str) -> BindOutcome | None:
+        """Plan and write the bindings of every slice of ``uid``'s group (a pod's devices) on one node,
+        or refuse them all (``ClusterPlanner.plan_group``): a waiting group holds nothing.
+
+        Atomic across a crash: the bindings are written one by one, so a controller that dies between
+        two writes leaves part of a group bound. The next pass completes it on that node; when that
+        node has no room left for the rest, the bound part is given back (its slices are deleted; the
+        pod's controller makes them again, Pending), so no group ever holds part of what it needs."""
+        started = time.perf_counter()
+        give_back: list[SliceInfo] = []
+        async with self._lock:
+            info = self.state.slices.get(uid)
+            if info is None or info.binding is not None or uid in self.state.in_flight or info.request is None:
+                return None
+            members = self.state.group_members(info)
+            if len(members) != info.group_size:
+                return None  # the pod's controller is still making the others (or one is being replaced)
+            held = [m for m in members if m.binding is not None or m.uid in self.state.in_flight]
+            todo = [m for m in members if m not in held]
+            if not todo or any(m.request is None or m.phase not in (None, "Pending") for m in todo):
+                return None
+            held_nodes = {(m.binding or self.state.in_flight[m.uid]).node for m in held}
+            node = next(iter(held_nodes)) if len(held_nodes) == 1 else info.pinned
+            quota = self.state.quotas.get(info.namespace)
+            used = self.state.used(info.namespace)
+            could_fit = True
+            what = f"the group {info.group} of namespace {info.namespace}"
+            try:
+                if len(held_nodes) > 1:
+                    raise Refusal(NO_CAPACITY, f"{what} is bound on several nodes ({', '.join(sorted(held_nodes))})")
+                requests = [(m.uid, m.request) for m in todo if m.request is not None]
+                bindings = self.state.planner.plan_group(requests, node, self.planner, nodes=info.eligible, what=what)
+            except Refusal as refusal:
+                decision: list[Binding] | Refusal = refusal
+                give_back = held
+                if refusal.code == NO_CAPACITY:
+                    least = sum(m.request.memory_bytes or 0 for m in todo if m.request is not None)
+                    verdict = admit(quota, used, least, at_least=True, slices=len(todo))
+                    if not verdict.allowed:
+                        decision, could_fit = Refusal(QUOTA_EXCEEDED, verdict.message), verdict.could_fit
+            else:
+                verdict = admit(quota, used, sum(b.granted_bytes for b in bindings), slices=len(bindings))
+                if not verdict.allowed:
+                    for b in bindings:
+                        self.state.planner.drop_binding(b.uid)
+                    decision, could_fit = Refusal(QUOTA_EXCEEDED, verdict.message), verdict.could_fit
+                else:
+                    for b in bindings:
+                        self.state.reserve(b)
+                    decision = bindings
+            uuids = {} if isinstance(decision, Refusal) else {
+                b.uid: self.state.planner.uuids.get((b.node, b.gpu), "") for b in decision}
+        if isinstance(decision, Refusal):
+            for member in todo:
+                await self._refuse(member, decision)
+            for member in give_back:
+                log.info("slice %s given back: the rest of its group cannot be placed beside it", member.ref)
+                await self._delete(member)
+            return BindOutcome(False, decision.code, could_fit)
+        for member, binding in zip(todo, decision, strict=True):
+            self._set_waiting(member.uid, None)
+            try:
+                await self._write_binding(member, binding, uuids[binding.uid])
+            except ApiError as exc:
+                self.state.unreserve(member.uid)
+                if not (exc.conflict or exc.not_found):
+                    metrics.RECONCILE_ERRORS.labels("controller", "api").inc()
+                    log.warning("binding %s failed: %s", member.ref, exc)
+                self.request_replan()  # the rest of the group is completed (or given back) next pass
+                continue
+            metrics.BINDS.labels(binding.mode).inc()
+        self._namespace_changed(info.namespace)
+        metrics.BIND_SECONDS.observe(time.perf_counter() - started)
+        return BindOutcome(True)
+
+    async def _delete(self, info: SliceInfo) -> None:
+        try:
+            await self.client.delete(slice_path(info.namespace, info.name))
+        except ApiError as exc:
+            if not exc.not_found:
+                raise
 
     def _reclaim(self, binding: Binding) -> list[dict]:
         """Idle instances the placement overlaps: the agent destroys them first (shown in status)."""
@@ -435,6 +527,8 @@ class Binder:
         info = self.state.slices.get(uid)
         if info is None or info.binding is not None or uid in self.state.in_flight or info.request is None:
             return
+        if info.group is not None and (info.group, info.namespace) == (head.group, head.namespace):
+            return  # the head's own group: refused with it, for the same reason
         until = datetime.fromtimestamp(until_s, tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         await self._refuse(info, Refusal(code, (
             f"waits behind {head.ref}, the older slice of its namespace, which waits for room ({code}) and "

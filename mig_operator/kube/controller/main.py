@@ -93,6 +93,8 @@ def build_registry(options: ControllerOptions) -> kopf.OperatorRegistry:
         binder: Binder = state["binder"]
         await binder.slice_event(dict(body), deleted=type == "DELETED")
         binder.publish_counts()
+        if type == "DELETED":
+            await state["pods"].slice_deleted(dict(body))
 
     @kopf.on.event(GROUP, VERSION, NODES, registry=registry)
     async def gpunode_event(body: kopf.Body, type: str | None, **_: Any) -> None:

@@ -31,20 +31,17 @@ from typing import Any
 from mig_operator.core.device_check import ACCEPT, REFUSE, check_ready_device
 from mig_operator.core.lifecycle import SLICE_TRIES, slice_retry_delay
 from mig_operator.core.node_selection import constrains_nodes, has_required_terms, node_allowed, taints_tolerated
-from mig_operator.core.pod_admission import PodRefused, check_pod
-from mig_operator.core.quantities import QuantityError, parse_fraction
-from mig_operator.core.slice_spec import (
-    ANNOTATION_FRACTION,
-    ANNOTATION_MEMORY,
-    ANNOTATION_PROFILE,
-    request_from_annotations,
-)
+from mig_operator.core.pod_admission import PodRefused, check_pod_devices
+from mig_operator.core.quantities import QuantityError
+from mig_operator.core.request_forms import device_slice_names, pod_devices
 
 from ..common.client import ApiError, KubeClient, core_path, slice_path, slices_path
 from ..common.events import EventPoster
 from ..common.names import (
     API_VERSION,
     ELIGIBLE_NODES_ANNOTATION,
+    GROUP_ANNOTATION,
+    GROUP_SIZE_ANNOTATION,
     POD_SLICE_LABEL,
     SCHEDULING_GATE,
     SLICE_KIND,
@@ -63,15 +60,15 @@ SLICE_TRY_ANNOTATION = "cdmo.io/slice-try"
 
 
 def slice_spec_for(annotations: Mapping[str, str]) -> dict[str, Any] | None:
-    """The GpuSlice spec a pod's annotations ask for (already checked at admission, checked again);
-    None when they ask for none."""
-    if request_from_annotations(annotations) is None:
-        return None
-    if ANNOTATION_MEMORY in annotations:
-        return {"memory": annotations[ANNOTATION_MEMORY]}
-    if ANNOTATION_FRACTION in annotations:
-        return {"fraction": parse_fraction(annotations[ANNOTATION_FRACTION])}
-    return {"migProfile": annotations[ANNOTATION_PROFILE]}
+    """The GpuSlice spec a pod's annotations ask for (of its first device; already checked at
+    admission, checked again); None when they ask for none."""
+    devices = pod_devices(annotations)
+    return dict(devices[0].spec) if devices else None
+
+
+def group_of(info: SliceInfo) -> str:
+    """The pod group a slice belongs to: the pod's cdmo.io/gpu-slice label value."""
+    return info.group or info.name
 
 
 def _owner(pod: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -138,10 +135,11 @@ class PodSlices:
         self.events = events
         self.state = state
         self.claims = claims
-        self.pods: dict[tuple[str, str], dict[str, Any]] = {}  # (namespace, slice name) -> pod
+        self.pods: dict[tuple[str, str], dict[str, Any]] = {}  # (namespace, pod group) -> pod
         self._node_labels: dict[str, dict[str, str]] = {}
         self._node_taints: dict[str, list[dict[str, Any]]] = {}
-        self._retries: dict[tuple[str, str], asyncio.Task] = {}  # pods waiting out a failed slice's back-off
+        # Failed slices waiting out their back-off, by (namespace, slice name, pod group).
+        self._retries: dict[tuple[str, str, str], asyncio.Task] = {}
         self._node_labels_at = -float("inf")
         self._node_labels_lock = asyncio.Lock()
         # Pods whose Ready slice's device the node's GpuNode did not list (yet), by node.
@@ -162,25 +160,41 @@ class PodSlices:
             await self._release(pod, key)
             return
         self.pods[key] = pod
-        if not _gated(pod) or key in self._retries:
+        if not _gated(pod) or self._retrying(key):
             return  # a pod waiting out a failed slice's back-off gets its next slice from that task
-        info = self.state.slice_named(*key)
-        if info is None:
-            await self._create_slice(pod, name)
-        else:
+        names = await self._create_slices(pod, name)
+        info = self.state.slice_named(meta["namespace"], names[0] if names else name)
+        if info is not None:
             await self.slice_changed(info)
 
-    async def _release(self, pod: Mapping[str, Any], key: tuple[str, str]) -> None:
-        """Delete a finished pod's slice (its own only): the agent then releases the instance."""
-        info = self.state.slice_named(*key)
-        if info is None or info.deleting or not owned_by(info.body, pod):
+    def _retrying(self, group: tuple[str, str]) -> bool:
+        return any((ns, g) == group for ns, _name, g in self._retries)
+
+    async def slice_deleted(self, body: Mapping[str, Any]) -> None:
+        """A slice is gone: if its pod still waits, gated, make it again (a group's part the binder gave
+        back, or a slice deleted by hand); a failed slice's replacement is its retry task's."""
+        meta = body["metadata"]
+        annotations = meta.get("annotations") or {}
+        group = annotations.get(GROUP_ANNOTATION) or meta["name"]
+        pod = self.pods.get((meta["namespace"], group))
+        if pod is None or not _gated(pod) or self._retrying((meta["namespace"], group)) or not owned_by(body, pod):
             return
-        try:
-            await self.client.delete(slice_path(*key))
-        except ApiError as exc:
-            if not exc.not_found:
-                raise
-        log.debug("pod %s/%s finished: its slice %s released", key[0], pod["metadata"]["name"], info.ref)
+        await self._create_slices(pod, group)
+
+    async def _release(self, pod: Mapping[str, Any], key: tuple[str, str]) -> None:
+        """Delete a finished pod's slices (its own only): the agent then releases the instances."""
+        first = self.state.slice_named(*key) or self.state.slice_named(key[0], f"{key[1]}-0")
+        if first is None:
+            return
+        for info in self.state.group_members(first):
+            if info.deleting or not owned_by(info.body, pod):
+                continue
+            try:
+                await self.client.delete(slice_path(info.namespace, info.name))
+            except ApiError as exc:
+                if not exc.not_found:
+                    raise
+            log.debug("pod %s/%s finished: its slice %s released", key[0], pod["metadata"]["name"], info.ref)
 
     async def node_labels(self) -> dict[str, dict[str, str]]:
         """Every node's labels (and, in ``_node_taints``, taints), listed at most every NODE_LABELS_TTL_S."""
@@ -207,21 +221,30 @@ class PodSlices:
             return None
         return allowed
 
-    async def _create_slice(self, pod: Mapping[str, Any], name: str, tries: int = 1) -> None:
+    async def _create_slices(self, pod: Mapping[str, Any], group: str,
+                             tries: Mapping[str, int] | None = None) -> tuple[str, ...]:
+        """Make the pod's slices that do not exist yet, one per device (``device_slice_names``): a
+        pod's several devices carry its group, so the binder places them together or not at all.
+        Returns the slices' names (none when the pod is refused or waits for an eligible node)."""
         meta = pod["metadata"]
         try:
             # Again, not only at admission: a pod made with the label and gate but no annotation never
             # reached the webhook, and its annotations may be added or changed later.
-            check_pod(pod)
-            spec = slice_spec_for(meta.get("annotations") or {})
+            devices = check_pod_devices(pod)
         except (QuantityError, PodRefused) as exc:
             self.events.post(pod, "Warning", "InvalidAnnotation" if isinstance(exc, QuantityError) else "Refused",
                              f"{exc}; the pod stays gated: delete it and create it again")
             log.info("pod %s/%s: no slice made: %s", meta["namespace"], meta["name"], exc)
-            return
-        if spec is None:
-            return  # labelled by hand, asking for nothing: not the operator's pod
+            return ()
+        if not devices:
+            return ()  # labelled by hand, asking for nothing: not the operator's pod
+        names = device_slice_names(group, len(devices))
+        missing = [(name, device) for name, device in zip(names, devices, strict=True)
+                   if self.state.slice_named(meta["namespace"], name) is None]
+        if not missing:
+            return names
         annotations: dict[str, str] = {}
+        node_name: str | None = None
         eligible = await self.eligible_nodes(pod)
         if eligible is not None:
             if not eligible:
@@ -230,27 +253,34 @@ class PodSlices:
                     f"none of the {known} GPU nodes matches the pod's nodeSelector and required node affinity "
                     "and has only taints it tolerates; it waits, gated, for one that does (the operator places "
                     "the pod on its slice's node)"))
-                return
+                return ()
             if len(eligible) == 1:
-                spec["nodeName"] = eligible[0]  # the pod can only go there: so must its slice
+                node_name = eligible[0]  # the pod can only go there: so must its slices
             else:
                 annotations[ELIGIBLE_NODES_ANNOTATION] = ",".join(eligible)
-        if tries > 1:
-            annotations[SLICE_TRY_ANNOTATION] = str(tries)
-        body = {"apiVersion": API_VERSION, "kind": SLICE_KIND,
-                "metadata": {"name": name, "namespace": meta["namespace"], "ownerReferences": _owner(pod),
-                             "labels": {"cdmo.io/pod": meta["name"][:63].rstrip("-.")},
-                             **({"annotations": annotations} if annotations else {})},
-                "spec": spec}
-        try:
-            await self.client.create(slices_path(meta["namespace"]), body)
-        except ApiError as exc:
-            if not exc.conflict:
-                raise
+        if len(names) > 1:
+            annotations.update({GROUP_ANNOTATION: group, GROUP_SIZE_ANNOTATION: str(len(names))})
+        for name, device in missing:
+            spec = {**device.spec, **({"nodeName": node_name} if node_name else {})}
+            extra = dict(annotations)
+            if tries and tries.get(name, 1) > 1:
+                extra[SLICE_TRY_ANNOTATION] = str(tries[name])
+            body = {"apiVersion": API_VERSION, "kind": SLICE_KIND,
+                    "metadata": {"name": name, "namespace": meta["namespace"], "ownerReferences": _owner(pod),
+                                 "labels": {"cdmo.io/pod": meta["name"][:63].rstrip("-.")},
+                                 **({"annotations": extra} if extra else {})},
+                    "spec": spec}
+            try:
+                await self.client.create(slices_path(meta["namespace"]), body)
+            except ApiError as exc:
+                if not exc.conflict:
+                    raise
+        return names
 
     async def slice_changed(self, info: SliceInfo) -> None:
-        """A slice changed: if a gated pod waits for it, move the pod on (or tell it why not)."""
-        pod = self.pods.get((info.namespace, info.name))
+        """A slice changed: if a gated pod waits for it, move the pod on (or tell it why not). A pod
+        with several devices moves on once every one of its slices is Ready, all on one node."""
+        pod = self.pods.get((info.namespace, group_of(info)))
         if pod is None or not _gated(pod) or info.deleting:
             return
         if not owned_by(info.body, pod):
@@ -261,18 +291,28 @@ class PodSlices:
             return
         st = info.body.get("status") or {}
         phase = st.get("phase")
-        if phase == "Ready" and info.binding is not None:
-            if await self._device_checked(pod, info) and await self.claims.ensure(info):
-                await self._release_gate(pod, info)
-        elif phase == "Failed":
+        if phase == "Failed":
             self._slice_failed(pod, info)
-        elif phase == "Pending" and st.get("reason"):
+            return
+        if phase == "Pending" and st.get("reason"):
             self.events.post(pod, "Warning", st["reason"], f"waiting for GpuSlice {info.ref}: {st.get('message', '')}")
+            return
+        if phase != "Ready" or info.binding is None:
+            return
+        members = self.state.group_members(info)
+        if len(members) != info.group_size or not all(m.phase == "Ready" and m.binding is not None for m in members):
+            return
+        if len({m.binding.node for m in members if m.binding is not None}) != 1:
+            return  # never: a group is bound on one node (the binder gives back a split one)
+        for member in members:
+            if not await self._device_checked(pod, member) or not await self.claims.ensure(member):
+                return
+        await self._release_gate(pod, info)
 
     def _slice_failed(self, pod: Mapping[str, Any], info: SliceInfo) -> None:
         """A pod's slice Failed: a new slice of the same name after a back-off (core's
         ``slice_retry_delay``), an Event each time; after SLICE_TRIES the pod waits for its owner."""
-        key = (info.namespace, info.name)
+        key = (info.namespace, info.name, group_of(info))
         if key in self._retries:
             return
         st = info.body.get("status") or {}
@@ -293,23 +333,24 @@ class PodSlices:
         log.info("slice %s failed (try %d of %d); a new one in %g s", info.ref, tries, SLICE_TRIES, delay)
         self._retries[key] = asyncio.create_task(self._replace_failed(key, tries, delay))
 
-    async def _replace_failed(self, key: tuple[str, str], tries: int, delay: float) -> None:
+    async def _replace_failed(self, key: tuple[str, str, str], tries: int, delay: float) -> None:
         """Delete the failed slice and, once it is gone, make the pod's next one (same name: the pod's
-        label and claim name it)."""
+        claim names it)."""
+        namespace, name, group = key
         try:
             await asyncio.sleep(delay)
             try:
-                await self.client.delete(slice_path(*key))
+                await self.client.delete(slice_path(namespace, name))
             except ApiError as exc:
                 if not exc.not_found:
                     raise
             deadline = time.monotonic() + 60
-            while self.state.slice_named(*key) is not None and time.monotonic() < deadline:
+            while self.state.slice_named(namespace, name) is not None and time.monotonic() < deadline:
                 await asyncio.sleep(0.2)
-            pod = self.pods.get(key)
-            if pod is None or not _gated(pod) or self.state.slice_named(*key) is not None:
+            pod = self.pods.get((namespace, group))
+            if pod is None or not _gated(pod) or self.state.slice_named(namespace, name) is not None:
                 return
-            await self._create_slice(pod, key[1], tries + 1)
+            await self._create_slices(pod, group, {name: tries + 1})
         except ApiError as exc:
             log.warning("slice %s/%s: a new slice after a failure: %s", key[0], key[1], exc)
         finally:
@@ -364,7 +405,7 @@ class PodSlices:
             if not _gated(fresh):
                 return
             answer = await self.client.json_patch(path, ungate_ops(fresh, node, await self._hostname(fresh, node)))
-        self.pods[(info.namespace, info.name)] = answer
+        self.pods[(info.namespace, group_of(info))] = answer
         log.debug("pod %s/%s ungated onto %s", info.namespace, meta["name"], node)
 
     async def resync(self) -> None:

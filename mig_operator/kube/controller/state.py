@@ -22,10 +22,17 @@ from mig_operator.core.cluster import (
 from mig_operator.core.quantities import MIB, QuantityError
 from mig_operator.core.quota import QUOTA_NAME, Quota, Usage, quota_from_spec, share
 from mig_operator.core.request import SliceRequest
+from mig_operator.core.request_forms import MAX_POD_DEVICES
 from mig_operator.core.slice_spec import request_from_spec
 
 from ..common.client import resource_version
-from ..common.names import AGENT_FINALIZER, ELIGIBLE_NODES_ANNOTATION, SLICE_NODE_LABEL
+from ..common.names import (
+    AGENT_FINALIZER,
+    ELIGIBLE_NODES_ANNOTATION,
+    GROUP_ANNOTATION,
+    GROUP_SIZE_ANNOTATION,
+    SLICE_NODE_LABEL,
+)
 
 
 @dataclass
@@ -46,6 +53,8 @@ class SliceInfo:
     deleting: bool
     marked: bool  # carries the node label and the agent's finalizer
     eligible: tuple[str, ...] | None = None  # the only nodes it may go to (a pod's node selector), if set
+    group: str | None = None  # a pod's group of slices placed together (GROUP_ANNOTATION), if any
+    group_size: int = 1
 
     @property
     def ref(self) -> str:
@@ -75,8 +84,18 @@ def slice_info(body: Mapping) -> SliceInfo:
         version=resource_version(meta), body=dict(body), request=request, invalid=invalid,
         pinned=spec.get("nodeName"), phase=status.get("phase"), binding=binding,
         deleting=bool(meta.get("deletionTimestamp")), marked=marked,
-        eligible=_eligible_nodes(meta),
+        eligible=_eligible_nodes(meta), **_group(meta),
     )
+
+
+def _group(meta: Mapping) -> dict[str, Any]:
+    """The slice's group, when its annotations name one of 2 to MAX_POD_DEVICES slices (else none:
+    a slice made by hand with a bad size is planned on its own)."""
+    annotations = meta.get("annotations") or {}
+    group, size = annotations.get(GROUP_ANNOTATION), str(annotations.get(GROUP_SIZE_ANNOTATION, ""))
+    if not group or not size.isdigit() or not 2 <= int(size) <= MAX_POD_DEVICES:
+        return {}
+    return {"group": str(group), "group_size": int(size)}
 
 
 def _eligible_nodes(meta: Mapping) -> tuple[str, ...] | None:
@@ -97,6 +116,7 @@ class ClusterState:
     # Bindings decided but not yet seen in a slice's status: they hold their GPU room meanwhile.
     in_flight: dict[str, Binding] = field(default_factory=dict)
     names: dict[tuple[str, str], str] = field(default_factory=dict)  # (namespace, name) -> uid
+    groups: dict[tuple[str, str], set[str]] = field(default_factory=dict)  # (namespace, group) -> uids
     planner: ClusterPlanner = field(default_factory=ClusterPlanner)
     # Quotas: each namespace's GpuQuota (named QUOTA_NAME), and what its slices hold, kept current
     # slice by slice so an admission costs the same however many slices there are.
@@ -193,8 +213,12 @@ class ClusterState:
         known = self.slices.get(info.uid)
         if known is not None and info.version and known.version > info.version:
             return None
+        if known is not None and known.group != info.group:
+            self._ungroup(known)
         self.slices[info.uid] = info
         self.names[(info.namespace, info.name)] = info.uid
+        if info.group is not None:
+            self.groups.setdefault((info.namespace, info.group), set()).add(info.uid)
         if info.binding is not None:
             self.in_flight.pop(info.uid, None)
         self._held(info.uid)
@@ -205,9 +229,26 @@ class ClusterState:
         gone = self.slices.pop(uid, None)
         if gone is not None and self.names.get((gone.namespace, gone.name)) == uid:
             del self.names[(gone.namespace, gone.name)]
+        if gone is not None:
+            self._ungroup(gone)
         self.planner.drop_binding(uid)
         self._charge(uid, None)
         return gone
+
+    def _ungroup(self, info: SliceInfo) -> None:
+        if info.group is None:
+            return
+        members = self.groups.get((info.namespace, info.group), set())
+        members.discard(info.uid)
+        if not members:
+            self.groups.pop((info.namespace, info.group), None)
+
+    def group_members(self, info: SliceInfo) -> list[SliceInfo]:
+        """The slices of ``info``'s group (itself included) not being deleted, by name."""
+        if info.group is None:
+            return [info]
+        members = (self.slices[u] for u in self.groups.get((info.namespace, info.group), ()) if u in self.slices)
+        return sorted((m for m in members if not m.deleting), key=lambda m: m.name)
 
     def slice_named(self, namespace: str, name: str) -> SliceInfo | None:
         uid = self.names.get((namespace, name))
@@ -262,6 +303,10 @@ class ClusterState:
             fresh[info.uid] = known if known is not None and known.version > info.version else info
         self.slices = fresh
         self.names = {(s.namespace, s.name): uid for uid, s in fresh.items()}
+        self.groups = {}
+        for uid, s in fresh.items():
+            if s.group is not None:
+                self.groups.setdefault((s.namespace, s.group), set()).add(uid)
         self.in_flight = {uid: b for uid, b in self.in_flight.items() if uid in fresh}
         self.inventories = {}
         for body in inventories:

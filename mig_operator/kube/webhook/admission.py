@@ -14,10 +14,15 @@ from __future__ import annotations
 import copy
 import logging
 import secrets
-from collections.abc import Collection, Mapping, MutableMapping
+from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any
 
-from mig_operator.core.request_forms import MigResourceRequest, without_mig_resources
+from mig_operator.core.request_forms import (
+    MigResourceRequest,
+    PodDevice,
+    device_slice_names,
+    without_mig_resources,
+)
 
 from ..common.names import POD_CLAIM_ENTRY, POD_SLICE_LABEL, SCHEDULING_GATE
 
@@ -53,35 +58,52 @@ def slice_name_for(pod: Mapping[str, Any], token: str | None = None) -> str:
     return f"{base}-gs-{token or secrets.token_hex(4)}"
 
 
-def mutate_pod(pod: MutableMapping[str, Any], slice_name: str, containers: Collection[str] | None = None) -> None:
-    """Add the gate, the slice label and the claim of the pod's slice to ``pod`` (in place).
+def claim_entries(count: int) -> tuple[str, ...]:
+    """The pod's claim entry names for its devices: ``gpu-slice`` for one, ``gpu-slice-<k>`` for several."""
+    return (POD_CLAIM_ENTRY,) if count == 1 else tuple(f"{POD_CLAIM_ENTRY}-{k}" for k in range(count))
 
-    The pod names its slice's ResourceClaim (same name) once, in ``spec.resourceClaims``, and every
-    container and init container (or only those named in ``containers``) lists it in
-    ``resources.claims``; the kubelet then hands the device over through the agent (DRA, CDI), to
-    those containers only. Nothing else is added: no env, no volume.
 
-    The pod always gets ``slice_name``, its own: a pod that arrives carrying the slice label already
+def _ours(entry: object) -> bool:
+    text = str(entry)
+    return text == POD_CLAIM_ENTRY or (text.startswith(f"{POD_CLAIM_ENTRY}-")
+                                        and text[len(POD_CLAIM_ENTRY) + 1:].isdigit())
+
+
+def mutate_pod(pod: MutableMapping[str, Any], group: str, devices: Sequence[PodDevice] | None = None) -> None:
+    """Add the gate, the slice label and the claims of the pod's slices to ``pod`` (in place).
+
+    ``devices`` (default: one, seen by every container) are the pod's slices, named
+    ``device_slice_names(group, n)``. The pod names each slice's ResourceClaim (same name) in
+    ``spec.resourceClaims``, and each container and init container lists, in ``resources.claims``,
+    the claims of the devices it sees; the kubelet then hands those devices over through the agent
+    (DRA, CDI), to those containers only. Nothing else is added: no env, no volume.
+
+    The pod always gets ``group``, its own: a pod that arrives carrying the slice label already
     (copied from a sliced pod, e.g. ``kubectl get pod -o yaml``) would otherwise run on the other
-    pod's device. A claim entry of the operator's name it already has is replaced, never doubled.
+    pod's devices. Claim entries of the operator's names it already has are replaced, never doubled.
     """
+    count = len(devices) if devices else 1
+    entries = claim_entries(count)
+    names = device_slice_names(group, count)
     meta = pod.setdefault("metadata", {})
-    meta["labels"] = {**(meta.get("labels") or {}), POD_SLICE_LABEL: slice_name}
+    meta["labels"] = {**(meta.get("labels") or {}), POD_SLICE_LABEL: group}
     spec = pod.setdefault("spec", {})
     gates = list(spec.get("schedulingGates") or [])
     if not any(g.get("name") == SCHEDULING_GATE for g in gates):
         gates.append({"name": SCHEDULING_GATE})
     spec["schedulingGates"] = gates
-    claims = [c for c in spec.get("resourceClaims") or [] if c.get("name") != POD_CLAIM_ENTRY]
-    claims.append({"name": POD_CLAIM_ENTRY, "resourceClaimName": slice_name})
+    claims = [c for c in spec.get("resourceClaims") or [] if not _ours(c.get("name"))]
+    claims += [{"name": entry, "resourceClaimName": name} for entry, name in zip(entries, names, strict=True)]
     spec["resourceClaims"] = claims
     for key in ("containers", "initContainers"):
         for container in spec.get(key) or []:
-            if containers is not None and container.get("name") not in containers:
+            seen = [entry for entry, device in zip(entries, devices or [None], strict=True)
+                    if device is None or device.containers is None or container.get("name") in device.containers]
+            if not seen:
                 continue
             resources = container.setdefault("resources", {})
-            used = [c for c in resources.get("claims") or [] if c.get("name") != POD_CLAIM_ENTRY]
-            used.append({"name": POD_CLAIM_ENTRY})
+            used = [c for c in resources.get("claims") or [] if not _ours(c.get("name"))]
+            used += [{"name": entry} for entry in seen]
             resources["claims"] = used
 
 
@@ -100,14 +122,15 @@ def _take_mig_request(pod: MutableMapping[str, Any], asked: MigResourceRequest) 
 
 def with_mig_request(pod: Mapping[str, Any], asked: MigResourceRequest) -> dict[str, Any]:
     """A copy of ``pod`` as it goes on once its nvidia.com/mig-* request is taken: the extended resources
-    out, the profile annotation and the record of what was asked in (for the admission check)."""
+    out, the record of what was asked in (for the admission check)."""
     out = copy.deepcopy(dict(pod))
     _take_mig_request(out, asked)
     return out
 
 
-def serve_mig_request(pod: MutableMapping[str, Any], asked: MigResourceRequest, slice_name: str) -> None:
-    """Turn a pod that asks through nvidia.com/mig-* resources into an annotated pod (in place), whose
-    slice's claim reaches only the containers that asked."""
+def serve_mig_request(pod: MutableMapping[str, Any], asked: MigResourceRequest, group: str,
+                      devices: Sequence[PodDevice]) -> None:
+    """Turn a pod that asks through nvidia.com/mig-* resources into one whose annotation records the
+    request (in place), each container getting the claims of its own devices."""
     _take_mig_request(pod, asked)
-    mutate_pod(pod, slice_name, containers=asked.containers)
+    mutate_pod(pod, group, devices)

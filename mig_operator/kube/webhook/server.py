@@ -23,7 +23,7 @@ from typing import Any
 import aiohttp.web
 import kopf
 
-from mig_operator.core.pod_admission import PodRefused, check_pod
+from mig_operator.core.pod_admission import PodRefused, check_pod_devices
 from mig_operator.core.quantities import QuantityError
 from mig_operator.core.request_forms import (
     MIG_REQUESTS_LABEL,
@@ -283,13 +283,13 @@ def register(registry: kopf.OperatorRegistry, options: WebhookOptions, kubeconfi
     @kopf.on.mutate("v1", "pods", id=HANDLER_ID, operations=["CREATE"], registry=registry)
     def mutate(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
         try:
-            request = check_pod(body)
+            devices = check_pod_devices(body)
         except (QuantityError, PodRefused) as exc:
             raise kopf.AdmissionError(str(exc), code=400) from None
-        if request is None:
+        if not devices:
             return
         name = slice_name_for(body)
-        patch.fns.append(lambda pod: mutate_pod(pod, name))
+        patch.fns.append(lambda pod: mutate_pod(pod, name, devices))
 
     @kopf.on.mutate("v1", "pods", id=MIG_HANDLER_ID, operations=["CREATE"], registry=registry)
     def mutate_mig_request(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
@@ -298,8 +298,8 @@ def register(registry: kopf.OperatorRegistry, options: WebhookOptions, kubeconfi
             if asked is None:
                 return
             # Every other rule of an annotated pod applies to the pod as it will go on.
-            check_pod(with_mig_request(body, asked))
+            devices = check_pod_devices(with_mig_request(body, asked))
         except (QuantityError, PodRefused) as exc:
             raise kopf.AdmissionError(str(exc), code=400) from None
         name = slice_name_for(body)
-        patch.fns.append(lambda pod: serve_mig_request(pod, asked, name))
+        patch.fns.append(lambda pod: serve_mig_request(pod, asked, name, devices))
