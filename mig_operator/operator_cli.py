@@ -15,6 +15,7 @@ import sys
 import tempfile
 from types import FrameType
 
+from .core.compat import UnknownDialect, check_dialects
 from .core.quantities import QuantityError
 from .core.slice_spec import MAX_NODE_NAME_LENGTH, NODE_NAME
 
@@ -153,6 +154,8 @@ def add_operator_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--mig-request-namespaces", default=None, metavar="NS[,NS...]",
                    help="namespaces whose nvidia.com/mig-* requests the webhook serves (default: every one it "
                         "serves; a namespace labelled cdmo.io/mig-requests=off is always left out)")
+    p.add_argument("--compat", default=None, metavar="DIALECT[,DIALECT...]",
+                   help="also serve the seed platforms' request forms: runai, clearml (default: none)")
     p.add_argument("--webhook-config", default="mig-operator",
                    help="MutatingWebhookConfiguration to create or update with the CA bundle ('' to leave it alone)")
     p.add_argument("--namespace", default="mig-operator",
@@ -242,6 +245,10 @@ def cmd_controller(args: argparse.Namespace) -> int:
     mig_namespaces = tuple(n.strip() for n in (args.mig_request_namespaces or "").split(",") if n.strip())
     for namespace in mig_namespaces:
         _dns_label("--mig-request-namespaces", namespace, "team-a,team-b", "namespace")
+    try:
+        compat = check_dialects(args.compat or "")
+    except UnknownDialect as exc:
+        raise QuantityError(f"--compat {_shown(args.compat)}: {exc}") from None
     if bool(args.webhook_cert) != bool(args.webhook_key):
         raise QuantityError("--webhook-cert and --webhook-key go together; e.g. --webhook-cert tls.crt "
                             "--webhook-key tls.key")
@@ -266,7 +273,7 @@ def cmd_controller(args: argparse.Namespace) -> int:
                     listen=args.webhook, namespace=args.namespace, cert_file=args.webhook_cert,
                     key_file=args.webhook_key, cert_secret=args.webhook_cert_secret, url=args.webhook_url,
                     service=args.webhook_service, config_name=args.webhook_config or None,
-                    mig_request_namespaces=mig_namespaces,
+                    mig_request_namespaces=mig_namespaces, compat=compat,
                 )
                 webhook_socket = stack.enter_context(bind(webhook))
                 if not args.webhook_cert:

@@ -44,7 +44,10 @@ REQUEST_ANNOTATIONS = (ANNOTATION_MEMORY, ANNOTATION_FRACTION, ANNOTATION_PROFIL
 ANNOTATION_REQUESTED = "cdmo.io/requested-resources"
 # Beside a request annotation: how many devices of that request (core/request_forms.py).
 ANNOTATION_COUNT = "cdmo.io/gpu-count"
-POD_ANNOTATIONS = (*REQUEST_ANNOTATIONS, ANNOTATION_COUNT, ANNOTATION_REQUESTED)
+# Written by the webhook on a pod that asked in a seed platform's form (core/compat.py): what it asked.
+# Informational: the request annotation written beside it is the request.
+ANNOTATION_COMPAT_RECORD = "cdmo.io/compat-request"
+POD_ANNOTATIONS = (*REQUEST_ANNOTATIONS, ANNOTATION_COUNT, ANNOTATION_REQUESTED, ANNOTATION_COMPAT_RECORD)
 # Any other annotation under this prefix, in any case, is refused, not ignored: a misspelt request
 # (cdmo.io/gpu-memroy, cdmo.io/GPU-memory, cdmo.io/mig-profiles) or a guessed one (cdmo.io/gpu: 1)
 # would otherwise run with no slice and no word said.

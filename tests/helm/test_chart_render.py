@@ -13,6 +13,7 @@ import yaml
 from helm_chart import CHART_DIR, REPO_ROOT, container, find
 
 from mig_operator.cli import build_parser
+from mig_operator.core.compat import check_dialects
 from mig_operator.kube.common.names import WEBHOOK_NAME
 from mig_operator.kube.webhook.server import WebhookOptions, webhook_configuration
 from mig_operator.operator_cli import parse_duration
@@ -41,7 +42,7 @@ VARIANTS: dict[str, list[str]] = {
         "--set", f"image.digest={SHA}", "--set", "imagePullSecrets[0].name=pull",
         "--set", "logging.level=debug", "--set", "logging.format=text", "--set", "metrics.enabled=false",
         "--set", "controller.replicas=3", "--set", "controller.resync=2m", "--set", "controller.peering=gpu-peers",
-        "--set", "controller.fairHold=90s",
+        "--set", "controller.fairHold=90s", "--set", "compat={runai}",
         "--set", "controller.priorityClassName=system-cluster-critical",
         "--set", "controller.podDisruptionBudget.enabled=false", "--set", "webhook.port=8443",
         "--set", "webhook.configurationName=gpu-slices", "--set", "webhook.selfSigned.secretName=gpu-slices-tls",
@@ -235,6 +236,27 @@ def test_the_mig_request_namespaces_reach_the_configuration_and_the_controller_a
     assert rendered["matchConditions"] == expected["matchConditions"]
     default = _args(container(render(release="gs", namespace="gpu-system"), "Deployment", "controller"))
     assert default.mig_request_namespaces is None
+
+
+@pytest.mark.parametrize("compat", [["runai"], ["clearml"], ["clearml", "runai"]])
+def test_the_compat_entry_is_the_one_the_controller_writes(render: Any, compat: list[str]) -> None:
+    """The chart's third webhook entry (value compat) is the controller's, CEL included, and the
+    controller gets the same dialects."""
+    docs = render("--set", f"compat={{{','.join(compat)}}}", release="gs", namespace="gpu-system")
+    ctl = _args(container(docs, "Deployment", "controller"))
+    assert ctl.compat == ",".join(compat)
+    options = WebhookOptions(listen="0.0.0.0:9443", namespace="gpu-system", service=ctl.webhook_service,
+                             compat=check_dialects(ctl.compat))
+    expected = webhook_configuration(options, b"")["webhooks"][2]
+    del expected["clientConfig"]["caBundle"]
+    rendered = find(docs, "MutatingWebhookConfiguration")["webhooks"]
+    assert len(rendered) == 3 and rendered[2] == expected
+    assert len(find(render(release="gs", namespace="gpu-system"), "MutatingWebhookConfiguration")["webhooks"]) == 2
+
+
+def test_an_unknown_compat_dialect_stops_the_render(helm: Any) -> None:
+    with pytest.raises(AssertionError, match="compat: \"kai\" is not a dialect"):
+        helm("template", "gs", str(CHART_DIR), "--set", "compat={kai}")
 
 
 def _args(c: dict[str, Any]) -> Any:
@@ -537,6 +559,9 @@ def _changed(value: Any) -> Any:
     return {**value, "probe": "probe"}
 
 
+# Values whose every other value is refused by the chart are changed to one it takes.
+VALID_CHANGES: dict[tuple[str, ...], Any] = {("compat",): ["clearml"]}
+
 # A value that only matters in another mode is changed on top of that mode.
 MODES = {("webhook", "certManager"): {"webhook": {"certManager": {"enabled": True}}},
          ("metrics", "serviceMonitor"): {"metrics": {"serviceMonitor": {"enabled": True}}},
@@ -572,7 +597,8 @@ def test_every_value_is_used_by_the_templates(render: Any, tmp_path: Path) -> No
         base = MODES.get(mode, {})
         if mode not in baselines:
             baselines[mode] = rendered(base)
-        if rendered(merge(base, nested(path, _changed(value)))) == baselines[mode]:
+        changed = VALID_CHANGES.get(path, _changed(value))
+        if rendered(merge(base, nested(path, changed))) == baselines[mode]:
             unused.append(".".join(path))
     assert not unused, f"values that change nothing the chart renders: {unused}"
 

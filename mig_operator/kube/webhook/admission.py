@@ -17,12 +17,14 @@ import secrets
 from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any
 
+from mig_operator.core.compat import DialectRequest
 from mig_operator.core.request_forms import (
     MigResourceRequest,
     PodDevice,
     device_slice_names,
     without_mig_resources,
 )
+from mig_operator.core.slice_spec import ANNOTATION_COMPAT_RECORD
 
 from ..common.names import POD_CLAIM_ENTRY, POD_SLICE_LABEL, SCHEDULING_GATE
 
@@ -133,4 +135,41 @@ def serve_mig_request(pod: MutableMapping[str, Any], asked: MigResourceRequest, 
     """Turn a pod that asks through nvidia.com/mig-* resources into one whose annotation records the
     request (in place), each container getting the claims of its own devices."""
     _take_mig_request(pod, asked)
+    mutate_pod(pod, group, devices)
+
+
+def _take_dialect_request(pod: MutableMapping[str, Any], asked: DialectRequest) -> None:
+    meta = pod.setdefault("metadata", {})
+    meta["annotations"] = {**(meta.get("annotations") or {}), **asked.annotations,
+                           ANNOTATION_COMPAT_RECORD: asked.record()}
+    spec = pod.get("spec") or {}
+    for key in ("containers", "initContainers"):
+        for container in spec.get(key) or []:
+            resources = dict(container.get("resources") or {})
+            for kind in ("limits", "requests"):
+                if resources.get(kind):
+                    kept = {k: v for k, v in resources[kind].items() if k not in asked.removed_resources}
+                    if kept:
+                        resources[kind] = kept
+                    else:
+                        del resources[kind]
+            if resources:
+                container["resources"] = resources
+            else:
+                container.pop("resources", None)
+
+
+def with_dialect_request(pod: Mapping[str, Any], asked: DialectRequest) -> dict[str, Any]:
+    """A copy of ``pod`` as it goes on once its seed-platform request is taken: the operator's request
+    annotation and the record of what was asked in, the dialect's extended resources out."""
+    out = copy.deepcopy(dict(pod))
+    _take_dialect_request(out, asked)
+    return out
+
+
+def serve_dialect_request(pod: MutableMapping[str, Any], asked: DialectRequest, group: str,
+                          devices: Sequence[PodDevice]) -> None:
+    """Turn a pod that asks in a seed platform's form into an annotated pod (in place), the device's
+    claim reaching the containers the dialect gives it to."""
+    _take_dialect_request(pod, asked)
     mutate_pod(pod, group, devices)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import logging
 import os
 import socket
@@ -23,6 +24,7 @@ from typing import Any
 import aiohttp.web
 import kopf
 
+from mig_operator.core.compat import dialect_match_expression, dialect_request
 from mig_operator.core.pod_admission import PodRefused, check_pod_devices
 from mig_operator.core.quantities import QuantityError
 from mig_operator.core.request_forms import (
@@ -36,7 +38,15 @@ from mig_operator.core.slice_spec import ANNOTATION_PREFIX
 from ..common.client import ApiError, KubeClient
 from ..common.listen import listen
 from ..common.names import WEBHOOK_NAME
-from .admission import RefusalsAtInfo, mutate_pod, serve_mig_request, slice_name_for, with_mig_request
+from .admission import (
+    RefusalsAtInfo,
+    mutate_pod,
+    serve_dialect_request,
+    serve_mig_request,
+    slice_name_for,
+    with_dialect_request,
+    with_mig_request,
+)
 from .certs import CertBundle, make_certificate
 
 log = logging.getLogger("mig_operator.webhook")
@@ -58,6 +68,10 @@ _ASKS_FOR_MIG = (
     f"k.startsWith('{MIG_RESOURCE_PREFIX}'))) || (has(c.resources.requests) && c.resources.requests.exists(k, "
     f"k.startsWith('{MIG_RESOURCE_PREFIX}'))))"
 )
+# The third, only with ``compat``: pods asking in a seed platform's form (core/compat.py), last, so
+# that a pod the first two served is not served twice.
+COMPAT_HANDLER_ID = "compat"
+COMPAT_WEBHOOK_ENTRY = "compat.cdmo.io"
 MIG_MATCH_EXPRESSION = (
     f"object.spec.containers.exists(c, {_ASKS_FOR_MIG}) || "
     f"(has(object.spec.initContainers) && object.spec.initContainers.exists(c, {_ASKS_FOR_MIG}))"
@@ -78,6 +92,8 @@ class WebhookOptions:
     key_dir: str | None = None  # where a made certificate's files go; the caller removes it at exit
     # Namespaces whose nvidia.com/mig-* requests are served; empty: every one the webhook serves.
     mig_request_namespaces: tuple[str, ...] = ()
+    # The seed platforms' request forms served (core/compat.py): runai, clearml; none by default.
+    compat: tuple[str, ...] = ()
 
     @property
     def host_port(self) -> tuple[str, int]:
@@ -187,14 +203,18 @@ def webhook_configuration(options: WebhookOptions, ca_bundle: bytes) -> dict[str
     if options.mig_request_namespaces:
         mig_selector.append({"key": "kubernetes.io/metadata.name", "operator": "In",
                              "values": list(options.mig_request_namespaces)})
+    webhooks = [
+        entry(WEBHOOK_ENTRY, HANDLER_ID, [not_ours], "asks-for-a-gpu-slice", MATCH_EXPRESSION),
+        entry(MIG_WEBHOOK_ENTRY, MIG_HANDLER_ID, mig_selector, "asks-for-a-mig-device", MIG_MATCH_EXPRESSION),
+    ]
+    if options.compat:
+        webhooks.append(entry(COMPAT_WEBHOOK_ENTRY, COMPAT_HANDLER_ID, [not_ours], "asks-in-a-compat-form",
+                              dialect_match_expression(options.compat)))
     return {
         "apiVersion": "admissionregistration.k8s.io/v1",
         "kind": "MutatingWebhookConfiguration",
         "metadata": {"name": options.config_name, "labels": {"app.kubernetes.io/name": "mig-operator"}},
-        "webhooks": [
-            entry(WEBHOOK_ENTRY, HANDLER_ID, [not_ours], "asks-for-a-gpu-slice", MATCH_EXPRESSION),
-            entry(MIG_WEBHOOK_ENTRY, MIG_HANDLER_ID, mig_selector, "asks-for-a-mig-device", MIG_MATCH_EXPRESSION),
-        ],
+        "webhooks": webhooks,
     }
 
 
@@ -264,7 +284,7 @@ def register(registry: kopf.OperatorRegistry, options: WebhookOptions, kubeconfi
     when not given)."""
     kopf_objects = logging.getLogger("kopf.objects")
     if not any(isinstance(f, RefusalsAtInfo) for f in kopf_objects.filters):
-        kopf_objects.addFilter(RefusalsAtInfo(HANDLER_ID, MIG_HANDLER_ID))
+        kopf_objects.addFilter(RefusalsAtInfo(HANDLER_ID, MIG_HANDLER_ID, COMPAT_HANDLER_ID))
 
     @kopf.on.startup(registry=registry, backoff=2)
     async def start_webhook(settings: kopf.OperatorSettings, **_: Any) -> None:
@@ -303,3 +323,17 @@ def register(registry: kopf.OperatorRegistry, options: WebhookOptions, kubeconfi
             raise kopf.AdmissionError(str(exc), code=400) from None
         name = slice_name_for(body)
         patch.fns.append(lambda pod: serve_mig_request(pod, asked, name, devices))
+
+    @kopf.on.mutate("v1", "pods", id=COMPAT_HANDLER_ID, operations=["CREATE"], registry=registry)
+    def mutate_compat_request(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
+        try:
+            asked = dialect_request(body, options.compat)
+            if asked is None:
+                return
+            devices = check_pod_devices(with_dialect_request(body, asked))
+        except (QuantityError, PodRefused) as exc:
+            raise kopf.AdmissionError(str(exc), code=400) from None
+        # The device reaches the containers the dialect names (Run:ai: the first, or the one named).
+        devices = tuple(dataclasses.replace(d, containers=asked.containers) for d in devices)
+        name = slice_name_for(body)
+        patch.fns.append(lambda pod: serve_dialect_request(pod, asked, name, devices))
