@@ -91,7 +91,8 @@ def dry_create(cluster: KubeCluster, namespace: str, body: dict[str, Any]) -> An
 @pytest.fixture(scope="module")
 def policy(kube_cluster: KubeCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Policy]:
     core = kube_cluster.core_v1()
-    run = uuid.uuid4().hex[:6]
+    # A letter first: a value such as "691e05" is a number to YAML, and a label value must be a string.
+    run = "r" + uuid.uuid4().hex[:5]
     names = {part: f"pdp-{run}-{part}" for part in ("release", "skipped", "old", "checked")}
     values = tmp_path_factory.mktemp("pod-device-policy") / "values.yaml"
     values.write_text(yaml.safe_dump({"fullnameOverride": f"pdp-{run}", "podDevicePolicy": {
