@@ -154,6 +154,9 @@ def add_operator_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--mig-request-namespaces", default=None, metavar="NS[,NS...]",
                    help="namespaces whose nvidia.com/mig-* requests the webhook serves (default: every one it "
                         "serves; a namespace labelled cdmo.io/mig-requests=off is always left out)")
+    p.add_argument("--whole-gpus-everywhere", action="store_true",
+                   help="serve nvidia.com/gpu requests as whole-GPU slices in every namespace the webhook serves "
+                        "(default: only in namespaces labelled cdmo.io/whole-gpus=on)")
     p.add_argument("--compat", default=None, metavar="DIALECT[,DIALECT...]",
                    help="also serve the seed platforms' request forms: runai, clearml (default: none)")
     p.add_argument("--webhook-config", default="mig-operator",
@@ -274,6 +277,7 @@ def cmd_controller(args: argparse.Namespace) -> int:
                     key_file=args.webhook_key, cert_secret=args.webhook_cert_secret, url=args.webhook_url,
                     service=args.webhook_service, config_name=args.webhook_config or None,
                     mig_request_namespaces=mig_namespaces, compat=compat,
+                    whole_gpus_everywhere=args.whole_gpus_everywhere,
                 )
                 webhook_socket = stack.enter_context(bind(webhook))
                 if not args.webhook_cert:

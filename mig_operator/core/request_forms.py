@@ -38,6 +38,13 @@ from .slice_spec import (
 
 MIG_RESOURCE_PREFIX = "nvidia.com/mig-"
 MIG_RESOURCE_EXAMPLE = f"{MIG_RESOURCE_PREFIX}{PROFILE_EXAMPLE}"
+# Whole GPUs, in namespaces that opt in: each is a slice of fraction 1, which only a GPU holding
+# nothing else can take: on a MIG GPU its full-size profile (all its memory slots), on a GPU without
+# MIG the whole GPU (its memory as the limit).
+WHOLE_GPU_RESOURCE = "nvidia.com/gpu"
+WHOLE_GPU_SPEC: Mapping[str, Any] = {"fraction": 1.0}
+WHOLE_GPUS_LABEL = "cdmo.io/whole-gpus"
+WHOLE_GPUS_ON = "on"
 REQUESTED_ANNOTATION = ANNOTATION_REQUESTED
 # A namespace labelled so keeps its nvidia.com/mig-* requests for a device plugin (static MIG).
 MIG_REQUESTS_LABEL = "cdmo.io/mig-requests"
@@ -78,6 +85,11 @@ def is_mig_resource(key: object) -> bool:
     return isinstance(key, str) and key.startswith(MIG_RESOURCE_PREFIX)
 
 
+def is_served_resource(key: object) -> bool:
+    """A device-plugin resource the webhook may serve as slices: MIG devices, whole GPUs."""
+    return is_mig_resource(key) or key == WHOLE_GPU_RESOURCE
+
+
 def _containers(pod: Mapping[str, Any]) -> list[Mapping[str, Any]]:
     spec = pod.get("spec") or {}
     return list(spec.get("initContainers") or []) + list(spec.get("containers") or [])
@@ -87,9 +99,11 @@ def _device_count(container: str, key: str, value: object) -> int:
     """An extended resource's quantity: a whole number of devices, at least 1 ("1" or 1)."""
     text = str(value).strip() if isinstance(value, (str, int)) and not isinstance(value, bool) else None
     if text is None or not text.isdigit() or not 1 <= int(text) <= MAX_POD_DEVICES:
+        whole = key == WHOLE_GPU_RESOURCE
+        what, example = ("GPU", WHOLE_GPU_RESOURCE) if whole else ("MIG device", MIG_RESOURCE_EXAMPLE)
         raise RequestFormError(
-            f"container {clip_repr(container)} asks for {clip_repr(key)}: {clip_repr(value)}; a MIG device "
-            f"count is a whole number from 1 to {MAX_POD_DEVICES}, e.g. {MIG_RESOURCE_EXAMPLE}: 1")
+            f"container {clip_repr(container)} asks for {clip_repr(key)}: {clip_repr(value)}; a {what} "
+            f"count is a whole number from 1 to {MAX_POD_DEVICES}, e.g. {example}: 1")
     return int(text)
 
 
@@ -103,17 +117,21 @@ def _profile_of(container: str, key: str) -> str:
             f"profile name; use e.g. {MIG_RESOURCE_EXAMPLE}: 1") from None
 
 
-def mig_resource_request(pod: Mapping[str, Any]) -> MigResourceRequest | None:
-    """The MIG devices a pod's containers ask for through ``nvidia.com/mig-<profile>`` resources, None
-    when none does. Raises RequestFormError for what is not served: a bad profile name or count,
-    requests that differ from limits, more than MAX_POD_DEVICES in all, or a slice annotation as well."""
+def mig_resource_request(pod: Mapping[str, Any], whole_gpus: bool = False) -> MigResourceRequest | None:
+    """The MIG devices a pod's containers ask for through ``nvidia.com/mig-<profile>`` resources (and,
+    with ``whole_gpus``, the whole GPUs through ``nvidia.com/gpu``), None when none does. Raises
+    RequestFormError for what is not served: a bad profile name or count, requests that differ from
+    limits, more than MAX_POD_DEVICES in all, or a slice annotation as well."""
+    def wanted(key: object) -> bool:
+        return key == WHOLE_GPU_RESOURCE if whole_gpus else is_mig_resource(key)
+
     asked: dict[str, dict[str, str]] = {}
     for container in _containers(pod):
         name = str(container.get("name") or "")
         resources = container.get("resources") or {}
         limits = resources.get("limits") or {}
         requests = resources.get("requests") or {}
-        for key in sorted({k for k in (*limits, *requests) if is_mig_resource(k)}):
+        for key in sorted({k for k in (*limits, *requests) if wanted(k)}):
             if key in limits and key in requests and str(limits[key]) != str(requests[key]):
                 raise RequestFormError(
                     f"container {clip_repr(name)} asks for {clip_repr(key)} with limits {clip_repr(limits[key])} "
@@ -121,7 +139,8 @@ def mig_resource_request(pod: Mapping[str, Any]) -> MigResourceRequest | None:
                     f"limit: set limits only, e.g. {MIG_RESOURCE_EXAMPLE}: 1")
             value = limits[key] if key in limits else requests[key]
             _device_count(name, key, value)
-            _profile_of(name, key)
+            if key != WHOLE_GPU_RESOURCE:
+                _profile_of(name, key)
             asked.setdefault(name, {})[key] = str(value).strip()
     if not asked:
         return None
@@ -134,7 +153,14 @@ def mig_resource_request(pod: Mapping[str, Any]) -> MigResourceRequest | None:
     total = sum(int(v) for resources in asked.values() for v in resources.values())
     if total > MAX_POD_DEVICES:
         raise RequestFormError(
-            f"the pod asks for {total} MIG devices ({_shown(asked)}); a pod may have at most {MAX_POD_DEVICES}")
+            f"the pod asks for {total} devices ({_shown(asked)}); a pod may have at most {MAX_POD_DEVICES}")
+    other = [k for c in _containers(pod) for kind in ("limits", "requests")
+             for k in ((c.get("resources") or {}).get(kind) or {}) if is_served_resource(k) and not wanted(k)]
+    if other:
+        raise RequestFormError(
+            f"the pod asks for {_shown(asked)} and for {clip_repr(other[0])}; a pod asks for MIG devices "
+            f"({MIG_RESOURCE_PREFIX}*) or for whole GPUs ({WHOLE_GPU_RESOURCE}), not both, e.g. "
+            f"{MIG_RESOURCE_EXAMPLE}: 2")
     return MigResourceRequest(asked=asked)
 
 
@@ -144,12 +170,16 @@ def _shown(asked: Mapping[str, Mapping[str, str]]) -> str:
     return ", ".join(parts[:4]) + (f" and {len(parts) - 4} more" if len(parts) > 4 else "")
 
 
-def without_mig_resources(container: Mapping[str, Any]) -> dict[str, Any]:
-    """The container's resources with every ``nvidia.com/mig-*`` entry taken out (limits and requests)."""
+def without_mig_resources(container: Mapping[str, Any], whole_gpus: bool = False) -> dict[str, Any]:
+    """The container's resources with every ``nvidia.com/mig-*`` entry (with ``whole_gpus``, its
+    ``nvidia.com/gpu`` instead) taken out (limits and requests)."""
+    def served(key: object) -> bool:
+        return key == WHOLE_GPU_RESOURCE if whole_gpus else is_mig_resource(key)
+
     resources = dict(container.get("resources") or {})
     for kind in ("limits", "requests"):
         if kind in resources and resources[kind] is not None:
-            kept = {k: v for k, v in resources[kind].items() if not is_mig_resource(k)}
+            kept = {k: v for k, v in resources[kind].items() if not served(k)}
             if kept:
                 resources[kind] = kept
             else:
@@ -185,15 +215,19 @@ def _recorded(annotations: Mapping[str, str]) -> tuple[PodDevice, ...]:
     devices: list[PodDevice] = []
     for container in sorted(record):
         for key in sorted(record[container]):
-            if not is_mig_resource(key):
+            if not is_served_resource(key):
                 raise RequestFormError(
-                    f"annotation {ANNOTATION_REQUESTED}: {clip_repr(key)} is not a {MIG_RESOURCE_PREFIX}* resource; "
-                    f"e.g. {example}")
-            profile = _profile_of(container, key)
+                    f"annotation {ANNOTATION_REQUESTED}: {clip_repr(key)} is not a {MIG_RESOURCE_PREFIX}* or "
+                    f"{WHOLE_GPU_RESOURCE} resource; e.g. {example}")
             count = _device_count(container, key, record[container][key])
-            devices += [PodDevice({"migProfile": profile}, SliceRequest(profile=profile), (container,))] * count
+            if key == WHOLE_GPU_RESOURCE:
+                device = PodDevice(WHOLE_GPU_SPEC, SliceRequest(fraction=1.0), (container,))
+            else:
+                profile = _profile_of(container, key)
+                device = PodDevice({"migProfile": profile}, SliceRequest(profile=profile), (container,))
+            devices += [device] * count
     if len(devices) > MAX_POD_DEVICES:
-        raise RequestFormError(f"annotation {ANNOTATION_REQUESTED} asks for {len(devices)} MIG devices; a pod may "
+        raise RequestFormError(f"annotation {ANNOTATION_REQUESTED} asks for {len(devices)} devices; a pod may "
                                f"have at most {MAX_POD_DEVICES}")
     return tuple(devices)
 

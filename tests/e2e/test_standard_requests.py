@@ -161,3 +161,38 @@ def test_two_four_device_pods_racing_for_six_gpus_one_runs_the_other_waits_holdi
     assert sum(1 for gpu in backend.gpus() if backend.instances(gpu.index)) == 4
     operator.core.delete_namespaced_pod(winner, ns, grace_period_seconds=0)
     running(operator, ns, waiting, timeout=60)
+
+
+def test_whole_gpus_in_an_opted_in_namespace_are_full_size_slices_on_one_node(operator: OperatorHarness) -> None:
+    mig = operator.add_node("h100-80gb", count=2)
+    plain = operator.add_node("l40s-48gb", count=2, labelled=False)
+    start(operator, mig, plain)
+    ns = operator.namespace()
+    operator.core.patch_namespace(ns, {"metadata": {"labels": {"cdmo.io/whole-gpus": "on"}}})
+    for name, node in (("on-mig", mig), ("on-plain", plain)):
+        body = mig_pod(name, {"nvidia.com/gpu": "2"})
+        body["spec"]["nodeSelector"] = {"kubernetes.io/hostname": node.name}
+        operator.core.create_namespaced_pod(ns, body)
+    pod = running(operator, ns, "on-mig")
+    group = pod.metadata.labels["cdmo.io/gpu-slice"]
+    statuses = [operator.get_slice(ns, f"{group}-{k}")["status"] for k in (0, 1)]
+    # A MIG GPU's whole is its full-size profile: all 8 memory slots of an H100, one per GPU.
+    assert [s["profile"] for s in statuses] == ["7g.80gb", "7g.80gb"]
+    assert sorted(s["gpu"] for s in statuses) == [0, 1] and {s["node"] for s in statuses} == {mig.name}
+    assert [c.name for c in pod.spec.containers[1].resources.claims] == ["gpu-slice-0", "gpu-slice-1"]
+    assert "nvidia.com/gpu" not in (pod.spec.containers[1].resources.limits or {})
+    pod = running(operator, ns, "on-plain")
+    group = pod.metadata.labels["cdmo.io/gpu-slice"]
+    statuses = [operator.get_slice(ns, f"{group}-{k}")["status"] for k in (0, 1)]
+    # Without MIG, the whole GPU: a fraction of 1 holding all its memory, nothing else beside it.
+    assert [(s["mode"], s["grantedBytes"]) for s in statuses] == [("fraction", 46068 * 2**20)] * 2
+    assert sorted(s["gpu"] for s in statuses) == [0, 1]
+    check_invariants(operator)
+
+
+def test_whole_gpus_elsewhere_are_left_to_the_device_plugin(operator: OperatorHarness) -> None:
+    start(operator, operator.add_node("h100-80gb"))
+    ns = operator.namespace()
+    created = operator.core.create_namespaced_pod(ns, mig_pod("plugin", {"nvidia.com/gpu": "1"}))
+    assert created.spec.containers[1].resources.limits == {"nvidia.com/gpu": "1", "cpu": "200m"}
+    assert not created.spec.scheduling_gates and not created.spec.resource_claims

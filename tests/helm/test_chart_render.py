@@ -42,7 +42,7 @@ VARIANTS: dict[str, list[str]] = {
         "--set", f"image.digest={SHA}", "--set", "imagePullSecrets[0].name=pull",
         "--set", "logging.level=debug", "--set", "logging.format=text", "--set", "metrics.enabled=false",
         "--set", "controller.replicas=3", "--set", "controller.resync=2m", "--set", "controller.peering=gpu-peers",
-        "--set", "controller.fairHold=90s", "--set", "compat={runai}",
+        "--set", "controller.fairHold=90s", "--set", "compat={runai}", "--set", "webhook.wholeGpusEverywhere=true",
         "--set", "controller.priorityClassName=system-cluster-critical",
         "--set", "controller.podDisruptionBudget.enabled=false", "--set", "webhook.port=8443",
         "--set", "webhook.configurationName=gpu-slices", "--set", "webhook.selfSigned.secretName=gpu-slices-tls",
@@ -250,8 +250,23 @@ def test_the_compat_entry_is_the_one_the_controller_writes(render: Any, compat: 
     expected = webhook_configuration(options, b"")["webhooks"][2]
     del expected["clientConfig"]["caBundle"]
     rendered = find(docs, "MutatingWebhookConfiguration")["webhooks"]
-    assert len(rendered) == 3 and rendered[2] == expected
-    assert len(find(render(release="gs", namespace="gpu-system"), "MutatingWebhookConfiguration")["webhooks"]) == 2
+    assert len(rendered) == 4 and rendered[2] == expected and rendered[3]["name"] == "whole-gpus.cdmo.io"
+    assert [w["name"] for w in find(render(release="gs", namespace="gpu-system"),
+                                    "MutatingWebhookConfiguration")["webhooks"]] == [
+        "pods.cdmo.io", "mig-requests.cdmo.io", "whole-gpus.cdmo.io"]
+
+
+@pytest.mark.parametrize("everywhere", [False, True])
+def test_the_whole_gpu_entry_is_the_one_the_controller_writes(render: Any, everywhere: bool) -> None:
+    docs = render("--set", f"webhook.wholeGpusEverywhere={str(everywhere).lower()}", release="gs",
+                  namespace="gpu-system")
+    ctl = _args(container(docs, "Deployment", "controller"))
+    assert ctl.whole_gpus_everywhere is everywhere
+    options = WebhookOptions(listen="0.0.0.0:9443", namespace="gpu-system", service=ctl.webhook_service,
+                             whole_gpus_everywhere=everywhere)
+    expected = webhook_configuration(options, b"")["webhooks"][-1]
+    del expected["clientConfig"]["caBundle"]
+    assert find(docs, "MutatingWebhookConfiguration")["webhooks"][-1] == expected
 
 
 def test_an_unknown_compat_dialect_stops_the_render(helm: Any) -> None:

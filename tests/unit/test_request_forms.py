@@ -85,7 +85,7 @@ def test_sixteen_devices_are_served_and_seventeen_refused() -> None:
     sixteen = pod(container("a", {"nvidia.com/mig-1g.10gb": "8"}), container("b", {"nvidia.com/mig-1g.10gb": "8"}))
     assert len(pod_devices(mig_resource_request(sixteen).annotations())) == 16
     seventeen = pod(container("a", {"nvidia.com/mig-1g.10gb": "8"}), container("b", {"nvidia.com/mig-1g.10gb": "9"}))
-    with pytest.raises(RequestFormError, match="asks for 17 MIG devices .* at most 16"):
+    with pytest.raises(RequestFormError, match="asks for 17 devices .* at most 16"):
         mig_resource_request(seventeen)
     with pytest.raises(RequestFormError, match="from 1 to 16"):
         mig_resource_request(pod(container("a", {"nvidia.com/mig-1g.10gb": "17"})))
@@ -105,7 +105,7 @@ def test_a_device_count_beside_a_request_annotation(count: str | None, expected:
     ({"cdmo.io/gpu-count": "2"}, "cdmo.io/gpu-count: '2' goes beside a request"),
     ({"cdmo.io/requested-resources": "{}"}, "is not what the webhook records"),
     ({"cdmo.io/requested-resources": "nonsense"}, "is not what the webhook records"),
-    ({"cdmo.io/requested-resources": '{"a":{"nvidia.com/gpu":"1"}}'}, "'nvidia.com/gpu' is not a nvidia.com/mig-*"),
+    ({"cdmo.io/requested-resources": '{"a":{"example.com/gpu":"1"}}'}, "'example.com/gpu' is not a nvidia.com/mig-*"),
     ({"cdmo.io/requested-resources": '{"a":{"nvidia.com/mig-1g.10gb":"0"}}'}, "a MIG device count"),
     ({"cdmo.io/mig-profile": "1g.10gb", "cdmo.io/requested-resources": '{"a":{"nvidia.com/mig-1g.10gb":"1"}}'},
      "keep one of the two"),
@@ -199,7 +199,14 @@ def test_a_device_count_annotation_gives_every_container_every_device() -> None:
 
 def test_the_mig_entry_leaves_out_opted_out_namespaces_and_honours_the_list() -> None:
     config = webhook_configuration(WebhookOptions(listen="127.0.0.1:9443", namespace="ops"), b"CA")
-    first, mig = config["webhooks"]
+    first, mig, whole = config["webhooks"]
+    assert whole["name"] == "whole-gpus.cdmo.io" and whole["clientConfig"]["url"].endswith("/whole-gpus")
+    assert whole["namespaceSelector"]["matchExpressions"][-1] == {
+        "key": "cdmo.io/whole-gpus", "operator": "In", "values": ["on"]}
+    everywhere = webhook_configuration(WebhookOptions(listen="127.0.0.1:9443", namespace="ops",
+                                                      whole_gpus_everywhere=True), b"CA")["webhooks"][-1]
+    assert everywhere["namespaceSelector"]["matchExpressions"] == [
+        {"key": "kubernetes.io/metadata.name", "operator": "NotIn", "values": ["ops"]}]
     assert first["clientConfig"]["url"].endswith("/gpu-slice") and mig["clientConfig"]["url"].endswith("/mig-resources")
     assert mig["name"] == "mig-requests.cdmo.io"
     assert mig["matchConditions"] == [{"name": "asks-for-a-mig-device", "expression": MIG_MATCH_EXPRESSION}]
@@ -211,3 +218,32 @@ def test_the_mig_entry_leaves_out_opted_out_namespaces_and_honours_the_list() ->
     assert listed["webhooks"][1]["namespaceSelector"]["matchExpressions"][-1] == {
         "key": "kubernetes.io/metadata.name", "operator": "In", "values": ["team-a", "team-b"]}
     assert listed["webhooks"][0] == config["webhooks"][0]
+
+
+@pytest.mark.parametrize(("limits", "count"), [({"nvidia.com/gpu": "1"}, 1), ({"nvidia.com/gpu": 2}, 2)])
+def test_whole_gpus_are_fraction_one_slices_for_the_asking_container(limits: dict[str, Any], count: int) -> None:
+    body = pod(container("log"), container("train", {**limits, "cpu": "1"}))
+    asked = mig_resource_request(body, whole_gpus=True)
+    assert asked.asked == {"train": {"nvidia.com/gpu": str(count)}}
+    devices = pod_devices(asked.annotations())
+    # Fraction 1: all of a GPU's memory slots on MIG (7g.* on an H100), the whole GPU without MIG.
+    assert devices == (PodDevice({"fraction": 1.0}, SliceRequest(fraction=1.0), ("train",)),) * count
+    assert without_mig_resources(body["spec"]["containers"][1], whole_gpus=True) == {"limits": {"cpu": "1"}}
+    assert without_mig_resources(body["spec"]["containers"][1]) == {"limits": {**limits, "cpu": "1"}}
+    assert without_mig_resources(container("x", {"nvidia.com/mig-1g.10gb": "1"}), whole_gpus=True) == {
+        "limits": {"nvidia.com/mig-1g.10gb": "1"}}
+
+
+def test_whole_gpus_and_mig_devices_are_read_apart_and_never_mixed() -> None:
+    assert mig_resource_request(pod(container("a", {"nvidia.com/gpu": "1"}))) is None
+    assert mig_resource_request(pod(container("a", {"nvidia.com/mig-1g.10gb": "1"})), whole_gpus=True) is None
+    mixed = pod(container("a", {"nvidia.com/gpu": "1"}), container("b", {"nvidia.com/mig-1g.10gb": "1"}))
+    for whole_gpus, other in ((False, "nvidia.com/gpu"), (True, "nvidia.com/mig-1g.10gb")):
+        with pytest.raises(RequestFormError, match=f"and for '{other}'; a pod asks for MIG devices"):
+            mig_resource_request(mixed, whole_gpus=whole_gpus)
+
+
+@pytest.mark.parametrize("value", ["0", "17", "1.5"])
+def test_a_bad_whole_gpu_count_is_refused(value: str) -> None:
+    with pytest.raises(RequestFormError, match=f"'nvidia.com/gpu': '{value}'; a GPU count is a whole number"):
+        mig_resource_request(pod(container("a", {"nvidia.com/gpu": value})), whole_gpus=True)

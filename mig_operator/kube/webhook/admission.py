@@ -109,32 +109,34 @@ def mutate_pod(pod: MutableMapping[str, Any], group: str, devices: Sequence[PodD
             resources["claims"] = used
 
 
-def _take_mig_request(pod: MutableMapping[str, Any], asked: MigResourceRequest) -> None:
+def _take_mig_request(pod: MutableMapping[str, Any], asked: MigResourceRequest, whole_gpus: bool) -> None:
     meta = pod.setdefault("metadata", {})
     meta["annotations"] = {**(meta.get("annotations") or {}), **asked.annotations()}
     spec = pod.get("spec") or {}
     for key in ("containers", "initContainers"):
         for container in spec.get(key) or []:
-            resources = without_mig_resources(container)
+            resources = without_mig_resources(container, whole_gpus)
             if resources:
                 container["resources"] = resources
             else:
                 container.pop("resources", None)
 
 
-def with_mig_request(pod: Mapping[str, Any], asked: MigResourceRequest) -> dict[str, Any]:
-    """A copy of ``pod`` as it goes on once its nvidia.com/mig-* request is taken: the extended resources
-    out, the record of what was asked in (for the admission check)."""
+def with_mig_request(pod: Mapping[str, Any], asked: MigResourceRequest, whole_gpus: bool = False) -> dict[str, Any]:
+    """A copy of ``pod`` as it goes on once its nvidia.com/mig-* (``whole_gpus``: nvidia.com/gpu)
+    request is taken: the extended resources out, the record of what was asked in (for the admission
+    check)."""
     out = copy.deepcopy(dict(pod))
-    _take_mig_request(out, asked)
+    _take_mig_request(out, asked, whole_gpus)
     return out
 
 
 def serve_mig_request(pod: MutableMapping[str, Any], asked: MigResourceRequest, group: str,
-                      devices: Sequence[PodDevice]) -> None:
-    """Turn a pod that asks through nvidia.com/mig-* resources into one whose annotation records the
-    request (in place), each container getting the claims of its own devices."""
-    _take_mig_request(pod, asked)
+                      devices: Sequence[PodDevice], whole_gpus: bool = False) -> None:
+    """Turn a pod that asks through nvidia.com/mig-* (``whole_gpus``: nvidia.com/gpu) resources into one
+    whose annotation records the request (in place), each container getting the claims of its own
+    devices."""
+    _take_mig_request(pod, asked, whole_gpus)
     mutate_pod(pod, group, devices)
 
 

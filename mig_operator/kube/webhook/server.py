@@ -31,6 +31,9 @@ from mig_operator.core.request_forms import (
     MIG_REQUESTS_LABEL,
     MIG_REQUESTS_OFF,
     MIG_RESOURCE_PREFIX,
+    WHOLE_GPU_RESOURCE,
+    WHOLE_GPUS_LABEL,
+    WHOLE_GPUS_ON,
     mig_resource_request,
 )
 from mig_operator.core.slice_spec import ANNOTATION_PREFIX
@@ -68,10 +71,22 @@ _ASKS_FOR_MIG = (
     f"k.startsWith('{MIG_RESOURCE_PREFIX}'))) || (has(c.resources.requests) && c.resources.requests.exists(k, "
     f"k.startsWith('{MIG_RESOURCE_PREFIX}'))))"
 )
-# The third, only with ``compat``: pods asking in a seed platform's form (core/compat.py), last, so
-# that a pod the first two served is not served twice.
+# The third, only with ``compat``: pods asking in a seed platform's form (core/compat.py), after the
+# first two, so that a pod they served is not served twice.
 COMPAT_HANDLER_ID = "compat"
 COMPAT_WEBHOOK_ENTRY = "compat.cdmo.io"
+# The last: whole GPUs (nvidia.com/gpu) in namespaces that opt in; after compat, which takes ClearML's
+# nvidia.com/gpu out of the pods it serves.
+WHOLE_HANDLER_ID = "whole-gpus"
+WHOLE_WEBHOOK_ENTRY = "whole-gpus.cdmo.io"
+_ASKS_FOR_WHOLE = (
+    f"has(c.resources) && ((has(c.resources.limits) && '{WHOLE_GPU_RESOURCE}' in c.resources.limits) || "
+    f"(has(c.resources.requests) && '{WHOLE_GPU_RESOURCE}' in c.resources.requests))"
+)
+WHOLE_MATCH_EXPRESSION = (
+    f"object.spec.containers.exists(c, {_ASKS_FOR_WHOLE}) || "
+    f"(has(object.spec.initContainers) && object.spec.initContainers.exists(c, {_ASKS_FOR_WHOLE}))"
+)
 MIG_MATCH_EXPRESSION = (
     f"object.spec.containers.exists(c, {_ASKS_FOR_MIG}) || "
     f"(has(object.spec.initContainers) && object.spec.initContainers.exists(c, {_ASKS_FOR_MIG}))"
@@ -94,6 +109,9 @@ class WebhookOptions:
     mig_request_namespaces: tuple[str, ...] = ()
     # The seed platforms' request forms served (core/compat.py): runai, clearml; none by default.
     compat: tuple[str, ...] = ()
+    # Whole GPUs (nvidia.com/gpu) in every namespace the webhook serves, not only those labelled
+    # cdmo.io/whole-gpus=on.
+    whole_gpus_everywhere: bool = False
 
     @property
     def host_port(self) -> tuple[str, int]:
@@ -210,6 +228,10 @@ def webhook_configuration(options: WebhookOptions, ca_bundle: bytes) -> dict[str
     if options.compat:
         webhooks.append(entry(COMPAT_WEBHOOK_ENTRY, COMPAT_HANDLER_ID, [not_ours], "asks-in-a-compat-form",
                               dialect_match_expression(options.compat)))
+    whole_selector = [not_ours] if options.whole_gpus_everywhere else [
+        not_ours, {"key": WHOLE_GPUS_LABEL, "operator": "In", "values": [WHOLE_GPUS_ON]}]
+    webhooks.append(entry(WHOLE_WEBHOOK_ENTRY, WHOLE_HANDLER_ID, whole_selector, "asks-for-whole-gpus",
+                          WHOLE_MATCH_EXPRESSION))
     return {
         "apiVersion": "admissionregistration.k8s.io/v1",
         "kind": "MutatingWebhookConfiguration",
@@ -284,7 +306,7 @@ def register(registry: kopf.OperatorRegistry, options: WebhookOptions, kubeconfi
     when not given)."""
     kopf_objects = logging.getLogger("kopf.objects")
     if not any(isinstance(f, RefusalsAtInfo) for f in kopf_objects.filters):
-        kopf_objects.addFilter(RefusalsAtInfo(HANDLER_ID, MIG_HANDLER_ID, COMPAT_HANDLER_ID))
+        kopf_objects.addFilter(RefusalsAtInfo(HANDLER_ID, MIG_HANDLER_ID, COMPAT_HANDLER_ID, WHOLE_HANDLER_ID))
 
     @kopf.on.startup(registry=registry, backoff=2)
     async def start_webhook(settings: kopf.OperatorSettings, **_: Any) -> None:
@@ -323,6 +345,18 @@ def register(registry: kopf.OperatorRegistry, options: WebhookOptions, kubeconfi
             raise kopf.AdmissionError(str(exc), code=400) from None
         name = slice_name_for(body)
         patch.fns.append(lambda pod: serve_mig_request(pod, asked, name, devices))
+
+    @kopf.on.mutate("v1", "pods", id=WHOLE_HANDLER_ID, operations=["CREATE"], registry=registry)
+    def mutate_whole_gpus(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
+        try:
+            asked = mig_resource_request(body, whole_gpus=True)
+            if asked is None:
+                return
+            devices = check_pod_devices(with_mig_request(body, asked, whole_gpus=True))
+        except (QuantityError, PodRefused) as exc:
+            raise kopf.AdmissionError(str(exc), code=400) from None
+        name = slice_name_for(body)
+        patch.fns.append(lambda pod: serve_mig_request(pod, asked, name, devices, whole_gpus=True))
 
     @kopf.on.mutate("v1", "pods", id=COMPAT_HANDLER_ID, operations=["CREATE"], registry=registry)
     def mutate_compat_request(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
