@@ -113,6 +113,15 @@ def test_run_ai_and_clearml_pods_run_on_slices(operator: OperatorHarness) -> Non
     assert not (task.resources.limits or {}) and [x.name for x in task.resources.claims] == ["gpu-slice"]
     assert json.loads(pod.metadata.annotations["cdmo.io/compat-request"])
 
+    # ClearML's CDMO queue template slice-1 (clearml-docs cdmo.md): the MIG device by its standard name.
+    cdmo = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "clearml-id-2"},
+            "spec": {"tolerations": [KWOK_TOLERATION], "containers": [
+                {"name": "clearml-task", "image": "python:3.11",
+                 "resources": {"limits": {"nvidia.com/mig-1g.10gb": "1"}}}]}}
+    operator.core.create_namespaced_pod(ns, cdmo)
+    pod = running(operator, ns, "clearml-id-2")
+    assert _slice(operator, pod)["status"]["profile"] == "1g.10gb" and pod.spec.node_name == mig.name
+
 
 @pytest.mark.parametrize(("pod", "fragments"), [
     (clearml_pod("0.300", "0.3"), ["clearml-injector/fraction", "'0.300'"]),

@@ -196,3 +196,28 @@ def test_whole_gpus_elsewhere_are_left_to_the_device_plugin(operator: OperatorHa
     created = operator.core.create_namespaced_pod(ns, mig_pod("plugin", {"nvidia.com/gpu": "1"}))
     assert created.spec.containers[1].resources.limits == {"nvidia.com/gpu": "1", "cpu": "200m"}
     assert not created.spec.scheduling_gates and not created.spec.resource_claims
+
+
+def test_a_group_half_bound_when_the_controller_died_is_completed_on_its_node(operator: OperatorHarness) -> None:
+    """The controller writes a group's bindings one by one; killed after the first, its successor binds
+    the rest beside it (never on another node), so the pod's devices end on one node."""
+    nodes = [operator.add_node("h100-80gb"), operator.add_node("h100-80gb")]
+    for node in nodes:
+        operator.agent(node)
+    for node in nodes:
+        operator.wait_gpunode(node)
+    controller = operator.controller({"MIG_OPERATOR_CRASHPOINT": "controller:after-bind"})
+    ns = operator.namespace()
+    group = {"cdmo.io/group": "job", "cdmo.io/group-size": "2"}
+    for k in (0, 1):
+        operator.custom.create_namespaced_custom_object("cdmo.io", "v1alpha1", ns, "gpuslices", {
+            "apiVersion": "cdmo.io/v1alpha1", "kind": "GpuSlice",
+            "metadata": {"name": f"job-{k}", "annotations": group}, "spec": {"migProfile": "3g.40gb"}})
+    assert operator.wait_exit(controller) == -9
+    phases = [(operator.get_slice(ns, f"job-{k}").get("status") or {}).get("phase") for k in (0, 1)]
+    assert sorted(phases, key=str) == sorted(["Bound", None], key=str), phases
+    operator.start(controller, env={})
+    statuses = [operator.wait_phase(ns, f"job-{k}", "Ready")["status"] for k in (0, 1)]
+    assert statuses[0]["node"] == statuses[1]["node"]
+    assert {s["placement"]["start"] for s in statuses} == {0, 4}
+    check_invariants(operator)
