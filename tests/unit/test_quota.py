@@ -325,3 +325,18 @@ def test_a_namespace_without_a_quota_is_ranked_by_its_share_of_every_gpu() -> No
     assert state.share("a") == Fraction(23034, 81559 + 23034)
     state.remove_inventory(gpunode("n2"))
     assert state.cluster_bytes == 81559 * MIB
+
+
+def test_a_group_is_admitted_as_a_whole_by_memory_and_by_count() -> None:
+    quota = Quota("a", 40 * GIB, 4)
+    # Three slices held; a group of two would make five: refused as a whole, even though one would fit.
+    verdict = admit(quota, Usage(3 * GIB, 3), 2 * GIB, slices=2)
+    assert not verdict.allowed and verdict.could_fit
+    assert "this group would add 2Gi and 2 slices, past the quota's slices" in verdict.message
+    assert admit(quota, Usage(3 * GIB, 2), 2 * GIB, slices=2).allowed
+    # A group larger than the quota's count can never fit, even alone.
+    alone = admit(quota, Usage(), 5 * GIB, slices=5)
+    assert not alone.allowed and not alone.could_fit and "raise spec.slices" in alone.message
+    # Memory: 37 GiB held, two grants of 1.5 GiB pass 40 GiB by 1 GiB.
+    assert not admit(Quota("a", 40 * GIB), Usage(37 * GIB, 2), 3 * GIB + 1, slices=2).allowed
+    assert admit(Quota("a", 40 * GIB), Usage(37 * GIB, 2), 3 * GIB, slices=2).allowed
