@@ -6,6 +6,12 @@ deletes the claim), asking for one device of class ``gpuslice.cdmo.io`` whose ``
 the slice's UID: only the device the agent publishes for that slice matches. kube-scheduler then
 allocates it to a pod that names the claim, and the kubelet asks the agent to prepare it.
 
+A pod's slice gets its claim as soon as the slice exists, not when it is Ready: the pod names the
+claim and stays gated until its slice is Ready and its device checked, and kube-scheduler must know
+the claim before it sees the pod ungated (a pod it schedules before the claim reaches its cache is
+unschedulable until the claim's event requeues it, after a back-off of a second or more). Until the
+agent publishes the slice's device, the claim matches no device, so nothing can be allocated early.
+
 A claim of that name left from an earlier slice of the same name (a pod's next try, a slice made
 again) is deleted and written anew; a claim of that name the operator did not write is never
 touched: the slice's status says so.
@@ -63,6 +69,12 @@ def slice_owner(claim: Mapping[str, Any]) -> str | None:
     return None
 
 
+def early(info: SliceInfo) -> bool:
+    """Whether the slice's claim is written before it is Ready: a pod's slice (see the module's doc)."""
+    refs = (info.body.get("metadata") or {}).get("ownerReferences") or []
+    return not info.deleting and any(ref.get("kind") == "Pod" and ref.get("apiVersion") == "v1" for ref in refs)
+
+
 class SliceClaims:
     """Writes the ResourceClaim of every Ready slice whose device its node's GpuNode lists."""
 
@@ -102,12 +114,13 @@ class SliceClaims:
         return verdict.action == ACCEPT
 
     async def ensure(self, info: SliceInfo) -> bool:
-        """Write the claim of a ready slice (``ready``) when it is not there yet; True when the slice's
-        claim exists."""
+        """Write the claim of a ready slice (``ready``), or of a pod's slice (``early``), when it is not
+        there yet; True when the slice's claim exists and the slice is ready."""
         key = (info.namespace, info.name)
+        ready = self.ready(info)
         if self.written.get(key) == info.uid:
-            return True
-        if not self.ready(info):
+            return ready
+        if not ready and not early(info):
             if (info.body.get("status") or {}).get("phase") == "Ready" and info.binding is not None:
                 self.waiting.setdefault(info.binding.node, set()).add(key)
             return False
@@ -120,9 +133,12 @@ class SliceClaims:
             if not await self._take_over(info):
                 return False
         self.written[key] = info.uid
-        await self._record(info)
+        if ready:
+            await self._record(info)  # an early claim: the agent names it in its Ready write
         log.info("slice %s: ResourceClaim %s written", info.ref, info.name)
-        return True
+        if not ready and (info.body.get("status") or {}).get("phase") == "Ready" and info.binding is not None:
+            self.waiting.setdefault(info.binding.node, set()).add(key)
+        return ready
 
     async def _take_over(self, info: SliceInfo) -> bool:
         """A claim of the slice's name exists: True when it is this slice's; an earlier slice's is
