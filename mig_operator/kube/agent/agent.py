@@ -123,6 +123,13 @@ class NodeAgent:
         self._publish_pending: asyncio.Task | None = None
         self._publish_again = False  # a change arrived while a publish was under way
         self._publish_at_once = False  # the next publish skips the coalescing delay
+        # Publishes asked for and done, counted, so that a caller can wait for one that includes its change.
+        self._publish_asked = 0
+        self._publish_done = 0
+        self._published = asyncio.Condition()
+        # Slices realised whose Ready write is under way: their device is published first, and their
+        # own older events (still Creating) must not take it out again.
+        self._announcing: set[str] = set()
         self._tasks: list[asyncio.Task] = []
         self._written: dict[str, int] = {}  # slice UID -> resourceVersion of the agent's last write
         # (GPU, GI id) -> the slice whose step holds the instance until that step is recorded: a
@@ -339,7 +346,7 @@ class NodeAgent:
         if phase_ready and entry is not None and entry.state == COMPLETED and uid not in self._ready:
             self._ready.add(uid)
             self.schedule_publish(at_once=True)
-        elif not phase_ready and uid in self._ready:
+        elif not phase_ready and uid in self._ready and uid not in self._announcing:
             self._ready.discard(uid)
             self.schedule_publish()
         step = agent_step(
@@ -390,14 +397,23 @@ class NodeAgent:
         except Blocked as exc:
             await self._fail(body, "InUse" if exc.transient else "Conflict", exc.message)
             return
-        await self._write_status(body, ready)
+        # The device is published (ResourceSlice, then GpuNode) before the slice says Ready: the
+        # controller hands the device on only once the GpuNode lists it and kube-scheduler allocates it
+        # from the ResourceSlice, so a pod need not wait for a publish after Ready. Publishes asked for
+        # meanwhile (a burst of slices) share one.
         self._ready.add(uid)
+        self._announcing.add(uid)
+        try:
+            await self.publish_soon()
+            await self._write_status(body, ready)
+        except BaseException:
+            self._ready.discard(uid)
+            self.schedule_publish()
+            raise
+        finally:
+            self._announcing.discard(uid)
         log.info("slice %s ready: %s", ref, ready["message"])
         metrics.REALISE_SECONDS.labels(action).observe(time.perf_counter() - started)
-        # At once: the controller hands the device on only when the GpuNode lists it (and kube-scheduler
-        # allocates it from the ResourceSlice): a pod waits for this write. Writes under way still
-        # coalesce what arrives meanwhile into one more.
-        self.schedule_publish(at_once=True)
 
     async def _realise_fraction(self, uid: str, ref: str, binding: Binding, gpu: GpuInfo) -> tuple[str, dict]:
         if gpu.mig_enabled:
@@ -626,18 +642,35 @@ class NodeAgent:
         heartbeat, up to 30 s). ``at_once``: no coalescing delay (a change people wait to see)."""
         self._publish_again = True
         self._publish_at_once |= at_once
+        self._publish_asked += 1
         if self._publish_pending is None or self._publish_pending.done():
             self._publish_pending = asyncio.create_task(self._publish_later(), name="gpunode-publish")
+
+    async def publish_soon(self, timeout_s: float = 10.0) -> None:
+        """Publish at once (sharing a write with changes that arrive meanwhile) and return when a
+        publish that includes the caller's change is done, or has failed (the heartbeat retries)."""
+        self.schedule_publish(at_once=True)
+        wanted = self._publish_asked
+        async with self._published:
+            try:
+                await asyncio.wait_for(self._published.wait_for(lambda: self._publish_done >= wanted), timeout_s)
+            except TimeoutError:
+                log.warning("publishing GpuNode %s took over %g s; going on", self.settings.node, timeout_s)
 
     async def _publish_later(self) -> None:
         while self._publish_again:
             if not self._publish_at_once:
                 await asyncio.sleep(self.settings.publish_delay_s)
             self._publish_again = self._publish_at_once = False
+            covered = self._publish_asked
             try:
                 await self.publish()
             except (GpuError, ApiError) as exc:
                 log.warning("publishing GpuNode %s failed, the heartbeat retries: %s", self.settings.node, exc)
+            finally:
+                async with self._published:
+                    self._publish_done = covered  # done or failed: its waiters go on either way
+                    self._published.notify_all()
 
     async def _heartbeat(self) -> None:
         while True:
