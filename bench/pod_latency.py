@@ -44,6 +44,8 @@ def round_trip(core: kubernetes.client.CoreV1Api, ns: str, pods: int, memory: st
     status.phaseTimes) and from there to Running."""
     created: dict[str, float] = {}
     running: dict[str, float] = {}
+    ungated: dict[str, float] = {}  # an annotated pod first seen without the operator's gate
+    bound: dict[str, float] = {}  # first seen with spec.nodeName (kube-scheduler bound it)
     done = threading.Event()
 
     def watch() -> None:
@@ -51,6 +53,12 @@ def round_trip(core: kubernetes.client.CoreV1Api, ns: str, pods: int, memory: st
         for event in stream.stream(core.list_namespaced_pod, ns, timeout_seconds=300):
             pod = event["object"]
             name = pod.metadata.name
+            now = time.time()
+            if name.startswith(tag) and name not in ungated and memory and not any(
+                    g.name == "cdmo.io/gpu-slice" for g in pod.spec.scheduling_gates or []):
+                ungated[name] = now
+            if name.startswith(tag) and name not in bound and pod.spec.node_name:
+                bound[name] = now
             if pod.status.phase == "Running" and name.startswith(tag) and name not in running:
                 running[name] = time.time()
                 if len(running) == pods:
@@ -91,6 +99,11 @@ def round_trip(core: kubernetes.client.CoreV1Api, ns: str, pods: int, memory: st
         "total": [running[n] - created[n] for n in created],
         "to_slice_ready": [ready[n] - created[n] for n in ready],
         "slice_ready_to_running": [running[n] - ready[n] for n in ready],
+        # Where Ready to Running goes: the controller (device check, claim, ungate), kube-scheduler
+        # (claim allocation, binding), kwok (Running).
+        "slice_ready_to_ungated": [ungated[n] - ready[n] for n in ready if n in ungated],
+        "ungated_to_bound": [bound[n] - ungated[n] for n in ungated if n in bound],
+        "bound_to_running": [running[n] - bound[n] for n in bound if n in running],
         "send_s": [max(created.values()) - min(created.values())],
     }
 

@@ -123,10 +123,8 @@ class NodeAgent:
         self._publish_pending: asyncio.Task | None = None
         self._publish_again = False  # a change arrived while a publish was under way
         self._publish_at_once = False  # the next publish skips the coalescing delay
-        # Publishes asked for and done, counted, so that a caller can wait for one that includes its change.
-        self._publish_asked = 0
-        self._publish_done = 0
-        self._published = asyncio.Condition()
+        # One ResourceSlice write at a time (a read, then a PUT with its resourceVersion).
+        self._devices_lock = asyncio.Lock()
         # Slices realised whose Ready write is under way: their device is published first, and their
         # own older events (still Creating) must not take it out again.
         self._announcing: set[str] = set()
@@ -397,14 +395,15 @@ class NodeAgent:
         except Blocked as exc:
             await self._fail(body, "InUse" if exc.transient else "Conflict", exc.message)
             return
-        # The device is published (ResourceSlice, then GpuNode) before the slice says Ready: the
-        # controller hands the device on only once the GpuNode lists it and kube-scheduler allocates it
-        # from the ResourceSlice, so a pod need not wait for a publish after Ready. Publishes asked for
-        # meanwhile (a burst of slices) share one.
+        # The device is in the ResourceSlice before the slice says Ready (the pod's claim already
+        # exists: kube-scheduler can allocate it the moment the pod is ungated, with no event to wait
+        # for); the GpuNode, which needs the GPUs read again, follows at once (a full publish before
+        # Ready cost a new instance more than the controller's wait for it: measured, docs/benchmarks.md).
         self._ready.add(uid)
         self._announcing.add(uid)
         try:
-            await self.publish_soon()
+            async with self._devices_lock:
+                await self.publish_devices()
             await self._write_status(body, ready)
         except BaseException:
             self._ready.discard(uid)
@@ -414,6 +413,7 @@ class NodeAgent:
             self._announcing.discard(uid)
         log.info("slice %s ready: %s", ref, ready["message"])
         metrics.REALISE_SECONDS.labels(action).observe(time.perf_counter() - started)
+        self.schedule_publish(at_once=True)
 
     async def _realise_fraction(self, uid: str, ref: str, binding: Binding, gpu: GpuInfo) -> tuple[str, dict]:
         if gpu.mig_enabled:
@@ -642,35 +642,18 @@ class NodeAgent:
         heartbeat, up to 30 s). ``at_once``: no coalescing delay (a change people wait to see)."""
         self._publish_again = True
         self._publish_at_once |= at_once
-        self._publish_asked += 1
         if self._publish_pending is None or self._publish_pending.done():
             self._publish_pending = asyncio.create_task(self._publish_later(), name="gpunode-publish")
-
-    async def publish_soon(self, timeout_s: float = 10.0) -> None:
-        """Publish at once (sharing a write with changes that arrive meanwhile) and return when a
-        publish that includes the caller's change is done, or has failed (the heartbeat retries)."""
-        self.schedule_publish(at_once=True)
-        wanted = self._publish_asked
-        async with self._published:
-            try:
-                await asyncio.wait_for(self._published.wait_for(lambda: self._publish_done >= wanted), timeout_s)
-            except TimeoutError:
-                log.warning("publishing GpuNode %s took over %g s; going on", self.settings.node, timeout_s)
 
     async def _publish_later(self) -> None:
         while self._publish_again:
             if not self._publish_at_once:
                 await asyncio.sleep(self.settings.publish_delay_s)
             self._publish_again = self._publish_at_once = False
-            covered = self._publish_asked
             try:
                 await self.publish()
             except (GpuError, ApiError) as exc:
                 log.warning("publishing GpuNode %s failed, the heartbeat retries: %s", self.settings.node, exc)
-            finally:
-                async with self._published:
-                    self._publish_done = covered  # done or failed: its waiters go on either way
-                    self._published.notify_all()
 
     async def _heartbeat(self) -> None:
         while True:
@@ -704,7 +687,8 @@ class NodeAgent:
         # Devices first: the controller writes a slice's claim and ungates its pod once the GpuNode lists
         # the device, and kube-scheduler must then find that device in the ResourceSlice already (else
         # the pod is unschedulable until the next ResourceSlice event requeues it).
-        await self.publish_devices(verify_devices)
+        async with self._devices_lock:
+            await self.publish_devices(verify_devices)
         path = gpunode_path(self.settings.node, status=True)
         try:
             written = await self.client.merge_patch(path, {"status": body})

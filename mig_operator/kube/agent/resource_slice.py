@@ -102,6 +102,7 @@ class ResourceSlicePublisher:
         self.node = node
         self._published: list[dict[str, Any]] | None = None  # the devices last written
         self._published_for = ""  # the Node UID that ResourceSlice is owned by
+        self._current: dict[str, Any] | None = None  # the ResourceSlice as last written or read
 
     async def publish(self, devices: Iterable[SliceDeviceInfo], node_uid: str, verify: bool = False) -> bool:
         """Make the ResourceSlice list ``devices``; True when it was written. Nothing is written
@@ -115,6 +116,22 @@ class ResourceSlicePublisher:
         if not verify and wanted == self._published and node_uid == self._published_for:
             return False
         path = resource_slice_path(self.node)
+        known = self._current
+        if not verify and known is not None and node_uid == self._published_for:
+            # One PUT on what this publisher last wrote; its resourceVersion makes a change by anyone
+            # else (the kubelet deleting it, another writer) fail, and then it is read afresh.
+            generation = int(((known.get("spec") or {}).get("pool") or {}).get("generation", 0)) + 1
+            try:
+                self._current = await self.client.request(
+                    "PUT", path, body={**known, "spec": slice_spec(self.node, devices, generation)})
+            except ApiError as exc:
+                if not (exc.conflict or exc.not_found):
+                    raise
+                self._current = None
+            else:
+                self._published = wanted
+                log.info("ResourceSlice %s: %d device(s)", resource_slice_name(self.node), len(wanted))
+                return True
         try:
             current = await self.client.get(path)
         except ApiError as exc:
@@ -131,7 +148,7 @@ class ResourceSlicePublisher:
                         {"apiVersion": "v1", "kind": "Node", "name": self.node, "uid": node_uid}]},
                     "spec": slice_spec(self.node, devices, 1)}
             try:
-                await self.client.create(RESOURCE_SLICES_PATH, body)
+                self._current = await self.client.create(RESOURCE_SLICES_PATH, body)
             except ApiError as exc:
                 if exc.conflict:
                     self._published = None  # created meanwhile: the next publish updates it
@@ -139,12 +156,12 @@ class ResourceSlicePublisher:
         else:
             spec = current.get("spec") or {}
             if _same_devices(spec.get("devices") or [], wanted):
-                self._published, self._published_for = wanted, node_uid
+                self._published, self._published_for, self._current = wanted, node_uid, current
                 return False
             generation = int((spec.get("pool") or {}).get("generation", 0)) + 1
             body = {**current, "spec": slice_spec(self.node, devices, generation)}
             # A PUT with the resourceVersion read: a concurrent writer makes it fail, not vanish.
-            await self.client.request("PUT", path, body=body)
+            self._current = await self.client.request("PUT", path, body=body)
         self._published, self._published_for = wanted, node_uid
         log.info("ResourceSlice %s: %d device(s)", resource_slice_name(self.node), len(wanted))
         return True
@@ -152,6 +169,7 @@ class ResourceSlicePublisher:
     def forget(self) -> None:
         """Write again at the next publish (the Node or the ResourceSlice changed under us)."""
         self._published = None
+        self._current = None
 
 
 def _comparable(devices: Iterable[Mapping]) -> list[tuple]:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from mig_operator.core.device_check import ACCEPT, REFUSE, check_ready_device
@@ -144,6 +144,8 @@ class PodSlices:
         self._node_labels_lock = asyncio.Lock()
         # Pods whose Ready slice's device the node's GpuNode did not list (yet), by node.
         self._device_waits: dict[str, set[tuple[str, str]]] = {}
+        # Told each slice made, as the API returned it (its own watch event follows and is then old).
+        self.on_created: list[Callable[[dict[str, Any]], Awaitable[None]]] = []
 
     async def pod_event(self, pod: dict[str, Any], deleted: bool) -> None:
         meta = pod["metadata"]
@@ -271,10 +273,13 @@ class PodSlices:
                                  **({"annotations": extra} if extra else {})},
                     "spec": spec}
             try:
-                await self.client.create(slices_path(meta["namespace"]), body)
+                made = await self.client.create(slices_path(meta["namespace"]), body)
             except ApiError as exc:
                 if not exc.conflict:
                     raise
+                continue
+            for callback in self.on_created:
+                await callback(made)  # the binder plans it now, not a watch event later
         return names
 
     async def slice_changed(self, info: SliceInfo) -> None:
