@@ -2,7 +2,7 @@
 ``--compat runai,clearml`` (chart value ``compat``): the API server evaluates the third webhook entry's
 CEL, the webhook turns the pod into an annotated one, kube-scheduler allocates the slice's claim.
 
-The pods are the seeds' own examples (tests/unit/test_compat.py quotes them with their sources), less
+The pods are the seeds' own examples (tests/seed_examples.py, with their sources), less
 ``schedulerName: kai-scheduler`` (this cluster runs kube-scheduler only) and plus the kwok toleration."""
 
 from __future__ import annotations
@@ -14,42 +14,8 @@ import pytest
 import yaml
 from harness import OperatorHarness, SimNode
 from kubernetes.client.rest import ApiException
+from seed_examples import KAI_GPU_MEMORY, KAI_NON_DEFAULT_CONTAINER
 from test_pods import KWOK_TOLERATION, running
-
-# NVIDIA/KAI-Scheduler docs/gpu-sharing/gpu-sharing-non-default-container.yaml (the pod's spec as written).
-KAI_NON_DEFAULT_CONTAINER = """
-metadata:
-  name: gpu-sharing-non-default
-  labels:
-    kai.scheduler/queue: default-queue
-  annotations:
-    gpu-fraction: "0.5"
-    gpu-fraction-container-name: "gpu-workload"
-spec:
-  containers:
-    - name: sidecar
-      image: busybox
-      args: ["sleep", "infinity"]
-    - name: gpu-workload
-      image: nvidia/cuda:13.0.2-base-ubi8
-      command: ["nvidia-smi"]
-      args: ["-L"]
-    - name: another-sidecar
-      image: busybox
-      args: ["sleep", "infinity"]
-"""
-
-# NVIDIA/KAI-Scheduler docs/gpu-sharing/gpu-memory.yaml: 2000 MiB.
-KAI_GPU_MEMORY = """
-metadata:
-  name: gpu-memory
-  annotations:
-    gpu-memory: "2000"
-spec:
-  containers:
-    - name: gpu-workload
-      image: nvidia/cuda:13.0.2-base-ubi8
-"""
 
 
 def clearml_pod(fraction: str, share: str) -> dict[str, Any]:
@@ -65,7 +31,7 @@ def clearml_pod(fraction: str, share: str) -> dict[str, Any]:
 
 def kai(text: str) -> dict[str, Any]:
     pod = yaml.safe_load(text)
-    pod.update(apiVersion="v1", kind="Pod")
+    del pod["spec"]["schedulerName"]
     pod["spec"]["tolerations"] = [KWOK_TOLERATION]
     return pod
 
@@ -100,7 +66,7 @@ def test_run_ai_and_clearml_pods_run_on_slices(operator: OperatorHarness) -> Non
         ("sidecar", []), ("gpu-workload", ["gpu-slice"]), ("another-sidecar", [])]
 
     operator.core.create_namespaced_pod(ns, kai(KAI_GPU_MEMORY))
-    pod = running(operator, ns, "gpu-memory")
+    pod = running(operator, ns, "gpu-sharing")
     sl = _slice(operator, pod)
     assert sl["spec"]["memory"] == "2000Mi" and sl["status"]["profile"] == "1g.10gb"  # 2000 MiB fits 1g.10gb
 
@@ -125,7 +91,7 @@ def test_run_ai_and_clearml_pods_run_on_slices(operator: OperatorHarness) -> Non
 
 @pytest.mark.parametrize(("pod", "fragments"), [
     (clearml_pod("0.300", "0.3"), ["clearml-injector/fraction", "'0.300'"]),
-    (kai(KAI_GPU_MEMORY.replace('"2000"', '"lots"')), ["gpu-memory", "'lots'"]),
+    (kai(KAI_GPU_MEMORY.replace('"2000" # in Mib', '"lots"')), ["gpu-memory", "'lots'"]),
 ])
 def test_what_a_dialect_does_not_define_is_refused_naming_key_and_value(operator: OperatorHarness,
                                                                         pod: dict, fragments: list[str]) -> None:
