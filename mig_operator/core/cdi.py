@@ -50,6 +50,9 @@ class SliceDevice:
     granted_bytes: int
     device_nodes: tuple[DeviceNode, ...]
     shim_host_dir: str = "/var/lib/mig-operator/shim"
+    # A fraction that is all of its GPU (fraction 1: a whole GPU without MIG, nothing else on it):
+    # nothing to limit, so no shim.
+    whole_gpu: bool = False
 
 
 def device_id(slice_uid: str) -> str:
@@ -91,7 +94,8 @@ def slice_spec(device: SliceDevice) -> dict[str, Any]:
     if not device.device_nodes:
         raise ValueError(f"slice {device.namespace}/{device.name} has no device nodes to hand over")
     shim_dir = SHIM_PATH_IN_CONTAINER.rsplit("/", 1)[0]
-    env = slice_environment(device.mode, device.granted_bytes, device.namespace, device.name)
+    env = slice_environment(device.mode, device.granted_bytes, device.namespace, device.name,
+                            whole_gpu=device.whole_gpu)
     # NVIDIA_VISIBLE_DEVICES first (what a reader looks for), then the rest in name order.
     order = sorted(env, key=lambda key: (key != DEVICES_VARIABLE, key))
     variables = [f"{key}={env[key]}" for key in order]
@@ -99,7 +103,7 @@ def slice_spec(device: SliceDevice) -> dict[str, Any]:
         "env": variables,
         "deviceNodes": [_device_node(node) for node in device.device_nodes],
     }
-    if device.mode == MODE_FRACTION:
+    if device.mode == MODE_FRACTION and not device.whole_gpu:
         edits["mounts"] = [{
             "hostPath": f"{device.shim_host_dir.rstrip('/')}/{SHIM_FILE}",
             "containerPath": f"{shim_dir}/{SHIM_FILE}",

@@ -26,11 +26,12 @@ def gpu_mem_limit_gb(granted_bytes: int) -> str:
 
 
 def slice_environment(mode: str, granted_bytes: int, namespace: str, name: str,
-                      shim_path: str = SHIM_PATH_IN_CONTAINER) -> dict[str, str]:
+                      shim_path: str = SHIM_PATH_IN_CONTAINER, whole_gpu: bool = False) -> dict[str, str]:
     """``NVIDIA_VISIBLE_DEVICES=void`` always; in fraction mode also ``LD_PRELOAD``,
     ``CDMO_GPU_MEMORY_LIMIT`` (bytes), ``GPU_MEM_LIMIT_GB`` (informational) and ``CDMO_SLICE`` (the
-    shim's accounting group)."""
-    if mode == MODE_MIG:
+    shim's accounting group), except for a fraction that is its whole GPU (``whole_gpu``), which has
+    nothing to limit."""
+    if mode == MODE_MIG or (mode == MODE_FRACTION and whole_gpu):
         return {DEVICES_VARIABLE: NO_DEVICES}
     if mode != MODE_FRACTION:
         raise ValueError(f"mode {mode!r} is not 'mig' or 'fraction'")

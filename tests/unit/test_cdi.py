@@ -66,6 +66,15 @@ def test_fraction_slice_gets_the_shim_read_only_and_its_limit() -> None:
                                 "options": ["ro", "nosuid", "nodev", "bind"]}]
 
 
+def test_a_whole_gpu_fraction_gets_the_gpu_with_no_limit_and_no_shim() -> None:
+    nodes = (DeviceNode("/dev/nvidiactl"), DeviceNode("/dev/nvidia1", 195, 1))
+    spec = slice_spec(SliceDevice("w1", "ns", "job", "fraction", "GPU-l40s", 46068 * 2**20, nodes, whole_gpu=True))
+    edits = spec["devices"][0]["containerEdits"]
+    assert edits == {"env": ["NVIDIA_VISIBLE_DEVICES=void"],
+                     "deviceNodes": [{"path": "/dev/nvidiactl"},
+                                     {"path": "/dev/nvidia1", "type": "c", "major": 195, "minor": 1}]}
+
+
 def test_mig_slice_mounts_nothing() -> None:
     spec = slice_spec(SliceDevice("u1", "n", "s", "mig", "MIG-x", 1, MIG_NODES))
     assert "mounts" not in spec["devices"][0]["containerEdits"]

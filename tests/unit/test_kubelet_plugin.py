@@ -118,8 +118,9 @@ def allocated_claim(uid: str, name: str, device: str, pool: str = NODE) -> dict:
 class Node:
     """One simulated node: API stand-in, backend, record, agent and plugin, restartable."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, model: str = "h100-80gb") -> None:
         self.root = root
+        self.model = model
         self.api = ApiStandIn()
         self.settings = PluginSettings(registry_dir=str(root / "reg"), plugin_dir=str(root / "plug"),
                                        cdi_dir=str(root / "cdi"), shim_host_dir="/opt/shim",
@@ -129,7 +130,7 @@ class Node:
         self.plugin: KubeletPlugin | None = None
 
     def backend(self) -> SimulatedBackend:
-        return SimulatedBackend("h100-80gb", count=1, state_file=str(self.root / "sim.json"), host=NODE)
+        return SimulatedBackend(self.model, count=1, state_file=str(self.root / "sim.json"), host=NODE)
 
     async def start(self) -> None:
         store = RecordStore(str(self.root / "owners.json"))
@@ -220,6 +221,37 @@ def test_registration_prepare_unprepare_repeated(root: Path) -> None:
             assert json.loads((root / "owners.json").read_text())["preparedClaims"] == {}
         finally:
             await kubelet.close()
+            await node.stop()
+
+    asyncio.run(scenario())
+
+
+def fraction_slice(uid: str, name: str, granted: int) -> dict:
+    return {"metadata": {"uid": uid, "name": name, "namespace": "team", "resourceVersion": "1",
+                         "finalizers": ["cdmo.io/agent"]},
+            "status": {"phase": "Bound", "node": NODE, "gpu": 0, "mode": "fraction", "grantedBytes": granted}}
+
+
+@pytest.mark.parametrize(("granted", "shim"), [(46068 * 2**20, False), (46068 * 2**20 - 2**20, True),
+                                               (23034 * 2**20, True)])
+def test_a_fraction_that_is_its_whole_gpu_gets_no_shim(root: Path, granted: int, shim: bool) -> None:
+    """A whole GPU without MIG (fraction 1: all of the L40S's 46068 MiB) has nothing to limit; one MiB
+    less is a share, limited by the shim."""
+    async def scenario() -> None:
+        node = Node(root, "l40s-48gb")
+        await node.start()
+        kubelet = FakeKubelet(str(root / "reg" / "gpu.cdmo.io-reg.sock"))
+        try:
+            await kubelet.register()
+            await node.add_slice(fraction_slice("f-1", "job", granted))
+            node.add_claim(allocated_claim("c-1", "job", "f-1"))
+            assert (await kubelet.prepare(("c-1", "job"))).claims["c-1"].error == ""
+            edits = json.loads(node.spec_path("f-1").read_text())["devices"][0]["containerEdits"]
+            preload = [e for e in edits["env"] if e.startswith(("LD_PRELOAD=", "CDMO_GPU_MEMORY_LIMIT="))]
+            assert bool(preload) is shim and ("mounts" in edits) is shim
+            if shim:
+                assert f"CDMO_GPU_MEMORY_LIMIT={granted}" in edits["env"]
+        finally:
             await node.stop()
 
     asyncio.run(scenario())

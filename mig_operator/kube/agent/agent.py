@@ -55,7 +55,7 @@ from mig_operator.core.lifecycle import (
     idle_instances,
     plan_mig,
 )
-from mig_operator.core.quantities import format_bytes
+from mig_operator.core.quantities import MIB, format_bytes
 from mig_operator.gpu.protocol import GpuBackend, GpuError, GpuInfo, MigInstance
 
 from ..common import metrics, status
@@ -153,6 +153,9 @@ class NodeAgent:
 
     def gpu_minor(self, gpu_index: int) -> int | None:
         return next((g.minor for g in self._gpus if g.index == gpu_index), None)
+
+    def gpu_memory_bytes(self, gpu_index: int) -> int | None:
+        return next((g.memory_mib * MIB for g in self._gpus if g.index == gpu_index), None)
 
     async def device_root(self) -> str:
         return await self._gpu("device_root", self.backend.device_root)

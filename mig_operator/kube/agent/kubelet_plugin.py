@@ -42,7 +42,7 @@ from mig_operator.core.cdi import (
     slice_spec,
     spec_file_name,
 )
-from mig_operator.core.cluster import MODE_MIG
+from mig_operator.core.cluster import MODE_FRACTION, MODE_MIG
 from mig_operator.core.lifecycle import OwnerEntry
 from mig_operator.gpu.device_files import DeviceFileError, device_nodes
 
@@ -102,6 +102,8 @@ class SliceHolder(Protocol):
         ...
 
     def gpu_minor(self, gpu_index: int) -> int | None: ...
+
+    def gpu_memory_bytes(self, gpu_index: int) -> int | None: ...
 
     async def device_root(self) -> str: ...
 
@@ -244,8 +246,10 @@ class ClaimPreparer:
         except DeviceFileError as exc:
             raise PrepareRefused(f"{ref}: {where}: {exc}") from None
         namespace, _, name = entry.slice.partition("/")
+        memory = self.holder.gpu_memory_bytes(entry.gpu)
+        whole = entry.mode == MODE_FRACTION and memory is not None and entry.granted_bytes >= memory
         spec = slice_spec(SliceDevice(entry.uid, namespace, name, entry.mode, entry.device_uuid, entry.granted_bytes,
-                                      tuple(nodes), self.settings.shim_host_dir))
+                                      tuple(nodes), self.settings.shim_host_dir, whole_gpu=whole))
         os.makedirs(self.settings.cdi_dir, exist_ok=True)
         path = os.path.join(self.settings.cdi_dir, spec_file_name(entry.uid))
         await asyncio.to_thread(write_file_atomically, path, json.dumps(spec, indent=1) + "\n")
