@@ -64,7 +64,9 @@ def check_pod_devices(pod: Mapping[str, Any]) -> tuple[PodDevice, ...]:
         return ()
     key = next((k for k in REQUEST_ANNOTATIONS if k in annotations), ANNOTATION_REQUESTED)
     asked = f"annotation {key}: {clip_repr(annotations[key])}"
-    fraction_possible = any(d.request.profile is None for d in devices)
+    # A device that may be a fraction is limited by the preloaded shim; a MIG profile or all of a GPU
+    # (fraction 1) is not.
+    fraction_possible = any(d.request.profile is None and d.request.fraction != 1.0 for d in devices)
     spec = pod.get("spec") or {}
     if spec.get("nodeName"):
         raise PodRefused(

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from mig_operator.core.pod_admission import check_pod_devices
+from mig_operator.core.pod_admission import PodRefused, check_pod_devices
 from mig_operator.core.request import SliceRequest
 from mig_operator.core.request_forms import (
     PodDevice,
@@ -247,3 +247,13 @@ def test_whole_gpus_and_mig_devices_are_read_apart_and_never_mixed() -> None:
 def test_a_bad_whole_gpu_count_is_refused(value: str) -> None:
     with pytest.raises(RequestFormError, match=f"'nvidia.com/gpu': '{value}'; a GPU count is a whole number"):
         mig_resource_request(pod(container("a", {"nvidia.com/gpu": value})), whole_gpus=True)
+
+
+def test_a_whole_gpu_pod_may_set_its_own_ld_preload_a_share_may_not() -> None:
+    env = [{"name": "LD_PRELOAD", "value": "/opt/lib/libjemalloc.so"}]
+    whole = pod({**container("a", {"nvidia.com/gpu": "1"}), "env": env})
+    asked = mig_resource_request(whole, whole_gpus=True)
+    assert len(check_pod_devices(with_mig_request(whole, asked, whole_gpus=True))) == 1
+    share = pod({**container("a"), "env": env}, annotations={"cdmo.io/gpu-fraction": "0.99"})
+    with pytest.raises(PodRefused, match="LD_PRELOAD"):
+        check_pod_devices(share)
