@@ -499,3 +499,86 @@ def test_agent_prepares_fraction_claims_and_torch_holds_each_limit(
         assert footprint is not None and footprint <= limit, (
             f"NVML's footprint of the process ({footprint}) stays within its limit ({limit})")
     assert {r["spec"]["cdiVersion"] for r in results} == {"0.3.0", "0.5.0"}
+
+
+def test_a_whole_gpu_slice_gets_the_gpu_with_no_shim_and_torch_sees_all_of_it(
+        gpu: str, cdi_validate: Path, container_tools: None, shim_library: Path, short_dir: Path) -> None:
+    """Issue 17, item 2: nvidia.com/gpu on a GPU without MIG is a fraction of 1 (its grant is all of
+    the GPU's memory). The agent's CDI spec then preloads no shim and sets no limit, and PyTorch,
+    started with exactly that spec, sees the GPU's whole memory as NVML reports it."""
+    from mig_operator.core.cdi import spec_file_name
+    from mig_operator.core.quantities import MIB
+    from mig_operator.gpu import open_backend
+    from mig_operator.kube.agent.agent import AgentSettings, NodeAgent
+    from mig_operator.kube.agent.kubelet_plugin import KubeletPlugin, PluginSettings
+    from mig_operator.kube.agent.record import RecordStore
+    from mig_operator.kube.agent.resource_slice import resource_claim_path
+    from mig_operator.kube.common.client import slice_path
+
+    backend = open_backend("nvml")
+    serving = [g for g in backend.gpus() if not g.mig_enabled]
+    if not serving:
+        backend.close()
+        pytest.skip(f"every GPU here is in MIG mode; a whole GPU without MIG needs one that is not:\n{gpu}")
+    target = serving[0]
+    whole = target.memory_mib * MIB
+    name, uid = "whole", "5b1d7e3a-2c4f-4a6b-8d9e-0f1a2b3c4d5e"
+    api = ApiDouble()
+    cdi_dir = short_dir / "cdi"
+    settings = PluginSettings(registry_dir=str(short_dir / "reg"), plugin_dir=str(short_dir / "plug"),
+                              cdi_dir=str(cdi_dir), shim_host_dir=str(shim_library.parent), nvidia_cdi_dirs=())
+    (short_dir / "reg").mkdir()
+    image_env = [f"{k}={os.environ[k]}" for k in IMAGE_VARIABLES if k in os.environ]
+    seen: dict[str, Any] = {}
+
+    async def scenario() -> None:
+        agent = NodeAgent(AgentSettings(NODE, publish_delay_s=0.0, heartbeat_s=3600), backend,
+                          RecordStore(str(short_dir / "owners.json")), api, NoEvents())  # type: ignore[arg-type]
+        await agent.start()
+        plugin = KubeletPlugin(agent, settings)
+        assert await plugin.start()
+        from fake_kubelet import FakeKubelet
+
+        kubelet = FakeKubelet(settings.registration_socket, namespace=NAMESPACE, timeout_s=30)
+        try:
+            await kubelet.register()
+            body = bound_fraction(name, uid, target.index, whole)
+            api.objects[slice_path(NAMESPACE, name)] = body
+            await agent.handle(copy.deepcopy(body))
+            assert api.objects[slice_path(NAMESPACE, name)]["status"]["phase"] == "Ready"
+            api.objects[resource_claim_path(NAMESPACE, name)] = allocated_claim("claim-whole", name, uid)
+            prepared = await kubelet.prepare(("claim-whole", name))
+            assert prepared.claims["claim-whole"].error == ""
+            seen["spec"] = json.loads((cdi_dir / spec_file_name(uid)).read_text())
+            ids = list(prepared.claims["claim-whole"].devices[0].cdi_device_ids)
+            base = {"ociVersion": "1.2.0", "root": {"path": "rootfs"}, "linux": {},
+                    "process": {"cwd": "/", "env": image_env,
+                                "args": [sys.executable, str(FILL), "torch", str(CHUNK_MIB), str(whole * 2 >> 20)]}}
+            workdir = short_dir / name
+            workdir.mkdir()
+            seen["summary"], oci = apply_cdi(cdi_validate, cdi_dir, ids, base, workdir)
+            seen.update(await asyncio.to_thread(run_torch_in_container, oci, whole, workdir))
+            assert (await kubelet.unprepare(("claim-whole", name))).claims["claim-whole"].error == ""
+        finally:
+            await kubelet.close()
+            await plugin.stop()
+            await agent.stop()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        backend.close()
+    total, got = seen["ready"]["info"]["0"]["total"], seen["done"]["allocated"]["0"]
+    print(json.dumps({"slice": name, "granted": whole, "mem_get_info_total": total, "allocated": got,
+                      "refusal": seen["done"]["error"]["0"], "nvml_footprint": seen["footprint"]}))
+    print(f"CDI spec of {name}: {json.dumps(seen['spec'])}")
+    edits = seen["spec"]["devices"][0]["containerEdits"]
+    assert edits["env"] == ["NVIDIA_VISIBLE_DEVICES=void"] and "mounts" not in edits
+    env = dict(v.split("=", 1) for v in seen["summary"]["env"])
+    assert "LD_PRELOAD" not in env and "CDMO_GPU_MEMORY_LIMIT" not in env
+    assert not seen["report"].readonly  # no shim mounted
+    # Without the shim PyTorch sees the GPU itself: CUDA's total is NVML's (the driver reserves a
+    # little of it, so it is at most the NVML figure and within 1 GiB of it) and it fills far past
+    # any share.
+    assert whole - GIB <= total <= whole, (total, whole)
+    assert got >= total - 4 * GIB, (got, total)
