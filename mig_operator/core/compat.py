@@ -48,8 +48,9 @@ from typing import Any
 
 from .quantities import QuantityError, clip_repr
 from .request import SliceRequest
-from .request_forms import MAX_RECORD_LENGTH, MIG_RESOURCE_PREFIX, RequestFormError
+from .request_forms import MAX_POD_DEVICES, MAX_RECORD_LENGTH, MIG_RESOURCE_PREFIX, RequestFormError
 from .slice_spec import (
+    ANNOTATION_COUNT,
     ANNOTATION_FRACTION,
     ANNOTATION_MEMORY,
     ANNOTATION_PROFILE,
@@ -222,8 +223,7 @@ def _runai_request(pod: Mapping[str, Any], annotations: Mapping[str, Any]) -> Di
             f"a pod may carry only one of {', '.join(RUNAI_REQUESTS)} (got {shown}); e.g. {RUNAI_FRACTION}: '0.5'")
     key = given[0]
     value = annotations[key]
-    if RUNAI_DEVICES in annotations:
-        _check_one_device(annotations[RUNAI_DEVICES])
+    devices = _device_count(annotations[RUNAI_DEVICES]) if RUNAI_DEVICES in annotations else 1
     cdmo_key = RUNAI_REQUESTS[key]
     translated = _runai_value(key, value)
     request = _checked(key, value, cdmo_key, translated, RUNAI_EXAMPLES[key])
@@ -233,9 +233,12 @@ def _runai_request(pod: Mapping[str, Any], annotations: Mapping[str, Any]) -> Di
             f"use e.g. {key}: '0.5' (a whole GPU is nvidia.com/gpu: 1)")
     _refuse_device_plugin_resources(pod, f"annotation {key}: {clip_repr(value)}", f"{key}: '{RUNAI_EXAMPLES[key]}'")
     asked = {k: str(annotations[k]) for k in RUNAI_KEYS if k in annotations}
+    translated_annotations = _translated(pod, cdmo_key, translated, f"annotation {key}")
+    if devices > 1:  # several devices of the request, all for the one container (Run:ai's multi-GPU fractions)
+        translated_annotations[ANNOTATION_COUNT] = str(devices)
     return DialectRequest(
         dialect=RUNAI,
-        annotations=_translated(pod, cdmo_key, translated, f"annotation {key}"),
+        annotations=translated_annotations,
         request=request,
         removed_resources=(),
         containers=(_runai_container(pod, annotations),),
@@ -254,16 +257,14 @@ def _runai_value(key: str, value: object) -> object:
     return value
 
 
-def _check_one_device(value: object) -> None:
+def _device_count(value: object) -> int:
+    """``gpu-fraction-num-devices``: how many devices of the request (``cdmo.io/gpu-count``)."""
     text = value if isinstance(value, str) else None
-    if text is None or not _MIB_COUNT.fullmatch(text) or int(text) < 1:
+    if text is None or not _MIB_COUNT.fullmatch(text) or not 1 <= int(text) <= MAX_POD_DEVICES:
         raise DialectError(
-            f"annotation {RUNAI_DEVICES}: {clip_repr(value)} is not a number of devices; leave it out or "
-            f"write a count, e.g. {RUNAI_DEVICES}: '1'")
-    if int(text) > 1:
-        raise DialectError(
-            f"annotation {RUNAI_DEVICES}: {clip_repr(value)} asks for {int(text)} devices; one device per pod is "
-            f"served: leave it out or write {RUNAI_DEVICES}: '1'")
+            f"annotation {RUNAI_DEVICES}: {clip_repr(value)} is not a number of devices from 1 to "
+            f"{MAX_POD_DEVICES}; leave it out or write a count, e.g. {RUNAI_DEVICES}: '2'")
+    return int(text)
 
 
 def _runai_container(pod: Mapping[str, Any], annotations: Mapping[str, Any]) -> str:

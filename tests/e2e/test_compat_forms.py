@@ -14,7 +14,7 @@ import pytest
 import yaml
 from harness import OperatorHarness, SimNode
 from kubernetes.client.rest import ApiException
-from seed_examples import KAI_GPU_MEMORY, KAI_NON_DEFAULT_CONTAINER
+from seed_examples import KAI_GPU_MEMORY, KAI_NON_DEFAULT_CONTAINER, RUNAI_MULTI_FRACTIONAL
 from test_pods import KWOK_TOLERATION, running
 
 
@@ -51,7 +51,7 @@ def _slice(operator: OperatorHarness, pod: Any) -> dict:
 
 def test_run_ai_and_clearml_pods_run_on_slices(operator: OperatorHarness) -> None:
     plain = operator.add_node("l40s-48gb", labelled=False)
-    mig = operator.add_node("h100-80gb")
+    mig = operator.add_node("h100-80gb", count=2)
     start_with_compat(operator, plain, mig)
     ns = operator.namespace()
 
@@ -78,6 +78,18 @@ def test_run_ai_and_clearml_pods_run_on_slices(operator: OperatorHarness) -> Non
     # The injector's resources are gone: no device plugin or scheduler needs them.
     assert not (task.resources.limits or {}) and [x.name for x in task.resources.claims] == ["gpu-slice"]
     assert json.loads(pod.metadata.annotations["cdmo.io/compat-request"])
+
+    # Run:ai's multi-fractional pod (its docs, verbatim less its scheduler and namespace): two half GPUs
+    # for its one container, on one node.
+    multi = yaml.safe_load(RUNAI_MULTI_FRACTIONAL)
+    del multi["spec"]["schedulerName"], multi["metadata"]["namespace"]
+    multi["spec"]["tolerations"] = [KWOK_TOLERATION]
+    operator.core.create_namespaced_pod(ns, multi)
+    pod = running(operator, ns, "multi-fractional-pod-job")
+    group = pod.metadata.labels["cdmo.io/gpu-slice"]
+    statuses = [operator.get_slice(ns, f"{group}-{k}")["status"] for k in (0, 1)]
+    assert all(s["phase"] == "Ready" for s in statuses) and len({s["node"] for s in statuses}) == 1
+    assert [c.name for c in pod.spec.containers[0].resources.claims] == ["gpu-slice-0", "gpu-slice-1"]
 
     # ClearML's CDMO queue template slice-1 (clearml-docs cdmo.md): the MIG device by its standard name.
     cdmo = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "clearml-id-2"},

@@ -31,7 +31,7 @@ from mig_operator.core.compat import (
     dialect_match_expression,
     dialect_request,
 )
-from mig_operator.core.pod_admission import check_pod
+from mig_operator.core.pod_admission import check_pod, check_pod_devices
 from mig_operator.core.request import SliceRequest
 from mig_operator.core.request_forms import RequestFormError, mig_resource_request
 
@@ -208,12 +208,22 @@ def test_gpu_fraction_num_devices_one_is_the_default() -> None:
     assert asked.request == SliceRequest(fraction=0.5)
 
 
-def test_run_ai_docs_example_with_two_devices_is_refused_naming_the_key_and_value() -> None:
+def test_run_ai_docs_example_with_two_devices_is_two_half_gpus_for_its_container() -> None:
+    body = kai_pod(RUNAI_MULTI_FRACTIONAL)
+    asked = dialect_request(body, ["runai"])
+    assert asked.annotations == {"cdmo.io/gpu-fraction": "0.5", "cdmo.io/gpu-count": "2"}
+    assert asked.containers == ("job",)
+    served_pod = {**body, "metadata": {**body["metadata"],
+                                       "annotations": {**body["metadata"]["annotations"], **asked.annotations}}}
+    assert [d.request for d in check_pod_devices(served_pod)] == [SliceRequest(fraction=0.5)] * 2
+
+
+@pytest.mark.parametrize("value", ["0", "17", "two", "-1"])
+def test_a_bad_number_of_run_ai_devices_is_refused_naming_it(value: str) -> None:
     with pytest.raises(DialectError) as caught:
-        dialect_request(kai_pod(RUNAI_MULTI_FRACTIONAL), ["runai"])
+        dialect_request(pod({"gpu-fraction": "0.5", "gpu-fraction-num-devices": value}), ["runai"])
     message = str(caught.value)
-    assert "annotation gpu-fraction-num-devices: '2' asks for 2 devices" in message
-    assert "gpu-fraction-num-devices: '1'" in message
+    assert f"annotation gpu-fraction-num-devices: '{value}' is not a number of devices from 1 to 16" in message
 
 
 @pytest.mark.parametrize(("annotations", "expected"), [
