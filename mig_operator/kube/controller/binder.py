@@ -74,6 +74,9 @@ class Binder:
         self._waiting_for_room = 0  # how many of them wait for GPU room (NoCapacity)
         self._hold_ends: set[float] = set()  # when holds end (epoch seconds): a pass is due then
         self._lock = asyncio.Lock()
+        # Slices whose binding this replica is writing: its own status write's watch event may arrive
+        # before the write returns, and must not start a second label write beside the writer's.
+        self._writing: set[str] = set()
         self._replan_task: asyncio.Task | None = None
         self._replan_again = False
         self._last_resync = 0.0
@@ -103,7 +106,7 @@ class Binder:
         for namespace in {s.namespace for s in self.state.slices.values()} | set(self.state.quotas):
             self._namespace_changed(namespace)
         for info in list(self.state.slices.values()):
-            if info.binding is not None and not info.marked and not info.deleting:
+            if info.binding is not None and not info.marked and not info.deleting and info.uid not in self._writing:
                 await self._guard(self.mark(info))
         for extra in self.on_resync:
             await self._guard(extra())
@@ -163,7 +166,7 @@ class Binder:
                 await self.bind(info.uid)
             elif info.phase is None:
                 self.request_replan()  # slices wait: a new one joins the line rather than jump it
-        elif info.binding is not None and not info.marked:
+        elif info.binding is not None and not info.marked and info.uid not in self._writing:
             await self.mark(info)
         for callback in self.on_slice_changed:
             await callback(self.state.slices.get(info.uid, info))
@@ -405,12 +408,16 @@ class Binder:
             "metadata": {"resourceVersion": str(info.version)},
             "status": status.bound(info.body.get("status"), info.request, binding, gpu_uuid, reclaim, message),
         }
-        answer = await self.client.merge_patch(slice_path(info.namespace, info.name, status=True), body)
-        updated = self.state.put_slice(answer) or self.state.slices[info.uid]
-        crashpoint("controller:after-bind")
-        log.info("slice %s (%s) %s%s", info.ref, info.request.describe(), message,
-                 f", reclaiming {len(reclaim)} idle instance(s)" if reclaim else "")
-        await self.mark(updated)
+        self._writing.add(info.uid)
+        try:
+            answer = await self.client.merge_patch(slice_path(info.namespace, info.name, status=True), body)
+            updated = self.state.put_slice(answer) or self.state.slices[info.uid]
+            crashpoint("controller:after-bind")
+            log.info("slice %s (%s) %s%s", info.ref, info.request.describe(), message,
+                     f", reclaiming {len(reclaim)} idle instance(s)" if reclaim else "")
+            await self.mark(updated)
+        finally:
+            self._writing.discard(info.uid)
 
     async def mark(self, info: SliceInfo) -> None:
         """Add the node label the agents select on and the agent's finalizer (second binding write)."""
