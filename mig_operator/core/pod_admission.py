@@ -23,9 +23,10 @@ from .slice_spec import ANNOTATION_MEMORY, ANNOTATION_PROFILE, ANNOTATION_REQUES
 # and its renamed shares (``nvidia.com/gpu.shared`` with the device plugin's time-slicing), and MIG devices.
 _WHOLE_GPU_RESOURCE = "nvidia.com/gpu"
 _GPU_RESOURCE_PREFIXES = ("nvidia.com/gpu.", "nvidia.com/mig-")
-# Variables the slice's ConfigMap sets: a container's own ``env`` entry would win over ``envFrom`` and
-# hide the slice (``NVIDIA_VISIBLE_DEVICES=all`` shows the whole GPU; another ``LD_PRELOAD`` drops the
-# shim that enforces a fraction's limit). GPU_MEM_LIMIT_GB is informational and may be set.
+# Variables the slice's CDI spec sets: a container's own ``env`` entry would stand beside them and
+# widen or hide the slice (``NVIDIA_VISIBLE_DEVICES=all`` shows the whole GPU where a runtime hook
+# honours it; another ``LD_PRELOAD`` drops the shim that enforces a fraction's limit).
+# GPU_MEM_LIMIT_GB is informational and may be set.
 _SLICE_ENV = (DEVICES_VARIABLE, LIMIT_VARIABLE, SLICE_VARIABLE)
 _SHIM_ENV = PRELOAD_VARIABLE
 # Every CDMO_* variable is the operator's or the shim's to set (CDMO_SHIM_DISABLE, CDMO_SHIM_DIR,

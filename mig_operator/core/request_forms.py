@@ -20,7 +20,7 @@ node or none (``docs/api.md``, "Request forms").
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,6 +85,11 @@ def is_mig_resource(key: object) -> bool:
     return isinstance(key, str) and key.startswith(MIG_RESOURCE_PREFIX)
 
 
+def resource_form(whole_gpus: bool) -> Callable[[object], bool]:
+    """Which extended resources one form reads: ``nvidia.com/gpu`` for whole GPUs, else ``nvidia.com/mig-*``."""
+    return (lambda key: key == WHOLE_GPU_RESOURCE) if whole_gpus else is_mig_resource
+
+
 def is_served_resource(key: object) -> bool:
     """A device-plugin resource the webhook may serve as slices: MIG devices, whole GPUs."""
     return is_mig_resource(key) or key == WHOLE_GPU_RESOURCE
@@ -122,9 +127,7 @@ def mig_resource_request(pod: Mapping[str, Any], whole_gpus: bool = False) -> Mi
     with ``whole_gpus``, the whole GPUs through ``nvidia.com/gpu``), None when none does. Raises
     RequestFormError for what is not served: a bad profile name or count, requests that differ from
     limits, more than MAX_POD_DEVICES in all, or a slice annotation as well."""
-    def wanted(key: object) -> bool:
-        return key == WHOLE_GPU_RESOURCE if whole_gpus else is_mig_resource(key)
-
+    wanted = resource_form(whole_gpus)
     asked: dict[str, dict[str, str]] = {}
     for container in _containers(pod):
         name = str(container.get("name") or "")
@@ -170,21 +173,24 @@ def _shown(asked: Mapping[str, Mapping[str, str]]) -> str:
     return ", ".join(parts[:4]) + (f" and {len(parts) - 4} more" if len(parts) > 4 else "")
 
 
-def without_mig_resources(container: Mapping[str, Any], whole_gpus: bool = False) -> dict[str, Any]:
-    """The container's resources with every ``nvidia.com/mig-*`` entry (with ``whole_gpus``, its
-    ``nvidia.com/gpu`` instead) taken out (limits and requests)."""
-    def served(key: object) -> bool:
-        return key == WHOLE_GPU_RESOURCE if whole_gpus else is_mig_resource(key)
-
+def without_resources(container: Mapping[str, Any], taken: Callable[[object], bool]) -> dict[str, Any]:
+    """The container's resources with every limit and request whose name ``taken`` accepts taken out
+    (an empty ``limits`` or ``requests`` goes too)."""
     resources = dict(container.get("resources") or {})
     for kind in ("limits", "requests"):
         if kind in resources and resources[kind] is not None:
-            kept = {k: v for k, v in resources[kind].items() if not served(k)}
+            kept = {k: v for k, v in resources[kind].items() if not taken(k)}
             if kept:
                 resources[kind] = kept
             else:
                 del resources[kind]
     return resources
+
+
+def without_mig_resources(container: Mapping[str, Any], whole_gpus: bool = False) -> dict[str, Any]:
+    """The container's resources with every ``nvidia.com/mig-*`` entry (with ``whole_gpus``, its
+    ``nvidia.com/gpu`` instead) taken out (limits and requests)."""
+    return without_resources(container, resource_form(whole_gpus))
 
 
 def _count(annotations: Mapping[str, str]) -> int:

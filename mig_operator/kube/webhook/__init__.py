@@ -1,1 +1,1 @@
-"""The admission webhook: annotated pods get a gate, their slice's ConfigMap and the shim volume."""
+"""The admission webhook: a pod that asks for GPUs gets a gate and the ResourceClaims of its slices."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 import logging
 import secrets
-from collections.abc import Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import Any
 
 from mig_operator.core.compat import DialectRequest
@@ -22,7 +22,8 @@ from mig_operator.core.request_forms import (
     MigResourceRequest,
     PodDevice,
     device_slice_names,
-    without_mig_resources,
+    resource_form,
+    without_resources,
 )
 from mig_operator.core.slice_spec import ANNOTATION_COMPAT_RECORD
 
@@ -52,7 +53,7 @@ class RefusalsAtInfo(logging.Filter):
 
 
 def slice_name_for(pod: Mapping[str, Any], token: str | None = None) -> str:
-    """A name for the pod's GpuSlice and ConfigMap, unique without knowing the pod's final name:
+    """A name for the pod's GpuSlices and ResourceClaims, unique without knowing the pod's final name:
     the pod's name (or generateName) cut to 40 characters, ``-gs-`` and 8 random hex digits. It is
     also a label value, so it stays within 63 characters and ends alphanumeric."""
     meta = pod.get("metadata") or {}
@@ -109,17 +110,24 @@ def mutate_pod(pod: MutableMapping[str, Any], group: str, devices: Sequence[PodD
             resources["claims"] = used
 
 
-def _take_mig_request(pod: MutableMapping[str, Any], asked: MigResourceRequest, whole_gpus: bool) -> None:
+def _take_request(pod: MutableMapping[str, Any], annotations: Mapping[str, str],
+                  taken: Callable[[object], bool]) -> None:
+    """Add ``annotations`` to ``pod`` and take the extended resources ``taken`` accepts out of every
+    container and init container (in place)."""
     meta = pod.setdefault("metadata", {})
-    meta["annotations"] = {**(meta.get("annotations") or {}), **asked.annotations()}
+    meta["annotations"] = {**(meta.get("annotations") or {}), **annotations}
     spec = pod.get("spec") or {}
     for key in ("containers", "initContainers"):
         for container in spec.get(key) or []:
-            resources = without_mig_resources(container, whole_gpus)
+            resources = without_resources(container, taken)
             if resources:
                 container["resources"] = resources
             else:
                 container.pop("resources", None)
+
+
+def _take_mig_request(pod: MutableMapping[str, Any], asked: MigResourceRequest, whole_gpus: bool) -> None:
+    _take_request(pod, asked.annotations(), resource_form(whole_gpus))
 
 
 def with_mig_request(pod: Mapping[str, Any], asked: MigResourceRequest, whole_gpus: bool = False) -> dict[str, Any]:
@@ -141,24 +149,8 @@ def serve_mig_request(pod: MutableMapping[str, Any], asked: MigResourceRequest, 
 
 
 def _take_dialect_request(pod: MutableMapping[str, Any], asked: DialectRequest) -> None:
-    meta = pod.setdefault("metadata", {})
-    meta["annotations"] = {**(meta.get("annotations") or {}), **asked.annotations,
-                           ANNOTATION_COMPAT_RECORD: asked.record()}
-    spec = pod.get("spec") or {}
-    for key in ("containers", "initContainers"):
-        for container in spec.get(key) or []:
-            resources = dict(container.get("resources") or {})
-            for kind in ("limits", "requests"):
-                if resources.get(kind):
-                    kept = {k: v for k, v in resources[kind].items() if k not in asked.removed_resources}
-                    if kept:
-                        resources[kind] = kept
-                    else:
-                        del resources[kind]
-            if resources:
-                container["resources"] = resources
-            else:
-                container.pop("resources", None)
+    _take_request(pod, {**asked.annotations, ANNOTATION_COMPAT_RECORD: asked.record()},
+                  lambda key: key in asked.removed_resources)
 
 
 def with_dialect_request(pod: Mapping[str, Any], asked: DialectRequest) -> dict[str, Any]:

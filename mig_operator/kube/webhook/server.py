@@ -17,7 +17,7 @@ import os
 import socket
 import ssl
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -333,30 +333,24 @@ def register(registry: kopf.OperatorRegistry, options: WebhookOptions, kubeconfi
         name = slice_name_for(body)
         patch.fns.append(lambda pod: mutate_pod(pod, name, devices))
 
-    @kopf.on.mutate("v1", "pods", id=MIG_HANDLER_ID, operations=["CREATE"], registry=registry)
-    def mutate_mig_request(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
-        try:
-            asked = mig_resource_request(body)
-            if asked is None:
-                return
-            # Every other rule of an annotated pod applies to the pod as it will go on.
-            devices = check_pod_devices(with_mig_request(body, asked))
-        except (QuantityError, PodRefused) as exc:
-            raise kopf.AdmissionError(str(exc), code=400) from None
-        name = slice_name_for(body)
-        patch.fns.append(lambda pod: serve_mig_request(pod, asked, name, devices))
+    def resource_handler(whole_gpus: bool) -> Callable[..., None]:
+        """The handler of one extended-resource form: nvidia.com/mig-* or (``whole_gpus``) nvidia.com/gpu."""
+        def mutate(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
+            try:
+                asked = mig_resource_request(body, whole_gpus=whole_gpus)
+                if asked is None:
+                    return
+                # Every other rule of an annotated pod applies to the pod as it will go on.
+                devices = check_pod_devices(with_mig_request(body, asked, whole_gpus=whole_gpus))
+            except (QuantityError, PodRefused) as exc:
+                raise kopf.AdmissionError(str(exc), code=400) from None
+            name = slice_name_for(body)
+            patch.fns.append(lambda pod: serve_mig_request(pod, asked, name, devices, whole_gpus=whole_gpus))
+        return mutate
 
-    @kopf.on.mutate("v1", "pods", id=WHOLE_HANDLER_ID, operations=["CREATE"], registry=registry)
-    def mutate_whole_gpus(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
-        try:
-            asked = mig_resource_request(body, whole_gpus=True)
-            if asked is None:
-                return
-            devices = check_pod_devices(with_mig_request(body, asked, whole_gpus=True))
-        except (QuantityError, PodRefused) as exc:
-            raise kopf.AdmissionError(str(exc), code=400) from None
-        name = slice_name_for(body)
-        patch.fns.append(lambda pod: serve_mig_request(pod, asked, name, devices, whole_gpus=True))
+    for handler_id, whole_gpus in ((MIG_HANDLER_ID, False), (WHOLE_HANDLER_ID, True)):
+        kopf.on.mutate("v1", "pods", id=handler_id, operations=["CREATE"], registry=registry)(
+            resource_handler(whole_gpus))
 
     @kopf.on.mutate("v1", "pods", id=COMPAT_HANDLER_ID, operations=["CREATE"], registry=registry)
     def mutate_compat_request(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
