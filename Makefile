@@ -30,9 +30,9 @@ lint: venv
 	$(BIN)/hadolint Dockerfile
 
 # crds/ is the one source of the CRDs; the chart carries copies (Helm installs only files in its crds/).
-# tests/helm fails when they differ: run this after changing a CRD. The policy is a chart template.
+# tests/helm fails when they differ: run this after changing a CRD. The DeviceClass is a chart template.
 chart-crds:
-	for f in crds/*.yaml; do case "$$f" in crds/slice-node-label.yaml|crds/device-class.yaml) ;; *) cp "$$f" helm/mig-operator/crds/;; esac; done
+	for f in crds/*.yaml; do case "$$f" in crds/device-class.yaml) ;; *) cp "$$f" helm/mig-operator/crds/;; esac; done
 
 # Every test: shim's GPU-free C tests, lint, then pytest (unit, shim, e2e against a real kube-apiserver;
 # tests/gpu skip where no GPU is present). pytest's exit 5 (no tests collected) fails the target.

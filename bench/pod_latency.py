@@ -10,7 +10,8 @@ measured from just before the client's create call to the moment a watch on the 
 the pod Running (this machine's clock for both). First round: plain pods, the baseline. Then every
 annotated pod needs a new MIG instance; then all pods are deleted, and the last round finds the
 instances idle and reuses them. Writes per pod: kube-apiserver's own count of non-GET requests
-during a round (every client: operator, scheduler, controller-manager, kwok), over the pods.
+during a round (every client: operator, scheduler, controller-manager, kwok), over the pods. CPU
+per pod: each part's CPU time over the round, over the pods (where two vCPUs go in a burst).
 """
 
 from __future__ import annotations
@@ -35,6 +36,36 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+PLANE_PROGRAMS = ("kube-apiserver", "etcd", "kube-scheduler", "kube-controller-manager", "kwok")
+
+
+def cpu_seconds(cluster: Cluster) -> dict[str, float]:
+    """CPU seconds (user + system) used so far by each part: the operator's processes (the agents
+    summed) and the control plane's programs, found by name in /proc (one plane on this machine)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    used: dict[str, float] = {}
+
+    def add(part: str, pid: int) -> None:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return
+        used[part] = used.get(part, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+
+    add("bench", os.getpid())  # this client: its creates and its watch compete for the same vCPUs
+    for name, proc in cluster.procs.items():
+        add("agents" if name.startswith("agent-") else name, proc.pid)
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                program = Path((entry / "cmdline").read_bytes().split(b"\0")[0].decode()).name
+            except (OSError, UnicodeDecodeError):
+                continue
+            if program in PLANE_PROGRAMS:
+                add(program, int(entry.name))
+    return used
 
 
 def round_trip(core: kubernetes.client.CoreV1Api, ns: str, pods: int, memory: str | None, tag: str,
@@ -128,21 +159,33 @@ def main() -> int:
     custom = kubernetes.client.CustomObjectsApi(plane.api)
     writes: dict[str, float] = {}
     by_resource: dict[str, dict[str, float]] = {}
+    cpu: dict[str, dict[str, float]] = {}
+    events: dict[str, dict[str, int]] = {}  # component/reason -> Events (counts included) on the round's pods
 
     def measured(memory: str | None, tag: str) -> dict[str, list[float]]:
-        before = plane.apiserver_writes()
+        before, cpu_before = plane.apiserver_writes(), cpu_seconds(cluster)
         times = round_trip(core, ns, args.pods, memory, tag, args.gap)
-        after = plane.apiserver_writes()
+        after, cpu_after = plane.apiserver_writes(), cpu_seconds(cluster)
+        cpu[tag] = {part: round(1000 * (cpu_after[part] - cpu_before.get(part, 0.0)) / args.pods, 2)
+                    for part in sorted(cpu_after)}
         delta = {key: (after[key] - before.get(key, 0.0)) / args.pods for key in after}
         writes[tag] = sum(delta.values())
         by_resource[tag] = {key: round(value, 2) for key, value in sorted(delta.items()) if value >= 0.01}
+        reasons: dict[str, int] = {}
+        for event in core.list_namespaced_event(ns).items:
+            if (event.involved_object.name or "").startswith(tag):
+                key = f"{event.source.component or event.reporting_component}/{event.reason}"
+                reasons[key] = reasons.get(key, 0) + (event.count or 1)
+        events[tag] = dict(sorted(reasons.items()))
         core.delete_collection_namespaced_pod(ns, grace_period_seconds=0)
+        # The next round starts once this one's objects are gone: pods, slices and their claims (the
+        # garbage collector deletes a claim after its slice), so no clean-up is counted in it.
         deadline = time.monotonic() + 120
-        while custom.list_namespaced_custom_object("cdmo.io", "v1alpha1", ns, "gpuslices")["items"]:
+        while (custom.list_namespaced_custom_object("cdmo.io", "v1alpha1", ns, "gpuslices")["items"]
+               or custom.list_namespaced_custom_object("resource.k8s.io", "v1", ns, "resourceclaims")["items"]
+               or core.list_namespaced_pod(ns).items):
             if time.monotonic() > deadline:
-                raise SystemExit("the deleted pods' slices were not released in 120 s")
-            time.sleep(0.5)
-        while core.list_namespaced_pod(ns).items:
+                raise SystemExit("the deleted pods' slices and claims were not gone in 120 s")
             time.sleep(0.5)
         return times
 
@@ -165,7 +208,10 @@ def main() -> int:
               "new": summary(new), "reused": summary(reused),
               "writes_per_pod": {"plain": writes["plain"], "new": writes["new"], "reused": writes["again"]},
               "writes_per_pod_by_resource": {"plain": by_resource["plain"], "new": by_resource["new"],
-                                             "reused": by_resource["again"]}}
+                                             "reused": by_resource["again"]},
+              # CPU milliseconds per pod by part, from the round's start to its last pod Running.
+              "cpu_ms_per_pod": {"plain": cpu["plain"], "new": cpu["new"], "reused": cpu["again"]},
+              "events": {"plain": events["plain"], "new": events["new"], "reused": events["again"]}}
     baseline = pct(plain["total"], 0.5)
     result["ratio_p50"] = {"new": pct(new["total"], 0.5) / baseline, "reused": pct(reused["total"], 0.5) / baseline}
     print(json.dumps(result, indent=2))

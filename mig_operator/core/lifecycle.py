@@ -76,12 +76,17 @@ def agent_step(phase: str | None, deleting: bool, has_finalizer: bool, entry: Ow
     """The agent's next step for a slice bound to its node.
 
     - being deleted: release (the instance becomes idle, then the finalizer goes);
+    - not yet carrying the finalizer and not in the record: nothing yet (the agent sees a slice from
+      its binding's status write; a slice made by hand gets the finalizer just after it), so every
+      slice the agent realises carries its finalizer;
     - Bound or Creating: realise (again after a crash: every step is idempotent);
     - Ready without a completed entry: realise, which adopts the instance without an NVML create;
     - Failed while the record still names it: forget it, so its instance is idle again.
     """
     if deleting:
         return RELEASE if has_finalizer or entry is not None else NOTHING
+    if not has_finalizer and entry is None:
+        return NOTHING
     if phase in (BOUND, CREATING):
         return REALISE
     if phase == READY:

@@ -28,7 +28,6 @@ KubeCluster = ChartIdentities = Any
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CHART_DIR = REPO_ROOT / "helm" / "mig-operator"
 CHART_NAMESPACE = "mig-operator-system"  # where tests/e2e/conftest.py puts the chart's identities
-POLICY = REPO_ROOT / "crds" / "slice-node-label.yaml"
 DEVICE_CLASS = REPO_ROOT / "crds" / "device-class.yaml"
 KWOK_TAINT = {"key": "kwok.x-k8s.io/node", "operator": "Exists", "effect": "NoSchedule"}
 
@@ -133,8 +132,8 @@ def test_the_chart_installs_upgrades_and_uninstalls_with_every_object_accepted(
     # Cluster-wide objects named after this test: a kept control plane may hold the defaults' names.
     names = ["--set", f"webhook.configurationName={namespace}", "--set", f"controller.peering={namespace}"]
     admission = kubernetes.client.AdmissionregistrationV1Api(kube_cluster.api_client)
-    # The policy is installed by the session (crds/); the chart must be able to install its own copy.
-    kube_cluster.kubectl("delete", "-f", str(POLICY), "-f", str(DEVICE_CLASS), "--ignore-not-found")
+    # The DeviceClass is installed by the session (crds/); the chart must be able to install its own copy.
+    kube_cluster.kubectl("delete", "-f", str(DEVICE_CLASS), "--ignore-not-found")
     try:
         helm(kube_cluster, "install", release, str(CHART_DIR), "--namespace", namespace, "--create-namespace",
              *names, *tolerate_kwok(tmp_path))
@@ -209,7 +208,7 @@ def test_the_chart_installs_upgrades_and_uninstalls_with_every_object_accepted(
     finally:
         helm(kube_cluster, "uninstall", release, "--namespace", namespace, check=False)
         kube_cluster.kubectl("delete", "namespace", namespace, "--ignore-not-found", "--wait=false")
-        kube_cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(POLICY), "-f", str(DEVICE_CLASS))
+        kube_cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(DEVICE_CLASS))
 
 
 def test_pod_security_the_controller_meets_restricted_and_the_agent_needs_privileged(

@@ -297,7 +297,10 @@ def test_a_controller_killed_after_binding_finishes_the_binding_after_restart(op
     operator.create_slice(ns, "a", {"migProfile": "1g.10gb"})
     assert operator.wait_exit(controller) == -9
     bound = operator.get_slice(ns, "a")
-    assert bound["status"]["phase"] == "Bound" and "cdmo.io/node" not in (bound["metadata"].get("labels") or {})
+    assert bound["status"]["phase"] == "Bound" and "cdmo.io/agent" not in (bound["metadata"].get("finalizers") or [])
+    # Its agent sees it (status.node) but realises only a slice that carries its finalizer.
+    time.sleep(1.0)
+    assert operator.get_slice(ns, "a")["status"]["phase"] == "Bound"
     operator.start(controller, env={})
     operator.create_slice(ns, "b", {"migProfile": "1g.10gb"})
     a = operator.wait_phase(ns, "a", "Ready")["status"]

@@ -139,7 +139,7 @@ def bound_fraction(name: str, uid: str, gpu: int, granted: int) -> dict:
     return {
         "apiVersion": "cdmo.io/v1alpha1", "kind": "GpuSlice",
         "metadata": {"name": name, "namespace": NAMESPACE, "uid": uid, "resourceVersion": "1",
-                     "finalizers": ["cdmo.io/agent"], "labels": {"cdmo.io/node": NODE}},
+                     "finalizers": ["cdmo.io/agent"]},
         "spec": {"memory": str(granted)},
         "status": {"phase": "Bound", "mode": "fraction", "node": NODE, "gpu": gpu, "grantedBytes": granted},
     }

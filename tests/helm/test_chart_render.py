@@ -50,7 +50,7 @@ VARIANTS: dict[str, list[str]] = {
         "--set", "agent.runtimeClassName=", "--set", "agent.backend=sim:h100-80gbx2",
         "--set", "agent.nodeSelector.gpu=yes", "--set", "agent.priorityClassName=",
         "--set", "shim.hostDir=/opt/cdmo/shim", "--set", "serviceAccount.controller.name=ctl",
-        "--set", "serviceAccount.agent.name=agt", "--set", "nodeLabelPolicy.enabled=false",
+        "--set", "serviceAccount.agent.name=agt",
     ],
 }
 VARIANT_IDS = list(VARIANTS)
@@ -129,25 +129,24 @@ def _check_foreign(doc: dict[str, Any]) -> None:
 
 
 def test_the_chart_crds_are_copies_of_the_crds_directory() -> None:
-    """crds/ at the repo root is the source; `make chart-crds` copies it into the chart. The policy
-    (slice-node-label.yaml) and the DeviceClass (device-class.yaml) are not CRDs, so they are
-    templates (compared below)."""
+    """crds/ at the repo root is the source; `make chart-crds` copies it into the chart. The
+    DeviceClass (device-class.yaml) is not a CRD, so it is a template (compared below)."""
     source = {p.name: p.read_bytes() for p in (REPO_ROOT / "crds").glob("*.yaml")
-              if p.name not in ("slice-node-label.yaml", "device-class.yaml")}
+              if p.name != "device-class.yaml"}
     chart = {p.name: p.read_bytes() for p in (CHART_DIR / "crds").glob("*.yaml")}
     assert sorted(chart) == sorted(source), "run `make chart-crds`"
     for name, text in source.items():
         assert chart[name] == text, f"helm/mig-operator/crds/{name} differs from crds/{name}: run `make chart-crds`"
 
 
-def test_the_node_label_policy_template_is_the_one_in_crds(render: Any) -> None:
-    rendered = [d for d in render() if d["kind"].startswith("ValidatingAdmissionPolicy")
-                and d["metadata"]["name"] == "gpuslice-node-label.cdmo.io"]
-    source = [d for d in yaml.safe_load_all((REPO_ROOT / "crds" / "slice-node-label.yaml").read_text()) if d]
-    for doc in rendered:
-        labels = doc["metadata"].pop("labels")
-        assert labels["app.kubernetes.io/managed-by"] == "Helm"
-    assert rendered == source
+def test_agents_select_their_slices_by_status_node_and_no_label_policy_is_left() -> None:
+    """The agents' field selector needs status.node selectable; the write-once label and its policy
+    it replaced are gone from crds/ and the chart."""
+    crd = yaml.safe_load((REPO_ROOT / "crds" / "gpuslice.yaml").read_text())
+    (version,) = crd["spec"]["versions"]
+    assert version["selectableFields"] == [{"jsonPath": ".status.node"}]
+    assert not (REPO_ROOT / "crds" / "slice-node-label.yaml").exists()
+    assert not list((CHART_DIR / "templates").glob("slice-node-label*"))
 
 
 def test_the_device_class_template_is_the_one_in_crds_and_selects_the_driver(render: Any) -> None:

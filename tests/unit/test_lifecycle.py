@@ -84,8 +84,14 @@ STARTED_ENTRY = OwnerEntry("u", "ns/u", MODE_MIG, 0, STARTED)
         (READY, True, False, None, NOTHING),
         (PENDING, True, False, None, NOTHING),
         (None, True, True, None, RELEASE),
+        # Not carrying the finalizer yet (a slice made by hand, between its binding and the finalizer
+        # write): nothing, unless the record already has it (the agent began before a restart).
+        (BOUND, False, False, None, NOTHING),
+        (CREATING, False, False, None, NOTHING),
+        (READY, False, False, None, NOTHING),
+        (BOUND, False, False, STARTED_ENTRY, REALISE),
         # Bound and Creating: realise (again after a crash).
-        (BOUND, False, False, None, REALISE),
+        (BOUND, False, True, None, REALISE),
         (BOUND, False, True, STARTED_ENTRY, REALISE),
         (CREATING, False, True, STARTED_ENTRY, REALISE),
         (CREATING, False, True, None, REALISE),

@@ -125,3 +125,41 @@ def test_api_error_flags_and_text() -> None:
     assert ApiError(409, "Conflict", "PATCH /x").conflict and not ApiError(409, "", "").not_found
     assert str(ApiError(409, "Conflict", "PATCH /x")) == "PATCH /x (HTTP 409 Conflict)"
     assert str(ApiError(0, "", "GET /x: timeout")) == "GET /x: timeout"
+
+
+# --- kopf settings: no diff base -------------------------------------------------------------------
+
+
+def _registries() -> list:
+    from mig_operator.gpu.simulated import SimulatedBackend
+    from mig_operator.kube.agent.agent import AgentSettings
+    from mig_operator.kube.agent.main import AgentOptions
+    from mig_operator.kube.agent.main import build_registry as agent_registry
+    from mig_operator.kube.controller.main import ControllerOptions
+    from mig_operator.kube.controller.main import build_registry as controller_registry
+
+    backend = SimulatedBackend("h100-80gb")
+    return [controller_registry(ControllerOptions()),
+            agent_registry(AgentOptions(AgentSettings(node="n"), record_file="/nonexistent"), backend)]
+
+
+def test_no_part_registers_a_handler_that_needs_kopfs_diff_base() -> None:
+    """NoDiffBase keeps no essence, which is right only while every resource handler is on.event:
+    an on.create/update/resume handler, a daemon or a timer would then see every event as new."""
+    for registry in _registries():
+        assert registry._watching.get_all_handlers(), "each part handles watch events"
+        assert not registry._changing.get_all_handlers()
+        assert not registry._spawning.get_all_handlers()
+
+
+def test_no_diff_base_keeps_nothing_of_the_body() -> None:
+    import kopf
+
+    from mig_operator.kube.common.operator import NoDiffBase, tune
+
+    settings = kopf.OperatorSettings()
+    tune(settings, "x.cdmo.io")
+    assert isinstance(settings.persistence.diffbase_storage, NoDiffBase)
+    body = kopf.Body({"metadata": {"name": "a", "labels": {"k": "v"}}, "spec": {"memory": "4Gi"}})
+    assert settings.persistence.diffbase_storage.build(body=body) == {}
+    assert settings.persistence.diffbase_storage.fetch(body=body) is None

@@ -71,7 +71,7 @@ from ..common.client import (
 from ..common.events import EventPoster
 from ..common.faults import crashpoint
 from ..common.finalizers import remove_finalizer
-from ..common.names import AGENT_FINALIZER, API_VERSION, MIG_NODE_LABEL, MIG_NODE_VALUE, NODE_KIND, SLICE_NODE_LABEL
+from ..common.names import AGENT_FINALIZER, API_VERSION, MIG_NODE_LABEL, MIG_NODE_VALUE, NODE_KIND, slices_of_node
 from .inventory import gpunode_status, instance_state
 from .record import RecordStore, boot_id
 from .resource_slice import ResourceSlicePublisher, device_info
@@ -224,7 +224,7 @@ class NodeAgent:
         """
         self._gpus = await self._gpu("gpus", self.backend.gpus)
         await self._read_node()
-        slices = await self.client.list(slices_path(), label_selector=f"{SLICE_NODE_LABEL}={self.settings.node}")
+        slices = await self.client.list(slices_path(), field_selector=slices_of_node(self.settings.node))
         bindings: dict[str, Binding] = {}
         for body in slices:
             binding = binding_from_status(body["metadata"]["uid"], body.get("status"))
@@ -416,7 +416,11 @@ class NodeAgent:
             self._announcing.discard(uid)
         log.info("slice %s ready: %s", ref, ready["message"])
         metrics.REALISE_SECONDS.labels(action).observe(time.perf_counter() - started)
-        self.schedule_publish(at_once=True)
+        # The controller hands a device on once the GpuNode lists it: a new instance's must go out at
+        # once; a reused instance (listed idle) and a fraction's GPU are listed already, so their
+        # change joins the next coalesced publish (a GpuNode write costs kube-apiserver about ten
+        # times a slice's status write: docs/benchmarks.md).
+        self.schedule_publish(at_once=action == "create")
 
     async def _realise_fraction(self, uid: str, ref: str, binding: Binding, gpu: GpuInfo) -> tuple[str, dict]:
         if gpu.mig_enabled:

@@ -19,7 +19,7 @@ from mig_operator.gpu.protocol import GpuBackend
 from ..common import metrics
 from ..common.client import ApiError, KubeClient, Retry
 from ..common.events import EventPoster
-from ..common.names import AGENT_PREFIX, GROUP, SLICE_NODE_LABEL, SLICES, VERSION
+from ..common.names import AGENT_PREFIX, GROUP, SLICES, VERSION, slices_of_node
 from ..common.operator import register_login, run_operator, tune
 from .agent import AgentSettings, NodeAgent
 from .kubelet_plugin import KubeletPlugin, PluginSettings
@@ -46,7 +46,7 @@ def build_registry(options: AgentOptions, backend: GpuBackend) -> kopf.OperatorR
     @kopf.on.startup(registry=registry, backoff=2)
     async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
         tune(settings, AGENT_PREFIX)
-        settings.watching.label_selectors[GROUP, SLICES] = f"{SLICE_NODE_LABEL}={options.settings.node}"
+        settings.watching.field_selectors[GROUP, SLICES] = slices_of_node(options.settings.node)
         # Its own Node only: a MIG label added or removed shows in the GpuNode within a second.
         settings.watching.field_selectors["v1", "nodes"] = f"metadata.name={options.settings.node}"
         client = KubeClient.from_environment(options.kubeconfig)

@@ -16,11 +16,20 @@ NODE_KIND = "GpuNode"
 MIG_NODE_LABEL = "cdmo.clear.ml/gpu-partitioning"
 MIG_NODE_VALUE = "mig"
 
-# Written by the controller when it binds a slice; the agents watch with a server-side selector on
-# it. Write-once (a CEL transition rule on the CRD): a slice never moves between agents silently.
-SLICE_NODE_LABEL = "cdmo.io/node"
+# The field the agents select their slices by (the CRD's selectableFields): written by the controller
+# when it binds a slice, write-once (a CEL transition rule on the CRD), so a slice never moves between
+# agents silently.
+SLICE_NODE_FIELD = "status.node"
 
-# The agent holds each slice it realises with this finalizer (removed when its instance is idle).
+
+def slices_of_node(node: str) -> str:
+    """The field selector of the GpuSlices bound to ``node``."""
+    return f"{SLICE_NODE_FIELD}={node}"
+
+
+# The agent holds each slice it realises with this finalizer (removed when its instance is idle). A
+# pod's slice carries it from creation; the controller adds it to a slice made by hand when it binds
+# it, and removes it from a slice deleted before it was bound (no agent ever sees that one).
 # Each part also has its own kopf storage prefix; kopf's own finalizer is named after it (kopf-notes).
 AGENT_FINALIZER = "cdmo.io/agent"
 CONTROLLER_PREFIX = "controller.cdmo.io"

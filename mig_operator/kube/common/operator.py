@@ -30,6 +30,22 @@ def register_login(registry: kopf.OperatorRegistry, kubeconfig: str | None) -> N
         )
 
 
+class NoDiffBase(kopf.DiffBaseStorage):
+    """Keeps no essence of objects. kopf builds one (a deep copy of the body) on every watch event to
+    detect changes for on.create/update/resume handlers and daemons; mig-operator registers none of
+    those (only on.event, which gets every event as it is), so the copy was pure cost: about an
+    eighth of the controller's CPU in a burst of pods (py-spy, docs/benchmarks.md)."""
+
+    def build(self, *, body: kopf.Body, extra_fields: Any = None) -> kopf.BodyEssence:
+        return kopf.BodyEssence()
+
+    def fetch(self, *, body: kopf.Body) -> kopf.BodyEssence | None:
+        return None
+
+    def store(self, *, body: kopf.Body, patch: kopf.Patch, essence: kopf.BodyEssence) -> None:
+        return None
+
+
 def tune(settings: kopf.OperatorSettings, prefix: str) -> None:
     """The kopf settings every part shares (see shared/refs/kopf-notes.md for why).
 
@@ -39,7 +55,7 @@ def tune(settings: kopf.OperatorSettings, prefix: str) -> None:
     """
     settings.persistence.finalizer = f"{prefix}/kopf"
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=prefix)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=prefix)
+    settings.persistence.diffbase_storage = NoDiffBase()
     settings.persistence.consistency_timeout = 1.0
     settings.execution.max_workers = 16
     settings.posting.enabled = False  # Events are posted by EventPoster, once per change

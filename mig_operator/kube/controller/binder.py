@@ -5,11 +5,13 @@ binding already made, including those whose status write is still in flight; the
 reservation happen under one lock, the writes outside it, so binding throughput is the planner's
 and two slices bound in the same second never get one placement.
 
-A binding is two writes, because the status subresource takes no metadata and the main resource
-takes no status: first ``status`` (phase Bound and the decision, with the resourceVersion planned
-from as a precondition), then the node label the agents select on and the agent's finalizer. The
-agent sees the slice only once it carries the label, so it never sees a half-written binding; a
-controller that dies between the two writes adds the label on its next pass (``mark``).
+A binding is one write: ``status`` (phase Bound and the decision, with the resourceVersion planned
+from as a precondition). The agents select their slices by ``status.node`` (a field selector), so
+that write is what hands a slice to its agent. A pod's slice carries the agent's finalizer from
+creation; a slice made by hand gets it in a second write (the status subresource takes no metadata),
+and its agent waits for it (``core.lifecycle.agent_step``); a controller that dies between the two
+writes adds it on its next pass (``mark``). A slice deleted before it was bound never reaches an
+agent: the controller takes the finalizer off it (``_let_go_unbound``).
 
 Quotas and the fair order (``core.quota``): a binding that would take its namespace past its
 GpuQuota is not made (the slice stays Pending, reason QuotaExceeded). While slices wait, a new slice
@@ -26,15 +28,15 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from mig_operator.core.cluster import MODE_MIG, NO_CAPACITY, Binding, Refusal, describe_binding
+from mig_operator.core.cluster import MODE_MIG, NO_CAPACITY, Binding, Refusal, binding_from_status, describe_binding
 from mig_operator.core.planner import PlannerSettings
 from mig_operator.core.quota import DEFAULT_HOLD_S, QUOTA_EXCEEDED, FairQueue, admit, holds_back
 
 from ..common import metrics, status
-from ..common.client import ApiError, KubeClient, gpunodes_path, slice_path, slices_path
+from ..common.client import ApiError, KubeClient, gpunodes_path, resource_version, slice_path, slices_path
 from ..common.events import EventPoster
 from ..common.faults import crashpoint
-from ..common.names import AGENT_FINALIZER, MIG_NODE_LABEL, MIG_NODE_VALUE, SLICE_NODE_LABEL
+from ..common.names import AGENT_FINALIZER, MIG_NODE_LABEL, MIG_NODE_VALUE
 from .state import ClusterState, SliceInfo
 
 log = logging.getLogger("mig_operator.controller")
@@ -157,6 +159,8 @@ class Binder:
         if info.deleting:
             if info.binding is not None:
                 self.request_replan()  # its quota is free now (its GPU room once the agent releases it)
+            elif AGENT_FINALIZER in (info.body["metadata"].get("finalizers") or ()):
+                await self._let_go_unbound(info)
             return
         if info.invalid and info.phase != "Failed":
             await self._write(info, status.failed(info.body.get("status"), "InvalidSpec", info.invalid))
@@ -415,19 +419,19 @@ class Binder:
             crashpoint("controller:after-bind")
             log.info("slice %s (%s) %s%s", info.ref, info.request.describe(), message,
                      f", reclaiming {len(reclaim)} idle instance(s)" if reclaim else "")
-            await self.mark(updated)
+            if not updated.marked:
+                await self.mark(updated)
         finally:
             self._writing.discard(info.uid)
 
     async def mark(self, info: SliceInfo) -> None:
-        """Add the node label the agents select on and the agent's finalizer (second binding write)."""
+        """Add the agent's finalizer to a bound slice made by hand (a pod's slice has it from creation)."""
         assert info.binding is not None
         meta = info.body["metadata"]
         finalizers = list(meta.get("finalizers") or ())
         if AGENT_FINALIZER not in finalizers:
             finalizers.append(AGENT_FINALIZER)
-        patch = {"metadata": {"resourceVersion": str(info.version), "labels": {SLICE_NODE_LABEL: info.binding.node},
-                              "finalizers": finalizers}}
+        patch = {"metadata": {"resourceVersion": str(info.version), "finalizers": finalizers}}
         path = slice_path(info.namespace, info.name)
         for _ in range(5):
             try:
@@ -447,6 +451,34 @@ class Binder:
                 continue
             self.state.put_slice(answer)
             return
+
+    async def _let_go_unbound(self, info: SliceInfo) -> None:
+        """Take the agent's finalizer off a slice deleted before it was bound: no agent selects it. The
+        write is conditional on the resourceVersion seen unbound; a binding written meanwhile (an
+        earlier in-flight bind) makes it fail, and the slice is then its agent's to release."""
+        path = slice_path(info.namespace, info.name)
+        meta = info.body["metadata"]
+        for _ in range(5):
+            finalizers = [f for f in meta.get("finalizers") or () if f != AGENT_FINALIZER]
+            try:
+                await self.client.merge_patch(path, {"metadata": {
+                    "resourceVersion": str(resource_version(meta)), "finalizers": finalizers or None}})
+                return
+            except ApiError as exc:
+                if exc.not_found:
+                    return
+                if not exc.conflict:
+                    raise
+            try:
+                fresh = await self.client.get(path)
+            except ApiError as exc:
+                if exc.not_found:
+                    return
+                raise
+            meta = fresh["metadata"]
+            if (binding_from_status(meta["uid"], fresh.get("status")) is not None
+                    or AGENT_FINALIZER not in (meta.get("finalizers") or ())):
+                return
 
     async def _refuse(self, info: SliceInfo, refusal: Refusal) -> None:
         self._set_waiting(info.uid, (info.namespace, refusal.code))

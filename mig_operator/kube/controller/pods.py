@@ -38,6 +38,7 @@ from mig_operator.core.request_forms import device_slice_names, pod_devices
 from ..common.client import ApiError, KubeClient, core_path, slice_path, slices_path
 from ..common.events import EventPoster
 from ..common.names import (
+    AGENT_FINALIZER,
     API_VERSION,
     ELIGIBLE_NODES_ANNOTATION,
     GROUP_ANNOTATION,
@@ -57,6 +58,9 @@ NODE_LABELS_TTL_S = 2.0
 FINISHED_PHASES = ("Succeeded", "Failed")
 # On a pod's GpuSlice: how many slices the pod has had, this one included (absent: the first).
 SLICE_TRY_ANNOTATION = "cdmo.io/slice-try"
+# A Ready slice's device not yet on its GpuNode gets the pod an Event after this long (a new instance
+# waits for the GpuNode publish that follows its Ready, a tenth of a second: no Event for that).
+DEVICE_WAIT_EVENT_S = 2.0
 
 
 def slice_spec_for(annotations: Mapping[str, str]) -> dict[str, Any] | None:
@@ -144,6 +148,7 @@ class PodSlices:
         self._node_labels_lock = asyncio.Lock()
         # Pods whose Ready slice's device the node's GpuNode did not list (yet), by node.
         self._device_waits: dict[str, set[tuple[str, str]]] = {}
+        self._device_wait_since: dict[str, float] = {}  # slice UID -> when its device was first not listed
         # Told each slice made, as the API returned it (its own watch event follows and is then old).
         self.on_created: list[Callable[[dict[str, Any]], Awaitable[None]]] = []
 
@@ -176,6 +181,7 @@ class PodSlices:
         """A slice is gone: if its pod still waits, gated, make it again (a group's part the binder gave
         back, or a slice deleted by hand); a failed slice's replacement is its retry task's."""
         meta = body["metadata"]
+        self._device_wait_since.pop(meta["uid"], None)
         annotations = meta.get("annotations") or {}
         group = annotations.get(GROUP_ANNOTATION) or meta["name"]
         pod = self.pods.get((meta["namespace"], group))
@@ -268,7 +274,9 @@ class PodSlices:
             if tries and tries.get(name, 1) > 1:
                 extra[SLICE_TRY_ANNOTATION] = str(tries[name])
             body = {"apiVersion": API_VERSION, "kind": SLICE_KIND,
+                    # The agent's finalizer from the start: binding the slice is then one write.
                     "metadata": {"name": name, "namespace": meta["namespace"], "ownerReferences": _owner(pod),
+                                 "finalizers": [AGENT_FINALIZER],
                                  "labels": {"cdmo.io/pod": meta["name"][:63].rstrip("-.")},
                                  **({"annotations": extra} if extra else {})},
                     "spec": spec}
@@ -371,13 +379,18 @@ class PodSlices:
         key = (info.namespace, info.name)
         if verdict.action == ACCEPT:
             self._device_waits.get(node, set()).discard(key)
+            self._device_wait_since.pop(info.uid, None)
             return True
         self._device_waits.setdefault(node, set()).add(key)
         if verdict.action == REFUSE:
             log.warning("slice %s: device refused: %s", info.ref, verdict.message)
             self.events.post(pod, "Warning", verdict.reason,
                              f"GpuSlice {info.ref}: {verdict.message}; the pod stays gated")
-        else:  # usually the second between the agent's Ready and its GpuNode's next publish
+            return False
+        # Usually the moment between a new instance's Ready and its GpuNode publish: an Event only once
+        # the wait is long (seen again at the GpuNode's next publish, at least every heartbeat).
+        since = self._device_wait_since.setdefault(info.uid, time.monotonic())
+        if time.monotonic() - since >= DEVICE_WAIT_EVENT_S:
             self.events.post(pod, "Normal", verdict.reason, f"GpuSlice {info.ref}: {verdict.message}; waiting")
         return False
 

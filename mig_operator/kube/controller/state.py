@@ -31,7 +31,6 @@ from ..common.names import (
     ELIGIBLE_NODES_ANNOTATION,
     GROUP_ANNOTATION,
     GROUP_SIZE_ANNOTATION,
-    SLICE_NODE_LABEL,
 )
 
 
@@ -51,7 +50,7 @@ class SliceInfo:
     phase: str | None
     binding: Binding | None
     deleting: bool
-    marked: bool  # carries the node label and the agent's finalizer
+    marked: bool  # bound and carrying the agent's finalizer
     eligible: tuple[str, ...] | None = None  # the only nodes it may go to (a pod's node selector), if set
     group: str | None = None  # a pod's group of slices placed together (GROUP_ANNOTATION), if any
     group_size: int = 1
@@ -76,9 +75,7 @@ def slice_info(body: Mapping) -> SliceInfo:
     except QuantityError as exc:
         invalid = str(exc)
     binding = binding_from_status(meta["uid"], status)
-    labels = meta.get("labels") or {}
-    marked = binding is not None and labels.get(SLICE_NODE_LABEL) == binding.node and AGENT_FINALIZER in (
-        meta.get("finalizers") or ())
+    marked = binding is not None and AGENT_FINALIZER in (meta.get("finalizers") or ())
     return SliceInfo(
         uid=meta["uid"], namespace=meta["namespace"], name=meta["name"], created=meta.get("creationTimestamp", ""),
         version=resource_version(meta), body=dict(body), request=request, invalid=invalid,
