@@ -259,6 +259,25 @@ def test_a_pod_that_cannot_be_served_stays_gated_with_a_reason_until_room_appear
     assert running(operator, ns, waiting, timeout=60).spec.node_name == node.name
 
 
+def test_a_waiting_pods_slice_goes_with_the_pod_though_no_agent_ever_held_it(operator: OperatorHarness) -> None:
+    """A pod's slice carries the agent's finalizer from creation (binding is then one write); one
+    deleted before it was bound reaches no agent, so the controller takes the finalizer off."""
+    node = operator.add_node("h100-80gb")
+    start(operator, node)
+    ns = operator.namespace()
+    holder = create_pod(operator, ns, {"cdmo.io/mig-profile": "7g.80gb"}, name="holder")["metadata"]["name"]
+    running(operator, ns, holder)
+    pod = create_pod(operator, ns, {"cdmo.io/gpu-memory": "20Gi"}, name="waiting")
+    name = pod["metadata"]["labels"]["cdmo.io/gpu-slice"]
+    waiting = wait_until(lambda: (s := operator.get_slice(ns, name)) and (s.get("status") or {}).get("reason")
+                         == "NoCapacity" and s, 20, "the waiting pod's slice Pending with reason NoCapacity")
+    assert waiting["metadata"]["finalizers"] == ["cdmo.io/agent"] and "node" not in waiting["status"]
+    operator.core.delete_namespaced_pod(pod["metadata"]["name"], ns, grace_period_seconds=0)
+    operator.wait_gone(ns, name, timeout=60)
+    assert operator.core.read_namespaced_pod(holder, ns).status.phase == "Running"
+    check_invariants(operator)
+
+
 def test_pods_gated_while_the_controller_restarts_all_end_running(operator: OperatorHarness) -> None:
     node = operator.add_node("h100-80gb", count=2)
     start(operator, node)
