@@ -113,6 +113,31 @@ def test_a_ready_slice_gets_its_claim_once_and_its_status_names_it() -> None:
     assert client.calls == [("POST", CLAIMS), ("MERGE", "/apis/cdmo.io/v1alpha1/namespaces/ns/gpuslices/train/status")]
 
 
+class _SlowClient(_Client):
+    """A create that takes a while, as under load: a second event for the slice arrives meanwhile."""
+
+    async def create(self, path: str, body: dict) -> dict:
+        self.calls.append(("POST", path))
+        await asyncio.sleep(0.05)
+        if self.existing is not None:
+            raise ApiError(409, "AlreadyExists", "exists")
+        self.existing = body
+        return body
+
+
+def test_two_events_of_one_slice_at_once_write_its_claim_once() -> None:
+    client = _SlowClient()
+    claims, state, _ = _claims(client)
+    info = state.slice_named("ns", "train")
+
+    async def both() -> list[bool]:
+        return list(await asyncio.gather(claims.ensure(info), claims.ensure(info)))
+
+    assert asyncio.run(both()) == [True, True]
+    assert [c[0] for c in client.calls] == ["POST", "MERGE"]  # no second create refused with 409, no GET
+    assert claims._writing == {}  # nothing kept once written
+
+
 @pytest.mark.parametrize("phase", ["Pending", "Bound", "Creating", "Failed", "Released"])
 def test_a_slice_not_ready_gets_no_claim(phase: str) -> None:
     client = _Client()

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from dataclasses import replace
 from typing import Any
 
 import kopf
@@ -155,6 +157,25 @@ def test_a_change_made_while_the_gpunode_is_written_gets_a_write_of_its_own(tmp_
         return [w["gpus"][0]["serves"] for w in client.writes]
 
     assert asyncio.run(scenario()) == ["mig", "none"]
+
+
+def test_a_change_that_must_go_out_at_once_does_not_wait_behind_a_coalescing_delay(tmp_path: Any) -> None:
+    async def scenario() -> tuple[int, float]:
+        client = RecordingClient()
+        agent = make_agent(tmp_path, client)
+        agent.settings = replace(agent.settings, publish_delay_s=30.0)
+        agent.schedule_publish()  # a change that may wait (an instance released): 30 s of coalescing
+        await asyncio.sleep(0.05)
+        started = time.monotonic()
+        agent.schedule_publish(at_once=True)  # a new instance's device, which a pod waits for
+        while not client.writes and time.monotonic() - started < 5:
+            await asyncio.sleep(0.01)
+        waited = time.monotonic() - started
+        await agent.stop()
+        return len(client.writes), waited
+
+    writes, waited = asyncio.run(scenario())
+    assert writes == 1 and waited < 2.0  # one write carries both, without the 30 s
 
 
 def test_the_node_label_shows_in_the_gpunode_without_waiting_for_the_heartbeat(tmp_path: Any) -> None:

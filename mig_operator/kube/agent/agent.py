@@ -20,6 +20,7 @@ one slice's step (a reuse, or a create's reclaim) is never taken by another's un
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -123,6 +124,7 @@ class NodeAgent:
         self._publish_pending: asyncio.Task | None = None
         self._publish_again = False  # a change arrived while a publish was under way
         self._publish_at_once = False  # the next publish skips the coalescing delay
+        self._publish_now = asyncio.Event()  # cuts a coalescing delay under way short
         # One ResourceSlice write at a time (a read, then a PUT with its resourceVersion).
         self._devices_lock = asyncio.Lock()
         # Slices realised whose Ready write is under way: their device is published first, and their
@@ -649,13 +651,17 @@ class NodeAgent:
         heartbeat, up to 30 s). ``at_once``: no coalescing delay (a change people wait to see)."""
         self._publish_again = True
         self._publish_at_once |= at_once
+        if at_once:
+            self._publish_now.set()  # a publish waiting out its delay goes now, with this change
         if self._publish_pending is None or self._publish_pending.done():
             self._publish_pending = asyncio.create_task(self._publish_later(), name="gpunode-publish")
 
     async def _publish_later(self) -> None:
         while self._publish_again:
             if not self._publish_at_once:
-                await asyncio.sleep(self.settings.publish_delay_s)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._publish_now.wait(), self.settings.publish_delay_s)
+            self._publish_now.clear()
             self._publish_again = self._publish_at_once = False
             try:
                 await self.publish()

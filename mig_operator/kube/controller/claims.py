@@ -85,6 +85,9 @@ class SliceClaims:
         self.written: dict[tuple[str, str], str] = {}  # (namespace, name) -> slice UID of the claim there
         # Ready slices whose device their node's GpuNode did not list yet, by node: tried again when it changes.
         self.waiting: dict[str, set[tuple[str, str]]] = {}
+        # One write of a claim at a time: a slice's own watch event may come while the write its creation
+        # started is under way, and a second create would only be refused (409), at kube-apiserver's cost.
+        self._writing: dict[tuple[str, str], asyncio.Lock] = {}
 
     async def slice_changed(self, info: SliceInfo) -> None:
         await self.ensure(info)
@@ -117,6 +120,17 @@ class SliceClaims:
         """Write the claim of a ready slice (``ready``), or of a pod's slice (``early``), when it is not
         there yet; True when the slice's claim exists and the slice is ready."""
         key = (info.namespace, info.name)
+        if self.written.get(key) == info.uid:
+            return self.ready(info)
+        lock = self._writing.setdefault(key, asyncio.Lock())
+        try:
+            async with lock:
+                return await self._ensure(info, key)
+        finally:
+            if not lock.locked() and self._writing.get(key) is lock:
+                del self._writing[key]
+
+    async def _ensure(self, info: SliceInfo, key: tuple[str, str]) -> bool:
         ready = self.ready(info)
         if self.written.get(key) == info.uid:
             return ready
