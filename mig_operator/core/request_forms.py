@@ -187,12 +187,6 @@ def without_resources(container: Mapping[str, Any], taken: Callable[[object], bo
     return resources
 
 
-def without_mig_resources(container: Mapping[str, Any], whole_gpus: bool = False) -> dict[str, Any]:
-    """The container's resources with every ``nvidia.com/mig-*`` entry (with ``whole_gpus``, its
-    ``nvidia.com/gpu`` instead) taken out (limits and requests)."""
-    return without_resources(container, resource_form(whole_gpus))
-
-
 def _count(annotations: Mapping[str, str]) -> int:
     text = annotations.get(ANNOTATION_COUNT)
     if text is None:

@@ -16,7 +16,8 @@ from mig_operator.core.request_forms import (
     device_slice_names,
     mig_resource_request,
     pod_devices,
-    without_mig_resources,
+    resource_form,
+    without_resources,
 )
 from mig_operator.kube.common.names import POD_CLAIM_ENTRY, POD_SLICE_LABEL, SCHEDULING_GATE
 from mig_operator.kube.webhook.admission import mutate_pod, serve_mig_request, with_mig_request
@@ -145,8 +146,8 @@ def test_an_annotation_and_a_mig_resource_together_are_refused() -> None:
 
 def test_without_mig_resources_keeps_every_other_resource() -> None:
     c = container("a", {"nvidia.com/mig-1g.10gb": "1", "cpu": "1"}, {"nvidia.com/mig-1g.10gb": "1"})
-    assert without_mig_resources(c) == {"limits": {"cpu": "1"}}
-    assert without_mig_resources(container("b", {"nvidia.com/mig-1g.10gb": "1"})) == {}
+    assert without_resources(c, resource_form(False)) == {"limits": {"cpu": "1"}}
+    assert without_resources(container("b", {"nvidia.com/mig-1g.10gb": "1"}), resource_form(False)) == {}
 
 
 def test_the_pod_goes_on_with_its_record_and_the_claim_reaches_only_the_asking_container() -> None:
@@ -228,9 +229,9 @@ def test_whole_gpus_are_fraction_one_slices_for_the_asking_container(limits: dic
     devices = pod_devices(asked.annotations())
     # Fraction 1: all of a GPU's memory slots on MIG (7g.* on an H100), the whole GPU without MIG.
     assert devices == (PodDevice({"fraction": 1.0}, SliceRequest(fraction=1.0), ("train",)),) * count
-    assert without_mig_resources(body["spec"]["containers"][1], whole_gpus=True) == {"limits": {"cpu": "1"}}
-    assert without_mig_resources(body["spec"]["containers"][1]) == {"limits": {**limits, "cpu": "1"}}
-    assert without_mig_resources(container("x", {"nvidia.com/mig-1g.10gb": "1"}), whole_gpus=True) == {
+    assert without_resources(body["spec"]["containers"][1], resource_form(True)) == {"limits": {"cpu": "1"}}
+    assert without_resources(body["spec"]["containers"][1], resource_form(False)) == {"limits": {**limits, "cpu": "1"}}
+    assert without_resources(container("x", {"nvidia.com/mig-1g.10gb": "1"}), resource_form(True)) == {
         "limits": {"nvidia.com/mig-1g.10gb": "1"}}
 
 

@@ -123,8 +123,7 @@ class NodeAgent:
         self._conflict_reported = False  # a Warning Event about it was posted and not yet answered
         self._publish_pending: asyncio.Task | None = None
         self._publish_again = False  # a change arrived while a publish was under way
-        self._publish_at_once = False  # the next publish skips the coalescing delay
-        self._publish_now = asyncio.Event()  # cuts a coalescing delay under way short
+        self._publish_now = asyncio.Event()  # set: the next publish skips (or cuts short) its coalescing delay
         # One ResourceSlice write at a time (a read, then a PUT with its resourceVersion).
         self._devices_lock = asyncio.Lock()
         # Slices realised whose Ready write is under way: their device is published first, and their
@@ -590,7 +589,7 @@ class NodeAgent:
             await self._let_go(meta["uid"])
         self._ready.discard(meta["uid"])
         crashpoint("agent:during-release")
-        await remove_finalizer(self.client, slice_path(meta["namespace"], meta["name"]), meta, AGENT_FINALIZER)
+        await remove_finalizer(self.client, slice_path(meta["namespace"], meta["name"]), body, AGENT_FINALIZER)
 
     def _log_release(self, entry: OwnerEntry) -> None:
         if entry.mode == MODE_MIG:
@@ -650,7 +649,6 @@ class NodeAgent:
         the GPUs and the record before the change: skipping it left the GpuNode stale until the
         heartbeat, up to 30 s). ``at_once``: no coalescing delay (a change people wait to see)."""
         self._publish_again = True
-        self._publish_at_once |= at_once
         if at_once:
             self._publish_now.set()  # a publish waiting out its delay goes now, with this change
         if self._publish_pending is None or self._publish_pending.done():
@@ -658,11 +656,10 @@ class NodeAgent:
 
     async def _publish_later(self) -> None:
         while self._publish_again:
-            if not self._publish_at_once:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._publish_now.wait(), self.settings.publish_delay_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._publish_now.wait(), self.settings.publish_delay_s)
             self._publish_now.clear()
-            self._publish_again = self._publish_at_once = False
+            self._publish_again = False
             try:
                 await self.publish()
             except (GpuError, ApiError) as exc:

@@ -33,9 +33,10 @@ from mig_operator.core.planner import PlannerSettings
 from mig_operator.core.quota import DEFAULT_HOLD_S, QUOTA_EXCEEDED, FairQueue, admit, holds_back
 
 from ..common import metrics, status
-from ..common.client import ApiError, KubeClient, gpunodes_path, resource_version, slice_path, slices_path
+from ..common.client import ApiError, KubeClient, gpunodes_path, slice_path, slices_path
 from ..common.events import EventPoster
 from ..common.faults import crashpoint
+from ..common.finalizers import remove_finalizer
 from ..common.names import AGENT_FINALIZER, MIG_NODE_LABEL, MIG_NODE_VALUE
 from .state import ClusterState, SliceInfo
 
@@ -77,7 +78,7 @@ class Binder:
         self._hold_ends: set[float] = set()  # when holds end (epoch seconds): a pass is due then
         self._lock = asyncio.Lock()
         # Slices whose binding this replica is writing: its own status write's watch event may arrive
-        # before the write returns, and must not start a second label write beside the writer's.
+        # before the write returns, and must not start a second finalizer write beside the writer's.
         self._writing: set[str] = set()
         self._replan_task: asyncio.Task | None = None
         self._replan_again = False
@@ -454,31 +455,10 @@ class Binder:
 
     async def _let_go_unbound(self, info: SliceInfo) -> None:
         """Take the agent's finalizer off a slice deleted before it was bound: no agent selects it. The
-        write is conditional on the resourceVersion seen unbound; a binding written meanwhile (an
-        earlier in-flight bind) makes it fail, and the slice is then its agent's to release."""
-        path = slice_path(info.namespace, info.name)
-        meta = info.body["metadata"]
-        for _ in range(5):
-            finalizers = [f for f in meta.get("finalizers") or () if f != AGENT_FINALIZER]
-            try:
-                await self.client.merge_patch(path, {"metadata": {
-                    "resourceVersion": str(resource_version(meta)), "finalizers": finalizers or None}})
-                return
-            except ApiError as exc:
-                if exc.not_found:
-                    return
-                if not exc.conflict:
-                    raise
-            try:
-                fresh = await self.client.get(path)
-            except ApiError as exc:
-                if exc.not_found:
-                    return
-                raise
-            meta = fresh["metadata"]
-            if (binding_from_status(meta["uid"], fresh.get("status")) is not None
-                    or AGENT_FINALIZER not in (meta.get("finalizers") or ())):
-                return
+        removal holds only for the version seen unbound; a binding written meanwhile (an earlier
+        in-flight bind) makes it fail, and the slice is then its agent's to release."""
+        await remove_finalizer(self.client, slice_path(info.namespace, info.name), info.body, AGENT_FINALIZER,
+                               unless=lambda fresh: binding_from_status(info.uid, fresh.get("status")) is not None)
 
     async def _refuse(self, info: SliceInfo, refusal: Refusal) -> None:
         self._set_waiting(info.uid, (info.namespace, refusal.code))

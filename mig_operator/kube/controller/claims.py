@@ -198,6 +198,3 @@ class SliceClaims:
         except ApiError as exc:
             if not exc.not_found:
                 raise
-
-    def slice_gone(self, namespace: str, name: str) -> None:
-        self.written.pop((namespace, name), None)
