@@ -133,6 +133,13 @@ def holds_back(code: str, could_fit: bool, waited_s: float, hold_s: float) -> bo
     return code in (NO_CAPACITY, QUOTA_EXCEEDED) and could_fit and 0 <= waited_s < hold_s
 
 
+def held_behind(own_code: str | None) -> bool:
+    """Whether a younger slice is held behind its namespace's waiting head (``holds_back``), given its
+    own plan: refused with ``own_code``, or placeable (None). A slice that no freed room could serve
+    (no GPU of its kind, too large, ...) keeps its own refusal: it waits for that, not for the head."""
+    return own_code is None or own_code == NO_CAPACITY
+
+
 T = TypeVar("T")
 
 

@@ -8,7 +8,7 @@ from fractions import Fraction
 
 import pytest
 
-from mig_operator.core.cluster import NO_CAPACITY, TOO_LARGE
+from mig_operator.core.cluster import NO_CAPACITY, NO_GPU, NO_SUCH_PROFILE, TOO_LARGE
 from mig_operator.core.quantities import QuantityError
 from mig_operator.core.quota import (
     QUOTA_EXCEEDED,
@@ -16,6 +16,7 @@ from mig_operator.core.quota import (
     Quota,
     Usage,
     admit,
+    held_behind,
     holds_back,
     quota_from_spec,
     share,
@@ -148,6 +149,17 @@ def test_shares() -> None:
 ])
 def test_holds_back(code: str, could_fit: bool, waited: float, held: bool) -> None:
     assert holds_back(code, could_fit, waited, 60.0) == held
+
+
+@pytest.mark.parametrize("own, held", [
+    (None, True),  # it could be placed now: the head has the first call on the room
+    (NO_CAPACITY, True),  # it waits for room too: behind the head
+    (NO_GPU, False),  # no GPU of its kind at all: no freed room serves it, it says so
+    (TOO_LARGE, False),
+    (NO_SUCH_PROFILE, False),
+])
+def test_a_younger_slice_is_held_only_when_room_is_what_it_waits_for(own: str | None, held: bool) -> None:
+    assert held_behind(own) == held
 
 
 # ---- the fair order -------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ from datetime import UTC, datetime
 
 from mig_operator.core.cluster import MODE_MIG, NO_CAPACITY, Binding, Refusal, binding_from_status, describe_binding
 from mig_operator.core.planner import PlannerSettings
-from mig_operator.core.quota import DEFAULT_HOLD_S, QUOTA_EXCEEDED, FairQueue, admit, holds_back
+from mig_operator.core.quota import DEFAULT_HOLD_S, QUOTA_EXCEEDED, FairQueue, admit, held_behind, holds_back
 
 from ..common import metrics, status
 from ..common.client import ApiError, KubeClient, gpunodes_path, slice_path, slices_path
@@ -548,6 +548,12 @@ class Binder:
             return
         if info.group is not None and (info.group, info.namespace) == (head.group, head.namespace):
             return  # the head's own group: refused with it, for the same reason
+        try:
+            self.state.planner.plan(info.request, info.pinned, self.planner, nodes=info.eligible)
+        except Refusal as own:
+            if not held_behind(own.code):
+                await self._refuse(info, own)
+                return
         until = datetime.fromtimestamp(until_s, tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         await self._refuse(info, Refusal(code, (
             f"waits behind {head.ref}, the older slice of its namespace, which waits for room ({code}) and "
