@@ -312,7 +312,10 @@ def test_view_edit_and_admin_read_quotas_and_only_cluster_admin_writes_them(oper
                                      f"--user={user}", "-n", ns)
 
         def can(user: str, verb: str, resource: str) -> bool:
-            answer = operator.cluster.kubectl("auth", "can-i", verb, resource, "-n", ns, f"--as={user}", check=False)
+            # "kind/status" is the status subresource (kubectl reads TYPE/NAME, so it is passed apart).
+            kind, _, sub = resource.partition("/")
+            answer = operator.cluster.kubectl("auth", "can-i", verb, kind, "-n", ns, f"--as={user}",
+                                              *([f"--subresource={sub}"] if sub else []), check=False)
             return answer.stdout.strip() == "yes"
 
         # kube-controller-manager aggregates the chart's roles into view, edit and admin.
@@ -325,5 +328,11 @@ def test_view_edit_and_admin_read_quotas_and_only_cluster_admin_writes_them(oper
             assert not can(user, "patch", "gpuquotas.cdmo.io/status"), user
         # The edit role still writes its GpuSlices: the quota is what it cannot raise.
         assert can("editor", "create", "gpuslices.cdmo.io") and not can("viewer", "create", "gpuslices.cdmo.io")
+        # Nor any slice's status: status.node is what hands a slice to a node's agent (its field
+        # selector), and the binding in the status says which GPU and placement it gets.
+        for user in users:
+            assert can(user, "get", "gpuslices.cdmo.io/status"), user  # the question reaches the subresource
+            for verb in ("update", "patch"):
+                assert not can(user, verb, "gpuslices.cdmo.io/status"), (user, verb)
     finally:
         operator.cluster.kubectl("delete", "-f", "-", "--ignore-not-found", input=rendered, check=False)
