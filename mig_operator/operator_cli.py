@@ -143,6 +143,8 @@ def add_operator_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--resync", default="30s", help="how often the full state is read again (driven by events)")
     p.add_argument("--fair-hold", default="60s",
                    help="how long a waiting slice may hold back its namespace's smaller ones (fair order)")
+    p.add_argument("--quota-required", action="store_true",
+                   help="a namespace without a GpuQuota gets no slice (reason NoQuota); default: no limit")
     p.add_argument("--webhook", metavar="HOST:PORT", help="serve the pod admission webhook there (TLS)")
     p.add_argument("--webhook-cert", help="serving certificate (PEM); default: one made at start")
     p.add_argument("--webhook-key", help="its private key (PEM)")
@@ -262,7 +264,7 @@ def cmd_controller(args: argparse.Namespace) -> int:
             raise QuantityError(str(exc)) from None
     options = ControllerOptions(
         kubeconfig=args.kubeconfig, priority=args.priority, peering=args.peering,
-        peering_lifetime_s=lifetime, resync_s=resync, fair_hold_s=fair_hold,
+        peering_lifetime_s=lifetime, resync_s=resync, fair_hold_s=fair_hold, quota_required=args.quota_required,
     )
     registry = build_registry(options)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)

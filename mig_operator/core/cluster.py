@@ -15,10 +15,19 @@ placement. That is what keeps two slices bound in the same second off one placem
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
-from .device_plugin import conflict_from_conditions, conflict_message
+from .device_plugin import conflict_from_conditions
+from .node_blocks import DEVICE_PLUGIN_CONFLICT as DEVICE_PLUGIN_CONFLICT  # re-exported: a refusal code
+from .node_blocks import RUNTIME_UNTRUSTED as RUNTIME_UNTRUSTED  # re-exported: a refusal code
+from .node_blocks import (
+    NodeBlock,
+    blocked_code,
+    blocked_note,
+    blocked_text,
+    node_block,
+)
 from .planner import (
     FractionGpu,
     InstanceSlot,
@@ -34,6 +43,8 @@ from .planning_index import PlanningIndex
 from .profiles import GpuModel, Placement, Profile
 from .quantities import MIB, format_bytes, mib_ceil
 from .request import MIN_SLICE_BYTES, SliceRequest
+from .runtime_trust import untrusted_from_conditions
+from .tenancy import OTHER_NAMESPACE, may_use, namespace_of, other_namespace_message
 
 MODE_MIG = "mig"
 MODE_FRACTION = "fraction"
@@ -48,9 +59,9 @@ NO_CAPACITY = "NoCapacity"
 TOO_SMALL = "TooSmall"
 # spec.nodeName names a node with no GpuNode: no such node, or no agent runs on it.
 NO_SUCH_NODE = "NoSuchNode"
-# Every node the slice may use has NVIDIA's device plugin advertising its GPUs too (core.device_plugin):
-# no new slice goes there until the plugin is off or the node is labelled as shared deliberately.
-DEVICE_PLUGIN_CONFLICT = "DevicePluginConflict"
+# Also refusal codes, defined beside their rules and imported above: DEVICE_PLUGIN_CONFLICT and
+# RUNTIME_UNTRUSTED (core.node_blocks: every node the slice may use takes no new slice), OTHER_NAMESPACE
+# (core.tenancy: the fraction GPUs with room serve another namespace).
 
 # Kubernetes caps status.message at 4096 characters; a refusal must fit however many GPUs there are.
 MAX_MESSAGE = 4096
@@ -79,6 +90,15 @@ class InstanceState:
 
 
 @dataclass(frozen=True)
+class FractionState:
+    """One fraction slice as the node's agent reports it on a GPU."""
+
+    slice_uid: str
+    slice: str  # <namespace>/<name>
+    bytes: int = 0
+
+
+@dataclass(frozen=True)
 class GpuState:
     """One GPU of a node's inventory."""
 
@@ -91,6 +111,7 @@ class GpuState:
     mig_enabled: bool = False
     profiles: tuple[Profile, ...] = ()
     instances: tuple[InstanceState, ...] = ()
+    fractions: tuple[FractionState, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -100,6 +121,9 @@ class NodeInventory:
     # The device plugin's resources its GpuNode's DevicePluginConflict condition names while True:
     # the node takes no new slice (its bindings stay). Empty: it may take new slices.
     device_plugin_conflict: tuple[str, ...] = ()
+    # The message of its RuntimeTrusted condition while False: no new slice unless the Node is
+    # labelled cdmo.io/runtime-trust=accepted. None: True, Unknown or not published.
+    runtime_untrusted: str | None = None
 
 
 @dataclass(frozen=True)
@@ -115,6 +139,7 @@ class Binding:
     profile: str = ""
     start: int = 0
     size: int = 0
+    namespace: str = ""  # the slice's: a fraction GPU's tenant (core.tenancy)
 
     @property
     def mask(self) -> int:
@@ -160,8 +185,8 @@ class ClusterView:
     fraction: list[FractionGpu] = field(default_factory=list)
     uuids: dict[tuple[str, int], str] = field(default_factory=dict)
     nodes: set[str] = field(default_factory=set)  # nodes that have an inventory (a GpuNode)
-    # Nodes left out for a device plugin conflict -> the plugin's resources there.
-    blocked: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # Nodes whose GPUs take no new slice (core.node_blocks) -> why.
+    blocked: dict[str, NodeBlock] = field(default_factory=dict)
 
 
 def _same(inst: InstanceState, binding: Binding) -> bool:
@@ -173,9 +198,13 @@ def _overlaps(inst: InstanceState, binding: Binding) -> bool:
 
 
 def build_view(
-    inventories: Iterable[NodeInventory], labelled_nodes: Collection[str], bindings: Iterable[Binding]
+    inventories: Iterable[NodeInventory], labelled_nodes: Collection[str], bindings: Iterable[Binding],
+    sharing_nodes: Collection[str] = (), accepted_nodes: Collection[str] = (),
 ) -> ClusterView:
-    """Every GPU that can take a new slice, with the bindings already made counted in."""
+    """Every GPU that can take a new slice, with the bindings already made counted in.
+
+    ``labelled_nodes`` carry the MIG label; ``sharing_nodes`` cdmo.io/fraction-sharing=cross-namespace;
+    ``accepted_nodes`` cdmo.io/runtime-trust=accepted."""
     by_gpu: dict[tuple[str, int], list[Binding]] = {}
     live: set[str] = set()
     for binding in bindings:
@@ -185,20 +214,34 @@ def build_view(
     for inventory in inventories:
         view.nodes.add(inventory.node)
         labelled = inventory.node in labelled_nodes
-        if inventory.device_plugin_conflict:
-            view.blocked[inventory.node] = inventory.device_plugin_conflict
+        block = _block(inventory, inventory.node in accepted_nodes)
+        if block is not None:
+            view.blocked[inventory.node] = block
         for gpu in inventory.gpus:
             view.uuids[(inventory.node, gpu.index)] = gpu.uuid
-            if inventory.device_plugin_conflict:
-                continue  # another allocator hands these GPUs out: no new slice here
+            if block is not None:
+                continue  # another allocator, or an untrusted runtime: no new slice here
             role, _why = gpu_role(labelled, gpu)
             bound = by_gpu.get((inventory.node, gpu.index), [])
             if role == MODE_MIG and gpu.profiles:
                 view.mig.append(_mig_gpu(inventory.node, gpu, [b for b in bound if b.mode == MODE_MIG], live))
             elif role == MODE_FRACTION and gpu.memory_mib > 0:
-                granted = sum(b.granted_bytes for b in bound if b.mode == MODE_FRACTION)
-                view.fraction.append(FractionGpu(inventory.node, gpu.index, gpu.memory_mib * MIB, granted))
+                view.fraction.append(_fraction_gpu(inventory.node, gpu, bound, inventory.node in sharing_nodes))
     return view
+
+
+def _block(inventory: NodeInventory, accepted: bool) -> NodeBlock | None:
+    return node_block(inventory.node, inventory.device_plugin_conflict, inventory.runtime_untrusted, accepted)
+
+
+def _fraction_gpu(node: str, gpu: GpuState, bound: Iterable[Binding], sharing: bool) -> FractionGpu:
+    """A GPU serving fractions: its bindings' grants, and its tenants (core.tenancy): the namespaces
+    of its fraction bindings and of the fractions its agent still reports there."""
+    fractions = [b for b in bound if b.mode == MODE_FRACTION]
+    reported = (namespace_of(f.slice) for f in gpu.fractions)
+    held = frozenset(b.namespace for b in fractions) | frozenset(ns for ns in reported if ns is not None)
+    return FractionGpu(node, gpu.index, gpu.memory_mib * MIB, sum(b.granted_bytes for b in fractions),
+                       held, sharing)
 
 
 def _mig_gpu(node: str, gpu: GpuState, bound: list[Binding], live: Collection[str]) -> MigGpu:
@@ -236,11 +279,14 @@ def plan_binding(
     view: ClusterView,
     node: str | None = None,
     settings: PlannerSettings | None = None,
+    namespace: str = "",
 ) -> Binding:
-    """Where ``request`` goes: a MIG GPU when one can take it (hardware isolation), else a fraction GPU.
+    """Where ``request`` goes: a MIG GPU when one can take it (hardware isolation), else a fraction GPU
+    that no other namespace holds (``core.tenancy``).
 
     ``node`` pins the choice to one node (spec.nodeName). A request by profile name needs a MIG GPU.
-    The returned binding has no uid; raises Refusal with a code and a message of at most MAX_MESSAGE.
+    The returned binding has no uid and carries ``namespace`` (the slice's); raises Refusal with a code
+    and a message of at most MAX_MESSAGE.
     """
     if node is not None and node not in view.nodes:
         raise no_such_node(request, node)
@@ -249,7 +295,7 @@ def plan_binding(
     blocked = {n: r for n, r in view.blocked.items() if node is None or n == node}
     return _decide(request, node, settings or PlannerSettings(), bool(mig),
                    lambda s: choose_mig(request, mig, s), lambda: {g.model for g in mig}, fraction,
-                   blocked=blocked)
+                   blocked=blocked, namespace=namespace)
 
 
 def no_such_node(request: SliceRequest, node: str) -> Refusal:
@@ -269,12 +315,15 @@ def _decide(
     models: Callable[[], Iterable[GpuModel]],
     fraction: list[FractionGpu],
     where: str | None = None,
-    blocked: Mapping[str, tuple[str, ...]] | None = None,
+    blocked: Mapping[str, NodeBlock] | None = None,
+    namespace: str = "",
 ) -> Binding:
     """The one rule, whether the MIG GPUs come as a list or as a PlanningIndex.
 
-    ``blocked``: the nodes within reach whose GPUs were left out for a device plugin conflict; a
-    refusal names them, and when nothing else was within reach its code is DevicePluginConflict.
+    ``blocked``: the nodes within reach whose GPUs were left out (``core.node_blocks``); a refusal
+    names them, and when nothing else was within reach its code is theirs. Fractions go only to GPUs
+    ``namespace`` may use (``core.tenancy``); when only GPUs of other namespaces have room, the code is
+    OtherNamespace.
     """
     if request.profile is not None:
         fraction = []
@@ -283,7 +332,7 @@ def _decide(
     blocked = blocked or {}
     if not has_mig and not fraction:
         if blocked:
-            raise Refusal(DEVICE_PLUGIN_CONFLICT, _clip(_blocked_text(request, blocked)))
+            raise Refusal(blocked_code(blocked), _clip(blocked_text(request, blocked)))
         kind = "MIG GPU" if request.profile is not None else "GPU"
         raise Refusal(NO_GPU, _clip(f"no {kind} {where} can take slices: {request.describe()} waits for one"))
     reasons: list[str] = []
@@ -296,38 +345,43 @@ def _decide(
             return Binding(
                 uid="", node=decision.node, gpu=decision.gpu, mode=MODE_MIG,
                 granted_bytes=decision.profile.memory_mib * MIB, profile_id=decision.profile.id,
-                profile=decision.profile.name, start=decision.start, size=decision.size,
+                profile=decision.profile.name, start=decision.start, size=decision.size, namespace=namespace,
             )
     if fraction:
+        allowed = [g for g in fraction if may_use(g, namespace)]
         try:
-            share = choose_fraction(request, fraction)
+            if not allowed:
+                raise Unplaceable("every GPU serving fractions serves another namespace")
+            share = choose_fraction(request, allowed)
         except Unplaceable as exc:
+            held = _held_by_others(request, namespace, [g for g in fraction if not may_use(g, namespace)])
+            if held is not None:
+                raise Refusal(OTHER_NAMESPACE, _clip("; ".join([held, *reasons]))) from None
             reasons.append(f"fractions: {exc.reason}")
         else:
             return Binding(uid="", node=share.node, gpu=share.gpu, mode=MODE_FRACTION,
-                           granted_bytes=share.granted_bytes)
+                           granted_bytes=share.granted_bytes, namespace=namespace)
     code = _refusal_code(request, list(models()) if has_mig else [], fraction)
     if blocked:
-        reasons.append(_blocked_note(blocked))
+        reasons.append(blocked_note(blocked))
     raise Refusal(code, _clip(f"{request.describe()} fits nowhere {where}: " + "; ".join(reasons)))
 
 
-def _blocked_text(request: SliceRequest, blocked: Mapping[str, tuple[str, ...]]) -> str:
-    """Why a slice waits when every node it may use has a device plugin conflict: one node, its full
-    message (the resource names and the two ways out); several, a count and the first few."""
-    if len(blocked) == 1:
-        ((node, resources),) = blocked.items()
-        return f"{request.describe()} waits: {conflict_message(node, resources)}"
-    return f"{request.describe()} waits: {_blocked_note(blocked)}"
+def _fits(request: SliceRequest, gpu: FractionGpu) -> bool:
+    need = fraction_bytes(request, gpu.memory_bytes)
+    return need <= gpu.free_bytes and (request.fraction is None or need >= MIN_SLICE_BYTES)
 
 
-def _blocked_note(blocked: Mapping[str, tuple[str, ...]]) -> str:
-    shown = sorted(blocked)[:5]
-    named = ", ".join(f"{n} ({', '.join(blocked[n])})" for n in shown) + (" ..." if len(blocked) > 5 else "")
-    return (
-        f"{len(blocked)} node(s) take no new slice while NVIDIA's device plugin also advertises their GPUs: "
-        f"{named}; see each GpuNode's DevicePluginConflict condition"
-    )
+def _held_by_others(request: SliceRequest, namespace: str, others: list[FractionGpu]) -> str | None:
+    """When a GPU that other namespaces hold has room for the request, why it waits (naming the GPU
+    best fit would have chosen); None when tenancy is not what keeps it waiting."""
+    try:
+        share = choose_fraction(request, others)
+    except Unplaceable:
+        return None
+    chosen = next(g for g in others if (g.node, g.index) == (share.node, share.gpu))
+    with_room = sum(1 for g in others if _fits(request, g))
+    return other_namespace_message(request, namespace, chosen, share.granted_bytes, with_room)
 
 
 def _refusal_code(request: SliceRequest, models: list[GpuModel], fraction: list[FractionGpu]) -> str:
@@ -362,6 +416,8 @@ class ClusterPlanner:
     def __init__(self) -> None:
         self._inventories: dict[str, NodeInventory] = {}
         self._labelled: set[str] = set()
+        self._sharing: set[str] = set()  # nodes labelled cdmo.io/fraction-sharing=cross-namespace
+        self._accepted: set[str] = set()  # nodes labelled cdmo.io/runtime-trust=accepted
         self._bindings: dict[str, Binding] = {}
         self._by_gpu: dict[tuple[str, int], dict[str, Binding]] = {}
         self._dirty: set[tuple[str, int]] = set()
@@ -369,28 +425,47 @@ class ClusterPlanner:
         self._index = PlanningIndex()
         self._fraction: dict[tuple[str, int], FractionGpu] = {}
         self._shown: dict[str, set[int]] = {}  # node -> GPU indices currently in the index or fractions
-        self._blocked: dict[str, tuple[str, ...]] = {}  # node -> device plugin resources (no new slices)
+        self._blocked: dict[str, NodeBlock] = {}  # node -> why it takes no new slice
         self.uuids: dict[tuple[str, int], str] = {}
 
     # ---- inputs ---------------------------------------------------------------------------------
 
     def set_inventory(self, inventory: NodeInventory) -> None:
         self._inventories[inventory.node] = inventory
-        if inventory.device_plugin_conflict:
-            self._blocked[inventory.node] = inventory.device_plugin_conflict
-        else:
-            self._blocked.pop(inventory.node, None)
-        self._dirty_nodes.add(inventory.node)
+        self._update_block(inventory.node)
 
     def remove_inventory(self, node: str) -> None:
         self._inventories.pop(node, None)
-        self._blocked.pop(node, None)
+        self._update_block(node)
+
+    def _update_block(self, node: str) -> None:
+        inventory = self._inventories.get(node)
+        block = _block(inventory, node in self._accepted) if inventory is not None else None
+        if block is None:
+            self._blocked.pop(node, None)
+        else:
+            self._blocked[node] = block
         self._dirty_nodes.add(node)
 
     def set_labelled(self, node: str, labelled: bool) -> None:
-        if labelled != (node in self._labelled):
-            (self._labelled.add if labelled else self._labelled.discard)(node)
-            self._dirty_nodes.add(node)
+        """The node's MIG label (cdmo.clear.ml/gpu-partitioning=mig)."""
+        self._set(self._labelled, node, labelled)
+
+    def set_fraction_sharing(self, node: str, sharing: bool) -> None:
+        """The node's label cdmo.io/fraction-sharing=cross-namespace (core.tenancy)."""
+        self._set(self._sharing, node, sharing)
+
+    def set_runtime_accepted(self, node: str, accepted: bool) -> None:
+        """The node's label cdmo.io/runtime-trust=accepted (core.runtime_trust)."""
+        if self._set(self._accepted, node, accepted):
+            self._update_block(node)
+
+    def _set(self, nodes: set[str], node: str, on: bool) -> bool:
+        if on == (node in nodes):
+            return False
+        (nodes.add if on else nodes.discard)(node)
+        self._dirty_nodes.add(node)
+        return True
 
     def put_binding(self, binding: Binding) -> None:
         old = self._bindings.get(binding.uid)
@@ -412,26 +487,33 @@ class ClusterPlanner:
             self._by_gpu.pop((old.node, old.gpu), None)
         self._dirty.add((old.node, old.gpu))
 
-    def reset(self, inventories: Iterable[NodeInventory], labelled: Iterable[str], bindings: Iterable[Binding]) -> None:
-        """Everything afresh (after a full list)."""
+    def reset(self, inventories: Iterable[NodeInventory], labelled: Iterable[str], bindings: Iterable[Binding],
+              sharing: Iterable[str] = (), accepted: Iterable[str] = ()) -> None:
+        """Everything afresh (after a full list); the node sets as ``build_view`` takes them."""
         for node in list(self._inventories):
             self.remove_inventory(node)
         for uid in list(self._bindings):
             self.drop_binding(uid)
-        for node in list(self._labelled):
-            self.set_labelled(node, False)
+        for nodes, setter in ((self._labelled, self.set_labelled), (self._sharing, self.set_fraction_sharing),
+                              (self._accepted, self.set_runtime_accepted)):
+            for node in list(nodes):
+                setter(node, False)
         for inventory in inventories:
             self.set_inventory(inventory)
         for node in labelled:
             self.set_labelled(node, True)
+        for node in sharing:
+            self.set_fraction_sharing(node, True)
+        for node in accepted:
+            self.set_runtime_accepted(node, True)
         for binding in bindings:
             self.put_binding(binding)
 
     # ---- deciding -------------------------------------------------------------------------------
 
     def plan(self, request: SliceRequest, node: str | None = None, settings: PlannerSettings | None = None,
-             nodes: Collection[str] | None = None) -> Binding:
-        """``plan_binding(request, build_view(...), node, settings)`` on the current inputs.
+             nodes: Collection[str] | None = None, namespace: str = "") -> Binding:
+        """``plan_binding(request, build_view(...), node, settings, namespace)`` on the current inputs.
 
         ``nodes``, if given, restricts the choice to those nodes as well (a pod's node selector:
         the GpuSlice annotation ``cdmo.io/eligible-nodes``); with ``node`` too, both must hold.
@@ -455,11 +537,11 @@ class ClusterPlanner:
         models = (lambda: index.models()) if pinned is None else (lambda: {g.model for g in index.gpus(pinned)})
         blocked = self._blocked if pinned is None else {n: self._blocked[n] for n in pinned if n in self._blocked}
         return _decide(request, node, settings or PlannerSettings(), has_mig,
-                       lambda s: index.choose(request, s, nodes=pinned), models, fraction, where, blocked)
+                       lambda s: index.choose(request, s, nodes=pinned), models, fraction, where, blocked, namespace)
 
     def plan_group(self, members: Sequence[tuple[str, SliceRequest]], node: str | None = None,
                    settings: PlannerSettings | None = None, nodes: Collection[str] | None = None,
-                   what: str = "the group") -> list[Binding]:
+                   what: str = "the group", namespace: str = "") -> list[Binding]:
         """Where a pod's devices go: every member ``(uid, request)`` on one node, or none (a Refusal).
 
         The node the planner would choose for the first member is tried first, then every other
@@ -474,7 +556,7 @@ class ClusterPlanner:
         settings = settings or PlannerSettings()
         _, first = members[0]
         try:
-            candidates = [self.plan(first, node, settings, nodes).node]
+            candidates = [self.plan(first, node, settings, nodes, namespace).node]
         except Refusal as refusal:
             if refusal.code != NO_CAPACITY or node is not None:
                 raise Refusal(refusal.code, _clip(f"{what} of {len(members)} devices: {refusal.message}")) from None
@@ -486,9 +568,7 @@ class ClusterPlanner:
             placed: list[Binding] = []
             try:
                 for uid, request in members:
-                    b = self.plan(request, candidate, settings, nodes)
-                    binding = Binding(uid, b.node, b.gpu, b.mode, b.granted_bytes, b.profile_id, b.profile,
-                                      b.start, b.size)
+                    binding = replace(self.plan(request, candidate, settings, nodes, namespace), uid=uid)
                     self.put_binding(binding)
                     placed.append(binding)
             except Refusal:
@@ -532,8 +612,7 @@ class ClusterPlanner:
             self._index.put(_mig_gpu(node, gpu, [b for b in bound if b.mode == MODE_MIG], self._bindings.keys()))
             shown.add(index)
         elif role == MODE_FRACTION and gpu.memory_mib > 0:
-            granted = sum(b.granted_bytes for b in bound if b.mode == MODE_FRACTION)
-            self._fraction[(node, index)] = FractionGpu(node, index, gpu.memory_mib * MIB, granted)
+            self._fraction[(node, index)] = _fraction_gpu(node, gpu, bound, node in self._sharing)
             shown.add(index)
 
 
@@ -577,16 +656,25 @@ def inventory_from_status(node: str, status: Mapping | None) -> NodeInventory:
                     mig_capable=bool(raw.get("migCapable", False)), mig_enabled=bool(raw.get("migEnabled", False)),
                     profiles=tuple(_profile_from(p) for p in raw.get("profiles") or ()),
                     instances=tuple(_instance_from(i) for i in raw.get("instances") or ()),
+                    fractions=tuple(_fraction_from(f) for f in raw.get("fractions") or ()),
                 )
             )
         except (KeyError, TypeError, ValueError, AttributeError):
             continue  # the agent wrote it; a malformed entry is skipped rather than stopping every binding
-    conflict = conflict_from_conditions((status or {}).get("conditions"), (status or {}).get("devicePluginResources"))
-    return NodeInventory(node, tuple(sorted(gpus, key=lambda g: g.index)), conflict)
+    conditions = (status or {}).get("conditions")
+    conflict = conflict_from_conditions(conditions, (status or {}).get("devicePluginResources"))
+    return NodeInventory(node, tuple(sorted(gpus, key=lambda g: g.index)), conflict,
+                         untrusted_from_conditions(conditions))
 
 
-def binding_from_status(uid: str, status: Mapping | None) -> Binding | None:
-    """The binding a GpuSlice status records, or None when it has none (Pending, Failed, empty)."""
+def _fraction_from(raw: Mapping) -> FractionState:
+    return FractionState(slice_uid=str(raw.get("sliceUID", "")), slice=str(raw.get("slice", "")),
+                         bytes=int(raw.get("bytes", 0)))
+
+
+def binding_from_status(uid: str, status: Mapping | None, namespace: str = "") -> Binding | None:
+    """The binding a GpuSlice status records, or None when it has none (Pending, Failed, empty);
+    ``namespace`` is the slice's (a fraction GPU's tenant)."""
     status = status or {}
     if status.get("phase") not in BOUND_PHASES or not status.get("node"):
         return None
@@ -596,9 +684,10 @@ def binding_from_status(uid: str, status: Mapping | None) -> Binding | None:
             placement = status.get("placement") or {}
             return Binding(uid, str(status["node"]), int(status["gpu"]), mode, int(status.get("grantedBytes", 0)),
                            int(status["profileId"]), str(status.get("profile", "")), int(placement["start"]),
-                           int(placement["size"]))
+                           int(placement["size"]), namespace)
         if mode == MODE_FRACTION:
-            return Binding(uid, str(status["node"]), int(status["gpu"]), mode, int(status.get("grantedBytes", 0)))
+            return Binding(uid, str(status["node"]), int(status["gpu"]), mode, int(status.get("grantedBytes", 0)),
+                           namespace=namespace)
     except (KeyError, TypeError, ValueError):
         return None
     return None

@@ -163,6 +163,9 @@ class FractionGpu:
     index: int
     memory_bytes: int
     granted_bytes: int = 0
+    # Namespaces whose fractions it holds, and whether its node shares across namespaces (core.tenancy).
+    tenants: frozenset[str] = frozenset()
+    shared: bool = False
 
     @property
     def free_bytes(self) -> int:

@@ -27,6 +27,8 @@ from .quantities import MEMORY_EXAMPLE, QuantityError, clip_repr, format_bytes, 
 QUOTA_NAME = "quota"
 # status.reason of a slice a quota keeps Pending.
 QUOTA_EXCEEDED = "QuotaExceeded"
+# status.reason of a slice whose namespace has no GpuQuota, where one is required (--quota-required).
+NO_QUOTA = "NoQuota"
 # How long a slice refused for room keeps its namespace's younger slices waiting behind it.
 DEFAULT_HOLD_S = 60.0
 MAX_QUOTA_MEMORY_LENGTH = 64
@@ -111,6 +113,21 @@ def admit(quota: Quota | None, used: Usage, granted_bytes: int, at_least: bool =
         field_name = "memory" if granted_bytes > quota.memory_bytes else "slices"
         message += f" (the quota cannot hold it even alone: raise spec.{field_name})"
     return Admission(False, message, could_fit)
+
+
+def quota_missing(namespace: str, quota: Quota | None, required: bool, error: str | None = None) -> str | None:
+    """Why a slice of ``namespace`` gets nothing when the cluster requires a GpuQuota (controller flag
+    ``--quota-required``, chart value ``quota.required``) and the namespace has none (or one whose spec
+    is not valid, ``error``); None when it may be planned. The message shows a GpuQuota to apply."""
+    if not required or quota is not None:
+        return None
+    why = f"its GpuQuota {namespace}/{QUOTA_NAME} is not valid ({error})" if error else "it has no GpuQuota"
+    return (
+        f"namespace {namespace} gets no GPU: {why}, and this cluster gives slices only to namespaces with one "
+        f"(the controller runs with --quota-required, chart value quota.required). An admin grants one, e.g. "
+        f"kubectl apply -f - <<< '{{apiVersion: cdmo.io/v1alpha1, kind: GpuQuota, metadata: {{name: {QUOTA_NAME}, "
+        f"namespace: {namespace}}}, spec: {{memory: 40Gi, slices: 4}}}}'; the slice binds then"
+    )
 
 
 def share(quota: Quota | None, used: Usage, cluster_bytes: int) -> Fraction:

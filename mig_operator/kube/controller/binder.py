@@ -24,21 +24,30 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 
 from mig_operator.core.cluster import MODE_MIG, NO_CAPACITY, Binding, Refusal, binding_from_status, describe_binding
 from mig_operator.core.planner import PlannerSettings
-from mig_operator.core.quota import DEFAULT_HOLD_S, QUOTA_EXCEEDED, FairQueue, admit, held_behind, holds_back
+from mig_operator.core.quota import (
+    DEFAULT_HOLD_S,
+    NO_QUOTA,
+    QUOTA_EXCEEDED,
+    FairQueue,
+    admit,
+    held_behind,
+    holds_back,
+    quota_missing,
+)
 
 from ..common import metrics, status
 from ..common.client import ApiError, KubeClient, gpunodes_path, slice_path, slices_path
 from ..common.events import EventPoster
 from ..common.faults import crashpoint
 from ..common.finalizers import remove_finalizer
-from ..common.names import AGENT_FINALIZER, MIG_NODE_LABEL, MIG_NODE_VALUE
-from .state import ClusterState, SliceInfo
+from ..common.names import AGENT_FINALIZER
+from .state import PLACEMENT_LABELS, ClusterState, SliceInfo
 
 log = logging.getLogger("mig_operator.controller")
 QUOTAS_PATH = "/apis/cdmo.io/v1alpha1/gpuquotas"
@@ -64,8 +73,9 @@ def _created_s(created: str) -> float | None:
 
 class Binder:
     def __init__(self, client: KubeClient, events: EventPoster, planner: PlannerSettings | None = None,
-                 resync_s: float = 30.0, hold_s: float = DEFAULT_HOLD_S) -> None:
+                 resync_s: float = 30.0, hold_s: float = DEFAULT_HOLD_S, quota_required: bool = False) -> None:
         self.client = client
+        self.quota_required = quota_required  # a namespace without a GpuQuota gets nothing (NoQuota)
         self.events = events
         self.planner = planner or PlannerSettings()
         self.state = ClusterState()
@@ -96,12 +106,12 @@ class Binder:
         """Read slices, inventories and labelled nodes afresh, then finish what is unfinished
         (and whatever else registered in ``on_resync``, e.g. the pods)."""
         async with self._lock:
-            slices, inventories, nodes, quotas = await asyncio.gather(
-                self.client.list(slices_path()), self.client.list(gpunodes_path()),
-                self.client.list("/api/v1/nodes", label_selector=f"{MIG_NODE_LABEL}={MIG_NODE_VALUE}"),
-                self._list_quotas(),
+            slices, inventories, quotas, *labelled = await asyncio.gather(
+                self.client.list(slices_path()), self.client.list(gpunodes_path()), self._list_quotas(),
+                *(self.client.list("/api/v1/nodes", label_selector=f"{k}={v}") for k, v in PLACEMENT_LABELS),
             )
-            self.state.replace_all(slices, inventories, [n["metadata"]["name"] for n in nodes])
+            nodes = {n["metadata"]["name"]: n for listed in labelled for n in listed}
+            self.state.replace_all(slices, inventories, nodes.values())
             self.state.replace_quotas(quotas)
             self._last_resync = time.monotonic()
             for uid in [uid for uid in self.waiting if uid not in self.state.slices]:
@@ -185,9 +195,10 @@ class Binder:
         self.request_replan()
         self.maybe_resync()
 
-    def node_event(self, name: str, labelled: bool) -> None:
-        self.state.set_labelled(name, labelled)
-        self.request_replan()
+    def node_event(self, name: str, labels: Mapping[str, str] | None) -> None:
+        """A Node's labels changed (None: it is gone): the MIG label, fraction sharing, runtime trust."""
+        if self.state.set_node_labels(name, labels):
+            self.request_replan()
 
     def quota_event(self, body: dict, deleted: bool) -> None:
         """A GpuQuota changed: raised, lowered, made or removed; the waiting slices are planned again."""
@@ -265,9 +276,11 @@ class Binder:
             shape = (info.request, info.pinned, info.eligible)
             could_fit = True
             try:
+                self._require_quota(info.namespace)
                 if refused is not None and shape in refused:
                     raise refused[shape]
-                binding = self.state.planner.plan(info.request, info.pinned, self.planner, nodes=info.eligible)
+                binding = self.state.planner.plan(info.request, info.pinned, self.planner, nodes=info.eligible,
+                                                  namespace=info.namespace)
             except Refusal as refusal:
                 decision: Binding | Refusal = refusal
                 if refusal.code == NO_CAPACITY:
@@ -282,8 +295,7 @@ class Binder:
                 if not verdict.allowed:
                     decision, could_fit = Refusal(QUOTA_EXCEEDED, verdict.message), verdict.could_fit
                 else:
-                    binding = Binding(uid, binding.node, binding.gpu, binding.mode, binding.granted_bytes,
-                                      binding.profile_id, binding.profile, binding.start, binding.size)
+                    binding = replace(binding, uid=uid)
                     self.state.reserve(binding)
                     decision = binding
             gpu_uuid = "" if isinstance(decision, Refusal) else self.state.planner.uuids.get(
@@ -338,10 +350,12 @@ class Binder:
             could_fit = True
             what = f"the group {info.group} of namespace {info.namespace}"
             try:
+                self._require_quota(info.namespace)
                 if len(held_nodes) > 1:
                     raise Refusal(NO_CAPACITY, f"{what} is bound on several nodes ({', '.join(sorted(held_nodes))})")
                 requests = [(m.uid, m.request) for m in todo if m.request is not None]
-                bindings = self.state.planner.plan_group(requests, node, self.planner, nodes=info.eligible, what=what)
+                bindings = self.state.planner.plan_group(requests, node, self.planner, nodes=info.eligible, what=what,
+                                                         namespace=info.namespace)
             except Refusal as refusal:
                 decision: list[Binding] | Refusal = refusal
                 give_back = held
@@ -384,6 +398,13 @@ class Binder:
         self._namespace_changed(info.namespace)
         metrics.BIND_SECONDS.observe(time.perf_counter() - started)
         return BindOutcome(True)
+
+    def _require_quota(self, namespace: str) -> None:
+        """Refuse (NoQuota) when GpuQuotas are required and ``namespace`` has none (core.quota)."""
+        missing = quota_missing(namespace, self.state.quotas.get(namespace), self.quota_required,
+                                self.state.quota_errors.get(namespace))
+        if missing is not None:
+            raise Refusal(NO_QUOTA, missing)
 
     async def _delete(self, info: SliceInfo) -> None:
         try:
@@ -549,7 +570,8 @@ class Binder:
         if info.group is not None and (info.group, info.namespace) == (head.group, head.namespace):
             return  # the head's own group: refused with it, for the same reason
         try:
-            self.state.planner.plan(info.request, info.pinned, self.planner, nodes=info.eligible)
+            self.state.planner.plan(info.request, info.pinned, self.planner, nodes=info.eligible,
+                                    namespace=info.namespace)
         except Refusal as own:
             if not held_behind(own.code):
                 await self._refuse(info, own)

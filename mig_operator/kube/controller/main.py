@@ -21,8 +21,6 @@ from ..common.events import EventPoster
 from ..common.names import (
     CONTROLLER_PREFIX,
     GROUP,
-    MIG_NODE_LABEL,
-    MIG_NODE_VALUE,
     NODES,
     PEERING_NAME,
     POD_SLICE_LABEL,
@@ -47,6 +45,8 @@ class ControllerOptions:
     resync_s: float = 30.0
     # How long a slice waiting for room keeps its namespace's younger slices behind it (fair order).
     fair_hold_s: float = DEFAULT_HOLD_S
+    # A namespace without a GpuQuota gets no slice (reason NoQuota).
+    quota_required: bool = False
 
 
 def default_priority() -> int:
@@ -73,12 +73,14 @@ def build_registry(options: ControllerOptions) -> kopf.OperatorRegistry:
     async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
         tune(settings, CONTROLLER_PREFIX)
         settings.peering.lifetime = options.peering_lifetime_s
-        settings.watching.label_selectors["v1", "nodes"] = f"{MIG_NODE_LABEL}={MIG_NODE_VALUE}"
+        # Nodes are watched whole: placement reads several labels (state.PLACEMENT_LABELS), and a server-side
+        # selector takes only one; an event whose labels change nothing placement reads costs a comparison.
         settings.watching.label_selectors["v1", "pods"] = POD_SLICE_LABEL  # only pods the webhook marked
         client = KubeClient.from_environment(options.kubeconfig)
         await ensure_peering(client, options.peering)
         events = EventPoster(client, "mig-operator-controller", os.uname().nodename)
-        binder = Binder(client, events, resync_s=options.resync_s, hold_s=options.fair_hold_s)
+        binder = Binder(client, events, resync_s=options.resync_s, hold_s=options.fair_hold_s,
+                        quota_required=options.quota_required)
         claims = SliceClaims(client, events, binder.state)
         pods = PodSlices(client, events, binder.state, claims)
         quotas = QuotaStatus(client, binder)
@@ -114,9 +116,8 @@ def build_registry(options: ControllerOptions) -> kopf.OperatorRegistry:
 
     @kopf.on.event("v1", "nodes", registry=registry)
     async def node_event(body: kopf.Body, type: str | None, **_: Any) -> None:
-        labels = body.get("metadata", {}).get("labels") or {}
-        state["binder"].node_event(body["metadata"]["name"],
-                                   type != "DELETED" and labels.get(MIG_NODE_LABEL) == MIG_NODE_VALUE)
+        labels = None if type == "DELETED" else body.get("metadata", {}).get("labels") or {}
+        state["binder"].node_event(body["metadata"]["name"], labels)
 
     @kopf.on.event("v1", "pods", registry=registry)
     async def pod_event(body: kopf.Body, type: str | None, **_: Any) -> None:

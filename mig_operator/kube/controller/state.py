@@ -23,7 +23,9 @@ from mig_operator.core.quantities import MIB, QuantityError
 from mig_operator.core.quota import QUOTA_NAME, Quota, Usage, quota_from_spec, share
 from mig_operator.core.request import SliceRequest
 from mig_operator.core.request_forms import MAX_POD_DEVICES
+from mig_operator.core.runtime_trust import ACCEPTED_LABEL, ACCEPTED_VALUE, accepted
 from mig_operator.core.slice_spec import request_from_spec
+from mig_operator.core.tenancy import SHARING_LABEL, SHARING_VALUE, shares_across_namespaces
 
 from ..common.client import resource_version
 from ..common.names import (
@@ -31,6 +33,8 @@ from ..common.names import (
     ELIGIBLE_NODES_ANNOTATION,
     GROUP_ANNOTATION,
     GROUP_SIZE_ANNOTATION,
+    MIG_NODE_LABEL,
+    MIG_NODE_VALUE,
 )
 
 
@@ -74,7 +78,7 @@ def slice_info(body: Mapping) -> SliceInfo:
         request = request_from_spec(spec)
     except QuantityError as exc:
         invalid = str(exc)
-    binding = binding_from_status(meta["uid"], status)
+    binding = binding_from_status(meta["uid"], status, meta["namespace"])
     marked = binding is not None and AGENT_FINALIZER in (meta.get("finalizers") or ())
     return SliceInfo(
         uid=meta["uid"], namespace=meta["namespace"], name=meta["name"], created=meta.get("creationTimestamp", ""),
@@ -95,6 +99,25 @@ def _group(meta: Mapping) -> dict[str, Any]:
     return {"group": str(group), "group_size": int(size)}
 
 
+# The Node labels placement reads (key, value): one list each at a resync finds every node that has one.
+PLACEMENT_LABELS = ((MIG_NODE_LABEL, MIG_NODE_VALUE), (SHARING_LABEL, SHARING_VALUE), (ACCEPTED_LABEL, ACCEPTED_VALUE))
+
+
+@dataclass(frozen=True)
+class NodeLabels:
+    """What placement reads of a Node's labels: the MIG label, fraction sharing across namespaces
+    (core.tenancy), runtime trust accepted (core.runtime_trust)."""
+
+    mig: bool = False
+    sharing: bool = False
+    accepted: bool = False
+
+    @classmethod
+    def of(cls, labels: Mapping[str, str] | None) -> NodeLabels:
+        labels = labels or {}
+        return cls(labels.get(MIG_NODE_LABEL) == MIG_NODE_VALUE, shares_across_namespaces(labels), accepted(labels))
+
+
 def _eligible_nodes(meta: Mapping) -> tuple[str, ...] | None:
     text = (meta.get("annotations") or {}).get(ELIGIBLE_NODES_ANNOTATION)
     if text is None:
@@ -109,7 +132,8 @@ class ClusterState:
 
     slices: dict[str, SliceInfo] = field(default_factory=dict)
     inventories: dict[str, NodeInventory] = field(default_factory=dict)
-    labelled: set[str] = field(default_factory=set)
+    labelled: set[str] = field(default_factory=set)  # nodes with the MIG label
+    node_labels: dict[str, NodeLabels] = field(default_factory=dict)  # nodes with any label placement reads
     # Bindings decided but not yet seen in a slice's status: they hold their GPU room meanwhile.
     in_flight: dict[str, Binding] = field(default_factory=dict)
     names: dict[tuple[str, str], str] = field(default_factory=dict)  # (namespace, name) -> uid
@@ -198,9 +222,20 @@ class ClusterState:
         self.in_flight.pop(uid, None)
         self._held(uid)
 
-    def set_labelled(self, node: str, labelled: bool) -> None:
-        (self.labelled.add if labelled else self.labelled.discard)(node)
-        self.planner.set_labelled(node, labelled)
+    def set_node_labels(self, node: str, labels: Mapping[str, str] | None) -> bool:
+        """Take a Node's labels (None: the Node is gone); False when nothing placement reads changed."""
+        flags = NodeLabels.of(labels)
+        if flags == self.node_labels.get(node, NodeLabels()):
+            return False
+        if flags == NodeLabels():
+            self.node_labels.pop(node, None)
+        else:
+            self.node_labels[node] = flags
+        (self.labelled.add if flags.mig else self.labelled.discard)(node)
+        self.planner.set_labelled(node, flags.mig)
+        self.planner.set_fraction_sharing(node, flags.sharing)
+        self.planner.set_runtime_accepted(node, flags.accepted)
+        return True
 
     # ---- slices --------------------------------------------------------------------------------
 
@@ -291,8 +326,9 @@ class ClusterState:
         else:
             self.gpu_bytes.pop(node, None)
 
-    def replace_all(self, slices: Iterable[Mapping], inventories: Iterable[Mapping], labelled: Iterable[str]) -> None:
-        """A fresh full list: what is not in it is gone (events may have been missed while paused)."""
+    def replace_all(self, slices: Iterable[Mapping], inventories: Iterable[Mapping], nodes: Iterable[Mapping]) -> None:
+        """A fresh full list: what is not in it is gone (events may have been missed while paused).
+        ``nodes``: Node bodies, at least those carrying a label placement reads (``NodeLabels``)."""
         fresh = {}
         for body in slices:
             info = slice_info(body)
@@ -309,8 +345,12 @@ class ClusterState:
         for body in inventories:
             node = (body.get("spec") or {}).get("nodeName") or body["metadata"]["name"]
             self.inventories[node] = inventory_from_status(node, body.get("status"))
-        self.labelled = set(labelled)
-        self.planner.reset(self.inventories.values(), self.labelled, self.bindings())
+        flags = {n["metadata"]["name"]: NodeLabels.of(n["metadata"].get("labels")) for n in nodes}
+        self.node_labels = {name: f for name, f in flags.items() if f != NodeLabels()}
+        self.labelled = {name for name, f in flags.items() if f.mig}
+        self.planner.reset(self.inventories.values(), self.labelled, self.bindings(),
+                           sharing=[name for name, f in flags.items() if f.sharing],
+                           accepted=[name for name, f in flags.items() if f.accepted])
         self.gpu_bytes, self.cluster_bytes = {}, 0
         for node in self.inventories:
             self._count_memory(node)
