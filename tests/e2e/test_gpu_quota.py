@@ -12,6 +12,8 @@ import yaml
 from harness import GROUP, REPO_ROOT, VERSION, OperatorHarness, wait_until
 from kubernetes.client.rest import ApiException
 
+from mig_operator.core.tenancy import SHARING_LABEL, SHARING_VALUE
+
 MIB = 2**20
 GIB = 2**30
 QUOTAS = "gpuquotas"
@@ -163,8 +165,9 @@ def test_a_pod_refused_by_the_quota_gets_an_event_naming_it_and_runs_once_room_f
 
 
 def test_fair_order_b_gets_its_10_before_a_gets_its_41st(operator: OperatorHarness) -> None:
-    # Room for 40: ten L4s (no MIG), four 0.25 fractions each.
-    node = operator.add_node("l4-24gb", count=10, labelled=False)
+    # Room for 40: ten L4s (no MIG), four 0.25 fractions each, shared across namespaces (the order is
+    # what is tested here, not the tenancy of a fraction GPU: test_placement_rules.py has that).
+    node = operator.add_node("l4-24gb", count=10, labelled=False, labels={SHARING_LABEL: SHARING_VALUE})
     operator.start_operator(node)
     team_a, team_b = operator.namespace(), operator.namespace()
     a_names = [f"a-{i:03d}" for i in range(100)]

@@ -268,6 +268,12 @@ def test_the_whole_gpu_entry_is_the_one_the_controller_writes(render: Any, every
     assert find(docs, "MutatingWebhookConfiguration")["webhooks"][-1] == expected
 
 
+@pytest.mark.parametrize("required", [False, True])
+def test_quota_required_reaches_the_controller(render: Any, required: bool) -> None:
+    docs = render("--set", f"quota.required={str(required).lower()}")
+    assert _args(container(docs, "Deployment", "controller")).quota_required is required
+
+
 def test_an_unknown_compat_dialect_stops_the_render(helm: Any) -> None:
     with pytest.raises(AssertionError, match="compat: \"kai\" is not a dialect"):
         helm("template", "gs", str(CHART_DIR), "--set", "compat={kai}")

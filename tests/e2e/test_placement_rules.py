@@ -1,0 +1,128 @@
+"""The controller's placement rules of issue 24, on the real API server with the chart's RBAC:
+
+- a GPU serving fractions serves one namespace at a time unless its Node is labelled
+  cdmo.io/fraction-sharing=cross-namespace (reason OtherNamespace); MIG instances are not concerned;
+- a node whose GpuNode has RuntimeTrusted=False gets no new slice until the Node is labelled
+  cdmo.io/runtime-trust=accepted (reason RuntimeUntrusted); slices bound before stay;
+- with --quota-required a namespace without a GpuQuota gets nothing (reason NoQuota) and binds once
+  the GpuQuota its message shows exists.
+
+Expected GPUs come from the catalog's numbers (an L40S holds 46068 MiB), not from the planner.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from harness import GROUP, NODES, VERSION, OperatorHarness, check_invariants, wait_until
+
+from mig_operator.core.runtime_trust import ACCEPTED_LABEL, ACCEPTED_VALUE, CONDITION_TYPE
+from mig_operator.core.tenancy import SHARING_LABEL, SHARING_VALUE
+
+L40S_MIB = 46068  # catalog: what one L40S holds
+GIB_MIB = 1024
+BOUND = ("Bound", "Creating", "Ready")
+
+
+def status(op: OperatorHarness, ns: str, name: str) -> dict[str, Any]:
+    return (op.get_slice(ns, name) or {}).get("status") or {}
+
+
+def test_a_fraction_gpu_serves_one_namespace_unless_its_node_shares(operator: OperatorHarness) -> None:
+    frac = operator.add_node("l40s-48gb", count=2, labelled=False)
+    mig = operator.add_node("h100-80gb")
+    operator.start_operator(frac, mig)
+    team_a, team_b, team_c = operator.namespace(), operator.namespace(), operator.namespace()
+
+    operator.create_slice(team_a, "a1", {"memory": "10Gi", "nodeName": frac.name})
+    x = operator.wait_phase(team_a, "a1", "Ready")["status"]["gpu"]
+    # Best fit alone would put b1 beside a1 (the GPU with less free memory); tenancy sends it to the other.
+    operator.create_slice(team_b, "b1", {"memory": "10Gi", "nodeName": frac.name})
+    y = operator.wait_phase(team_b, "b1", "Ready")["status"]["gpu"]
+    assert {x, y} == {0, 1}, (x, y)
+    # Its own namespace's GPU still packs: a2 goes beside a1.
+    operator.create_slice(team_a, "a2", {"memory": "30Gi", "nodeName": frac.name})
+    assert operator.wait_phase(team_a, "a2", "Ready")["status"]["gpu"] == x
+    # GPU x has 46068 - 40960 = 5108 MiB free, GPU y 35828: only y has room for 10Gi, and it is team-b's.
+    assert L40S_MIB - 40 * GIB_MIB < 10 * GIB_MIB <= L40S_MIB - 10 * GIB_MIB
+    operator.create_slice(team_c, "c1", {"memory": "10Gi", "nodeName": frac.name})
+    waiting = operator.wait_phase(team_c, "c1", "Pending", reason="OtherNamespace")["status"]
+    for part in (f"GPU {y} of node {frac.name}", f"namespace {team_b}", team_c,
+                 f"kubectl label node {frac.name} {SHARING_LABEL}={SHARING_VALUE}"):
+        assert part in waiting["message"], waiting["message"]
+
+    # MIG instances are isolated in hardware: two namespaces on one H100, as before.
+    operator.create_slice(team_a, "m1", {"memory": "9Gi", "nodeName": mig.name})
+    operator.create_slice(team_b, "m2", {"memory": "9Gi", "nodeName": mig.name})
+    m1 = operator.wait_phase(team_a, "m1", "Ready")["status"]
+    m2 = operator.wait_phase(team_b, "m2", "Ready")["status"]
+    assert m1["mode"] == m2["mode"] == "mig" and m1["gpu"] == m2["gpu"] == 0
+
+    # The admin lets the node's GPUs be shared: c1 binds, beside team-b's b1 (the GPU with room).
+    operator.core.patch_node(frac.name, {"metadata": {"labels": {SHARING_LABEL: SHARING_VALUE}}})
+    assert operator.wait_phase(team_c, "c1", "Ready")["status"]["gpu"] == y
+    check_invariants(operator)
+
+
+def _set_runtime_trusted(op: OperatorHarness, node: str, value: str, message: str) -> None:
+    """What the node's agent publishes (written here as admin, the agent being stopped)."""
+    current = op.custom.get_cluster_custom_object(GROUP, VERSION, NODES, node)
+    conditions = [c for c in (current.get("status") or {}).get("conditions") or () if c.get("type") != CONDITION_TYPE]
+    conditions.append({"type": CONDITION_TYPE, "status": value, "reason": "ToolkitConfig", "message": message,
+                       "lastTransitionTime": "2026-11-26T10:00:00Z"})
+    op.custom.patch_cluster_custom_object_status(GROUP, VERSION, NODES, node, {"status": {"conditions": conditions}})
+
+
+def test_an_untrusted_runtime_takes_no_new_slice_until_accepted(operator: OperatorHarness) -> None:
+    node = operator.add_node("h100-80gb")
+    agent = operator.agent(node)
+    operator.wait_gpunode(node)
+    operator.controller()
+    ns = operator.namespace()
+    operator.create_slice(ns, "before", {"memory": "9Gi", "nodeName": node.name})
+    before = operator.wait_phase(ns, "before", "Ready")["status"]
+
+    # The agent is stopped so that its next publication does not replace the condition written here.
+    operator.kill(agent)
+    why = "accept-nvidia-visible-devices-envvar-when-unprivileged is true in /etc/nvidia-container-runtime/config.toml"
+    _set_runtime_trusted(operator, node.name, "False", why)
+    operator.create_slice(ns, "after", {"memory": "9Gi", "nodeName": node.name})
+    waiting = operator.wait_phase(ns, "after", "Pending", reason="RuntimeUntrusted")["status"]
+    for part in (f"node {node.name}", why, f"kubectl label node {node.name} {ACCEPTED_LABEL}={ACCEPTED_VALUE}"):
+        assert part in waiting["message"], waiting["message"]
+    kept = status(operator, ns, "before")
+    assert kept["phase"] == "Ready" and kept["deviceUUID"] == before["deviceUUID"]
+
+    operator.core.patch_node(node.name, {"metadata": {"labels": {ACCEPTED_LABEL: ACCEPTED_VALUE}}})
+    operator.wait_phase(ns, "after", BOUND)
+    # Label gone: refused again; the condition Unknown (no toolkit configuration to read) places.
+    operator.core.patch_node(node.name, {"metadata": {"labels": {ACCEPTED_LABEL: None}}})
+    wait_until(lambda: ACCEPTED_LABEL not in (operator.core.read_node(node.name).metadata.labels or {}), 10,
+               "the label removed")
+    operator.create_slice(ns, "third", {"memory": "9Gi", "nodeName": node.name})
+    operator.wait_phase(ns, "third", "Pending", reason="RuntimeUntrusted")
+    _set_runtime_trusted(operator, node.name, "Unknown", "no NVIDIA container toolkit configuration on the node")
+    operator.wait_phase(ns, "third", BOUND)
+
+
+def test_quota_required_refuses_a_namespace_without_a_gpuquota_until_it_has_one(operator: OperatorHarness) -> None:
+    node = operator.add_node("h200-141gb")
+    operator.agent(node)
+    operator.wait_gpunode(node)
+    wait_until(lambda: operator.cluster.kubectl("get", "gq", "-A", check=False).returncode == 0, 60,
+               "gpuquotas to be served")
+    operator.controller(None, "--quota-required")
+    ns, other = operator.namespace(), operator.namespace()
+    operator.create_slice(ns, "s1", {"memory": "10G"})
+    operator.create_slice(other, "s1", {"memory": "10G"})
+    waiting = operator.wait_phase(ns, "s1", "Pending", reason="NoQuota")["status"]
+    assert f"namespace {ns}" in waiting["message"] and "quota.required" in waiting["message"]
+    # The example in the message is a GpuQuota the API server takes as it is.
+    example = re.search(r"<<< '(\{.*\})'", waiting["message"])
+    assert example is not None, waiting["message"]
+    operator.cluster.kubectl("apply", "-f", "-", input=example.group(1))
+    assert operator.wait_phase(ns, "s1", "Ready")["status"]["profile"] == "1g.18gb"
+    # The namespace still without one keeps waiting.
+    assert status(operator, other, "s1").get("reason") == "NoQuota"
+    assert status(operator, other, "s1").get("phase") == "Pending"
