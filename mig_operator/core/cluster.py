@@ -350,17 +350,21 @@ def _decide(
     if fraction:
         allowed = [g for g in fraction if may_use(g, namespace)]
         try:
-            if not allowed:
-                raise Unplaceable("every GPU serving fractions serves another namespace")
-            share = choose_fraction(request, allowed)
-        except Unplaceable as exc:
-            held = _held_by_others(request, namespace, [g for g in fraction if not may_use(g, namespace)])
-            if held is not None:
-                raise Refusal(OTHER_NAMESPACE, _clip("; ".join([held, *reasons]))) from None
-            reasons.append(f"fractions: {exc.reason}")
-        else:
+            share = choose_fraction(request, allowed) if allowed else None
+        except Unplaceable:
+            share = None
+        if share is not None:
             return Binding(uid="", node=share.node, gpu=share.gpu, mode=MODE_FRACTION,
                            granted_bytes=share.granted_bytes, namespace=namespace)
+        held = _held_by_others(request, namespace, [g for g in fraction if not may_use(g, namespace)])
+        if held is not None:
+            raise Refusal(OTHER_NAMESPACE, _clip("; ".join([held, *reasons])))
+        # No GPU fits it, whoever holds them: the reason is the same for every namespace (a pass of the
+        # binder reuses a NoCapacity refusal for an equal request of another namespace).
+        try:
+            choose_fraction(request, fraction)
+        except Unplaceable as exc:
+            reasons.append(f"fractions: {exc.reason}")
     code = _refusal_code(request, list(models()) if has_mig else [], fraction)
     if blocked:
         reasons.append(blocked_note(blocked))

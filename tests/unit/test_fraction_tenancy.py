@@ -120,6 +120,14 @@ def test_the_refusal_names_the_gpu_the_namespace_holding_it_and_the_label() -> N
         assert part in got.message, got.message
 
 
+def test_a_no_capacity_refusal_is_the_same_for_every_namespace() -> None:
+    # The binder reuses a NoCapacity refusal within a pass for an equal request of any namespace.
+    held = [frac("x", "a", 0, 40, "team-a"), frac("y", "a", 1, 40, "team-b")]
+    refusals = {ns: decide(TWO, slice_request(memory="10Gi"), ns, held) for ns in ("team-a", "team-b", "team-c")}
+    assert {r.code for r in refusals.values() if isinstance(r, Refusal)} == {NO_CAPACITY}
+    assert len({r.message for r in refusals.values() if isinstance(r, Refusal)}) == 1
+
+
 def test_mig_instances_are_not_concerned() -> None:
     mig = [NodeInventory("m", (h100_mig(),))]
     held = Binding("x", "m", 0, MODE_MIG, 10 * GIB, H100.profile("1g.10gb").id, "1g.10gb", 0, 1, namespace="team-a")
