@@ -44,7 +44,7 @@ from .profiles import GpuModel, Placement, Profile
 from .quantities import MIB, format_bytes, mib_ceil
 from .request import MIN_SLICE_BYTES, SliceRequest
 from .runtime_trust import untrusted_from_conditions
-from .tenancy import OTHER_NAMESPACE, may_use, namespace_of, other_namespace_message
+from .tenancy import OTHER_NAMESPACE, namespace_of, other_namespace_message
 
 MODE_MIG = "mig"
 MODE_FRACTION = "fraction"
@@ -348,15 +348,14 @@ def _decide(
                 profile=decision.profile.name, start=decision.start, size=decision.size, namespace=namespace,
             )
     if fraction:
-        allowed = [g for g in fraction if may_use(g, namespace)]
         try:
-            share = choose_fraction(request, allowed) if allowed else None
+            share = choose_fraction(request, fraction, namespace)
         except Unplaceable:
-            share = None
-        if share is not None:
+            pass
+        else:
             return Binding(uid="", node=share.node, gpu=share.gpu, mode=MODE_FRACTION,
                            granted_bytes=share.granted_bytes, namespace=namespace)
-        held = _held_by_others(request, namespace, [g for g in fraction if not may_use(g, namespace)])
+        held = _held_by_others(request, namespace, [g for g in fraction if not g.may_take(namespace)])
         if held is not None:
             raise Refusal(OTHER_NAMESPACE, _clip("; ".join([held, *reasons])))
         # No GPU fits it, whoever holds them: the reason is the same for every namespace (a pass of the

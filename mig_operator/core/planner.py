@@ -171,6 +171,12 @@ class FractionGpu:
     def free_bytes(self) -> int:
         return self.memory_bytes - self.granted_bytes
 
+    def may_take(self, namespace: str) -> bool:
+        """Whether a fraction of ``namespace`` may go here (core.tenancy): the node shares across
+        namespaces, or no other namespace holds the GPU."""
+        tenants = self.tenants
+        return not tenants or self.shared or (len(tenants) == 1 and namespace in tenants)
+
 
 @dataclass(frozen=True)
 class FractionDecision:
@@ -572,8 +578,9 @@ def fraction_bytes(request: SliceRequest, gpu_memory_bytes: int) -> int:
     raise Unplaceable(f"migProfile {request.profile} needs a MIG node; this node shares GPUs by fractions")
 
 
-def choose_fraction(request: SliceRequest, gpus: list[FractionGpu]) -> FractionDecision:
-    """Memory bin-packing: the GPU with the least free memory that still fits (best fit).
+def choose_fraction(request: SliceRequest, gpus: list[FractionGpu], namespace: str | None = None) -> FractionDecision:
+    """Memory bin-packing: the GPU with the least free memory that still fits (best fit); with
+    ``namespace``, among the GPUs it may take (``FractionGpu.may_take``).
 
     A GPU on which a fraction's grant would be less than ``MIN_SLICE_BYTES`` (a small share of a small
     GPU) is never chosen: the CUDA context alone would fill such a slice. Memory requests below it are
@@ -588,7 +595,7 @@ def choose_fraction(request: SliceRequest, gpus: list[FractionGpu]) -> FractionD
         if request.fraction is not None and need < MIN_SLICE_BYTES:
             continue
         large_enough.append(gpu)
-        if need > gpu.free_bytes:
+        if need > gpu.free_bytes or (namespace is not None and gpu.tenants and not gpu.may_take(namespace)):
             continue
         key = (gpu.free_bytes - need, gpu.node, gpu.index)
         if best is None or key < best[0]:

@@ -12,7 +12,7 @@ A GPU's tenants are the namespaces of every fraction binding the planner holds o
 released while in use still holds its binding) and of every fraction its agent still reports there.
 
 Pure: ``FractionGpu`` carries its tenants and whether its node shares; the planner filters with
-``may_use`` before packing, so best fit is chosen among the GPUs a namespace may use.
+``FractionGpu.may_take`` while packing, so best fit is chosen among the GPUs a namespace may use.
 """
 
 from __future__ import annotations
@@ -39,12 +39,6 @@ def namespace_of(slice_ref: str) -> str | None:
     """The namespace of a ``<namespace>/<name>`` reference (as the agent reports a fraction), else None."""
     namespace, sep, name = slice_ref.partition("/")
     return namespace if sep and namespace and name else None
-
-
-def may_use(gpu: FractionGpu, namespace: str) -> bool:
-    """Whether a fraction of ``namespace`` may go to ``gpu``: its node shares across namespaces, or
-    no other namespace holds it."""
-    return gpu.shared or gpu.tenants <= {namespace}
 
 
 def other_namespace_message(request: SliceRequest, namespace: str, gpu: FractionGpu, need: int,
