@@ -1,5 +1,6 @@
 """ClusterPlanner (incremental, indexed) decides exactly as plan_binding on build_view of the same
-inputs, through any sequence of inventories, labels, bindings and releases."""
+inputs, through any sequence of inventories (some with RuntimeTrusted=False), labels (MIG, fraction
+sharing, runtime trust accepted), bindings of several namespaces and releases."""
 
 from __future__ import annotations
 
@@ -54,14 +55,18 @@ def inventory(draw: st.DrawFn, node: str) -> NodeInventory:
                                                        f"MIG-{node}-{i}-{gi}", in_use=draw(st.booleans())))
                         break
         gpus.append(gpu(model, i, mig, tuple(instances)))
-    return NodeInventory(node, tuple(gpus))
+    return NodeInventory(node, tuple(gpus), runtime_untrusted=draw(st.sampled_from([None, None, "untrusted"])))
 
 
-bind = st.tuples(st.just("bind"), st.sampled_from(range(len(REQUESTS))), st.sampled_from([None, None, *NODES]))
+NAMESPACES = ["team-a", "team-b"]
+bind = st.tuples(st.just("bind"), st.sampled_from(range(len(REQUESTS))), st.sampled_from([None, None, *NODES]),
+                 st.sampled_from(NAMESPACES))
 ops = st.lists(st.one_of(
     bind, bind, bind, bind,
     st.tuples(st.just("inventory"), st.sampled_from(NODES)),
     st.tuples(st.just("label"), st.sampled_from(NODES), st.booleans()),
+    st.tuples(st.just("sharing"), st.sampled_from(NODES), st.booleans()),
+    st.tuples(st.just("accepted"), st.sampled_from(NODES), st.booleans()),
     st.tuples(st.just("release"), st.integers(0, 30)),
     st.tuples(st.just("drop-node"), st.sampled_from(NODES)),
 ), min_size=1, max_size=40)
@@ -73,6 +78,8 @@ def test_the_incremental_planner_decides_as_plan_binding_on_a_fresh_view(steps, 
     planner = ClusterPlanner()
     inventories: dict[str, NodeInventory] = {}
     labelled: set[str] = set()
+    sharing: set[str] = set()
+    accepted: set[str] = set()
     for node in NODES:  # a cluster to start from: every node has GPUs, most are labelled
         inventories[node] = data.draw(inventory(node))
         planner.set_inventory(inventories[node])
@@ -90,6 +97,12 @@ def test_the_incremental_planner_decides_as_plan_binding_on_a_fresh_view(steps, 
         elif kind == "label":
             (labelled.add if step[2] else labelled.discard)(step[1])
             planner.set_labelled(step[1], step[2])
+        elif kind == "sharing":
+            (sharing.add if step[2] else sharing.discard)(step[1])
+            planner.set_fraction_sharing(step[1], step[2])
+        elif kind == "accepted":
+            (accepted.add if step[2] else accepted.discard)(step[1])
+            planner.set_runtime_accepted(step[1], step[2])
         elif kind == "drop-node":
             inventories.pop(step[1], None)
             planner.remove_inventory(step[1])
@@ -99,14 +112,14 @@ def test_the_incremental_planner_decides_as_plan_binding_on_a_fresh_view(steps, 
                 del bindings[uid]
                 planner.drop_binding(uid)
         else:
-            request, node = REQUESTS[step[1]], step[2]
-            view = build_view(inventories.values(), labelled, bindings.values())
+            request, node, namespace = REQUESTS[step[1]], step[2], step[3]
+            view = build_view(inventories.values(), labelled, bindings.values(), sharing, accepted)
             try:
-                expected: Binding | str = plan_binding(request, view, node)
+                expected: Binding | str = plan_binding(request, view, node, namespace=namespace)
             except Refusal as refusal:
                 expected = refusal.code
             try:
-                got: Binding | str = planner.plan(request, node)
+                got: Binding | str = planner.plan(request, node, namespace=namespace)
             except Refusal as refusal:
                 got = refusal.code
             assert got == expected, (request, node)
@@ -114,7 +127,8 @@ def test_the_incremental_planner_decides_as_plan_binding_on_a_fresh_view(steps, 
             if isinstance(got, Binding):
                 serial += 1
                 bound = Binding(f"u{serial}", got.node, got.gpu, got.mode, got.granted_bytes, got.profile_id,
-                                got.profile, got.start, got.size)
+                                got.profile, got.start, got.size, namespace)
                 bindings[bound.uid] = bound
                 planner.put_binding(bound)
                 assert bound.mode != MODE_MIG or labelled.issuperset({bound.node})
+                assert inventories[bound.node].runtime_untrusted is None or bound.node in accepted
