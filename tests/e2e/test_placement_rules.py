@@ -13,9 +13,11 @@ Expected GPUs come from the catalog's numbers (an L40S holds 46068 MiB), not fro
 from __future__ import annotations
 
 import re
+import subprocess
 from typing import Any
 
-from harness import GROUP, NODES, VERSION, OperatorHarness, check_invariants, wait_until
+import yaml
+from harness import GROUP, NODES, REPO_ROOT, VERSION, OperatorHarness, check_invariants, wait_until
 
 from mig_operator.core.runtime_trust import ACCEPTED_LABEL, ACCEPTED_VALUE, CONDITION_TYPE
 from mig_operator.core.tenancy import SHARING_LABEL, SHARING_VALUE
@@ -27,6 +29,17 @@ BOUND = ("Bound", "Creating", "Ready")
 
 def status(op: OperatorHarness, ns: str, name: str) -> dict[str, Any]:
     return (op.get_slice(ns, name) or {}).get("status") or {}
+
+
+def as_tenant(op: OperatorHarness, ns: str, user: str) -> None:
+    """``user`` holds the built-in edit role in ``ns`` (with the chart's user roles aggregated into it)."""
+    rendered = subprocess.run(
+        [str(op.cluster.bin_dir / "helm"), "template", "placement-roles", str(REPO_ROOT / "helm" / "mig-operator"),
+         "--show-only", "templates/user-roles.yaml"], capture_output=True, text=True, timeout=120, check=True).stdout
+    op.cluster.kubectl("apply", "-f", "-", input=rendered)
+    op.cluster.kubectl("create", "rolebinding", f"{user}-edit", "--clusterrole=edit", f"--user={user}", "-n", ns)
+    wait_until(lambda: op.cluster.kubectl("auth", "can-i", "create", "gpuslices.cdmo.io", "-n", ns, f"--as={user}",
+                                          check=False).stdout.strip() == "yes", 30, f"{user} may create GpuSlices")
 
 
 def test_a_fraction_gpu_serves_one_namespace_unless_its_node_shares(operator: OperatorHarness) -> None:
@@ -46,11 +59,24 @@ def test_a_fraction_gpu_serves_one_namespace_unless_its_node_shares(operator: Op
     assert operator.wait_phase(team_a, "a2", "Ready")["status"]["gpu"] == x
     # GPU x has 46068 - 40960 = 5108 MiB free, GPU y 35828: only y has room for 10Gi, and it is team-b's.
     assert L40S_MIB - 40 * GIB_MIB < 10 * GIB_MIB <= L40S_MIB - 10 * GIB_MIB
-    operator.create_slice(team_c, "c1", {"memory": "10Gi", "nodeName": frac.name})
+    # team-c's tenant (edit in its namespace) asks for that GPU by pinning the node: it waits.
+    tenant = "tenant-c"
+    as_tenant(operator, team_c, tenant)
+    c1 = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "GpuSlice", "metadata": {"name": "c1", "namespace": team_c},
+          "spec": {"memory": "10Gi", "nodeName": frac.name}}
+    operator.cluster.kubectl("apply", "-f", "-", f"--as={tenant}", input=yaml.safe_dump(c1))
     waiting = operator.wait_phase(team_c, "c1", "Pending", reason="OtherNamespace")["status"]
     for part in (f"GPU {y} of node {frac.name}", f"namespace {team_b}", team_c,
                  f"kubectl label node {frac.name} {SHARING_LABEL}={SHARING_VALUE}"):
         assert part in waiting["message"], waiting["message"]
+    # Nor can the tenant lift the rule: the label is the admin's, the GpuNode its agent's.
+    label = operator.cluster.kubectl("label", "node", frac.name, f"{SHARING_LABEL}={SHARING_VALUE}",
+                                     f"--as={tenant}", check=False)
+    assert label.returncode != 0 and "forbidden" in label.stderr, label.stderr
+    patch = operator.cluster.kubectl("patch", "gn", frac.name, "--subresource=status", "--type=merge", "-p",
+                                     '{"status": {"gpus": []}}', f"--as={tenant}", check=False)
+    assert patch.returncode != 0 and "forbidden" in patch.stderr, patch.stderr
+    assert status(operator, team_c, "c1")["reason"] == "OtherNamespace"
 
     # MIG instances are isolated in hardware: two namespaces on one H100, as before.
     operator.create_slice(team_a, "m1", {"memory": "9Gi", "nodeName": mig.name})
