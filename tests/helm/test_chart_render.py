@@ -306,6 +306,13 @@ def test_the_rendered_arguments_parse_and_agree_with_each_other(render: Any, nam
     # The shim: installed by the agents' init container.
     assert container(docs, "DaemonSet", "install-shim", init=True)["volumeMounts"] == [
         {"name": "shim", "mountPath": "/host-shim"}]
+    # The slices' ledger directories: the agent makes them where its kubelet plugin derives them from
+    # --shim-host-dir, at the host's own path (the CDI specs name host paths).
+    from mig_operator.kube.agent.kubelet_plugin import PluginSettings
+
+    ledgers = PluginSettings(shim_host_dir=agent.shim_host_dir).ledger_host_dir
+    assert _volume(docs, "DaemonSet", "ledgers")["hostPath"] == {"path": ledgers, "type": "DirectoryOrCreate"}
+    assert {"name": "ledgers", "mountPath": ledgers} in agent_container["volumeMounts"]
     # The agent's node comes from the downward API; its record lives in the host state directory.
     assert agent.node == "node-a"
     assert next(e for e in agent_container["env"] if e["name"] == "NODE_NAME")["valueFrom"] == {

@@ -123,7 +123,7 @@ class Node:
         self.model = model
         self.api = ApiStandIn()
         self.settings = PluginSettings(registry_dir=str(root / "reg"), plugin_dir=str(root / "plug"),
-                                       cdi_dir=str(root / "cdi"), shim_host_dir="/opt/shim",
+                                       cdi_dir=str(root / "cdi"), shim_host_dir=str(root / "shim"),
                                        nvidia_cdi_dirs=(str(root / "etc-cdi"), str(root / "cdi")))
         (root / "reg").mkdir()
         self.agent: NodeAgent | None = None
@@ -200,8 +200,9 @@ def test_registration_prepare_unprepare_repeated(root: Path) -> None:
             spec = json.loads(node.spec_path("s-1").read_text())
             expected = slice_spec(SliceDevice("s-1", "team", "train", "mig", inst.device_uuid, 10 * 2**30,
                                               tuple(device_nodes(str(root / "sim.json.devices"), 0, inst.gi_id, 0)),
-                                              "/opt/shim"))
+                                              str(root / "shim"), str(root / "ledgers")))
             assert spec == expected
+            assert not (root / "ledgers").exists()  # a MIG slice has no shim, so no ledger
             paths = [n["path"] for n in spec["devices"][0]["containerEdits"]["deviceNodes"]]
             assert paths[-2:] == [f"/dev/nvidia-caps/nvidia-cap{simulated_cap_minor(0, inst.gi_id)}",
                                   f"/dev/nvidia-caps/nvidia-cap{simulated_cap_minor(0, inst.gi_id, 0)}"]
@@ -255,6 +256,70 @@ def test_a_fraction_that_is_its_whole_gpu_gets_no_shim(root: Path, granted: int,
             await node.stop()
 
     asyncio.run(scenario())
+
+
+def test_a_fraction_claim_gets_its_own_ledger_directory_until_unprepared(root: Path) -> None:
+    """Issue 24: the shim's ledger is a directory per slice beside the shim's on the node, mounted at
+    one fixed path into every container of every pod of the claim; it lives from prepare to unprepare,
+    survives the kubelet asking again and an agent restart, and one no prepared claim names goes."""
+    async def scenario() -> None:
+        node = Node(root, "l40s-48gb")
+        await node.start()
+        kubelet = FakeKubelet(str(root / "reg" / "gpu.cdmo.io-reg.sock"))
+        ledger = root / "ledgers" / "f-1"
+        try:
+            await kubelet.register()
+            await node.add_slice(fraction_slice("f-1", "job", 8 * 2**30))
+            node.add_claim(allocated_claim("c-1", "job", "f-1"))
+            assert (await kubelet.prepare(("c-1", "job"))).claims["c-1"].error == ""
+            assert ledger.is_dir() and stat.S_IMODE(ledger.stat().st_mode) == 0o1777  # any uid, sticky
+            mounts = json.loads(node.spec_path("f-1").read_text())["devices"][0]["containerEdits"]["mounts"]
+            assert mounts[1] == {"hostPath": str(ledger), "containerPath": "/run/cdmo/ledger",
+                                 "options": ["rw", "nosuid", "nodev", "noexec", "bind"]}
+            (ledger / "gpu-0123").write_text("in use")  # a process of the pod holds memory in it
+            assert (await kubelet.prepare(("c-1", "job"))).claims["c-1"].error == ""
+            assert (ledger / "gpu-0123").read_text() == "in use"  # asked again: kept as it is
+
+            await kubelet.close()
+            await node.stop()
+            (root / "ledgers" / "gone-slice").mkdir()  # left by a claim unprepared while the agent was down
+            await node.start()
+            kubelet = FakeKubelet(str(root / "reg" / "gpu.cdmo.io-reg.sock"))
+            await kubelet.register()
+            assert (ledger / "gpu-0123").exists() and not (root / "ledgers" / "gone-slice").exists()
+
+            assert (await kubelet.unprepare(("c-1", "job"))).claims["c-1"].error == ""
+            assert not ledger.exists()
+        finally:
+            await kubelet.close()
+            await node.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_ledger_path_that_is_not_a_directory_refuses_the_claim(root: Path) -> None:
+    async def scenario() -> None:
+        node = Node(root, "l40s-48gb")
+        await node.start()
+        kubelet = FakeKubelet(str(root / "reg" / "gpu.cdmo.io-reg.sock"))
+        try:
+            await kubelet.register()
+            await node.add_slice(fraction_slice("f-1", "job", 8 * 2**30))
+            node.add_claim(allocated_claim("c-1", "job", "f-1"))
+            (root / "ledgers").mkdir()
+            (root / "ledgers" / "f-1").symlink_to(root / "cdi")
+            error = (await kubelet.prepare(("c-1", "job"))).claims["c-1"].error
+            assert "f-1 is not a directory" in error, error
+        finally:
+            await kubelet.close()
+            await node.stop()
+
+    asyncio.run(scenario())
+
+
+def test_the_ledger_directories_sit_beside_the_shims() -> None:
+    assert PluginSettings().ledger_host_dir == "/var/lib/mig-operator/ledgers"
+    assert PluginSettings(shim_host_dir="/opt/cdmo/shim/").ledger_host_dir == "/opt/cdmo/ledgers"
 
 
 def test_refuses_what_is_not_a_ready_slice_of_this_node(root: Path) -> None:
