@@ -175,7 +175,8 @@ def test_kubelet_plugin_prepares_specs_the_cdi_library_applies(operator: Operato
         (short_dir / node.name / "reg").mkdir(parents=True)
         flags[node.name] = ["--kubelet-registry-dir", str(short_dir / node.name / "reg"),
                             "--kubelet-plugin-dir", str(short_dir / node.name / "plug"),
-                            "--cdi-dir", str(short_dir / node.name / "cdi"), "--shim-host-dir", "/opt/cdmo-shim"]
+                            "--cdi-dir", str(short_dir / node.name / "cdi"),
+                            "--shim-host-dir", str(short_dir / node.name / "shim")]
     agents = {node.name: operator.agent(node, None, *flags[node.name]) for node in (mig, plain)}
     for node in (mig, plain):
         operator.wait_gpunode(node)
@@ -223,9 +224,12 @@ def test_kubelet_plugin_prepares_specs_the_cdi_library_applies(operator: Operato
         granted = notebook["status"]["grantedBytes"]
         assert {"NVIDIA_VISIBLE_DEVICES=void", f"CDMO_GPU_MEMORY_LIMIT={granted}", f"CDMO_SLICE={ns}/notebook",
                 "LD_PRELOAD=/usr/local/lib/cdmo/libgpuslice.so"} <= set(seen["env"])
+        ledger = short_dir / plain.name / "ledgers" / notebook_uid  # made at prepare, beside the shim's directory
         assert [(m["source"], m["destination"]) for m in seen["mounts"]] == \
-            [("/opt/cdmo-shim/libgpuslice.so", "/usr/local/lib/cdmo/libgpuslice.so")]
-        assert "ro" in seen["mounts"][0]["options"]
+            [(str(short_dir / plain.name / "shim" / "libgpuslice.so"), "/usr/local/lib/cdmo/libgpuslice.so"),
+             (str(ledger), "/run/cdmo/ledger")]
+        assert "ro" in seen["mounts"][0]["options"] and "rw" in seen["mounts"][1]["options"]
+        assert ledger.is_dir()
 
         # SIGKILL the MIG node's agent; the restarted one still knows the prepared claim.
         operator.kill(agents[mig.name])
