@@ -485,11 +485,12 @@ def test_the_controller_runs_unprivileged_and_the_agent_with_only_what_mig_needs
     if not variant:
         kubelet = values["agent"]["kubeletDir"]
         assert host_paths == sorted([values["agent"]["stateDir"], values["shim"]["hostDir"],
+                                     "/var/lib/mig-operator/ledgers",  # the slices' ledgers, beside the shim's
                                      f"{kubelet}/plugins_registry", f"{kubelet}/plugins/gpu.cdmo.io",
                                      values["agent"]["cdiDir"], "/etc/cdi"])
         assert agent_pod["runtimeClassName"] == "nvidia"
         assert agent_pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
-    assert len(host_paths) == 6
+    assert len(host_paths) == 7
     # The agent serves the kubelet where the kubelet looks (its flags), and writes CDI specs where it mounts them.
     args = _args(agent)
     mounts = {m["mountPath"]: m.get("readOnly", False) for m in agent["volumeMounts"]}
