@@ -1034,6 +1034,67 @@ static void case_ledger_fixed(void)
     CHECK(used() == 600 * MiB, "the second process's share went back at its exit");
 }
 
+/* A ledger left from an earlier boot is started afresh: the shares its slots
+ * hold belong to processes that are all gone, even those the shim cannot
+ * judge (another pid namespace).  Layout of the file (region.c, version 2,
+ * x86-64): boot id at 48 (40 bytes), slots from 192, 32 bytes each, the pid
+ * first and the pid-namespace inode at +16. */
+#define LEDGER_BOOT 48
+#define LEDGER_SLOTS 192
+static void case_stale_boot(void)
+{
+    open_driver();
+    const char *stage = getenv("SHIMTEST_STAGE");
+    char path[PATH_MAX];
+    snprintf(path, sizeof path, "ledger/gpu-5b3b5d0c1f2e4a779c10abcdef012300");
+    if (!stage) {
+        pid_t pid = fork();
+        if (pid == 0) {
+            CUdeviceptr p;
+            _exit(Alloc(&p, 600 * MiB) == CUDA_SUCCESS ? 0 : 1); /* no exit handler: the share stays */
+        }
+        int st;
+        CHECK(waitpid(pid, &st, 0) == pid && WIFEXITED(st) && WEXITSTATUS(st) == 0, "child");
+        int fd = open(path, O_RDWR);
+        CHECK(fd >= 0, "ledger %s", path);
+        char boot[40] = {0}, want[40] = {0};
+        FILE *b = fopen("/proc/sys/kernel/random/boot_id", "r");
+        CHECK(b && fgets(want, sizeof want, b), "boot id");
+        fclose(b);
+        want[strcspn(want, "\n")] = 0;
+        CHECK(pread(fd, boot, sizeof boot, LEDGER_BOOT) == sizeof boot && !strcmp(boot, want),
+              "the ledger is stamped with this boot (%s)", boot);
+        int found = 0;
+        for (int i = 0; i < 1024 && !found; i++) {
+            uint32_t spid;
+            CHECK(pread(fd, &spid, 4, LEDGER_SLOTS + 32 * i) == 4, "slot");
+            if (spid != (uint32_t)pid) continue;
+            uint64_t other_ns = 1; /* a pid namespace the shim cannot judge: kept */
+            CHECK(pwrite(fd, &other_ns, 8, LEDGER_SLOTS + 32 * i + 16) == 8, "pidns");
+            found = 1;
+        }
+        CHECK(found, "the child's slot");
+        close(fd);
+        setenv("SHIMTEST_STAGE", "same-boot", 1);
+    } else if (!strcmp(stage, "same-boot")) {
+        CHECK(used() == 600 * MiB, "a share the shim cannot judge is kept: %llu MiB",
+              (unsigned long long)(used() / MiB));
+        int fd = open(path, O_RDWR);
+        CHECK(fd >= 0 && pwrite(fd, "an-earlier-boot", 16, LEDGER_BOOT) == 16, "stamp another boot");
+        close(fd);
+        setenv("SHIMTEST_STAGE", "next-boot", 1);
+    } else {
+        CHECK(used() == 0, "a ledger of an earlier boot starts afresh: %llu MiB", (unsigned long long)(used() / MiB));
+        return;
+    }
+    char self[PATH_MAX];
+    ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
+    CHECK(n > 0, "self");
+    self[n] = 0;
+    execl(self, self, "--case", "stale_boot", (char *)NULL); /* a new image opens the ledger again */
+    CHECK(0, "exec: %s", strerror(errno));
+}
+
 /* Issue 24 (a): what a module's globals commit is charged at its load, through
  * every way a program finds the loaders; a load that does not fit is undone
  * and refused; an unload gives the bytes back. */
@@ -1565,6 +1626,7 @@ static const struct tcase cases[] = {
     {"region_file", case_region_file, "CDMO_GPU_MEMORY_LIMIT=1073741824 CDMO_SLICE=team-a/train-1"},
     {"closed", case_closed, "CDMO_GPU_MEMORY_LIMIT=1073741824 FAKE_NDEV=2 SHIMTEST_NO_LEDGER=1"},
     {"ledger_fixed", case_ledger_fixed, "CDMO_GPU_MEMORY_LIMIT=1073741824"},
+    {"stale_boot", case_stale_boot, "CDMO_GPU_MEMORY_LIMIT=1073741824"},
     {"modules", case_modules, "CDMO_GPU_MEMORY_LIMIT=1073741824"},
     {"modules_internal", case_modules, "CDMO_GPU_MEMORY_LIMIT=1073741824 FAKE_PROCADDR_INTERNAL=1"},
     {"modules_nvml", case_modules_nvml,
@@ -1630,6 +1692,7 @@ static int run_case(const struct tcase *c)
         unsetenv("CDMO_SHIM_DISABLE");
         unsetenv("CDMO_SHIM_FOOTPRINT");
         unsetenv("SHIMTEST_NO_LEDGER");
+        unsetenv("SHIMTEST_STAGE");
         char env[512];
         snprintf(env, sizeof env, "%s", c->env);
         for (char *tok = strtok(env, " "); tok; tok = strtok(NULL, " ")) {
