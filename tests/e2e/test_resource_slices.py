@@ -150,12 +150,26 @@ class Kubelet:
             channel.close()
 
 
-def allocated_claim(operator: OperatorHarness, ns: str, name: str, node: SimNode, device: str) -> dict:
-    """A ResourceClaim allocated as kube-scheduler would (status written with the admin's credentials)."""
+def allocated_claim(operator: OperatorHarness, ns: str, name: str, node: SimNode, device: str,
+                    create: bool = False) -> dict:
+    """A ResourceClaim allocated as kube-scheduler would (status written with the admin's credentials):
+    the slice's own, written by the controller, or (``create``) one the admin writes."""
     api = kubernetes.client.CustomObjectsApi(operator.custom.api_client)
-    api.create_namespaced_custom_object("resource.k8s.io", "v1", ns, "resourceclaims", {
-        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": name},
-        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpuslice.cdmo.io"}}]}}})
+    if create:
+        api.create_namespaced_custom_object("resource.k8s.io", "v1", ns, "resourceclaims", {
+            "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": name},
+            "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpuslice.cdmo.io"}}]}}})
+    else:
+        def written() -> bool:
+            try:
+                api.get_namespaced_custom_object("resource.k8s.io", "v1", ns, "resourceclaims", name)
+            except ApiException as exc:
+                if exc.status == 404:
+                    return False
+                raise
+            return True
+
+        wait_until(written, 30, lambda: f"the controller's ResourceClaim {ns}/{name}\n{operator.logs()}")
     return api.patch_namespaced_custom_object_status("resource.k8s.io", "v1", ns, "resourceclaims", name, {
         "status": {"allocation": {"devices": {"results": [
             {"request": "gpu", "driver": DRIVER, "pool": node.name, "device": device}]}}}})
@@ -187,9 +201,9 @@ def test_kubelet_plugin_prepares_specs_the_cdi_library_applies(operator: Operato
     notebook = operator.wait_phase(ns, "notebook", "Ready")
     train_uid, notebook_uid = train["metadata"]["uid"], notebook["metadata"]["uid"]
 
-    mig_claim = allocated_claim(operator, ns, "train-claim", mig, train_uid)
-    fraction_claim = allocated_claim(operator, ns, "nb-claim", plain, notebook_uid)
-    stolen = allocated_claim(operator, ns, "stolen", mig, notebook_uid)  # another node's device
+    mig_claim = allocated_claim(operator, ns, "train", mig, train_uid)
+    fraction_claim = allocated_claim(operator, ns, "notebook", plain, notebook_uid)
+    stolen = allocated_claim(operator, ns, "stolen", mig, notebook_uid, create=True)  # another node's device
 
     kubelets = {name: Kubelet(short_dir / name / "reg") for name in (mig.name, plain.name)}
     try:
