@@ -90,6 +90,8 @@ class ApiDouble:
         return copy.deepcopy(self.objects[path])
 
     async def list(self, path: str, label_selector: str | None = None, field_selector: str | None = None) -> list:
+        if path.endswith("/resourceslices"):  # one node here: the field selector holds for all of them
+            return [copy.deepcopy(o) for p, o in self.objects.items() if p.startswith(f"{path}/")]
         return [copy.deepcopy(o) for p, o in self.objects.items() if "/gpuslices/" in p]
 
     async def merge_patch(self, path: str, body: dict) -> dict:

@@ -374,7 +374,7 @@ AGENT_RULES = {
     ("cdmo.io", "gpunodes"): "create",
     ("cdmo.io", "gpunodes/status"): "patch",
     ("", "nodes"): "get list watch",  # its own Node's label, watched by a metadata.name field selector
-    ("resource.k8s.io", "resourceslices"): "get create update delete",  # its node's devices (DRA)
+    ("resource.k8s.io", "resourceslices"): "list create update delete",  # its node's devices (DRA)
     ("resource.k8s.io", "resourceclaims"): "get",  # a claim's allocation, at NodePrepareResources
     ("", "events"): "create",
 }
