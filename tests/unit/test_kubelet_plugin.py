@@ -514,10 +514,14 @@ def _agent(tmp: Path, *argv: str) -> subprocess.CompletedProcess:
     ("--kubelet-registry-dir", "/" + "r" * 100, "--kubelet-registry-dir: socket '/rrrr"),
     ("--kubelet-plugin-dir", "/" + "p" * 100, "is longer than a unix socket path may be (107 bytes); use a shorter "
      "directory, e.g. --kubelet-plugin-dir /var/lib/kubelet/plugins/gpu.cdmo.io"),
+    ("--toolkit-config", "etc/config.toml", "--toolkit-config 'etc/config.toml' is not an absolute file path; "
+     "use e.g. --toolkit-config /etc/nvidia-container-runtime/config.toml"),
+    ("--toolkit-config", "{dir}", "is a directory, not a file; use e.g. --toolkit-config "
+     "/etc/nvidia-container-runtime/config.toml"),
 ])
 def test_bad_plugin_flags_are_refused_in_one_line(root: Path, flag: str, value: str, fragment: str) -> None:
     (root / "a-file").write_text("")
-    proc = _agent(root, flag, value.replace("{file}", str(root / "a-file")))
+    proc = _agent(root, flag, value.replace("{file}", str(root / "a-file")).replace("{dir}", str(root)))
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert fragment in proc.stderr, proc.stderr
