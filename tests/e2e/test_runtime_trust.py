@@ -31,7 +31,7 @@ def test_runtime_trusted_follows_the_toolkit_configuration(operator: OperatorHar
             config.write_text(text)
         operator.agent(node, None, "--toolkit-config", str(config))
         found = wait_until(lambda node=node: conditions(operator, node).get("RuntimeTrusted"), 30,
-                           lambda: f"GpuNode {node.name}'s RuntimeTrusted\n{operator.logs()}")
+                           lambda node=node: f"GpuNode {node.name}'s RuntimeTrusted\n{operator.logs()}")
         assert (found["status"], found["reason"]) == (status, reason), found
         assert str(config) in found["message"] and KEY in found["message"] and found["lastTransitionTime"]
         if status == "False":
