@@ -91,6 +91,8 @@ class ApiDouble:
         return copy.deepcopy(self.objects[path])
 
     async def list(self, path: str, label_selector: str | None = None, field_selector: str | None = None) -> list:
+        if path.endswith("/resourceslices"):  # one node here: the field selector holds for all of them
+            return [copy.deepcopy(o) for p, o in self.objects.items() if p.startswith(f"{path}/")]
         return [copy.deepcopy(o) for p, o in self.objects.items() if "/gpuslices/" in p]
 
     async def merge_patch(self, path: str, body: dict) -> dict:
@@ -147,9 +149,12 @@ def bound_fraction(name: str, uid: str, gpu: int, granted: int) -> dict:
 
 
 def allocated_claim(claim_uid: str, name: str, device: str) -> dict:
-    """A ResourceClaim as kube-scheduler leaves it: one result of this driver, in this node's pool."""
+    """A ResourceClaim as the controller writes it (controlled by its slice) and kube-scheduler leaves
+    it: one result of this driver, in this node's pool."""
     return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
-            "metadata": {"uid": claim_uid, "name": name, "namespace": NAMESPACE},
+            "metadata": {"uid": claim_uid, "name": name, "namespace": NAMESPACE, "ownerReferences": [
+                {"apiVersion": "cdmo.io/v1alpha1", "kind": "GpuSlice", "name": name, "uid": device,
+                 "controller": True}]},
             "status": {"allocation": {"devices": {"results": [
                 {"request": "gpu", "driver": DRIVER, "pool": NODE, "device": device}]}}}}
 
@@ -431,10 +436,11 @@ def test_agent_prepares_fraction_claims_and_torch_holds_each_limit(
                         list(device.cdi_device_ids)) == (["gpu"], NODE, uid, [f"{DRIVER}/slice={uid}"])
             assert sorted(p.name for p in cdi_dir.iterdir()) == sorted(spec_file_name(uid) for _, uid, _ in SLICES)
             assert await kubelet.prepare(*claims) == prepared  # the kubelet may ask again: same answer
-            # A second claim on a prepared device is refused, with a reason for the pod's events.
+            # A claim that is not the slice's own is refused, with a reason for the pod's events.
             api.objects[resource_claim_path(NAMESPACE, "copy")] = allocated_claim("claim-copy", "copy", SLICES[0][1])
             refused = (await kubelet.prepare(("claim-copy", "copy"))).claims["claim-copy"]
-            assert not refused.devices and f"is already prepared for ResourceClaim {NAMESPACE}/four" in refused.error
+            assert not refused.devices and f"prepared only for that slice's own ResourceClaim {NAMESPACE}/four" \
+                in refused.error
 
             for (claim_uid, name), (_, uid, granted) in zip(claims, SLICES, strict=True):
                 spec_text = (cdi_dir / spec_file_name(uid)).read_text()

@@ -51,6 +51,7 @@ VARIANTS: dict[str, list[str]] = {
         "--set", "agent.nodeSelector.gpu=yes", "--set", "agent.priorityClassName=",
         "--set", "shim.hostDir=/opt/cdmo/shim", "--set", "serviceAccount.controller.name=ctl",
         "--set", "serviceAccount.agent.name=agt",
+        "--set", "agent.toolkitConfig=/usr/local/nvidia/toolkit/.config/nvidia-container-runtime/config.toml",
     ],
 }
 VARIANT_IDS = list(VARIANTS)
@@ -381,7 +382,7 @@ AGENT_RULES = {
     ("cdmo.io", "gpunodes"): "create",
     ("cdmo.io", "gpunodes/status"): "patch",
     ("", "nodes"): "get list watch",  # its own Node's label, watched by a metadata.name field selector
-    ("resource.k8s.io", "resourceslices"): "get create update delete",  # its node's devices (DRA)
+    ("resource.k8s.io", "resourceslices"): "list create update delete",  # its node's devices (DRA)
     ("resource.k8s.io", "resourceclaims"): "get",  # a claim's allocation, at NodePrepareResources
     ("", "events"): "create",
 }
@@ -456,8 +457,10 @@ def test_the_operations_guide_lists_the_same_verbs() -> None:
 # ---- pod privileges ------------------------------------------------------------------------------
 
 
-def test_the_controller_runs_unprivileged_and_the_agent_with_only_what_mig_needs(render: Any,
-                                                                                 variant: list[str]) -> None:
+def test_the_controller_runs_unprivileged_and_the_agent_privileged_in_no_host_namespace(
+        render: Any, variant: list[str]) -> None:
+    """The agent is privileged (as NVIDIA's DRA kubelet plugin): the toolkit gives it its GPUs even with
+    accept-nvidia-visible-devices-envvar-when-unprivileged = false, the setting nodes need (issue 24)."""
     docs = render(*variant)
     ctl_pod = find(docs, "Deployment")["spec"]["template"]["spec"]
     ctl = container(docs, "Deployment", "controller")
@@ -470,8 +473,8 @@ def test_the_controller_runs_unprivileged_and_the_agent_with_only_what_mig_needs
     agent = container(docs, "DaemonSet", "agent")
     for key in ("hostPID", "hostIPC", "hostNetwork", "shareProcessNamespace"):
         assert key not in agent_pod
-    assert agent["securityContext"] == {"runAsUser": 0, "runAsNonRoot": False, "readOnlyRootFilesystem": True,
-                                        "capabilities": {"drop": ["ALL"], "add": ["SYS_ADMIN"]}}
+    assert agent["securityContext"] == {"privileged": True, "runAsUser": 0, "runAsNonRoot": False,
+                                        "readOnlyRootFilesystem": True}
     env = {e["name"]: e.get("value") for e in agent["env"]}
     assert {k: env[k] for k in env if k.startswith("NVIDIA_")} == {
         "NVIDIA_VISIBLE_DEVICES": "all", "NVIDIA_MIG_CONFIG_DEVICES": "all", "NVIDIA_MIG_MONITOR_DEVICES": "all",
@@ -487,16 +490,19 @@ def test_the_controller_runs_unprivileged_and_the_agent_with_only_what_mig_needs
         assert host_paths == sorted([values["agent"]["stateDir"], values["shim"]["hostDir"],
                                      "/var/lib/mig-operator/ledgers",  # the slices' ledgers, beside the shim's
                                      f"{kubelet}/plugins_registry", f"{kubelet}/plugins/gpu.cdmo.io",
-                                     values["agent"]["cdiDir"], "/etc/cdi"])
+                                     values["agent"]["cdiDir"], "/etc/cdi", "/etc/nvidia-container-runtime"])
         assert agent_pod["runtimeClassName"] == "nvidia"
         assert agent_pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
-    assert len(host_paths) == 7
+    assert len(host_paths) == 8
     # The agent serves the kubelet where the kubelet looks (its flags), and writes CDI specs where it mounts them.
     args = _args(agent)
     mounts = {m["mountPath"]: m.get("readOnly", False) for m in agent["volumeMounts"]}
     for directory in (args.kubelet_registry_dir, args.kubelet_plugin_dir, args.cdi_dir):
         assert directory in host_paths and mounts[directory] is False
     assert mounts["/etc/cdi"] is True
+    # The toolkit's configuration, read-only, where the flag reads it (RuntimeTrusted).
+    toolkit_dir = args.toolkit_config.rsplit("/", 1)[0]
+    assert toolkit_dir in host_paths and mounts[toolkit_dir] is True
     assert args.shim_host_dir == _volume(docs, "DaemonSet", "shim")["hostPath"]["path"]
 
 

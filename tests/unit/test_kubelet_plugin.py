@@ -59,6 +59,8 @@ class ApiStandIn:
         return copy.deepcopy(self.objects[path])
 
     async def list(self, path: str, label_selector: str | None = None, field_selector: str | None = None) -> list:
+        if path.endswith("/resourceslices"):  # one node here: the field selector holds for all of them
+            return [copy.deepcopy(o) for p, o in self.objects.items() if p.startswith(f"{path}/")]
         return [copy.deepcopy(o) for p, o in self.objects.items() if p.startswith(SLICES) and "/gpuslices/" in p]
 
     async def merge_patch(self, path: str, body: dict) -> dict:
@@ -109,8 +111,13 @@ def mig_slice(uid: str, name: str, start: int, phase: str = "Bound") -> dict:
                        "profileId": MIG_PROFILE_ID, "profile": MIG_PROFILE, "placement": {"start": start, "size": 1}}}
 
 
-def allocated_claim(uid: str, name: str, device: str, pool: str = NODE) -> dict:
-    return {"metadata": {"uid": uid, "name": name, "namespace": "team"},
+def allocated_claim(uid: str, name: str, device: str, pool: str = NODE, namespace: str = "team",
+                    owner: str | None = "") -> dict:
+    """A claim allocated ``device``; controlled by the GpuSlice of UID ``owner`` ("": the device's
+    slice, as the controller writes it; None: no owner)."""
+    refs = [] if owner is None else [{"apiVersion": "cdmo.io/v1alpha1", "kind": "GpuSlice", "name": name,
+                                      "uid": owner or device, "controller": True}]
+    return {"metadata": {"uid": uid, "name": name, "namespace": namespace, "ownerReferences": refs},
             "status": {"allocation": {"devices": {"results": [
                 {"request": "gpu", "driver": "gpu.cdmo.io", "pool": pool, "device": device}]}}}}
 
@@ -155,7 +162,8 @@ class Node:
         return self.api.objects[path]
 
     def add_claim(self, body: dict) -> None:
-        self.api.objects[f"{CLAIMS}/namespaces/team/resourceclaims/{body['metadata']['name']}"] = body
+        meta = body["metadata"]
+        self.api.objects[f"{CLAIMS}/namespaces/{meta['namespace']}/resourceclaims/{meta['name']}"] = body
 
     def spec_path(self, slice_uid: str) -> Path:
         return self.root / "cdi" / f"gpu.cdmo.io-slice_{slice_uid}.json"
@@ -351,14 +359,72 @@ def test_refuses_what_is_not_a_ready_slice_of_this_node(root: Path) -> None:
             assert all(not r.devices for r in answer.claims.values())
             assert not node.spec_path("s-1").exists() and not node.spec_path("s-2").exists()
 
-            # One device, one claim: a second claim on a prepared device is refused.
+            # One device, one claim: the slice's claim made again (a new UID) while the old one is
+            # still prepared is refused until the kubelet unprepares the old one.
             node.add_claim(allocated_claim("c-1", "train", "s-1"))
-            node.add_claim(allocated_claim("c-2", "copy", "s-1"))
             assert (await kubelet.prepare(("c-1", "train"))).claims["c-1"].error == ""
-            second = await kubelet.prepare(("c-2", "copy"))
+            node.add_claim(allocated_claim("c-2", "train", "s-1"))
+            second = await kubelet.prepare(("c-2", "train"))
             assert "is already prepared for ResourceClaim team/train (uid c-1)" in second.claims["c-2"].error
         finally:
             await kubelet.close()
+            await node.stop()
+
+    asyncio.run(scenario())
+
+
+def test_only_the_slices_own_claim_is_prepared(root: Path) -> None:
+    """Issue 24: kube-scheduler allocates a device to any claim whose selector matches it (another
+    namespace's, allocationMode All); the agent prepares only the claim of the slice's namespace and
+    name that the slice controls, and the victim's own claim still works afterwards."""
+    async def scenario() -> None:
+        node = Node(root)
+        await node.start()
+        tenant = FakeKubelet(str(root / "reg" / "gpu.cdmo.io-reg.sock"))
+        thief = FakeKubelet(str(root / "reg" / "gpu.cdmo.io-reg.sock"), namespace="team-b")
+        try:
+            await tenant.register()
+            await thief.register()
+            await node.add_slice(mig_slice("s-1", "train", 0))
+            # Another namespace: a claim of its own, one named like the slice, one forging the owner.
+            node.add_claim(allocated_claim("c-steal", "steal", "s-1", namespace="team-b", owner=None))
+            node.add_claim(allocated_claim("c-same-name", "train", "s-1", namespace="team-b"))
+            # The slice's namespace: another name, no controller, another slice as controller.
+            node.add_claim(allocated_claim("c-other-name", "copy", "s-1"))
+            stolen = await thief.prepare(("c-steal", "steal"), ("c-same-name", "train"))
+            copied = await tenant.prepare(("c-other-name", "copy"))
+            errors = {uid: r.error for answer in (stolen, copied) for uid, r in answer.claims.items()}
+            mine = "belongs to GpuSlice team/train (uid s-1) and is prepared only for that slice's own " \
+                   "ResourceClaim team/train"
+            assert errors["c-steal"].startswith(
+                "ResourceClaim team-b/steal (uid c-steal): device gpu.cdmo.io/node-a/s-1 " + mine)
+            assert "this is ResourceClaim team-b/steal" in errors["c-steal"]
+            assert errors["c-same-name"].startswith(
+                "ResourceClaim team-b/train (uid c-same-name): device gpu.cdmo.io/node-a/s-1 " + mine)
+            assert errors["c-other-name"].startswith(
+                "ResourceClaim team/copy (uid c-other-name): device gpu.cdmo.io/node-a/s-1 " + mine)
+            for uid, owner in (("c-loose", None), ("c-forged", "s-other")):
+                body = allocated_claim(uid, "train", "s-1", owner=owner)
+                if owner is None:
+                    body["metadata"]["ownerReferences"] = [{"apiVersion": "cdmo.io/v1alpha1", "kind": "GpuSlice",
+                                                            "name": "train", "uid": "s-1"}]  # not controller
+                node.add_claim(body)
+                errors[uid] = (await tenant.prepare((uid, "train"))).claims[uid].error
+            assert "ResourceClaim team/train is not controlled by a GpuSlice" in errors["c-loose"]
+            assert "ResourceClaim team/train is controlled by GpuSlice UID s-other, not by this slice" \
+                in errors["c-forged"]
+            assert all(mine in e for e in errors.values()), errors
+            assert not node.spec_path("s-1").exists()
+            assert node.agent is not None and not node.agent.store.prepared
+
+            # The slice's own claim, after all that: prepared (not "already prepared" for a thief).
+            node.add_claim(allocated_claim("c-1", "train", "s-1"))
+            answer = await tenant.prepare(("c-1", "train"))
+            assert answer.claims["c-1"].error == ""
+            assert list(answer.claims["c-1"].devices[0].cdi_device_ids) == ["gpu.cdmo.io/slice=s-1"]
+        finally:
+            await tenant.close()
+            await thief.close()
             await node.stop()
 
     asyncio.run(scenario())
@@ -513,10 +579,14 @@ def _agent(tmp: Path, *argv: str) -> subprocess.CompletedProcess:
     ("--kubelet-registry-dir", "/" + "r" * 100, "--kubelet-registry-dir: socket '/rrrr"),
     ("--kubelet-plugin-dir", "/" + "p" * 100, "is longer than a unix socket path may be (107 bytes); use a shorter "
      "directory, e.g. --kubelet-plugin-dir /var/lib/kubelet/plugins/gpu.cdmo.io"),
+    ("--toolkit-config", "etc/config.toml", "--toolkit-config 'etc/config.toml' is not an absolute file path; "
+     "use e.g. --toolkit-config /etc/nvidia-container-runtime/config.toml"),
+    ("--toolkit-config", "{dir}", "is a directory, not a file; use e.g. --toolkit-config "
+     "/etc/nvidia-container-runtime/config.toml"),
 ])
 def test_bad_plugin_flags_are_refused_in_one_line(root: Path, flag: str, value: str, fragment: str) -> None:
     (root / "a-file").write_text("")
-    proc = _agent(root, flag, value.replace("{file}", str(root / "a-file")))
+    proc = _agent(root, flag, value.replace("{file}", str(root / "a-file")).replace("{dir}", str(root)))
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert fragment in proc.stderr, proc.stderr

@@ -8,8 +8,11 @@ Two unix sockets, as the kubelet's plugin manager expects:
 - ``<plugin dir>/dra.sock``: ``NodePrepareResources`` / ``NodeUnprepareResources``.
 
 Prepare reads each ResourceClaim from the API server, checks that what the scheduler allocated from
-this driver is a device of this node's pool and a slice the agent holds Ready, writes the slice's CDI
-spec (for a fraction, after making the slice's ledger directory the spec mounts) and answers its CDI device ID (plus the NVIDIA toolkit's ID for the same UUID where the node has
+this driver is a device of this node's pool, a slice the agent holds Ready, and that the claim is that
+slice's own (``core.claim_owner``: a claim of another namespace may be allocated any device its
+selector matches, so the scheduler's word is not enough), writes the slice's CDI spec (for a fraction,
+after making the slice's ledger directory the spec mounts) and answers its CDI device ID (plus the
+NVIDIA toolkit's ID for the same UUID where the node has
 that spec: the driver's user-space libraries come from it). The prepared claim is recorded before
 the answer, so that an agent restarted later still unprepares it and still holds the instance.
 Both calls are idempotent; a claim's failure is its own error string, which the kubelet shows in
@@ -45,6 +48,7 @@ from mig_operator.core.cdi import (
     slice_spec,
     spec_file_name,
 )
+from mig_operator.core.claim_owner import claim_refusal
 from mig_operator.core.cluster import MODE_FRACTION, MODE_MIG
 from mig_operator.core.lifecycle import OwnerEntry
 from mig_operator.gpu.device_files import DeviceFileError, device_nodes
@@ -242,6 +246,9 @@ class ClaimPreparer:
             if entry is None:
                 raise PrepareRefused(f"{ref}: {where} is not a slice Ready on node {holder.node} "
                                      "(deleted, failed, not yet Ready, or bound elsewhere)")
+            refusal = claim_refusal(body["metadata"], name, entry.slice)
+            if refusal is not None:
+                raise PrepareRefused(f"{ref}: {where} {refusal}")
             others = [c for c in holder.store.claims_on(name) if c.claim_uid != claim.uid]
             if others:
                 other = others[0]
