@@ -61,20 +61,21 @@ def pct(values: list[float], q: float) -> float:
 class Plane:
     """The control plane: started for this run unless MIG_OPERATOR_RUN names a running one."""
 
-    def __init__(self, components: str = "kwok") -> None:
+    def __init__(self, components: str = "kwok", up_args: tuple[str, ...] = ()) -> None:
         self.own = "MIG_OPERATOR_RUN" not in os.environ
         self.dir = Path(tempfile.mkdtemp(prefix="mig-bench-"))
         self.env = dict(os.environ, PYTHONUNBUFFERED="1")
         if self.own:
             self.env["MIG_OPERATOR_RUN"] = str(self.dir / "plane")
         subprocess.run([str(CONTROL_PLANE), "build"], check=True, env=self.env)
-        up = subprocess.run([str(CONTROL_PLANE), "up", "--with", components], env=self.env, capture_output=True,
-                            text=True, check=True)
+        up = subprocess.run([str(CONTROL_PLANE), "up", "--with", components, *up_args], env=self.env,
+                            capture_output=True, text=True, check=True)
         self.kubeconfig = up.stdout.strip().splitlines()[-1].removeprefix("KUBECONFIG=")
         self.env["KUBECONFIG"] = self.kubeconfig
         env = dict(line.split("=", 1) for line in subprocess.run(
             [str(CONTROL_PLANE), "env"], env=self.env, capture_output=True, text=True).stdout.splitlines())
         self.kubectl = str(Path(env["BIN_DIR"]) / "kubectl")
+        self.state_dir = Path(env["STATE_DIR"])
         self.api = kubernetes.config.new_client_from_config(config_file=self.kubeconfig)
 
     def down(self) -> None:

@@ -1,17 +1,26 @@
 """Annotated pods, created to Running: 100 pods on kwok nodes, with new instances and then reused
-ones, against plain pods (no annotation) in the same run.
+ones, against plain pods (no annotation) and DRA-native pods in the same run.
 
     .venv/bin/python bench/pod_latency.py [--pods 100] [--nodes 4] [--latency 0] [--gap 0] [--json out.json]
+                                          [--scheduler-qps N] [--scheduler-burst N]
+                                          [--controller-manager-qps N] [--controller-manager-burst N]
 
 The whole path runs for real: the admission webhook (served by the controller), the pod's GpuSlice,
 binding, the agent (simulated GPUs) and its ResourceSlice, the slice's ResourceClaim, ungating,
 kube-scheduler allocating the claim and binding the pod, kwok starting it. Created-to-Running is
 measured from just before the client's create call to the moment a watch on the pods first shows
-the pod Running (this machine's clock for both). First round: plain pods, the baseline. Then every
-annotated pod needs a new MIG instance; then all pods are deleted, and the last round finds the
-instances idle and reuses them. Writes per pod: kube-apiserver's own count of non-GET requests
-during a round (every client: operator, scheduler, controller-manager, kwok), over the pods. CPU
-per pod: each part's CPU time over the round, over the pods (where two vCPUs go in a burst).
+the pod Running (this machine's clock for both). First round: plain pods, the baseline. Second,
+DRA-native pods: each names a ResourceClaimTemplate of a stand-in DeviceClass whose devices a
+stand-in ResourceSlice per node published in advance (no operator in their path: what a user of a
+static DRA driver pays on the same plane). Then every annotated pod needs a new MIG instance; then
+all pods are deleted, and the last round finds the instances idle and reuses them. Writes per pod:
+kube-apiserver's own count of non-GET requests during a round (every client: operator, scheduler,
+controller-manager, kwok), over the pods. CPU per pod: each part's CPU time over the round, over the
+pods (where the CPUs go in a burst).
+
+The client rate limiters of kube-scheduler and kube-controller-manager (--scheduler-qps/-burst,
+--controller-manager-qps/-burst, passed to the plane this run starts) are reported as the running
+programs have them, read from their command lines.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -39,6 +49,66 @@ def free_port() -> int:
 
 
 PLANE_PROGRAMS = ("kube-apiserver", "etcd", "kube-scheduler", "kube-controller-manager", "kwok")
+# The programs' clientConnection defaults (KubeSchedulerConfiguration v1; kube-controller-manager's
+# --kube-api-qps/--kube-api-burst), in force without the flags.
+LIMITER_DEFAULTS = {"kube-scheduler": {"qps": 50.0, "burst": 100},
+                    "kube-controller-manager": {"qps": 20.0, "burst": 30}}
+# The DRA-native round's stand-in driver: a DeviceClass of this name selects its devices.
+STANDIN_DRIVER = "standin.example.com"
+STANDIN_TEMPLATE = "standin"
+
+
+def positive(kind: type, most: int) -> Callable[[str], float | int]:
+    """argparse type: a number of ``kind`` in (0, most], as scripts/control-plane takes it; anything
+    else is a usage error naming it."""
+    def parse(text: str) -> float | int:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = 0
+        if not 0 < value <= most or (kind is float and round(value, 6) != value):
+            example = "1000" if kind is float else "2000"
+            what = "number from 0.000001" if kind is float else "whole number from 1"
+            raise argparse.ArgumentTypeError(f"'{text}' is not a {what} to {most} (e.g. {example})")
+        return value
+    return parse
+
+
+def client_limiter(plane: Plane, program: str) -> dict:
+    """A running program's client limiter, from its command line (the plane may be one this run did
+    not start): qps, burst, and the flags that set them (none: the program's defaults)."""
+    pid = (plane.state_dir / "pids" / program).read_text().split()[0]
+    args = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+    flags = [a for a in args if a.startswith(("--kube-api-qps=", "--kube-api-burst="))]
+    got = dict(a.removeprefix("--kube-api-").split("=", 1) for a in flags)
+    return {"qps": float(got.get("qps", LIMITER_DEFAULTS[program]["qps"])),
+            "burst": int(got.get("burst", LIMITER_DEFAULTS[program]["burst"])), "flags": flags}
+
+
+def standin_driver(custom: kubernetes.client.CustomObjectsApi, nodes: list[str], ns: str, per_node: int) -> None:
+    """What a static DRA driver has published before any pod comes: a DeviceClass, one ResourceSlice
+    of ``per_node`` devices on each node, and a ResourceClaimTemplate that asks for one device."""
+    group, version = "resource.k8s.io", "v1"
+    custom.create_cluster_custom_object(group, version, "deviceclasses", {
+        "apiVersion": f"{group}/{version}", "kind": "DeviceClass", "metadata": {"name": STANDIN_DRIVER},
+        "spec": {"selectors": [{"cel": {"expression": f'device.driver == "{STANDIN_DRIVER}"'}}]}})
+    for node in nodes:
+        custom.create_cluster_custom_object(group, version, "resourceslices", {
+            "apiVersion": f"{group}/{version}", "kind": "ResourceSlice", "metadata": {"name": f"standin-{node}"},
+            "spec": {"driver": STANDIN_DRIVER, "nodeName": node,
+                     "pool": {"name": node, "generation": 1, "resourceSliceCount": 1},
+                     "devices": [{"name": f"dev-{i}"} for i in range(per_node)]}})
+    custom.create_namespaced_custom_object(group, version, ns, "resourceclaimtemplates", {
+        "apiVersion": f"{group}/{version}", "kind": "ResourceClaimTemplate", "metadata": {"name": STANDIN_TEMPLATE},
+        "spec": {"spec": {"devices": {"requests": [{"name": "dev", "exactly": {"deviceClassName": STANDIN_DRIVER}}]}}}})
+
+
+def remove_standin_driver(custom: kubernetes.client.CustomObjectsApi, nodes: list[str]) -> None:
+    for plural, name in [("deviceclasses", STANDIN_DRIVER), *(("resourceslices", f"standin-{n}") for n in nodes)]:
+        try:
+            custom.delete_cluster_custom_object("resource.k8s.io", "v1", plural, name)
+        except kubernetes.client.ApiException:
+            pass
 
 
 def cpu_seconds(cluster: Cluster) -> dict[str, float]:
@@ -69,10 +139,10 @@ def cpu_seconds(cluster: Cluster) -> dict[str, float]:
 
 
 def round_trip(core: kubernetes.client.CoreV1Api, ns: str, pods: int, memory: str | None, tag: str,
-               gap_s: float = 0.0) -> dict[str, list[float]]:
-    """Create ``pods`` pods (annotated for ``memory``; plain when None) at once: seconds from create
-    to first seen Running, each; and the two halves, create to the slice's Ready (its
-    status.phaseTimes) and from there to Running."""
+               gap_s: float = 0.0, claim_template: str | None = None) -> dict[str, list[float]]:
+    """Create ``pods`` pods (annotated for ``memory``; plain when None; with a claim from
+    ``claim_template`` when given) at once: seconds from create to first seen Running, each; and the
+    two halves, create to the slice's Ready (its status.phaseTimes) and from there to Running."""
     created: dict[str, float] = {}
     running: dict[str, float] = {}
     ungated: dict[str, float] = {}  # an annotated pod first seen without the operator's gate
@@ -115,6 +185,9 @@ def round_trip(core: kubernetes.client.CoreV1Api, ns: str, pods: int, memory: st
                 "metadata": {"name": name, "annotations": {"cdmo.io/gpu-memory": memory} if memory else {}},
                 "spec": {"tolerations": [{"key": "kwok.x-k8s.io/node", "operator": "Exists"}],
                          "containers": [{"name": "main", "image": "busybox"}]}}
+        if claim_template:
+            body["spec"]["resourceClaims"] = [{"name": "dev", "resourceClaimTemplateName": claim_template}]
+            body["spec"]["containers"][0]["resources"] = {"claims": [{"name": "dev"}]}
         created[name] = time.time()
         core.create_namespaced_pod(ns, body)
 
@@ -144,6 +217,7 @@ def round_trip(core: kubernetes.client.CoreV1Api, ns: str, pods: int, memory: st
         "slice_ready_to_ungated": [ungated[n] - ready[n] for n in ready if n in ungated],
         "ungated_to_bound": [bound[n] - ungated[n] for n in ungated if n in bound],
         "bound_to_running": [running[n] - bound[n] for n in bound if n in running],
+        "created_to_bound": [bound[n] - created[n] for n in bound],
         "send_s": [max(created.values()) - min(created.values())],
         "watches_reopened": [float(reopened[0])],
     }
@@ -156,25 +230,43 @@ def main() -> int:
     parser.add_argument("--latency", type=float, default=0.0, help="simulated seconds per NVML create/destroy")
     parser.add_argument("--gap", type=float, default=0.0,
                         help="seconds between two creates (default 0: all at once, from 16 threads)")
+    for part, default in (("scheduler", "50/100"), ("controller-manager", "20/30")):
+        parser.add_argument(f"--{part}-qps", type=positive(float, 999_999_999),
+                            help=f"kube-{part}'s client QPS (control-plane up --{part}-qps; default {default})")
+        parser.add_argument(f"--{part}-burst", type=positive(int, 2**31 - 1),
+                            help=f"kube-{part}'s client burst (control-plane up --{part}-burst)")
     parser.add_argument("--json")
     args = parser.parse_args()
-    plane = Plane("scheduler,controller-manager,kwok")  # pods need binding; deleted pods' slices need GC
+    up_args: tuple[str, ...] = ()
+    for flag, value in (("scheduler-qps", args.scheduler_qps), ("scheduler-burst", args.scheduler_burst),
+                        ("controller-manager-qps", args.controller_manager_qps),
+                        ("controller-manager-burst", args.controller_manager_burst)):
+        if value:  # a QPS as scripts/control-plane takes it: at most 6 decimals, no exponent
+            text = f"{value:.6f}".rstrip("0").rstrip(".") if flag.endswith("qps") else str(value)
+            up_args += (f"--{flag}={text}",)
+    # Pods need binding; deleted pods' slices need GC; template claims need the resourceclaim controller.
+    plane = Plane("scheduler,controller-manager,kwok", up_args)
+    limiters = {key: client_limiter(plane, program) for key, program in
+                (("scheduler_limiter", "kube-scheduler"), ("controller_manager_limiter", "kube-controller-manager"))}
+    if up_args and not plane.own:
+        print(f"note: MIG_OPERATOR_RUN names a running plane, whose limits are {limiters}", file=sys.stderr)
     port = free_port()
     cluster = Cluster(plane, args.nodes, args.latency, controller_args=(
         "--webhook", f"127.0.0.1:{port}", "--webhook-config", f"bench-{os.getpid()}", "--namespace", "kube-system"))
     core = cluster.core
     ns = f"pods-{os.getpid()}"
     core.create_namespace({"metadata": {"name": ns}})
-    time.sleep(2)  # the webhook configuration is in place
     custom = kubernetes.client.CustomObjectsApi(plane.api)
+    standin_driver(custom, cluster.names, ns, per_node=min(128, args.pods))  # 128: a ResourceSlice's most
+    time.sleep(2)  # the webhook configuration is in place
     writes: dict[str, float] = {}
     by_resource: dict[str, dict[str, float]] = {}
     cpu: dict[str, dict[str, float]] = {}
     events: dict[str, dict[str, int]] = {}  # component/reason -> Events (counts included) on the round's pods
 
-    def measured(memory: str | None, tag: str) -> dict[str, list[float]]:
+    def measured(memory: str | None, tag: str, claim_template: str | None = None) -> dict[str, list[float]]:
         before, cpu_before = plane.apiserver_writes(), cpu_seconds(cluster)
-        times = round_trip(core, ns, args.pods, memory, tag, args.gap)
+        times = round_trip(core, ns, args.pods, memory, tag, args.gap, claim_template)
         after, cpu_after = plane.apiserver_writes(), cpu_seconds(cluster)
         cpu[tag] = {part: round(1000 * (cpu_after[part] - cpu_before.get(part, 0.0)) / args.pods, 2)
                     for part in sorted(cpu_after)}
@@ -189,7 +281,7 @@ def main() -> int:
         events[tag] = dict(sorted(reasons.items()))
         core.delete_collection_namespaced_pod(ns, grace_period_seconds=0)
         # The next round starts once this one's objects are gone: pods, slices and their claims (the
-        # garbage collector deletes a claim after its slice), so no clean-up is counted in it.
+        # garbage collector deletes a claim after its slice or its pod), so no clean-up is counted in it.
         deadline = time.monotonic() + 120
         while (custom.list_namespaced_custom_object("cdmo.io", "v1alpha1", ns, "gpuslices")["items"]
                or custom.list_namespaced_custom_object("resource.k8s.io", "v1", ns, "resourceclaims")["items"]
@@ -200,13 +292,14 @@ def main() -> int:
         return times
 
     try:
-        plain = measured(None, "plain")
-        new = measured("9Gi", "new")
-        reused = measured("9Gi", "again")
+        rounds = {"plain": measured(None, "plain"), "dra_native": measured(None, "dra", STANDIN_TEMPLATE),
+                  "new": measured("9Gi", "new"), "reused": measured("9Gi", "again")}
     finally:
         cluster.stop()
+        remove_standin_driver(custom, cluster.names)
         core.delete_namespace(ns)
         plane.down()
+
     def summary(times: dict[str, list[float]]) -> dict:
         out = {part: {"p50_ms": 1000 * pct(v, 0.5), "p99_ms": 1000 * pct(v, 0.99)}
                for part, v in times.items() if part not in ("send_s", "watches_reopened") and v}
@@ -214,21 +307,44 @@ def main() -> int:
         out["watches_reopened"] = int(times["watches_reopened"][0])
         return out
 
+    tags = {"plain": "plain", "dra_native": "dra", "new": "new", "reused": "again"}
     result = {"pods": args.pods, "nodes": args.nodes, "gpus": args.nodes * 8, "latency_s": args.latency,
-              "gap_s": args.gap, "plain": {key: summary(plain)[key] for key in ("total", "send_s", "watches_reopened")},
-              "new": summary(new), "reused": summary(reused),
-              "writes_per_pod": {"plain": writes["plain"], "new": writes["new"], "reused": writes["again"]},
-              "writes_per_pod_by_resource": {"plain": by_resource["plain"], "new": by_resource["new"],
-                                             "reused": by_resource["again"]},
+              "gap_s": args.gap, "cpus": len(os.sched_getaffinity(0)), **limiters,
+              **{name: summary(times) for name, times in rounds.items()},
+              "writes_per_pod": {name: writes[tag] for name, tag in tags.items()},
+              "writes_per_pod_by_resource": {name: by_resource[tag] for name, tag in tags.items()},
               # CPU milliseconds per pod by part, from the round's start to its last pod Running.
-              "cpu_ms_per_pod": {"plain": cpu["plain"], "new": cpu["new"], "reused": cpu["again"]},
-              "events": {"plain": events["plain"], "new": events["new"], "reused": events["again"]}}
-    baseline = pct(plain["total"], 0.5)
-    result["ratio_p50"] = {"new": pct(new["total"], 0.5) / baseline, "reused": pct(reused["total"], 0.5) / baseline}
+              "cpu_ms_per_pod": {name: cpu[tag] for name, tag in tags.items()},
+              "events": {name: events[tag] for name, tag in tags.items()}}
+    p50 = {name: pct(times["total"], 0.5) for name, times in rounds.items()}
+    result["ratio_p50"] = {"dra_native": p50["dra_native"] / p50["plain"], "new": p50["new"] / p50["plain"],
+                           "reused": p50["reused"] / p50["plain"],
+                           "reused_over_dra_native": p50["reused"] / p50["dra_native"]}
     print(json.dumps(result, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
+    print(text_summary(result), file=sys.stderr)
     return 0
+
+
+def text_summary(result: dict) -> str:
+    """The figures a reader compares, one round a line (the JSON has the rest)."""
+    def limits(key: str) -> str:
+        limiter = result[key]
+        return f"qps {limiter['qps']:g}, burst {limiter['burst']}" + ("" if limiter["flags"] else " (defaults)")
+
+    lines = [f"{result['pods']} pods, gap {result['gap_s']} s, {result['cpus']} CPUs; client limiters: kube-scheduler "
+             f"{limits('scheduler_limiter')}; kube-controller-manager {limits('controller_manager_limiter')}",
+             "round        total p50/p99 ms   ->Ready   Ready->ungated  ungated->bound  ->bound  writes/pod  p50/plain"]
+    for name in ("plain", "dra_native", "new", "reused"):
+        r = result[name]
+        split = [f"{r[part]['p50_ms']:.0f}" if part in r else "-"
+                 for part in ("to_slice_ready", "slice_ready_to_ungated", "ungated_to_bound", "created_to_bound")]
+        ratio = result["ratio_p50"].get(name, 1.0)
+        lines.append(f"{name:<12} {r['total']['p50_ms']:>7.0f}/{r['total']['p99_ms']:<8.0f} {split[0]:>9} "
+                     f"{split[1]:>15} {split[2]:>15} {split[3]:>8} "
+                     f"{result['writes_per_pod'][name]:>11.1f} {ratio:>10.1f}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,9 @@ BENCH = ROOT / "bench"
 
 
 def build() -> Path:
-    subprocess.run(["make", "-C", str(ROOT / "shim")], check=True, capture_output=True)
+    # the tests' copy of the library: the same code, its ledger the relative directory "ledger" (the
+    # library proper has the directory a slice's CDI spec mounts built in)
+    subprocess.run(["make", "-C", str(ROOT / "shim"), "build/test/libgpuslice.so"], check=True, capture_output=True)
     exe = Path(tempfile.gettempdir()) / "shim_alloc_bench"
     subprocess.run(["cc", "-O2", "-std=c11", "-Wall", "-Wextra", "-Werror", str(BENCH / "shim_alloc_bench.c"),
                     "-o", str(exe), "-ldl"], check=True)
@@ -44,13 +46,15 @@ def env_for(shim: bool, tmp: str) -> dict:
     for k in ("LD_PRELOAD", "CDMO_GPU_MEMORY_LIMIT", "CDMO_SHIM_DISABLE"):
         env.pop(k, None)
     if shim:
-        env.update({"LD_PRELOAD": str(ROOT / "shim" / "libgpuslice.so"),
-                    "CDMO_GPU_MEMORY_LIMIT": str(64 << 30), "CDMO_SLICE": "bench/overhead", "CDMO_SHIM_DIR": tmp})
+        os.makedirs(os.path.join(tmp, "ledger"), exist_ok=True)
+        env.update({"LD_PRELOAD": str(ROOT / "shim" / "build" / "test" / "libgpuslice.so"),
+                    "CDMO_GPU_MEMORY_LIMIT": str(64 << 30), "CDMO_SLICE": "bench/overhead", "BENCH_CWD": tmp})
     return env
 
 
 def run_json(cmd: list[str], env: dict) -> dict:
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True, timeout=600).stdout
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True, timeout=600,
+                         cwd=env.get("BENCH_CWD")).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 

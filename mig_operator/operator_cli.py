@@ -17,6 +17,7 @@ from types import FrameType
 
 from .core.compat import UnknownDialect, check_dialects
 from .core.quantities import QuantityError
+from .core.runtime_trust import DEFAULT_CONFIG as TOOLKIT_CONFIG
 from .core.slice_spec import MAX_NODE_NAME_LENGTH, NODE_NAME
 
 DURATION_EXAMPLE = "10m"
@@ -184,6 +185,9 @@ def add_operator_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cdi-dir", default="/var/run/cdi", help="where the CDI specs of prepared slices are written")
     p.add_argument("--shim-host-dir", default="/var/lib/mig-operator/shim",
                    help="host directory holding libgpuslice.so, mounted read-only into fraction containers")
+    p.add_argument("--toolkit-config", default=TOOLKIT_CONFIG,
+                   help="the node's NVIDIA container toolkit config.toml, read for the GpuNode's RuntimeTrusted "
+                   "condition ('' publishes none)")
     p.set_defaults(func=cmd_agent)
 
     p = sub.add_parser("top", help="who holds which GPU slots and memory, what waits, and the namespaces' quotas")
@@ -205,6 +209,17 @@ def _directory_flag(flag: str, text: str, example: str) -> str:
     if os.path.exists(text) and not os.path.isdir(text):
         raise QuantityError(f"{flag} {_shown(text)} exists and is not a directory; use e.g. {flag} {example}")
     return text.rstrip("/") or "/"
+
+
+def _file_flag(flag: str, text: str, example: str) -> str:
+    """An absolute file path (it may not exist: what it says then is reported, not refused)."""
+    import os
+
+    if not text.startswith("/") or text.endswith("/") or "\0" in text or "\n" in text or len(text) > 4000:
+        raise QuantityError(f"{flag} {_shown(text)} is not an absolute file path; use e.g. {flag} {example}")
+    if os.path.isdir(text):
+        raise QuantityError(f"{flag} {_shown(text)} is a directory, not a file; use e.g. {flag} {example}")
+    return text
 
 
 def _configure_logs(args: argparse.Namespace) -> None:
@@ -330,6 +345,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
                             f"({MAX_SOCKET_PATH} bytes); use a shorter directory, e.g. {flag} "
                             + ("/var/lib/kubelet/plugins/gpu.cdmo.io" if flag == "--kubelet-plugin-dir"
                                else "/var/lib/kubelet/plugins_registry"))
+    toolkit_config = _file_flag("--toolkit-config", args.toolkit_config, TOOLKIT_CONFIG) if args.toolkit_config else ""
     record_file = args.record_file or (
         f"{args.state_file}.owners.json" if args.state_file else "/var/lib/mig-operator/owners.json")
     try:
@@ -352,7 +368,8 @@ def cmd_agent(args: argparse.Namespace) -> int:
         raise QuantityError(f"--node {args.node!r}: the API server has no such Node (kubectl get node "
                             f"{args.node}); give this node's name, e.g. --node \"$(hostname)\" or from the "
                             "downward API's spec.nodeName")
-    settings = AgentSettings(node=args.node, idle_timeout_s=idle, nvml_attempts=args.nvml_attempts)
+    settings = AgentSettings(node=args.node, idle_timeout_s=idle, nvml_attempts=args.nvml_attempts,
+                             toolkit_config=toolkit_config)
     run_agent(AgentOptions(settings, record_file, args.kubeconfig, args.metrics_address, metrics_socket, plugin),
               backend)
     return 0

@@ -8,7 +8,8 @@
  * limit, and no variable the workload sets lifts it: a value that is not a
  * byte count of at least 1 (zero, negative, empty, garbage, beyond 64 bits)
  * becomes a limit of 0, which refuses every allocation of device memory,
- * never "no limit".  CDMO_SHIM_DISABLE, once a kill switch, is ignored. */
+ * never "no limit".  CDMO_SHIM_DISABLE, once a kill switch, is ignored.
+ * Where the slice's ledger lives is no variable's to say (GS_LEDGER_DIR). */
 #define _GNU_SOURCE
 #include <stdarg.h>
 #include <stdio.h>
@@ -86,29 +87,6 @@ static int parse_limit(const char *v, uint64_t *out, const char **why)
     return 1;
 }
 
-/* "<namespace>/<name>" -> file-name-safe form.  Kubernetes names use only
- * [a-z0-9.-], so '/' -> '_' is unambiguous; anything else becomes %XX. */
-static void sanitize_slice(const char *in, char *out, size_t cap)
-{
-    static const char hex[] = "0123456789abcdef";
-    size_t o = 0;
-    if (!in || !*in) in = "default";
-    for (const unsigned char *p = (const unsigned char *)in; *p && o + 4 < cap; p++) {
-        unsigned char c = *p;
-        if ((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
-            c == '.' || c == '-') {
-            out[o++] = (char)c;
-        } else if (c == '/') {
-            out[o++] = '_';
-        } else {
-            out[o++] = '%';
-            out[o++] = hex[c >> 4];
-            out[o++] = hex[c & 15];
-        }
-    }
-    out[o] = 0;
-}
-
 __attribute__((constructor(GS_INIT_CONFIG))) static void gs_init(void)
 {
     gs_cfg.debug = env_true("CDMO_SHIM_DEBUG");
@@ -130,17 +108,12 @@ __attribute__((constructor(GS_INIT_CONFIG))) static void gs_init(void)
     if (off)
         gs_warn("CDMO_SHIM_DISABLE=%.16s is ignored: a container cannot lift its slice's "
                 "memory limit", off);
-    gs_cfg.strict = env_true("CDMO_SHIM_STRICT");
     const char *fp = getenv("CDMO_SHIM_FOOTPRINT");
     if (!fp || !*fp || !strcmp(fp, "auto")) gs_cfg.footprint = GS_FP_AUTO;
     else if (!strcmp(fp, "nvml")) gs_cfg.footprint = GS_FP_NVML;
     else if (!strcmp(fp, "delta")) gs_cfg.footprint = GS_FP_DELTA;
     else if (!strcmp(fp, "off")) gs_cfg.footprint = GS_FP_OFF;
     else gs_warn("CDMO_SHIM_FOOTPRINT=%s is not auto, nvml, delta or off; using auto", fp);
-    sanitize_slice(getenv("CDMO_SLICE"), gs_cfg.slice, sizeof gs_cfg.slice);
-    const char *dir = getenv("CDMO_SHIM_DIR");
-    snprintf(gs_cfg.dir, sizeof gs_cfg.dir, "%s", dir && *dir ? dir : "/dev/shm");
     gs_cfg.active = 1;
-    gs_log("limit %llu bytes, slice %s, dir %s", (unsigned long long)gs_cfg.limit,
-           gs_cfg.slice, gs_cfg.dir);
+    gs_log("limit %llu bytes", (unsigned long long)gs_cfg.limit);
 }

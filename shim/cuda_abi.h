@@ -40,6 +40,10 @@ typedef struct CUctx_st *CUcontext;
 typedef struct CUgraph_st *CUgraph;
 typedef struct CUgraphNode_st *CUgraphNode;
 typedef struct CUgraphExec_st *CUgraphExec;
+typedef struct CUmod_st *CUmodule;
+typedef struct CUlib_st *CUlibrary;
+typedef int CUjit_option;      /* enum CUjit_option_enum */
+typedef int CUlibraryOption;   /* enum CUlibraryOption_enum */
 
 typedef struct CUuuid_st { char bytes[16]; } CUuuid;
 

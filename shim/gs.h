@@ -28,14 +28,18 @@
 /* ---- config.c: environment, read once by the constructor --------------- */
 struct gs_config {
     int active;        /* CDMO_GPU_MEMORY_LIMIT present: count and enforce   */
-    int strict;        /* CDMO_SHIM_STRICT=1: fail closed without the region  */
     int debug;         /* CDMO_SHIM_DEBUG=1: log decisions to stderr          */
     int footprint;     /* CDMO_SHIM_FOOTPRINT: GS_FP_* below                  */
     uint64_t limit;    /* CDMO_GPU_MEMORY_LIMIT, bytes; 0 (a value that is not
                         * a byte count >= 1): every allocation is refused  */
-    char slice[200];   /* CDMO_SLICE, sanitised for a file name               */
-    char dir[256];     /* CDMO_SHIM_DIR or /dev/shm                           */
 };
+/* The slice's ledger: a directory the CDI spec bind-mounts from the node's
+ * per-claim directory, so every process of every pod of one claim shares it.
+ * Fixed at build time: no variable chooses another ledger.  (The GPU-free
+ * tests build a copy with a relative path, one directory per test case.) */
+#ifndef GS_LEDGER_DIR
+#define GS_LEDGER_DIR "/run/cdmo/ledger"
+#endif
 /* How the driver-side footprint (context, modules) of a process is measured:
  * NVML's per-process figure for our own pid, the device's used-memory delta
  * around primary-context creation, or not at all. */
@@ -93,6 +97,14 @@ void gs_warn(const char *fmt, ...) GS_HIDDEN __attribute__((format(printf, 1, 2)
     X(GraphUpload_ptsz, cuGraphUpload_ptsz, cuGraphUpload, 11010, 1, 1)             \
     X(GraphExecDestroy, cuGraphExecDestroy, cuGraphExecDestroy, 10000, 0, 1)        \
     X(DeviceGraphMemTrim, cuDeviceGraphMemTrim, cuDeviceGraphMemTrim, 11040, 0, 1)  \
+    X(ModuleLoad, cuModuleLoad, cuModuleLoad, 2000, 0, 1)                           \
+    X(ModuleLoadData, cuModuleLoadData, cuModuleLoadData, 2000, 0, 1)               \
+    X(ModuleLoadDataEx, cuModuleLoadDataEx, cuModuleLoadDataEx, 2010, 0, 1)         \
+    X(ModuleLoadFatBinary, cuModuleLoadFatBinary, cuModuleLoadFatBinary, 2000, 0, 1) \
+    X(ModuleUnload, cuModuleUnload, cuModuleUnload, 2000, 0, 1)                     \
+    X(LibraryLoadData, cuLibraryLoadData, cuLibraryLoadData, 12000, 0, 1)           \
+    X(LibraryLoadFromFile, cuLibraryLoadFromFile, cuLibraryLoadFromFile, 12000, 0, 1) \
+    X(LibraryUnload, cuLibraryUnload, cuLibraryUnload, 12000, 0, 1)                 \
     /* used by the shim, never substituted */                                      \
     X(CtxGetDevice, cuCtxGetDevice, cuCtxGetDevice, 2000, 0, 0)                     \
     X(DeviceGetCount, cuDeviceGetCount, cuDeviceGetCount, 2000, 0, 0)               \
@@ -114,7 +126,8 @@ void gs_warn(const char *fmt, ...) GS_HIDDEN __attribute__((format(printf, 1, 2)
     X(GraphGetNodes, cuGraphGetNodes, cuGraphGetNodes, 10000, 0, 0)                 \
     X(GraphNodeGetType, cuGraphNodeGetType, cuGraphNodeGetType, 10000, 0, 0)        \
     X(GraphMemAllocNodeGetParams, cuGraphMemAllocNodeGetParams,                     \
-      cuGraphMemAllocNodeGetParams, 11040, 0, 0)
+      cuGraphMemAllocNodeGetParams, 11040, 0, 0)                                    \
+    X(LibraryGetModule, cuLibraryGetModule, cuLibraryGetModule, 12000, 0, 0)
 
 #define GS_NVML_SYMBOLS(X)                                                          \
     X(nvmlDeviceGetMemoryInfo, 1)                                                   \
@@ -174,9 +187,8 @@ void gs_init_real_dlsym(void) GS_HIDDEN;
 /* ---- region.c: one shared region per (slice, GPU UUID) ----------------- */
 struct gs_region;
 struct gs_ref {                 /* this process's view of one region        */
-    struct gs_region *reg;      /* NULL: closed (strict mode, no region)    */
+    struct gs_region *reg;      /* NULL: closed, the ledger cannot be used  */
     int slot;                   /* our process slot, -1 until claimed       */
-    int shared;                 /* 1: file-backed, 0: process-local fallback */
     int released;               /* set at exit, after the slot is given back */
     char key[33];               /* GPU UUID as 32 hex digits                */
     /* footprint.c, process-local: bytes charged beside the allocations */
@@ -197,6 +209,7 @@ void gs_unreserve(struct gs_ref *ref, uint64_t bytes) GS_HIDDEN;
 /* memory the driver already holds: counted even beyond the limit */
 void gs_charge(struct gs_ref *ref, uint64_t bytes) GS_HIDDEN;
 uint64_t gs_slot_used(const struct gs_ref *ref, int *ok) GS_HIDDEN;
+/* bytes the slice holds; UINT64_MAX when its ledger is closed (nothing fits) */
 uint64_t gs_used(const struct gs_ref *ref) GS_HIDDEN;
 int gs_reap_if_due(struct gs_ref *ref, int force) GS_HIDDEN; /* 1: it ran */
 uint64_t gs_peak(const struct gs_ref *ref) GS_HIDDEN;
@@ -219,7 +232,7 @@ static inline int gs_current_dev(void)
 
 /* ---- ptrtable.c: O(1) open-addressing tables ---------------------------- */
 enum gs_kind { GS_K_MEM = 1, GS_K_ASYNC, GS_K_MANAGED, GS_K_ARRAY, GS_K_MIPMAP,
-               GS_K_VMM, GS_K_MAP };
+               GS_K_VMM, GS_K_MAP, GS_K_MODULE };
 struct gs_entry {
     uint64_t key;       /* ~pointer; 0 = empty                               */
     uint64_t size;

@@ -68,6 +68,14 @@ static void *const wrappers[GS_CU_COUNT] = {
     [GS_CU_GraphUpload_ptsz] = W(cuGraphUpload_ptsz),
     [GS_CU_GraphExecDestroy] = W(cuGraphExecDestroy),
     [GS_CU_DeviceGraphMemTrim] = W(cuDeviceGraphMemTrim),
+    [GS_CU_ModuleLoad] = W(cuModuleLoad),
+    [GS_CU_ModuleLoadData] = W(cuModuleLoadData),
+    [GS_CU_ModuleLoadDataEx] = W(cuModuleLoadDataEx),
+    [GS_CU_ModuleLoadFatBinary] = W(cuModuleLoadFatBinary),
+    [GS_CU_ModuleUnload] = W(cuModuleUnload),
+    [GS_CU_LibraryLoadData] = W(cuLibraryLoadData),
+    [GS_CU_LibraryLoadFromFile] = W(cuLibraryLoadFromFile),
+    [GS_CU_LibraryUnload] = W(cuLibraryUnload),
 };
 
 void *const gs_nv_wrappers[GS_NV_COUNT] = {

@@ -1,10 +1,16 @@
 /* region.c: the cross-process ledger of one slice on one GPU.
  *
- * A file <dir>/cdmo-gpuslice-<slice>-<uuid> (mode 0666, dir = CDMO_SHIM_DIR
- * or /dev/shm) mapped MAP_SHARED by every process of the slice.  The header
- * is versioned (magic, version, size); it is initialised under flock(2) with
- * the magic written last, so a creator killed half-way leaves a file the next
- * opener initialises again.
+ * A file GS_LEDGER_DIR/gpu-<uuid> (mode 0666) mapped MAP_SHARED by every
+ * process of the slice.  The directory is the claim's own, mounted by its CDI
+ * spec into every container of every pod that uses the claim, so they all
+ * share one limit; nothing in the environment names another file.  A ledger
+ * that cannot be opened (no mount, no permission, another layout) is closed:
+ * every allocation of device memory on that GPU is refused, with one warning.
+ * The header is versioned (magic, version, size) and stamped with the boot
+ * id; it is initialised under flock(2) with the magic written last, so a
+ * creator killed half-way leaves a file the next opener initialises again,
+ * and a ledger left from an earlier boot (whose processes are all gone) is
+ * started afresh.
  *
  * Reservation is one compare-and-swap on `used` against this process's
  * limit, made before the driver is called and rolled back if the driver
@@ -33,7 +39,7 @@
 #include "gs.h"
 
 #define GS_MAGIC 0x31474d48534f4443ULL /* "CDOSHMG1" */
-#define GS_VERSION 1u
+#define GS_VERSION 2u
 #define GS_SLOTS 1024
 
 struct gs_slot {
@@ -53,6 +59,7 @@ struct gs_region {
     _Atomic uint64_t peak;        /* high-water mark of used */
     _Atomic uint64_t recovered;   /* bytes taken back from dead processes */
     _Atomic uint64_t last_limit;  /* limit of the last process that reserved (informational) */
+    char boot[40];                /* /proc/sys/kernel/random/boot_id at initialisation */
     pthread_mutex_t lock;         /* robust, process-shared */
     alignas(64) _Atomic uint64_t used; /* own cache line: the only hot word */
     alignas(64) struct gs_slot slots[GS_SLOTS];
@@ -215,7 +222,7 @@ int gs_reap_if_due(struct gs_ref *ref, int force)
     int64_t due = atomic_load_explicit(&next_ns, memory_order_relaxed);
     if (!force && now < due) return 0;
     atomic_store_explicit(&next_ns, now + 1000000000LL, memory_order_relaxed);
-    if (ref->shared) recover(ref);
+    recover(ref);
     return 1;
 }
 
@@ -301,7 +308,8 @@ void gs_unreserve(struct gs_ref *ref, uint64_t n)
 
 uint64_t gs_used(const struct gs_ref *ref)
 {
-    return ref && ref->reg ? atomic_load_explicit(&ref->reg->used, memory_order_relaxed) : 0;
+    if (!ref) return 0;
+    return ref->reg ? atomic_load_explicit(&ref->reg->used, memory_order_relaxed) : UINT64_MAX;
 }
 
 uint64_t gs_peak(const struct gs_ref *ref)
@@ -309,9 +317,20 @@ uint64_t gs_peak(const struct gs_ref *ref)
     return ref && ref->reg ? atomic_load_explicit(&ref->reg->peak, memory_order_relaxed) : 0;
 }
 
-static void init_region(struct gs_region *r)
+static void boot_id(char out[40])
+{
+    memset(out, 0, 40);
+    int fd = open("/proc/sys/kernel/random/boot_id", O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return;
+    ssize_t n = read(fd, out, 39);
+    close(fd);
+    if (n > 0 && out[n - 1] == '\n') out[n - 1] = 0;
+}
+
+static void init_region(struct gs_region *r, const char *boot)
 {
     memset(r, 0, sizeof *r);
+    memcpy(r->boot, boot, sizeof r->boot);
     r->version = GS_VERSION;
     r->size = (uint32_t)sizeof *r;
     r->nslots = GS_SLOTS;
@@ -324,48 +343,47 @@ static void init_region(struct gs_region *r)
     atomic_store_explicit(&r->magic, GS_MAGIC, memory_order_release);
 }
 
-static struct gs_region *open_region(const char *path)
+/* The ledger file, mapped; NULL (and *why says why) if it cannot be used. */
+static struct gs_region *open_region(const char *path, char *why, size_t cap)
 {
     int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0666);
     if (fd < 0) {
-        gs_warn("cannot open %s: %s", path, strerror(errno));
+        snprintf(why, cap, "cannot open %s: %s", path, strerror(errno));
         return NULL;
     }
     (void)fchmod(fd, 0666); /* umask; fails harmlessly when another uid created it */
     struct gs_region *r = NULL;
     struct stat st;
-    if (flock(fd, LOCK_EX) != 0 || fstat(fd, &st) != 0) goto fail;
+    if (flock(fd, LOCK_EX) != 0 || fstat(fd, &st) != 0) {
+        snprintf(why, cap, "cannot lock %s: %s", path, strerror(errno));
+        goto out;
+    }
     if ((size_t)st.st_size < sizeof *r && ftruncate(fd, (off_t)sizeof *r) != 0) {
-        gs_warn("cannot size %s: %s", path, strerror(errno));
-        goto fail;
+        snprintf(why, cap, "cannot size %s: %s", path, strerror(errno));
+        goto out;
     }
     r = mmap(NULL, sizeof *r, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (r == MAP_FAILED) {
-        gs_warn("cannot map %s: %s", path, strerror(errno));
+        snprintf(why, cap, "cannot map %s: %s", path, strerror(errno));
         r = NULL;
-        goto fail;
+        goto out;
     }
+    char boot[40];
+    boot_id(boot);
     uint64_t magic = atomic_load_explicit(&r->magic, memory_order_acquire);
     if (magic == 0) {
-        init_region(r);
+        init_region(r, boot);
     } else if (magic != GS_MAGIC || r->version != GS_VERSION || r->size != sizeof *r) {
-        gs_warn("%s has an incompatible layout (version %u); not using it", path, r->version);
+        snprintf(why, cap, "%s has an incompatible layout (version %u)", path, r->version);
         munmap(r, sizeof *r);
         r = NULL;
+    } else if (memcmp(r->boot, boot, sizeof boot) != 0) {
+        gs_log("%s is from an earlier boot: started afresh", path);
+        init_region(r, boot);
     }
-fail:
+out:
     flock(fd, LOCK_UN);
     close(fd);
-    return r;
-}
-
-static struct gs_region *local_region(void)
-{
-    /* shared with fork children, private to this process tree */
-    struct gs_region *r = mmap(NULL, sizeof *r, PROT_READ | PROT_WRITE,
-                               MAP_SHARED | MAP_ANONYMOUS, -1, 0);
-    if (r == MAP_FAILED) return NULL;
-    init_region(r);
     return r;
 }
 
@@ -383,25 +401,23 @@ struct gs_ref *gs_ref_for_key(const char *key)
     snprintf(ref->key, sizeof ref->key, "%s", key);
     ref->slot = -1;
     ref->cudev = -1;
-    char path[600];
-    snprintf(path, sizeof path, "%s/cdmo-gpuslice-%s-%s", gs_cfg.dir, gs_cfg.slice, key);
-    ref->reg = open_region(path);
-    ref->shared = ref->reg != NULL;
+    char path[600], why[700];
+    snprintf(path, sizeof path, "%s/gpu-%s", GS_LEDGER_DIR, key);
+    ref->reg = open_region(path, why, sizeof why);
     if (!ref->reg) {
-        if (gs_cfg.strict) {
-            gs_warn("CDMO_SHIM_STRICT: no shared region, device allocations will fail "
-                    "with CUDA_ERROR_OUT_OF_MEMORY");
-        } else {
-            ref->reg = local_region();
-            gs_warn("enforcing the limit per process only (no shared region)");
-        }
+        /* Closed, never a limit of this process alone: processes that could
+         * not find the slice's ledger would each get the whole limit. */
+        static int warned;
+        if (!warned++)
+            gs_warn("the slice's ledger cannot be used (%s): every allocation of device "
+                    "memory is refused with CUDA_ERROR_OUT_OF_MEMORY", why);
     } else {
         ensure_identity();
         rlock(ref->reg);
         reap_locked(ref->reg, -1);
         runlock(ref->reg);
+        gs_log("ledger %s", path);
     }
-    gs_log("region %s: %s", path, ref->shared ? "shared" : "process-local");
     __atomic_store_n(&nrefs, nrefs + 1, __ATOMIC_RELEASE);
 out:
     pthread_mutex_unlock(&attach_mu);

@@ -4,7 +4,9 @@ The kubelet passes the CDI device ID this spec defines (``gpu.cdmo.io/slice=<sli
 container runtime, which applies the spec's edits: the device nodes of the GPU (and, for MIG, the
 GPU and compute instance's ``nvidia-caps`` nodes), ``NVIDIA_VISIBLE_DEVICES=void`` so that no
 runtime hook widens the set, the slice's variables, and for fractions the shim mounted read-only
-and preloaded. Pure: the caller reads the device numbers and writes the file.
+and preloaded, and the slice's ledger directory mounted read-write at the one path the shim knows,
+so that every process of every pod of the claim shares one limit. Pure: the caller reads the device
+numbers, makes the ledger directory and writes the file.
 """
 
 from __future__ import annotations
@@ -14,12 +16,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from .cluster import MODE_FRACTION, MODE_MIG
-from .environment import DEVICES_VARIABLE, SHIM_PATH_IN_CONTAINER, slice_environment
+from .environment import DEVICES_VARIABLE, LEDGER_PATH_IN_CONTAINER, SHIM_PATH_IN_CONTAINER, slice_environment
 
 DRIVER = "gpu.cdmo.io"
 CDI_KIND = f"{DRIVER}/slice"
 NVIDIA_CDI_KIND = "nvidia.com/gpu"  # the NVIDIA Container Toolkit's spec (nvidia-ctk cdi generate)
 SHIM_FILE = "libgpuslice.so"
+DEFAULT_LEDGER_HOST_DIR = "/var/lib/mig-operator/ledgers"
 # Device names starting with a digit need CDI 0.5.0 (a UID may start with one); nothing else here
 # needs more than 0.3.0. The lowest version the fields need keeps older runtimes able to read it.
 CDI_BASE_VERSION = "0.3.0"
@@ -50,9 +53,20 @@ class SliceDevice:
     granted_bytes: int
     device_nodes: tuple[DeviceNode, ...]
     shim_host_dir: str = "/var/lib/mig-operator/shim"
+    # Where the node keeps one ledger directory per slice (ledger_dir)
+    ledger_host_dir: str = DEFAULT_LEDGER_HOST_DIR
     # A fraction that is all of its GPU (fraction 1: a whole GPU without MIG, nothing else on it):
     # nothing to limit, so no shim.
     whole_gpu: bool = False
+
+
+def ledger_dir(ledger_host_dir: str, slice_uid: str) -> str:
+    """The node's ledger directory of one slice: made at prepare, mounted into each of its containers,
+    removed at unprepare. Raises ValueError for a UID that is not a single path component."""
+    if _DEVICE_NAME.fullmatch(slice_uid) is None or slice_uid in (".", ".."):
+        raise ValueError(f"slice UID {slice_uid!r} is not a directory name; e.g. "
+                         "'4f9c1e2a-0b7d-4c55-9a7e-2f1d3c4b5a6e'")
+    return f"{ledger_host_dir.rstrip('/')}/{slice_uid}"
 
 
 def device_id(slice_uid: str) -> str:
@@ -108,6 +122,10 @@ def slice_spec(device: SliceDevice) -> dict[str, Any]:
             "hostPath": f"{device.shim_host_dir.rstrip('/')}/{SHIM_FILE}",
             "containerPath": f"{shim_dir}/{SHIM_FILE}",
             "options": ["ro", "nosuid", "nodev", "bind"],
+        }, {
+            "hostPath": ledger_dir(device.ledger_host_dir, device.slice_uid),
+            "containerPath": LEDGER_PATH_IN_CONTAINER,
+            "options": ["rw", "nosuid", "nodev", "noexec", "bind"],
         }]
     return {
         "cdiVersion": cdi_version(device.slice_uid),

@@ -3,7 +3,7 @@
 The agent's CDI spec (core/cdi.py) gives it to the container; the real-GPU test starts processes
 with exactly what that spec gives. The device itself reaches the container only as the spec's device
 nodes: ``NVIDIA_VISIBLE_DEVICES=void`` tells the NVIDIA runtime hook to add none. Fractions also
-preload the shim with the limit.
+preload the shim with the limit; the shim's ledger is a mount, not a variable.
 """
 
 from __future__ import annotations
@@ -11,6 +11,9 @@ from __future__ import annotations
 from .cluster import MODE_FRACTION, MODE_MIG
 
 SHIM_PATH_IN_CONTAINER = "/usr/local/lib/cdmo/libgpuslice.so"
+# The slice's ledger (the shim's shared accounting): the claim's own directory on the node, mounted
+# here by the CDI spec. The shim has this path built in; no variable names another.
+LEDGER_PATH_IN_CONTAINER = "/run/cdmo/ledger"
 DEVICES_VARIABLE = "NVIDIA_VISIBLE_DEVICES"
 # The value the NVIDIA runtime hook reads as "no devices": the CDI edits alone decide what is visible.
 NO_DEVICES = "void"
@@ -28,9 +31,9 @@ def gpu_mem_limit_gb(granted_bytes: int) -> str:
 def slice_environment(mode: str, granted_bytes: int, namespace: str, name: str,
                       shim_path: str = SHIM_PATH_IN_CONTAINER, whole_gpu: bool = False) -> dict[str, str]:
     """``NVIDIA_VISIBLE_DEVICES=void`` always; in fraction mode also ``LD_PRELOAD``,
-    ``CDMO_GPU_MEMORY_LIMIT`` (bytes), ``GPU_MEM_LIMIT_GB`` (informational) and ``CDMO_SLICE`` (the
-    shim's accounting group), except for a fraction that is its whole GPU (``whole_gpu``), which has
-    nothing to limit."""
+    ``CDMO_GPU_MEMORY_LIMIT`` (bytes), ``GPU_MEM_LIMIT_GB`` (informational) and ``CDMO_SLICE``
+    (informational: the shim's accounting is the ledger the CDI spec mounts), except for a fraction
+    that is its whole GPU (``whole_gpu``), which has nothing to limit."""
     if mode == MODE_MIG or (mode == MODE_FRACTION and whole_gpu):
         return {DEVICES_VARIABLE: NO_DEVICES}
     if mode != MODE_FRACTION:

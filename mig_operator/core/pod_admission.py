@@ -29,7 +29,7 @@ _GPU_RESOURCE_PREFIXES = ("nvidia.com/gpu.", "nvidia.com/mig-")
 # GPU_MEM_LIMIT_GB is informational and may be set.
 _SLICE_ENV = (DEVICES_VARIABLE, LIMIT_VARIABLE, SLICE_VARIABLE)
 _SHIM_ENV = PRELOAD_VARIABLE
-# Every CDMO_* variable is the operator's or the shim's to set (CDMO_SHIM_DISABLE, CDMO_SHIM_DIR,
+# Every CDMO_* variable is the operator's or the shim's to set (CDMO_GPU_MEMORY_LIMIT,
 # CDMO_SHIM_FOOTPRINT, ...): a container that sets one could loosen its own limit or accounting.
 OPERATOR_ENV_PREFIX = "CDMO_"
 

@@ -870,6 +870,133 @@ static CUresult reqs(CUDA_ARRAY_MEMORY_REQUIREMENTS *r, CUdeviceptr p)
 EXPORT CUresult cuArrayGetMemoryRequirements(CUDA_ARRAY_MEMORY_REQUIREMENTS *r, CUarray a, CUdevice d) { (void)d; return reqs(r, (CUdeviceptr)(uintptr_t)a); }
 EXPORT CUresult cuMipmappedArrayGetMemoryRequirements(CUDA_ARRAY_MEMORY_REQUIREMENTS *r, CUmipmappedArray a, CUdevice d) { (void)d; return reqs(r, (CUdeviceptr)(uintptr_t)a); }
 
+/* ---- modules and libraries ---------------------------------------------
+ * An image is the text "fakemod:<bytes>": the device memory its globals take.
+ * A module commits it when loaded; a library (as the real driver does under
+ * CUDA_MODULE_LOADING=LAZY) only when loaded into the context, by
+ * cuLibraryGetModule, or at once with FAKE_LIBRARY_EAGER. */
+#define MAXMOD 64
+static struct { int live, lib, loaded, dev; uint64_t size; } mods[MAXMOD];
+static int image_bytes(const void *image, uint64_t *n)
+{
+    const char *s = image;
+    if (!s || strncmp(s, "fakemod:", 8)) return 0;
+    *n = strtoull(s + 8, NULL, 10);
+    return 1;
+}
+static int mod_new(const void *image, int lib)
+{
+    uint64_t n;
+    if (!image_bytes(image, &n)) return -1;
+    pthread_mutex_lock(&mu);
+    int i = 1;
+    while (i < MAXMOD && mods[i].live) i++;
+    int ok = i < MAXMOD;
+    int commit = !lib || getenv("FAKE_LIBRARY_EAGER");
+    if (ok && commit && !take(n)) ok = 0;
+    if (ok) {
+        mods[i].live = 1;
+        mods[i].lib = lib;
+        mods[i].loaded = commit;
+        mods[i].dev = dev_now();
+        mods[i].size = n;
+    }
+    pthread_mutex_unlock(&mu);
+    return ok ? i : -2;
+}
+static int mod_index(const void *h, int lib)
+{
+    uintptr_t i = (uintptr_t)h - (lib ? 0xB000 : 0xA000);
+    return i > 0 && i < MAXMOD && mods[i].live && mods[i].lib == lib ? (int)i : 0;
+}
+static CUresult mod_drop(const void *h, int lib)
+{
+    pthread_mutex_lock(&mu);
+    int i = mod_index(h, lib);
+    if (i && mods[i].loaded) give_on(mods[i].size, mods[i].dev);
+    if (i) mods[i].live = 0;
+    pthread_mutex_unlock(&mu);
+    return i ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+}
+static CUresult mod_result(int i, void **out, int lib)
+{
+    if (i == -1) return CUDA_ERROR_INVALID_VALUE;
+    if (i < 0) return CUDA_ERROR_OUT_OF_MEMORY;
+    *out = (void *)(uintptr_t)((lib ? 0xB000 : 0xA000) + i);
+    return CUDA_SUCCESS;
+}
+static char file_image[64];
+static const void *read_image(const char *path)
+{
+    FILE *f = fopen(path, "r");
+    if (!f) return NULL;
+    size_t n = fread(file_image, 1, sizeof file_image - 1, f);
+    fclose(f);
+    file_image[n] = 0;
+    return file_image;
+}
+EXPORT CUresult cuModuleLoadData(CUmodule *m, const void *image)
+{
+    CALLED("cuModuleLoadData");
+    return m ? mod_result(mod_new(image, 0), (void **)m, 0) : CUDA_ERROR_INVALID_VALUE;
+}
+EXPORT CUresult cuModuleLoadDataEx(CUmodule *m, const void *image, unsigned n, CUjit_option *o, void **v)
+{
+    (void)n; (void)o; (void)v;
+    CALLED("cuModuleLoadDataEx");
+    return m ? mod_result(mod_new(image, 0), (void **)m, 0) : CUDA_ERROR_INVALID_VALUE;
+}
+EXPORT CUresult cuModuleLoadFatBinary(CUmodule *m, const void *image)
+{
+    CALLED("cuModuleLoadFatBinary");
+    return m ? mod_result(mod_new(image, 0), (void **)m, 0) : CUDA_ERROR_INVALID_VALUE;
+}
+EXPORT CUresult cuModuleLoad(CUmodule *m, const char *path)
+{
+    CALLED("cuModuleLoad");
+    const void *image = read_image(path);
+    if (!image) return CUDA_ERROR_NOT_FOUND;
+    return m ? mod_result(mod_new(image, 0), (void **)m, 0) : CUDA_ERROR_INVALID_VALUE;
+}
+EXPORT CUresult cuModuleUnload(CUmodule m) { CALLED("cuModuleUnload"); return mod_drop(m, 0); }
+EXPORT CUresult cuLibraryLoadData(CUlibrary *l, const void *code, CUjit_option *jo, void **jv, unsigned jn,
+                                  CUlibraryOption *lo, void **lv, unsigned ln)
+{
+    (void)jo; (void)jv; (void)jn; (void)lo; (void)lv; (void)ln;
+    CALLED("cuLibraryLoadData");
+    return l ? mod_result(mod_new(code, 1), (void **)l, 1) : CUDA_ERROR_INVALID_VALUE;
+}
+EXPORT CUresult cuLibraryLoadFromFile(CUlibrary *l, const char *path, CUjit_option *jo, void **jv, unsigned jn,
+                                      CUlibraryOption *lo, void **lv, unsigned ln)
+{
+    (void)jo; (void)jv; (void)jn; (void)lo; (void)lv; (void)ln;
+    CALLED("cuLibraryLoadFromFile");
+    const void *image = read_image(path);
+    if (!image) return CUDA_ERROR_NOT_FOUND;
+    return l ? mod_result(mod_new(image, 1), (void **)l, 1) : CUDA_ERROR_INVALID_VALUE;
+}
+EXPORT CUresult cuLibraryGetModule(CUmodule *m, CUlibrary l)
+{
+    pthread_mutex_lock(&mu);
+    int i = mod_index(l, 1);
+    int ok = i && (mods[i].loaded || take(mods[i].size));
+    if (ok) mods[i].loaded = 1;
+    pthread_mutex_unlock(&mu);
+    if (!i) return CUDA_ERROR_INVALID_HANDLE;
+    if (!ok) return CUDA_ERROR_OUT_OF_MEMORY;
+    *m = (CUmodule)(uintptr_t)(0xC000 + i);
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuLibraryUnload(CUlibrary l) { CALLED("cuLibraryUnload"); return mod_drop(l, 1); }
+/* what the fake's device holds for loaded code, for the tests */
+EXPORT uint64_t fake_module_bytes(void)
+{
+    uint64_t n = 0;
+    for (int i = 1; i < MAXMOD; i++)
+        if (mods[i].live && mods[i].loaded) n += mods[i].size;
+    return n;
+}
+
 /* entry points the shim must leave alone */
 EXPORT CUresult cuMemAlloc(unsigned int *p, unsigned int n) { (void)p; (void)n; CALLED("cuMemAlloc"); return CUDA_ERROR_NOT_SUPPORTED; }
 EXPORT CUresult cuMemGetInfo(unsigned int *f, unsigned int *t) { *f = *t = 0; return CUDA_SUCCESS; }
@@ -956,6 +1083,15 @@ static const struct variant variants[] = {
     {"cuGraphUpload", "cuGraphUpload_ptsz", 11010, 1},
     {"cuGraphExecDestroy", "cuGraphExecDestroy", 10000, 0},
     {"cuDeviceGraphMemTrim", "cuDeviceGraphMemTrim", 11040, 0},
+    {"cuModuleLoad", "cuModuleLoad", 2000, 0},
+    {"cuModuleLoadData", "cuModuleLoadData", 2000, 0},
+    {"cuModuleLoadDataEx", "cuModuleLoadDataEx", 2010, 0},
+    {"cuModuleLoadFatBinary", "cuModuleLoadFatBinary", 2000, 0},
+    {"cuModuleUnload", "cuModuleUnload", 2000, 0},
+    {"cuLibraryLoadData", "cuLibraryLoadData", 12000, 0},
+    {"cuLibraryLoadFromFile", "cuLibraryLoadFromFile", 12000, 0},
+    {"cuLibraryGetModule", "cuLibraryGetModule", 12000, 0},
+    {"cuLibraryUnload", "cuLibraryUnload", 12000, 0},
 };
 
 /* internal entry points, at other addresses than the exported ones */
@@ -965,6 +1101,9 @@ static CUresult i_cuMemGetInfo_v2(size_t *f, size_t *t) { return cuMemGetInfo_v2
 static CUresult i_cuMemAllocAsync(CUdeviceptr *p, size_t n, CUstream s) { return cuMemAllocAsync(p, n, s); }
 static CUresult i_cuMemAllocAsync_ptsz(CUdeviceptr *p, size_t n, CUstream s) { return cuMemAllocAsync_ptsz(p, n, s); }
 static CUresult i_cuMemFreeAsync_ptsz(CUdeviceptr p, CUstream s) { return cuMemFreeAsync_ptsz(p, s); }
+static CUresult i_cuModuleLoadData(CUmodule *m, const void *image) { return cuModuleLoadData(m, image); }
+static CUresult i_cuLibraryLoadData(CUlibrary *l, const void *c, CUjit_option *jo, void **jv, unsigned jn,
+                                    CUlibraryOption *lo, void **lv, unsigned ln) { return cuLibraryLoadData(l, c, jo, jv, jn, lo, lv, ln); }
 static CUresult i_cuMemCreate(CUmemGenericAllocationHandle *h, size_t n, const CUmemAllocationProp *p, unsigned long long f) { return cuMemCreate(h, n, p, f); }
 EXPORT CUresult cuGetProcAddress_v2(const char *, void **, int, cuuint64_t, CUdriverProcAddressQueryResult *);
 EXPORT CUresult cuGetProcAddress(const char *, void **, int, cuuint64_t);
@@ -978,6 +1117,8 @@ static const struct { const char *sym; void *fn; } internals[] = {
     {"cuMemAllocAsync_ptsz", (void *)i_cuMemAllocAsync_ptsz},
     {"cuMemFreeAsync_ptsz", (void *)i_cuMemFreeAsync_ptsz},
     {"cuMemCreate", (void *)i_cuMemCreate},
+    {"cuModuleLoadData", (void *)i_cuModuleLoadData},
+    {"cuLibraryLoadData", (void *)i_cuLibraryLoadData},
     {"cuGetProcAddress_v2", (void *)i_cuGetProcAddress_v2},
     {"cuGetProcAddress", (void *)i_cuGetProcAddress},
 };
@@ -1045,6 +1186,15 @@ static const struct { const char *sym; void *fn; } exported[] = {
     {"cuGraphUpload_ptsz", (void *)cuGraphUpload_ptsz},
     {"cuGraphExecDestroy", (void *)cuGraphExecDestroy},
     {"cuDeviceGraphMemTrim", (void *)cuDeviceGraphMemTrim},
+    {"cuModuleLoad", (void *)cuModuleLoad},
+    {"cuModuleLoadData", (void *)cuModuleLoadData},
+    {"cuModuleLoadDataEx", (void *)cuModuleLoadDataEx},
+    {"cuModuleLoadFatBinary", (void *)cuModuleLoadFatBinary},
+    {"cuModuleUnload", (void *)cuModuleUnload},
+    {"cuLibraryLoadData", (void *)cuLibraryLoadData},
+    {"cuLibraryLoadFromFile", (void *)cuLibraryLoadFromFile},
+    {"cuLibraryGetModule", (void *)cuLibraryGetModule},
+    {"cuLibraryUnload", (void *)cuLibraryUnload},
 };
 
 static void *self_sym(const char *sym)

@@ -5,11 +5,15 @@
  *   shimtest --list       print the case names
  *   shimtest --run NAME   run one case (in its own environment)
  *
- * Each case runs in a fresh process exec'ed with LD_PRELOAD=libgpuslice.so,
- * the fake libraries first on LD_LIBRARY_PATH, its own CDMO_SHIM_DIR and the
- * environment the case names, so the shim's constructor reads it as in a
- * container.  Its stderr goes to $CDMO_SHIM_DIR/stderr (copied to ours at its
- * end), so a case can count what the shim said, constructor included.  Device memory is observed through the shim's own cuMemGetInfo
+ * Each case runs in a fresh process exec'ed with LD_PRELOAD of the tests' copy
+ * of the library (build/test/libgpuslice.so, whose ledger directory is the
+ * relative "ledger"), the fake libraries first on LD_LIBRARY_PATH, the
+ * environment the case names, and a working directory of its own
+ * ($SHIMTEST_DIR) holding its ledger directory, so the shim's constructor
+ * reads it as in a container.  A case whose environment names
+ * SHIMTEST_NO_LEDGER=1 gets no ledger directory.  Its stderr goes to
+ * $SHIMTEST_DIR/stderr (copied to ours at its end), so a case can count what
+ * the shim said, constructor included.  Device memory is observed through the shim's own cuMemGetInfo
  * (used = total - free while the limit is below the fake's 80 GiB). */
 #include <dirent.h>
 #include <dlfcn.h>
@@ -92,6 +96,8 @@ static unsigned (*FakeNvmlQueries)(void);
 static void (*FakeNvmlSetLag)(unsigned long long);
 static void (*FakeShrinkContext)(int, uint64_t);
 
+static uint64_t (*FakeModuleBytes)(void);
+
 static void *sym(void *h, const char *name)
 {
     void *p = dlsym(h, name);
@@ -135,6 +141,7 @@ static void open_driver(void)
     *(void **)&FakeNvmlQueries = sym(hnvml, "fake_nvml_proc_queries");
     *(void **)&FakeNvmlSetLag = sym(hnvml, "fake_nvml_set_lag");
     *(void **)&FakeShrinkContext = sym(hcuda, "fake_shrink_context");
+    *(void **)&FakeModuleBytes = sym(hcuda, "fake_module_bytes");
     *(void **)&CtxRetain = sym(hcuda, "cuDevicePrimaryCtxRetain");
     *(void **)&PoolCreate = sym(hcuda, "cuMemPoolCreate");
     *(void **)&PoolDestroy = sym(hcuda, "cuMemPoolDestroy");
@@ -173,7 +180,7 @@ static uint64_t used(void)
 static int stderr_count(const char *needle)
 {
     char path[PATH_MAX], buf[1 << 16];
-    snprintf(path, sizeof path, "%s/stderr", getenv("CDMO_SHIM_DIR"));
+    snprintf(path, sizeof path, "%s/stderr", getenv("SHIMTEST_DIR"));
     FILE *fp = fopen(path, "r");
     CHECK(fp, "open %s", path);
     size_t n = fread(buf, 1, sizeof buf - 1, fp);
@@ -942,38 +949,278 @@ static void case_many(void)
 
 static void case_region_file(void)
 {
+    /* the ledger is <ledger dir>/gpu-<uuid>, whatever CDMO_SLICE says */
     open_driver();
     CUdeviceptr p;
     OK(Alloc(&p, MiB));
-    const char *dir = getenv("CDMO_SHIM_DIR");
     char path[PATH_MAX];
-    snprintf(path, sizeof path, "%s/cdmo-gpuslice-team-a_train-1-5b3b5d0c1f2e4a779c10abcdef012300", dir);
+    snprintf(path, sizeof path, "%s/ledger/gpu-5b3b5d0c1f2e4a779c10abcdef012300", getenv("SHIMTEST_DIR"));
     struct stat st;
-    CHECK(stat(path, &st) == 0, "region file %s: %s", path, strerror(errno));
+    CHECK(stat(path, &st) == 0, "ledger file %s: %s", path, strerror(errno));
     CHECK((st.st_mode & 0777) == 0666, "mode %o, want 0666 so any uid of the slice can join", st.st_mode & 0777);
+    DIR *d = opendir("ledger");
+    CHECK(d, "ledger dir");
+    int files = 0;
+    for (struct dirent *e; (e = readdir(d));) files += e->d_name[0] != '.';
+    closedir(d);
+    CHECK(files == 1, "one file in the ledger, %d", files);
 }
 
-static void case_fallback(void)
+/* Issue 24 (c): a ledger that cannot be opened refuses every allocation on
+ * every GPU (never a limit of this process alone), loads of code too, and
+ * says so once; queries still answer, with nothing free. */
+static void case_closed(void)
 {
-    /* CDMO_SHIM_DIR does not exist: the limit still holds in this process */
     open_driver();
     CUdeviceptr p;
-    OK(Alloc(&p, 900 * MiB));
-    CHECK(Alloc(&p, 200 * MiB) == CUDA_ERROR_OUT_OF_MEMORY, "limit enforced per process");
-    size_t f, t;
-    OK(GetInfo(&f, &t));
-    CHECK(t == 1 * GiB && f == 124 * MiB, "figures still right: %zu %zu", f, t);
+    for (int dev = 0; dev < 2; dev++) {
+        FakeSetDevice(dev);
+        CHECK(Alloc(&p, MiB) == CUDA_ERROR_OUT_OF_MEMORY, "device %d: fail closed", dev);
+        CHECK(Managed(&p, MiB, 1) == CUDA_ERROR_OUT_OF_MEMORY, "managed: fail closed");
+        CHECK(AllocAsync(&p, MiB, NULL) == CUDA_ERROR_OUT_OF_MEMORY, "async: fail closed");
+        CUmemAllocationProp prop = {.type = CU_MEM_ALLOCATION_TYPE_PINNED,
+                                    .location = {CU_MEM_LOCATION_TYPE_DEVICE, dev}};
+        CUmemGenericAllocationHandle h;
+        CHECK(Create(&h, 2 * MiB, &prop, 0) == CUDA_ERROR_OUT_OF_MEMORY, "cuMemCreate: fail closed");
+        CUresult (*load)(CUmodule *, const void *) = (CUresult(*)(CUmodule *, const void *))sym(hcuda, "cuModuleLoadData");
+        CUmodule m;
+        CHECK(load(&m, "fakemod:1048576") == CUDA_ERROR_OUT_OF_MEMORY, "a module's globals: fail closed");
+        CHECK(FakeModuleBytes() == 0, "the refused module was unloaded");
+        size_t f, t;
+        OK(GetInfo(&f, &t)); /* a query never fails because of the shim */
+        CHECK(t == 1 * GiB && f == 0, "total %zu (the limit), free %zu (nothing can be had)", t, f);
+    }
+    CHECK(FakePhysUsed() == 0, "nothing reached the driver: %llu", (unsigned long long)FakePhysUsed());
+    CHECK(stderr_count("libgpuslice") == 1, "one warning, got %d", stderr_count("libgpuslice"));
+    CHECK(stderr_count("every allocation of device memory is refused") == 1, "says what it does");
+    CHECK(stderr_count("ledger/gpu-") == 1, "names the ledger it could not use");
 }
 
-static void case_strict(void)
+/* Issue 24 (b): no variable chooses another ledger.  A second process with
+ * its own CDMO_SHIM_DIR, CDMO_SLICE and TMPDIR shares the first one's. */
+static void case_ledger_fixed(void)
 {
-    /* CDMO_SHIM_STRICT=1 and no region: device allocations fail closed */
     open_driver();
+    if (getenv("SHIMTEST_SECOND")) {
+        CUdeviceptr b;
+        CHECK(Alloc(&b, 600 * MiB) == CUDA_ERROR_OUT_OF_MEMORY, "the first process's 600 MiB counts here");
+        OK(Alloc(&b, 400 * MiB));
+        _exit(0);
+    }
+    CUdeviceptr a;
+    OK(Alloc(&a, 600 * MiB));
+    pid_t pid = fork();
+    if (pid == 0) {
+        setenv("SHIMTEST_SECOND", "1", 1);
+        setenv("CDMO_SHIM_DIR", "other-ledger", 1);
+        setenv("CDMO_SLICE", "team-b/another", 1);
+        setenv("TMPDIR", "other-ledger", 1);
+        mkdir("other-ledger", 0777);
+        char self[PATH_MAX];
+        ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
+        if (n <= 0) _exit(3);
+        self[n] = 0;
+        execl(self, self, "--case", "ledger_fixed", (char *)NULL);
+        _exit(4);
+    }
+    int st;
+    CHECK(waitpid(pid, &st, 0) == pid && WIFEXITED(st) && WEXITSTATUS(st) == 0, "second process: %d", st);
+    DIR *d = opendir("other-ledger");
+    CHECK(d, "other-ledger");
+    int files = 0;
+    for (struct dirent *e; (e = readdir(d));) files += e->d_name[0] != '.';
+    closedir(d);
+    CHECK(files == 0, "nothing written where the variables point");
+    CHECK(used() == 600 * MiB, "the second process's share went back at its exit");
+}
+
+/* A ledger left from an earlier boot is started afresh: the shares its slots
+ * hold belong to processes that are all gone, even those the shim cannot
+ * judge (another pid namespace).  Layout of the file (region.c, version 2,
+ * x86-64): boot id at 48 (40 bytes), slots from 192, 32 bytes each, the pid
+ * first and the pid-namespace inode at +16. */
+#define LEDGER_BOOT 48
+#define LEDGER_SLOTS 192
+static void case_stale_boot(void)
+{
+    open_driver();
+    const char *stage = getenv("SHIMTEST_STAGE");
+    char path[PATH_MAX];
+    snprintf(path, sizeof path, "ledger/gpu-5b3b5d0c1f2e4a779c10abcdef012300");
+    if (!stage) {
+        pid_t pid = fork();
+        if (pid == 0) {
+            CUdeviceptr p;
+            _exit(Alloc(&p, 600 * MiB) == CUDA_SUCCESS ? 0 : 1); /* no exit handler: the share stays */
+        }
+        int st;
+        CHECK(waitpid(pid, &st, 0) == pid && WIFEXITED(st) && WEXITSTATUS(st) == 0, "child");
+        int fd = open(path, O_RDWR);
+        CHECK(fd >= 0, "ledger %s", path);
+        char boot[40] = {0}, want[40] = {0};
+        FILE *b = fopen("/proc/sys/kernel/random/boot_id", "r");
+        CHECK(b && fgets(want, sizeof want, b), "boot id");
+        fclose(b);
+        want[strcspn(want, "\n")] = 0;
+        CHECK(pread(fd, boot, sizeof boot, LEDGER_BOOT) == sizeof boot && !strcmp(boot, want),
+              "the ledger is stamped with this boot (%s)", boot);
+        int found = 0;
+        for (int i = 0; i < 1024 && !found; i++) {
+            uint32_t spid;
+            CHECK(pread(fd, &spid, 4, LEDGER_SLOTS + 32 * i) == 4, "slot");
+            if (spid != (uint32_t)pid) continue;
+            uint64_t other_ns = 1; /* a pid namespace the shim cannot judge: kept */
+            CHECK(pwrite(fd, &other_ns, 8, LEDGER_SLOTS + 32 * i + 16) == 8, "pidns");
+            found = 1;
+        }
+        CHECK(found, "the child's slot");
+        close(fd);
+        setenv("SHIMTEST_STAGE", "same-boot", 1);
+    } else if (!strcmp(stage, "same-boot")) {
+        CHECK(used() == 600 * MiB, "a share the shim cannot judge is kept: %llu MiB",
+              (unsigned long long)(used() / MiB));
+        int fd = open(path, O_RDWR);
+        CHECK(fd >= 0 && pwrite(fd, "an-earlier-boot", 16, LEDGER_BOOT) == 16, "stamp another boot");
+        close(fd);
+        setenv("SHIMTEST_STAGE", "next-boot", 1);
+    } else {
+        CHECK(used() == 0, "a ledger of an earlier boot starts afresh: %llu MiB", (unsigned long long)(used() / MiB));
+        return;
+    }
+    char self[PATH_MAX];
+    ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
+    CHECK(n > 0, "self");
+    self[n] = 0;
+    execl(self, self, "--case", "stale_boot", (char *)NULL); /* a new image opens the ledger again */
+    CHECK(0, "exec: %s", strerror(errno));
+}
+
+/* Issue 24 (a): what a module's globals commit is charged at its load, through
+ * every way a program finds the loaders; a load that does not fit is undone
+ * and refused; an unload gives the bytes back. */
+typedef CUresult (*pfn_mload)(CUmodule *, const void *);
+typedef CUresult (*pfn_mfile)(CUmodule *, const char *);
+typedef CUresult (*pfn_mex)(CUmodule *, const void *, unsigned, CUjit_option *, void **);
+typedef CUresult (*pfn_munload)(CUmodule);
+typedef CUresult (*pfn_lload)(CUlibrary *, const void *, CUjit_option *, void **, unsigned,
+                              CUlibraryOption *, void **, unsigned);
+typedef CUresult (*pfn_lfile)(CUlibrary *, const char *, CUjit_option *, void **, unsigned,
+                              CUlibraryOption *, void **, unsigned);
+typedef CUresult (*pfn_lunload)(CUlibrary);
+
+static void module_cycle(pfn_mload load, pfn_munload unload, const char *how)
+{
+    uint64_t u0 = used(), d0 = FakeModuleBytes();
+    CUmodule a, b, c;
+    OK(load(&a, "fakemod:419430400"));
+    CHECK(in_shim((void *)load), "%s: the shim's loader, got %s", how, lib_of((void *)load, NULL));
+    CHECK(used() == u0 + 400 * MiB, "%s: 400 MiB of globals counted: %llu MiB", how,
+          (unsigned long long)((used() - u0) / MiB));
+    OK(load(&b, "fakemod:419430400"));
+    CHECK(load(&c, "fakemod:419430400") == CUDA_ERROR_OUT_OF_MEMORY, "%s: a third 400 MiB is over 1 GiB", how);
+    CHECK(c == NULL, "%s: no module handed out", how);
+    CHECK(FakeModuleBytes() == d0 + 800 * MiB, "%s: the refused module was unloaded", how);
     CUdeviceptr p;
-    CHECK(Alloc(&p, MiB) == CUDA_ERROR_OUT_OF_MEMORY, "fail closed");
-    size_t f, t;
-    OK(GetInfo(&f, &t)); /* a query never fails because of the shim */
-    CHECK(t == 1 * GiB, "total %zu", t);
+    CHECK(Alloc(&p, 300 * MiB) == CUDA_ERROR_OUT_OF_MEMORY, "%s: modules and allocations share the limit", how);
+    OK(unload(a));
+    CHECK(used() == u0 + 400 * MiB, "%s: an unload gives its bytes back", how);
+    OK(Alloc(&p, 300 * MiB));
+    OK(Free(p));
+    OK(unload(b));
+    CHECK(used() == u0, "%s: all back", how);
+}
+
+static void case_modules(void)
+{
+    open_driver();
+    pfn_munload unload = (pfn_munload)sym(hcuda, "cuModuleUnload");
+    CHECK(in_shim((void *)unload), "cuModuleUnload from %s", lib_of((void *)unload, NULL));
+    module_cycle((pfn_mload)sym(hcuda, "cuModuleLoadData"), unload, "dlsym cuModuleLoadData");
+    module_cycle((pfn_mload)sym(hcuda, "cuModuleLoadFatBinary"), unload, "dlsym cuModuleLoadFatBinary");
+    module_cycle((pfn_mload)dlsym(RTLD_DEFAULT, "cuModuleLoadData"), unload, "link-time cuModuleLoadData");
+    int internal = getenv("FAKE_PROCADDR_INTERNAL") != NULL;
+    void *fn = NULL, *un = NULL;
+    OK(GPA2("cuModuleLoadData", &fn, 12000, 0, NULL));
+    OK(GPA("cuModuleUnload", &un, 11030, 0));
+    CHECK(in_shim(un), "cuGetProcAddress(cuModuleUnload)");
+    module_cycle((pfn_mload)fn, (pfn_munload)un, internal ? "cuGetProcAddress_v2, internal pointer"
+                                                          : "cuGetProcAddress_v2");
+    OK(GPA("cuModuleLoadData", &fn, 2000, CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM));
+    module_cycle((pfn_mload)fn, unload, "cuGetProcAddress, per-thread flag");
+    /* cuModuleLoadDataEx and cuModuleLoad (a file) */
+    pfn_mex ex = (pfn_mex)sym(hcuda, "cuModuleLoadDataEx");
+    pfn_mfile file = (pfn_mfile)sym(hcuda, "cuModuleLoad");
+    CHECK(in_shim((void *)ex) && in_shim((void *)file), "cuModuleLoadDataEx, cuModuleLoad");
+    FILE *f = fopen("big.cubin", "w");
+    CHECK(f && fputs("fakemod:838860800", f) >= 0 && fclose(f) == 0, "write big.cubin");
+    CUmodule m;
+    OK(ex(&m, "fakemod:104857600", 0, NULL, NULL));
+    CHECK(used() == 100 * MiB, "cuModuleLoadDataEx counted");
+    CUdeviceptr p;
+    OK(Alloc(&p, 200 * MiB));
+    CHECK(file(&m, "big.cubin") == CUDA_ERROR_OUT_OF_MEMORY, "100 + 200 + 800 MiB is over 1 GiB");
+    CHECK(FakeModuleBytes() == 100 * MiB, "refused file module unloaded");
+    OK(Free(p));
+    OK(file(&m, "big.cubin"));
+    CHECK(used() == 900 * MiB, "cuModuleLoad counted: %llu MiB", (unsigned long long)(used() / MiB));
+    /* a load the driver refuses costs nothing */
+    CHECK(sym(hcuda, "cuModuleLoadData") && ((pfn_mload)sym(hcuda, "cuModuleLoadData"))(&m, "garbage") ==
+          CUDA_ERROR_INVALID_VALUE, "the driver's error passes through");
+    CHECK(used() == 900 * MiB, "nothing counted for a failed load");
+}
+
+/* Libraries commit their globals when loaded into a context (lazy loading):
+ * the shim loads them into the current context inside its measurement. */
+static void case_libraries(void)
+{
+    open_driver();
+    pfn_lload load = (pfn_lload)sym(hcuda, "cuLibraryLoadData");
+    pfn_lfile file = (pfn_lfile)sym(hcuda, "cuLibraryLoadFromFile");
+    pfn_lunload unload = (pfn_lunload)sym(hcuda, "cuLibraryUnload");
+    CHECK(in_shim((void *)load) && in_shim((void *)file) && in_shim((void *)unload), "library entry points");
+    void *fn = NULL;
+    OK(GPA2("cuLibraryLoadData", &fn, 12000, 0, NULL));
+    CHECK(in_shim(fn), "cuGetProcAddress(cuLibraryLoadData)");
+    CUdriverProcAddressQueryResult st;
+    OK(GPA2("cuLibraryLoadData", &fn, 11080, 0, &st));
+    CHECK(fn == NULL && st == CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT, "no library API before 12.0");
+    OK(GPA2("cuLibraryLoadData", &fn, 12000, 0, NULL));
+    pfn_lload viapa = (pfn_lload)fn;
+    CUlibrary a, b, c;
+    OK(viapa(&a, "fakemod:629145600", NULL, NULL, 0, NULL, NULL, 0));
+    CHECK(FakeModuleBytes() == 600 * MiB, "loaded into the context at once");
+    CHECK(used() == 600 * MiB, "600 MiB counted: %llu MiB", (unsigned long long)(used() / MiB));
+    CHECK(load(&b, "fakemod:629145600", NULL, NULL, 0, NULL, NULL, 0) == CUDA_ERROR_OUT_OF_MEMORY, "over");
+    CHECK(b == NULL && FakeModuleBytes() == 600 * MiB, "refused library unloaded");
+    FILE *f = fopen("lib.fatbin", "w");
+    CHECK(f && fputs("fakemod:209715200", f) >= 0 && fclose(f) == 0, "write lib.fatbin");
+    OK(file(&c, "lib.fatbin", NULL, NULL, 0, NULL, NULL, 0));
+    CHECK(used() == 800 * MiB, "cuLibraryLoadFromFile counted");
+    OK(unload(a));
+    OK(unload(c));
+    CHECK(used() == 0 && FakeModuleBytes() == 0, "all back: %llu", (unsigned long long)used());
+}
+
+/* In NVML mode the context is NVML's figure for the pid less what the shim
+ * counted: a module counted at its load is not counted again as context. */
+static void case_modules_nvml(void)
+{
+    open_driver();
+    retain(0);
+    CHECK(used() == 300 * MiB, "context measured: %llu", (unsigned long long)(used() / MiB));
+    pfn_mload load = (pfn_mload)sym(hcuda, "cuModuleLoadData");
+    CUmodule m, n2;
+    OK(load(&m, "fakemod:209715200"));
+    CHECK(used() == 500 * MiB, "context + module: %llu MiB", (unsigned long long)(used() / MiB));
+    CUdeviceptr p;
+    OK(Alloc(&p, 400 * MiB)); /* free halves: a refresh from NVML */
+    CHECK(used() == 900 * MiB, "not counted twice after a refresh: %llu MiB", (unsigned long long)(used() / MiB));
+    CHECK(load(&n2, "fakemod:209715200") == CUDA_ERROR_OUT_OF_MEMORY, "over");
+    CHECK(used() == 900 * MiB, "the refused module is not left as context: %llu MiB",
+          (unsigned long long)(used() / MiB));
+    OK(Free(p));
+    OK(load(&n2, "fakemod:209715200"));
+    CHECK(FakeDevUsed(0) <= 1 * GiB, "NVML's footprint within the limit");
 }
 
 static void case_multidev(void)
@@ -1377,8 +1624,14 @@ static const struct tcase cases[] = {
     {"threads", case_threads, "CDMO_GPU_MEMORY_LIMIT=1073741824"},
     {"many", case_many, "CDMO_GPU_MEMORY_LIMIT=1073741824000"},
     {"region_file", case_region_file, "CDMO_GPU_MEMORY_LIMIT=1073741824 CDMO_SLICE=team-a/train-1"},
-    {"fallback", case_fallback, "CDMO_GPU_MEMORY_LIMIT=1073741824 CDMO_SHIM_DIR=/nonexistent/cdmo"},
-    {"strict", case_strict, "CDMO_GPU_MEMORY_LIMIT=1073741824 CDMO_SHIM_DIR=/nonexistent/cdmo CDMO_SHIM_STRICT=1"},
+    {"closed", case_closed, "CDMO_GPU_MEMORY_LIMIT=1073741824 FAKE_NDEV=2 SHIMTEST_NO_LEDGER=1"},
+    {"ledger_fixed", case_ledger_fixed, "CDMO_GPU_MEMORY_LIMIT=1073741824"},
+    {"stale_boot", case_stale_boot, "CDMO_GPU_MEMORY_LIMIT=1073741824"},
+    {"modules", case_modules, "CDMO_GPU_MEMORY_LIMIT=1073741824"},
+    {"modules_internal", case_modules, "CDMO_GPU_MEMORY_LIMIT=1073741824 FAKE_PROCADDR_INTERNAL=1"},
+    {"modules_nvml", case_modules_nvml,
+     "CDMO_GPU_MEMORY_LIMIT=1073741824 CDMO_SHIM_FOOTPRINT=nvml FAKE_CTX_BYTES=314572800"},
+    {"libraries", case_libraries, "CDMO_GPU_MEMORY_LIMIT=1073741824"},
     {"multidev", case_multidev, "CDMO_GPU_MEMORY_LIMIT=1073741824 FAKE_NDEV=2"},
     {"footprint_nvml", case_footprint_nvml,
      "CDMO_GPU_MEMORY_LIMIT=1073741824 CDMO_SHIM_FOOTPRINT=nvml FAKE_CTX_BYTES=314572800"},
@@ -1414,7 +1667,7 @@ static void rmtree(const char *dir)
     while ((e = readdir(d)))
         if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..")) {
             snprintf(p, sizeof p, "%s/%s", dir, e->d_name);
-            unlink(p);
+            if (unlink(p) != 0 && errno == EISDIR) rmtree(p);
         }
     closedir(d);
     rmdir(dir);
@@ -1428,17 +1681,18 @@ static int run_case(const struct tcase *c)
     pid_t pid = fork();
     if (pid == 0) {
         char buf[PATH_MAX * 2];
-        snprintf(buf, sizeof buf, "%s/libgpuslice.so", here);
+        snprintf(buf, sizeof buf, "%s/build/test/libgpuslice.so", here);
         setenv("LD_PRELOAD", buf, 1);
         const char *old = getenv("LD_LIBRARY_PATH");
         snprintf(buf, sizeof buf, "%s/build/fake%s%s", here, old ? ":" : "", old ? old : "");
         setenv("LD_LIBRARY_PATH", buf, 1);
-        setenv("CDMO_SHIM_DIR", dir, 1);
+        setenv("SHIMTEST_DIR", dir, 1);
         setenv("CDMO_SLICE", "test/shimtest", 1);
         unsetenv("CDMO_GPU_MEMORY_LIMIT");
         unsetenv("CDMO_SHIM_DISABLE");
-        unsetenv("CDMO_SHIM_STRICT");
         unsetenv("CDMO_SHIM_FOOTPRINT");
+        unsetenv("SHIMTEST_NO_LEDGER");
+        unsetenv("SHIMTEST_STAGE");
         char env[512];
         snprintf(env, sizeof env, "%s", c->env);
         for (char *tok = strtok(env, " "); tok; tok = strtok(NULL, " ")) {
@@ -1450,6 +1704,8 @@ static int run_case(const struct tcase *c)
         ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
         if (n <= 0) _exit(127);
         self[n] = 0;
+        if (chdir(dir) != 0) _exit(125);
+        if (!getenv("SHIMTEST_NO_LEDGER") && mkdir("ledger", 01777) != 0) _exit(124);
         snprintf(buf, sizeof buf, "%s/stderr", dir);
         int efd = open(buf, O_WRONLY | O_CREAT | O_TRUNC | O_APPEND, 0600);
         if (efd < 0 || dup2(efd, 2) < 0) _exit(126);

@@ -197,3 +197,55 @@ def test_kubelet_prepares_and_unprepares_through_the_agent(hollow: HollowSetup, 
     hollow.start_agent()
     wait_until(lambda: pod_gone("nb-killed"), 60, lambda: f"pod nb-killed to be deleted\n{hollow.logs()}")
     assert spec_files() == []
+
+
+def test_a_claim_of_another_namespace_never_gets_the_slices_device(hollow: HollowSetup) -> None:
+    """Issue 24: a claim in another namespace whose selector names this slice's namespace is allocated
+    the slice's device by kube-scheduler (here written by the cluster admin: the chart's admission
+    policy refuses tenants' claims of this class, and the agent is the second line). The kubelet asks
+    the agent to prepare it; the agent refuses with a reason the pod's events show, writes no CDI
+    spec, and the slice's own claim is then prepared for the slice's own pod."""
+    core = hollow.cluster.core_v1()
+    kubectl = hollow.cluster.kubectl
+    thieves = "team-b"
+    for ns in (NAMESPACE, thieves):
+        kubectl("create", "namespace", ns)
+    kubectl("apply", "-f", "-", input=json.dumps({
+        "apiVersion": "cdmo.io/v1alpha1", "kind": "GpuSlice", "metadata": {"name": "nb", "namespace": NAMESPACE},
+        "spec": {"migProfile": "2g.10gb"}}))
+    wait_until(lambda: kubectl("get", "resourceclaim", "nb", "-n", NAMESPACE, check=False).returncode == 0, 60,
+               lambda: f"the slice's ResourceClaim\n{hollow.logs()}")
+    slice_uid = json.loads(kubectl("get", "gs", "nb", "-n", NAMESPACE, "-o", "json").stdout)["metadata"]["uid"]
+    kubectl("apply", "-f", "-", input=json.dumps({
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+        "metadata": {"name": "steal", "namespace": thieves},
+        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
+            "deviceClassName": "gpuslice.cdmo.io", "selectors": [{"cel": {"expression":
+                f'device.attributes["gpu.cdmo.io"].sliceNamespace == "{NAMESPACE}"'}}]}}]}}}))
+    thief = claimed_pod("thief", "steal")
+    thief["metadata"]["namespace"] = thieves
+    kubectl("apply", "-f", "-", input=json.dumps(thief))
+
+    def refusal() -> str | None:
+        events = core.list_namespaced_event(thieves, field_selector="involvedObject.name=thief").items
+        return next((e.message for e in events if "belongs to GpuSlice" in (e.message or "")), None)
+
+    message = wait_until(refusal, 60, lambda: f"the thief pod's FailedPrepare event\n{hollow.logs()}")
+    steal = json.loads(kubectl("get", "resourceclaim", "steal", "-n", thieves, "-o", "json").stdout)
+    [result] = steal["status"]["allocation"]["devices"]["results"]
+    assert result["device"] == slice_uid, "kube-scheduler did allocate the slice's device (the attack)"
+    assert f"ResourceClaim {thieves}/steal" in message and f"device gpu.cdmo.io/{NODE}/{slice_uid}" in message
+    assert f"belongs to GpuSlice {NAMESPACE}/nb (uid {slice_uid})" in message, message
+    assert core.read_namespaced_pod("thief", thieves).status.phase != "Running"
+    assert sorted(hollow.cdi_dir.glob("*")) == []
+
+    # The thief gives up: its claim is deallocated, and the slice's own pod gets the device.
+    kubectl("delete", "pod", "thief", "-n", thieves, "--grace-period=0", "--force", "--wait=true")
+    kubectl("delete", "resourceclaim", "steal", "-n", thieves, "--wait=true", "--timeout=60s")
+    kubectl("apply", "-f", "-", input=json.dumps(claimed_pod("owner", "nb")))
+
+    def owner_running() -> bool:
+        return core.read_namespaced_pod("owner", NAMESPACE).status.phase == "Running"
+
+    wait_until(owner_running, 90, lambda: f"the slice's own pod to run\n{hollow.logs()}")
+    assert [p.name for p in hollow.cdi_dir.glob("*")] == [f"gpu.cdmo.io-slice_{slice_uid}.json"]

@@ -2,8 +2,9 @@
 
 - a GPU serving fractions serves one namespace at a time unless its Node is labelled
   cdmo.io/fraction-sharing=cross-namespace (reason OtherNamespace); MIG instances are not concerned;
-- a node whose GpuNode has RuntimeTrusted=False gets no new slice until the Node is labelled
-  cdmo.io/runtime-trust=accepted (reason RuntimeUntrusted); slices bound before stay;
+- a node whose GpuNode has RuntimeTrusted=False (its agent read the toolkit configuration the test
+  writes) gets no new slice until the Node is labelled cdmo.io/runtime-trust=accepted (reason
+  RuntimeUntrusted); slices bound before stay; Unknown and True place;
 - with --quota-required a namespace without a GpuQuota gets nothing (reason NoQuota) and binds once
   the GpuQuota its message shows exists.
 
@@ -14,12 +15,13 @@ from __future__ import annotations
 
 import re
 import subprocess
+from pathlib import Path
 from typing import Any
 
 import yaml
 from harness import GROUP, NODES, REPO_ROOT, VERSION, OperatorHarness, check_invariants, wait_until
 
-from mig_operator.core.runtime_trust import ACCEPTED_LABEL, ACCEPTED_VALUE, CONDITION_TYPE
+from mig_operator.core.runtime_trust import CONDITION_TYPE, TRUST_LABEL, TRUST_VALUE
 from mig_operator.core.tenancy import SHARING_LABEL, SHARING_VALUE
 
 L40S_MIB = 46068  # catalog: what one L40S holds
@@ -91,45 +93,57 @@ def test_a_fraction_gpu_serves_one_namespace_unless_its_node_shares(operator: Op
     check_invariants(operator)
 
 
-def _set_runtime_trusted(op: OperatorHarness, node: str, value: str, message: str) -> None:
-    """What the node's agent publishes (written here as admin, the agent being stopped)."""
-    current = op.custom.get_cluster_custom_object(GROUP, VERSION, NODES, node)
-    conditions = [c for c in (current.get("status") or {}).get("conditions") or () if c.get("type") != CONDITION_TYPE]
-    conditions.append({"type": CONDITION_TYPE, "status": value, "reason": "ToolkitConfig", "message": message,
-                       "lastTransitionTime": "2026-11-26T10:00:00Z"})
-    op.custom.patch_cluster_custom_object_status(GROUP, VERSION, NODES, node, {"status": {"conditions": conditions}})
+KEY = "accept-nvidia-visible-devices-envvar-when-unprivileged"
 
 
-def test_an_untrusted_runtime_takes_no_new_slice_until_accepted(operator: OperatorHarness) -> None:
+def runtime_trusted(op: OperatorHarness, node: str) -> dict[str, Any] | None:
+    conditions = (op.custom.get_cluster_custom_object(GROUP, VERSION, NODES, node).get("status") or {}).get(
+        "conditions") or []
+    return next((c for c in conditions if c.get("type") == CONDITION_TYPE), None)
+
+
+def wait_trusted(op: OperatorHarness, node: str, value: str) -> dict[str, Any]:
+    # The agent reads its toolkit configuration at start and every 30 s.
+    return wait_until(lambda: (c := runtime_trusted(op, node)) and c["status"] == value and c, 45,
+                      lambda: f"{node}'s {CONDITION_TYPE}={value}, now {runtime_trusted(op, node)}\n{op.logs()}")
+
+
+def test_an_untrusted_runtime_takes_no_new_slice_until_accepted(operator: OperatorHarness, tmp_path: Path) -> None:
     node = operator.add_node("h100-80gb")
-    agent = operator.agent(node)
+    config = tmp_path / "toolkit" / "config.toml"
+    config.parent.mkdir()
+    # No configuration to read (a node whose runtime knows only CDI): Unknown, and slices are placed.
+    operator.agent(node, None, "--toolkit-config", str(config))
     operator.wait_gpunode(node)
+    wait_trusted(operator, node.name, "Unknown")
     operator.controller()
     ns = operator.namespace()
     operator.create_slice(ns, "before", {"memory": "9Gi", "nodeName": node.name})
     before = operator.wait_phase(ns, "before", "Ready")["status"]
 
-    # The agent is stopped so that its next publication does not replace the condition written here.
-    operator.kill(agent)
-    why = "accept-nvidia-visible-devices-envvar-when-unprivileged is true in /etc/nvidia-container-runtime/config.toml"
-    _set_runtime_trusted(operator, node.name, "False", why)
+    # The toolkit hands GPUs to any container that names them: False, and no new slice goes there.
+    config.write_text(f"{KEY} = true\n")
+    why = wait_trusted(operator, node.name, "False")["message"]
     operator.create_slice(ns, "after", {"memory": "9Gi", "nodeName": node.name})
     waiting = operator.wait_phase(ns, "after", "Pending", reason="RuntimeUntrusted")["status"]
-    for part in (f"node {node.name}", why, f"kubectl label node {node.name} {ACCEPTED_LABEL}={ACCEPTED_VALUE}"):
+    for part in (f"node {node.name}", why, f"kubectl label node {node.name} {TRUST_LABEL}={TRUST_VALUE}"):
         assert part in waiting["message"], waiting["message"]
     kept = status(operator, ns, "before")
     assert kept["phase"] == "Ready" and kept["deviceUUID"] == before["deviceUUID"]
 
-    operator.core.patch_node(node.name, {"metadata": {"labels": {ACCEPTED_LABEL: ACCEPTED_VALUE}}})
-    operator.wait_phase(ns, "after", BOUND)
-    # Label gone: refused again; the condition Unknown (no toolkit configuration to read) places.
-    operator.core.patch_node(node.name, {"metadata": {"labels": {ACCEPTED_LABEL: None}}})
-    wait_until(lambda: ACCEPTED_LABEL not in (operator.core.read_node(node.name).metadata.labels or {}), 10,
+    # The admin accepts it: the slice binds and is made; label gone, the next one waits again.
+    operator.core.patch_node(node.name, {"metadata": {"labels": {TRUST_LABEL: TRUST_VALUE}}})
+    operator.wait_phase(ns, "after", "Ready")
+    operator.core.patch_node(node.name, {"metadata": {"labels": {TRUST_LABEL: None}}})
+    wait_until(lambda: TRUST_LABEL not in (operator.core.read_node(node.name).metadata.labels or {}), 10,
                "the label removed")
     operator.create_slice(ns, "third", {"memory": "9Gi", "nodeName": node.name})
     operator.wait_phase(ns, "third", "Pending", reason="RuntimeUntrusted")
-    _set_runtime_trusted(operator, node.name, "Unknown", "no NVIDIA container toolkit configuration on the node")
-    operator.wait_phase(ns, "third", BOUND)
+    # The toolkit fixed: True, and the slice is placed.
+    config.write_text(f"{KEY} = false\n")
+    wait_trusted(operator, node.name, "True")
+    operator.wait_phase(ns, "third", "Ready")
+    check_invariants(operator)
 
 
 def test_quota_required_refuses_a_namespace_without_a_gpuquota_until_it_has_one(operator: OperatorHarness) -> None:

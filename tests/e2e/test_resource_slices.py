@@ -150,12 +150,26 @@ class Kubelet:
             channel.close()
 
 
-def allocated_claim(operator: OperatorHarness, ns: str, name: str, node: SimNode, device: str) -> dict:
-    """A ResourceClaim allocated as kube-scheduler would (status written with the admin's credentials)."""
+def allocated_claim(operator: OperatorHarness, ns: str, name: str, node: SimNode, device: str,
+                    create: bool = False) -> dict:
+    """A ResourceClaim allocated as kube-scheduler would (status written with the admin's credentials):
+    the slice's own, written by the controller, or (``create``) one the admin writes."""
     api = kubernetes.client.CustomObjectsApi(operator.custom.api_client)
-    api.create_namespaced_custom_object("resource.k8s.io", "v1", ns, "resourceclaims", {
-        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": name},
-        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpuslice.cdmo.io"}}]}}})
+    if create:
+        api.create_namespaced_custom_object("resource.k8s.io", "v1", ns, "resourceclaims", {
+            "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": name},
+            "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpuslice.cdmo.io"}}]}}})
+    else:
+        def written() -> bool:
+            try:
+                api.get_namespaced_custom_object("resource.k8s.io", "v1", ns, "resourceclaims", name)
+            except ApiException as exc:
+                if exc.status == 404:
+                    return False
+                raise
+            return True
+
+        wait_until(written, 30, lambda: f"the controller's ResourceClaim {ns}/{name}\n{operator.logs()}")
     return api.patch_namespaced_custom_object_status("resource.k8s.io", "v1", ns, "resourceclaims", name, {
         "status": {"allocation": {"devices": {"results": [
             {"request": "gpu", "driver": DRIVER, "pool": node.name, "device": device}]}}}})
@@ -175,7 +189,8 @@ def test_kubelet_plugin_prepares_specs_the_cdi_library_applies(operator: Operato
         (short_dir / node.name / "reg").mkdir(parents=True)
         flags[node.name] = ["--kubelet-registry-dir", str(short_dir / node.name / "reg"),
                             "--kubelet-plugin-dir", str(short_dir / node.name / "plug"),
-                            "--cdi-dir", str(short_dir / node.name / "cdi"), "--shim-host-dir", "/opt/cdmo-shim"]
+                            "--cdi-dir", str(short_dir / node.name / "cdi"),
+                            "--shim-host-dir", str(short_dir / node.name / "shim")]
     agents = {node.name: operator.agent(node, None, *flags[node.name]) for node in (mig, plain)}
     for node in (mig, plain):
         operator.wait_gpunode(node)
@@ -187,9 +202,9 @@ def test_kubelet_plugin_prepares_specs_the_cdi_library_applies(operator: Operato
     notebook = operator.wait_phase(ns, "notebook", "Ready")
     train_uid, notebook_uid = train["metadata"]["uid"], notebook["metadata"]["uid"]
 
-    mig_claim = allocated_claim(operator, ns, "train-claim", mig, train_uid)
-    fraction_claim = allocated_claim(operator, ns, "nb-claim", plain, notebook_uid)
-    stolen = allocated_claim(operator, ns, "stolen", mig, notebook_uid)  # another node's device
+    mig_claim = allocated_claim(operator, ns, "train", mig, train_uid)
+    fraction_claim = allocated_claim(operator, ns, "notebook", plain, notebook_uid)
+    stolen = allocated_claim(operator, ns, "stolen", mig, notebook_uid, create=True)  # another node's device
 
     kubelets = {name: Kubelet(short_dir / name / "reg") for name in (mig.name, plain.name)}
     try:
@@ -223,9 +238,12 @@ def test_kubelet_plugin_prepares_specs_the_cdi_library_applies(operator: Operato
         granted = notebook["status"]["grantedBytes"]
         assert {"NVIDIA_VISIBLE_DEVICES=void", f"CDMO_GPU_MEMORY_LIMIT={granted}", f"CDMO_SLICE={ns}/notebook",
                 "LD_PRELOAD=/usr/local/lib/cdmo/libgpuslice.so"} <= set(seen["env"])
+        ledger = short_dir / plain.name / "ledgers" / notebook_uid  # made at prepare, beside the shim's directory
         assert [(m["source"], m["destination"]) for m in seen["mounts"]] == \
-            [("/opt/cdmo-shim/libgpuslice.so", "/usr/local/lib/cdmo/libgpuslice.so")]
-        assert "ro" in seen["mounts"][0]["options"]
+            [(str(short_dir / plain.name / "shim" / "libgpuslice.so"), "/usr/local/lib/cdmo/libgpuslice.so"),
+             (str(ledger), "/run/cdmo/ledger")]
+        assert "ro" in seen["mounts"][0]["options"] and "rw" in seen["mounts"][1]["options"]
+        assert ledger.is_dir()
 
         # SIGKILL the MIG node's agent; the restarted one still knows the prepared claim.
         operator.kill(agents[mig.name])
@@ -253,3 +271,78 @@ def _registered(kubelet: Kubelet) -> dra_grpc.DRAPluginStub | None:
         return kubelet.register()
     except grpc.RpcError:
         return None
+
+
+# ---- more than 128 devices on one node ------------------------------------------------------------
+
+
+def node_resource_slices(operator: OperatorHarness, node: SimNode) -> list[dict]:
+    api = kubernetes.client.CustomObjectsApi(operator.custom.api_client)
+    items = api.list_cluster_custom_object("resource.k8s.io", "v1", "resourceslices",
+                                           field_selector=f"spec.nodeName={node.name}")["items"]
+    return sorted(items, key=lambda b: b["metadata"]["name"])
+
+
+def test_300_devices_on_one_node_spread_over_resource_slices_kube_scheduler_allocates(
+        operator: OperatorHarness) -> None:
+    """Issue 24: one ResourceSlice holds 128 devices; 140 Ready slices left 12 pods unschedulable.
+    The agent's publisher (with the chart's agent credentials) writes 300 devices; the API server
+    accepts three ResourceSlices of one pool (128 + 128 + 44, counted by hand), kube-scheduler
+    allocates a claim whose device is in the third one, and shrinking deletes the surplus slices."""
+    import asyncio
+    import uuid
+
+    from mig_operator.kube.agent.resource_slice import ResourceSlicePublisher, SliceDeviceInfo
+    from mig_operator.kube.common.client import KubeClient
+
+    node = operator.add_node("l40s-48gb", labelled=False)
+    node_uid = operator.core.read_node(node.name).metadata.uid
+    ns = operator.namespace()
+    devices = [SliceDeviceInfo(str(uuid.uuid4()), ns, f"s{i}", "fraction", "", "GPU-1", 2**28) for i in range(300)]
+
+    async def publish(infos: list[SliceDeviceInfo]) -> bool:
+        client = KubeClient.from_environment(str(operator.kubeconfigs.get("agent", operator.cluster.kubeconfig)))
+        try:
+            return await ResourceSlicePublisher(client, node.name).publish(infos, node_uid)
+        finally:
+            await client.close()
+
+    assert asyncio.run(publish(devices))
+    slices = node_resource_slices(operator, node)
+    base = f"{node.name}-{DRIVER}"
+    assert [b["metadata"]["name"] for b in slices] == [base, f"{base}-1", f"{base}-2"]
+    assert [len(b["spec"]["devices"]) for b in slices] == [128, 128, 44]
+    assert all(b["spec"]["pool"] == {"name": node.name, "generation": 1, "resourceSliceCount": 3} for b in slices)
+    names = [d["name"] for b in slices for d in b["spec"]["devices"]]
+    assert sorted(names) == sorted(d.uid for d in devices) and len(set(names)) == 300
+
+    # kube-scheduler reads the whole pool: a claim for the last device (in the third slice) is allocated.
+    last = max(d.uid for d in devices)
+    assert last in {d["name"] for d in slices[2]["spec"]["devices"]}
+    api = kubernetes.client.CustomObjectsApi(operator.custom.api_client)
+    api.create_namespaced_custom_object("resource.k8s.io", "v1", ns, "resourceclaims", {
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": "last"},
+        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
+            "deviceClassName": "gpuslice.cdmo.io",
+            "selectors": [{"cel": {"expression": f'device.attributes["{DRIVER}"].slice == "{last}"'}}]}}]}}})
+    operator.core.create_namespaced_pod(ns, {
+        "metadata": {"name": "last"},
+        "spec": {"nodeSelector": {"kubernetes.io/hostname": node.name},
+                 "tolerations": [{"key": "kwok.x-k8s.io/node", "operator": "Exists"}],
+                 "resourceClaims": [{"name": "gpu", "resourceClaimName": "last"}],
+                 "containers": [{"name": "main", "image": "fake", "resources": {"claims": [{"name": "gpu"}]}}]}})
+
+    def allocated() -> list | None:
+        claim = api.get_namespaced_custom_object("resource.k8s.io", "v1", ns, "resourceclaims", "last")
+        return ((claim.get("status") or {}).get("allocation") or {}).get("devices", {}).get("results")
+
+    [result] = wait_until(allocated, 60, lambda: f"claim {ns}/last allocated: "
+                          f"{operator.core.read_namespaced_pod('last', ns).status}")
+    assert (result["driver"], result["pool"], result["device"]) == (DRIVER, node.name, last)
+
+    # Fewer devices: one slice left at the next generation, the surplus ones deleted.
+    assert asyncio.run(publish(devices[:100]))
+    slices = node_resource_slices(operator, node)
+    assert [b["metadata"]["name"] for b in slices] == [base]
+    assert slices[0]["spec"]["pool"] == {"name": node.name, "generation": 2, "resourceSliceCount": 1}
+    assert sorted(d["name"] for d in slices[0]["spec"]["devices"]) == sorted(d.uid for d in devices[:100])

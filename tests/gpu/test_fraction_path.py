@@ -48,6 +48,7 @@ NAMESPACE = "team-a"
 CLAIMS = "/apis/resource.k8s.io/v1"
 DRIVER = "gpu.cdmo.io"
 SHIM_IN_CONTAINER = "/usr/local/lib/cdmo/libgpuslice.so"
+LEDGER_IN_CONTAINER = "/run/cdmo/ledger"  # the shim's GS_LEDGER_DIR
 # Two slices of one GPU. Real UIDs: one starting with a letter (CDI 0.3.0 suffices) and one with a
 # digit (a device name CDI accepts from 0.5.0 on), so the library checks both versions the agent writes.
 SLICES = (("four", "a3f0c9d2-4b5e-4c6d-8e7f-0a1b2c3d4e5f", 4 * GIB),
@@ -90,6 +91,8 @@ class ApiDouble:
         return copy.deepcopy(self.objects[path])
 
     async def list(self, path: str, label_selector: str | None = None, field_selector: str | None = None) -> list:
+        if path.endswith("/resourceslices"):  # one node here: the field selector holds for all of them
+            return [copy.deepcopy(o) for p, o in self.objects.items() if p.startswith(f"{path}/")]
         return [copy.deepcopy(o) for p, o in self.objects.items() if "/gpuslices/" in p]
 
     async def merge_patch(self, path: str, body: dict) -> dict:
@@ -146,9 +149,12 @@ def bound_fraction(name: str, uid: str, gpu: int, granted: int) -> dict:
 
 
 def allocated_claim(claim_uid: str, name: str, device: str) -> dict:
-    """A ResourceClaim as kube-scheduler leaves it: one result of this driver, in this node's pool."""
+    """A ResourceClaim as the controller writes it (controlled by its slice) and kube-scheduler leaves
+    it: one result of this driver, in this node's pool."""
     return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
-            "metadata": {"uid": claim_uid, "name": name, "namespace": NAMESPACE},
+            "metadata": {"uid": claim_uid, "name": name, "namespace": NAMESPACE, "ownerReferences": [
+                {"apiVersion": "cdmo.io/v1alpha1", "kind": "GpuSlice", "name": name, "uid": device,
+                 "controller": True}]},
             "status": {"allocation": {"devices": {"results": [
                 {"request": "gpu", "driver": DRIVER, "pool": NODE, "device": device}]}}}}
 
@@ -259,8 +265,11 @@ def container_script(oci: dict) -> str:
         lines.append(f"mount {kind} {q(src)} {q(dst)}")
         if rest:  # bind mounts take ro/nosuid/nodev only on a remount
             lines.append(f"mount -o {q(','.join(['remount', 'bind', *rest]))} {q(dst)}")
+        # a file: appending nothing tells whether it is writable; a directory (the ledger): a file made in it
+        probe = (f"( : >> {q(dst)} )" if not os.path.isdir(src)
+                 else f"( : > {q(dst + '/.probe')} && rm {q(dst + '/.probe')} )")
         lines += [f"awk -v d={q(dst)} '$5 == d {{print \"mountinfo\", $5, $6}}' /proc/self/mountinfo >&2",
-                  f"if ( : >> {q(dst)} ) 2>/dev/null; then echo writable {q(dst)} >&2; "
+                  f"if {probe} 2>/dev/null; then echo writable {q(dst)} >&2; "
                   f"else echo readonly {q(dst)} >&2; fi",
                   f"if cmp -s {q(src)} {q(dst)}; then echo same {q(dst)} >&2; fi"]
     lines.append("find /dev -type c -exec stat -c 'chardev %n %t %T' {} + >&2")
@@ -297,25 +306,29 @@ def parse_report(text: str) -> ContainerReport:
     return report
 
 
-def placeholders(destinations: list[str]) -> list[Path]:
-    """Create what a bind mount needs at each destination on this host (an empty file, its missing
-    directories); the paths created, deepest first, to remove afterwards."""
+def placeholders(mounts: list[dict]) -> list[Path]:
+    """Create what a bind mount needs at each destination on this host (an empty file, or a directory
+    for a directory's mount, and its missing directories); the paths created, deepest first, to remove
+    afterwards."""
     made: list[Path] = []
-    for destination in destinations:
-        target = Path(destination)
+    for mount in mounts:
+        target = Path(mount["destination"])
         missing = [p for p in [target.parent, *target.parent.parents] if not p.exists()]
         for directory in reversed(missing):
             directory.mkdir()
             made.append(directory)
         if not target.exists():
-            target.touch()
+            if os.path.isdir(mount["source"]):
+                target.mkdir()
+            else:
+                target.touch()
             made.append(target)
     return list(reversed(made))
 
 
 def run_torch_in_container(oci: dict, limit: int, workdir: Path) -> dict[str, Any]:
     """Start the OCI spec's process (fill.py torch) in the stand-in container; fill to out of memory."""
-    made = placeholders([m["destination"] for m in oci.get("mounts") or []])
+    made = placeholders(oci.get("mounts") or [])
     stderr_path = workdir / "container.stderr"
     proc = None
     try:
@@ -368,8 +381,13 @@ def test_agent_prepares_fraction_claims_and_torch_holds_each_limit(
                              "(nvidia-modprobe -u -c=0)")
     api = ApiDouble()
     cdi_dir = short_dir / "cdi"
+    # The node's library directory: the shim, and beside it the slices' ledger directories.
+    node_shim = short_dir / "node-lib" / "shim" / "libgpuslice.so"
+    node_shim.parent.mkdir(parents=True)
+    shutil.copy(shim_library, node_shim)
+    ledgers = short_dir / "node-lib" / "ledgers"
     settings = PluginSettings(registry_dir=str(short_dir / "reg"), plugin_dir=str(short_dir / "plug"),
-                              cdi_dir=str(cdi_dir), shim_host_dir=str(shim_library.parent), nvidia_cdi_dirs=())
+                              cdi_dir=str(cdi_dir), shim_host_dir=str(node_shim.parent), nvidia_cdi_dirs=())
     (short_dir / "reg").mkdir()
     image_env = [f"{k}={os.environ[k]}" for k in IMAGE_VARIABLES if k in os.environ]
     results: list[dict[str, Any]] = []
@@ -418,10 +436,11 @@ def test_agent_prepares_fraction_claims_and_torch_holds_each_limit(
                         list(device.cdi_device_ids)) == (["gpu"], NODE, uid, [f"{DRIVER}/slice={uid}"])
             assert sorted(p.name for p in cdi_dir.iterdir()) == sorted(spec_file_name(uid) for _, uid, _ in SLICES)
             assert await kubelet.prepare(*claims) == prepared  # the kubelet may ask again: same answer
-            # A second claim on a prepared device is refused, with a reason for the pod's events.
+            # A claim that is not the slice's own is refused, with a reason for the pod's events.
             api.objects[resource_claim_path(NAMESPACE, "copy")] = allocated_claim("claim-copy", "copy", SLICES[0][1])
             refused = (await kubelet.prepare(("claim-copy", "copy"))).claims["claim-copy"]
-            assert not refused.devices and f"is already prepared for ResourceClaim {NAMESPACE}/four" in refused.error
+            assert not refused.devices and f"prepared only for that slice's own ResourceClaim {NAMESPACE}/four" \
+                in refused.error
 
             for (claim_uid, name), (_, uid, granted) in zip(claims, SLICES, strict=True):
                 spec_text = (cdi_dir / spec_file_name(uid)).read_text()
@@ -435,11 +454,13 @@ def test_agent_prepares_fraction_claims_and_torch_holds_each_limit(
                 summary, oci = apply_cdi(cdi_validate, cdi_dir, ids, base, workdir)
                 outcome = await asyncio.to_thread(run_torch_in_container, oci, granted, workdir)
                 results.append({"name": name, "uid": uid, "granted": granted, "spec": json.loads(spec_text),
-                                "summary": summary, "oci": oci, **outcome})
+                                "summary": summary, "oci": oci, **outcome,
+                                "ledger_files": sorted(p.name for p in (ledgers / uid).iterdir())})
 
             gone = await kubelet.unprepare(*claims)
             assert all(gone.claims[c].error == "" for c, _ in claims)
             assert list(cdi_dir.iterdir()) == []
+            assert list(ledgers.iterdir()) == []  # each slice's ledger goes with its claim
             again = await kubelet.unprepare(*claims)
             assert all(again.claims[c].error == "" for c, _ in claims)
             assert json.loads((short_dir / "owners.json").read_text())["preparedClaims"] == {}
@@ -472,9 +493,10 @@ def test_agent_prepares_fraction_claims_and_torch_holds_each_limit(
         assert env == {**dict(v.split("=", 1) for v in image_env), "NVIDIA_VISIBLE_DEVICES": "void",
                        "LD_PRELOAD": SHIM_IN_CONTAINER, "CDMO_GPU_MEMORY_LIMIT": str(limit),
                        "GPU_MEM_LIMIT_GB": LIMIT_GB[limit], "CDMO_SLICE": f"{NAMESPACE}/{name}"}
-        # The shim, read-only from the node.
+        # The shim, read-only from the node; the slice's ledger, read-write, at the path the shim has built in.
         assert [(m["source"], m["destination"], m["options"]) for m in result["summary"]["mounts"]] == \
-            [(str(shim_library), SHIM_IN_CONTAINER, ["ro", "nosuid", "nodev", "bind"])]
+            [(str(node_shim), SHIM_IN_CONTAINER, ["ro", "nosuid", "nodev", "bind"]),
+             (str(ledgers / result["uid"]), LEDGER_IN_CONTAINER, ["rw", "nosuid", "nodev", "noexec", "bind"])]
         # The device nodes: the GPU's, the control node and UVM's, each a character device on this
         # host with the numbers the spec gives, and allowed in the device cgroup.
         nodes = {n["path"]: (n["type"], n["major"], n["minor"]) for n in result["summary"]["deviceNodes"]}
@@ -490,7 +512,9 @@ def test_agent_prepares_fraction_claims_and_torch_holds_each_limit(
         assert report.char_devices == {**RUNC_DEVICES, **{p: (mj, mn) for p, (_, mj, mn) in nodes.items()}}, \
             result["stderr"]
         assert "ro" in report.mount_options[SHIM_IN_CONTAINER], result["stderr"]
+        assert "rw" in report.mount_options[LEDGER_IN_CONTAINER], result["stderr"]
         assert report.readonly == {SHIM_IN_CONTAINER} and report.same_content == {SHIM_IN_CONTAINER}
+        assert len(result["ledger_files"]) == 1 and result["ledger_files"][0].startswith("gpu-"), result["ledger_files"]
         # And PyTorch: its limit as the GPU's total, out of memory at the limit, NVML's footprint within it.
         assert total == limit, "torch.cuda.mem_get_info() reports the slice's limit as the total"
         assert oom is not None and re.search(r"out of memory", oom, re.IGNORECASE), oom

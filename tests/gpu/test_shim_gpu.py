@@ -11,6 +11,9 @@ out of memory, and measure again while it holds everything.  The asserts:
     allocations (JAX's default preallocation aside: 75 % of the total by design);
   * the memory queries still report total = limit.
 Set SHIM_GPU_LOG to a file to collect every measurement as JSON lines.
+
+The shim's ledger is the fixed directory the CDI spec mounts (LEDGER, built into the library): each
+test starts with it empty, which needs root (the GPU machines run these as root); elsewhere they skip.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ MiB = 1 << 20
 GiB = 1 << 30
 LIMITS = {"1.5GiB": 3 * GiB // 2, "4GiB": 4 * GiB}
 PEAK_OFFSET = 24  # struct gs_region: magic u64, version u32, size u32, nslots u32, pad u32, peak u64
+LEDGER = Path("/run/cdmo/ledger")  # GS_LEDGER_DIR in shim/gs.h, LEDGER_PATH_IN_CONTAINER in core
 SLACK = 0.03  # allocations must reach limit - context - 3 % of the limit
 
 
@@ -51,12 +55,25 @@ def shim() -> Path:
     return ROOT / "shim" / "libgpuslice.so"
 
 
+@pytest.fixture(autouse=True)
+def fresh_ledger() -> Path:
+    """The ledger directory on this machine, empty, writable by every uid (as the agent makes it)."""
+    if os.geteuid() != 0:
+        pytest.skip(f"the shim's ledger is {LEDGER} (fixed at build time): making it needs root")
+    shutil.rmtree(LEDGER, ignore_errors=True)
+    LEDGER.mkdir(parents=True)
+    LEDGER.chmod(0o1777)
+    return LEDGER
+
+
 def shim_env(lib: Path, tmp: Path, slice_: str, limit: int | None, extra: dict | None = None) -> dict:
+    """The environment of a process under the shim; SHIM_TEST_TMP (ours, not the shim's) is where its
+    stderr goes."""
     env = dict(os.environ)
     for k in ("CDMO_GPU_MEMORY_LIMIT", "CDMO_SHIM_DISABLE", "CDMO_SHIM_FOOTPRINT", "PYTORCH_CUDA_ALLOC_CONF",
               "PYTORCH_ALLOC_CONF"):
         env.pop(k, None)
-    env.update({"LD_PRELOAD": str(lib), "CDMO_SLICE": slice_, "CDMO_SHIM_DIR": str(tmp),
+    env.update({"LD_PRELOAD": str(lib), "CDMO_SLICE": slice_, "SHIM_TEST_TMP": str(tmp),
                 "PYTHONUNBUFFERED": "1"})
     if limit:
         env["CDMO_GPU_MEMORY_LIMIT"] = str(limit)
@@ -92,13 +109,13 @@ def footprint(pid: int, gpu: int | None = 0) -> int:
 class Workload:
     _n = 0
 
-    def __init__(self, argv: list[str], env: dict):
+    def __init__(self, argv: list[str], env: dict, **popen: object):
         # stderr to a file: a chatty process (CDMO_SHIM_DEBUG) must not block on a full pipe
         Workload._n += 1
-        self.errpath = Path(env.get("CDMO_SHIM_DIR", "/tmp")) / f"stderr-{Workload._n}.txt"
+        self.errpath = Path(env.get("SHIM_TEST_TMP", "/tmp")) / f"stderr-{Workload._n}.txt"
         self.err = open(self.errpath, "w+")
         self.p = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                  stderr=self.err, text=True)
+                                  stderr=self.err, text=True, **popen)  # type: ignore[call-overload]
         self.pid = self.p.pid
 
     def read(self, phase: str) -> dict:
@@ -135,9 +152,9 @@ def fill(mode: str, env: dict, cap_mib: int = 16384, devices: str = "0") -> Work
     return Workload([sys.executable, str(FILL), mode, str(CHUNK_MIB), str(cap_mib), devices], env)
 
 
-def region_peak(tmp: Path) -> int:
-    """The shim's own high-water mark, over the slice's regions (one per GPU it touched)."""
-    files = glob.glob(str(tmp / "cdmo-gpuslice-*"))
+def region_peak(ledger: Path = LEDGER) -> int:
+    """The shim's own high-water mark, over the slice's ledger files (one per GPU it touched)."""
+    files = glob.glob(str(ledger / "gpu-*"))
     assert files, "no region"
     peaks = []
     for name in files:
@@ -177,7 +194,7 @@ def test_footprint_within_limit(gpu: str, shim: Path, tmp_path: Path, name: str,
         w.go()
         done = w.read("done")
         held = footprint(w.pid)
-        peak = region_peak(tmp_path)
+        peak = region_peak()
         shim_smi = smi(env)
     finally:
         w.finish()
@@ -376,4 +393,4 @@ def test_no_limit_changes_nothing(gpu: str, shim: Path, tmp_path: Path) -> None:
     log({"test": "nolimit", "info": r["info"], "allocated": r["allocated"], "plain_info": plain["info"]})
     assert r["error"]["0"] is None and r["allocated"]["0"] == 6144 * MiB, r
     assert r["info"]["0"]["total"] == plain["info"]["0"]["total"], (r["info"], plain["info"])
-    assert not glob.glob(str(tmp_path / "cdmo-gpuslice-*")), "no limit: no region is created"
+    assert not glob.glob(str(LEDGER / "gpu-*")), "no limit: no ledger file is created"

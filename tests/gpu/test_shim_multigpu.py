@@ -12,7 +12,21 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_shim_gpu import FILL, SLACK, WORK, MiB, Workload, fill, footprint, log, nvml_usage, shim, shim_env
+from test_shim_gpu import (  # noqa: F401  (fixtures: shim, fresh_ledger)
+    FILL,
+    LEDGER,
+    SLACK,
+    WORK,
+    MiB,
+    Workload,
+    fill,
+    footprint,
+    fresh_ledger,
+    log,
+    nvml_usage,
+    shim,
+    shim_env,
+)
 
 LIMIT = 2 << 30
 __all__ = ["shim"]  # the fixture, re-exported for pytest
@@ -51,7 +65,7 @@ def test_one_process_two_gpus_one_limit_each(two_gpus: None, shim: Path, tmp_pat
         w.finish()
     got = [done["allocated"]["0"], done["allocated"]["1"]]
     rec = {"test": "one-process-two-gpus", "limit": LIMIT, "contexts": ctx, "footprints": held, "allocated": got,
-           "regions": sorted(p.name for p in tmp_path.glob("cdmo-gpuslice-*"))}
+           "regions": sorted(p.name for p in LEDGER.glob("gpu-*"))}
     log(rec)
     assert len(rec["regions"]) == 2, f"one region per GPU UUID: {rec}"
     for d in (0, 1):

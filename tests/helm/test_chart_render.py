@@ -51,6 +51,7 @@ VARIANTS: dict[str, list[str]] = {
         "--set", "agent.nodeSelector.gpu=yes", "--set", "agent.priorityClassName=",
         "--set", "shim.hostDir=/opt/cdmo/shim", "--set", "serviceAccount.controller.name=ctl",
         "--set", "serviceAccount.agent.name=agt",
+        "--set", "agent.toolkitConfig=/usr/local/nvidia/toolkit/.config/nvidia-container-runtime/config.toml",
     ],
 }
 VARIANT_IDS = list(VARIANTS)
@@ -312,6 +313,13 @@ def test_the_rendered_arguments_parse_and_agree_with_each_other(render: Any, nam
     # The shim: installed by the agents' init container.
     assert container(docs, "DaemonSet", "install-shim", init=True)["volumeMounts"] == [
         {"name": "shim", "mountPath": "/host-shim"}]
+    # The slices' ledger directories: the agent makes them where its kubelet plugin derives them from
+    # --shim-host-dir, at the host's own path (the CDI specs name host paths).
+    from mig_operator.kube.agent.kubelet_plugin import PluginSettings
+
+    ledgers = PluginSettings(shim_host_dir=agent.shim_host_dir).ledger_host_dir
+    assert _volume(docs, "DaemonSet", "ledgers")["hostPath"] == {"path": ledgers, "type": "DirectoryOrCreate"}
+    assert {"name": "ledgers", "mountPath": ledgers} in agent_container["volumeMounts"]
     # The agent's node comes from the downward API; its record lives in the host state directory.
     assert agent.node == "node-a"
     assert next(e for e in agent_container["env"] if e["name"] == "NODE_NAME")["valueFrom"] == {
@@ -380,7 +388,7 @@ AGENT_RULES = {
     ("cdmo.io", "gpunodes"): "create",
     ("cdmo.io", "gpunodes/status"): "patch",
     ("", "nodes"): "get list watch",  # its own Node's label, watched by a metadata.name field selector
-    ("resource.k8s.io", "resourceslices"): "get create update delete",  # its node's devices (DRA)
+    ("resource.k8s.io", "resourceslices"): "list create update delete",  # its node's devices (DRA)
     ("resource.k8s.io", "resourceclaims"): "get",  # a claim's allocation, at NodePrepareResources
     ("", "events"): "create",
 }
@@ -455,8 +463,10 @@ def test_the_operations_guide_lists_the_same_verbs() -> None:
 # ---- pod privileges ------------------------------------------------------------------------------
 
 
-def test_the_controller_runs_unprivileged_and_the_agent_with_only_what_mig_needs(render: Any,
-                                                                                 variant: list[str]) -> None:
+def test_the_controller_runs_unprivileged_and_the_agent_privileged_in_no_host_namespace(
+        render: Any, variant: list[str]) -> None:
+    """The agent is privileged (as NVIDIA's DRA kubelet plugin): the toolkit gives it its GPUs even with
+    accept-nvidia-visible-devices-envvar-when-unprivileged = false, the setting nodes need (issue 24)."""
     docs = render(*variant)
     ctl_pod = find(docs, "Deployment")["spec"]["template"]["spec"]
     ctl = container(docs, "Deployment", "controller")
@@ -469,8 +479,8 @@ def test_the_controller_runs_unprivileged_and_the_agent_with_only_what_mig_needs
     agent = container(docs, "DaemonSet", "agent")
     for key in ("hostPID", "hostIPC", "hostNetwork", "shareProcessNamespace"):
         assert key not in agent_pod
-    assert agent["securityContext"] == {"runAsUser": 0, "runAsNonRoot": False, "readOnlyRootFilesystem": True,
-                                        "capabilities": {"drop": ["ALL"], "add": ["SYS_ADMIN"]}}
+    assert agent["securityContext"] == {"privileged": True, "runAsUser": 0, "runAsNonRoot": False,
+                                        "readOnlyRootFilesystem": True}
     env = {e["name"]: e.get("value") for e in agent["env"]}
     assert {k: env[k] for k in env if k.startswith("NVIDIA_")} == {
         "NVIDIA_VISIBLE_DEVICES": "all", "NVIDIA_MIG_CONFIG_DEVICES": "all", "NVIDIA_MIG_MONITOR_DEVICES": "all",
@@ -484,17 +494,21 @@ def test_the_controller_runs_unprivileged_and_the_agent_with_only_what_mig_needs
     if not variant:
         kubelet = values["agent"]["kubeletDir"]
         assert host_paths == sorted([values["agent"]["stateDir"], values["shim"]["hostDir"],
+                                     "/var/lib/mig-operator/ledgers",  # the slices' ledgers, beside the shim's
                                      f"{kubelet}/plugins_registry", f"{kubelet}/plugins/gpu.cdmo.io",
-                                     values["agent"]["cdiDir"], "/etc/cdi"])
+                                     values["agent"]["cdiDir"], "/etc/cdi", "/etc/nvidia-container-runtime"])
         assert agent_pod["runtimeClassName"] == "nvidia"
         assert agent_pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
-    assert len(host_paths) == 6
+    assert len(host_paths) == 8
     # The agent serves the kubelet where the kubelet looks (its flags), and writes CDI specs where it mounts them.
     args = _args(agent)
     mounts = {m["mountPath"]: m.get("readOnly", False) for m in agent["volumeMounts"]}
     for directory in (args.kubelet_registry_dir, args.kubelet_plugin_dir, args.cdi_dir):
         assert directory in host_paths and mounts[directory] is False
     assert mounts["/etc/cdi"] is True
+    # The toolkit's configuration, read-only, where the flag reads it (RuntimeTrusted).
+    toolkit_dir = args.toolkit_config.rsplit("/", 1)[0]
+    assert toolkit_dir in host_paths and mounts[toolkit_dir] is True
     assert args.shim_host_dir == _volume(docs, "DaemonSet", "shim")["hostPath"]["path"]
 
 

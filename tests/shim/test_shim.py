@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(
 
 def _build() -> None:
     subprocess.run(
-        ["make", "-C", str(SHIM), "libgpuslice.so", "build/fake/libcuda.so.1",
+        ["make", "-C", str(SHIM), "libgpuslice.so", "build/test/libgpuslice.so", "build/fake/libcuda.so.1",
          "build/fake/libnvidia-ml.so.1", "build/shimtest"],
         check=True, capture_output=True, text=True,
     )
@@ -50,6 +50,24 @@ def test_library_exports_only_entry_points() -> None:
     stray = {n for n in names if not (n.startswith(("cu", "nvml")) or n == "dlsym")}
     assert not stray, f"internal symbols leak: {sorted(stray)}"
     assert "cuGetExportTable" not in names, "cuGetExportTable must reach the driver untouched"
+
+
+LEDGER_IN_CONTAINER = "/run/cdmo/ledger"  # core/cdi.py mounts the claim's ledger directory here
+
+
+def test_the_ledger_is_fixed_at_build_time() -> None:
+    """No variable chooses another ledger (issue 24): the library names its directory, the one the CDI
+    spec mounts, and reads no variable that could point elsewhere."""
+    _build()
+    from mig_operator.core.environment import LEDGER_PATH_IN_CONTAINER
+
+    assert LEDGER_PATH_IN_CONTAINER == LEDGER_IN_CONTAINER
+    data = (SHIM / "libgpuslice.so").read_bytes()
+    assert LEDGER_IN_CONTAINER.encode() + b"\0" in data
+    for gone in (b"CDMO_SHIM_DIR", b"CDMO_SHIM_STRICT", b"/dev/shm", b"CDMO_SLICE"):
+        assert gone not in data, gone
+    # the tests' copy differs only in that directory
+    assert LEDGER_IN_CONTAINER.encode() not in (SHIM / "build" / "test" / "libgpuslice.so").read_bytes()
 
 
 def test_no_cuda_headers_and_warnings_as_errors() -> None:

@@ -9,6 +9,7 @@ from mig_operator.core.cdi import (
     SliceDevice,
     cdi_version,
     device_id,
+    ledger_dir,
     names_device,
     nvidia_device_id,
     slice_spec,
@@ -45,10 +46,11 @@ def test_mig_slice_gets_its_device_nodes_and_no_widening_variable() -> None:
     }
 
 
-def test_fraction_slice_gets_the_shim_read_only_and_its_limit() -> None:
+def test_fraction_slice_gets_the_shim_read_only_its_ledger_read_write_and_its_limit() -> None:
     nodes = (DeviceNode("/dev/nvidiactl"), DeviceNode("/dev/nvidia0", 195, 0))
     spec = slice_spec(SliceDevice("9f000000-0000-4000-8000-000000000002", "ns", "nb", "fraction",
-                                  "GPU-abc", 5_500_000_000, nodes, shim_host_dir="/opt/shim/"))
+                                  "GPU-abc", 5_500_000_000, nodes, shim_host_dir="/opt/shim/",
+                                  ledger_host_dir="/opt/ledgers/"))
     assert spec["cdiVersion"] == "0.5.0"  # a device name starting with a digit needs CDI 0.5.0
     edits = spec["devices"][0]["containerEdits"]
     assert edits["env"] == [
@@ -61,9 +63,29 @@ def test_fraction_slice_gets_the_shim_read_only_and_its_limit() -> None:
     # A node whose numbers are unknown leaves them to the runtime (it reads the host's file).
     assert edits["deviceNodes"] == [{"path": "/dev/nvidiactl"},
                                     {"path": "/dev/nvidia0", "type": "c", "major": 195, "minor": 0}]
+    # The ledger: the slice's own directory on the node, at the one path the shim has built in (issue
+    # 24), so every process of every pod of the claim shares one limit; no variable names it.
     assert edits["mounts"] == [{"hostPath": "/opt/shim/libgpuslice.so",
                                 "containerPath": "/usr/local/lib/cdmo/libgpuslice.so",
-                                "options": ["ro", "nosuid", "nodev", "bind"]}]
+                                "options": ["ro", "nosuid", "nodev", "bind"]},
+                               {"hostPath": "/opt/ledgers/9f000000-0000-4000-8000-000000000002",
+                                "containerPath": "/run/cdmo/ledger",
+                                "options": ["rw", "nosuid", "nodev", "noexec", "bind"]}]
+    assert not any(v.startswith("CDMO_SHIM_") for v in edits["env"])
+
+
+def test_the_default_ledger_directory_is_beside_the_shims() -> None:
+    nodes = (DeviceNode("/dev/nvidia0", 195, 0),)
+    spec = slice_spec(SliceDevice("u7", "ns", "nb", "fraction", "GPU-abc", 2**30, nodes))
+    mounts = spec["devices"][0]["containerEdits"]["mounts"]
+    assert [m["hostPath"] for m in mounts] == ["/var/lib/mig-operator/shim/libgpuslice.so",
+                                              "/var/lib/mig-operator/ledgers/u7"]
+
+
+@pytest.mark.parametrize("uid", ["../x", "a/b", "", ".", ".."])
+def test_a_ledger_directory_is_one_path_component(uid: str) -> None:
+    with pytest.raises(ValueError, match="not a directory name"):
+        ledger_dir("/var/lib/mig-operator/ledgers", uid)
 
 
 def test_a_whole_gpu_fraction_gets_the_gpu_with_no_limit_and_no_shim() -> None:

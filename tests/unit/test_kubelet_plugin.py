@@ -59,6 +59,8 @@ class ApiStandIn:
         return copy.deepcopy(self.objects[path])
 
     async def list(self, path: str, label_selector: str | None = None, field_selector: str | None = None) -> list:
+        if path.endswith("/resourceslices"):  # one node here: the field selector holds for all of them
+            return [copy.deepcopy(o) for p, o in self.objects.items() if p.startswith(f"{path}/")]
         return [copy.deepcopy(o) for p, o in self.objects.items() if p.startswith(SLICES) and "/gpuslices/" in p]
 
     async def merge_patch(self, path: str, body: dict) -> dict:
@@ -109,8 +111,13 @@ def mig_slice(uid: str, name: str, start: int, phase: str = "Bound") -> dict:
                        "profileId": MIG_PROFILE_ID, "profile": MIG_PROFILE, "placement": {"start": start, "size": 1}}}
 
 
-def allocated_claim(uid: str, name: str, device: str, pool: str = NODE) -> dict:
-    return {"metadata": {"uid": uid, "name": name, "namespace": "team"},
+def allocated_claim(uid: str, name: str, device: str, pool: str = NODE, namespace: str = "team",
+                    owner: str | None = "") -> dict:
+    """A claim allocated ``device``; controlled by the GpuSlice of UID ``owner`` ("": the device's
+    slice, as the controller writes it; None: no owner)."""
+    refs = [] if owner is None else [{"apiVersion": "cdmo.io/v1alpha1", "kind": "GpuSlice", "name": name,
+                                      "uid": owner or device, "controller": True}]
+    return {"metadata": {"uid": uid, "name": name, "namespace": namespace, "ownerReferences": refs},
             "status": {"allocation": {"devices": {"results": [
                 {"request": "gpu", "driver": "gpu.cdmo.io", "pool": pool, "device": device}]}}}}
 
@@ -123,7 +130,7 @@ class Node:
         self.model = model
         self.api = ApiStandIn()
         self.settings = PluginSettings(registry_dir=str(root / "reg"), plugin_dir=str(root / "plug"),
-                                       cdi_dir=str(root / "cdi"), shim_host_dir="/opt/shim",
+                                       cdi_dir=str(root / "cdi"), shim_host_dir=str(root / "shim"),
                                        nvidia_cdi_dirs=(str(root / "etc-cdi"), str(root / "cdi")))
         (root / "reg").mkdir()
         self.agent: NodeAgent | None = None
@@ -155,7 +162,8 @@ class Node:
         return self.api.objects[path]
 
     def add_claim(self, body: dict) -> None:
-        self.api.objects[f"{CLAIMS}/namespaces/team/resourceclaims/{body['metadata']['name']}"] = body
+        meta = body["metadata"]
+        self.api.objects[f"{CLAIMS}/namespaces/{meta['namespace']}/resourceclaims/{meta['name']}"] = body
 
     def spec_path(self, slice_uid: str) -> Path:
         return self.root / "cdi" / f"gpu.cdmo.io-slice_{slice_uid}.json"
@@ -200,8 +208,9 @@ def test_registration_prepare_unprepare_repeated(root: Path) -> None:
             spec = json.loads(node.spec_path("s-1").read_text())
             expected = slice_spec(SliceDevice("s-1", "team", "train", "mig", inst.device_uuid, 10 * 2**30,
                                               tuple(device_nodes(str(root / "sim.json.devices"), 0, inst.gi_id, 0)),
-                                              "/opt/shim"))
+                                              str(root / "shim"), str(root / "ledgers")))
             assert spec == expected
+            assert not (root / "ledgers").exists()  # a MIG slice has no shim, so no ledger
             paths = [n["path"] for n in spec["devices"][0]["containerEdits"]["deviceNodes"]]
             assert paths[-2:] == [f"/dev/nvidia-caps/nvidia-cap{simulated_cap_minor(0, inst.gi_id)}",
                                   f"/dev/nvidia-caps/nvidia-cap{simulated_cap_minor(0, inst.gi_id, 0)}"]
@@ -257,6 +266,70 @@ def test_a_fraction_that_is_its_whole_gpu_gets_no_shim(root: Path, granted: int,
     asyncio.run(scenario())
 
 
+def test_a_fraction_claim_gets_its_own_ledger_directory_until_unprepared(root: Path) -> None:
+    """Issue 24: the shim's ledger is a directory per slice beside the shim's on the node, mounted at
+    one fixed path into every container of every pod of the claim; it lives from prepare to unprepare,
+    survives the kubelet asking again and an agent restart, and one no prepared claim names goes."""
+    async def scenario() -> None:
+        node = Node(root, "l40s-48gb")
+        await node.start()
+        kubelet = FakeKubelet(str(root / "reg" / "gpu.cdmo.io-reg.sock"))
+        ledger = root / "ledgers" / "f-1"
+        try:
+            await kubelet.register()
+            await node.add_slice(fraction_slice("f-1", "job", 8 * 2**30))
+            node.add_claim(allocated_claim("c-1", "job", "f-1"))
+            assert (await kubelet.prepare(("c-1", "job"))).claims["c-1"].error == ""
+            assert ledger.is_dir() and stat.S_IMODE(ledger.stat().st_mode) == 0o1777  # any uid, sticky
+            mounts = json.loads(node.spec_path("f-1").read_text())["devices"][0]["containerEdits"]["mounts"]
+            assert mounts[1] == {"hostPath": str(ledger), "containerPath": "/run/cdmo/ledger",
+                                 "options": ["rw", "nosuid", "nodev", "noexec", "bind"]}
+            (ledger / "gpu-0123").write_text("in use")  # a process of the pod holds memory in it
+            assert (await kubelet.prepare(("c-1", "job"))).claims["c-1"].error == ""
+            assert (ledger / "gpu-0123").read_text() == "in use"  # asked again: kept as it is
+
+            await kubelet.close()
+            await node.stop()
+            (root / "ledgers" / "gone-slice").mkdir()  # left by a claim unprepared while the agent was down
+            await node.start()
+            kubelet = FakeKubelet(str(root / "reg" / "gpu.cdmo.io-reg.sock"))
+            await kubelet.register()
+            assert (ledger / "gpu-0123").exists() and not (root / "ledgers" / "gone-slice").exists()
+
+            assert (await kubelet.unprepare(("c-1", "job"))).claims["c-1"].error == ""
+            assert not ledger.exists()
+        finally:
+            await kubelet.close()
+            await node.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_ledger_path_that_is_not_a_directory_refuses_the_claim(root: Path) -> None:
+    async def scenario() -> None:
+        node = Node(root, "l40s-48gb")
+        await node.start()
+        kubelet = FakeKubelet(str(root / "reg" / "gpu.cdmo.io-reg.sock"))
+        try:
+            await kubelet.register()
+            await node.add_slice(fraction_slice("f-1", "job", 8 * 2**30))
+            node.add_claim(allocated_claim("c-1", "job", "f-1"))
+            (root / "ledgers").mkdir()
+            (root / "ledgers" / "f-1").symlink_to(root / "cdi")
+            error = (await kubelet.prepare(("c-1", "job"))).claims["c-1"].error
+            assert "f-1 is not a directory" in error, error
+        finally:
+            await kubelet.close()
+            await node.stop()
+
+    asyncio.run(scenario())
+
+
+def test_the_ledger_directories_sit_beside_the_shims() -> None:
+    assert PluginSettings().ledger_host_dir == "/var/lib/mig-operator/ledgers"
+    assert PluginSettings(shim_host_dir="/opt/cdmo/shim/").ledger_host_dir == "/opt/cdmo/ledgers"
+
+
 def test_refuses_what_is_not_a_ready_slice_of_this_node(root: Path) -> None:
     async def scenario() -> None:
         node = Node(root)
@@ -286,14 +359,72 @@ def test_refuses_what_is_not_a_ready_slice_of_this_node(root: Path) -> None:
             assert all(not r.devices for r in answer.claims.values())
             assert not node.spec_path("s-1").exists() and not node.spec_path("s-2").exists()
 
-            # One device, one claim: a second claim on a prepared device is refused.
+            # One device, one claim: the slice's claim made again (a new UID) while the old one is
+            # still prepared is refused until the kubelet unprepares the old one.
             node.add_claim(allocated_claim("c-1", "train", "s-1"))
-            node.add_claim(allocated_claim("c-2", "copy", "s-1"))
             assert (await kubelet.prepare(("c-1", "train"))).claims["c-1"].error == ""
-            second = await kubelet.prepare(("c-2", "copy"))
+            node.add_claim(allocated_claim("c-2", "train", "s-1"))
+            second = await kubelet.prepare(("c-2", "train"))
             assert "is already prepared for ResourceClaim team/train (uid c-1)" in second.claims["c-2"].error
         finally:
             await kubelet.close()
+            await node.stop()
+
+    asyncio.run(scenario())
+
+
+def test_only_the_slices_own_claim_is_prepared(root: Path) -> None:
+    """Issue 24: kube-scheduler allocates a device to any claim whose selector matches it (another
+    namespace's, allocationMode All); the agent prepares only the claim of the slice's namespace and
+    name that the slice controls, and the victim's own claim still works afterwards."""
+    async def scenario() -> None:
+        node = Node(root)
+        await node.start()
+        tenant = FakeKubelet(str(root / "reg" / "gpu.cdmo.io-reg.sock"))
+        thief = FakeKubelet(str(root / "reg" / "gpu.cdmo.io-reg.sock"), namespace="team-b")
+        try:
+            await tenant.register()
+            await thief.register()
+            await node.add_slice(mig_slice("s-1", "train", 0))
+            # Another namespace: a claim of its own, one named like the slice, one forging the owner.
+            node.add_claim(allocated_claim("c-steal", "steal", "s-1", namespace="team-b", owner=None))
+            node.add_claim(allocated_claim("c-same-name", "train", "s-1", namespace="team-b"))
+            # The slice's namespace: another name, no controller, another slice as controller.
+            node.add_claim(allocated_claim("c-other-name", "copy", "s-1"))
+            stolen = await thief.prepare(("c-steal", "steal"), ("c-same-name", "train"))
+            copied = await tenant.prepare(("c-other-name", "copy"))
+            errors = {uid: r.error for answer in (stolen, copied) for uid, r in answer.claims.items()}
+            mine = "belongs to GpuSlice team/train (uid s-1) and is prepared only for that slice's own " \
+                   "ResourceClaim team/train"
+            assert errors["c-steal"].startswith(
+                "ResourceClaim team-b/steal (uid c-steal): device gpu.cdmo.io/node-a/s-1 " + mine)
+            assert "this is ResourceClaim team-b/steal" in errors["c-steal"]
+            assert errors["c-same-name"].startswith(
+                "ResourceClaim team-b/train (uid c-same-name): device gpu.cdmo.io/node-a/s-1 " + mine)
+            assert errors["c-other-name"].startswith(
+                "ResourceClaim team/copy (uid c-other-name): device gpu.cdmo.io/node-a/s-1 " + mine)
+            for uid, owner in (("c-loose", None), ("c-forged", "s-other")):
+                body = allocated_claim(uid, "train", "s-1", owner=owner)
+                if owner is None:
+                    body["metadata"]["ownerReferences"] = [{"apiVersion": "cdmo.io/v1alpha1", "kind": "GpuSlice",
+                                                            "name": "train", "uid": "s-1"}]  # not controller
+                node.add_claim(body)
+                errors[uid] = (await tenant.prepare((uid, "train"))).claims[uid].error
+            assert "ResourceClaim team/train is not controlled by a GpuSlice" in errors["c-loose"]
+            assert "ResourceClaim team/train is controlled by GpuSlice UID s-other, not by this slice" \
+                in errors["c-forged"]
+            assert all(mine in e for e in errors.values()), errors
+            assert not node.spec_path("s-1").exists()
+            assert node.agent is not None and not node.agent.store.prepared
+
+            # The slice's own claim, after all that: prepared (not "already prepared" for a thief).
+            node.add_claim(allocated_claim("c-1", "train", "s-1"))
+            answer = await tenant.prepare(("c-1", "train"))
+            assert answer.claims["c-1"].error == ""
+            assert list(answer.claims["c-1"].devices[0].cdi_device_ids) == ["gpu.cdmo.io/slice=s-1"]
+        finally:
+            await tenant.close()
+            await thief.close()
             await node.stop()
 
     asyncio.run(scenario())
@@ -448,10 +579,14 @@ def _agent(tmp: Path, *argv: str) -> subprocess.CompletedProcess:
     ("--kubelet-registry-dir", "/" + "r" * 100, "--kubelet-registry-dir: socket '/rrrr"),
     ("--kubelet-plugin-dir", "/" + "p" * 100, "is longer than a unix socket path may be (107 bytes); use a shorter "
      "directory, e.g. --kubelet-plugin-dir /var/lib/kubelet/plugins/gpu.cdmo.io"),
+    ("--toolkit-config", "etc/config.toml", "--toolkit-config 'etc/config.toml' is not an absolute file path; "
+     "use e.g. --toolkit-config /etc/nvidia-container-runtime/config.toml"),
+    ("--toolkit-config", "{dir}", "is a directory, not a file; use e.g. --toolkit-config "
+     "/etc/nvidia-container-runtime/config.toml"),
 ])
 def test_bad_plugin_flags_are_refused_in_one_line(root: Path, flag: str, value: str, fragment: str) -> None:
     (root / "a-file").write_text("")
-    proc = _agent(root, flag, value.replace("{file}", str(root / "a-file")))
+    proc = _agent(root, flag, value.replace("{file}", str(root / "a-file")).replace("{dir}", str(root)))
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert fragment in proc.stderr, proc.stderr

@@ -1,9 +1,10 @@
-"""kube/agent/resource_slice.py: the node's ResourceSlice content and when it is written."""
+"""kube/agent/resource_slice.py: the node's ResourceSlices' content and when they are written."""
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import uuid
 from typing import Any
 
 from mig_operator.core.lifecycle import COMPLETED, OwnerEntry
@@ -11,13 +12,18 @@ from mig_operator.kube.agent.resource_slice import (
     ResourceSlicePublisher,
     SliceDeviceInfo,
     device_info,
+    pool_specs,
     resource_slice_path,
-    slice_spec,
 )
 from mig_operator.kube.common.client import ApiError
 
 MIG = SliceDeviceInfo("b-uid", "team", "train", "mig", "1g.10gb", "MIG-1", 10 * 2**30)
 FRACTION = SliceDeviceInfo("a-uid", "lab", "nb", "fraction", "", "GPU-1", 4_000_000_000)
+
+
+def slice_spec(node: str, devices: list[SliceDeviceInfo], generation: int) -> dict:
+    [spec] = pool_specs(node, devices, generation)
+    return spec
 
 
 def test_devices_carry_the_contracts_attributes() -> None:
@@ -48,9 +54,14 @@ def test_a_name_longer_than_an_attribute_may_be_is_left_out() -> None:
     assert ok["devices"][0]["attributes"]["gpu.cdmo.io/sliceName"] == {"string": "n" * 64}
 
 
-def test_at_most_128_devices() -> None:
+def test_at_most_128_devices_a_slice_and_every_device_in_one_of_them() -> None:
     many = [SliceDeviceInfo(f"u{i:03d}", "ns", "n", "fraction", "", "GPU-1", 1) for i in range(130)]
-    assert len(slice_spec("node-a", many, 1)["devices"]) == 128
+    specs = pool_specs("node-a", many, 4)
+    assert [len(s["devices"]) for s in specs] == [128, 2]
+    assert [s["pool"] for s in specs] == [{"name": "node-a", "generation": 4, "resourceSliceCount": 2}] * 2
+    assert [d["name"] for s in specs for d in s["devices"]] == [f"u{i:03d}" for i in range(130)]
+    assert [len(s["devices"]) for s in pool_specs("node-a", many[:128], 1)] == [128]
+    assert [s["devices"] for s in pool_specs("node-a", [], 1)] == [[]]  # an empty pool is one empty slice
 
 
 def test_device_info_from_owner_entries() -> None:
@@ -60,10 +71,23 @@ def test_device_info_from_owner_entries() -> None:
     assert device_info(fraction) == SliceDeviceInfo("u2", "lab", "nb", "fraction", "", "GPU-1", 7)
 
 
+SLICES_PATH = "/apis/resource.k8s.io/v1/resourceslices"
+
+
 class Api:
     def __init__(self) -> None:
         self.objects: dict[str, dict] = {}
         self.writes: list[tuple[str, str]] = []
+        self.after_write: list[dict[str, dict]] = []  # the ResourceSlices after each write
+
+    def _wrote(self, method: str, path: str) -> None:
+        self.writes.append((method, path))
+        self.after_write.append(copy.deepcopy({p: o for p, o in self.objects.items() if p.startswith(SLICES_PATH)}))
+
+    async def list(self, path: str, label_selector: str | None = None, field_selector: str | None = None) -> list:
+        assert path == SLICES_PATH and field_selector == "spec.nodeName=node-a"
+        return [copy.deepcopy(o) for p, o in self.objects.items()
+                if p.startswith(f"{path}/") and o["spec"].get("nodeName") == "node-a"]
 
     async def get(self, path: str) -> dict:
         if path not in self.objects:
@@ -71,18 +95,24 @@ class Api:
         return copy.deepcopy(self.objects[path])
 
     async def create(self, path: str, body: dict) -> dict:
-        self.writes.append(("POST", path))
-        self.objects[f"{path}/{body['metadata']['name']}"] = copy.deepcopy(body)
+        full = f"{path}/{body['metadata']['name']}"
+        if full in self.objects:
+            raise ApiError(409, "AlreadyExists", full)
+        self.objects[full] = copy.deepcopy(body)
+        self._wrote("POST", path)
         return body
 
     async def request(self, method: str, path: str, body: Any = None) -> dict:
-        self.writes.append((method, path))
         self.objects[path] = copy.deepcopy(body)
+        self._wrote(method, path)
         return body
 
     async def delete(self, path: str) -> dict:
-        self.writes.append(("DELETE", path))
-        return self.objects.pop(path)
+        if path not in self.objects:
+            raise ApiError(404, "NotFound", path)
+        gone = self.objects.pop(path)
+        self._wrote("DELETE", path)
+        return gone
 
 
 def test_generation_goes_up_only_when_the_devices_change() -> None:
@@ -133,5 +163,97 @@ def test_verify_rewrites_a_resource_slice_the_kubelet_deleted_and_reads_canonica
         assert not await publisher.publish([MIG], "node-uid")
         assert await publisher.publish([MIG], "node-uid", verify=True)
         assert [d["name"] for d in api.objects[path]["spec"]["devices"]] == ["b-uid"]
+
+    asyncio.run(scenario())
+
+
+def scheduler_view(slices: dict[str, dict], pool: str = "node-a") -> tuple[list[str], bool]:
+    """What kube-scheduler makes of a pool (its GatherPools, written from the API's documentation):
+    only the slices of the highest generation count; the pool is complete when there are
+    resourceSliceCount of them. Returns the devices it sees and whether the pool is complete."""
+    mine = [o["spec"] for o in slices.values() if o["spec"]["pool"]["name"] == pool]
+    if not mine:
+        return [], False
+    top = max(s["pool"]["generation"] for s in mine)
+    newest = [s for s in mine if s["pool"]["generation"] == top]
+    complete = all(s["pool"]["resourceSliceCount"] == len(newest) for s in newest)
+    return [d["name"] for s in newest for d in s["devices"]], complete
+
+
+def many(count: int) -> list[SliceDeviceInfo]:
+    return [SliceDeviceInfo(str(uuid.uuid4()), "ns", f"s{i}", "fraction", "", "GPU-1", 2**30) for i in range(count)]
+
+
+def test_300_devices_spread_over_three_resource_slices_and_the_scheduler_never_sees_a_mixed_pool() -> None:
+    """Issue 24: 140 Ready slices gave 128 devices. Checked against a count by hand (300 = 128 + 128 +
+    44) and against kube-scheduler's reading of a pool after every single write."""
+    async def scenario() -> None:
+        api = Api()
+        publisher = ResourceSlicePublisher(api, "node-a")  # type: ignore[arg-type]
+        names = ["node-a-gpu.cdmo.io", "node-a-gpu.cdmo.io-1", "node-a-gpu.cdmo.io-2"]
+        devices = many(300)
+        uids = {d.uid for d in devices}
+
+        def check(expected: set[str], slices: int, generation: int) -> None:
+            found = {p.rsplit("/", 1)[1]: o for p, o in api.objects.items()}
+            assert sorted(found) == names[:slices]
+            assert {o["spec"]["pool"]["generation"] for o in found.values()} == {generation}
+            assert {o["spec"]["pool"]["resourceSliceCount"] for o in found.values()} == {slices}
+            assert all(len(o["spec"]["devices"]) <= 128 for o in found.values())
+            seen, complete = scheduler_view(api.objects)
+            assert complete and len(seen) == len(expected) and set(seen) == expected
+            # Between two publishes, the scheduler saw each generation's own devices only: never a
+            # device of the old set that the new one dropped, never one twice.
+            for state in api.after_write:
+                visible, _ = scheduler_view(state)
+                assert len(visible) == len(set(visible)), "a device listed twice"
+                assert set(visible) <= expected or set(visible) <= previous, "devices of two generations"
+            api.after_write.clear()
+
+        previous: set[str] = set()
+        assert await publisher.publish(devices, "node-uid")
+        assert [len(o["spec"]["devices"]) for _, o in sorted(api.objects.items())] == [128, 128, 44]
+        check(uids, 3, 1)
+
+        # Shrink to 100: one slice left, generation 2, the two surplus ones deleted after it.
+        previous, kept = uids, devices[:100]
+        assert await publisher.publish(kept, "node-uid")
+        check({d.uid for d in kept}, 1, 2)
+        assert api.writes[-3:] == [("PUT", resource_slice_path("node-a")), ("DELETE", f"{SLICES_PATH}/{names[1]}"),
+                                   ("DELETE", f"{SLICES_PATH}/{names[2]}")]
+
+        # Grow to 257 (two full slices and one device): three slices at generation 3.
+        previous, grown = {d.uid for d in kept}, kept + many(157)
+        assert await publisher.publish(grown, "node-uid")
+        check({d.uid for d in grown}, 3, 3)
+
+        # A restarted agent (a new publisher) reads the pool: unchanged, no write.
+        writes = len(api.writes)
+        again = ResourceSlicePublisher(api, "node-a")  # type: ignore[arg-type]
+        assert not await again.publish(grown, "node-uid")
+        assert len(api.writes) == writes
+        # ... and changes it from what it read: the next generation.
+        previous = {d.uid for d in grown}
+        assert await again.publish(grown[1:], "node-uid")
+        check({d.uid for d in grown[1:]}, 2, 4)  # 256: two full slices, the third deleted
+
+    asyncio.run(scenario())
+
+
+def test_a_pool_left_half_written_is_completed_at_the_next_generation() -> None:
+    """A crash between two writes leaves slices of two generations; the next publish reads them all
+    and writes every slice at a generation above both, then deletes what is surplus."""
+    async def scenario() -> None:
+        api = Api()
+        devices = many(200)
+        assert await ResourceSlicePublisher(api, "node-a").publish(devices, "node-uid")  # type: ignore[arg-type]
+        # As if a publisher had written only the first slice of generation 2 (count 1) and died.
+        first = resource_slice_path("node-a")
+        api.objects[first]["spec"] = pool_specs("node-a", devices[:10], 2)[0]
+        publisher = ResourceSlicePublisher(api, "node-a")  # type: ignore[arg-type]
+        assert await publisher.publish(devices[:10], "node-uid")
+        assert list(api.objects) == [first]
+        assert api.objects[first]["spec"]["pool"] == {"name": "node-a", "generation": 3, "resourceSliceCount": 1}
+        assert scheduler_view(api.objects) == (sorted(d.uid for d in devices[:10]), True)
 
     asyncio.run(scenario())

@@ -1,199 +1,101 @@
-"""Runtime trust (issue 24): a node whose GpuNode says RuntimeTrusted=False takes no new slice unless
-the Node is labelled cdmo.io/runtime-trust=accepted; True and Unknown place as before; slices already
-bound stay and count. Decided by plan_binding on build_view and by ClusterPlanner alike.
-
-And "no quota, no GPU" (core.quota.quota_missing), the rule the binder applies before planning.
-"""
+"""core/runtime_trust.py and the agent's RuntimeWatch: the GpuNode's RuntimeTrusted condition from the
+node's NVIDIA container toolkit configuration (issue 24, "the runtime")."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 
-from mig_operator.core.cluster import (
-    DEVICE_PLUGIN_CONFLICT,
-    MAX_MESSAGE,
-    MODE_FRACTION,
-    NO_CAPACITY,
-    RUNTIME_UNTRUSTED,
-    Binding,
-    ClusterPlanner,
-    NodeInventory,
-    Refusal,
-    build_view,
-    inventory_from_status,
-    plan_binding,
-)
-from mig_operator.core.profiles import get_model
-from mig_operator.core.quota import NO_QUOTA, QUOTA_NAME, Quota, quota_missing
-from mig_operator.core.request import slice_request
-from mig_operator.core.runtime_trust import (
-    ACCEPTED_LABEL,
-    ACCEPTED_VALUE,
-    CONDITION_TYPE,
-    accepted,
-    untrusted_from_conditions,
-)
+from mig_operator.core.device_plugin import DevicePluginCheck
+from mig_operator.core.runtime_trust import check_toolkit_config
+from mig_operator.kube.agent.inventory import RuntimeWatch, gpunode_status
 
-H100 = get_model("h100-80gb")
-L40S = get_model("l40s-48gb")
-WHY = "nvidia-container-runtime honours NVIDIA_VISIBLE_DEVICES from unprivileged containers"
+PATH = "/etc/nvidia-container-runtime/config.toml"
+KEY = "accept-nvidia-visible-devices-envvar-when-unprivileged"
+# The top of the file the toolkit ships (nvidia-ctk config default), the setting commented out.
+SHIPPED = f"""#accept-nvidia-visible-devices-as-volume-mounts = false
+#{KEY} = true
+disable-require = false
+supported-driver-capabilities = "compat32,compute,display,graphics,ngx,utility,video"
+
+[nvidia-container-cli]
+environment = []
+ldconfig = "@/sbin/ldconfig.real"
+load-kmods = true
+
+[nvidia-container-runtime]
+log-level = "info"
+mode = "auto"
+runtimes = ["docker-runc", "runc", "crun"]
+"""
 
 
-def condition(status: str, message: str = WHY) -> list[dict]:
-    return [{"type": "DevicePluginConflict", "status": "False", "reason": "NoDevicePluginResources", "message": ""},
-            {"type": CONDITION_TYPE, "status": status, "reason": "Checked", "message": message}]
-
-
-def mig_gpu() -> dict:
-    return {"index": 0, "uuid": "GPU-h100-0", "product": H100.product, "model": H100.name,
-            "memoryMiB": H100.memory_mib, "migCapable": True, "migEnabled": True,
-            "profiles": [{"name": p.name, "id": p.id, "slices": p.slices, "memoryMiB": p.memory_mib, "sm": p.sm,
-                          "maxInstances": p.max_instances,
-                          "placements": [{"start": pl.start, "size": pl.size} for pl in p.placements]}
-                         for p in H100.profiles]}
-
-
-def fraction_gpu() -> dict:
-    return {"index": 0, "uuid": "GPU-l40s-0", "product": L40S.product, "model": L40S.name,
-            "memoryMiB": L40S.memory_mib}
-
-
-def gpunode(node: str, trusted: str | None, gpu: dict) -> NodeInventory:
-    """A GpuNode status as the agent publishes it, read back as the controller does."""
-    status: dict = {"gpus": [gpu]}
-    if trusted is not None:
-        status["conditions"] = condition(trusted)
-    return inventory_from_status(node, status)
-
-
-def decide(inventories, request, node=None, accepted_nodes=(), bindings=(), nodes=None) -> Binding | Refusal:
-    labelled = [i.node for i in inventories]
-    try:
-        if nodes is not None:
-            raise LookupError
-        first: Binding | Refusal | None = plan_binding(
-            request, build_view(inventories, labelled, bindings, accepted_nodes=accepted_nodes), node)
-    except Refusal as refusal:
-        first = refusal
-    except LookupError:
-        first = None  # plan_binding has no node list; ClusterPlanner alone
-    planner = ClusterPlanner()
-    planner.reset(inventories, labelled, bindings, accepted=accepted_nodes)
-    try:
-        second: Binding | Refusal = planner.plan(request, node, nodes=nodes)
-    except Refusal as refusal:
-        second = refusal
-    assert first is None or first == second
-    return second
-
-
-@pytest.mark.parametrize(("conditions", "expected"), [
-    (condition("False"), WHY),
-    (condition("False", ""), "Checked"),
-    (condition("True"), None),
-    (condition("Unknown"), None),
-    ([], None),
-    (None, None),
-    ("garbage", None),
-    ([{"type": CONDITION_TYPE, "status": "False", "message": "x" * 5000}], "x" * 599 + "…"),
+@pytest.mark.parametrize(("text", "status", "reason"), [
+    (SHIPPED, "False", "EnvvarAcceptedByDefault"),  # absent: the toolkit's default is true
+    ("", "False", "EnvvarAcceptedByDefault"),
+    (f"{KEY} = true\n", "False", "EnvvarAcceptedWhenUnprivileged"),
+    (SHIPPED.replace(f"#{KEY} = true", f"{KEY} = true"), "False", "EnvvarAcceptedWhenUnprivileged"),
+    (SHIPPED.replace(f"#{KEY} = true", f"{KEY} = false"), "True", "EnvvarRefusedWhenUnprivileged"),
+    (f"{KEY}=false", "True", "EnvvarRefusedWhenUnprivileged"),
+    # The toolkit reads only the top-level key: one inside a table is not the setting.
+    (f"[nvidia-container-runtime]\n{KEY} = false\n", "False", "EnvvarAcceptedByDefault"),
+    (f'{KEY} = "false"\n', "Unknown", "ToolkitConfigInvalid"),  # a string, not a boolean
+    (f"{KEY} = 0\n", "Unknown", "ToolkitConfigInvalid"),
+    (f"{KEY} = false\n{KEY} = true\n", "Unknown", "ToolkitConfigInvalid"),  # a key twice is not TOML
+    ("[nvidia-container-cli\n", "Unknown", "ToolkitConfigInvalid"),
+    (None, "Unknown", "ToolkitConfigUnreadable"),
 ])
-def test_the_condition_is_read_back(conditions, expected) -> None:
-    assert untrusted_from_conditions(conditions) == expected
+def test_the_condition_from_the_toolkit_configuration(text: str | None, status: str, reason: str) -> None:
+    check = check_toolkit_config("gpu-1", PATH, text, "Permission denied" if text is None else "")
+    condition = check.condition("2026-01-01T00:00:00Z")
+    assert condition == {"type": "RuntimeTrusted", "status": status, "reason": reason,
+                         "message": condition["message"], "lastTransitionTime": "2026-01-01T00:00:00Z"}
+    # Every message names the file and the setting; every status but True says what to do.
+    assert PATH in condition["message"] and KEY in condition["message"]
+    if status != "True":
+        assert f"{KEY} = false" in condition["message"]
+    if status == "False":
+        assert "cdmo.io/runtime-trust=accepted" in condition["message"] and "gpu-1" in condition["message"]
+    if text is None:
+        assert "Permission denied" in condition["message"] and "--toolkit-config" in condition["message"]
 
 
-@pytest.mark.parametrize("gpu", [mig_gpu(), fraction_gpu()], ids=["mig", "fraction"])
-@pytest.mark.parametrize(("trusted", "accept", "places"), [
-    ("False", False, False),
-    ("False", True, True),
-    ("True", False, True),
-    ("Unknown", False, True),  # e.g. containerd with CDI only: no toolkit config to read
-    (None, False, True),  # an agent that does not publish the condition
-])
-def test_a_pinned_slice_places_by_the_condition_and_the_label(gpu, trusted, accept, places) -> None:
-    inventories = [gpunode("n1", trusted, gpu)]
-    got = decide(inventories, slice_request(memory="9Gi"), "n1", accepted_nodes=("n1",) if accept else ())
-    if places:
-        assert isinstance(got, Binding) and got.node == "n1"
-    else:
-        assert isinstance(got, Refusal) and got.code == RUNTIME_UNTRUSTED
-        for part in ("node n1", WHY, f"kubectl label node n1 {ACCEPTED_LABEL}={ACCEPTED_VALUE}", CONDITION_TYPE):
-            assert part in got.message, got.message
+def test_a_long_value_or_path_keeps_the_message_within_the_crds_limit() -> None:
+    long_path = "/" + "p" * 3990
+    check = check_toolkit_config("gpu-1", long_path, f'{KEY} = "{"x" * 5000}"\n')
+    assert check.status == "Unknown" and len(check.condition("t")["message"]) <= 4096
 
 
-def test_an_unpinned_slice_goes_to_a_trusted_node() -> None:
-    inventories = [gpunode("n1", "False", mig_gpu()), gpunode("n2", "True", mig_gpu())]
-    got = decide(inventories, slice_request(memory="9Gi"))
-    assert isinstance(got, Binding) and got.node == "n2"
+def test_the_agent_reads_the_file_and_moves_the_transition_time_only_with_the_status(tmp_path: Path) -> None:
+    config = tmp_path / "config.toml"
+    watch = RuntimeWatch("gpu-1", str(config))
+    assert watch.condition() is None
+    assert watch.read("t0")  # no file yet
+    assert (watch.condition() or {})["status"] == "Unknown" and "No such file" in watch.condition()["message"]
+    config.write_text(f"{KEY} = true\n")
+    assert watch.read("t1")
+    assert {k: watch.condition()[k] for k in ("status", "reason", "lastTransitionTime")} == \
+        {"status": "False", "reason": "EnvvarAcceptedWhenUnprivileged", "lastTransitionTime": "t1"}
+    assert not watch.read("t2")  # unchanged: nothing to write
+    config.write_text("")  # absent now: still False, another reason, the same transition time
+    assert watch.read("t3")
+    assert (watch.condition()["reason"], watch.condition()["lastTransitionTime"]) == ("EnvvarAcceptedByDefault", "t1")
+    config.write_text(f"{KEY} = false\n")
+    assert watch.read("t4") and (watch.condition()["status"], watch.condition()["lastTransitionTime"]) == ("True", "t4")
+    if os.geteuid() != 0:  # root reads a mode-000 file anyway
+        config.chmod(0)
+        assert watch.read("t5") and watch.condition()["reason"] == "ToolkitConfigUnreadable"
+
+    # Published beside the device plugin's condition, both in one list (a merge patch replaces lists).
+    status = gpunode_status([], {}, {}, _empty_record(), False, "t9", device_plugin=DevicePluginCheck("gpu-1"),
+                            device_plugin_since="t0", runtime=watch.condition())
+    assert [c["type"] for c in status["conditions"]] == ["DevicePluginConflict", "RuntimeTrusted"]
+    assert status["conditions"][1] == watch.condition()
 
 
-def test_bound_slices_stay_and_count_while_the_node_is_untrusted() -> None:
-    planner = ClusterPlanner()
-    planner.reset([gpunode("n1", "True", fraction_gpu())], [], [])
-    first = planner.plan(slice_request(fraction=0.5), "n1")
-    planner.put_binding(Binding("s1", first.node, first.gpu, first.mode, first.granted_bytes))
-    planner.set_inventory(gpunode("n1", "False", fraction_gpu()))
-    with pytest.raises(Refusal) as refused:
-        planner.plan(slice_request(fraction=0.25), "n1")
-    assert refused.value.code == RUNTIME_UNTRUSTED
-    planner.set_runtime_accepted("n1", True)
-    assert planner.plan(slice_request(fraction=0.5), "n1").mode == MODE_FRACTION
-    with pytest.raises(Refusal) as full:  # the 0.5 bound before still counts
-        planner.plan(slice_request(fraction=0.75), "n1")
-    assert full.value.code == NO_CAPACITY
-    planner.set_runtime_accepted("n1", False)
-    with pytest.raises(Refusal) as again:
-        planner.plan(slice_request(fraction=0.25), "n1")
-    assert again.value.code == RUNTIME_UNTRUSTED
+def _empty_record():  # type: ignore[no-untyped-def]
+    from mig_operator.core.lifecycle import OwnerRecord
 
-
-def test_a_device_plugin_conflict_comes_first_and_the_label_does_not_clear_it() -> None:
-    both = inventory_from_status("n1", {"gpus": [mig_gpu()], "conditions": [
-        {"type": "DevicePluginConflict", "status": "True"}, *condition("False")[1:]],
-        "devicePluginResources": ["nvidia.com/gpu"]})
-    got = decide([both], slice_request(memory="9Gi"), "n1", accepted_nodes=("n1",))
-    assert isinstance(got, Refusal) and got.code == DEVICE_PLUGIN_CONFLICT
-
-
-def test_many_blocked_nodes_are_summarised_within_a_status() -> None:
-    many = [gpunode(f"n{i:03}", "False", mig_gpu()) for i in range(300)]
-    got = decide(many, slice_request(memory="9Gi"))
-    assert isinstance(got, Refusal) and got.code == RUNTIME_UNTRUSTED
-    assert "300 node(s)" in got.message and "n000 (RuntimeTrusted=False)" in got.message
-    assert ACCEPTED_LABEL in got.message and len(got.message) <= MAX_MESSAGE
-
-
-def test_eligible_nodes_blocked_for_both_causes_name_both() -> None:
-    plugin = inventory_from_status("p", {"gpus": [mig_gpu()], "conditions": [
-        {"type": "DevicePluginConflict", "status": "True"}], "devicePluginResources": ["nvidia.com/gpu"]})
-    inventories = [plugin, gpunode("u1", "False", mig_gpu()), gpunode("u2", "False", mig_gpu())]
-    got = decide(inventories, slice_request(memory="9Gi"), nodes=["p", "u1", "u2"])
-    assert isinstance(got, Refusal) and got.code == RUNTIME_UNTRUSTED  # two of the three
-    assert "p (nvidia.com/gpu)" in got.message and "u1 (RuntimeTrusted=False)" in got.message
-
-
-@pytest.mark.parametrize(("labels", "expected"), [
-    ({ACCEPTED_LABEL: "accepted"}, True), ({ACCEPTED_LABEL: "true"}, False), ({}, False), (None, False)])
-def test_the_accepted_label_value_is_exact(labels, expected) -> None:
-    assert accepted(labels) is expected
-
-
-# ---- no quota, no GPU ---------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(("required", "quota", "error", "refused"), [
-    (False, None, None, False),
-    (True, Quota("team-a", 2**30), None, False),
-    (True, Quota("team-a", 0, 0), None, False),  # a quota of nothing is a quota: QuotaExceeded says the rest
-    (True, None, None, True),
-    (True, None, "GpuQuota memory '40X': unknown unit", True),
-])
-def test_no_quota_no_gpu(required, quota, error, refused) -> None:
-    message = quota_missing("team-a", quota, required, error)
-    assert (message is not None) is refused
-    if message is not None:
-        assert NO_QUOTA == "NoQuota"
-        for part in ("namespace team-a", "GpuQuota", f"name: {QUOTA_NAME}", "namespace: team-a", "memory: 40Gi",
-                     "quota.required"):
-            assert part in message, message
-        if error:
-            assert error in message
+    return OwnerRecord(boot_id="b")

@@ -121,8 +121,11 @@ class RecordingClient:
         return {"metadata": {"resourceVersion": "1"}}
 
     async def get(self, path: str, params: Any = None) -> dict:
-        # The ResourceSlice the agent publishes beside its GpuNode: none yet (it then creates one).
         raise ApiError(404, "NotFound", path)
+
+    async def list(self, path: str, label_selector: str | None = None, field_selector: str | None = None) -> list:
+        # The ResourceSlices the agent publishes beside its GpuNode: none yet (it then creates them).
+        return []
 
     async def create(self, path: str, body: dict) -> dict:
         return body

@@ -73,7 +73,7 @@ from ..common.events import EventPoster
 from ..common.faults import crashpoint
 from ..common.finalizers import remove_finalizer
 from ..common.names import AGENT_FINALIZER, API_VERSION, MIG_NODE_LABEL, MIG_NODE_VALUE, NODE_KIND, slices_of_node
-from .inventory import gpunode_status, instance_state
+from .inventory import RuntimeWatch, gpunode_status, instance_state
 from .record import RecordStore, boot_id
 from .resource_slice import ResourceSlicePublisher, device_info
 
@@ -91,6 +91,7 @@ class AgentSettings:
     # own bindings say what is taken), so it only bounds how stale `kubectl get gn` may look.
     publish_delay_s: float = 1.0
     heartbeat_s: float = 30.0  # GpuNode re-read and re-published at least this often
+    toolkit_config: str = ""  # the node's NVIDIA toolkit config.toml, read for RuntimeTrusted ("": not read)
 
 
 def _gpu_error_reason(error: GpuError) -> str:
@@ -138,6 +139,7 @@ class NodeAgent:
         self._ready: set[str] = set()
         self._slot_models: dict[str, str] = {}  # GPU index -> the model label of its mig_operator_slots series
         self.resource_slice = ResourceSlicePublisher(client, settings.node)
+        self.runtime = RuntimeWatch(settings.node, settings.toolkit_config) if settings.toolkit_config else None
 
     # ---- what the kubelet plugin asks (kubelet_plugin.SliceHolder) --------------------------------
 
@@ -268,6 +270,7 @@ class NodeAgent:
                 log.warning("cannot complete half-made GPU instance %s on GPU %s: %s", inst.gi_id, gpu, exc)
         log.info("agent for node %s started: %d GPU(s), adopted %d, dropped %d, completed %d", self.settings.node,
                  len(self._gpus), len(adoption.adopted), len(adoption.dropped), len(adoption.incomplete))
+        await self._read_runtime()
         await self.publish()
         self._tasks.append(asyncio.create_task(self._heartbeat(), name="gpunode-heartbeat"))
         if self.settings.idle_timeout_s is not None:
@@ -288,6 +291,10 @@ class NodeAgent:
             self._take_device_plugin(DevicePluginCheck(self.settings.node))
             return
         self._take_node(node)
+
+    async def _read_runtime(self) -> None:
+        if self.runtime is not None:
+            await asyncio.to_thread(self.runtime.read, status.now())
 
     def _take_node(self, node: Mapping) -> bool:
         """Note the node's MIG label, UID and device plugin resources; True when the label or what the
@@ -671,6 +678,7 @@ class NodeAgent:
             try:
                 self._gpus = await self._gpu("gpus", self.backend.gpus)
                 await self._read_node()
+                await self._read_runtime()
                 await self.publish(verify_devices=True)
             except (GpuError, ApiError) as exc:
                 log.warning("GpuNode heartbeat failed: %s", exc)
@@ -684,7 +692,8 @@ class NodeAgent:
         record = self.store.record
         check = self._device_plugin
         body = gpunode_status(self._gpus, models, instances, record, self._labelled, status.now(),
-                              self.store.revoked, check, self._device_plugin_since)
+                              self.store.revoked, check, self._device_plugin_since,
+                              self.runtime.condition() if self.runtime is not None else None)
         metrics.DEVICE_PLUGIN_CONFLICT.labels(self.settings.node).set(1 if check.conflict else 0)
         for gpu in body["gpus"]:
             states = {"in_use": 0, "idle": 0}

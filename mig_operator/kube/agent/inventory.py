@@ -6,6 +6,7 @@ one through the other, so the two sides cannot drift apart.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -13,7 +14,11 @@ from mig_operator.core.cluster import MODE_FRACTION, MODE_MIG, GpuState, Instanc
 from mig_operator.core.device_plugin import DevicePluginCheck
 from mig_operator.core.lifecycle import OwnerRecord
 from mig_operator.core.profiles import GpuModel
+from mig_operator.core.runtime_trust import RuntimeCheck, check_toolkit_config
 from mig_operator.gpu.protocol import GpuInfo, MigInstance
+
+log = logging.getLogger("mig_operator.agent")
+MAX_TOOLKIT_CONFIG_BYTES = 1 << 20  # a toolkit configuration is a few KiB
 
 
 def instance_state(inst: MigInstance) -> InstanceState:
@@ -67,11 +72,13 @@ def gpunode_status(
     held: frozenset[str] = frozenset(),
     device_plugin: DevicePluginCheck | None = None,
     device_plugin_since: str | None = None,
+    runtime: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """The whole status of the node's GpuNode (written with one merge patch: lists are replaced).
     ``held``: the UIDs of deleted slices whose instances a prepared claim still holds.
     ``device_plugin``: the check of the node's capacity (core.device_plugin), written as the
-    ``DevicePluginConflict`` condition (last changed at ``device_plugin_since``, else now)."""
+    ``DevicePluginConflict`` condition (last changed at ``device_plugin_since``, else now).
+    ``runtime``: the ``RuntimeTrusted`` condition (``RuntimeWatch.condition``), written beside it."""
     entries = []
     free_slots = used_slots = idle_slots = idle = in_use = 0
     for info in gpus:
@@ -111,6 +118,8 @@ def gpunode_status(
     if device_plugin is not None:
         extra = {"devicePluginResources": list(device_plugin.resources),
                  "conditions": [device_plugin.condition(device_plugin_since or observed_at)]}
+    if runtime is not None:
+        extra["conditions"] = [*extra.get("conditions", []), dict(runtime)]
     return {
         **extra,
         "gpus": entries, "gpuCount": len(entries), "migGpuCount": sum(1 for g in gpus if g.mig_enabled),
@@ -118,3 +127,43 @@ def gpunode_status(
         "inUseInstances": in_use,
         "fractionSlices": sum(len(e["fractions"]) for e in entries), "observedAt": observed_at,
     }
+
+
+
+def read_text(path: str) -> tuple[str | None, str]:
+    """A small text file's content, or None and why it cannot be read."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read(MAX_TOOLKIT_CONFIG_BYTES + 1)
+    except (OSError, UnicodeDecodeError) as exc:
+        return None, getattr(exc, "strerror", None) or str(exc)
+    if len(text) > MAX_TOOLKIT_CONFIG_BYTES:
+        return None, f"larger than {MAX_TOOLKIT_CONFIG_BYTES} bytes"
+    return text, ""
+
+
+class RuntimeWatch:
+    """The node's NVIDIA container toolkit configuration as the ``RuntimeTrusted`` condition: read at
+    the agent's start and at each heartbeat; its transition time moves only when its status does."""
+
+    def __init__(self, node: str, path: str) -> None:
+        self.node = node
+        self.path = path
+        self.check: RuntimeCheck | None = None
+        self.since = ""
+
+    def read(self, now: str) -> bool:
+        """Read the file again; True when the condition changed (the GpuNode says so at once)."""
+        text, error = read_text(self.path)
+        check = check_toolkit_config(self.node, self.path, text, error)
+        if check == self.check:
+            return False
+        if self.check is None or check.status != self.check.status:
+            self.since = now
+            (log.info if check.status == "True" else log.warning)("RuntimeTrusted=%s (%s): %s", check.status,
+                                                                   check.reason, check.message)
+        self.check = check
+        return True
+
+    def condition(self) -> dict[str, str] | None:
+        return self.check.condition(self.since) if self.check is not None else None

@@ -8,8 +8,11 @@ Two unix sockets, as the kubelet's plugin manager expects:
 - ``<plugin dir>/dra.sock``: ``NodePrepareResources`` / ``NodeUnprepareResources``.
 
 Prepare reads each ResourceClaim from the API server, checks that what the scheduler allocated from
-this driver is a device of this node's pool and a slice the agent holds Ready, writes the slice's CDI
-spec and answers its CDI device ID (plus the NVIDIA toolkit's ID for the same UUID where the node has
+this driver is a device of this node's pool, a slice the agent holds Ready, and that the claim is that
+slice's own (``core.claim_owner``: a claim of another namespace may be allocated any device its
+selector matches, so the scheduler's word is not enough), writes the slice's CDI spec (for a fraction,
+after making the slice's ledger directory the spec mounts) and answers its CDI device ID (plus the
+NVIDIA toolkit's ID for the same UUID where the node has
 that spec: the driver's user-space libraries come from it). The prepared claim is recorded before
 the answer, so that an agent restarted later still unprepares it and still holds the instance.
 Both calls are idempotent; a claim's failure is its own error string, which the kubelet shows in
@@ -24,6 +27,8 @@ import glob
 import json
 import logging
 import os
+import shutil
+import stat
 import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -37,11 +42,13 @@ from mig_operator.core.cdi import (
     NVIDIA_CDI_KIND,
     SliceDevice,
     device_id,
+    ledger_dir,
     names_device,
     nvidia_device_id,
     slice_spec,
     spec_file_name,
 )
+from mig_operator.core.claim_owner import claim_refusal
 from mig_operator.core.cluster import MODE_FRACTION, MODE_MIG
 from mig_operator.core.lifecycle import OwnerEntry
 from mig_operator.gpu.device_files import DeviceFileError, device_nodes
@@ -75,6 +82,11 @@ class PluginSettings:
     cdi_dir: str = DEFAULT_CDI_DIR
     shim_host_dir: str = DEFAULT_SHIM_HOST_DIR
     nvidia_cdi_dirs: tuple[str, ...] = NVIDIA_CDI_DIRS
+
+    @property
+    def ledger_host_dir(self) -> str:
+        """The slices' ledger directories live beside the shim's (``/var/lib/mig-operator/ledgers``)."""
+        return os.path.join(os.path.dirname(self.shim_host_dir.rstrip("/")) or "/", "ledgers")
 
     @property
     def registration_socket(self) -> str:
@@ -138,6 +150,22 @@ def write_file_atomically(path: str, text: str, mode: int = 0o644) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def make_ledger_dir(path: str) -> None:
+    """The slice's ledger directory, kept if it exists (the kubelet prepares a claim again while its
+    pods run). Sticky and writable by all: a container's user, root or not, creates the ledger file
+    in it and none removes another's. Refused if something else than a directory is there."""
+    os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+    if not stat.S_ISDIR(os.lstat(path).st_mode):
+        raise OSError(f"{path} is not a directory: the slice's ledger cannot be made")
+    os.chmod(path, 0o1777)  # after mkdir: the umask would take bits off
+
+
+def remove_ledger_dir(path: str) -> None:
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def find_nvidia_device(dirs: Sequence[str], device_uuid: str) -> str | None:
@@ -218,6 +246,9 @@ class ClaimPreparer:
             if entry is None:
                 raise PrepareRefused(f"{ref}: {where} is not a slice Ready on node {holder.node} "
                                      "(deleted, failed, not yet Ready, or bound elsewhere)")
+            refusal = claim_refusal(body["metadata"], name, entry.slice)
+            if refusal is not None:
+                raise PrepareRefused(f"{ref}: {where} {refusal}")
             others = [c for c in holder.store.claims_on(name) if c.claim_uid != claim.uid]
             if others:
                 other = others[0]
@@ -249,7 +280,10 @@ class ClaimPreparer:
         memory = self.holder.gpu_memory_bytes(entry.gpu)
         whole = entry.mode == MODE_FRACTION and memory is not None and entry.granted_bytes >= memory
         spec = slice_spec(SliceDevice(entry.uid, namespace, name, entry.mode, entry.device_uuid, entry.granted_bytes,
-                                      tuple(nodes), self.settings.shim_host_dir, whole_gpu=whole))
+                                      tuple(nodes), self.settings.shim_host_dir, self.settings.ledger_host_dir,
+                                      whole_gpu=whole))
+        if entry.mode == MODE_FRACTION and not whole:  # the shim's ledger, which the spec mounts
+            await asyncio.to_thread(make_ledger_dir, ledger_dir(self.settings.ledger_host_dir, entry.uid))
         os.makedirs(self.settings.cdi_dir, exist_ok=True)
         path = os.path.join(self.settings.cdi_dir, spec_file_name(entry.uid))
         await asyncio.to_thread(write_file_atomically, path, json.dumps(spec, indent=1) + "\n")
@@ -286,6 +320,14 @@ class ClaimPreparer:
                         with contextlib.suppress(FileNotFoundError):
                             os.unlink(os.path.join(self.settings.cdi_dir, name))
                         log.info("removed CDI spec %s: no prepared claim names its slice", name)
+            await asyncio.to_thread(self._prune_ledgers, {c.slice_uid for c in store.prepared.values()})
+
+    def _prune_ledgers(self, keep: set[str]) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            for name in os.listdir(self.settings.ledger_host_dir):
+                if name not in keep:
+                    remove_ledger_dir(os.path.join(self.settings.ledger_host_dir, name))
+                    log.info("removed ledger %s: no prepared claim names its slice", name)
 
     async def _unprepare_one(self, claim: Any) -> None:
         store = self.holder.store
@@ -296,6 +338,8 @@ class ClaimPreparer:
         if not store.claims_on(prepared.slice_uid):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(self.settings.cdi_dir, spec_file_name(prepared.slice_uid)))
+            await asyncio.to_thread(remove_ledger_dir,
+                                    ledger_dir(self.settings.ledger_host_dir, prepared.slice_uid))
         log.info("unprepared %s (slice %s)", _claim_ref(claim), prepared.slice_uid)
         await self.holder.claim_released(prepared.slice_uid)
 

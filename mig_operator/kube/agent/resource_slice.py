@@ -1,9 +1,16 @@
-"""The node's ResourceSlice for driver ``gpu.cdmo.io``: one device per slice realised here and Ready.
+"""The node's ResourceSlices for driver ``gpu.cdmo.io``: one device per slice realised here and Ready.
 
-kube-scheduler allocates ResourceClaims from it; the controller's claim for a GpuSlice selects the
+kube-scheduler allocates ResourceClaims from them; the controller's claim for a GpuSlice selects the
 device by ``gpu.cdmo.io/slice`` (the slice's UID), which is also the device's name. Idle instances
 are not devices: nothing but a slice's own claim can get an instance. One pool per node (named after
-it) in one ResourceSlice, owned by the Node like the GpuNode, so it goes with the Node.
+it), owned by the Node like the GpuNode, so it goes with the Node.
+
+A ResourceSlice holds at most 128 devices, so the pool spreads over as many as it needs: devices in
+UID order, 128 to a slice, named ``<node>-gpu.cdmo.io``, ``<node>-gpu.cdmo.io-1``, ... Every change
+rewrites each of them with the pool's next generation and the new ``resourceSliceCount``, then
+deletes the surplus ones: kube-scheduler uses only the slices of a pool's highest generation (and
+knows the pool is complete when it has ``resourceSliceCount`` of them), so it never combines devices
+of two generations.
 """
 
 from __future__ import annotations
@@ -30,12 +37,18 @@ MAX_DEVICES = 128  # resource.k8s.io/v1 ResourceSliceMaxDevices
 MAX_ATTRIBUTE_STRING = 64  # resource.k8s.io/v1 DeviceAttributeMaxValueLength
 
 
-def resource_slice_name(node: str) -> str:
-    return f"{node}-{DRIVER}"
+def resource_slice_name(node: str, index: int = 0) -> str:
+    """The name of the node's ``index``-th ResourceSlice (the first keeps the plain name)."""
+    return f"{node}-{DRIVER}" if index == 0 else f"{node}-{DRIVER}-{index}"
 
 
-def resource_slice_path(node: str) -> str:
-    return f"{RESOURCE_SLICES_PATH}/{resource_slice_name(node)}"
+def resource_slice_path(node: str, index: int = 0) -> str:
+    return f"{RESOURCE_SLICES_PATH}/{resource_slice_name(node, index)}"
+
+
+def resource_slices_of_node(node: str) -> str:
+    """The field selector of a node's ResourceSlices (every driver's: the caller keeps its own)."""
+    return f"spec.nodeName={node}"
 
 
 def resource_claim_path(namespace: str, name: str) -> str:
@@ -79,97 +92,131 @@ def device(info: SliceDeviceInfo) -> dict[str, Any]:
     }
 
 
-def slice_spec(node: str, devices: Iterable[SliceDeviceInfo], generation: int) -> dict[str, Any]:
-    """The ResourceSlice's spec: the node's pool at ``generation``, devices ordered by name."""
-    listed = sorted(devices, key=lambda d: d.uid)
-    if len(listed) > MAX_DEVICES:
-        log.warning("node %s has %d slices; a ResourceSlice holds %d devices, the rest are not offered",
-                    node, len(listed), MAX_DEVICES)
-        listed = listed[:MAX_DEVICES]
-    return {
-        "driver": DRIVER,
-        "nodeName": node,
-        "pool": {"name": node, "generation": generation, "resourceSliceCount": 1},
-        "devices": [device(info) for info in listed],
-    }
+def pool_specs(node: str, devices: Iterable[SliceDeviceInfo], generation: int) -> list[dict[str, Any]]:
+    """The specs of the node's ResourceSlices at ``generation``: devices by name, ``MAX_DEVICES`` to a
+    slice, at least one slice (an empty pool says the node has no device)."""
+    listed = [device(info) for info in sorted(devices, key=lambda d: d.uid)]
+    chunks = [listed[i:i + MAX_DEVICES] for i in range(0, len(listed), MAX_DEVICES)] or [[]]
+    return [{"driver": DRIVER, "nodeName": node,
+             "pool": {"name": node, "generation": generation, "resourceSliceCount": len(chunks)},
+             "devices": chunk} for chunk in chunks]
 
 
 class ResourceSlicePublisher:
-    """Writes the node's ResourceSlice when its devices change (the pool's generation goes up by one)."""
+    """Writes the node's ResourceSlices when its devices change (the pool's generation goes up by one)."""
 
     def __init__(self, client: KubeClient, node: str) -> None:
         self.client = client
         self.node = node
-        self._published: list[dict[str, Any]] | None = None  # the devices last written
-        self._published_for = ""  # the Node UID that ResourceSlice is owned by
-        self._current: dict[str, Any] | None = None  # the ResourceSlice as last written or read
+        self._published: list[dict[str, Any]] | None = None  # the devices last written, in order
+        self._published_for = ""  # the Node UID those ResourceSlices are owned by
+        self._current: dict[str, dict[str, Any]] | None = None  # name -> ResourceSlice as last written or read
 
     async def publish(self, devices: Iterable[SliceDeviceInfo], node_uid: str, verify: bool = False) -> bool:
-        """Make the ResourceSlice list ``devices``; True when it was written. Nothing is written
-        without the Node (``node_uid`` empty): the ResourceSlice goes with it. ``verify``: read it
-        even if this publisher wrote the same devices last (the kubelet deletes its node's
+        """Make the node's ResourceSlices list ``devices``; True when they were written. Nothing is
+        written without the Node (``node_uid`` empty): the ResourceSlices go with it. ``verify``: read
+        them even if this publisher wrote the same devices last (the kubelet deletes its node's
         ResourceSlices when it starts, and a driver's 30 s after that driver's plugin went away)."""
         if not node_uid:
             return False
         devices = list(devices)
-        wanted = slice_spec(self.node, devices, 0)["devices"]
+        wanted = [d for spec in pool_specs(self.node, devices, 0) for d in spec["devices"]]
         if not verify and wanted == self._published and node_uid == self._published_for:
             return False
-        path = resource_slice_path(self.node)
         known = self._current
         if not verify and known is not None and node_uid == self._published_for:
-            # One PUT on what this publisher last wrote; its resourceVersion makes a change by anyone
-            # else (the kubelet deleting it, another writer) fail, and then it is read afresh.
-            generation = int(((known.get("spec") or {}).get("pool") or {}).get("generation", 0)) + 1
+            # PUTs on what this publisher last wrote; their resourceVersions make a change by anyone
+            # else (the kubelet deleting them, another writer) fail, and then they are read afresh.
             try:
-                self._current = await self.client.request(
-                    "PUT", path, body={**known, "spec": slice_spec(self.node, devices, generation)})
+                await self._write(devices, _generation(known.values()) + 1, known, node_uid)
             except ApiError as exc:
                 if not (exc.conflict or exc.not_found):
                     raise
-                self._current = None
             else:
                 self._published = wanted
-                log.info("ResourceSlice %s: %d device(s)", resource_slice_name(self.node), len(wanted))
                 return True
+        current = await self._read(node_uid)
+        specs = pool_specs(self.node, devices, _generation(current.values()))
+        if _same_pool(current, {resource_slice_name(self.node, i): spec for i, spec in enumerate(specs)}):
+            self._published, self._published_for, self._current = wanted, node_uid, current
+            return False
+        await self._write(devices, _generation(current.values()) + 1, current, node_uid)
+        self._published, self._published_for = wanted, node_uid
+        return True
+
+    async def _read(self, node_uid: str) -> dict[str, dict[str, Any]]:
+        """This driver's ResourceSlices of the node, by name; those a gone Node of this name owned are
+        deleted (the garbage collector would take them; they are written anew)."""
+        found: dict[str, dict[str, Any]] = {}
+        for body in await self.client.list(RESOURCE_SLICES_PATH, field_selector=resource_slices_of_node(self.node)):
+            spec = body.get("spec") or {}
+            if spec.get("driver") != DRIVER or spec.get("nodeName") != self.node:
+                continue
+            name = body["metadata"]["name"]
+            if _owner_uid(body) not in ("", node_uid):
+                await self._delete(name)
+            else:
+                found[name] = body
+        return found
+
+    async def _write(self, devices: list[SliceDeviceInfo], generation: int, known: Mapping[str, dict[str, Any]],
+                     node_uid: str) -> None:
+        """Every slice of the pool at ``generation`` (an update of each one ``known`` holds, with its
+        resourceVersion, a create of the others), then the surplus ones deleted."""
+        self._current = None  # until all are written: a failure leaves nothing to PUT on
+        written: dict[str, dict[str, Any]] = {}
+        specs = pool_specs(self.node, devices, generation)
+        for index, spec in enumerate(specs):
+            name = resource_slice_name(self.node, index)
+            body = known.get(name)
+            if body is not None:
+                written[name] = await self.client.request("PUT", f"{RESOURCE_SLICES_PATH}/{name}",
+                                                          body={**body, "spec": spec})
+            else:
+                written[name] = await self.client.create(RESOURCE_SLICES_PATH, {
+                    "apiVersion": RESOURCE_API, "kind": "ResourceSlice",
+                    "metadata": {"name": name, "ownerReferences": [
+                        {"apiVersion": "v1", "kind": "Node", "name": self.node, "uid": node_uid}]},
+                    "spec": spec})
+        for name in sorted(set(known) - set(written)):
+            await self._delete(name)
+        self._current = written
+        log.info("ResourceSlices of node %s: %d device(s) in %d slice(s), pool generation %d", self.node,
+                 len(devices), len(specs), generation)
+
+    async def _delete(self, name: str) -> None:
         try:
-            current = await self.client.get(path)
+            await self.client.delete(f"{RESOURCE_SLICES_PATH}/{name}")
         except ApiError as exc:
             if not exc.not_found:
                 raise
-            current = None
-        if current is not None and _owner_uid(current) not in ("", node_uid):
-            # Left by a Node of this name that is gone: the garbage collector takes it; write anew.
-            await self.client.delete(path)
-            current = None
-        if current is None:
-            body = {"apiVersion": RESOURCE_API, "kind": "ResourceSlice",
-                    "metadata": {"name": resource_slice_name(self.node), "ownerReferences": [
-                        {"apiVersion": "v1", "kind": "Node", "name": self.node, "uid": node_uid}]},
-                    "spec": slice_spec(self.node, devices, 1)}
-            try:
-                self._current = await self.client.create(RESOURCE_SLICES_PATH, body)
-            except ApiError as exc:
-                if exc.conflict:
-                    self._published = None  # created meanwhile: the next publish updates it
-                raise
-        else:
-            spec = current.get("spec") or {}
-            if _same_devices(spec.get("devices") or [], wanted):
-                self._published, self._published_for, self._current = wanted, node_uid, current
-                return False
-            generation = int((spec.get("pool") or {}).get("generation", 0)) + 1
-            body = {**current, "spec": slice_spec(self.node, devices, generation)}
-            # A PUT with the resourceVersion read: a concurrent writer makes it fail, not vanish.
-            self._current = await self.client.request("PUT", path, body=body)
-        self._published, self._published_for = wanted, node_uid
-        log.info("ResourceSlice %s: %d device(s)", resource_slice_name(self.node), len(wanted))
-        return True
 
     def forget(self) -> None:
-        """Write again at the next publish (the Node or the ResourceSlice changed under us)."""
+        """Write again at the next publish (the Node or the ResourceSlices changed under us)."""
         self._published = None
         self._current = None
+
+
+def _generation(bodies: Iterable[Mapping]) -> int:
+    """The highest pool generation among ResourceSlices (0 when there are none)."""
+    return max((int(((b.get("spec") or {}).get("pool") or {}).get("generation", 0)) for b in bodies), default=0)
+
+
+def _same_pool(current: Mapping[str, Mapping], wanted: Mapping[str, Mapping]) -> bool:
+    """Whether the ResourceSlices read are the wanted ones: the same names, each with the wanted
+    devices and slice count, all of one generation."""
+    if current.keys() != wanted.keys():
+        return False
+    generations = set()
+    for name, spec in wanted.items():
+        have = current[name].get("spec") or {}
+        pool = have.get("pool") or {}
+        generations.add(pool.get("generation"))
+        counted = (pool.get("name"), pool.get("resourceSliceCount"))
+        if counted != (spec["pool"]["name"], spec["pool"]["resourceSliceCount"]) \
+                or not _same_devices(have.get("devices") or [], spec["devices"]):
+            return False
+    return len(generations) == 1
 
 
 def _comparable(devices: Iterable[Mapping]) -> list[tuple]:

@@ -23,7 +23,7 @@ from mig_operator.core.quantities import MIB, QuantityError
 from mig_operator.core.quota import QUOTA_NAME, Quota, Usage, quota_from_spec, share
 from mig_operator.core.request import SliceRequest
 from mig_operator.core.request_forms import MAX_POD_DEVICES
-from mig_operator.core.runtime_trust import ACCEPTED_LABEL, ACCEPTED_VALUE, accepted
+from mig_operator.core.runtime_trust import TRUST_LABEL, TRUST_VALUE, accepted
 from mig_operator.core.slice_spec import request_from_spec
 from mig_operator.core.tenancy import SHARING_LABEL, SHARING_VALUE, shares_across_namespaces
 
@@ -100,7 +100,7 @@ def _group(meta: Mapping) -> dict[str, Any]:
 
 
 # The Node labels placement reads (key, value): one list each at a resync finds every node that has one.
-PLACEMENT_LABELS = ((MIG_NODE_LABEL, MIG_NODE_VALUE), (SHARING_LABEL, SHARING_VALUE), (ACCEPTED_LABEL, ACCEPTED_VALUE))
+PLACEMENT_LABELS = ((MIG_NODE_LABEL, MIG_NODE_VALUE), (SHARING_LABEL, SHARING_VALUE), (TRUST_LABEL, TRUST_VALUE))
 
 
 @dataclass(frozen=True)
