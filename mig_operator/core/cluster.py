@@ -91,11 +91,11 @@ class InstanceState:
 
 @dataclass(frozen=True)
 class FractionState:
-    """One fraction slice as the node's agent reports it on a GPU."""
+    """One fraction its node's agent holds on a GPU (the GpuNode's ``fractions``)."""
 
     slice_uid: str
     slice: str  # <namespace>/<name>
-    bytes: int = 0
+    granted_bytes: int
 
 
 @dataclass(frozen=True)
@@ -234,14 +234,22 @@ def _block(inventory: NodeInventory, accepted: bool) -> NodeBlock | None:
     return node_block(inventory.node, inventory.device_plugin_conflict, inventory.runtime_untrusted, accepted)
 
 
-def _fraction_gpu(node: str, gpu: GpuState, bound: Iterable[Binding], sharing: bool) -> FractionGpu:
-    """A GPU serving fractions: its bindings' grants, and its tenants (core.tenancy): the namespaces
-    of its fraction bindings and of the fractions its agent still reports there."""
-    fractions = [b for b in bound if b.mode == MODE_FRACTION]
+def fraction_granted(gpu: GpuState, bound: Iterable[Binding]) -> int:
+    """Memory taken on a fraction GPU: the bindings made, and what its agent still holds for slices
+    no binding names (a slice gone while its claim is in use), each slice once."""
+    granted = {b.uid: b.granted_bytes for b in bound if b.mode == MODE_FRACTION}
+    for held in gpu.fractions:
+        granted.setdefault(held.slice_uid, held.granted_bytes)
+    return sum(granted.values())
+
+
+def _fraction_gpu(node: str, gpu: GpuState, bound: list[Binding], sharing: bool) -> FractionGpu:
+    """A GPU serving fractions: what is taken on it, and its tenants (core.tenancy): the namespaces
+    of its fraction bindings and of the fractions its agent still holds there."""
     reported = (namespace_of(f.slice) for f in gpu.fractions)
-    held = frozenset(b.namespace for b in fractions) | frozenset(ns for ns in reported if ns is not None)
-    return FractionGpu(node, gpu.index, gpu.memory_mib * MIB, sum(b.granted_bytes for b in fractions),
-                       held, sharing)
+    held = frozenset(b.namespace for b in bound if b.mode == MODE_FRACTION)
+    held |= frozenset(ns for ns in reported if ns is not None)
+    return FractionGpu(node, gpu.index, gpu.memory_mib * MIB, fraction_granted(gpu, bound), held, sharing)
 
 
 def _mig_gpu(node: str, gpu: GpuState, bound: list[Binding], live: Collection[str]) -> MigGpu:
@@ -659,7 +667,8 @@ def inventory_from_status(node: str, status: Mapping | None) -> NodeInventory:
                     mig_capable=bool(raw.get("migCapable", False)), mig_enabled=bool(raw.get("migEnabled", False)),
                     profiles=tuple(_profile_from(p) for p in raw.get("profiles") or ()),
                     instances=tuple(_instance_from(i) for i in raw.get("instances") or ()),
-                    fractions=tuple(_fraction_from(f) for f in raw.get("fractions") or ()),
+                    fractions=tuple(FractionState(str(f["sliceUID"]), str(f.get("slice", "")), int(f.get("bytes", 0)))
+                                    for f in raw.get("fractions") or () if f.get("sliceUID")),
                 )
             )
         except (KeyError, TypeError, ValueError, AttributeError):
@@ -668,11 +677,6 @@ def inventory_from_status(node: str, status: Mapping | None) -> NodeInventory:
     conflict = conflict_from_conditions(conditions, (status or {}).get("devicePluginResources"))
     return NodeInventory(node, tuple(sorted(gpus, key=lambda g: g.index)), conflict,
                          untrusted_from_conditions(conditions))
-
-
-def _fraction_from(raw: Mapping) -> FractionState:
-    return FractionState(slice_uid=str(raw.get("sliceUID", "")), slice=str(raw.get("slice", "")),
-                         bytes=int(raw.get("bytes", 0)))
 
 
 def binding_from_status(uid: str, status: Mapping | None, namespace: str = "") -> Binding | None:
