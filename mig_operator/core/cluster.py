@@ -79,6 +79,15 @@ class InstanceState:
 
 
 @dataclass(frozen=True)
+class FractionState:
+    """One fraction its node's agent holds on a GPU (the GpuNode's ``fractions``)."""
+
+    slice_uid: str
+    slice: str  # <namespace>/<name>
+    granted_bytes: int
+
+
+@dataclass(frozen=True)
 class GpuState:
     """One GPU of a node's inventory."""
 
@@ -91,6 +100,7 @@ class GpuState:
     mig_enabled: bool = False
     profiles: tuple[Profile, ...] = ()
     instances: tuple[InstanceState, ...] = ()
+    fractions: tuple[FractionState, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -196,9 +206,18 @@ def build_view(
             if role == MODE_MIG and gpu.profiles:
                 view.mig.append(_mig_gpu(inventory.node, gpu, [b for b in bound if b.mode == MODE_MIG], live))
             elif role == MODE_FRACTION and gpu.memory_mib > 0:
-                granted = sum(b.granted_bytes for b in bound if b.mode == MODE_FRACTION)
+                granted = fraction_granted(gpu, bound)
                 view.fraction.append(FractionGpu(inventory.node, gpu.index, gpu.memory_mib * MIB, granted))
     return view
+
+
+def fraction_granted(gpu: GpuState, bound: Iterable[Binding]) -> int:
+    """Memory taken on a fraction GPU: the bindings made, and what its agent still holds for slices
+    no binding names (a slice gone while its claim is in use), each slice once."""
+    granted = {b.uid: b.granted_bytes for b in bound if b.mode == MODE_FRACTION}
+    for held in gpu.fractions:
+        granted.setdefault(held.slice_uid, held.granted_bytes)
+    return sum(granted.values())
 
 
 def _mig_gpu(node: str, gpu: GpuState, bound: list[Binding], live: Collection[str]) -> MigGpu:
@@ -532,7 +551,7 @@ class ClusterPlanner:
             self._index.put(_mig_gpu(node, gpu, [b for b in bound if b.mode == MODE_MIG], self._bindings.keys()))
             shown.add(index)
         elif role == MODE_FRACTION and gpu.memory_mib > 0:
-            granted = sum(b.granted_bytes for b in bound if b.mode == MODE_FRACTION)
+            granted = fraction_granted(gpu, bound)
             self._fraction[(node, index)] = FractionGpu(node, index, gpu.memory_mib * MIB, granted)
             shown.add(index)
 
@@ -577,6 +596,8 @@ def inventory_from_status(node: str, status: Mapping | None) -> NodeInventory:
                     mig_capable=bool(raw.get("migCapable", False)), mig_enabled=bool(raw.get("migEnabled", False)),
                     profiles=tuple(_profile_from(p) for p in raw.get("profiles") or ()),
                     instances=tuple(_instance_from(i) for i in raw.get("instances") or ()),
+                    fractions=tuple(FractionState(str(f["sliceUID"]), str(f.get("slice", "")), int(f.get("bytes", 0)))
+                                    for f in raw.get("fractions") or () if f.get("sliceUID")),
                 )
             )
         except (KeyError, TypeError, ValueError, AttributeError):
