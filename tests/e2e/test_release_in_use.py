@@ -104,7 +104,9 @@ def delete_in_use(op: OperatorHarness, ns: str, name: str, pod: str) -> dict:
                       f"\n{op.logs()}")
     assert body["metadata"].get("deletionTimestamp") and "cdmo.io/agent" in body["metadata"]["finalizers"]
     assert f"pod {ns}/{pod}" in released_condition(body)["message"]
-    assert body["status"]["phase"] == "Ready"
+    assert (body["status"]["phase"], body["status"]["reason"]) == ("Ready", "InUse")
+    shown = op.cluster.kubectl("get", "gs", name, "-n", ns, "--no-headers").stdout.split()
+    assert shown[3:5] == ["Ready", "InUse"], shown  # NAME, REQUEST (two words), PHASE, REASON, ...
     return body
 
 

@@ -417,7 +417,7 @@ def test_a_deleted_slice_in_use_keeps_its_finalizer_and_device_until_its_claim_i
             cond = released()
             assert cond is not None and (cond["status"], cond["reason"]) == ("False", "InUse")
             assert "pod team/trainer" in cond["message"] and f"prepared on node {NODE}" in cond["message"]
-            assert kept["status"]["phase"] == "Ready"
+            assert (kept["status"]["phase"], kept["status"]["reason"]) == ("Ready", "InUse")
             record = node.agent.store.record
             assert "s-1" in record.owners and "s-1" not in node.agent.store.revoked
             assert uuid not in record.idle_since

@@ -118,9 +118,11 @@ def failed(previous: Mapping | None, reason: str, message: str) -> dict:
 
 def held_in_use(previous: Mapping | None, message: str) -> dict:
     """A deleted slice kept while its claim is in use: condition ``Released`` False, reason InUse,
-    naming who holds it; the phase and the other conditions stay as they are."""
+    naming who holds it, and the same reason and message on the slice (``kubectl get gs`` shows
+    them); the phase and the other conditions stay as they are."""
     kept = [c for c in (previous or {}).get("conditions") or () if c.get("type") != RELEASED_CONDITION]
-    return {"conditions": [*kept, _condition(previous, RELEASED_CONDITION, False, IN_USE, message, now())]}
+    return {"reason": IN_USE, "message": _message(message),
+            "conditions": [*kept, _condition(previous, RELEASED_CONDITION, False, IN_USE, message, now())]}
 
 
 def released_condition(current: Mapping | None) -> Mapping | None:
