@@ -12,6 +12,7 @@ has 23034 MiB), not from the code under test."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import time
 from collections.abc import Iterator
@@ -20,6 +21,11 @@ from typing import Any
 import pytest
 from harness import GROUP, REPO_ROOT, VERSION, OperatorHarness, check_invariants, wait_until
 from kubernetes.client.rest import ApiException
+
+# The hollow node's fixture: a real kubelet prepares and unprepares claims through the agent.
+from test_hollow_node import NAMESPACE as HOLLOW_NAMESPACE  # isort: skip
+from test_hollow_node import NODE as HOLLOW_NODE  # isort: skip
+from test_hollow_node import HollowSetup, claimed_pod, hollow  # noqa: F401  # isort: skip
 
 MIB = 2**20
 H200_1G = 16384 * MIB
@@ -214,3 +220,41 @@ def _claim_exists(op: OperatorHarness, ns: str, name: str) -> bool:
             return False
         raise
     return True
+
+
+def test_a_slice_the_kubelet_prepared_is_kept_until_the_kubelet_unprepares_it(hollow: HollowSetup) -> None:  # noqa: F811
+    """The prepared half, with the real kubelet code: the notebook's pod runs on a slice made directly,
+    the slice is deleted; it is kept, naming the pod and the node that prepared its claim, until the
+    pod is deleted and the kubelet calls NodeUnprepareResources."""
+    core = hollow.cluster.core_v1()
+    kubectl = hollow.cluster.kubectl
+    ns = HOLLOW_NAMESPACE
+    kubectl("create", "namespace", ns)
+    kubectl("apply", "-f", "-", input=json.dumps({
+        "apiVersion": "cdmo.io/v1alpha1", "kind": "GpuSlice", "metadata": {"name": "nb", "namespace": ns},
+        "spec": {"migProfile": "2g.10gb"}}))
+    wait_until(lambda: kubectl("get", "resourceclaim", "nb", "-n", ns, check=False).returncode == 0, 60,
+               lambda: f"the slice's ResourceClaim\n{hollow.logs()}")
+    kubectl("apply", "-f", "-", input=json.dumps(claimed_pod("nb-0", "nb")))
+    wait_until(lambda: core.read_namespaced_pod("nb-0", ns).status.phase == "Running", 60,
+               lambda: f"pod nb-0 to run on {HOLLOW_NODE}\n{hollow.logs()}")
+    assert len(list(hollow.cdi_dir.glob("*"))) == 1
+
+    def get_slice() -> dict | None:
+        answer = kubectl("get", "gs", "nb", "-n", ns, "-o", "json", check=False)
+        return json.loads(answer.stdout) if answer.returncode == 0 else None
+
+    assert kubectl("delete", "gs", "nb", "-n", ns, "--wait=false").returncode == 0
+
+    def kept() -> dict | None:
+        cond = released_condition(get_slice())
+        return cond if cond is not None and (cond["status"], cond["reason"]) == ("False", "InUse") else None
+
+    cond = wait_until(kept, 30, lambda: f"nb kept with Released=False InUse: {get_slice()}\n{hollow.logs()}")
+    assert f"pod {ns}/nb-0" in cond["message"] and f"prepared on node {HOLLOW_NODE}" in cond["message"]
+    time.sleep(4)  # two of the agent's re-checks: kept while the pod runs
+    assert get_slice() is not None and len(list(hollow.cdi_dir.glob("*"))) == 1
+
+    core.delete_namespaced_pod("nb-0", ns)
+    wait_until(lambda: get_slice() is None, 60, lambda: f"nb released once its pod is gone\n{hollow.logs()}")
+    assert list(hollow.cdi_dir.glob("*")) == []
