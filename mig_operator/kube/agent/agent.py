@@ -15,8 +15,9 @@ destroyed until its space is needed or ``--idle-timeout`` passes. Nothing is rel
 a deleted slice whose ResourceClaim is reserved for a pod or prepared here (``core.lifecycle.
 claim_hold``) keeps its finalizer, so its binding, its GPU room and its quota charge stay, and says
 so (condition Released=False, reason InUse). It is looked at again when the kubelet unprepares a
-claim on it and every ``release_recheck_s`` while any is held: one GET of its claim each, and only
-for such slices, rather than a cluster-wide watch of ResourceClaims in every agent. GPU calls run in worker threads
+claim on it, and on a timer while it is held (``release_recheck_s``, doubling up to
+``release_recheck_max_s`` while nothing changes): one GET of its claim each time, and only for such
+slices, rather than a cluster-wide watch of ResourceClaims in every agent. GPU calls run in worker threads
 (a create can take seconds); one asyncio lock per GPU serialises the NVML changes on each GPU. A
 reuse makes none and is handed over at once, never waiting behind a create; an instance claimed by
 one slice's step (a reuse, or a create's reclaim) is never taken by another's until it is recorded.
@@ -103,6 +104,7 @@ class AgentSettings:
     # the kubelet unprepares a claim on it): the pod's end frees the claim's reservation without an
     # event the agent sees.
     release_recheck_s: float = 2.0
+    release_recheck_max_s: float = 30.0  # the re-check's interval doubles up to this while nothing changes
 
 
 def _gpu_error_reason(error: GpuError) -> str:
@@ -154,6 +156,7 @@ class NodeAgent:
         self._holding: dict[str, tuple[Mapping, str]] = {}
         self._release_locks: dict[str, asyncio.Lock] = {}
         self._recheck: asyncio.Task | None = None
+        self._due: dict[str, tuple[float, float]] = {}  # held slice uid -> (next re-check, interval)
         self._kicks: set[asyncio.Task] = set()
         self.resource_slice = ResourceSlicePublisher(client, settings.node)
 
@@ -184,6 +187,7 @@ class NodeAgent:
         now that no claim holds it (DESIGN: never reused while a claim on it is prepared)."""
         held = self._holding.get(slice_uid)
         if held is not None:
+            self._due.pop(slice_uid, None)  # its next re-checks come soon again
             # Looked at again now, outside the kubelet's call (its claim's reservation may go later).
             task = asyncio.create_task(self._release_quietly(held[0]), name="release-after-unprepare")
             self._kicks.add(task)
@@ -663,10 +667,20 @@ class NodeAgent:
             self._recheck = asyncio.create_task(self._recheck_holds(), name="release-recheck")
 
     async def _recheck_holds(self) -> None:
+        first = self.settings.release_recheck_s
         while self._holding:
-            await asyncio.sleep(self.settings.release_recheck_s)
-            for body, _ in list(self._holding.values()):
+            await asyncio.sleep(first)
+            now = time.monotonic()
+            for uid, (body, _) in list(self._holding.items()):
+                due, interval = self._due.setdefault(uid, (now, first))
+                if due > now:
+                    continue
                 await self._release_quietly(body)
+                if uid in self._holding:
+                    interval = min(interval * 2, self.settings.release_recheck_max_s)
+                    self._due[uid] = (time.monotonic() + interval, interval)
+            for uid in [u for u in self._due if u not in self._holding]:
+                del self._due[uid]
 
     async def _release_quietly(self, body: Mapping) -> None:
         try:
