@@ -258,3 +258,64 @@ def test_a_slice_the_kubelet_prepared_is_kept_until_the_kubelet_unprepares_it(ho
     core.delete_namespaced_pod("nb-0", ns)
     wait_until(lambda: get_slice() is None, 60, lambda: f"nb released once its pod is gone\n{hollow.logs()}")
     assert list(hollow.cdi_dir.glob("*")) == []
+
+
+def test_a_tenant_removing_the_finalizer_frees_no_quota_while_the_kubelet_holds_the_device(
+        hollow: HollowSetup) -> None:  # noqa: F811
+    """The `edit` role may patch a slice's metadata, finalizers included. A tenant that strips the
+    agent's finalizer makes the slice vanish, but the agent still holds the prepared device (offered
+    to nobody, `inUse` on its GpuNode) and the controller keeps charging the namespace for it from
+    there, so a second slice still waits for the quota until the pod ends."""
+    kubectl = hollow.cluster.kubectl
+    core = hollow.cluster.core_v1()
+    ns = HOLLOW_NAMESPACE
+    kubectl("create", "namespace", ns)
+    roles = subprocess.run(
+        [str(hollow.cluster.bin_dir / "helm"), "template", "release-in-use", str(REPO_ROOT / "helm" / "mig-operator"),
+         "--show-only", "templates/user-roles.yaml"], capture_output=True, text=True, timeout=120, check=True).stdout
+    kubectl("apply", "-f", "-", input=roles)
+    kubectl("create", "rolebinding", f"{TENANT}-edit", "--clusterrole=edit", f"--user={TENANT}", "-n", ns)
+    wait_until(lambda: kubectl("auth", "can-i", "patch", "gpuslices.cdmo.io", "-n", ns, f"--as={TENANT}",
+                               check=False).stdout.strip() == "yes", 30, f"{TENANT} may patch GpuSlices")
+    kubectl("apply", "-f", "-", input=json.dumps({
+        "apiVersion": "cdmo.io/v1alpha1", "kind": "GpuQuota", "metadata": {"name": "quota", "namespace": ns},
+        "spec": {"memory": "1Ti", "slices": 1}}))
+    kubectl("apply", "-f", "-", input=json.dumps({
+        "apiVersion": "cdmo.io/v1alpha1", "kind": "GpuSlice", "metadata": {"name": "nb", "namespace": ns},
+        "spec": {"migProfile": "2g.10gb"}}))
+    wait_until(lambda: kubectl("get", "resourceclaim", "nb", "-n", ns, check=False).returncode == 0, 60,
+               lambda: f"the slice's ResourceClaim\n{hollow.logs()}")
+    uid = json.loads(kubectl("get", "gs", "nb", "-n", ns, "-o", "json").stdout)["metadata"]["uid"]
+    kubectl("apply", "-f", "-", input=json.dumps(claimed_pod("nb-0", "nb")))
+    wait_until(lambda: core.read_namespaced_pod("nb-0", ns).status.phase == "Running", 60,
+               lambda: f"pod nb-0 to run on {HOLLOW_NODE}\n{hollow.logs()}")
+
+    # (Stripped before the delete, the controller puts the finalizer back on a bound slice: so after.)
+    assert kubectl("delete", "gs", "nb", "-n", ns, "--wait=false", f"--as={TENANT}", check=False).returncode == 0
+    patched = kubectl("patch", "gs", "nb", "-n", ns, "--type=merge", "-p", '{"metadata":{"finalizers":null}}',
+                      f"--as={TENANT}", check=False)
+    assert patched.returncode == 0 or "NotFound" in patched.stderr, patched.stderr
+    wait_until(lambda: kubectl("get", "gs", "nb", "-n", ns, check=False).returncode != 0, 30, "nb gone")
+
+    def instances() -> list[dict]:
+        gpunode = json.loads(kubectl("get", "gn", HOLLOW_NODE, "-o", "json").stdout)
+        return [i for g in gpunode["status"]["gpus"] for i in g["instances"]]
+
+    wait_until(lambda: [i["inUse"] for i in instances() if i["sliceUID"] == uid] == [True], 10,
+               lambda: f"the agent still holds nb's instance: {instances()}")
+    kubectl("apply", "-f", "-", input=json.dumps({
+        "apiVersion": "cdmo.io/v1alpha1", "kind": "GpuSlice", "metadata": {"name": "nb2", "namespace": ns},
+        "spec": {"migProfile": "2g.10gb"}}))
+
+    def status_of(name: str) -> dict:
+        answer = kubectl("get", "gs", name, "-n", ns, "-o", "json", check=False)
+        return (json.loads(answer.stdout).get("status") or {}) if answer.returncode == 0 else {}
+
+    wait_until(lambda: status_of("nb2").get("reason") == "QuotaExceeded", 30,
+               lambda: f"nb2 waits for the quota: {status_of('nb2')}\n{hollow.logs()}")
+    time.sleep(3)
+    assert status_of("nb2").get("phase") == "Pending"
+
+    core.delete_namespaced_pod("nb-0", ns)
+    wait_until(lambda: status_of("nb2").get("phase") == "Ready", 60,
+               lambda: f"nb2 Ready once the pod is gone: {status_of('nb2')}\n{hollow.logs()}")
