@@ -75,7 +75,8 @@ NOTHING = "nothing"
 def agent_step(phase: str | None, deleting: bool, has_finalizer: bool, entry: OwnerEntry | None) -> str:
     """The agent's next step for a slice bound to its node.
 
-    - being deleted: release (the instance becomes idle, then the finalizer goes);
+    - being deleted: release (the instance becomes idle, then the finalizer goes; while its claim is
+      in use, ``claim_hold``, the slice is kept as it is and only says so);
     - not yet carrying the finalizer and not in the record: nothing yet (the agent sees a slice from
       its binding's status write; a slice made by hand gets the finalizer just after it), so every
       slice the agent realises carries its finalizer;
@@ -94,6 +95,56 @@ def agent_step(phase: str | None, deleting: bool, has_finalizer: bool, entry: Ow
     if phase == FAILED and entry is not None:
         return FORGET
     return NOTHING
+
+
+# --- releasing a slice whose claim is in use -------------------------------------------------------
+
+# status.conditions reason of a deleted slice kept while its claim is in use (condition Released=False).
+IN_USE = "InUse"
+
+
+@dataclass(frozen=True)
+class ClaimHold:
+    """What keeps a deleted slice from being released: the consumers its ResourceClaim is reserved
+    for (``kind namespace/name``, e.g. ``pod team-a/train``) and the claims the kubelet has had the
+    agent prepare on its device (``namespace/name``). Free when both are empty."""
+
+    reserved_for: tuple[str, ...] = ()
+    prepared: tuple[str, ...] = ()
+
+    @property
+    def free(self) -> bool:
+        return not self.reserved_for and not self.prepared
+
+    def message(self, node: str) -> str:
+        """For the Released condition: who holds the slice, and when it goes."""
+        parts = []
+        if self.reserved_for:
+            parts.append("its ResourceClaim is reserved for " + ", ".join(self.reserved_for))
+        if self.prepared:
+            parts.append(f"prepared on node {node} for ResourceClaim " + ", ".join(self.prepared))
+        return ("in use: " + "; ".join(parts) + ". The slice keeps its device, its GPU room and its quota "
+                "charge until they let it go (the pod ends), then it is released")
+
+
+def claim_hold(slice_uid: str, claim: Mapping | None, prepared: Iterable[str]) -> ClaimHold:
+    """Who holds slice ``slice_uid``: ``claim`` is the ResourceClaim of the slice's name and namespace
+    as the API server has it (None when there is none), ``prepared`` the claims (``namespace/name``)
+    the agent's record has prepared on the slice's device. A claim of that name that the slice does
+    not own (no ownerReference to its UID) holds nothing of it; one being deleted holds the slice
+    while it is still reserved (the API keeps a claim in use)."""
+    reserved: list[str] = []
+    if claim is not None:
+        meta = claim.get("metadata") or {}
+        owned = any(isinstance(r, Mapping) and r.get("uid") == slice_uid for r in meta.get("ownerReferences") or ())
+        if owned:
+            namespace = str(meta.get("namespace", ""))
+            for consumer in (claim.get("status") or {}).get("reservedFor") or ():
+                if not isinstance(consumer, Mapping):
+                    continue
+                kind = str(consumer.get("resource") or "object").removesuffix("s")
+                reserved.append(f"{kind} {namespace}/{consumer.get('name', '')}")
+    return ClaimHold(tuple(sorted(reserved)), tuple(sorted(set(prepared))))
 
 
 # --- realising a MIG binding ----------------------------------------------------------------------

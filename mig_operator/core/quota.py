@@ -2,8 +2,10 @@
 
 A namespace's ``GpuQuota`` caps the GPU memory its slices hold, counted by what each was granted
 (a ``1g.18gb`` for a ``10G`` request counts 16384 MiB), and optionally how many slices it holds. A
-slice holds its grant from Bound on (Bound, Creating, Ready); Pending, Failed and deleted slices hold
-nothing. ``admit`` says whether one more binding keeps the namespace within its quota.
+slice holds its grant from Bound on (Bound, Creating, Ready) until it is gone: a slice being deleted
+still holds it (its agent keeps it while its claim is in use), and a device an agent still holds for
+a slice that is gone (``agent_holdings``) is charged to that slice's namespace; Pending and Failed
+slices hold nothing. ``admit`` says whether one more binding keeps the namespace within its quota.
 
 When slices of several namespaces wait, ``FairQueue`` serves next the namespace that holds the
 smallest share of its quota (of the cluster's GPU memory when it has none), then its oldest slice.
@@ -20,8 +22,8 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any, Generic, TypeVar
 
-from .cluster import NO_CAPACITY
-from .quantities import MEMORY_EXAMPLE, QuantityError, clip_repr, format_bytes, parse_memory
+from .cluster import NO_CAPACITY, NodeInventory
+from .quantities import MEMORY_EXAMPLE, MIB, QuantityError, clip_repr, format_bytes, parse_memory
 
 # The one GpuQuota a namespace may have is named this (the CRD's CEL rule refuses any other name).
 QUOTA_NAME = "quota"
@@ -57,6 +59,22 @@ class Usage:
 
     def plus(self, granted_bytes: int, slices: int = 1) -> Usage:
         return Usage(self.memory_bytes + granted_bytes, self.slices + slices)
+
+
+def agent_holdings(inventory: NodeInventory) -> dict[str, tuple[str, int]]:
+    """What a node's agent holds, by slice UID: (namespace, granted bytes), from its GpuNode. A MIG
+    instance counts while a slice owns it and it is in use (a claim still prepared on it, or a
+    process), a fraction while its agent lists it. The controller charges these only for slices it
+    no longer knows: a slice whose finalizer was removed while its device was still in use."""
+    held: dict[str, tuple[str, int]] = {}
+    for gpu in inventory.gpus:
+        memory = {p.id: p.memory_mib * MIB for p in gpu.profiles}
+        for inst in gpu.instances:
+            if inst.slice_uid and inst.in_use:
+                held[inst.slice_uid] = (inst.slice.partition("/")[0], memory.get(inst.profile_id, 0))
+        for fraction in gpu.fractions:
+            held[fraction.slice_uid] = (fraction.slice.partition("/")[0], fraction.granted_bytes)
+    return held
 
 
 def quota_from_spec(namespace: str, spec: Mapping[str, Any] | None, name: str = QUOTA_NAME) -> Quota:

@@ -24,10 +24,12 @@ from mig_operator.core.lifecycle import (
     RELEASE,
     STARTED,
     Blocked,
+    ClaimHold,
     OwnerEntry,
     OwnerRecord,
     adopt,
     agent_step,
+    claim_hold,
     idle_instances,
     plan_mig,
 )
@@ -110,6 +112,54 @@ STARTED_ENTRY = OwnerEntry("u", "ns/u", MODE_MIG, 0, STARTED)
 )
 def test_agent_step_table(phase, deleting: bool, finalizer: bool, entry, step: str) -> None:
     assert agent_step(phase, deleting, finalizer, entry) == step
+
+
+# --- claim_hold: what keeps a deleted slice from being released ------------------------------------------
+
+SLICE_UID = "uid-s"
+
+
+def claim(owner: str | None, reserved: list[tuple[str, str]] = (), deleting: bool = False) -> dict:
+    meta: dict = {"name": "s", "namespace": "team", "uid": "uid-c"}
+    if owner is not None:
+        meta["ownerReferences"] = [{"apiVersion": "cdmo.io/v1alpha1", "kind": "GpuSlice", "name": "s", "uid": owner}]
+    if deleting:
+        meta["deletionTimestamp"] = "2026-11-26T10:00:00Z"
+    return {"metadata": meta, "status": {"reservedFor": [{"resource": r, "name": n, "uid": f"u-{n}"}
+                                                          for r, n in reserved]}}
+
+
+@pytest.mark.parametrize(
+    ("what", "body", "prepared", "hold"),
+    [
+        ("no claim, nothing prepared: free", None, [], ClaimHold()),
+        ("its claim, reserved for nobody", claim(SLICE_UID), [], ClaimHold()),
+        ("its claim reserved for a pod", claim(SLICE_UID, [("pods", "train")]), [],
+         ClaimHold(("pod team/train",))),
+        ("reserved for two pods, named in order", claim(SLICE_UID, [("pods", "b"), ("pods", "a")]), [],
+         ClaimHold(("pod team/a", "pod team/b"))),
+        ("being deleted but still reserved: held", claim(SLICE_UID, [("pods", "p")], deleting=True), [],
+         ClaimHold(("pod team/p",))),
+        ("prepared here only (its reservation already gone)", claim(SLICE_UID), ["team/s"], ClaimHold((), ("team/s",))),
+        ("prepared here, no claim in the API any more", None, ["team/s", "team/s"], ClaimHold((), ("team/s",))),
+        ("reserved and prepared", claim(SLICE_UID, [("pods", "p")]), ["team/s"],
+         ClaimHold(("pod team/p",), ("team/s",))),
+        # A claim of the slice's name that another slice (an earlier one of that name) or nobody owns
+        # says nothing about this slice.
+        ("a claim of that name owned by another slice", claim("uid-other", [("pods", "p")]), [], ClaimHold()),
+        ("a claim of that name owned by nobody", claim(None, [("pods", "p")]), [], ClaimHold()),
+    ],
+)
+def test_claim_hold_table(what: str, body: dict | None, prepared: list[str], hold: ClaimHold) -> None:
+    got = claim_hold(SLICE_UID, body, prepared)
+    assert got == hold, what
+    assert got.free == (not hold.reserved_for and not hold.prepared)
+
+
+def test_claim_hold_message_names_the_pods_and_the_node() -> None:
+    text = ClaimHold(("pod team/a", "pod team/b"), ("team/s",)).message("node-1")
+    assert "reserved for pod team/a, pod team/b" in text and "prepared on node node-1" in text
+    assert "team/s" in text and "quota" in text
 
 
 # --- plan_mig ---------------------------------------------------------------------------------------------

@@ -8,7 +8,18 @@ from fractions import Fraction
 
 import pytest
 
-from mig_operator.core.cluster import NO_CAPACITY, NO_GPU, NO_SUCH_PROFILE, TOO_LARGE
+from mig_operator.core.cluster import (
+    NO_CAPACITY,
+    NO_GPU,
+    NO_SUCH_PROFILE,
+    TOO_LARGE,
+    Binding,
+    ClusterPlanner,
+    Refusal,
+    build_view,
+    inventory_from_status,
+    plan_binding,
+)
 from mig_operator.core.quantities import QuantityError
 from mig_operator.core.quota import (
     QUOTA_EXCEEDED,
@@ -16,11 +27,13 @@ from mig_operator.core.quota import (
     Quota,
     Usage,
     admit,
+    agent_holdings,
     held_behind,
     holds_back,
     quota_from_spec,
     share,
 )
+from mig_operator.core.request import SliceRequest
 
 GIB = 2**30
 MIB = 2**20
@@ -279,7 +292,7 @@ def slice_body(uid: str, ns: str, phase: str | None, granted: int = 0, deleting:
     return {"metadata": meta, "spec": {"fraction": 0.5}, "status": status}
 
 
-def test_the_controller_counts_grants_from_bound_on_and_stops_at_deletion() -> None:
+def test_the_controller_counts_grants_from_bound_on_until_the_slice_is_gone() -> None:
     from mig_operator.kube.controller.state import ClusterState
 
     state = ClusterState()
@@ -290,7 +303,11 @@ def test_the_controller_counts_grants_from_bound_on_and_stops_at_deletion() -> N
     state.put_slice(slice_body("o", "other", "Ready", granted=GIB))
     assert state.used("a") == Usage(9 * GIB, 3) and state.used("other") == Usage(GIB, 1)
     state.put_slice(slice_body("r", "a", "Ready", granted=3 * GIB, deleting=True, version=2))
-    assert state.used("a") == Usage(6 * GIB, 2)  # deleted: no longer counted, though its room is held
+    # Being deleted is not gone: its agent may keep it while its claim is in use (issue 24).
+    assert state.used("a") == Usage(9 * GIB, 3)
+    assert "r" in {b.uid for b in state.bindings()}
+    state.remove_slice("r")
+    assert state.used("a") == Usage(6 * GIB, 2)
     state.remove_slice("b")
     assert state.used("a") == Usage(3 * GIB, 1)
     state.remove_slice("c")
@@ -352,3 +369,69 @@ def test_a_group_is_admitted_as_a_whole_by_memory_and_by_count() -> None:
     # Memory: 37 GiB held, two grants of 1.5 GiB pass 40 GiB by 1 GiB.
     assert not admit(Quota("a", 40 * GIB), Usage(37 * GIB, 2), 3 * GIB + 1, slices=2).allowed
     assert admit(Quota("a", 40 * GIB), Usage(37 * GIB, 2), 3 * GIB, slices=2).allowed
+
+
+def gpunode_holding(name: str, fractions: list[tuple[str, str, int]] = (), instances: list[dict] = ()) -> dict:
+    """A GpuNode as an agent publishes it: one L4 for fractions and one H200 in MIG mode with 1g.18gb."""
+    return {"metadata": {"name": name}, "spec": {"nodeName": name}, "status": {"gpus": [
+        {"index": 0, "uuid": "GPU-l4", "memoryMiB": 23034,
+         "fractions": [{"sliceUID": u, "slice": s, "bytes": b} for u, s, b in fractions]},
+        {"index": 1, "uuid": "GPU-h200", "memoryMiB": 143771, "migCapable": True, "migEnabled": True,
+         "profiles": [{"name": "1g.18gb", "id": 19, "memoryMiB": 16384, "placements": [{"start": 0, "size": 1}]}],
+         "instances": list(instances)}]}}
+
+
+@pytest.mark.parametrize(("what", "fractions", "instances", "expected"), [
+    ("nothing held", [], [], {}),
+    ("a fraction", [("u1", "a/x", 5 * GIB)], [], {"u1": ("a", 5 * GIB)}),
+    ("an instance owned and in use (a claim prepared on it)", [],
+     [{"profileId": 19, "start": 0, "size": 1, "sliceUID": "u2", "slice": "b/y", "inUse": True}],
+     {"u2": ("b", 16384 * MIB)}),
+    ("an owned instance not in use: the slice's own charge governs", [],
+     [{"profileId": 19, "start": 0, "size": 1, "sliceUID": "u3", "slice": "b/y", "inUse": False}], {}),
+    ("an idle instance a process uses (no slice)", [],
+     [{"profileId": 19, "start": 0, "size": 1, "sliceUID": "", "inUse": True}], {}),
+])
+def test_what_an_agent_holds_by_slice(what: str, fractions: list, instances: list, expected: dict) -> None:
+    node = gpunode_holding("n1", fractions, instances)
+    assert agent_holdings(inventory_from_status("n1", node["status"])) == expected, what
+
+
+def test_a_device_an_agent_holds_for_a_slice_that_is_gone_stays_charged() -> None:
+    """Its finalizer removed by hand while its claim is prepared: the slice is gone, its agent still holds
+    its device (the GpuNode says so), and its namespace is charged for it until the agent lets it go."""
+    from mig_operator.kube.controller.state import ClusterState
+
+    state = ClusterState()
+    state.put_slice(slice_body("u1", "a", "Ready", granted=5 * GIB))
+    assert state.put_inventory(gpunode_holding("n1", [("u1", "a/u1", 5 * GIB)])) == set()  # its own charge
+    assert state.used("a") == Usage(5 * GIB, 1)
+    state.remove_slice("u1")
+    assert state.used("a") == Usage(5 * GIB, 1)  # the agent still holds it
+    assert state.put_inventory(gpunode_holding("n1", [])) == {"a"}
+    assert state.used("a") == Usage()
+    # A full list sees the same: a held device of a slice no longer listed is charged.
+    state.replace_all([], [gpunode_holding("n1", [("u9", "c/z", GIB)])], [])
+    assert state.used("c") == Usage(GIB, 1)
+    assert state.remove_inventory(gpunode_holding("n1")) == {"c"} and state.used("c") == Usage()
+
+
+def test_a_fraction_gpu_is_occupied_by_what_its_agent_holds_not_only_by_bindings() -> None:
+    """Without the GpuNode's fractions the planner placed a new slice on a GPU still occupied, and the
+    agent failed it with Conflict. Room is counted once per slice, binding or not."""
+    l4 = 23034 * MIB
+    held = [("gone", "a/gone", l4 // 2)]
+    inventory = inventory_from_status("n1", gpunode_holding("n1", held)["status"])
+    inventory = type(inventory)("n1", inventory.gpus[:1])  # the L4 only
+    planner = ClusterPlanner()
+    planner.reset([inventory], [], [])
+    half, most = SliceRequest(memory_bytes=l4 // 2), SliceRequest(memory_bytes=l4 // 2 + MIB)
+    # exactly the half its agent does not hold (namespace a: the held slice's, so tenancy lets it in)
+    assert planner.plan(half, namespace="a").granted_bytes == l4 // 2
+    for decide in (lambda r: planner.plan(r, namespace="a"),
+                   lambda r: plan_binding(r, build_view([inventory], [], []), namespace="a")):
+        with pytest.raises(Refusal):
+            decide(most)
+    # A binding of the held slice itself does not count twice.
+    planner.put_binding(Binding("gone", "n1", 0, "fraction", l4 // 2, namespace="a"))
+    assert planner.plan(half, namespace="a").granted_bytes == l4 // 2

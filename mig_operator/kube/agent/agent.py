@@ -11,7 +11,13 @@ idle instance, never a leak or a device serving two slices:
 3. record the device (``completed``), then write ``phase: Ready``.
 
 Release marks the instance idle in the record, then removes the agent's finalizer; nothing is
-destroyed until its space is needed or ``--idle-timeout`` passes. GPU calls run in worker threads
+destroyed until its space is needed or ``--idle-timeout`` passes. Nothing is released while in use:
+a deleted slice whose ResourceClaim is reserved for a pod or prepared here (``core.lifecycle.
+claim_hold``) keeps its finalizer, so its binding, its GPU room and its quota charge stay, and says
+so (condition Released=False, reason InUse). It is looked at again when the kubelet unprepares a
+claim on it, and on a timer while it is held (``release_recheck_s``, doubling up to
+``release_recheck_max_s`` while nothing changes): one GET of its claim each time, and only for such
+slices, rather than a cluster-wide watch of ResourceClaims in every agent. GPU calls run in worker threads
 (a create can take seconds); one asyncio lock per GPU serialises the NVML changes on each GPU. A
 reuse makes none and is handed over at once, never waiting behind a create; an instance claimed by
 one slice's step (a reuse, or a create's reclaim) is never taken by another's until it is recorded.
@@ -43,16 +49,19 @@ from mig_operator.core.lifecycle import (
     COMPLETED,
     CREATING,
     FORGET,
+    IN_USE,
     READY,
     REALISE,
     RELEASE,
     STARTED,
     Blocked,
+    ClaimHold,
     MigSteps,
     OwnerEntry,
     OwnerRecord,
     adopt,
     agent_step,
+    claim_hold,
     idle_instances,
     plan_mig,
 )
@@ -75,7 +84,7 @@ from ..common.finalizers import remove_finalizer
 from ..common.names import AGENT_FINALIZER, API_VERSION, MIG_NODE_LABEL, MIG_NODE_VALUE, NODE_KIND, slices_of_node
 from .inventory import RuntimeWatch, gpunode_status, instance_state
 from .record import RecordStore, boot_id
-from .resource_slice import ResourceSlicePublisher, device_info
+from .resource_slice import ResourceSlicePublisher, device_info, resource_claim_path
 
 log = logging.getLogger("mig_operator.agent")
 T = TypeVar("T")
@@ -92,6 +101,11 @@ class AgentSettings:
     publish_delay_s: float = 1.0
     heartbeat_s: float = 30.0  # GpuNode re-read and re-published at least this often
     toolkit_config: str = ""  # the node's NVIDIA toolkit config.toml, read for RuntimeTrusted ("": not read)
+    # A deleted slice kept while its claim is in use is looked at again this often (and at once when
+    # the kubelet unprepares a claim on it): the pod's end frees the claim's reservation without an
+    # event the agent sees.
+    release_recheck_s: float = 2.0
+    release_recheck_max_s: float = 30.0  # the re-check's interval doubles up to this while nothing changes
 
 
 def _gpu_error_reason(error: GpuError) -> str:
@@ -138,6 +152,13 @@ class NodeAgent:
         # Slices Ready on this node and not being deleted: the devices of the node's ResourceSlice.
         self._ready: set[str] = set()
         self._slot_models: dict[str, str] = {}  # GPU index -> the model label of its mig_operator_slots series
+        # Deleted slices kept while their claim is in use: uid -> (the latest body seen, the Released
+        # message last written); one release of a slice at a time (events, unprepare and the re-check).
+        self._holding: dict[str, tuple[Mapping, str]] = {}
+        self._release_locks: dict[str, asyncio.Lock] = {}
+        self._recheck: asyncio.Task | None = None
+        self._due: dict[str, tuple[float, float]] = {}  # held slice uid -> (next re-check, interval)
+        self._kicks: set[asyncio.Task] = set()
         self.resource_slice = ResourceSlicePublisher(client, settings.node)
         self.runtime = RuntimeWatch(settings.node, settings.toolkit_config) if settings.toolkit_config else None
 
@@ -166,6 +187,13 @@ class NodeAgent:
     async def claim_released(self, slice_uid: str) -> None:
         """The kubelet unprepared a claim on the slice: a slice deleted meanwhile lets its instance go
         now that no claim holds it (DESIGN: never reused while a claim on it is prepared)."""
+        held = self._holding.get(slice_uid)
+        if held is not None:
+            self._due.pop(slice_uid, None)  # its next re-checks come soon again
+            # Looked at again now, outside the kubelet's call (its claim's reservation may go later).
+            task = asyncio.create_task(self._release_quietly(held[0]), name="release-after-unprepare")
+            self._kicks.add(task)
+            task.add_done_callback(self._kicks.discard)
         if slice_uid in self.store.revoked and not self.store.claims_on(slice_uid):
             entry = self.store.record.owners.get(slice_uid)
             if entry is not None:
@@ -277,7 +305,8 @@ class NodeAgent:
             self._tasks.append(asyncio.create_task(self._reap_idle(), name="idle-reaper"))
 
     async def stop(self) -> None:
-        for task in self._tasks + ([self._publish_pending] if self._publish_pending else []):
+        for task in [*self._tasks, *self._kicks, *([self._publish_pending] if self._publish_pending else []),
+                     *([self._recheck] if self._recheck else [])]:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
@@ -379,6 +408,7 @@ class NodeAgent:
         """The slice is gone. Normally its release already ran (the finalizer held it); if the
         finalizer was removed by hand, its instance becomes idle now."""
         self._written.pop(body["metadata"]["uid"], None)
+        self._holding.pop(body["metadata"]["uid"], None)
         self._ready.discard(body["metadata"]["uid"])
         if body["metadata"]["uid"] in self.store.record.owners:
             if body["metadata"]["uid"] not in self.store.revoked:
@@ -588,15 +618,86 @@ class NodeAgent:
         self._written[meta["uid"]] = resource_version(answer.get("metadata") or {})
 
     async def _release(self, body: Mapping) -> None:
-        """The slice is being deleted: its instance becomes idle, then the finalizer goes."""
+        """The slice is being deleted: unless its claim is in use (then it is kept as it is and says
+        so), its instance becomes idle, then the finalizer goes."""
         meta = body["metadata"]
-        if meta["uid"] in self.store.record.owners:
-            if not self.store.claims_on(meta["uid"]):
-                self._log_release(self.store.record.owners[meta["uid"]])
-            await self._let_go(meta["uid"])
-        self._ready.discard(meta["uid"])
-        crashpoint("agent:during-release")
-        await remove_finalizer(self.client, slice_path(meta["namespace"], meta["name"]), body, AGENT_FINALIZER)
+        uid = meta["uid"]
+        lock = self._release_locks.setdefault(uid, asyncio.Lock())
+        try:
+            async with lock:
+                self._ready.discard(uid)
+                if uid in self.store.record.owners:
+                    hold = await self._claim_hold(body)
+                    if not hold.free:
+                        await self._hold(body, hold)
+                        return
+                self._holding.pop(uid, None)
+                if uid in self.store.record.owners:
+                    if not self.store.claims_on(uid):
+                        self._log_release(self.store.record.owners[uid])
+                    await self._let_go(uid)
+                crashpoint("agent:during-release")
+                await remove_finalizer(self.client, slice_path(meta["namespace"], meta["name"]), body,
+                                       AGENT_FINALIZER)
+        finally:
+            if not lock.locked() and self._release_locks.get(uid) is lock:
+                del self._release_locks[uid]
+
+    async def _claim_hold(self, body: Mapping) -> ClaimHold:
+        """Who holds the slice's claim: its reservations (the API server's claim of the slice's name)
+        and the claims prepared here on its device (the record)."""
+        meta = body["metadata"]
+        try:
+            claim = await self.client.get(resource_claim_path(meta["namespace"], meta["name"]))
+        except ApiError as exc:
+            if not exc.not_found:
+                raise
+            claim = None
+        prepared = [f"{c.namespace}/{c.name}" for c in self.store.claims_on(meta["uid"])]
+        return claim_hold(meta["uid"], claim, prepared)
+
+    async def _hold(self, body: Mapping, hold: ClaimHold) -> None:
+        """Keep a deleted slice whose claim is in use: the finalizer stays; its status says who holds it."""
+        meta = body["metadata"]
+        uid = meta["uid"]
+        message = hold.message(self.settings.node)
+        _, written = self._holding.get(uid, (body, ""))
+        shown = status.released_condition(body.get("status"))
+        self._holding[uid] = (body, written)
+        if written != message and not (shown is not None and shown.get("status") == "False"
+                                        and shown.get("message") == message):
+            await self._write_status(body, status.held_in_use(body.get("status"), message))
+            self._holding[uid] = (body, message)
+            self.events.post(body, "Normal", IN_USE, message)
+            log.info("slice %s/%s is deleted but kept: %s", meta["namespace"], meta["name"], message)
+        if self._recheck is None or self._recheck.done():
+            self._recheck = asyncio.create_task(self._recheck_holds(), name="release-recheck")
+
+    async def _recheck_holds(self) -> None:
+        first = self.settings.release_recheck_s
+        while self._holding:
+            await asyncio.sleep(first)
+            now = time.monotonic()
+            for uid, (body, _) in list(self._holding.items()):
+                due, interval = self._due.setdefault(uid, (now, first))
+                if due > now:
+                    continue
+                await self._release_quietly(body)
+                if uid in self._holding:
+                    interval = min(interval * 2, self.settings.release_recheck_max_s)
+                    self._due[uid] = (time.monotonic() + interval, interval)
+            for uid in [u for u in self._due if u not in self._holding]:
+                del self._due[uid]
+
+    async def _release_quietly(self, body: Mapping) -> None:
+        try:
+            await self._release(body)
+        except ApiError as exc:
+            if exc.not_found:
+                self._holding.pop(body["metadata"]["uid"], None)
+            else:
+                log.warning("slice %s/%s kept for its claim: looking again failed, retried: %s",
+                            body["metadata"]["namespace"], body["metadata"]["name"], exc)
 
     def _log_release(self, entry: OwnerEntry) -> None:
         if entry.mode == MODE_MIG:

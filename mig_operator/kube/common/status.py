@@ -12,11 +12,13 @@ from datetime import UTC, datetime
 from typing import Any
 
 from mig_operator.core.cluster import MODE_MIG, Binding
-from mig_operator.core.lifecycle import BOUND, CREATING, FAILED, PENDING, READY
+from mig_operator.core.lifecycle import BOUND, CREATING, FAILED, IN_USE, PENDING, READY
 from mig_operator.core.request import SliceRequest
 
 BOUND_CONDITION = "Bound"
 READY_CONDITION = "Ready"
+# On a slice being deleted whose claim is still in use: False with reason InUse (core.lifecycle.claim_hold).
+RELEASED_CONDITION = "Released"
 
 
 MAX_MESSAGE = 4096  # the CRD's maxLength of status.message
@@ -112,3 +114,17 @@ def failed(previous: Mapping | None, reason: str, message: str) -> dict:
         ],
         "phaseTimes": {FAILED: when},
     }
+
+
+def held_in_use(previous: Mapping | None, message: str) -> dict:
+    """A deleted slice kept while its claim is in use: condition ``Released`` False, reason InUse,
+    naming who holds it, and the same reason and message on the slice (``kubectl get gs`` shows
+    them); the phase and the other conditions stay as they are."""
+    kept = [c for c in (previous or {}).get("conditions") or () if c.get("type") != RELEASED_CONDITION]
+    return {"reason": IN_USE, "message": _message(message),
+            "conditions": [*kept, _condition(previous, RELEASED_CONDITION, False, IN_USE, message, now())]}
+
+
+def released_condition(current: Mapping | None) -> Mapping | None:
+    """The slice's Released condition, if it has one."""
+    return next((c for c in (current or {}).get("conditions") or () if c.get("type") == RELEASED_CONDITION), None)

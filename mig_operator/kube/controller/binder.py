@@ -159,7 +159,7 @@ class Binder:
             self._set_waiting(body["metadata"]["uid"], None)
             self._namespace_changed(body["metadata"]["namespace"])
             if gone is not None and gone.binding is not None:
-                self.request_replan()  # its room is free (or idle) now
+                self.request_replan()  # its room and its quota charge are free (or idle) now
             return
         info = self.state.put_slice(body)
         if info is None:
@@ -168,9 +168,9 @@ class Binder:
         if info.binding is not None or info.deleting or info.phase not in (None, "Pending"):
             self._set_waiting(info.uid, None)
         if info.deleting:
-            if info.binding is not None:
-                self.request_replan()  # its quota is free now (its GPU room once the agent releases it)
-            elif AGENT_FINALIZER in (info.body["metadata"].get("finalizers") or ()):
+            # A bound slice keeps its room and its quota charge until it is gone: its agent releases
+            # it, at once or once its claim is no longer in use.
+            if info.binding is None and AGENT_FINALIZER in (info.body["metadata"].get("finalizers") or ()):
                 await self._let_go_unbound(info)
             return
         if info.invalid and info.phase != "Failed":
@@ -188,10 +188,9 @@ class Binder:
         self.maybe_resync()
 
     def inventory_event(self, body: dict, deleted: bool) -> None:
-        if deleted:
-            self.state.remove_inventory(body)
-        else:
-            self.state.put_inventory(body)
+        changed = self.state.remove_inventory(body) if deleted else self.state.put_inventory(body)
+        for namespace in changed:  # a device its agent holds for a slice that is gone
+            self._namespace_changed(namespace)
         self.request_replan()
         self.maybe_resync()
 

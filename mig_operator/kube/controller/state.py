@@ -20,7 +20,7 @@ from mig_operator.core.cluster import (
     inventory_from_status,
 )
 from mig_operator.core.quantities import MIB, QuantityError
-from mig_operator.core.quota import QUOTA_NAME, Quota, Usage, quota_from_spec, share
+from mig_operator.core.quota import QUOTA_NAME, Quota, Usage, agent_holdings, quota_from_spec, share
 from mig_operator.core.request import SliceRequest
 from mig_operator.core.request_forms import MAX_POD_DEVICES
 from mig_operator.core.runtime_trust import TRUST_LABEL, TRUST_VALUE, accepted
@@ -147,11 +147,14 @@ class ClusterState:
     charged: dict[str, tuple[str, int]] = field(default_factory=dict)  # uid -> (namespace, granted bytes)
     gpu_bytes: dict[str, int] = field(default_factory=dict)  # node -> its GPUs' memory
     cluster_bytes: int = 0
+    # What each node's agent holds by slice UID, from its GpuNode (core.quota.agent_holdings).
+    agent_held: dict[str, dict[str, tuple[str, int]]] = field(default_factory=dict)
 
     def _held(self, uid: str) -> None:
         """Tell the planner what room slice ``uid`` holds now: its written binding, else the one in
-        flight, else none; and charge its namespace's quota use the same way (a slice being deleted
-        holds room until its agent releases it, but no longer counts against its quota)."""
+        flight, else none; and charge its namespace's quota use the same way. A slice being deleted
+        holds both until it is gone (its agent keeps it while its claim is in use); a slice gone
+        whose device an agent still holds is charged from that agent's GpuNode."""
         info = self.slices.get(uid)
         binding = info.binding if info is not None and info.binding is not None else self.in_flight.get(uid)
         if binding is None:
@@ -159,8 +162,10 @@ class ClusterState:
         else:
             self.planner.put_binding(binding)
         charge = None
-        if binding is not None and info is not None and not info.deleting:
+        if binding is not None and info is not None:
             charge = (info.namespace, binding.granted_bytes)
+        elif info is None:
+            charge = next((held[uid] for held in self.agent_held.values() if uid in held), None)
         self._charge(uid, charge)
 
     def _charge(self, uid: str, charge: tuple[str, int] | None) -> None:
@@ -263,8 +268,7 @@ class ClusterState:
             del self.names[(gone.namespace, gone.name)]
         if gone is not None:
             self._ungroup(gone)
-        self.planner.drop_binding(uid)
-        self._charge(uid, None)
+        self._held(uid)
         return gone
 
     def _ungroup(self, info: SliceInfo) -> None:
@@ -303,18 +307,37 @@ class ClusterState:
 
     # ---- inventories and labels ----------------------------------------------------------------
 
-    def put_inventory(self, body: Mapping) -> None:
+    def put_inventory(self, body: Mapping) -> set[str]:
+        """Take a GpuNode event; returns the namespaces whose quota use changed."""
         name = body["metadata"]["name"]
         node = (body.get("spec") or {}).get("nodeName") or name
         self.inventories[node] = inventory_from_status(node, body.get("status"))
         self.planner.set_inventory(self.inventories[node])
         self._count_memory(node)
+        return self._agent_holds(node, agent_holdings(self.inventories[node]))
 
-    def remove_inventory(self, body: Mapping) -> None:
+    def remove_inventory(self, body: Mapping) -> set[str]:
         node = (body.get("spec") or {}).get("nodeName") or body["metadata"]["name"]
         self.inventories.pop(node, None)
         self.planner.remove_inventory(node)
         self._count_memory(node)
+        return self._agent_holds(node, {})
+
+    def _agent_holds(self, node: str, held: dict[str, tuple[str, int]]) -> set[str]:
+        """Take what ``node``'s agent holds now; charges change only for slices the controller does not know."""
+        old = self.agent_held.get(node, {})
+        if held:
+            self.agent_held[node] = held
+        else:
+            self.agent_held.pop(node, None)
+        changed: set[str] = set()
+        for uid in set(old) | set(held):
+            if uid in self.slices or old.get(uid) == held.get(uid):
+                continue
+            before = self.charged.get(uid)
+            self._held(uid)
+            changed.update(c[0] for c in (before, self.charged.get(uid)) if c is not None)
+        return changed
 
     def _count_memory(self, node: str) -> None:
         """Keep ``cluster_bytes``, every GPU's memory (the share of namespaces without a quota), current."""
@@ -354,8 +377,9 @@ class ClusterState:
         self.gpu_bytes, self.cluster_bytes = {}, 0
         for node in self.inventories:
             self._count_memory(node)
+        self.agent_held = {node: held for node, inv in self.inventories.items() if (held := agent_holdings(inv))}
         self.charged, self.usage = {}, {}
-        for uid in self.slices:
+        for uid in {*self.slices, *(uid for held in self.agent_held.values() for uid in held)}:
             self._held(uid)
 
     def counts(self) -> dict[tuple[str, str], int]:
