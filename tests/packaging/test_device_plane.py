@@ -1,0 +1,132 @@
+"""scripts/device-plane: chunks carried one per call are kept outside the repository until all have
+come, then extracted into the cache layout scripts/control-plane uses, with the wheels installed.
+
+The stream here is made by the test (tarfile, lzma), not by `pack`, whose wheels need a registry."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import lzma
+import os
+import subprocess
+import sys
+import tarfile
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+DEVICE_PLANE = REPO / "scripts" / "device-plane"
+K8S = "k8s/v1.34.4"
+BINS = ("kube-apiserver", "kube-scheduler", "kube-controller-manager", "etcd", "kwok", "kubectl", "helm",
+        "hollow-node", "cdi-validate")
+
+
+def tool_hash(tool: str) -> str:
+    """The fingerprint `scripts/control-plane build` keeps of tools/<tool>: its *.go, go.mod and go.sum
+    in C-locale order, concatenated."""
+    files = sorted((p for p in (REPO / "tools" / tool).iterdir()
+                    if p.is_file() and (p.suffix == ".go" or p.name in ("go.mod", "go.sum"))),
+                   key=lambda p: ("./" + p.name).encode())
+    return hashlib.sha256(b"".join(p.read_bytes() for p in files)).hexdigest()
+
+
+def wheel() -> bytes:
+    """A minimal pure-Python wheel: module devplane_probe."""
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as whl:
+        whl.writestr("devplane_probe.py", "ANSWER = 42\n")
+        info = "devplane_probe-1.0.dist-info"
+        whl.writestr(f"{info}/METADATA", "Metadata-Version: 2.1\nName: devplane-probe\nVersion: 1.0\n")
+        whl.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        whl.writestr(f"{info}/RECORD", "")
+    return buf.getvalue()
+
+
+def stream() -> bytes:
+    """What `pack` puts in its xz stream: the cache's k8s/<version> (bin/, kwok-stages/) and wheels/."""
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w") as tar:
+        def add(name: str, data: bytes, mode: int = 0o644) -> None:
+            entry = tarfile.TarInfo(name)
+            entry.size, entry.mode = len(data), mode
+            tar.addfile(entry, io.BytesIO(data))
+        for name in BINS:
+            add(f"{K8S}/bin/{name}", f"#!/bin/sh\necho {name}\n".encode(), 0o755)
+        for tool in ("hollow-node", "cdi-validate"):
+            add(f"{K8S}/bin/{tool}.source-sha256", (tool_hash(tool) + "\n").encode())
+        add(f"{K8S}/kwok-stages/node/fast/node-initialize.yaml", b"kind: Stage\n")
+        add("wheels/devplane_probe-1.0-py3-none-any.whl", wheel())
+    return lzma.compress(raw.getvalue())
+
+
+@pytest.fixture
+def chunks(tmp_path: Path) -> tuple[list[tuple[str, bytes]], str]:
+    data = stream()
+    size = len(data) // 3 + 1
+    parts = [(f"plane.tar.xz.{i:02d}", data[i * size:(i + 1) * size]) for i in range(3)]
+    manifest = "".join(f"{hashlib.sha256(body).hexdigest()}  {name}\n" for name, body in parts)
+    return parts, manifest
+
+
+def unpack(call_dir: Path, cache: Path) -> subprocess.CompletedProcess:
+    # GO=false: should `build` find anything missing it fails at once instead of compiling.
+    env = dict(os.environ, MIG_OPERATOR_CACHE=str(cache), PYTHON=sys.executable, GO="/bin/false")
+    return subprocess.run([str(DEVICE_PLANE), "unpack", str(call_dir)], capture_output=True, text=True,
+                          env=env, timeout=300)
+
+
+def one_call(tmp_path: Path, n: int, manifest: str, *parts: tuple[str, bytes]) -> Path:
+    """What one call brings: MANIFEST and the chunks it carries, in a fresh copy of the repository."""
+    call = tmp_path / f"call{n}" / ".device-plane"
+    call.mkdir(parents=True)
+    (call / "MANIFEST").write_text(manifest)
+    for name, body in parts:
+        (call / name).write_bytes(body)
+    return call
+
+
+def test_chunks_from_separate_calls_become_the_cache_and_a_site(tmp_path: Path, chunks):
+    parts, manifest = chunks
+    cache = tmp_path / "cache"
+    first = unpack(one_call(tmp_path, 0, manifest, parts[0]), cache)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.strip().splitlines()[-1] == "MISSING=plane.tar.xz.01 plane.tar.xz.02"
+    assert not (cache / K8S).exists()
+    second = unpack(one_call(tmp_path, 1, manifest, parts[2]), cache)  # out of order
+    assert second.stdout.strip().splitlines()[-1] == "MISSING=plane.tar.xz.01"
+    last = unpack(one_call(tmp_path, 2, manifest, parts[1]), cache)
+    assert last.returncode == 0, last.stderr
+    site = cache / "device-plane" / "site"
+    assert last.stdout.strip().splitlines()[-1] == f"PYTHONPATH={site}"
+    for name in BINS:
+        assert os.access(cache / K8S / "bin" / name, os.X_OK), name
+    assert "already cached" in last.stderr  # scripts/control-plane build found everything
+    probe = subprocess.run([sys.executable, "-c", "import devplane_probe; print(devplane_probe.ANSWER)"],
+                           capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(site)))
+    assert probe.stdout.strip() == "42", probe.stderr
+    assert not (cache / "device-plane" / "spool").exists() and not (cache / "wheels").exists()
+
+
+def test_a_chunk_that_does_not_match_its_manifest_is_refused(tmp_path: Path, chunks):
+    parts, manifest = chunks
+    name, body = parts[1]
+    result = unpack(one_call(tmp_path, 0, manifest, (name, body[:-1] + bytes([body[-1] ^ 1]))), tmp_path / "cache")
+    assert result.returncode == 1
+    assert f"{name} does not match" in result.stderr
+    assert not (tmp_path / "cache" / "device-plane" / "spool" / name).exists()
+
+
+def test_unpack_without_a_manifest_and_pack_outside_an_ignored_path_are_usage_errors(tmp_path: Path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    result = unpack(empty, tmp_path / "cache")
+    assert result.returncode == 2 and "MANIFEST" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    packed = subprocess.run([str(DEVICE_PLANE), "pack", str(tmp_path / "out")], capture_output=True, text=True,
+                            timeout=60)
+    assert packed.returncode == 2 and "not an ignored path" in packed.stderr
+    assert len(packed.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()
