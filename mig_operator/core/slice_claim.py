@@ -17,7 +17,9 @@ is one kube-scheduler would allocate from any pool again. Without it the claim s
 its whole life, which is the slice's.
 
 Pure: the caller writes the bodies (the claim first, then ``status.allocation`` through the status
-subresource: the API server drops the status of a created claim).
+subresource: the API server drops the status of a created claim). In between, a pod that already
+names the claim could have kube-scheduler allocate it from any pool; the chart's claim allocation
+policy (templates/claim-allocation-policy.yaml) refuses that, and kube-scheduler's finalizer.
 """
 
 from __future__ import annotations

@@ -664,9 +664,9 @@ def test_the_controller_write_policy_names_the_releases_configuration_peering_an
     assert any('request.name == "gpu-slices"' in e for e in expressions)  # webhook.configurationName
     assert any('request.name == "gpu-peers"' in e for e in expressions)  # controller.peering
     # The claim it may write is the one claims.py writes: the class and the selector, up to the slice's UID.
-    [claims] = [e for e in expressions if "'resourceclaims'" in e and "subResource" not in e]
+    [claims] = [e for e in expressions if "'resourceclaims'" in e and "variables.status" not in e]
     # The allocation it may write is the one core/slice_claim.py builds: the driver, the slice's device.
-    [allocation] = [e for e in expressions if "'resourceclaims'" in e and "subResource" in e]
+    [allocation] = [e for e in expressions if "'resourceclaims'" in e and "variables.status" in e]
     assert f"x.driver == '{DRA_DRIVER}'" in allocation and "x.device == r.uid" in allocation
     assert f"q.exactly.deviceClassName == '{DEVICE_CLASS}'" in claims
     prefix, suffix = device_selector("UID").split("UID")
@@ -678,7 +678,21 @@ def test_the_controller_write_policy_names_the_releases_configuration_peering_an
                          ("admissionregistration.k8s.io", "mutatingwebhookconfigurations"),
                          ("kopf.dev", "clusterkopfpeerings")}
     assert not [d for d in render("--set", "controllerWritePolicy.enabled=false") if "controller-writes" in
-                d["metadata"]["name"]]
+                d["metadata"]["name"] or "claim-allocation" in d["metadata"]["name"]]
+
+
+def test_only_the_releases_controller_allocates_claims_of_the_class(render: Any) -> None:
+    from mig_operator.core.slice_claim import DELETE_PROTECTION, DEVICE_CLASS
+
+    docs = render(*VARIANTS["everything else changed"], release="mo", namespace="gpu-system")
+    policy, _ = _policy(docs, "-claim-allocation.cdmo.io")
+    conditions = {c["name"]: c["expression"] for c in policy["spec"]["matchConditions"]}
+    assert conditions["not-the-controller"] == 'request.userInfo.username != "system:serviceaccount:gpu-system:ctl"'
+    assert f"deviceClassName == '{DEVICE_CLASS}'" in conditions["a-gpuslice-claim"]
+    assert any(DELETE_PROTECTION in v["expression"] for v in policy["spec"]["validations"])
+    rules = policy["spec"]["matchConstraints"]["resourceRules"]
+    assert [(r["operations"], r["resources"]) for r in rules] == [
+        (["UPDATE"], ["resourceclaims", "resourceclaims/status"])]
 
 
 AGGREGATE = "rbac.authorization.k8s.io/aggregate-to-"
