@@ -278,3 +278,20 @@ def test_an_allocation_in_another_pool_that_won_the_race_is_deleted_and_never_ha
     assert client.calls == [("POST", CLAIMS), ("MERGE", CLAIM_STATUS), ("GET", f"{CLAIMS}/train"),
                             ("DELETE", f"{CLAIMS}/train")]
     assert [reason for reason, _ in events.posted] == ["ClaimAllocatedElsewhere"]
+
+
+def test_a_claim_kube_scheduler_allocated_before_is_allocated_again_at_each_look_until_it_is_the_controllers() -> None:
+    # Its finalizer has kube-controller-manager clear the allocation once no pod uses it.
+    legacy = claim_body("ns", "train", UID)
+    legacy["metadata"]["finalizers"] = ["resource.kubernetes.io/delete-protection"]
+    client = _Client(existing={**legacy, "status": {"allocation": PINNED}})
+    claims, state, _ = _claims(client)
+    info = state.slice_named("ns", "train")
+    assert asyncio.run(claims.ensure(info)) is True
+    assert claims.allocated == {}
+    client.existing = {**claim_body("ns", "train", UID), "status": {}}  # deallocated, finalizer gone
+    assert asyncio.run(claims.ensure(info)) is True
+    assert client.calls == [("POST", CLAIMS), ("GET", f"{CLAIMS}/train"), ("MERGE", SLICE_STATUS),
+                            ("MERGE", CLAIM_STATUS), ("MERGE", SLICE_STATUS)]
+    assert client.existing["status"]["allocation"] == PINNED
+    assert claims.allocated == {("ns", "train"): UID}

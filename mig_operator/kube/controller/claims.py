@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from mig_operator.core.device_check import ACCEPT, check_ready_device
-from mig_operator.core.slice_claim import ELSEWHERE, PINNED, allocation_patch, allocation_state
+from mig_operator.core.slice_claim import DELETE_PROTECTION, ELSEWHERE, PINNED, allocation_patch, allocation_state
 from mig_operator.core.slice_claim import claim_body as slice_claim_body
 
 from ..common.client import ApiError, KubeClient, slice_path
@@ -144,9 +144,13 @@ class SliceClaims:
         if not ready:
             self._wait_for_device(info, key)
             return False
-        if not await self._allocate(info, claim):
+        allocated = await self._allocate(info, claim)
+        if allocated is None:
             return False
-        self.allocated[key] = info.uid
+        # A claim kube-scheduler allocated (an earlier version) keeps its finalizer, and
+        # kube-controller-manager clears its allocation once no pod uses it: allocated again at a resync.
+        if DELETE_PROTECTION not in ((allocated.get("metadata") or {}).get("finalizers") or []):
+            self.allocated[key] = info.uid
         await self._record(info)  # an early claim: the agent names it in its Ready write
         return True
 
@@ -165,35 +169,35 @@ class SliceClaims:
                 raise
         return await self._take_over(info)
 
-    async def _allocate(self, info: SliceInfo, claim: Mapping[str, Any] | None) -> bool:
+    async def _allocate(self, info: SliceInfo, claim: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
         """Allocate the slice's claim to its device in its node's pool (``claim``: as last read, None
-        when unknown); True once it is so allocated."""
+        when unknown); the claim once it is so allocated, else None."""
         assert info.binding is not None  # ready
         node = info.binding.node
         path = claims_path(info.namespace, info.name)
         if claim is not None:
             state = allocation_state(claim, node, info.uid)
             if state == PINNED:
-                return True
+                return claim
             if state == ELSEWHERE:
                 return await self._allocated_elsewhere(info, claim)
         try:
-            await self.client.merge_patch(f"{path}/status", allocation_patch(node, info.uid))
+            allocated = await self.client.merge_patch(f"{path}/status", allocation_patch(node, info.uid))
         except ApiError as exc:
             if exc.not_found:  # deleted meanwhile: written anew at the slice's next event
                 self.written.pop((info.namespace, info.name), None)
-                return False
+                return None
             if exc.status != 422:
                 raise
             # Allocated by someone else first (an allocation cannot change): what is it?
             claim = await self.client.get(path)
             if allocation_state(claim, node, info.uid) == PINNED:
-                return True
+                return claim
             return await self._allocated_elsewhere(info, claim)
         log.info("slice %s: ResourceClaim %s allocated on node %s", info.ref, info.name, node)
-        return True
+        return allocated
 
-    async def _allocated_elsewhere(self, info: SliceInfo, claim: Mapping[str, Any]) -> bool:
+    async def _allocated_elsewhere(self, info: SliceInfo, claim: Mapping[str, Any]) -> None:
         """The slice's claim is allocated to another device or pool: deleted (written anew at the
         slice's next event), with a Warning Event that names the allocation."""
         results = [f"{r.get('driver')}/{r.get('pool')}/{r.get('device')}" for r in
@@ -209,7 +213,7 @@ class SliceClaims:
         except ApiError as exc:
             if not exc.not_found:
                 raise
-        return False
+        return None
 
     async def _take_over(self, info: SliceInfo) -> Mapping[str, Any] | None:
         """A claim of the slice's name exists: this slice's is returned; an earlier slice's is deleted
