@@ -4,9 +4,9 @@ ones, against plain pods (no annotation) in the same run.
     .venv/bin/python bench/pod_latency.py [--pods 100] [--nodes 4] [--latency 0] [--gap 0] [--json out.json]
 
 The whole path runs for real: the admission webhook (served by the controller), the pod's GpuSlice,
-binding, the agent (simulated GPUs) and its ResourceSlice, the slice's ResourceClaim, ungating,
-kube-scheduler allocating the claim and binding the pod, kwok starting it. Created-to-Running is
-measured from just before the client's create call to the moment a watch on the pods first shows
+binding, the agent (simulated GPUs) and its ResourceSlice, the slice's ResourceClaim and its allocation
+(the controller's), ungating, kube-scheduler reserving the claim and binding the pod, kwok starting it.
+Created-to-Running is measured from just before the client's create call to the moment a watch on the pods first shows
 the pod Running (this machine's clock for both). First round: plain pods, the baseline. Then every
 annotated pod needs a new MIG instance; then all pods are deleted, and the last round finds the
 instances idle and reuses them. Writes per pod: kube-apiserver's own count of non-GET requests
