@@ -6,13 +6,13 @@ ones, against plain pods (no annotation) and DRA-native pods in the same run.
                                           [--controller-manager-qps N] [--controller-manager-burst N]
 
 The whole path runs for real: the admission webhook (served by the controller), the pod's GpuSlice,
-binding, the agent (simulated GPUs) and its ResourceSlice, the slice's ResourceClaim, ungating,
-kube-scheduler allocating the claim and binding the pod, kwok starting it. Created-to-Running is
-measured from just before the client's create call to the moment a watch on the pods first shows
-the pod Running (this machine's clock for both). First round: plain pods, the baseline. Second,
-DRA-native pods: each names a ResourceClaimTemplate of a stand-in DeviceClass whose devices a
-stand-in ResourceSlice per node published in advance (no operator in their path: what a user of a
-static DRA driver pays on the same plane). Then every annotated pod needs a new MIG instance; then
+binding, the agent (simulated GPUs) and its ResourceSlice, the slice's ResourceClaim and its allocation
+(the controller's), ungating, kube-scheduler reserving the claim and binding the pod, kwok starting it.
+Created-to-Running is measured from just before the client's create call to the moment a watch on the
+pods first shows the pod Running (this machine's clock for both). First round: plain pods, the
+baseline. Second, DRA-native pods: each names a ResourceClaimTemplate of a stand-in DeviceClass whose
+devices a stand-in ResourceSlice per node published in advance (no operator in their path: what a user
+of a static DRA driver pays on the same plane). Then every annotated pod needs a new MIG instance; then
 all pods are deleted, and the last round finds the instances idle and reuses them. Writes per pod:
 kube-apiserver's own count of non-GET requests during a round (every client: operator, scheduler,
 controller-manager, kwok), over the pods. CPU per pod: each part's CPU time over the round, over the

@@ -1,6 +1,6 @@
 """The seed platforms' request forms (issue 17, item 4) on the local control plane, with the controller's
 ``--compat runai,clearml`` (chart value ``compat``): the API server evaluates the third webhook entry's
-CEL, the webhook turns the pod into an annotated one, kube-scheduler allocates the slice's claim.
+CEL, the webhook turns the pod into an annotated one, kube-scheduler reserves the slice's claim.
 
 The pods are the seeds' own examples (tests/seed_examples.py, with their sources), less
 ``schedulerName: kai-scheduler`` (this cluster runs kube-scheduler only) and plus the kwok toleration."""

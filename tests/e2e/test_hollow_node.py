@@ -1,6 +1,6 @@
 """The real kubelet code drives the real agent over its real sockets: a control plane with the
 hollow node (`scripts/control-plane up --with ...,hollow-node`), the agent on a simulated GPU as
-that node's DRA driver, and the controller. kube-scheduler allocates the slice's claim, the
+that node's DRA driver, and the controller. kube-scheduler reserves the slice's claim (the controller allocated it), the
 kubelet registers the agent's plugin and calls NodePrepareResources / NodeUnprepareResources, and
 the CDI spec the agent writes is checked with the official CDI library (tools/cdi-validate)."""
 

@@ -304,6 +304,22 @@ def test_the_controllers_writes_are_narrowed_to_what_its_code_writes(
     unowned["metadata"].pop("ownerReferences")
     kube_cluster.custom_objects().create_namespaced_custom_object(*claims, unowned)
     refused(lambda: custom.delete_namespaced_custom_object(*claims, "users"))
+    # Its allocation: that slice's device in one node's pool, usable there only (core/slice_claim.py).
+    from mig_operator.core.slice_claim import allocation_patch
+
+    def allocate(name: str, body: dict[str, Any]) -> Any:
+        return custom.patch_namespaced_custom_object_status(*claims, name, body)
+
+    another = str(uuid.uuid4())
+    other_device, other_pool, any_node = (allocation_patch("node-a", uid) for _ in range(3))
+    other_device["status"]["allocation"]["devices"]["results"][0]["device"] = another
+    other_pool["status"]["allocation"]["devices"]["results"][0]["pool"] = "node-b"  # selector: node-a
+    any_node["status"]["allocation"].pop("nodeSelector")
+    for body in (other_device, other_pool, any_node):
+        refused(lambda body=body: allocate("mine", body), "allocates a GpuSlice's ResourceClaim only")
+    refused(lambda: allocate("users", allocation_patch("node-a", uid)))  # a claim no GpuSlice owns
+    allocated = allocate("mine", allocation_patch("node-a", uid))
+    assert allocated["status"]["allocation"] == allocation_patch("node-a", uid)["status"]["allocation"]
     custom.delete_namespaced_custom_object(*claims, "mine")
     # The release's webhook configuration and peering object only (create cannot be named in RBAC).
     refused(lambda: admission.create_mutating_webhook_configuration({"metadata": {"name": f"{ns}-other"}}),

@@ -1,5 +1,5 @@
 """Pods that ask for a slice with one annotation, end to end: the webhook, the gate, the slice's
-ResourceClaim allocated by kube-scheduler from the agent's ResourceSlice, node pinning and cleanup,
+ResourceClaim allocated by the controller in the node's pool, node pinning and cleanup,
 on a real control plane with kube-scheduler, kube-controller-manager (garbage collection,
 Deployments) and kwok nodes matching the simulated agents."""
 
@@ -52,7 +52,7 @@ def slice_of(op: OperatorHarness, pod: Any) -> dict:
 
 def handed_device(op: OperatorHarness, pod: Any) -> dict[str, str]:
     """The device the pod gets, checked on the way: the pod names its slice's ResourceClaim (and adds
-    no env, envFrom or volume of the operator's), the claim is allocated by kube-scheduler to exactly
+    no env, envFrom or volume of the operator's), the claim is allocated to exactly
     the slice's device on the pod's node and reserved for the pod. Returns the device's attributes as
     the agent's ResourceSlice publishes them (names without the driver prefix), plus its memory."""
     ns, name = pod.metadata.namespace, pod.metadata.labels["cdmo.io/gpu-slice"]

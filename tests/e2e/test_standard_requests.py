@@ -1,7 +1,7 @@
 """Requests people already write (issue 17): a container's nvidia.com/mig-<profile>: 1 is served as a
 MIG slice for that container, a namespace may opt out, and an unknown cdmo.io/* annotation is
 refused. On the local control plane: the API server evaluates the webhook configuration's CEL
-matchConditions and namespaceSelector, kube-scheduler allocates the slice's claim."""
+matchConditions and namespaceSelector, kube-scheduler reserves the slice's claim."""
 
 from __future__ import annotations
 

@@ -378,6 +378,7 @@ CONTROLLER_RULES = {
     ("", "nodes"): "list watch",
     ("", "pods"): "get list watch patch",
     ("resource.k8s.io", "resourceclaims"): "get create delete",
+    ("resource.k8s.io", "resourceclaims/status"): "patch",  # the claim's allocation (claims.py)
     ("", "events"): "create",
     ("kopf.dev", "clusterkopfpeerings"): "list watch create patch",
 }
@@ -672,8 +673,8 @@ def test_the_agent_node_policy_binds_the_releases_agent_to_its_node(render: Any,
 
 def test_the_controller_write_policy_names_the_releases_configuration_peering_and_claim_shape(
         render: Any) -> None:
-    from mig_operator.kube.common.names import DEVICE_CLASS
-    from mig_operator.kube.controller.claims import device_selector
+    from mig_operator.core.slice_claim import device_selector
+    from mig_operator.kube.common.names import DEVICE_CLASS, DRA_DRIVER
 
     docs = render(*VARIANTS["everything else changed"], release="mo", namespace="gpu-system")
     policy, _ = _policy(docs, "-controller-writes.cdmo.io")
@@ -683,17 +684,35 @@ def test_the_controller_write_policy_names_the_releases_configuration_peering_an
     assert any('request.name == "gpu-slices"' in e for e in expressions)  # webhook.configurationName
     assert any('request.name == "gpu-peers"' in e for e in expressions)  # controller.peering
     # The claim it may write is the one claims.py writes: the class and the selector, up to the slice's UID.
-    [claims] = [e for e in expressions if "'resourceclaims'" in e]
+    [claims] = [e for e in expressions if "'resourceclaims'" in e and "variables.status" not in e]
+    # The allocation it may write is the one core/slice_claim.py builds: the driver, the slice's device.
+    [allocation] = [e for e in expressions if "'resourceclaims'" in e and "variables.status" in e]
+    assert f"x.driver == '{DRA_DRIVER}'" in allocation and "x.device == r.uid" in allocation
     assert f"q.exactly.deviceClassName == '{DEVICE_CLASS}'" in claims
     prefix, suffix = device_selector("UID").split("UID")
     assert f"== '{prefix}' + r.uid + '{suffix}'" in claims
     resources = {(r["apiGroups"][0], res) for r in policy["spec"]["matchConstraints"]["resourceRules"]
                  for res in r["resources"]}
-    assert resources == {("", "pods"), ("resource.k8s.io", "resourceclaims"), ("admissionregistration.k8s.io",
-                                                                              "mutatingwebhookconfigurations"),
+    assert resources == {("", "pods"), ("resource.k8s.io", "resourceclaims"),
+                         ("resource.k8s.io", "resourceclaims/status"),
+                         ("admissionregistration.k8s.io", "mutatingwebhookconfigurations"),
                          ("kopf.dev", "clusterkopfpeerings")}
     assert not [d for d in render("--set", "controllerWritePolicy.enabled=false") if "controller-writes" in
-                d["metadata"]["name"]]
+                d["metadata"]["name"] or "claim-allocation" in d["metadata"]["name"]]
+
+
+def test_only_the_releases_controller_allocates_claims_of_the_class(render: Any) -> None:
+    from mig_operator.core.slice_claim import DELETE_PROTECTION, DEVICE_CLASS
+
+    docs = render(*VARIANTS["everything else changed"], release="mo", namespace="gpu-system")
+    policy, _ = _policy(docs, "-claim-allocation.cdmo.io")
+    conditions = {c["name"]: c["expression"] for c in policy["spec"]["matchConditions"]}
+    assert conditions["not-the-controller"] == 'request.userInfo.username != "system:serviceaccount:gpu-system:ctl"'
+    assert f"deviceClassName == '{DEVICE_CLASS}'" in conditions["a-gpuslice-claim"]
+    assert any(DELETE_PROTECTION in v["expression"] for v in policy["spec"]["validations"])
+    rules = policy["spec"]["matchConstraints"]["resourceRules"]
+    assert [(r["operations"], r["resources"]) for r in rules] == [
+        (["UPDATE"], ["resourceclaims", "resourceclaims/status"])]
 
 
 AGGREGATE = "rbac.authorization.k8s.io/aggregate-to-"

@@ -604,5 +604,6 @@ def test_another_pods_slice_is_neither_released_nor_handed_over() -> None:
     assert client.calls == [] and events.posted == ["SliceNotOwned"]
     mine, client, _ = _pod_slices("pod-uid")
     asyncio.run(mine.pod_event(_pod("Pending", gated=True), deleted=False))
-    assert [c[0] for c in client.calls] == ["POST", "MERGE", "PATCH"], "its own Ready slice: claim, status, ungate"
+    assert [c[0] for c in client.calls] == ["POST", "MERGE", "MERGE", "PATCH"], \
+        "its own Ready slice: claim, its allocation, status, ungate"
     assert client.calls[0][1] == "/apis/resource.k8s.io/v1/namespaces/ns/resourceclaims"

@@ -1,5 +1,6 @@
-"""Each Ready GpuSlice's ResourceClaim (kube/controller/claims.py): its shape, when it is written, and
-what happens to a claim of the same name that is not this slice's."""
+"""Each Ready GpuSlice's ResourceClaim (kube/controller/claims.py): its shape, when it is written and
+allocated, and what happens to a claim of the same name that is not this slice's or is allocated
+otherwise."""
 
 from __future__ import annotations
 
@@ -15,6 +16,12 @@ from mig_operator.kube.controller.state import ClusterState
 
 UID = "0b9e6a8c-2f43-4d7a-9c1e-5a6b7c8d9e0f"
 CLAIMS = "/apis/resource.k8s.io/v1/namespaces/ns/resourceclaims"
+CLAIM_STATUS = f"{CLAIMS}/train/status"
+SLICE_STATUS = "/apis/cdmo.io/v1alpha1/namespaces/ns/gpuslices/train/status"
+# Written out by hand from resource.k8s.io/v1 (AllocationResult), not from the code: node n's pool.
+PINNED = {"devices": {"results": [{"request": "gpu", "driver": "gpu.cdmo.io", "pool": "n", "device": UID}]},
+          "nodeSelector": {"nodeSelectorTerms": [{"matchFields": [
+              {"key": "metadata.name", "operator": "In", "values": ["n"]}]}]}}
 
 
 def test_the_claim_asks_for_exactly_the_slices_device_of_the_operators_class() -> None:
@@ -74,8 +81,16 @@ class _Client:
 
     async def merge_patch(self, path: str, body: dict) -> dict:
         self.calls.append(("MERGE", path))
-        assert body == {"status": {"claim": "train"}}
-        return body
+        if path == SLICE_STATUS:
+            assert body == {"status": {"claim": "train"}}
+            return body
+        assert path == CLAIM_STATUS and self.existing is not None
+        assert body == {"status": {"allocation": PINNED}}
+        current = (self.existing.get("status") or {}).get("allocation")
+        if current is not None and current != PINNED:
+            raise ApiError(422, "Invalid", "status.allocation: field is immutable")
+        self.existing = {**self.existing, "status": {"allocation": PINNED}}
+        return self.existing
 
 
 class _Events:
@@ -110,7 +125,8 @@ def test_a_ready_slice_gets_its_claim_once_and_its_status_names_it() -> None:
     info = state.slice_named("ns", "train")
     assert asyncio.run(claims.ensure(info)) is True
     assert asyncio.run(claims.ensure(info)) is True
-    assert client.calls == [("POST", CLAIMS), ("MERGE", "/apis/cdmo.io/v1alpha1/namespaces/ns/gpuslices/train/status")]
+    assert client.calls == [("POST", CLAIMS), ("MERGE", CLAIM_STATUS), ("MERGE", SLICE_STATUS)]
+    assert client.existing["status"]["allocation"] == PINNED
 
 
 class _SlowClient(_Client):
@@ -134,7 +150,7 @@ def test_two_events_of_one_slice_at_once_write_its_claim_once() -> None:
         return list(await asyncio.gather(claims.ensure(info), claims.ensure(info)))
 
     assert asyncio.run(both()) == [True, True]
-    assert [c[0] for c in client.calls] == ["POST", "MERGE"]  # no second create refused with 409, no GET
+    assert [c[0] for c in client.calls] == ["POST", "MERGE", "MERGE"]  # no second create refused with 409, no GET
     assert claims._writing == {}  # nothing kept once written
 
 
@@ -154,7 +170,7 @@ def test_a_device_its_gpunode_does_not_list_yet_gets_its_claim_when_the_gpunode_
     state.put_inventory({"metadata": {"name": "n"}, "spec": {"nodeName": "n"},
                          "status": {"gpus": [{"index": 0, "uuid": "GPU-1", "memoryMiB": 81559}]}})
     asyncio.run(claims.inventory_changed("n"))
-    assert [c[0] for c in client.calls] == ["POST", "MERGE"]
+    assert client.calls == [("POST", CLAIMS), ("MERGE", CLAIM_STATUS), ("MERGE", SLICE_STATUS)]
 
 
 def test_a_device_of_another_gpu_never_gets_a_claim() -> None:
@@ -178,7 +194,8 @@ def test_this_slices_own_claim_is_taken_as_written() -> None:
     client = _Client(existing=mine)
     claims, state, _ = _claims(client)
     assert asyncio.run(claims.ensure(state.slice_named("ns", "train"))) is True
-    assert [c[0] for c in client.calls] == ["POST", "GET", "MERGE"]
+    assert client.calls == [("POST", CLAIMS), ("GET", f"{CLAIMS}/train"), ("MERGE", CLAIM_STATUS),
+                            ("MERGE", SLICE_STATUS)]
 
 
 def test_an_earlier_slices_claim_is_deleted_and_this_ones_written_once_it_is_gone(monkeypatch) -> None:
@@ -189,5 +206,92 @@ def test_an_earlier_slices_claim_is_deleted_and_this_ones_written_once_it_is_gon
     client = _Client(existing=claim_body("ns", "train", "an-earlier-uid"), gone_after=2)
     claims, state, _ = _claims(client)
     assert asyncio.run(claims.ensure(state.slice_named("ns", "train"))) is True
-    assert [c[0] for c in client.calls] == ["POST", "GET", "DELETE", "GET", "GET", "GET", "POST", "MERGE"]
+    assert [c[0] for c in client.calls] == ["POST", "GET", "DELETE", "GET", "GET", "GET", "POST", "MERGE", "MERGE"]
     assert slice_owner(client.existing) == UID
+
+
+def _pods_slice(state: ClusterState, phase: str) -> None:
+    body = _slice(phase)
+    body["metadata"]["ownerReferences"] = [{"apiVersion": "v1", "kind": "Pod", "name": "p", "uid": "pod-uid"}]
+    state.put_slice(body)
+
+
+def test_a_pods_slice_gets_its_claim_at_once_and_its_allocation_only_once_ready() -> None:
+    client = _Client()
+    claims, state, _ = _claims(client)
+    _pods_slice(state, "Bound")
+    assert asyncio.run(claims.ensure(state.slice_named("ns", "train"))) is False
+    assert client.calls == [("POST", CLAIMS)] and "status" not in client.existing
+    _pods_slice(state, "Ready")
+    assert asyncio.run(claims.ensure(state.slice_named("ns", "train"))) is True
+    assert client.calls[1:] == [("MERGE", CLAIM_STATUS), ("MERGE", SLICE_STATUS)]
+    assert client.existing["status"]["allocation"] == PINNED
+
+
+def test_a_claim_already_allocated_to_the_slices_device_on_its_node_is_not_written_again() -> None:
+    client = _Client(existing={**claim_body("ns", "train", UID), "status": {"allocation": PINNED}})
+    claims, state, _ = _claims(client)
+    assert asyncio.run(claims.ensure(state.slice_named("ns", "train"))) is True
+    assert client.calls == [("POST", CLAIMS), ("GET", f"{CLAIMS}/train"), ("MERGE", SLICE_STATUS)]
+
+
+ELSEWHERE = {"devices": {"results": [{"request": "gpu", "driver": "gpu.cdmo.io", "pool": "thief", "device": UID}]},
+             "nodeSelector": {"nodeSelectorTerms": [{"matchFields": [
+                 {"key": "metadata.name", "operator": "In", "values": ["thief"]}]}]}}
+
+
+def test_a_claim_allocated_in_another_pool_is_deleted_with_a_warning_and_never_handed_on() -> None:
+    client = _Client(existing={**claim_body("ns", "train", UID), "status": {"allocation": ELSEWHERE}})
+    claims, state, events = _claims(client)
+    assert asyncio.run(claims.ensure(state.slice_named("ns", "train"))) is False
+    assert client.calls == [("POST", CLAIMS), ("GET", f"{CLAIMS}/train"), ("DELETE", f"{CLAIMS}/train")]
+    [(reason, message)] = events.posted
+    assert reason == "ClaimAllocatedElsewhere" and "gpu.cdmo.io/thief/" + UID in message
+    assert claims.written == {} and claims.allocated == {}  # written anew at the next event
+
+
+class _RacedClient(_Client):
+    """kube-scheduler allocated the claim between its create and the controller's allocation."""
+
+    def __init__(self, theirs: dict) -> None:
+        super().__init__()
+        self.theirs = theirs
+
+    async def create(self, path: str, body: dict) -> dict:
+        created = await super().create(path, body)
+        self.existing = {**created, "status": {"allocation": self.theirs}}
+        return created
+
+
+def test_an_allocation_that_won_the_race_is_kept_when_it_is_the_slices_device_on_its_node() -> None:
+    client = _RacedClient(PINNED)  # the same allocation again: the API server takes it as no change
+    claims, state, events = _claims(client)
+    assert asyncio.run(claims.ensure(state.slice_named("ns", "train"))) is True
+    assert client.calls == [("POST", CLAIMS), ("MERGE", CLAIM_STATUS), ("MERGE", SLICE_STATUS)]
+    assert events.posted == []
+
+
+def test_an_allocation_in_another_pool_that_won_the_race_is_deleted_and_never_handed_on() -> None:
+    client = _RacedClient(ELSEWHERE)
+    claims, state, events = _claims(client)
+    assert asyncio.run(claims.ensure(state.slice_named("ns", "train"))) is False
+    assert client.calls == [("POST", CLAIMS), ("MERGE", CLAIM_STATUS), ("GET", f"{CLAIMS}/train"),
+                            ("DELETE", f"{CLAIMS}/train")]
+    assert [reason for reason, _ in events.posted] == ["ClaimAllocatedElsewhere"]
+
+
+def test_a_claim_kube_scheduler_allocated_before_is_allocated_again_at_each_look_until_it_is_the_controllers() -> None:
+    # Its finalizer has kube-controller-manager clear the allocation once no pod uses it.
+    legacy = claim_body("ns", "train", UID)
+    legacy["metadata"]["finalizers"] = ["resource.kubernetes.io/delete-protection"]
+    client = _Client(existing={**legacy, "status": {"allocation": PINNED}})
+    claims, state, _ = _claims(client)
+    info = state.slice_named("ns", "train")
+    assert asyncio.run(claims.ensure(info)) is True
+    assert claims.allocated == {}
+    client.existing = {**claim_body("ns", "train", UID), "status": {}}  # deallocated, finalizer gone
+    assert asyncio.run(claims.ensure(info)) is True
+    assert client.calls == [("POST", CLAIMS), ("GET", f"{CLAIMS}/train"), ("MERGE", SLICE_STATUS),
+                            ("MERGE", CLAIM_STATUS), ("MERGE", SLICE_STATUS)]
+    assert client.existing["status"]["allocation"] == PINNED
+    assert claims.allocated == {("ns", "train"): UID}

@@ -3,18 +3,21 @@
 When a slice is Ready and its device is on its node's GpuNode (core/device_check), the controller
 writes a ResourceClaim of the slice's name in its namespace, owned by the slice (deleting the slice
 deletes the claim), asking for one device of class ``gpuslice.cdmo.io`` whose ``slice`` attribute is
-the slice's UID: only the device the agent publishes for that slice matches. kube-scheduler then
-allocates it to a pod that names the claim, and the kubelet asks the agent to prepare it.
+the slice's UID, and then allocates it itself: the slice's device in the bound node's pool, usable on
+that node only (core/slice_claim, which says why). kube-scheduler only reserves the claim for a pod
+that names it, on that node, and the kubelet asks the agent to prepare it. A device that another
+node's agent publishes under the slice's UID is never allocated to the claim.
 
 A pod's slice gets its claim as soon as the slice exists, not when it is Ready: the pod names the
-claim and stays gated until its slice is Ready and its device checked, and kube-scheduler must know
-the claim before it sees the pod ungated (a pod it schedules before the claim reaches its cache is
-unschedulable until the claim's event requeues it, after a back-off of a second or more). Until the
-agent publishes the slice's device, the claim matches no device, so nothing can be allocated early.
+claim and stays gated until its slice is Ready, its device checked and the claim allocated, and
+kube-scheduler must know the claim before it sees the pod ungated (a pod it schedules before the
+claim reaches its cache is unschedulable until the claim's event requeues it, after a back-off of a
+second or more).
 
 A claim of that name left from an earlier slice of the same name (a pod's next try, a slice made
 again) is deleted and written anew; a claim of that name the operator did not write is never
-touched: the slice's status says so.
+touched: the slice's status says so. A claim of the slice's that is allocated otherwise (another
+pool or device) is deleted, with a Warning Event, and written anew.
 """
 
 from __future__ import annotations
@@ -26,15 +29,17 @@ from collections.abc import Mapping
 from typing import Any
 
 from mig_operator.core.device_check import ACCEPT, check_ready_device
+from mig_operator.core.slice_claim import DELETE_PROTECTION, ELSEWHERE, PINNED, allocation_patch, allocation_state
+from mig_operator.core.slice_claim import claim_body as slice_claim_body
 
 from ..common.client import ApiError, KubeClient, slice_path
 from ..common.events import EventPoster
-from ..common.names import API_VERSION, DEVICE_CLASS, DRA_API, DRA_DRIVER, SLICE_KIND
+from ..common.names import API_VERSION, DRA_API, SLICE_KIND
 from .state import ClusterState, SliceInfo
 
 log = logging.getLogger("mig_operator.controller.claims")
-REQUEST_NAME = "gpu"
 CLAIM_TAKEN = "ClaimNameTaken"
+ALLOCATED_ELSEWHERE = "ClaimAllocatedElsewhere"
 # How long an earlier slice's claim may take to go once deleted before the new one is written.
 STALE_CLAIM_WAIT_S = 30.0
 
@@ -44,21 +49,10 @@ def claims_path(namespace: str, name: str | None = None) -> str:
     return f"{base}/{name}" if name else base
 
 
-def device_selector(slice_uid: str) -> str:
-    """The CEL expression that matches the device of slice ``slice_uid`` and no other."""
-    return f'device.attributes["{DRA_DRIVER}"].slice == "{slice_uid}"'
-
-
 def claim_body(namespace: str, name: str, slice_uid: str) -> dict[str, Any]:
     """The ResourceClaim of slice ``namespace/name`` (UID ``slice_uid``)."""
-    return {
-        "apiVersion": DRA_API, "kind": "ResourceClaim",
-        "metadata": {"name": name, "namespace": namespace, "ownerReferences": [
-            {"apiVersion": API_VERSION, "kind": SLICE_KIND, "name": name, "uid": slice_uid, "controller": True}]},
-        "spec": {"devices": {"requests": [{"name": REQUEST_NAME, "exactly": {
-            "deviceClassName": DEVICE_CLASS, "allocationMode": "ExactCount", "count": 1,
-            "selectors": [{"cel": {"expression": device_selector(slice_uid)}}]}}]}},
-    }
+    return slice_claim_body(namespace, name, {"apiVersion": API_VERSION, "kind": SLICE_KIND, "name": name,
+                                              "uid": slice_uid, "controller": True})
 
 
 def slice_owner(claim: Mapping[str, Any]) -> str | None:
@@ -76,13 +70,14 @@ def early(info: SliceInfo) -> bool:
 
 
 class SliceClaims:
-    """Writes the ResourceClaim of every Ready slice whose device its node's GpuNode lists."""
+    """Writes and allocates the ResourceClaim of every Ready slice whose device its node's GpuNode lists."""
 
     def __init__(self, client: KubeClient, events: EventPoster, state: ClusterState) -> None:
         self.client = client
         self.events = events
         self.state = state
         self.written: dict[tuple[str, str], str] = {}  # (namespace, name) -> slice UID of the claim there
+        self.allocated: dict[tuple[str, str], str] = {}  # likewise, once the controller allocated it
         # Ready slices whose device their node's GpuNode did not list yet, by node: tried again when it changes.
         self.waiting: dict[str, set[tuple[str, str]]] = {}
         # One write of a claim at a time: a slice's own watch event may come while the write its creation
@@ -101,6 +96,7 @@ class SliceClaims:
     async def resync(self) -> None:
         """After a full list: forget the slices that are gone, write what is missing."""
         self.written = {key: uid for key, uid in self.written.items() if uid in self.state.slices}
+        self.allocated = {key: uid for key, uid in self.allocated.items() if uid in self.state.slices}
         for info in list(self.state.slices.values()):
             try:
                 await self.ensure(info)
@@ -118,9 +114,10 @@ class SliceClaims:
 
     async def ensure(self, info: SliceInfo) -> bool:
         """Write the claim of a ready slice (``ready``), or of a pod's slice (``early``), when it is not
-        there yet; True when the slice's claim exists and the slice is ready."""
+        there yet, and allocate it once the slice is ready; True when the slice's claim is allocated
+        and the slice is ready."""
         key = (info.namespace, info.name)
-        if self.written.get(key) == info.uid:
+        if self.allocated.get(key) == info.uid:
             return self.ready(info)
         lock = self._writing.setdefault(key, asyncio.Lock())
         try:
@@ -132,41 +129,105 @@ class SliceClaims:
 
     async def _ensure(self, info: SliceInfo, key: tuple[str, str]) -> bool:
         ready = self.ready(info)
-        if self.written.get(key) == info.uid:
+        if self.allocated.get(key) == info.uid:
             return ready
-        if not ready and not early(info):
-            if (info.body.get("status") or {}).get("phase") == "Ready" and info.binding is not None:
-                self.waiting.setdefault(info.binding.node, set()).add(key)
+        claim: Mapping[str, Any] | None = None
+        if self.written.get(key) != info.uid:
+            if not ready and not early(info):
+                self._wait_for_device(info, key)
+                return False
+            claim = await self._create(info)
+            if claim is None:
+                return False
+            self.written[key] = info.uid
+            log.info("slice %s: ResourceClaim %s written", info.ref, info.name)
+        if not ready:
+            self._wait_for_device(info, key)
             return False
-        path = claims_path(info.namespace)
+        allocated = await self._allocate(info, claim)
+        if allocated is None:
+            return False
+        # A claim kube-scheduler allocated (an earlier version) keeps its finalizer, and
+        # kube-controller-manager clears its allocation once no pod uses it: allocated again at a resync.
+        if DELETE_PROTECTION not in ((allocated.get("metadata") or {}).get("finalizers") or []):
+            self.allocated[key] = info.uid
+        await self._record(info)  # an early claim: the agent names it in its Ready write
+        return True
+
+    def _wait_for_device(self, info: SliceInfo, key: tuple[str, str]) -> None:
+        """A Ready slice whose device its GpuNode does not list yet: looked at again when it changes."""
+        if (info.body.get("status") or {}).get("phase") == "Ready" and info.binding is not None:
+            self.waiting.setdefault(info.binding.node, set()).add(key)
+
+    async def _create(self, info: SliceInfo) -> Mapping[str, Any] | None:
+        """The slice's claim, created now or found (``_take_over``); None when it cannot be had yet."""
         try:
-            await self.client.create(path, claim_body(info.namespace, info.name, info.uid))
+            return await self.client.create(claims_path(info.namespace),
+                                            claim_body(info.namespace, info.name, info.uid))
         except ApiError as exc:
             if not exc.conflict:
                 raise
-            if not await self._take_over(info):
-                return False
-        self.written[key] = info.uid
-        if ready:
-            await self._record(info)  # an early claim: the agent names it in its Ready write
-        log.info("slice %s: ResourceClaim %s written", info.ref, info.name)
-        if not ready and (info.body.get("status") or {}).get("phase") == "Ready" and info.binding is not None:
-            self.waiting.setdefault(info.binding.node, set()).add(key)
-        return ready
+        return await self._take_over(info)
 
-    async def _take_over(self, info: SliceInfo) -> bool:
-        """A claim of the slice's name exists: True when it is this slice's; an earlier slice's is
-        deleted (written again at the slice's next event); a claim not the operator's is left alone."""
+    async def _allocate(self, info: SliceInfo, claim: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+        """Allocate the slice's claim to its device in its node's pool (``claim``: as last read, None
+        when unknown); the claim once it is so allocated, else None."""
+        assert info.binding is not None  # ready
+        node = info.binding.node
+        path = claims_path(info.namespace, info.name)
+        if claim is not None:
+            state = allocation_state(claim, node, info.uid)
+            if state == PINNED:
+                return claim
+            if state == ELSEWHERE:
+                return await self._allocated_elsewhere(info, claim)
+        try:
+            allocated = await self.client.merge_patch(f"{path}/status", allocation_patch(node, info.uid))
+        except ApiError as exc:
+            if exc.not_found:  # deleted meanwhile: written anew at the slice's next event
+                self.written.pop((info.namespace, info.name), None)
+                return None
+            if exc.status != 422:
+                raise
+            # Allocated by someone else first (an allocation cannot change): what is it?
+            claim = await self.client.get(path)
+            if allocation_state(claim, node, info.uid) == PINNED:
+                return claim
+            return await self._allocated_elsewhere(info, claim)
+        log.info("slice %s: ResourceClaim %s allocated on node %s", info.ref, info.name, node)
+        return allocated
+
+    async def _allocated_elsewhere(self, info: SliceInfo, claim: Mapping[str, Any]) -> None:
+        """The slice's claim is allocated to another device or pool: deleted (written anew at the
+        slice's next event), with a Warning Event that names the allocation."""
+        results = [f"{r.get('driver')}/{r.get('pool')}/{r.get('device')}" for r in
+                   ((((claim.get("status") or {}).get("allocation") or {}).get("devices") or {}).get("results") or [])]
+        assert info.binding is not None
+        message = (f"ResourceClaim {info.namespace}/{info.name} was allocated {', '.join(results) or 'otherwise'}, "
+                   f"not this slice's device in node {info.binding.node}'s pool; it is deleted and written anew")
+        self.events.post(info.body, "Warning", ALLOCATED_ELSEWHERE, message)
+        log.warning("slice %s: %s", info.ref, message)
+        self.written.pop((info.namespace, info.name), None)
+        try:
+            await self.client.delete(claims_path(info.namespace, info.name))
+        except ApiError as exc:
+            if not exc.not_found:
+                raise
+        return None
+
+    async def _take_over(self, info: SliceInfo) -> Mapping[str, Any] | None:
+        """A claim of the slice's name exists: this slice's is returned; an earlier slice's is deleted
+        and this one's written once it is gone; a claim not the operator's is left alone (None)."""
         existing = await self.client.get(claims_path(info.namespace, info.name))
         owner = slice_owner(existing)
         if owner == info.uid:
-            return True
+            return existing
         if owner is None:
             message = (f"ResourceClaim {info.namespace}/{info.name} exists and was not written by mig-operator; "
                        "rename or delete it, or give the GpuSlice another name")
             self.events.post(info.body, "Warning", CLAIM_TAKEN, message)
             log.info("slice %s: %s", info.ref, message)
-            return False
+            return None
         path = claims_path(info.namespace, info.name)
         if not (existing.get("metadata") or {}).get("deletionTimestamp"):
             try:
@@ -174,7 +235,8 @@ class SliceClaims:
             except ApiError as exc:
                 if not exc.not_found:
                     raise
-        # Gone once its pods let it go (the API keeps a claim in use): then this slice's is written.
+        # Gone once its pods let it go (kube-scheduler's finalizer on a claim it allocated): then this
+        # slice's is written.
         deadline = time.monotonic() + STALE_CLAIM_WAIT_S
         while time.monotonic() < deadline:
             try:
@@ -182,11 +244,11 @@ class SliceClaims:
             except ApiError as exc:
                 if not exc.not_found:
                     raise
-                await self.client.create(claims_path(info.namespace), claim_body(info.namespace, info.name, info.uid))
-                return True
+                return await self.client.create(claims_path(info.namespace),
+                                                claim_body(info.namespace, info.name, info.uid))
             await asyncio.sleep(0.2)
         log.info("slice %s: the ResourceClaim of an earlier slice of its name is still in use", info.ref)
-        return False
+        return None
 
     async def _record(self, info: SliceInfo) -> None:
         """The claim's name in the slice's status (``kubectl get gs`` shows it)."""

@@ -5,9 +5,9 @@ ResourceClaim (same name) in the pod and its containers. Here the controller:
 
 1. creates the GpuSlice, owned by the pod (deleting the pod deletes the slice through garbage
    collection, and the agent then releases its instance);
-2. once the slice is Ready and its ResourceClaim written (claims.py), in one update pins the pod to
-   the slice's node with required node affinity and removes the gate; kube-scheduler then binds it
-   there and allocates the claim, and the kubelet has the agent prepare the device;
+2. once the slice is Ready and its ResourceClaim written and allocated (claims.py), in one update pins
+   the pod to the slice's node with required node affinity and removes the gate; kube-scheduler then
+   reserves the claim and binds the pod there, and the kubelet has the agent prepare the device;
 3. while the slice cannot be served, leaves the gate on and posts an Event with the reason on the pod;
 4. once the pod has finished (phase Succeeded or Failed: a Job's pod, kept until its Job goes),
    deletes its GpuSlice, so the instance is released as when the pod is deleted. A finished pod's

@@ -1,0 +1,95 @@
+"""core/slice_claim.py: the claim of a slice and the allocation the controller writes into it, by table,
+against resource.k8s.io/v1 as kube-apiserver 1.34 validates it (pkg/apis/resource/validation: a result's
+request names a request of the spec, its driver is a DNS subdomain of at most 63 characters, its pool
+a '/'-separated path of DNS subdomains of at most 253, its device a DNS label; the node selector a
+core/v1 NodeSelector). tests/e2e/test_claim_pinning.py writes the same bodies to a real API server."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from mig_operator.core.slice_claim import (
+    ELSEWHERE,
+    PINNED,
+    UNALLOCATED,
+    allocation,
+    allocation_patch,
+    allocation_state,
+    claim_body,
+    node_pool,
+)
+
+UID = "0b9e6a8c-2f43-4d7a-9c1e-5a6b7c8d9e0f"
+OWNER = {"apiVersion": "cdmo.io/v1alpha1", "kind": "GpuSlice", "name": "train", "uid": UID, "controller": True}
+DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+
+
+def _pinned(node: str) -> dict:
+    return {"nodeSelectorTerms": [{"matchFields": [{"key": "metadata.name", "operator": "In", "values": [node]}]}]}
+
+
+@pytest.mark.parametrize("node", ["n", "gpu-node-7", "ip-10-0-3-17.ec2.internal", "a" * 253])
+def test_the_allocation_is_the_slices_device_in_the_nodes_pool_usable_there_only(node: str) -> None:
+    claim = claim_body("ns", "train", OWNER)
+    alloc = allocation(node, UID)
+    assert alloc == {"devices": {"results": [{"request": "gpu", "driver": "gpu.cdmo.io", "pool": node,
+                                              "device": UID}]},
+                     "nodeSelector": _pinned(node)}
+    assert allocation_patch(node, UID) == {"status": {"allocation": alloc}}
+    # What kube-apiserver checks of a new allocation result.
+    requests = {r["name"] for r in claim["spec"]["devices"]["requests"]}
+    [result] = alloc["devices"]["results"]
+    assert result["request"] in requests
+    assert DNS_SUBDOMAIN.fullmatch(result["driver"]) and len(result["driver"]) <= 63
+    assert len(result["pool"]) <= 253 and all(DNS_SUBDOMAIN.fullmatch(p) for p in result["pool"].split("/"))
+    assert DNS_LABEL.fullmatch(result["device"]) and len(result["device"]) <= 63
+    assert set(alloc) <= {"devices", "nodeSelector"}  # allocationTimestamp: dropped unless binding conditions
+    [term] = alloc["nodeSelector"]["nodeSelectorTerms"]
+    assert term["matchFields"][0]["key"] == "metadata.name"  # the only field a node selector may match
+
+
+def test_the_pool_is_the_nodes_name() -> None:
+    # The agent's ResourceSlices name their pool so (tests/e2e compare with the published slices).
+    assert node_pool("gpu-7") == "gpu-7"
+
+
+def test_the_claim_keeps_its_selector_and_carries_no_finalizer() -> None:
+    claim = claim_body("ns", "train", OWNER)
+    assert claim["metadata"] == {"name": "train", "namespace": "ns", "ownerReferences": [OWNER]}
+    [request] = claim["spec"]["devices"]["requests"]
+    assert request["exactly"]["selectors"] == [
+        {"cel": {"expression": f'device.attributes["gpu.cdmo.io"].slice == "{UID}"'}}]
+    assert "status" not in claim  # the API server drops it on create: the allocation is a second write
+
+
+RESULT = {"request": "gpu", "driver": "gpu.cdmo.io", "pool": "n", "device": UID}
+
+
+@pytest.mark.parametrize(("status", "state"), [
+    ({}, UNALLOCATED),
+    ({"allocation": None}, UNALLOCATED),
+    ({"reservedFor": []}, UNALLOCATED),
+    ({"allocation": {"devices": {"results": [RESULT]}, "nodeSelector": _pinned("n")}}, PINNED),
+    # kube-scheduler's own allocation of the true device (claims of an earlier version): the same.
+    ({"allocation": {"devices": {"results": [RESULT]}, "nodeSelector": _pinned("n")},
+      "reservedFor": [{"resource": "pods", "name": "p", "uid": "u"}]}, PINNED),
+    ({"allocation": {"devices": {"results": [{**RESULT, "pool": "thief"}]}, "nodeSelector": _pinned("thief")}},
+     ELSEWHERE),
+    ({"allocation": {"devices": {"results": [{**RESULT, "pool": "thief"}]}, "nodeSelector": _pinned("n")}},
+     ELSEWHERE),
+    ({"allocation": {"devices": {"results": [RESULT]}, "nodeSelector": _pinned("thief")}}, ELSEWHERE),
+    ({"allocation": {"devices": {"results": [RESULT]}}}, ELSEWHERE),  # usable on any node
+    ({"allocation": {"devices": {"results": [{**RESULT, "device": "another-uid"}]}, "nodeSelector": _pinned("n")}},
+     ELSEWHERE),
+    ({"allocation": {"devices": {"results": [{**RESULT, "driver": "gpu.other.io"}]}, "nodeSelector": _pinned("n")}},
+     ELSEWHERE),
+    ({"allocation": {"devices": {"results": [RESULT, {**RESULT, "device": "x"}]}, "nodeSelector": _pinned("n")}},
+     ELSEWHERE),
+    ({"allocation": {"devices": {"results": []}, "nodeSelector": _pinned("n")}}, ELSEWHERE),
+])
+def test_an_existing_allocation_counts_only_when_it_is_exactly_the_slices_device_on_its_node(
+        status: dict, state: str) -> None:
+    assert allocation_state({"status": status}, "n", UID) == state
