@@ -271,7 +271,10 @@ def container_script(oci: dict) -> str:
         lines += [f"awk -v d={q(dst)} '$5 == d {{print \"mountinfo\", $5, $6}}' /proc/self/mountinfo >&2",
                   f"if {probe} 2>/dev/null; then echo writable {q(dst)} >&2; "
                   f"else echo readonly {q(dst)} >&2; fi",
-                  f"if cmp -s {q(src)} {q(dst)}; then echo same {q(dst)} >&2; fi"]
+                  # a file: the same bytes; a directory: the same inode, the host's own directory
+                  (f"if cmp -s {q(src)} {q(dst)}; then echo same {q(dst)} >&2; fi" if not os.path.isdir(src) else
+                   f"if [ \"$(stat -c %d:%i {q(src)})\" = \"$(stat -c %d:%i {q(dst)})\" ]; "
+                   f"then echo same {q(dst)} >&2; fi")]
     lines.append("find /dev -type c -exec stat -c 'chardev %n %t %T' {} + >&2")
     process = oci["process"]
     lines.append(f"cd {q(process.get('cwd') or '/')}")
@@ -494,9 +497,10 @@ def test_agent_prepares_fraction_claims_and_torch_holds_each_limit(
                        "LD_PRELOAD": SHIM_IN_CONTAINER, "CDMO_GPU_MEMORY_LIMIT": str(limit),
                        "GPU_MEM_LIMIT_GB": LIMIT_GB[limit], "CDMO_SLICE": f"{NAMESPACE}/{name}"}
         # The shim, read-only from the node; the slice's ledger, read-write, at the path the shim has built in.
-        assert [(m["source"], m["destination"], m["options"]) for m in result["summary"]["mounts"]] == \
-            [(str(node_shim), SHIM_IN_CONTAINER, ["ro", "nosuid", "nodev", "bind"]),
-             (str(ledgers / result["uid"]), LEDGER_IN_CONTAINER, ["rw", "nosuid", "nodev", "noexec", "bind"])]
+        # (The CDI library orders mounts by container path; these two do not nest, so order is immaterial.)
+        assert sorted((m["source"], m["destination"], m["options"]) for m in result["summary"]["mounts"]) == \
+            sorted([(str(node_shim), SHIM_IN_CONTAINER, ["ro", "nosuid", "nodev", "bind"]),
+                    (str(ledgers / result["uid"]), LEDGER_IN_CONTAINER, ["rw", "nosuid", "nodev", "noexec", "bind"])])
         # The device nodes: the GPU's, the control node and UVM's, each a character device on this
         # host with the numbers the spec gives, and allowed in the device cgroup.
         nodes = {n["path"]: (n["type"], n["major"], n["minor"]) for n in result["summary"]["deviceNodes"]}
@@ -513,7 +517,8 @@ def test_agent_prepares_fraction_claims_and_torch_holds_each_limit(
             result["stderr"]
         assert "ro" in report.mount_options[SHIM_IN_CONTAINER], result["stderr"]
         assert "rw" in report.mount_options[LEDGER_IN_CONTAINER], result["stderr"]
-        assert report.readonly == {SHIM_IN_CONTAINER} and report.same_content == {SHIM_IN_CONTAINER}
+        assert report.readonly == {SHIM_IN_CONTAINER}
+        assert report.same_content == {SHIM_IN_CONTAINER, LEDGER_IN_CONTAINER}, result["stderr"]
         assert len(result["ledger_files"]) == 1 and result["ledger_files"][0].startswith("gpu-"), result["ledger_files"]
         # And PyTorch: its limit as the GPU's total, out of memory at the limit, NVML's footprint within it.
         assert total == limit, "torch.cuda.mem_get_info() reports the slice's limit as the total"
