@@ -109,7 +109,22 @@ static void refuse(struct gs_ref *ref, pfn_unload unload, void *handle, uint64_t
            (unsigned long long)n);
 }
 
-/* The common path of every module load; load() is the real call. */
+/* After the real load: keep what it committed, or undo it and refuse; ends the window. */
+static CUresult settle(struct window *w, CUresult r, void **out, pfn_unload unload)
+{
+    if (r == CUDA_SUCCESS && w->ref) {
+        uint64_t n = window_bytes(w);
+        if (!keep(w->ref, *out, n)) {
+            refuse(w->ref, unload, *out, n);
+            *out = NULL;
+            r = CUDA_ERROR_OUT_OF_MEMORY;
+        }
+    }
+    pthread_mutex_unlock(&mod_mu);
+    return r;
+}
+
+/* The common path of every module load; call is the real call. */
 #define MODULE_LOAD(real, out, call)                                            \
     do {                                                                        \
         if (GS_UNLIKELY(!(real))) return CUDA_ERROR_NOT_INITIALIZED;            \
@@ -117,16 +132,7 @@ static void refuse(struct gs_ref *ref, pfn_unload unload, void *handle, uint64_t
         struct window w;                                                        \
         open_window(&w);                                                        \
         CUresult r = (call);                                                    \
-        if (r == CUDA_SUCCESS && w.ref) {                                       \
-            uint64_t n = window_bytes(&w);                                      \
-            if (!keep(w.ref, (void *)*(out), n)) {                              \
-                refuse(w.ref, (pfn_unload)GS_REAL(ModuleUnload), (void *)*(out), n); \
-                *(out) = NULL;                                                  \
-                r = CUDA_ERROR_OUT_OF_MEMORY;                                   \
-            }                                                                   \
-        }                                                                       \
-        pthread_mutex_unlock(&mod_mu);                                          \
-        return r;                                                               \
+        return settle(&w, r, (void **)(out), (pfn_unload)GS_REAL(ModuleUnload)); \
     } while (0)
 
 GS_EXPORT CUresult cuModuleLoad(CUmodule *module, const char *fname)
@@ -184,16 +190,7 @@ GS_EXPORT CUresult cuLibraryLoadData(CUlibrary *library, const void *code, CUjit
     CUresult r = real(library, code, jitOptions, jitOptionsValues, numJitOptions, libraryOptions,
                       libraryOptionValues, numLibraryOptions);
     library_into_context(r, *library);
-    if (r == CUDA_SUCCESS && w.ref) {
-        uint64_t n = window_bytes(&w);
-        if (!keep(w.ref, (void *)*library, n)) {
-            refuse(w.ref, (pfn_unload)GS_REAL(LibraryUnload), (void *)*library, n);
-            *library = NULL;
-            r = CUDA_ERROR_OUT_OF_MEMORY;
-        }
-    }
-    pthread_mutex_unlock(&mod_mu);
-    return r;
+    return settle(&w, r, (void **)library, (pfn_unload)GS_REAL(LibraryUnload));
 }
 
 GS_EXPORT CUresult cuLibraryLoadFromFile(CUlibrary *library, const char *fileName,
@@ -213,16 +210,7 @@ GS_EXPORT CUresult cuLibraryLoadFromFile(CUlibrary *library, const char *fileNam
     CUresult r = real(library, fileName, jitOptions, jitOptionsValues, numJitOptions, libraryOptions,
                       libraryOptionValues, numLibraryOptions);
     library_into_context(r, *library);
-    if (r == CUDA_SUCCESS && w.ref) {
-        uint64_t n = window_bytes(&w);
-        if (!keep(w.ref, (void *)*library, n)) {
-            refuse(w.ref, (pfn_unload)GS_REAL(LibraryUnload), (void *)*library, n);
-            *library = NULL;
-            r = CUDA_ERROR_OUT_OF_MEMORY;
-        }
-    }
-    pthread_mutex_unlock(&mod_mu);
-    return r;
+    return settle(&w, r, (void **)library, (pfn_unload)GS_REAL(LibraryUnload));
 }
 
 /* Unload: the bytes go back once the driver has let go of them. */
