@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -200,11 +201,13 @@ def test_kubelet_prepares_and_unprepares_through_the_agent(hollow: HollowSetup, 
 
 
 def test_a_claim_of_another_namespace_never_gets_the_slices_device(hollow: HollowSetup) -> None:
-    """Issue 24: a claim in another namespace whose selector names this slice's namespace is allocated
-    the slice's device by kube-scheduler (here written by the cluster admin: the chart's admission
-    policy refuses tenants' claims of this class, and the agent is the second line). The kubelet asks
-    the agent to prepare it; the agent refuses with a reason the pod's events show, writes no CDI
-    spec, and the slice's own claim is then prepared for the slice's own pod."""
+    """Issue 24: a claim in another namespace whose selector names this slice's namespace (here written
+    by the cluster admin: the chart's admission policy refuses tenants' claims of this class). The
+    controller allocated the slice's own claim as soon as the slice was Ready, so kube-scheduler never
+    gives the device to the thief's claim. Even allocated to it (written here by the admin, as a
+    compromised component could), the agent is the last line: the kubelet asks it to prepare the claim,
+    it refuses with a reason the pod's events show, writes no CDI spec, and the slice's own claim is
+    then prepared for the slice's own pod."""
     core = hollow.cluster.core_v1()
     kubectl = hollow.cluster.kubectl
     thieves = "team-b"
@@ -226,6 +229,25 @@ def test_a_claim_of_another_namespace_never_gets_the_slices_device(hollow: Hollo
     thief["metadata"]["namespace"] = thieves
     kubectl("apply", "-f", "-", input=json.dumps(thief))
 
+    # The slice's device is allocated to its own claim already: kube-scheduler finds nothing for the thief.
+    def unschedulable() -> bool:
+        pod = core.read_namespaced_pod("thief", thieves)
+        return any(c.type == "PodScheduled" and c.status == "False" for c in pod.status.conditions or ())
+
+    wait_until(unschedulable, 60, lambda: f"the thief pod to be found unschedulable\n{hollow.logs()}")
+    time.sleep(3)  # a scheduling retry changes nothing
+    steal = json.loads(kubectl("get", "resourceclaim", "steal", "-n", thieves, "-o", "json").stdout)
+    assert "allocation" not in (steal.get("status") or {}), steal["status"]
+    assert not core.read_namespaced_pod("thief", thieves).spec.node_name
+
+    # Allocated to the thief all the same, by hand (written independently of the operator's code).
+    kubectl("patch", "resourceclaim", "steal", "-n", thieves, "--subresource=status", "--type=merge", "-p",
+            json.dumps({"status": {"allocation": {
+                "devices": {"results": [{"request": "gpu", "driver": "gpu.cdmo.io", "pool": NODE,
+                                         "device": slice_uid}]},
+                "nodeSelector": {"nodeSelectorTerms": [{"matchFields": [
+                    {"key": "metadata.name", "operator": "In", "values": [NODE]}]}]}}}}))
+
     def refusal() -> str | None:
         events = core.list_namespaced_event(thieves, field_selector="involvedObject.name=thief").items
         return next((e.message for e in events if "belongs to GpuSlice" in (e.message or "")), None)
@@ -233,7 +255,7 @@ def test_a_claim_of_another_namespace_never_gets_the_slices_device(hollow: Hollo
     message = wait_until(refusal, 60, lambda: f"the thief pod's FailedPrepare event\n{hollow.logs()}")
     steal = json.loads(kubectl("get", "resourceclaim", "steal", "-n", thieves, "-o", "json").stdout)
     [result] = steal["status"]["allocation"]["devices"]["results"]
-    assert result["device"] == slice_uid, "kube-scheduler did allocate the slice's device (the attack)"
+    assert result["device"] == slice_uid, "the thief's claim names the slice's device"
     assert f"ResourceClaim {thieves}/steal" in message and f"device gpu.cdmo.io/{NODE}/{slice_uid}" in message
     assert f"belongs to GpuSlice {NAMESPACE}/nb (uid {slice_uid})" in message, message
     assert core.read_namespaced_pod("thief", thieves).status.phase != "Running"
