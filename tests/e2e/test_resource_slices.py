@@ -239,10 +239,13 @@ def test_kubelet_plugin_prepares_specs_the_cdi_library_applies(operator: Operato
         assert {"NVIDIA_VISIBLE_DEVICES=void", f"CDMO_GPU_MEMORY_LIMIT={granted}", f"CDMO_SLICE={ns}/notebook",
                 "LD_PRELOAD=/usr/local/lib/cdmo/libgpuslice.so"} <= set(seen["env"])
         ledger = short_dir / plain.name / "ledgers" / notebook_uid  # made at prepare, beside the shim's directory
-        assert [(m["source"], m["destination"]) for m in seen["mounts"]] == \
-            [(str(short_dir / plain.name / "shim" / "libgpuslice.so"), "/usr/local/lib/cdmo/libgpuslice.so"),
-             (str(ledger), "/run/cdmo/ledger")]
-        assert "ro" in seen["mounts"][0]["options"] and "rw" in seen["mounts"][1]["options"]
+        # (the CDI library orders mounts by container path)
+        mounts = {m["destination"]: m for m in seen["mounts"]}
+        assert {d: m["source"] for d, m in mounts.items()} == {
+            "/usr/local/lib/cdmo/libgpuslice.so": str(short_dir / plain.name / "shim" / "libgpuslice.so"),
+            "/run/cdmo/ledger": str(ledger)}
+        assert "ro" in mounts["/usr/local/lib/cdmo/libgpuslice.so"]["options"]
+        assert "rw" in mounts["/run/cdmo/ledger"]["options"]
         assert ledger.is_dir()
 
         # SIGKILL the MIG node's agent; the restarted one still knows the prepared claim.

@@ -246,13 +246,16 @@ def test_a_tenant_with_edit_cannot_claim_another_namespaces_device_and_the_owner
             assert [r["uid"] for r in owner_claim["metadata"]["ownerReferences"]] == [owned["metadata"]["uid"]]
             [result] = owner_claim["status"]["allocation"]["devices"]["results"]
             assert (result["driver"], result["pool"], result["device"]) == (DRIVER, node.name, owned["metadata"]["uid"])
-        # team-b holds nothing of the class, and team-a's notebook claim is untouched and unallocated.
+        # team-b holds nothing of the class, and team-a's notebook claim is untouched: allocated (by the
+        # controller) to the notebook's own device on its own node and reserved for nobody.
         held = admin.list_namespaced_custom_object(*CLAIMS[:2], team_b, CLAIMS[2])["items"]
         assert [c["metadata"]["name"] for c in held] == ["mine"]
         assert not admin.list_namespaced_custom_object(*TEMPLATES[:2], team_b, TEMPLATES[2])["items"]
         notebook = _get(admin, team_a, "notebook")
         assert notebook["metadata"]["uid"] == victim_claim["metadata"]["uid"]
-        assert not (notebook.get("status") or {}).get("allocation")
+        [result] = notebook["status"]["allocation"]["devices"]["results"]
+        assert (result["driver"], result["pool"], result["device"]) == (DRIVER, node.name, victim["metadata"]["uid"])
+        assert not notebook["status"].get("reservedFor")
         assert victim["metadata"]["uid"] in notebook["spec"]["devices"]["requests"][0]["exactly"]["selectors"][0][
             "cel"]["expression"]
     finally:
