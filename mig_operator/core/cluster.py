@@ -441,6 +441,18 @@ class ClusterPlanner:
 
     # ---- inputs ---------------------------------------------------------------------------------
 
+    @property
+    def inventories(self) -> Mapping[str, NodeInventory]:
+        return self._inventories
+
+    @property
+    def bindings(self) -> Mapping[str, Binding]:
+        return self._bindings
+
+    def labels_of(self, node: str) -> tuple[bool, bool, bool]:
+        """The node's MIG, fraction-sharing and runtime-trust-accepted labels."""
+        return node in self._labelled, node in self._sharing, node in self._accepted
+
     def set_inventory(self, inventory: NodeInventory) -> None:
         self._inventories[inventory.node] = inventory
         self._update_block(inventory.node)

@@ -280,9 +280,9 @@ def _slice_body(uid: str, namespace: str, node: str) -> dict:
 
 
 def test_the_controller_state_feeds_namespaces_and_the_sharing_label() -> None:
-    from mig_operator.kube.controller.state import ClusterState
+    from books import BodyLedger
 
-    state = ClusterState()
+    state = BodyLedger()
     state.replace_all([_slice_body("x", "team-a", "a")], [_gpunode_body("a")], [])
     assert state.slices["x"].binding is not None and state.slices["x"].binding.namespace == "team-a"
     with pytest.raises(Refusal) as refused:

@@ -29,6 +29,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from mig_operator.core.device_check import ACCEPT, REFUSE, check_ready_device
+from mig_operator.core.ledger import Ledger, SliceRecord
 from mig_operator.core.lifecycle import SLICE_TRIES, slice_retry_delay
 from mig_operator.core.node_selection import constrains_nodes, has_required_terms, node_allowed, taints_tolerated
 from mig_operator.core.pod_admission import PodRefused, check_pod_devices
@@ -48,7 +49,6 @@ from ..common.names import (
     SLICE_KIND,
 )
 from .claims import SliceClaims
-from .state import ClusterState, SliceInfo
 
 log = logging.getLogger("mig_operator.controller.pods")
 HOSTNAME_LABEL = "kubernetes.io/hostname"
@@ -70,7 +70,7 @@ def slice_spec_for(annotations: Mapping[str, str]) -> dict[str, Any] | None:
     return dict(devices[0].spec) if devices else None
 
 
-def group_of(info: SliceInfo) -> str:
+def group_of(info: SliceRecord) -> str:
     """The pod group a slice belongs to: the pod's cdmo.io/gpu-slice label value."""
     return info.group or info.name
 
@@ -134,7 +134,7 @@ def _gated(pod: Mapping[str, Any]) -> bool:
 class PodSlices:
     """Keeps each annotated pod's GpuSlice and gate in step with its slice."""
 
-    def __init__(self, client: KubeClient, events: EventPoster, state: ClusterState, claims: SliceClaims) -> None:
+    def __init__(self, client: KubeClient, events: EventPoster, state: Ledger, claims: SliceClaims) -> None:
         self.client = client
         self.events = events
         self.state = state
@@ -290,7 +290,7 @@ class PodSlices:
                 await callback(made)  # the binder plans it now, not a watch event later
         return names
 
-    async def slice_changed(self, info: SliceInfo) -> None:
+    async def slice_changed(self, info: SliceRecord) -> None:
         """A slice changed: if a gated pod waits for it, move the pod on (or tell it why not). A pod
         with several devices moves on once every one of its slices is Ready, all on one node."""
         pod = self.pods.get((info.namespace, group_of(info)))
@@ -322,7 +322,7 @@ class PodSlices:
                 return
         await self._release_gate(pod, info)
 
-    def _slice_failed(self, pod: Mapping[str, Any], info: SliceInfo) -> None:
+    def _slice_failed(self, pod: Mapping[str, Any], info: SliceRecord) -> None:
         """A pod's slice Failed: a new slice of the same name after a back-off (core's
         ``slice_retry_delay``), an Event each time; after SLICE_TRIES the pod waits for its owner."""
         key = (info.namespace, info.name, group_of(info))
@@ -369,7 +369,7 @@ class PodSlices:
         finally:
             self._retries.pop(key, None)
 
-    async def _device_checked(self, pod: Mapping[str, Any], info: SliceInfo) -> bool:
+    async def _device_checked(self, pod: Mapping[str, Any], info: SliceRecord) -> bool:
         """Whether the Ready slice's device is on its node's GpuNode (core/device_check); if not yet, the
         pod is looked at again when that GpuNode changes; a wrong device is never handed on."""
         assert info.binding is not None
@@ -407,7 +407,7 @@ class PodSlices:
             return None
         return (await self.node_labels()).get(node, {}).get(HOSTNAME_LABEL)
 
-    async def _release_gate(self, pod: dict[str, Any], info: SliceInfo) -> None:
+    async def _release_gate(self, pod: dict[str, Any], info: SliceRecord) -> None:
         assert info.binding is not None
         meta = pod["metadata"]
         path = core_path("pods", info.namespace, meta["name"])

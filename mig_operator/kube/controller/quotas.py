@@ -66,7 +66,7 @@ class QuotaStatus:
                 await self._write(namespace)
 
     def status_of(self, namespace: str) -> dict:
-        used = self.binder.state.used(namespace)
+        used = self.binder.ledger.used(namespace)
         return {
             "used": {"memory": str(used.memory_bytes), "slices": used.slices},
             "waiting": self.binder.quota_waiting(namespace),
@@ -75,8 +75,8 @@ class QuotaStatus:
 
     def _publish(self, namespace: str) -> None:
         """The quota metrics: use for every namespace that holds slices or has a quota."""
-        used = self.binder.state.used(namespace)
-        quota = self.binder.state.quotas.get(namespace)
+        used = self.binder.ledger.used(namespace)
+        quota = self.binder.ledger.quotas.get(namespace)
         if quota is None and not used.slices:
             if namespace in self._shown:
                 self._shown.discard(namespace)
@@ -118,5 +118,5 @@ class QuotaStatus:
 
     async def resync(self) -> None:
         """After a full list: every namespace's status and metrics again (written only where changed)."""
-        for namespace in set(self._generations) | set(self.binder.state.usage) | self._shown:
+        for namespace in set(self._generations) | set(self.binder.ledger.usage) | self._shown:
             self.changed(namespace)
