@@ -1,27 +1,20 @@
 """The controller's books: one owner for what it knows and what it has decided.
 
-The ledger holds the slices (as ``SliceRecord``), the GpuNode inventories and the node labels that
-placement reads, the bindings (written in a slice's status, or reserved while that write is in
-flight), each namespace's GpuQuota and what its slices are charged, and the line of slices waiting
-for a binding. The planner's incremental index (``core.cluster.ClusterPlanner``) is its private
-part: the inventories, labels and held bindings live there and nowhere else.
+The slices (``SliceRecord``), the GpuNode inventories and node labels placement reads, the bindings
+(written in a slice's status, or reserved while that write is in flight), each namespace's GpuQuota
+and charges (``core.charges``) and the waiting line (``core.waiting_line``). The planner's index
+(``core.cluster.ClusterPlanner``) is its private part: inventories, labels and held bindings live
+there only. Its face: observe (``put_slice``, ``remove_slice``, ``put_inventory``,
+``remove_inventory``, ``set_node_labels``, ``put_quota``, ``remove_quota``, ``replace_all``);
+``decide(uid)`` for a slice's group (a slice alone is a group of one), quota admission included:
+bind (reserved), refuse (code, message, could it ever fit; the slices join the line) or skip; then
+``commit`` once the write is done or ``rollback`` once it failed (the books as before ``decide``).
 
-Its face, used by the controller's binder:
-
-- observe: ``put_slice`` / ``remove_slice``, ``put_inventory`` / ``remove_inventory``,
-  ``set_node_labels``, ``put_quota`` / ``remove_quota``, ``replace_all`` (a full list);
-- decide: ``decide(uid)`` plans a slice's group (a slice alone is a group of one), quota admission
-  included, and answers ``Decision`` bind (the bindings are reserved), refuse (code, message, whether
-  the room could ever fit it; the slices join the waiting line) or skip;
-- settle: ``commit`` once the binding write is done (its answer observed with ``put_slice``),
-  ``rollback`` once it failed (the books are as before ``decide``).
-
-Rules kept here: a slice being deleted holds its binding and its quota charge until it is gone (its
-agent releases it once its claim is free); a device an agent still holds for a slice gone is charged
-from that agent's GpuNode; a fraction GPU's occupancy counts what its agent holds
-(``core.cluster.fraction_granted``) and serves one namespace unless labelled (``core.tenancy``);
+Rules kept here: a slice being deleted holds its binding and charge until it is gone; a device an
+agent still holds for a slice gone is charged from its GpuNode; a fraction GPU's occupancy counts
+what its agent holds and serves one namespace unless labelled (``core.cluster``, ``core.tenancy``);
 an untrusted runtime takes nothing new unless accepted (``core.node_blocks``); ``quota_required``
-refuses namespaces without a GpuQuota (NoQuota). Pure and synchronous: no I/O, one caller at a time.
+refuses a namespace without a GpuQuota (NoQuota). Pure and synchronous: no I/O, one caller at a time.
 """
 
 from __future__ import annotations
@@ -31,9 +24,10 @@ from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from typing import Any, Literal
 
+from .charges import Charges
 from .cluster import NO_CAPACITY, Binding, ClusterPlanner, NodeInventory, Refusal
 from .planner import PlannerSettings
-from .quantities import MIB, QuantityError
+from .quantities import QuantityError
 from .quota import (
     NO_QUOTA,
     QUOTA_EXCEEDED,
@@ -41,12 +35,12 @@ from .quota import (
     Quota,
     Usage,
     admit,
-    agent_holdings,
     quota_from_spec,
     quota_missing,
     share,
 )
 from .request import SliceRequest
+from .waiting_line import WaitingLine
 
 
 @dataclass
@@ -123,17 +117,9 @@ class Ledger:
         self._reserved: dict[str, tuple[Binding, tuple[str, str] | None]] = {}
         self.quotas: dict[str, Quota] = {}
         self.quota_errors: dict[str, str] = {}  # namespace -> why its GpuQuota is ignored
-        self.usage: dict[str, Usage] = {}
-        self._charged: dict[str, tuple[str, int]] = {}  # uid -> (namespace, granted bytes)
-        self._gpu_bytes: dict[str, int] = {}  # node -> its GPUs' memory
-        self.cluster_bytes = 0
-        self._agent_held: dict[str, dict[str, tuple[str, int]]] = {}  # node -> uid -> (namespace, bytes)
-        # The waiting line: uid -> (namespace, refusal code).
-        self.waiting: dict[str, tuple[str, str]] = {}
-        self._waiting_by_namespace: dict[str, int] = {}
-        self._waiting_for_room = 0  # how many wait for GPU room (NoCapacity)
+        self._charges = Charges()
+        self.line = WaitingLine()
         self._writing: set[str] = set()  # decided, write not yet committed or rolled back
-        self._touched: set[str] = set()  # namespaces whose waiting slices changed, not yet drained
 
     # ---- reading -------------------------------------------------------------------------------
 
@@ -152,11 +138,19 @@ class Ledger:
         entry = self._reserved.get(uid)
         return entry[0] if entry is not None else None
 
+    @property
+    def usage(self) -> Mapping[str, Usage]:
+        return self._charges.usage
+
+    @property
+    def cluster_bytes(self) -> int:
+        return self._charges.cluster_bytes
+
     def used(self, namespace: str) -> Usage:
-        return self.usage.get(namespace, Usage())
+        return self._charges.usage.get(namespace, Usage())
 
     def charges(self) -> Mapping[str, tuple[str, int]]:
-        return self._charged
+        return self._charges.charged
 
     def share(self, namespace: str) -> Fraction:
         """The namespace's place in the fair order: the share of its quota (or of the cluster) it holds."""
@@ -190,41 +184,10 @@ class Ledger:
             out[key] = out.get(key, 0) + 1
         return out
 
-    # ---- the waiting line ----------------------------------------------------------------------
-
-    def in_line(self, namespace: str) -> bool:
-        """Whether a new slice of ``namespace`` must queue: slices wait for GPU room, or older slices
-        of its own namespace wait (for room or for its quota)."""
-        return self._waiting_for_room > 0 or namespace in self._waiting_by_namespace
-
-    def set_waiting(self, uid: str, entry: tuple[str, str] | None) -> None:
-        old = self.waiting.pop(uid, None)
-        if old is not None:
-            self._waiting_by_namespace[old[0]] -= 1
-            if not self._waiting_by_namespace[old[0]]:
-                del self._waiting_by_namespace[old[0]]
-            self._waiting_for_room -= old[1] == NO_CAPACITY
-        if entry is not None:
-            self.waiting[uid] = entry
-            self._waiting_by_namespace[entry[0]] = self._waiting_by_namespace.get(entry[0], 0) + 1
-            self._waiting_for_room += entry[1] == NO_CAPACITY
-        if old != entry:
-            self._touched.update(e[0] for e in (old, entry) if e is not None)
-
-    def drain_touched(self) -> set[str]:
-        """The namespaces whose waiting slices changed since the last call (their GpuQuota status)."""
-        touched, self._touched = self._touched, set()
-        return touched
-
-    def quota_waiting(self, namespace: str) -> int:
-        """Pending slices of ``namespace`` held back by its quota (status.waiting of its GpuQuota)."""
-        return sum(1 for ns, reason in self.waiting.values() if ns == namespace and reason == QUOTA_EXCEEDED)
-
-    def pending_by_reason(self) -> dict[str, int]:
-        counts: dict[str, int] = {}
-        for _ns, reason in self.waiting.values():
-            counts[reason] = counts.get(reason, 0) + 1
-        return counts
+    @property
+    def waiting(self) -> Mapping[str, tuple[str, str]]:
+        """The waiting line: uid -> (namespace, refusal code)."""
+        return self.line.waiting
 
     # ---- deciding ------------------------------------------------------------------------------
 
@@ -252,14 +215,14 @@ class Ledger:
         if decision.kind == "refuse":
             assert decision.refusal is not None
             for member in todo:
-                self.set_waiting(member.uid, (member.namespace, decision.refusal.code))
+                self.line.set(member.uid, (member.namespace, decision.refusal.code))
             if info.group is not None and refused is not None:
                 refused[key] = decision
         else:
             for member, binding in zip(todo, decision.bindings, strict=True):
                 self._reserved[member.uid] = (binding, self.waiting.get(member.uid))
                 self._writing.add(member.uid)
-                self.set_waiting(member.uid, None)
+                self.line.set(member.uid, None)
                 self._held(member.uid)
         return decision
 
@@ -334,7 +297,7 @@ class Ledger:
         entry = self._reserved.pop(uid, None)
         info = self.slices.get(uid)
         if entry is not None and (info is None or info.binding is None):
-            self.set_waiting(uid, entry[1])
+            self.line.set(uid, entry[1])
         self._held(uid)
 
     def _binding_of(self, info: SliceRecord) -> Binding:
@@ -359,20 +322,8 @@ class Ledger:
         if binding is not None and info is not None:
             charge = (info.namespace, binding.granted_bytes)
         elif info is None:
-            charge = next((held[uid] for held in self._agent_held.values() if uid in held), None)
-        old = self._charged.get(uid)
-        if old == charge:
-            return
-        if old is not None:
-            del self._charged[uid]
-            left = self.usage[old[0]].plus(-old[1], -1)
-            if left.slices:
-                self.usage[old[0]] = left
-            else:
-                del self.usage[old[0]]
-        if charge is not None:
-            self._charged[uid] = charge
-            self.usage[charge[0]] = self.usage.get(charge[0], Usage()).plus(charge[1])
+            charge = self._charges.agent_charge(uid)
+        self._charges.set(uid, charge)
 
     # ---- observing: quotas and labels ----------------------------------------------------------
 
@@ -432,7 +383,7 @@ class Ledger:
 
     def remove_slice(self, uid: str) -> SliceRecord | None:
         self._reserved.pop(uid, None)
-        self.set_waiting(uid, None)
+        self.line.set(uid, None)
         gone = self.slices.pop(uid, None)
         if gone is not None and self._names.get((gone.namespace, gone.name)) == uid:
             del self._names[(gone.namespace, gone.name)]
@@ -454,39 +405,22 @@ class Ledger:
     def put_inventory(self, inventory: NodeInventory) -> set[str]:
         """Take a GpuNode's inventory; returns the namespaces whose quota use changed."""
         self._index.set_inventory(inventory)
-        self._count_memory(inventory.node)
-        return self._agent_holds(inventory.node, agent_holdings(inventory))
+        return self._agent_holds(inventory.node, inventory)
 
     def remove_inventory(self, node: str) -> set[str]:
         self._index.remove_inventory(node)
-        self._count_memory(node)
-        return self._agent_holds(node, {})
+        return self._agent_holds(node, None)
 
-    def _agent_holds(self, node: str, held: dict[str, tuple[str, int]]) -> set[str]:
+    def _agent_holds(self, node: str, inventory: NodeInventory | None) -> set[str]:
         """Take what ``node``'s agent holds now; charges change only for slices the controller does not know."""
-        old = self._agent_held.get(node, {})
-        if held:
-            self._agent_held[node] = held
-        else:
-            self._agent_held.pop(node, None)
         changed: set[str] = set()
-        for uid in set(old) | set(held):
-            if uid in self.slices or old.get(uid) == held.get(uid):
+        for uid in self._charges.take_inventory(node, inventory):
+            if uid in self.slices:
                 continue
-            before = self._charged.get(uid)
+            before = self._charges.charged.get(uid)
             self._held(uid)
-            changed.update(c[0] for c in (before, self._charged.get(uid)) if c is not None)
+            changed.update(c[0] for c in (before, self._charges.charged.get(uid)) if c is not None)
         return changed
-
-    def _count_memory(self, node: str) -> None:
-        """Keep ``cluster_bytes``, every GPU's memory (the share of namespaces without a quota), current."""
-        inventory = self.inventories.get(node)
-        now = sum(g.memory_mib for g in inventory.gpus) * MIB if inventory is not None else 0
-        self.cluster_bytes += now - self._gpu_bytes.get(node, 0)
-        if now:
-            self._gpu_bytes[node] = now
-        else:
-            self._gpu_bytes.pop(node, None)
 
     def replace_all(self, slices: Iterable[SliceRecord], inventories: Iterable[NodeInventory],
                     labels: Mapping[str, NodeLabels]) -> None:
@@ -504,17 +438,12 @@ class Ledger:
                 self._groups.setdefault((s.namespace, s.group), set()).add(uid)
         self._reserved = {uid: r for uid, r in self._reserved.items() if uid in fresh}
         for uid in [uid for uid in self.waiting if uid not in fresh]:
-            self.set_waiting(uid, None)
+            self.line.set(uid, None)
         held = {uid: s.binding for uid, s in fresh.items() if s.binding is not None}
         held.update({uid: r[0] for uid, r in self._reserved.items()})
         inventories = list(inventories)
         self._index.reset(inventories, [n for n, f in labels.items() if f.mig], held.values(),
                           sharing=[n for n, f in labels.items() if f.sharing],
                           accepted=[n for n, f in labels.items() if f.accepted])
-        self._gpu_bytes, self.cluster_bytes = {}, 0
-        for inventory in inventories:
-            self._count_memory(inventory.node)
-        self._agent_held = {inv.node: h for inv in inventories if (h := agent_holdings(inv))}
-        self._charged, self.usage = {}, {}
-        for uid in {*self.slices, *(uid for h in self._agent_held.values() for uid in h)}:
+        for uid in {*self.slices, *self._charges.reset(inventories)}:
             self._held(uid)

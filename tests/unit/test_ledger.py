@@ -165,9 +165,9 @@ def test_a_rollback_puts_a_waiting_slice_back_in_line() -> None:
     ledger.put_inventory(INVENTORIES[0])
     ledger.put_quota(quota("team-a", "10Gi"))
     ledger.put_slice(record("x", "team-a", 2))  # 17Gi
-    assert ledger.decide("x").refusal.code == "QuotaExceeded" and ledger.in_line("team-a")
+    assert ledger.decide("x").refusal.code == "QuotaExceeded" and ledger.line.in_line("team-a")
     ledger.put_quota(quota("team-a", "40Gi"))
     before = books(ledger)
-    assert ledger.decide("x").kind == "bind" and ledger.writing("x") and not ledger.in_line("team-a")
+    assert ledger.decide("x").kind == "bind" and ledger.writing("x") and not ledger.line.in_line("team-a")
     ledger.rollback("x")
-    assert books(ledger) == before and ledger.in_line("team-a") and not ledger.writing("x")
+    assert books(ledger) == before and ledger.line.in_line("team-a") and not ledger.writing("x")

@@ -41,6 +41,7 @@ from ..common.events import EventPoster
 from ..common.faults import crashpoint
 from ..common.finalizers import remove_finalizer
 from ..common.names import AGENT_FINALIZER
+from ..common.workqueue import WorkQueue
 from .observe import PLACEMENT_LABELS, inventory, inventory_node, node_labels, slice_record
 
 log = logging.getLogger("mig_operator.controller")
@@ -67,19 +68,17 @@ def _created_s(created: str) -> float | None:
 
 class Binder:
     def __init__(self, client: KubeClient, events: EventPoster, planner: PlannerSettings | None = None,
-                 resync_s: float = 30.0, hold_s: float = DEFAULT_HOLD_S, quota_required: bool = False) -> None:
+                 resync_s: float = 30.0, hold_s: float = DEFAULT_HOLD_S, quota_required: bool = False,
+                 queue: WorkQueue | None = None) -> None:
         self.client = client
+        self.queue = queue or WorkQueue()  # shared with the controller's other parts
         self.events = events
         self.ledger = Ledger(planner, quota_required)
         self.resync_s = resync_s
         self.hold_s = hold_s
-        self._hold_ends: set[float] = set()  # when holds end (epoch seconds): a pass is due then
         self._lock = asyncio.Lock()  # one full list at a time
-        self._replan_task: asyncio.Task | None = None
-        self._replan_again = False
         self._last_resync = 0.0
         self._counted = 0.0
-        self._count_later: asyncio.TimerHandle | None = None
         self.on_resync: list[Callable[[], Awaitable[None]]] = []
         self.on_slice_changed: list[Callable[[SliceRecord], Awaitable[None]]] = []
         # Told the namespace whose quota use or waiting slices may have changed (the GpuQuota status).
@@ -125,7 +124,7 @@ class Binder:
         (standby) replica, which gets none, does nothing."""
         if time.monotonic() - self._last_resync > self.resync_s:
             self._last_resync = time.monotonic()
-            asyncio.get_running_loop().create_task(self._guard(self.resync()))
+            self.queue.add("resync", lambda: self._guard(self.resync()))
 
     async def _guard(self, work: object) -> None:
         try:
@@ -150,7 +149,7 @@ class Binder:
             return
         self._namespace_changed(info.namespace)
         if info.binding is not None or info.deleting or info.phase not in (None, "Pending"):
-            self.ledger.set_waiting(info.uid, None)
+            self.ledger.line.set(info.uid, None)
             self._announce()
         if info.deleting:
             # A bound slice keeps its room and its quota charge until it is gone: its agent releases
@@ -162,7 +161,7 @@ class Binder:
             await self._write(info, status.failed(info.body.get("status"), "InvalidSpec", info.invalid))
             self.events.post(info.body, "Warning", "InvalidSpec", info.invalid)
         elif info.binding is None and info.phase in (None, "Pending"):
-            if not self.ledger.in_line(info.namespace):
+            if not self.ledger.line.in_line(info.namespace):
                 await self.bind(info.uid)
             elif info.phase is None:
                 self.request_replan()  # slices wait: a new one joins the line rather than jump it
@@ -199,7 +198,7 @@ class Binder:
 
     def _announce(self) -> None:
         """Tell the namespaces whose waiting slices changed in the ledger."""
-        for namespace in sorted(self.ledger.drain_touched()):
+        for namespace in sorted(self.ledger.line.drain_touched()):
             self._namespace_changed(namespace)
 
     def _namespace_changed(self, namespace: str) -> None:
@@ -207,7 +206,7 @@ class Binder:
             callback(namespace)
 
     def quota_waiting(self, namespace: str) -> int:
-        return self.ledger.quota_waiting(namespace)
+        return self.ledger.line.quota_waiting(namespace)
 
     # ---- deciding and acting -------------------------------------------------------------------
 
@@ -336,7 +335,7 @@ class Binder:
                                unless=lambda fresh: binding_from_status(info.uid, fresh.get("status")) is not None)
 
     async def _refuse(self, info: SliceRecord, refusal: Refusal) -> None:
-        self.ledger.set_waiting(info.uid, (info.namespace, refusal.code))
+        self.ledger.line.set(info.uid, (info.namespace, refusal.code))
         self._announce()
         current = info.body.get("status") or {}
         if current.get("phase") != "Pending" or current.get("reason") != refusal.code or (
@@ -359,19 +358,9 @@ class Binder:
     # ---- planning again --------------------------------------------------------------------------
 
     def request_replan(self) -> None:
-        """Plan every Pending slice again soon, in fair order; requests while one runs make one more."""
-        if self._replan_task is not None and not self._replan_task.done():
-            self._replan_again = True
-            return
-        self._replan_task = asyncio.get_running_loop().create_task(self._replan())
-
-    async def _replan(self) -> None:
-        while True:
-            self._replan_again = False
-            await asyncio.sleep(0.05)  # let a burst of inventory updates land first
-            await self._serve_line()
-            if not self._replan_again:
-                return
+        """Plan every Pending slice again soon (a burst of inventory updates lands first), in fair order;
+        requests while a pass runs make one more."""
+        self.queue.add("replan", self._serve_line, 0.05)
 
     async def _serve_line(self) -> None:
         """One pass over the waiting slices in fair order (``core.quota.FairQueue``): the namespace with
@@ -406,16 +395,7 @@ class Binder:
 
     def _replan_when_hold_ends(self, until_s: float) -> None:
         """Nothing else may happen when a hold ends (no release, no new slice): plan again then."""
-        when = round(until_s, 1)
-        if when in self._hold_ends:
-            return
-        self._hold_ends.add(when)
-
-        def fire() -> None:
-            self._hold_ends.discard(when)
-            self.request_replan()
-
-        asyncio.get_running_loop().call_later(max(0.0, until_s - time.time()) + 0.1, fire)
+        self.queue.add(("hold-ends", round(until_s, 1)), self.request_replan, until_s - time.time() + 0.1)
 
     async def _hold(self, uid: str, head: SliceRecord, code: str, until_s: float) -> None:
         """Keep ``uid`` waiting behind ``head``, the older slice of its namespace that waits for room."""
@@ -437,18 +417,13 @@ class Binder:
         """Slices by phase and mode, for the metrics: at most once a second (it visits every slice),
         and once more a second after the last change, so the gauge ends current."""
         wait = 1.0 - (time.monotonic() - self._counted)
-        if wait > 0:
-            if self._count_later is None:
-                self._count_later = asyncio.get_running_loop().call_later(wait, self._publish_counts_now)
-            return
-        self._publish_counts_now()
+        self.queue.add("slice-counts", self._publish_counts_now, wait)
 
     def _publish_counts_now(self) -> None:
-        self._count_later = None
         self._counted = time.monotonic()
         metrics.SLICES.clear()
         for (phase, mode), count in self.ledger.counts().items():
             metrics.SLICES.labels(phase, mode).set(count)
         metrics.PENDING_SLICES.clear()
-        for reason, count in self.ledger.pending_by_reason().items():
+        for reason, count in self.ledger.line.by_reason().items():
             metrics.PENDING_SLICES.labels(reason).set(count)

@@ -36,6 +36,7 @@ from mig_operator.core.slice_claim import claim_body as slice_claim_body
 from ..common.client import ApiError, KubeClient, slice_path
 from ..common.events import EventPoster
 from ..common.names import API_VERSION, DRA_API, SLICE_KIND
+from ..common.workqueue import NodeWaits
 
 log = logging.getLogger("mig_operator.controller.claims")
 CLAIM_TAKEN = "ClaimNameTaken"
@@ -78,8 +79,8 @@ class SliceClaims:
         self.state = state
         self.written: dict[tuple[str, str], str] = {}  # (namespace, name) -> slice UID of the claim there
         self.allocated: dict[tuple[str, str], str] = {}  # likewise, once the controller allocated it
-        # Ready slices whose device their node's GpuNode did not list yet, by node: tried again when it changes.
-        self.waiting: dict[str, set[tuple[str, str]]] = {}
+        # Ready slices whose device their node's GpuNode did not list yet: tried again when it changes.
+        self.waiting = NodeWaits()
         # One write of a claim at a time: a slice's own watch event may come while the write its creation
         # started is under way, and a second create would only be refused (409), at kube-apiserver's cost.
         self._writing: dict[tuple[str, str], asyncio.Lock] = {}
@@ -88,7 +89,7 @@ class SliceClaims:
         await self.ensure(info)
 
     async def inventory_changed(self, node: str) -> None:
-        for key in sorted(self.waiting.pop(node, set())):
+        for key in self.waiting.take(node):
             info = self.state.slice_named(*key)
             if info is not None:
                 await self.ensure(info)
@@ -157,7 +158,7 @@ class SliceClaims:
     def _wait_for_device(self, info: SliceRecord, key: tuple[str, str]) -> None:
         """A Ready slice whose device its GpuNode does not list yet: looked at again when it changes."""
         if (info.body.get("status") or {}).get("phase") == "Ready" and info.binding is not None:
-            self.waiting.setdefault(info.binding.node, set()).add(key)
+            self.waiting.wait(info.binding.node, key)
 
     async def _create(self, info: SliceRecord) -> Mapping[str, Any] | None:
         """The slice's claim, created now or found (``_take_over``); None when it cannot be had yet."""

@@ -48,6 +48,7 @@ from ..common.names import (
     SCHEDULING_GATE,
     SLICE_KIND,
 )
+from ..common.workqueue import NodeWaits
 from .claims import SliceClaims
 
 log = logging.getLogger("mig_operator.controller.pods")
@@ -147,7 +148,7 @@ class PodSlices:
         self._node_labels_at = -float("inf")
         self._node_labels_lock = asyncio.Lock()
         # Pods whose Ready slice's device the node's GpuNode did not list (yet), by node.
-        self._device_waits: dict[str, set[tuple[str, str]]] = {}
+        self._device_waits = NodeWaits()
         self._device_wait_since: dict[str, float] = {}  # slice UID -> when its device was first not listed
         # Told each slice made, as the API returned it (its own watch event follows and is then old).
         self.on_created: list[Callable[[dict[str, Any]], Awaitable[None]]] = []
@@ -378,10 +379,10 @@ class PodSlices:
                                      self.state.inventories.get(node))
         key = (info.namespace, info.name)
         if verdict.action == ACCEPT:
-            self._device_waits.get(node, set()).discard(key)
+            self._device_waits.done(node, key)
             self._device_wait_since.pop(info.uid, None)
             return True
-        self._device_waits.setdefault(node, set()).add(key)
+        self._device_waits.wait(node, key)
         if verdict.action == REFUSE:
             log.warning("slice %s: device refused: %s", info.ref, verdict.message)
             self.events.post(pod, "Warning", verdict.reason,
@@ -396,7 +397,7 @@ class PodSlices:
 
     async def inventory_changed(self, node: str) -> None:
         """A GpuNode changed: look again at the pods whose slice's device it did not list."""
-        for key in sorted(self._device_waits.pop(node, set())):
+        for key in self._device_waits.take(node):
             info = self.state.slice_named(*key)
             if info is not None:
                 await self.slice_changed(info)
