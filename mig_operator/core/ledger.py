@@ -25,7 +25,8 @@ from fractions import Fraction
 from typing import Any, Literal
 
 from .charges import Charges
-from .cluster import NO_CAPACITY, Binding, ClusterPlanner, NodeInventory, Refusal
+from .cluster import NO_CAPACITY, Binding, NodeInventory, Refusal
+from .cluster_planner import ClusterPlanner
 from .planner import PlannerSettings
 from .quantities import QuantityError
 from .quota import (
@@ -301,9 +302,7 @@ class Ledger:
         self._held(uid)
 
     def _binding_of(self, info: SliceRecord) -> Binding:
-        binding = info.binding or self.reserved(info.uid)
-        assert binding is not None
-        return binding
+        return info.binding or self._reserved[info.uid][0]
 
     # ---- charges -------------------------------------------------------------------------------
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from mig_operator.core.cluster import NO_CAPACITY, ClusterPlanner, GpuState, NodeInventory, Refusal
+from mig_operator.core.cluster import NO_CAPACITY, GpuState, NodeInventory, Refusal
+from mig_operator.core.cluster_planner import ClusterPlanner
 from mig_operator.core.profiles import get_model
 from mig_operator.core.request import SliceRequest
 

@@ -7,6 +7,7 @@ import random
 from fractions import Fraction
 
 import pytest
+from cluster_reference import build_view, plan_binding
 
 from mig_operator.core.cluster import (
     NO_CAPACITY,
@@ -14,12 +15,10 @@ from mig_operator.core.cluster import (
     NO_SUCH_PROFILE,
     TOO_LARGE,
     Binding,
-    ClusterPlanner,
     Refusal,
-    build_view,
     inventory_from_status,
-    plan_binding,
 )
+from mig_operator.core.cluster_planner import ClusterPlanner
 from mig_operator.core.quantities import QuantityError
 from mig_operator.core.quota import (
     QUOTA_EXCEEDED,

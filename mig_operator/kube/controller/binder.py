@@ -279,7 +279,7 @@ class Binder:
         return [
             {"gpu": binding.gpu, "profile": i.profile, "start": i.start}
             for i in gpu.instances
-            if (((1 << i.size) - 1) << i.start) & binding.mask and not (
+            if i.mask & binding.mask and not (
                 i.start == binding.start and i.profile_id == binding.profile_id)
         ]
 

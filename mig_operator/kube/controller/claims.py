@@ -30,12 +30,19 @@ from typing import Any
 
 from mig_operator.core.device_check import ACCEPT, check_ready_device
 from mig_operator.core.ledger import Ledger, SliceRecord
-from mig_operator.core.slice_claim import DELETE_PROTECTION, ELSEWHERE, PINNED, allocation_patch, allocation_state
+from mig_operator.core.slice_claim import (
+    DELETE_PROTECTION,
+    ELSEWHERE,
+    PINNED,
+    allocation_patch,
+    allocation_state,
+    claim_path,
+)
 from mig_operator.core.slice_claim import claim_body as slice_claim_body
 
 from ..common.client import ApiError, KubeClient, slice_path
 from ..common.events import EventPoster
-from ..common.names import API_VERSION, DRA_API, SLICE_KIND
+from ..common.names import API_VERSION, SLICE_KIND
 from ..common.workqueue import NodeWaits
 
 log = logging.getLogger("mig_operator.controller.claims")
@@ -43,11 +50,6 @@ CLAIM_TAKEN = "ClaimNameTaken"
 ALLOCATED_ELSEWHERE = "ClaimAllocatedElsewhere"
 # How long an earlier slice's claim may take to go once deleted before the new one is written.
 STALE_CLAIM_WAIT_S = 30.0
-
-
-def claims_path(namespace: str, name: str | None = None) -> str:
-    base = f"/apis/{DRA_API}/namespaces/{namespace}/resourceclaims"
-    return f"{base}/{name}" if name else base
 
 
 def claim_body(namespace: str, name: str, slice_uid: str) -> dict[str, Any]:
@@ -163,7 +165,7 @@ class SliceClaims:
     async def _create(self, info: SliceRecord) -> Mapping[str, Any] | None:
         """The slice's claim, created now or found (``_take_over``); None when it cannot be had yet."""
         try:
-            return await self.client.create(claims_path(info.namespace),
+            return await self.client.create(claim_path(info.namespace),
                                             claim_body(info.namespace, info.name, info.uid))
         except ApiError as exc:
             if not exc.conflict:
@@ -175,7 +177,7 @@ class SliceClaims:
         when unknown); the claim once it is so allocated, else None."""
         assert info.binding is not None  # ready
         node = info.binding.node
-        path = claims_path(info.namespace, info.name)
+        path = claim_path(info.namespace, info.name)
         if claim is not None:
             state = allocation_state(claim, node, info.uid)
             if state == PINNED:
@@ -210,7 +212,7 @@ class SliceClaims:
         log.warning("slice %s: %s", info.ref, message)
         self.written.pop((info.namespace, info.name), None)
         try:
-            await self.client.delete(claims_path(info.namespace, info.name))
+            await self.client.delete(claim_path(info.namespace, info.name))
         except ApiError as exc:
             if not exc.not_found:
                 raise
@@ -219,7 +221,7 @@ class SliceClaims:
     async def _take_over(self, info: SliceRecord) -> Mapping[str, Any] | None:
         """A claim of the slice's name exists: this slice's is returned; an earlier slice's is deleted
         and this one's written once it is gone; a claim not the operator's is left alone (None)."""
-        existing = await self.client.get(claims_path(info.namespace, info.name))
+        existing = await self.client.get(claim_path(info.namespace, info.name))
         owner = slice_owner(existing)
         if owner == info.uid:
             return existing
@@ -229,7 +231,7 @@ class SliceClaims:
             self.events.post(info.body, "Warning", CLAIM_TAKEN, message)
             log.info("slice %s: %s", info.ref, message)
             return None
-        path = claims_path(info.namespace, info.name)
+        path = claim_path(info.namespace, info.name)
         if not (existing.get("metadata") or {}).get("deletionTimestamp"):
             try:
                 await self.client.delete(path)
@@ -245,7 +247,7 @@ class SliceClaims:
             except ApiError as exc:
                 if not exc.not_found:
                     raise
-                return await self.client.create(claims_path(info.namespace),
+                return await self.client.create(claim_path(info.namespace),
                                                 claim_body(info.namespace, info.name, info.uid))
             await asyncio.sleep(0.2)
         log.info("slice %s: the ResourceClaim of an earlier slice of its name is still in use", info.ref)

@@ -34,7 +34,7 @@ from mig_operator.core.lifecycle import SLICE_TRIES, slice_retry_delay
 from mig_operator.core.node_selection import constrains_nodes, has_required_terms, node_allowed, taints_tolerated
 from mig_operator.core.pod_admission import PodRefused, check_pod_devices
 from mig_operator.core.quantities import QuantityError
-from mig_operator.core.request_forms import device_slice_names, pod_devices
+from mig_operator.core.request_forms import device_slice_names
 
 from ..common.client import ApiError, KubeClient, core_path, slice_path, slices_path
 from ..common.events import EventPoster
@@ -62,13 +62,6 @@ SLICE_TRY_ANNOTATION = "cdmo.io/slice-try"
 # A Ready slice's device not yet on its GpuNode gets the pod an Event after this long (a new instance
 # waits for the GpuNode publish that follows its Ready, a tenth of a second: no Event for that).
 DEVICE_WAIT_EVENT_S = 2.0
-
-
-def slice_spec_for(annotations: Mapping[str, str]) -> dict[str, Any] | None:
-    """The GpuSlice spec a pod's annotations ask for (of its first device; already checked at
-    admission, checked again); None when they ask for none."""
-    devices = pod_devices(annotations)
-    return dict(devices[0].spec) if devices else None
 
 
 def group_of(info: SliceRecord) -> str:
