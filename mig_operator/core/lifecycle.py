@@ -184,10 +184,9 @@ def plan_mig(uid: str, binding: Binding, instances: Iterable[InstanceState], rec
     target: InstanceState | None = None
     victims: list[InstanceState] = []
     for inst in instances:
-        mask = ((1 << inst.size) - 1) << inst.start
         if inst.start == binding.start and inst.profile_id == binding.profile_id:
             target = inst
-        elif mask & binding.mask:
+        elif inst.mask & binding.mask:
             victims.append(inst)
     for inst in ([target] if target else []) + victims:
         owner = record.owner_of(binding.gpu, inst)

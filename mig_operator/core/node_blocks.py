@@ -4,8 +4,7 @@ A node is blocked when its GpuNode says another allocator hands its GPUs out too
 ``DevicePluginConflict`` condition, ``core.device_plugin``), or that its container runtime is not
 trusted (``RuntimeTrusted`` False, ``core.runtime_trust``) and no admin labelled it
 ``cdmo.io/runtime-trust=accepted``. A blocked node's GPUs are offered to no new slice; the slices
-bound there stay, and count. This is the one place both rules are applied, for ``build_view`` and
-``ClusterPlanner`` alike.
+bound there stay, and count. This is the one place both rules are applied (``ClusterPlanner``).
 
 Pure: the inputs are what the GpuNode's status and the Node's labels say.
 """

@@ -7,8 +7,8 @@ GPU that offers it (reuse an idle instance, create at a free placement, reclaim 
 ranked by ``PlacementOption.key``: first what it takes from the GPU's future capacity, then the tier
 (reuse, create, reclaim), then best fit, so whole GPUs stay free for large requests. Only when no
 GPU can take the smallest grant, even by reclaiming, is the next larger one tried
-(``PlannerSettings.allow_larger_profile``). Fractions (``choose_fraction``) are memory bin-packing on
-GPUs without MIG.
+(``PlannerSettings.allow_larger_profile``). Fractions (``core.fraction_planner``) are memory bin-packing
+on GPUs without MIG; refusals are worded by ``core.mig_refusals``.
 
 ``choose_mig`` is the rule written plainly, one pass over the GPUs: it is the reference that
 ``planning_index.PlanningIndex`` (the same decisions, at a cost independent of the number of GPUs)
@@ -18,16 +18,14 @@ is tested against. Slots are bit masks (bit i = memory slot i).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
+from .mig_refusals import model_order, no_room_reason, room_summary, too_large_reason
 from .profiles import GpuModel, Profile
-from .quantities import MIB, format_bytes, mib_ceil
-from .request import MIN_SLICE_BYTES, SliceRequest
-
-# What Kubernetes keeps of a status message; a refusal must fit in it on any number of GPUs.
-STATUS_MESSAGE_LIMIT = 4096
+from .quantities import mib_ceil
+from .request import SliceRequest
 
 
 class Unplaceable(Exception):
@@ -153,36 +151,6 @@ class MigDecision:
     size: int
     action: str  # "create" or "reuse"
     reclaim: tuple[Reclaim, ...] = ()
-
-
-@dataclass(frozen=True)
-class FractionGpu:
-    """A GPU shared by fractions: its memory and what slices were granted on it."""
-
-    node: str
-    index: int
-    memory_bytes: int
-    granted_bytes: int = 0
-    # Namespaces whose fractions it holds, and whether its node shares across namespaces (core.tenancy).
-    tenants: frozenset[str] = frozenset()
-    shared: bool = False
-
-    @property
-    def free_bytes(self) -> int:
-        return self.memory_bytes - self.granted_bytes
-
-    def may_take(self, namespace: str) -> bool:
-        """Whether a fraction of ``namespace`` may go here (core.tenancy): the node shares across
-        namespaces, or no other namespace holds the GPU."""
-        tenants = self.tenants
-        return not tenants or self.shared or (len(tenants) == 1 and namespace in tenants)
-
-
-@dataclass(frozen=True)
-class FractionDecision:
-    node: str
-    gpu: int
-    granted_bytes: int
 
 
 # --- profiles ---------------------------------------------------------------------------------
@@ -462,155 +430,7 @@ def choose_mig(
         if best is not None:
             _, gpu, profile, option = best
             return option_decision(gpu.node, gpu.index, gpu.model, profile, option)
-    raise Unplaceable(no_room_reason(request, levels, _room_summary(gpus)))
-
-
-def model_order(model: GpuModel) -> tuple:
-    """A fixed order of models, so decisions and messages never depend on the order GPUs arrive in."""
-    return (model.name, model.memory_slots, model.memory_mib, model.product)
+    raise Unplaceable(no_room_reason(request, levels, room_summary(gpus)))
 
 
 # --- refusals ---------------------------------------------------------------------------------
-
-
-@dataclass
-class RoomSummary:
-    """What a refusal says about the GPUs, in space independent of their number: per model, how
-    many GPUs have each count of slots in use, and the GPU with the most slots not in use."""
-
-    # (model name, its memory slots) -> {slots in use: GPU count}
-    by_model: dict[tuple[str, int], dict[int, int]] = field(default_factory=dict)
-    roomiest: tuple[int, str, int, int] | None = None  # (slots not in use, node, index, model's slots)
-
-    def count(self, model: GpuModel, used: int, gpus: int) -> None:
-        hist = self.by_model.setdefault((model.name, model.memory_slots), {})
-        hist[used] = hist.get(used, 0) + gpus
-
-
-def _room_summary(gpus: Iterable[MigGpu]) -> RoomSummary:
-    summary = RoomSummary()
-    best: tuple[int, str, int] | None = None
-    for gpu in gpus:
-        used = gpu.busy_mask.bit_count()
-        summary.count(gpu.model, used, 1)
-        slots = gpu.model.memory_slots
-        if slots > 0 and (best is None or (used - slots, gpu.node, gpu.index) < best):
-            best = (used - slots, gpu.node, gpu.index)
-            summary.roomiest = (slots - used, gpu.node, gpu.index, slots)
-    return summary
-
-
-# Enough to name every model a cluster plausibly mixes; more are counted, not named.
-_MODELS_SHOWN = 8
-_PROFILES_SHOWN = 12
-
-
-def _shown(items: list[str], limit: int) -> str:
-    if len(items) <= limit:
-        return ", ".join(items)
-    return ", ".join(items[:limit]) + f" and {len(items) - limit} more"
-
-
-def no_room_reason(request: SliceRequest, levels: tuple[GrantLevel, ...], summary: RoomSummary) -> str:
-    """Why no GPU can take the request: the profiles tried, and the GPUs summarised by model and by
-    slots in use (never one line per GPU: the message must fit a status on any cluster)."""
-    names = sorted({p.name for level in levels for _, p in level.options})
-    profiles = "" if request.profile is not None else f" (profiles {_shown(names, _PROFILES_SHOWN)})"
-    parts = []
-    for name, slots in sorted(summary.by_model)[:_MODELS_SHOWN]:
-        hist = summary.by_model[(name, slots)]
-        total = sum(hist.values())
-        if slots <= 0:
-            parts.append(f"{name}: {total} GPU(s) without MIG profiles")
-            continue
-        counts = ", ".join(f"{used}/{slots} slots in use on {n} GPU{'' if n == 1 else 's'}"
-                           for used, n in sorted(hist.items(), reverse=True))
-        parts.append(f"{name}: {total} GPU(s), {counts}")
-    if len(summary.by_model) > _MODELS_SHOWN:
-        parts.append(f"and {len(summary.by_model) - _MODELS_SHOWN} more models")
-    room = ""
-    if summary.roomiest is not None:
-        free, node, index, slots = summary.roomiest
-        room = f"; most room: {free}/{slots} slots not in use on {node + '/' if node else ''}gpu {index}"
-    reason = (
-        f"every GPU is held by slices in use: no room for {request.describe()}{profiles} "
-        f"even after reclaiming every idle instance ({'; '.join(parts)}){room}"
-    )
-    return _clip(reason)
-
-
-def too_large_reason(request: SliceRequest, models: Iterable[GpuModel]) -> str:
-    """Why no GPU model here has a profile for the request at all."""
-    models = sorted(set(models), key=model_order)
-    model_names = _shown(sorted({m.name for m in models}), _MODELS_SHOWN)
-    if request.profile is not None:
-        return _clip(f"profile {request.profile} does not exist with a legal placement on any GPU here "
-                     f"(models: {model_names})")
-    offered = [p for m in models for p in m.profiles if not p.media_extension and p.placements]
-    if not offered:
-        return _clip(f"no GPU here offers a MIG profile (models: {model_names})")
-    largest = max(offered, key=lambda p: (p.memory_mib, p.size))
-    if request.memory_bytes is not None:
-        asked = f"{request.describe()} ({mib_ceil(request.memory_bytes)} MiB)"
-    else:
-        asked = request.describe()
-    return _clip(f"{asked} is larger than any MIG profile of any GPU (largest: {largest.name}, "
-                 f"{largest.memory_mib} MiB)")
-
-
-def _clip(reason: str) -> str:
-    # The summaries are bounded already; this only guards a pathological profile or node name.
-    if len(reason) <= STATUS_MESSAGE_LIMIT:
-        return reason
-    return reason[: STATUS_MESSAGE_LIMIT - 3] + "..."
-
-
-# --- fractions --------------------------------------------------------------------------------
-
-
-def fraction_bytes(request: SliceRequest, gpu_memory_bytes: int) -> int:
-    """Bytes a fraction-mode request needs on a GPU of this size."""
-    if request.memory_bytes is not None:
-        return request.memory_bytes
-    if request.fraction is not None:
-        # Whole MiB, rounded down, so fraction 1.0 is exactly the GPU and 0.5 + 0.5 fit.
-        return int(request.fraction * gpu_memory_bytes) // MIB * MIB
-    raise Unplaceable(f"migProfile {request.profile} needs a MIG node; this node shares GPUs by fractions")
-
-
-def choose_fraction(request: SliceRequest, gpus: list[FractionGpu], namespace: str | None = None) -> FractionDecision:
-    """Memory bin-packing: the GPU with the least free memory that still fits (best fit); with
-    ``namespace``, among the GPUs it may take (``FractionGpu.may_take``).
-
-    A GPU on which a fraction's grant would be less than ``MIN_SLICE_BYTES`` (a small share of a small
-    GPU) is never chosen: the CUDA context alone would fill such a slice. Memory requests below it are
-    refused at admission (``slice_spec.check_floor``), not here, so ``plan`` traces may use any size.
-    """
-    if not gpus:
-        raise Unplaceable("no GPU is available for fractions")
-    best: tuple[tuple, FractionGpu, int] | None = None
-    large_enough = []
-    for gpu in gpus:
-        need = fraction_bytes(request, gpu.memory_bytes)
-        if request.fraction is not None and need < MIN_SLICE_BYTES:
-            continue
-        large_enough.append(gpu)
-        if need > gpu.free_bytes or (namespace is not None and gpu.tenants and not gpu.may_take(namespace)):
-            continue
-        key = (gpu.free_bytes - need, gpu.node, gpu.index)
-        if best is None or key < best[0]:
-            best = (key, gpu, need)
-    if best is None:
-        largest = max(gpus, key=lambda g: g.memory_bytes)
-        need = fraction_bytes(request, largest.memory_bytes)
-        if not large_enough:
-            raise Unplaceable(
-                f"{request.describe()} comes to {format_bytes(need)} even on the largest GPU "
-                f"({format_bytes(largest.memory_bytes)}), below the smallest slice, {format_bytes(MIN_SLICE_BYTES)}"
-            )
-        if need > largest.memory_bytes:
-            raise Unplaceable(
-                f"{request.describe()} is larger than any GPU (largest: {format_bytes(largest.memory_bytes)})"
-            )
-        raise Unplaceable(f"every GPU is held by slices in use: none has {format_bytes(need)} free")
-    return FractionDecision(best[1].node, best[1].index, best[2])

@@ -27,6 +27,7 @@ from collections import Counter
 from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass
 
+from .mig_refusals import RoomSummary, model_order, no_room_reason, too_large_reason
 from .planner import (
     InstanceSlot,
     MigDecision,
@@ -34,17 +35,13 @@ from .planner import (
     PlacementOption,
     PlannerSettings,
     Profile,
-    RoomSummary,
     Unplaceable,
     choose_mig,
     grant_levels,
     instances_after,
     instances_released,
-    model_order,
-    no_room_reason,
     option_decision,
     plan_on_gpu,
-    too_large_reason,
 )
 from .profiles import GpuModel
 from .request import SliceRequest

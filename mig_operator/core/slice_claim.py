@@ -30,6 +30,7 @@ from typing import Any
 from .cdi import DRIVER
 
 DRA_API = "resource.k8s.io/v1"
+RESOURCE_CLAIMS = "resourceclaims"
 DEVICE_CLASS = "gpuslice.cdmo.io"
 REQUEST_NAME = "gpu"
 # kube-scheduler's own finalizer on the claims it allocates (resource.k8s.io/v1 Finalizer).
@@ -39,6 +40,12 @@ DELETE_PROTECTION = "resource.kubernetes.io/delete-protection"
 UNALLOCATED = "unallocated"
 PINNED = "pinned"
 ELSEWHERE = "elsewhere"
+
+
+def claim_path(namespace: str, name: str | None = None) -> str:
+    """The API path of a namespace's ResourceClaims, or of one of them."""
+    base = f"/apis/{DRA_API}/namespaces/{namespace}/{RESOURCE_CLAIMS}"
+    return f"{base}/{name}" if name else base
 
 
 def node_pool(node: str) -> str:

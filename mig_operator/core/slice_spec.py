@@ -160,16 +160,6 @@ def request_from_annotations(annotations: Mapping[str, str] | None) -> SliceRequ
         raise QuantityError(f"annotation {key}: {error}") from error
 
 
-def check_request_unchanged(old_spec: Mapping[str, Any], new_spec: Mapping[str, Any]) -> None:
-    """Refuse an update that changes the request (the CRD's transition rules, ``self == oldSelf``)."""
-    for name in IMMUTABLE_FIELDS:
-        if (name in old_spec) != (name in new_spec) or old_spec.get(name) != new_spec.get(name):
-            raise RequestError(
-                f"spec.{name} cannot change after creation (was {clip_repr(old_spec.get(name))}, "
-                f"now {clip_repr(new_spec.get(name))}); delete the GpuSlice and create a new one"
-            )
-
-
 def check_node_name(value: object) -> str:
     """A Node's name as spec.nodeName may give it: a lower-case DNS subdomain of at most 253 characters."""
     if not isinstance(value, str):

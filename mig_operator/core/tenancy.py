@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from .planner import FractionGpu
+from .fraction_planner import FractionGpu
 from .quantities import format_bytes
 from .request import SliceRequest
 

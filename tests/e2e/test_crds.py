@@ -20,9 +20,10 @@ from typing import Any
 import kubernetes
 import pytest
 import yaml
+from slice_spec_reference import check_request_unchanged
 
 from mig_operator.core.quantities import QuantityError
-from mig_operator.core.slice_spec import check_request_unchanged, request_from_spec
+from mig_operator.core.slice_spec import request_from_spec
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CRD_FILES = [REPO_ROOT / "crds" / "gpuslice.yaml", REPO_ROOT / "crds" / "gpunode.yaml"]

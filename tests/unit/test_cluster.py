@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 
 import pytest
+from cluster_reference import build_view, plan_binding
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -29,11 +30,9 @@ from mig_operator.core.cluster import (
     NodeInventory,
     Refusal,
     binding_from_status,
-    build_view,
     gpu_role,
     inventory_from_status,
     model_of,
-    plan_binding,
 )
 from mig_operator.core.lifecycle import COMPLETED, OwnerEntry, OwnerRecord
 from mig_operator.core.profiles import CATALOG, Profile, get_model

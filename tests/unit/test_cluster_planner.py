@@ -4,20 +4,12 @@ sharing, runtime trust accepted), bindings of several namespaces and releases.""
 
 from __future__ import annotations
 
+from cluster_reference import build_view, plan_binding
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from mig_operator.core.cluster import (
-    MODE_MIG,
-    Binding,
-    ClusterPlanner,
-    GpuState,
-    InstanceState,
-    NodeInventory,
-    Refusal,
-    build_view,
-    plan_binding,
-)
+from mig_operator.core.cluster import MODE_MIG, Binding, GpuState, InstanceState, NodeInventory, Refusal
+from mig_operator.core.cluster_planner import ClusterPlanner
 from mig_operator.core.profiles import get_model
 from mig_operator.core.request import slice_request
 

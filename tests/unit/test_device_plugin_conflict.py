@@ -9,6 +9,7 @@ placements, in plan_binding and in ClusterPlanner alike.
 from __future__ import annotations
 
 import pytest
+from cluster_reference import build_view, plan_binding
 
 from mig_operator.core.cluster import (
     DEVICE_PLUGIN_CONFLICT,
@@ -18,14 +19,12 @@ from mig_operator.core.cluster import (
     NO_CAPACITY,
     NO_GPU,
     Binding,
-    ClusterPlanner,
     GpuState,
     NodeInventory,
     Refusal,
-    build_view,
     inventory_from_status,
-    plan_binding,
 )
+from mig_operator.core.cluster_planner import ClusterPlanner
 from mig_operator.core.device_plugin import (
     CONDITION_TYPE,
     GPU_OPERATOR_PLUGIN_LABEL,

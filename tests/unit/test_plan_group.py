@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from mig_operator.core.cluster import NO_CAPACITY, ClusterPlanner, GpuState, NodeInventory, Refusal
+from mig_operator.core.cluster import NO_CAPACITY, GpuState, NodeInventory, Refusal
+from mig_operator.core.cluster_planner import ClusterPlanner
 from mig_operator.core.profiles import get_model
 from mig_operator.core.request import SliceRequest
 
@@ -85,19 +86,20 @@ def test_a_request_no_gpu_can_take_is_refused_with_its_own_reason() -> None:
 def test_a_group_gathers_only_its_own_namespaces_slices() -> None:
     """The group annotations are a tenant's to write on slices it makes by hand: another namespace's
     slices of the same group name never join its group (nor are bound, held or given back with it)."""
-    from mig_operator.kube.controller.state import ClusterState
+    from mig_operator.core.ledger import Ledger
+    from mig_operator.kube.controller.observe import slice_record
 
     def body(ns: str, name: str, size: str = "2") -> dict:
         return {"metadata": {"uid": f"{ns}-{name}", "namespace": ns, "name": name, "resourceVersion": "1",
                              "annotations": {"cdmo.io/group": "job", "cdmo.io/group-size": size}},
                 "spec": {"migProfile": "1g.10gb"}}
 
-    state = ClusterState()
+    state = Ledger()
     for ns, name in (("a", "job-0"), ("a", "job-1"), ("b", "job-0")):
-        state.put_slice(body(ns, name))
+        state.put_slice(slice_record(body(ns, name)))
     mine = state.group_members(state.slices["a-job-0"])
     assert [m.uid for m in mine] == ["a-job-0", "a-job-1"]
     assert [m.uid for m in state.group_members(state.slices["b-job-0"])] == ["b-job-0"]
     # A size outside 2 to 16 is no group: the slice is planned on its own.
-    state.put_slice(body("c", "alone", "99"))
+    state.put_slice(slice_record(body("c", "alone", "99")))
     assert state.slices["c-alone"].group is None

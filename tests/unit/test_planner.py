@@ -5,16 +5,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mig_operator.core.fraction_planner import FractionGpu, choose_fraction
+from mig_operator.core.mig_refusals import STATUS_MESSAGE_LIMIT
 from mig_operator.core.planner import (
-    STATUS_MESSAGE_LIMIT,
-    FractionGpu,
     InstanceSlot,
     MigGpu,
     PlannerSettings,
     Unplaceable,
     candidate_profiles,
     capacity_score,
-    choose_fraction,
     choose_mig,
     choose_placement,
 )

@@ -12,21 +12,15 @@ import re
 
 import jsonpatch
 import pytest
+from books import BodyLedger
+from cluster_reference import build_view, plan_binding
 from cryptography import x509
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pod_reference import slice_spec_for
 
-from mig_operator.core.cluster import (
-    MODE_FRACTION,
-    MODE_MIG,
-    Binding,
-    ClusterPlanner,
-    GpuState,
-    NodeInventory,
-    Refusal,
-    build_view,
-    plan_binding,
-)
+from mig_operator.core.cluster import MODE_FRACTION, MODE_MIG, Binding, GpuState, NodeInventory, Refusal
+from mig_operator.core.cluster_planner import ClusterPlanner
 from mig_operator.core.environment import SHIM_PATH_IN_CONTAINER, gpu_mem_limit_gb, slice_environment
 from mig_operator.core.node_selection import constrains_nodes, node_allowed
 from mig_operator.core.pod_admission import PodRefused, check_pod
@@ -34,8 +28,8 @@ from mig_operator.core.profiles import get_model
 from mig_operator.core.quantities import QuantityError
 from mig_operator.core.request import slice_request
 from mig_operator.kube.controller.claims import SliceClaims
-from mig_operator.kube.controller.pods import PodSlices, owned_by, slice_spec_for, ungate_ops
-from mig_operator.kube.controller.state import ClusterState, slice_info
+from mig_operator.kube.controller.observe import slice_record as slice_info
+from mig_operator.kube.controller.pods import PodSlices, owned_by, ungate_ops
 from mig_operator.kube.webhook.admission import mutate_pod, slice_name_for
 from mig_operator.kube.webhook.certs import make_certificate
 from mig_operator.kube.webhook.server import MATCH_EXPRESSION, WebhookOptions, webhook_configuration
@@ -567,7 +561,7 @@ def _slice_body(owner_uid: str, phase: str = "Ready") -> dict:
 
 
 def _pod_slices(owner_uid: str) -> tuple[PodSlices, _Client, _Events]:
-    state = ClusterState()
+    state = BodyLedger()
     state.put_slice(_slice_body(owner_uid))
     # Node n's GpuNode lists the slice's device, so the controller's device check accepts it.
     state.put_inventory({"metadata": {"name": "n"}, "spec": {"nodeName": "n"},

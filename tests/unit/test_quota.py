@@ -7,6 +7,7 @@ import random
 from fractions import Fraction
 
 import pytest
+from cluster_reference import build_view, plan_binding
 
 from mig_operator.core.cluster import (
     NO_CAPACITY,
@@ -14,12 +15,10 @@ from mig_operator.core.cluster import (
     NO_SUCH_PROFILE,
     TOO_LARGE,
     Binding,
-    ClusterPlanner,
     Refusal,
-    build_view,
     inventory_from_status,
-    plan_binding,
 )
+from mig_operator.core.cluster_planner import ClusterPlanner
 from mig_operator.core.quantities import QuantityError
 from mig_operator.core.quota import (
     QUOTA_EXCEEDED,
@@ -278,7 +277,7 @@ def test_fair_order_matches_a_brute_force_simulation() -> None:
         assert got == expected
 
 
-# ---- the controller's bookkeeping (kube/controller/state.py) ------------------------------------
+# ---- the controller's bookkeeping (core/ledger.py) ------------------------------------
 
 def slice_body(uid: str, ns: str, phase: str | None, granted: int = 0, deleting: bool = False,
                version: int = 1) -> dict:
@@ -293,9 +292,9 @@ def slice_body(uid: str, ns: str, phase: str | None, granted: int = 0, deleting:
 
 
 def test_the_controller_counts_grants_from_bound_on_until_the_slice_is_gone() -> None:
-    from mig_operator.kube.controller.state import ClusterState
+    from books import BodyLedger
 
-    state = ClusterState()
+    state = BodyLedger()
     state.put_slice(slice_body("p", "a", "Pending"))
     state.put_slice(slice_body("f", "a", "Failed"))
     for uid, phase in (("b", "Bound"), ("c", "Creating"), ("r", "Ready")):
@@ -322,9 +321,9 @@ def test_the_controller_counts_grants_from_bound_on_until_the_slice_is_gone() ->
 
 
 def test_the_controller_takes_only_the_quota_named_quota_and_a_valid_spec() -> None:
-    from mig_operator.kube.controller.state import ClusterState
+    from books import BodyLedger
 
-    state = ClusterState()
+    state = BodyLedger()
     assert state.put_quota({"metadata": {"namespace": "a", "name": "quota"}, "spec": {"memory": "40Gi"}})
     assert not state.put_quota({"metadata": {"namespace": "a", "name": "other"}, "spec": {"memory": "1Gi"}})
     assert state.quotas["a"] == Quota("a", 40 * GIB)
@@ -338,13 +337,13 @@ def test_the_controller_takes_only_the_quota_named_quota_and_a_valid_spec() -> N
 
 
 def test_a_namespace_without_a_quota_is_ranked_by_its_share_of_every_gpu() -> None:
-    from mig_operator.kube.controller.state import ClusterState
+    from books import BodyLedger
 
     def gpunode(name: str, *mib: int) -> dict:
         gpus = [{"index": i, "uuid": f"GPU-{name}-{i}", "memoryMiB": m} for i, m in enumerate(mib)]
         return {"metadata": {"name": name}, "spec": {"nodeName": name}, "status": {"gpus": gpus}}
 
-    state = ClusterState()
+    state = BodyLedger()
     state.put_inventory(gpunode("n1", 81559, 81559))
     state.put_inventory(gpunode("n2", 23034))
     assert state.cluster_bytes == (2 * 81559 + 23034) * MIB
@@ -400,9 +399,9 @@ def test_what_an_agent_holds_by_slice(what: str, fractions: list, instances: lis
 def test_a_device_an_agent_holds_for_a_slice_that_is_gone_stays_charged() -> None:
     """Its finalizer removed by hand while its claim is prepared: the slice is gone, its agent still holds
     its device (the GpuNode says so), and its namespace is charged for it until the agent lets it go."""
-    from mig_operator.kube.controller.state import ClusterState
+    from books import BodyLedger
 
-    state = ClusterState()
+    state = BodyLedger()
     state.put_slice(slice_body("u1", "a", "Ready", granted=5 * GIB))
     assert state.put_inventory(gpunode_holding("n1", [("u1", "a/u1", 5 * GIB)])) == set()  # its own charge
     assert state.used("a") == Usage(5 * GIB, 1)

@@ -8,6 +8,7 @@ And "no quota, no GPU" (core.quota.quota_missing), the rule the binder applies b
 from __future__ import annotations
 
 import pytest
+from cluster_reference import build_view, plan_binding
 
 from mig_operator.core.cluster import (
     DEVICE_PLUGIN_CONFLICT,
@@ -16,13 +17,11 @@ from mig_operator.core.cluster import (
     NO_CAPACITY,
     RUNTIME_UNTRUSTED,
     Binding,
-    ClusterPlanner,
     NodeInventory,
     Refusal,
-    build_view,
     inventory_from_status,
-    plan_binding,
 )
+from mig_operator.core.cluster_planner import ClusterPlanner
 from mig_operator.core.profiles import get_model
 from mig_operator.core.quota import NO_QUOTA, QUOTA_NAME, Quota, quota_missing
 from mig_operator.core.request import slice_request

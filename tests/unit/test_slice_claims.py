@@ -8,11 +8,11 @@ import asyncio
 from typing import Any
 
 import pytest
+from books import BodyLedger
 
 from mig_operator.kube.common.client import ApiError
 from mig_operator.kube.controller import claims as claims_module
 from mig_operator.kube.controller.claims import SliceClaims, claim_body, slice_owner
-from mig_operator.kube.controller.state import ClusterState
 
 UID = "0b9e6a8c-2f43-4d7a-9c1e-5a6b7c8d9e0f"
 CLAIMS = "/apis/resource.k8s.io/v1/namespaces/ns/resourceclaims"
@@ -109,8 +109,8 @@ def _slice(phase: str = "Ready", device: str = "GPU-1") -> dict:
 
 
 def _claims(client: _Client, phase: str = "Ready", inventory: bool = True,
-            device: str = "GPU-1") -> tuple[SliceClaims, ClusterState, _Events]:
-    state = ClusterState()
+            device: str = "GPU-1") -> tuple[SliceClaims, BodyLedger, _Events]:
+    state = BodyLedger()
     state.put_slice(_slice(phase, device))
     if inventory:
         state.put_inventory({"metadata": {"name": "n"}, "spec": {"nodeName": "n"},
@@ -210,7 +210,7 @@ def test_an_earlier_slices_claim_is_deleted_and_this_ones_written_once_it_is_gon
     assert slice_owner(client.existing) == UID
 
 
-def _pods_slice(state: ClusterState, phase: str) -> None:
+def _pods_slice(state: BodyLedger, phase: str) -> None:
     body = _slice(phase)
     body["metadata"]["ownerReferences"] = [{"apiVersion": "v1", "kind": "Pod", "name": "p", "uid": "pod-uid"}]
     state.put_slice(body)

@@ -7,17 +7,10 @@ rounded down to a whole MiB" and the 1 GiB floor, not taken from the code under 
 from __future__ import annotations
 
 import pytest
+from cluster_reference import build_view, plan_binding
 
-from mig_operator.core.cluster import (
-    MODE_FRACTION,
-    Binding,
-    ClusterPlanner,
-    GpuState,
-    NodeInventory,
-    Refusal,
-    build_view,
-    plan_binding,
-)
+from mig_operator.core.cluster import MODE_FRACTION, Binding, GpuState, NodeInventory, Refusal
+from mig_operator.core.cluster_planner import ClusterPlanner
 from mig_operator.core.request import SliceRequest, slice_request
 
 MIB = 2**20

@@ -8,6 +8,7 @@ import pytest
 import yaml
 from hypothesis import given
 from hypothesis import strategies as st
+from slice_spec_reference import check_request_unchanged
 
 from mig_operator.core.quantities import MAX_BYTES, QuantityError
 from mig_operator.core.request import MIN_FRACTION, MIN_SLICE_BYTES, RequestError, SliceRequest
@@ -16,7 +17,6 @@ from mig_operator.core.slice_spec import (
     ANNOTATION_MEMORY,
     ANNOTATION_PROFILE,
     check_node_name,
-    check_request_unchanged,
     request_from_annotations,
     request_from_spec,
 )

@@ -12,15 +12,10 @@ from typing import Any
 
 import kopf
 import pytest
+from cluster_reference import build_view, plan_binding
 
-from mig_operator.core.cluster import (
-    ClusterPlanner,
-    GpuState,
-    NodeInventory,
-    Refusal,
-    build_view,
-    plan_binding,
-)
+from mig_operator.core.cluster import GpuState, NodeInventory, Refusal
+from mig_operator.core.cluster_planner import ClusterPlanner
 from mig_operator.core.lifecycle import COMPLETED, OwnerEntry, OwnerRecord
 from mig_operator.core.profiles import get_model
 from mig_operator.core.request import slice_request

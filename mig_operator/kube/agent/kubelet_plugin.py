@@ -51,6 +51,7 @@ from mig_operator.core.cdi import (
 from mig_operator.core.claim_owner import claim_refusal
 from mig_operator.core.cluster import MODE_FRACTION, MODE_MIG
 from mig_operator.core.lifecycle import OwnerEntry
+from mig_operator.core.slice_claim import claim_path as resource_claim_path
 from mig_operator.gpu.device_files import DeviceFileError, device_nodes
 
 from ..common.client import ApiError, KubeClient
@@ -60,7 +61,6 @@ from .kubeletapi import dra_v1_pb2_grpc as dra_grpc
 from .kubeletapi import pluginregistration_v1_pb2 as reg
 from .kubeletapi import pluginregistration_v1_pb2_grpc as reg_grpc
 from .record import PreparedClaim, RecordStore
-from .resource_slice import resource_claim_path
 
 log = logging.getLogger("mig_operator.agent.kubelet")
 

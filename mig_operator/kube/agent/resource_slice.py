@@ -25,14 +25,14 @@ from kubernetes.utils import parse_quantity
 from mig_operator.core.cdi import DRIVER
 from mig_operator.core.cluster import MODE_MIG
 from mig_operator.core.lifecycle import OwnerEntry
+from mig_operator.core.slice_claim import DRA_API as RESOURCE_API
+from mig_operator.core.slice_claim import claim_path as resource_claim_path  # noqa: F401 (imported from here)
 
 from ..common.client import ApiError, KubeClient
 
 log = logging.getLogger("mig_operator.agent")
 
-RESOURCE_API = "resource.k8s.io/v1"
 RESOURCE_SLICES_PATH = f"/apis/{RESOURCE_API}/resourceslices"
-RESOURCE_CLAIMS = "resourceclaims"
 MAX_DEVICES = 128  # resource.k8s.io/v1 ResourceSliceMaxDevices
 MAX_ATTRIBUTE_STRING = 64  # resource.k8s.io/v1 DeviceAttributeMaxValueLength
 
@@ -49,10 +49,6 @@ def resource_slice_path(node: str, index: int = 0) -> str:
 def resource_slices_of_node(node: str) -> str:
     """The field selector of a node's ResourceSlices (every driver's: the caller keeps its own)."""
     return f"spec.nodeName={node}"
-
-
-def resource_claim_path(namespace: str, name: str) -> str:
-    return f"/apis/{RESOURCE_API}/namespaces/{namespace}/{RESOURCE_CLAIMS}/{name}"
 
 
 @dataclass(frozen=True)

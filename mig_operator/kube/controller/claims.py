@@ -29,24 +29,27 @@ from collections.abc import Mapping
 from typing import Any
 
 from mig_operator.core.device_check import ACCEPT, check_ready_device
-from mig_operator.core.slice_claim import DELETE_PROTECTION, ELSEWHERE, PINNED, allocation_patch, allocation_state
+from mig_operator.core.ledger import Ledger, SliceRecord
+from mig_operator.core.slice_claim import (
+    DELETE_PROTECTION,
+    ELSEWHERE,
+    PINNED,
+    allocation_patch,
+    allocation_state,
+    claim_path,
+)
 from mig_operator.core.slice_claim import claim_body as slice_claim_body
 
 from ..common.client import ApiError, KubeClient, slice_path
 from ..common.events import EventPoster
-from ..common.names import API_VERSION, DRA_API, SLICE_KIND
-from .state import ClusterState, SliceInfo
+from ..common.names import API_VERSION, SLICE_KIND
+from ..common.workqueue import NodeWaits
 
 log = logging.getLogger("mig_operator.controller.claims")
 CLAIM_TAKEN = "ClaimNameTaken"
 ALLOCATED_ELSEWHERE = "ClaimAllocatedElsewhere"
 # How long an earlier slice's claim may take to go once deleted before the new one is written.
 STALE_CLAIM_WAIT_S = 30.0
-
-
-def claims_path(namespace: str, name: str | None = None) -> str:
-    base = f"/apis/{DRA_API}/namespaces/{namespace}/resourceclaims"
-    return f"{base}/{name}" if name else base
 
 
 def claim_body(namespace: str, name: str, slice_uid: str) -> dict[str, Any]:
@@ -63,7 +66,7 @@ def slice_owner(claim: Mapping[str, Any]) -> str | None:
     return None
 
 
-def early(info: SliceInfo) -> bool:
+def early(info: SliceRecord) -> bool:
     """Whether the slice's claim is written before it is Ready: a pod's slice (see the module's doc)."""
     refs = (info.body.get("metadata") or {}).get("ownerReferences") or []
     return not info.deleting and any(ref.get("kind") == "Pod" and ref.get("apiVersion") == "v1" for ref in refs)
@@ -72,23 +75,23 @@ def early(info: SliceInfo) -> bool:
 class SliceClaims:
     """Writes and allocates the ResourceClaim of every Ready slice whose device its node's GpuNode lists."""
 
-    def __init__(self, client: KubeClient, events: EventPoster, state: ClusterState) -> None:
+    def __init__(self, client: KubeClient, events: EventPoster, state: Ledger) -> None:
         self.client = client
         self.events = events
         self.state = state
         self.written: dict[tuple[str, str], str] = {}  # (namespace, name) -> slice UID of the claim there
         self.allocated: dict[tuple[str, str], str] = {}  # likewise, once the controller allocated it
-        # Ready slices whose device their node's GpuNode did not list yet, by node: tried again when it changes.
-        self.waiting: dict[str, set[tuple[str, str]]] = {}
+        # Ready slices whose device their node's GpuNode did not list yet: tried again when it changes.
+        self.waiting = NodeWaits()
         # One write of a claim at a time: a slice's own watch event may come while the write its creation
         # started is under way, and a second create would only be refused (409), at kube-apiserver's cost.
         self._writing: dict[tuple[str, str], asyncio.Lock] = {}
 
-    async def slice_changed(self, info: SliceInfo) -> None:
+    async def slice_changed(self, info: SliceRecord) -> None:
         await self.ensure(info)
 
     async def inventory_changed(self, node: str) -> None:
-        for key in sorted(self.waiting.pop(node, set())):
+        for key in self.waiting.take(node):
             info = self.state.slice_named(*key)
             if info is not None:
                 await self.ensure(info)
@@ -103,7 +106,7 @@ class SliceClaims:
             except ApiError as exc:
                 log.warning("slice %s: its ResourceClaim: %s", info.ref, exc)
 
-    def ready(self, info: SliceInfo) -> bool:
+    def ready(self, info: SliceRecord) -> bool:
         """Whether ``info`` is Ready, not being deleted, and its device checked against its GpuNode."""
         st = info.body.get("status") or {}
         if st.get("phase") != "Ready" or info.binding is None or info.deleting:
@@ -112,7 +115,7 @@ class SliceClaims:
                                      self.state.inventories.get(info.binding.node))
         return verdict.action == ACCEPT
 
-    async def ensure(self, info: SliceInfo) -> bool:
+    async def ensure(self, info: SliceRecord) -> bool:
         """Write the claim of a ready slice (``ready``), or of a pod's slice (``early``), when it is not
         there yet, and allocate it once the slice is ready; True when the slice's claim is allocated
         and the slice is ready."""
@@ -127,7 +130,7 @@ class SliceClaims:
             if not lock.locked() and self._writing.get(key) is lock:
                 del self._writing[key]
 
-    async def _ensure(self, info: SliceInfo, key: tuple[str, str]) -> bool:
+    async def _ensure(self, info: SliceRecord, key: tuple[str, str]) -> bool:
         ready = self.ready(info)
         if self.allocated.get(key) == info.uid:
             return ready
@@ -154,27 +157,27 @@ class SliceClaims:
         await self._record(info)  # an early claim: the agent names it in its Ready write
         return True
 
-    def _wait_for_device(self, info: SliceInfo, key: tuple[str, str]) -> None:
+    def _wait_for_device(self, info: SliceRecord, key: tuple[str, str]) -> None:
         """A Ready slice whose device its GpuNode does not list yet: looked at again when it changes."""
         if (info.body.get("status") or {}).get("phase") == "Ready" and info.binding is not None:
-            self.waiting.setdefault(info.binding.node, set()).add(key)
+            self.waiting.wait(info.binding.node, key)
 
-    async def _create(self, info: SliceInfo) -> Mapping[str, Any] | None:
+    async def _create(self, info: SliceRecord) -> Mapping[str, Any] | None:
         """The slice's claim, created now or found (``_take_over``); None when it cannot be had yet."""
         try:
-            return await self.client.create(claims_path(info.namespace),
+            return await self.client.create(claim_path(info.namespace),
                                             claim_body(info.namespace, info.name, info.uid))
         except ApiError as exc:
             if not exc.conflict:
                 raise
         return await self._take_over(info)
 
-    async def _allocate(self, info: SliceInfo, claim: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+    async def _allocate(self, info: SliceRecord, claim: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
         """Allocate the slice's claim to its device in its node's pool (``claim``: as last read, None
         when unknown); the claim once it is so allocated, else None."""
         assert info.binding is not None  # ready
         node = info.binding.node
-        path = claims_path(info.namespace, info.name)
+        path = claim_path(info.namespace, info.name)
         if claim is not None:
             state = allocation_state(claim, node, info.uid)
             if state == PINNED:
@@ -197,7 +200,7 @@ class SliceClaims:
         log.info("slice %s: ResourceClaim %s allocated on node %s", info.ref, info.name, node)
         return allocated
 
-    async def _allocated_elsewhere(self, info: SliceInfo, claim: Mapping[str, Any]) -> None:
+    async def _allocated_elsewhere(self, info: SliceRecord, claim: Mapping[str, Any]) -> None:
         """The slice's claim is allocated to another device or pool: deleted (written anew at the
         slice's next event), with a Warning Event that names the allocation."""
         results = [f"{r.get('driver')}/{r.get('pool')}/{r.get('device')}" for r in
@@ -209,16 +212,16 @@ class SliceClaims:
         log.warning("slice %s: %s", info.ref, message)
         self.written.pop((info.namespace, info.name), None)
         try:
-            await self.client.delete(claims_path(info.namespace, info.name))
+            await self.client.delete(claim_path(info.namespace, info.name))
         except ApiError as exc:
             if not exc.not_found:
                 raise
         return None
 
-    async def _take_over(self, info: SliceInfo) -> Mapping[str, Any] | None:
+    async def _take_over(self, info: SliceRecord) -> Mapping[str, Any] | None:
         """A claim of the slice's name exists: this slice's is returned; an earlier slice's is deleted
         and this one's written once it is gone; a claim not the operator's is left alone (None)."""
-        existing = await self.client.get(claims_path(info.namespace, info.name))
+        existing = await self.client.get(claim_path(info.namespace, info.name))
         owner = slice_owner(existing)
         if owner == info.uid:
             return existing
@@ -228,7 +231,7 @@ class SliceClaims:
             self.events.post(info.body, "Warning", CLAIM_TAKEN, message)
             log.info("slice %s: %s", info.ref, message)
             return None
-        path = claims_path(info.namespace, info.name)
+        path = claim_path(info.namespace, info.name)
         if not (existing.get("metadata") or {}).get("deletionTimestamp"):
             try:
                 await self.client.delete(path)
@@ -244,13 +247,13 @@ class SliceClaims:
             except ApiError as exc:
                 if not exc.not_found:
                     raise
-                return await self.client.create(claims_path(info.namespace),
+                return await self.client.create(claim_path(info.namespace),
                                                 claim_body(info.namespace, info.name, info.uid))
             await asyncio.sleep(0.2)
         log.info("slice %s: the ResourceClaim of an earlier slice of its name is still in use", info.ref)
         return None
 
-    async def _record(self, info: SliceInfo) -> None:
+    async def _record(self, info: SliceRecord) -> None:
         """The claim's name in the slice's status (``kubectl get gs`` shows it)."""
         if (info.body.get("status") or {}).get("claim") == info.name:
             return

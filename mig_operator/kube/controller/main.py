@@ -73,7 +73,7 @@ def build_registry(options: ControllerOptions) -> kopf.OperatorRegistry:
     async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
         tune(settings, CONTROLLER_PREFIX)
         settings.peering.lifetime = options.peering_lifetime_s
-        # Nodes are watched whole: placement reads several labels (state.PLACEMENT_LABELS), and a server-side
+        # Nodes are watched whole: placement reads several labels (observe.PLACEMENT_LABELS), and a server-side
         # selector takes only one; an event whose labels change nothing placement reads costs a comparison.
         settings.watching.label_selectors["v1", "pods"] = POD_SLICE_LABEL  # only pods the webhook marked
         client = KubeClient.from_environment(options.kubeconfig)
@@ -81,8 +81,8 @@ def build_registry(options: ControllerOptions) -> kopf.OperatorRegistry:
         events = EventPoster(client, "mig-operator-controller", os.uname().nodename)
         binder = Binder(client, events, resync_s=options.resync_s, hold_s=options.fair_hold_s,
                         quota_required=options.quota_required)
-        claims = SliceClaims(client, events, binder.state)
-        pods = PodSlices(client, events, binder.state, claims)
+        claims = SliceClaims(client, events, binder.ledger)
+        pods = PodSlices(client, events, binder.ledger, claims)
         quotas = QuotaStatus(client, binder)
         # Claims first: a pod is released once its slice's claim exists.
         binder.on_slice_changed.extend([claims.slice_changed, pods.slice_changed])

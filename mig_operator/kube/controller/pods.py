@@ -29,11 +29,12 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from mig_operator.core.device_check import ACCEPT, REFUSE, check_ready_device
+from mig_operator.core.ledger import Ledger, SliceRecord
 from mig_operator.core.lifecycle import SLICE_TRIES, slice_retry_delay
 from mig_operator.core.node_selection import constrains_nodes, has_required_terms, node_allowed, taints_tolerated
 from mig_operator.core.pod_admission import PodRefused, check_pod_devices
 from mig_operator.core.quantities import QuantityError
-from mig_operator.core.request_forms import device_slice_names, pod_devices
+from mig_operator.core.request_forms import device_slice_names
 
 from ..common.client import ApiError, KubeClient, core_path, slice_path, slices_path
 from ..common.events import EventPoster
@@ -47,8 +48,8 @@ from ..common.names import (
     SCHEDULING_GATE,
     SLICE_KIND,
 )
+from ..common.workqueue import NodeWaits
 from .claims import SliceClaims
-from .state import ClusterState, SliceInfo
 
 log = logging.getLogger("mig_operator.controller.pods")
 HOSTNAME_LABEL = "kubernetes.io/hostname"
@@ -63,14 +64,7 @@ SLICE_TRY_ANNOTATION = "cdmo.io/slice-try"
 DEVICE_WAIT_EVENT_S = 2.0
 
 
-def slice_spec_for(annotations: Mapping[str, str]) -> dict[str, Any] | None:
-    """The GpuSlice spec a pod's annotations ask for (of its first device; already checked at
-    admission, checked again); None when they ask for none."""
-    devices = pod_devices(annotations)
-    return dict(devices[0].spec) if devices else None
-
-
-def group_of(info: SliceInfo) -> str:
+def group_of(info: SliceRecord) -> str:
     """The pod group a slice belongs to: the pod's cdmo.io/gpu-slice label value."""
     return info.group or info.name
 
@@ -134,7 +128,7 @@ def _gated(pod: Mapping[str, Any]) -> bool:
 class PodSlices:
     """Keeps each annotated pod's GpuSlice and gate in step with its slice."""
 
-    def __init__(self, client: KubeClient, events: EventPoster, state: ClusterState, claims: SliceClaims) -> None:
+    def __init__(self, client: KubeClient, events: EventPoster, state: Ledger, claims: SliceClaims) -> None:
         self.client = client
         self.events = events
         self.state = state
@@ -147,7 +141,7 @@ class PodSlices:
         self._node_labels_at = -float("inf")
         self._node_labels_lock = asyncio.Lock()
         # Pods whose Ready slice's device the node's GpuNode did not list (yet), by node.
-        self._device_waits: dict[str, set[tuple[str, str]]] = {}
+        self._device_waits = NodeWaits()
         self._device_wait_since: dict[str, float] = {}  # slice UID -> when its device was first not listed
         # Told each slice made, as the API returned it (its own watch event follows and is then old).
         self.on_created: list[Callable[[dict[str, Any]], Awaitable[None]]] = []
@@ -290,7 +284,7 @@ class PodSlices:
                 await callback(made)  # the binder plans it now, not a watch event later
         return names
 
-    async def slice_changed(self, info: SliceInfo) -> None:
+    async def slice_changed(self, info: SliceRecord) -> None:
         """A slice changed: if a gated pod waits for it, move the pod on (or tell it why not). A pod
         with several devices moves on once every one of its slices is Ready, all on one node."""
         pod = self.pods.get((info.namespace, group_of(info)))
@@ -322,7 +316,7 @@ class PodSlices:
                 return
         await self._release_gate(pod, info)
 
-    def _slice_failed(self, pod: Mapping[str, Any], info: SliceInfo) -> None:
+    def _slice_failed(self, pod: Mapping[str, Any], info: SliceRecord) -> None:
         """A pod's slice Failed: a new slice of the same name after a back-off (core's
         ``slice_retry_delay``), an Event each time; after SLICE_TRIES the pod waits for its owner."""
         key = (info.namespace, info.name, group_of(info))
@@ -369,7 +363,7 @@ class PodSlices:
         finally:
             self._retries.pop(key, None)
 
-    async def _device_checked(self, pod: Mapping[str, Any], info: SliceInfo) -> bool:
+    async def _device_checked(self, pod: Mapping[str, Any], info: SliceRecord) -> bool:
         """Whether the Ready slice's device is on its node's GpuNode (core/device_check); if not yet, the
         pod is looked at again when that GpuNode changes; a wrong device is never handed on."""
         assert info.binding is not None
@@ -378,10 +372,10 @@ class PodSlices:
                                      self.state.inventories.get(node))
         key = (info.namespace, info.name)
         if verdict.action == ACCEPT:
-            self._device_waits.get(node, set()).discard(key)
+            self._device_waits.done(node, key)
             self._device_wait_since.pop(info.uid, None)
             return True
-        self._device_waits.setdefault(node, set()).add(key)
+        self._device_waits.wait(node, key)
         if verdict.action == REFUSE:
             log.warning("slice %s: device refused: %s", info.ref, verdict.message)
             self.events.post(pod, "Warning", verdict.reason,
@@ -396,7 +390,7 @@ class PodSlices:
 
     async def inventory_changed(self, node: str) -> None:
         """A GpuNode changed: look again at the pods whose slice's device it did not list."""
-        for key in sorted(self._device_waits.pop(node, set())):
+        for key in self._device_waits.take(node):
             info = self.state.slice_named(*key)
             if info is not None:
                 await self.slice_changed(info)
@@ -407,7 +401,7 @@ class PodSlices:
             return None
         return (await self.node_labels()).get(node, {}).get(HOSTNAME_LABEL)
 
-    async def _release_gate(self, pod: dict[str, Any], info: SliceInfo) -> None:
+    async def _release_gate(self, pod: dict[str, Any], info: SliceRecord) -> None:
         assert info.binding is not None
         meta = pod["metadata"]
         path = core_path("pods", info.namespace, meta["name"])

@@ -8,7 +8,6 @@ was last written: ``used.memory`` (granted bytes, as a quantity string of bytes)
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 from mig_operator.core.quota import QUOTA_NAME
@@ -30,8 +29,6 @@ class QuotaStatus:
         self.client = client
         self.binder = binder
         self.interval_s = interval_s
-        self._dirty: set[str] = set()
-        self._task: asyncio.Task | None = None
         self._written: dict[str, dict] = {}  # namespace -> the status last written
         self._generations: dict[str, int] = {}  # namespace -> its GpuQuota's metadata.generation
         self._shown: set[str] = set()  # namespaces with quota metrics set
@@ -53,20 +50,14 @@ class QuotaStatus:
         self.changed(namespace)
 
     def changed(self, namespace: str) -> None:
-        self._dirty.add(namespace)
-        if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._flush_soon())
+        self.binder.queue.add(("quota-status", namespace), lambda: self._flush(namespace), self.interval_s)
 
-    async def _flush_soon(self) -> None:
-        await asyncio.sleep(self.interval_s)
-        while self._dirty:
-            dirty, self._dirty = self._dirty, set()
-            for namespace in sorted(dirty):
-                self._publish(namespace)
-                await self._write(namespace)
+    async def _flush(self, namespace: str) -> None:
+        self._publish(namespace)
+        await self._write(namespace)
 
     def status_of(self, namespace: str) -> dict:
-        used = self.binder.state.used(namespace)
+        used = self.binder.ledger.used(namespace)
         return {
             "used": {"memory": str(used.memory_bytes), "slices": used.slices},
             "waiting": self.binder.quota_waiting(namespace),
@@ -75,8 +66,8 @@ class QuotaStatus:
 
     def _publish(self, namespace: str) -> None:
         """The quota metrics: use for every namespace that holds slices or has a quota."""
-        used = self.binder.state.used(namespace)
-        quota = self.binder.state.quotas.get(namespace)
+        used = self.binder.ledger.used(namespace)
+        quota = self.binder.ledger.quotas.get(namespace)
         if quota is None and not used.slices:
             if namespace in self._shown:
                 self._shown.discard(namespace)
@@ -118,5 +109,5 @@ class QuotaStatus:
 
     async def resync(self) -> None:
         """After a full list: every namespace's status and metrics again (written only where changed)."""
-        for namespace in set(self._generations) | set(self.binder.state.usage) | self._shown:
+        for namespace in set(self._generations) | set(self.binder.ledger.usage) | self._shown:
             self.changed(namespace)

@@ -1,0 +1,78 @@
+"""What the controller reads of the API's objects, as the records its ledger (core.ledger) takes."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from mig_operator.core.cluster import NodeInventory, binding_from_status, inventory_from_status
+from mig_operator.core.ledger import NodeLabels, SliceRecord
+from mig_operator.core.quantities import QuantityError
+from mig_operator.core.request_forms import MAX_POD_DEVICES
+from mig_operator.core.runtime_trust import TRUST_LABEL, TRUST_VALUE, accepted
+from mig_operator.core.slice_spec import request_from_spec
+from mig_operator.core.tenancy import SHARING_LABEL, SHARING_VALUE, shares_across_namespaces
+
+from ..common.client import resource_version
+from ..common.names import (
+    AGENT_FINALIZER,
+    ELIGIBLE_NODES_ANNOTATION,
+    GROUP_ANNOTATION,
+    GROUP_SIZE_ANNOTATION,
+    MIG_NODE_LABEL,
+    MIG_NODE_VALUE,
+)
+
+# The Node labels placement reads (key, value): one list each at a resync finds every node that has one.
+PLACEMENT_LABELS = ((MIG_NODE_LABEL, MIG_NODE_VALUE), (SHARING_LABEL, SHARING_VALUE), (TRUST_LABEL, TRUST_VALUE))
+
+
+def slice_record(body: Mapping) -> SliceRecord:
+    meta = body["metadata"]
+    spec = body.get("spec") or {}
+    status = body.get("status") or {}
+    request, invalid = None, ""
+    try:
+        request = request_from_spec(spec)
+    except QuantityError as exc:
+        invalid = str(exc)
+    binding = binding_from_status(meta["uid"], status, meta["namespace"])
+    marked = binding is not None and AGENT_FINALIZER in (meta.get("finalizers") or ())
+    return SliceRecord(
+        uid=meta["uid"], namespace=meta["namespace"], name=meta["name"], created=meta.get("creationTimestamp", ""),
+        version=resource_version(meta), body=dict(body), request=request, invalid=invalid,
+        pinned=spec.get("nodeName"), phase=status.get("phase"), binding=binding,
+        deleting=bool(meta.get("deletionTimestamp")), marked=marked,
+        eligible=_eligible_nodes(meta), **_group(meta),
+    )
+
+
+def _group(meta: Mapping) -> dict[str, Any]:
+    """The slice's group, when its annotations name one of 2 to MAX_POD_DEVICES slices (else none:
+    a slice made by hand with a bad size is planned on its own)."""
+    annotations = meta.get("annotations") or {}
+    group, size = annotations.get(GROUP_ANNOTATION), str(annotations.get(GROUP_SIZE_ANNOTATION, ""))
+    if not group or not size.isdigit() or not 2 <= int(size) <= MAX_POD_DEVICES:
+        return {}
+    return {"group": str(group), "group_size": int(size)}
+
+
+def _eligible_nodes(meta: Mapping) -> tuple[str, ...] | None:
+    text = (meta.get("annotations") or {}).get(ELIGIBLE_NODES_ANNOTATION)
+    if text is None:
+        return None
+    return tuple(sorted({name.strip() for name in str(text).split(",") if name.strip()}))
+
+
+def node_labels(labels: Mapping[str, str] | None) -> NodeLabels:
+    labels = labels or {}
+    return NodeLabels(labels.get(MIG_NODE_LABEL) == MIG_NODE_VALUE, shares_across_namespaces(labels), accepted(labels))
+
+
+def inventory(body: Mapping) -> NodeInventory:
+    """A GpuNode as its node's inventory (the node is spec.nodeName, else the GpuNode's name)."""
+    return inventory_from_status(inventory_node(body), body.get("status"))
+
+
+def inventory_node(body: Mapping) -> str:
+    return (body.get("spec") or {}).get("nodeName") or body["metadata"]["name"]

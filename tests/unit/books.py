@@ -1,0 +1,33 @@
+"""A Ledger fed with API bodies, as the binder feeds it (kube/controller/observe.py): the fixture of
+the tests that play watch events into the controller's books."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from mig_operator.core.cluster_planner import ClusterPlanner
+from mig_operator.core.ledger import Ledger, SliceRecord
+from mig_operator.kube.controller.observe import inventory, inventory_node, node_labels, slice_record
+
+
+class BodyLedger(Ledger):
+    @property
+    def planner(self) -> ClusterPlanner:
+        return self._index
+
+    def put_slice(self, body: Mapping | SliceRecord) -> SliceRecord | None:  # type: ignore[override]
+        return super().put_slice(body if isinstance(body, SliceRecord) else slice_record(body))
+
+    def put_inventory(self, body: Mapping) -> set[str]:  # type: ignore[override]
+        return super().put_inventory(inventory(body))
+
+    def remove_inventory(self, body: Mapping) -> set[str]:  # type: ignore[override]
+        return super().remove_inventory(inventory_node(body))
+
+    def set_node_labels(self, node: str, labels: Mapping[str, str] | None) -> bool:  # type: ignore[override]
+        return super().set_node_labels(node, node_labels(labels))
+
+    def replace_all(self, slices: Iterable[Mapping], inventories: Iterable[Mapping],  # type: ignore[override]
+                    nodes: Iterable[Mapping]) -> None:
+        labels = {n["metadata"]["name"]: node_labels(n["metadata"].get("labels")) for n in nodes}
+        super().replace_all([slice_record(b) for b in slices], [inventory(b) for b in inventories], labels)

@@ -1,0 +1,173 @@
+"""The ledger's invariants through any sequence of slices, groups, quotas, decisions, writes that
+succeed or fail, deletions and removals: no two bindings overlap, each namespace's usage is the sum
+of what its slices hold, a refused group holds nothing, a rollback restores the books exactly."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mig_operator.core.cluster import MODE_FRACTION, MODE_MIG, GpuState, NodeInventory
+from mig_operator.core.ledger import Ledger, NodeLabels, SliceRecord
+from mig_operator.core.profiles import get_model
+from mig_operator.core.quantities import MIB
+from mig_operator.core.quota import QUOTA_NAME, Usage
+from mig_operator.core.request import slice_request
+
+REQUESTS = [slice_request(memory=m) for m in ("4G", "9Gi", "17Gi", "30Gi", "70Gi")] + [
+    slice_request(fraction=f) for f in (0.25, 0.5, 1.0)] + [slice_request(profile=p) for p in ("1g.10gb", "3g.40gb")]
+NAMESPACES = ["team-a", "team-b"]
+
+
+def gpu(model_name: str, index: int, mig: bool) -> GpuState:
+    model = get_model(model_name)
+    return GpuState(index, f"GPU-{model_name}-{index}", model.product, model.name, model.memory_mib,
+                    model.mig_capable, mig and model.mig_capable, model.profiles if model.mig_capable else ())
+
+
+INVENTORIES = [
+    NodeInventory("n0", (gpu("h100-80gb", 0, True), gpu("h100-80gb", 1, True))),
+    NodeInventory("n1", (gpu("l40s-48gb", 0, False), gpu("h100-80gb", 1, False))),
+]
+MEMORY = {(inv.node, g.index): g.memory_mib * MIB for inv in INVENTORIES for g in inv.gpus}
+
+
+def books(ledger: Ledger) -> tuple:
+    """Everything a decision may change, comparable."""
+    return (sorted(ledger.bindings(), key=lambda b: b.uid), dict(ledger.usage), dict(ledger.charges()),
+            dict(ledger.waiting), sorted(u for u in ledger.slices if ledger.reserved(u) is not None))
+
+
+def record(uid: str, namespace: str, request: int, group: str | None = None, size: int = 1) -> SliceRecord:
+    return SliceRecord(uid=uid, namespace=namespace, name=uid, created=f"2026-11-26T00:00:{len(uid):02d}Z", version=1,
+                       body={"metadata": {"uid": uid}}, request=REQUESTS[request], invalid="", pinned=None,
+                       phase=None, binding=None, deleting=False, marked=False, group=group, group_size=size)
+
+
+def check_invariants(ledger: Ledger) -> None:
+    by_gpu: dict[tuple[str, int], list] = {}
+    for b in ledger.bindings():
+        by_gpu.setdefault((b.node, b.gpu), []).append(b)
+    for where, bound in by_gpu.items():
+        assert len({b.mode for b in bound}) == 1, f"MIG and fraction bindings on one GPU {where}"
+        if bound[0].mode == MODE_MIG:
+            for i, a in enumerate(bound):
+                for b in bound[i + 1:]:
+                    assert not a.mask & b.mask, f"{a} overlaps {b}"
+        else:
+            assert sum(b.granted_bytes for b in bound) <= MEMORY[where]
+    # Usage from first principles: every known slice holding a binding (written, or reserved) is charged.
+    expected: dict[str, Usage] = {}
+    for info in ledger.slices.values():
+        held = info.binding or ledger.reserved(info.uid)
+        if held is not None:
+            expected[info.namespace] = expected.get(info.namespace, Usage()).plus(held.granted_bytes)
+    assert ledger.usage == expected
+
+
+step = st.one_of(
+    st.tuples(st.just("new"), st.sampled_from(NAMESPACES), st.integers(0, len(REQUESTS) - 1), st.integers(1, 3)),
+    st.tuples(st.just("decide"), st.integers(0, 40), st.booleans()),
+    st.tuples(st.just("decide"), st.integers(0, 40), st.booleans()),
+    st.tuples(st.just("quota"), st.sampled_from(NAMESPACES), st.sampled_from([None, "10Gi", "40Gi", "200Gi"])),
+    st.tuples(st.just("delete"), st.integers(0, 40)),
+    st.tuples(st.just("remove"), st.integers(0, 40)),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(step, min_size=1, max_size=40), st.booleans())
+def test_the_books_keep_their_invariants(steps, quota_required) -> None:
+    ledger = Ledger(quota_required=quota_required)
+    ledger.set_node_labels("n0", NodeLabels(mig=True))
+    for inv in INVENTORIES:
+        ledger.put_inventory(inv)
+    made: list[str] = []
+    for op in steps:
+        if op[0] == "new":
+            _, namespace, request, size = op
+            uid = f"s{len(made)}"
+            group = None if size == 1 else f"g{len(made)}"
+            for i in range(size):
+                ledger.put_slice(record(f"{uid}-{i}", namespace, request, group, size))
+                made.append(f"{uid}-{i}")
+        elif op[0] == "decide" and made:
+            uid, write_ok = made[op[1] % len(made)], op[2]
+            before = books(ledger)
+            decision = ledger.decide(uid)
+            if decision.kind == "skip":
+                assert books(ledger) == before
+            elif decision.kind == "refuse":
+                after = books(ledger)
+                assert after[0] == before[0] and after[1:3] == before[1:3] and after[4] == before[4]
+                assert all(ledger.waiting[m.uid][1] == decision.refusal.code for m in decision.todo)
+            elif write_ok:
+                for member, binding in zip(decision.todo, decision.bindings, strict=True):
+                    ledger.put_slice(replace(member, version=2, phase="Bound", binding=binding))
+                    ledger.commit(member.uid)
+            else:
+                for member in decision.todo:
+                    ledger.rollback(member.uid)
+                assert books(ledger) == before
+        elif op[0] == "quota":
+            _, namespace, memory = op
+            body = {"metadata": {"namespace": namespace, "name": QUOTA_NAME}, "spec": {"memory": memory}}
+            (ledger.remove_quota if memory is None else ledger.put_quota)(body)
+        elif op[0] == "delete" and made:
+            known = ledger.slices.get(made[op[1] % len(made)])
+            if known is not None:
+                ledger.put_slice(replace(known, version=known.version + 1, deleting=True))
+        elif op[0] == "remove" and made:
+            ledger.remove_slice(made[op[1] % len(made)])
+        check_invariants(ledger)
+
+
+def test_a_deleting_slice_keeps_its_binding_and_charge_until_it_is_gone() -> None:
+    ledger = Ledger()
+    ledger.put_inventory(INVENTORIES[1])
+    ledger.put_slice(record("x", "team-a", 5))
+    decision = ledger.decide("x")
+    assert decision.kind == "bind" and decision.bindings[0].mode == MODE_FRACTION
+    ledger.put_slice(replace(decision.todo[0], version=2, phase="Bound", binding=decision.bindings[0]))
+    ledger.commit("x")
+    charged = ledger.used("team-a")
+    ledger.put_slice(replace(ledger.slices["x"], version=3, deleting=True))
+    assert ledger.used("team-a") == charged and [b.uid for b in ledger.bindings()] == ["x"]
+    ledger.remove_slice("x")
+    assert ledger.used("team-a") == Usage() and ledger.bindings() == []
+
+
+def quota(namespace: str, memory: str) -> dict:
+    return {"metadata": {"namespace": namespace, "name": QUOTA_NAME}, "spec": {"memory": memory}}
+
+
+def test_a_group_its_quota_refuses_holds_nothing() -> None:
+    ledger = Ledger()
+    ledger.set_node_labels("n0", NodeLabels(mig=True))
+    ledger.put_inventory(INVENTORIES[0])
+    ledger.put_quota(quota("team-a", "10Gi"))
+    for i in range(2):
+        ledger.put_slice(record(f"g-{i}", "team-a", 1, "g", 2))  # 2 x 9Gi: placeable, over the quota
+    before = books(ledger)
+    decision = ledger.decide("g-0")
+    assert decision.kind == "refuse" and decision.refusal.code == "QuotaExceeded"
+    assert ledger.bindings() == [] and books(ledger)[:3] == before[:3]
+    ledger.put_quota(quota("team-a", "40Gi"))
+    assert ledger.decide("g-1").kind == "bind" and len(ledger.bindings()) == 2
+    check_invariants(ledger)
+
+
+def test_a_rollback_puts_a_waiting_slice_back_in_line() -> None:
+    ledger = Ledger()
+    ledger.set_node_labels("n0", NodeLabels(mig=True))
+    ledger.put_inventory(INVENTORIES[0])
+    ledger.put_quota(quota("team-a", "10Gi"))
+    ledger.put_slice(record("x", "team-a", 2))  # 17Gi
+    assert ledger.decide("x").refusal.code == "QuotaExceeded" and ledger.line.in_line("team-a")
+    ledger.put_quota(quota("team-a", "40Gi"))
+    before = books(ledger)
+    assert ledger.decide("x").kind == "bind" and ledger.writing("x") and not ledger.line.in_line("team-a")
+    ledger.rollback("x")
+    assert books(ledger) == before and ledger.line.in_line("team-a") and not ledger.writing("x")
