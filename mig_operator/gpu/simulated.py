@@ -44,6 +44,7 @@ from typing import Any
 from mig_operator.core.profiles import CatalogError, GpuModel, Profile, get_model
 from mig_operator.core.quantities import clip_repr
 from mig_operator.gpu.device_files import write_simulated_files
+from mig_operator.gpu.files import write_atomically
 from mig_operator.gpu.protocol import NVML_ERROR_CODES, GpuError, GpuInfo, MigInstance
 
 # Fixed namespace so every run, process and machine derives the same UUIDs from the same names.
@@ -665,19 +666,8 @@ class SimulatedBackend:
 
     def _save(self) -> None:
         assert self._state_file is not None
-        directory = os.path.dirname(os.path.abspath(self._state_file))
-        fd, tmp = tempfile.mkstemp(prefix=".simstate-", dir=directory)
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(self._snapshot(), f, indent=1)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self._state_file)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
-
+        snapshot = self._snapshot()
+        write_atomically(self._state_file, lambda f: json.dump(snapshot, f, indent=1), prefix=".simstate-")
 
 def _need(condition: bool, reason: str) -> None:
     if not condition:

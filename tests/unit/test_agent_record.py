@@ -15,6 +15,7 @@ import pytest
 
 from mig_operator.core.cluster import MODE_FRACTION, MODE_MIG
 from mig_operator.core.lifecycle import COMPLETED, STARTED, OwnerEntry, OwnerRecord
+from mig_operator.gpu import files as files_module
 from mig_operator.kube.agent import record as record_module
 from mig_operator.kube.agent.record import RecordError, RecordStore, boot_id
 
@@ -170,7 +171,7 @@ def test_temp_file_cannot_be_created_gives_record_error(path, monkeypatch) -> No
     def no_temp(*a, **kw):
         raise OSError(13, "Permission denied")
 
-    monkeypatch.setattr(record_module.tempfile, "mkstemp", no_temp)
+    monkeypatch.setattr(files_module.tempfile, "mkstemp", no_temp)
     with pytest.raises(RecordError) as info:
         store.put(MIG_ENTRY)
     assert path in str(info.value)

@@ -10,15 +10,14 @@ one, never half of either; the directory is fsynced too, so the rename survives 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import tempfile
 import threading
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields, replace
 
 from mig_operator.core.lifecycle import OwnerEntry, OwnerRecord
+from mig_operator.gpu.files import write_atomically
 
 BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
 _VERSION = 1
@@ -194,25 +193,7 @@ class RecordStore:
                                for uid, c in sorted(prepared.items())},
             "revoked": sorted(revoked),
         }
-        directory = os.path.dirname(os.path.abspath(self.path))
         try:
-            fd, tmp = tempfile.mkstemp(prefix=".owners-", dir=directory)
+            write_atomically(self.path, lambda fh: json.dump(data, fh, indent=1), prefix=".owners-")
         except OSError as exc:
             raise RecordError(f"cannot write owner record {self.path!r}: {exc.strerror}") from None
-        try:
-            with os.fdopen(fd, "w") as fh:
-                json.dump(data, fh, indent=1)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, self.path)
-            dir_fd = os.open(directory, os.O_RDONLY)
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
-        except BaseException as exc:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            if isinstance(exc, OSError):
-                raise RecordError(f"cannot write owner record {self.path!r}: {exc.strerror}") from None
-            raise
