@@ -572,7 +572,7 @@ def test_a_deleted_slice_in_use_keeps_its_finalizer_and_device_until_its_claim_i
                 await asyncio.sleep(0.05)
             record = node.agent.store.record
             assert "s-1" not in record.owners and uuid in record.idle_since  # idle now, reusable
-            assert not node.agent._holding
+            assert not node.agent.releaser.holding
         finally:
             await kubelet.close()
             await node.stop()
