@@ -10,7 +10,7 @@ position, and an instance without its compute instance is never handed out.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 from .cluster import MODE_MIG, Binding, InstanceState
@@ -298,6 +298,57 @@ def _pointing_at(entry: OwnerEntry, gpu: int, inst: InstanceState) -> OwnerEntry
 def idle_instances(record: OwnerRecord, gpu: int, instances: Iterable[InstanceState]) -> list[InstanceState]:
     """Instances on ``gpu`` that no slice of the record owns."""
     return [i for i in instances if record.owner_of(gpu, i) is None]
+
+
+def settle_adoption(
+    adoption: Adoption,
+    before: OwnerRecord,
+    names: Mapping[str, str],
+    held: Collection[str],
+    live: Collection[str],
+    found: Mapping[int, Iterable[InstanceState]],
+    since: str,
+) -> tuple[OwnerRecord, tuple[str, ...]]:
+    """The record the agent keeps after ``adopt``, and the slices to revoke.
+
+    ``before``: the record read on start; ``names``: live slice UID -> ``namespace/name``; ``held``:
+    slice UIDs a prepared claim names; ``live``: UIDs of the live slices bound here; ``found``: NVML's
+    instances by GPU; ``since``: now (RFC 3339).
+
+    - an entry adopted from a binding alone gets its slice's name;
+    - a slice gone while a claim on it is prepared keeps its entry (adoption dropped it: no live
+      slice) until the kubelet unprepares the claim, across restarts too, and is revoked;
+    - an instance found idle counts as idle from ``since`` (for the idle time-out), unless the record
+      already says since when.
+    """
+    owners = {uid: (replace(e, slice=names.get(uid, e.slice)) if not e.slice else e)
+              for uid, e in adoption.record.owners.items()}
+    owners.update({uid: e for uid, e in before.owners.items() if uid in held and uid not in owners})
+    record = replace(adoption.record, owners=owners)
+    revoke = tuple(sorted(uid for uid in set(held) if uid in owners and uid not in live))
+    idle = dict(record.idle_since)
+    for gpu, insts in found.items():
+        for inst in idle_instances(record, gpu, insts):
+            if inst.device_uuid:
+                idle.setdefault(inst.device_uuid, since)
+    return replace(record, idle_since=idle), revoke
+
+
+# --- what a device offers --------------------------------------------------------------------------
+
+
+def offered(entry: OwnerEntry | None, revoked: bool, shown_ready: bool) -> bool:
+    """Whether a slice's device is offered: listed in the node's ResourceSlice and preparable by the
+    kubelet. Its record entry names a made device, the slice is not one gone while a claim holds it
+    (``revoked``), and its status says Ready (``shown_ready``: as last seen, or being written by the
+    agent, whose device must be listed before the slice says Ready)."""
+    return (entry is not None and entry.state == COMPLETED and bool(entry.device_uuid)
+            and not revoked and shown_ready)
+
+
+def offered_entries(record: OwnerRecord, revoked: Collection[str], shown_ready: Collection[str]) -> list[OwnerEntry]:
+    """The record's entries whose device is offered (``offered``), in the record's order."""
+    return [e for uid, e in record.owners.items() if offered(e, uid in revoked, uid in shown_ready)]
 
 
 # A pod whose slice Failed gets a new slice after a back-off, this many times in all, then waits for

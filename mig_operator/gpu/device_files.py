@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import os
 import re
-import tempfile
 from collections.abc import Iterable
 
 from mig_operator.core.cdi import DeviceNode
+from mig_operator.gpu.files import write_atomically
 
 CAPABILITIES_DIR = "proc/driver/nvidia/capabilities"
 PROC_DEVICES = "proc/devices"
@@ -122,15 +122,7 @@ def simulated_cap_minor(gpu_minor: int, gi_id: int, ci_id: int | None = None) ->
 
 def _write_atomically(path: str, text: str) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=os.path.dirname(path))
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    write_atomically(path, text, durable=False)
 
 
 def write_simulated_files(root: str, gpu_minors: Iterable[int], instances: Iterable[tuple[int, int, int]]) -> None:

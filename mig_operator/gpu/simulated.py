@@ -30,101 +30,30 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
-import math
-import os
 import tempfile
 import threading
 import time
-import uuid
 from collections.abc import Iterator, Mapping
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from mig_operator.core.profiles import CatalogError, GpuModel, Profile, get_model
+from mig_operator.core.profiles import GpuModel, Profile, get_model
 from mig_operator.core.quantities import clip_repr
 from mig_operator.gpu.device_files import write_simulated_files
 from mig_operator.gpu.protocol import NVML_ERROR_CODES, GpuError, GpuInfo, MigInstance
-
-# Fixed namespace so every run, process and machine derives the same UUIDs from the same names.
-_UUID_NAMESPACE = uuid.UUID("6b1f3c2e-9a4d-5e8f-8c1b-2d7e4f6a9b30")
-_STATE_VERSION = 1
-# A state file is a few KiB; anything this large is not one (and is not read into memory whole).
-_MAX_STATE_BYTES = 16 * 2**20
-
-FAULT_OPS = frozenset(
-    {"gpus", "model", "instances", "create_instance", "create_compute_instance", "destroy_instance",
-     "destroy_gpu_instance", "set_mig_mode"}
+from mig_operator.gpu.sim_placement import check_room, gpu_uuid, legal_profile, mig_uuid
+from mig_operator.gpu.sim_state import (
+    FAULT_OPS,
+    SimGpu,
+    SimInstance,
+    check_state_path,
+    file_error,
+    gpu_instance_id,
+    is_int,
+    latency_table,
+    load_state,
+    save_state,
+    snapshot,
 )
-# Operations that change the GPU and so take time on hardware; the latency applies to these.
-LATENCY_OPS = ("create_instance", "create_compute_instance", "destroy_instance", "set_mig_mode")
-MAX_LATENCY_S = 600.0
-_INSTANCE_FIELDS = ("gi_id", "profile_id", "start", "size", "ci_id", "generation", "in_use")
-
-
-@dataclass
-class _Instance:
-    gi_id: int
-    profile_id: int
-    start: int
-    size: int
-    ci_id: int  # 0: the full compute instance; -1: none (a half-made GPU instance)
-    generation: int
-    in_use: bool = False
-
-
-@dataclass
-class _Gpu:
-    mig_enabled: bool
-    instances: dict[int, _Instance] = field(default_factory=dict)
-    # Counts creations on this GPU; part of each MIG UUID so a recreated instance gets a new one.
-    generation: int = 0
-
-
-class _Corrupt(Exception):
-    """A state file whose content is not this simulator's state; the message says what is wrong."""
-
-
-def gpu_uuid(model_name: str, index: int, host: str = "") -> str:
-    """The simulated GPU UUID of GPU ``index`` of ``model_name``; the same in every process."""
-    # Real GPUs have unique UUIDs; simulated nodes named by ``host`` get distinct ones (the same
-    # in every process for the same host, so a restarted agent sees the same GPUs).
-    seed = f"{host}/{model_name}/{index}" if host else f"{model_name}/{index}"
-    return f"GPU-{uuid.uuid5(_UUID_NAMESPACE, seed)}"
-
-
-def mig_uuid(parent_uuid: str, gi_id: int, start: int, generation: int) -> str:
-    """The simulated MIG device UUID of one creation of an instance."""
-    return f"MIG-{uuid.uuid5(_UUID_NAMESPACE, f'{parent_uuid}/{gi_id}/{start}/{generation}')}"
-
-
-def gpu_instance_id(model: GpuModel, start: int, size: int) -> int:
-    """The hardware's GI id for a placement: spans are numbered largest first, then by start."""
-    return (model.memory_slots // size - 1) + start // size
-
-
-def latency_table(latency_s: float | Mapping[str, float]) -> dict[str, float]:
-    """Seconds per mutating operation: one number for all of them, or a mapping for some.
-
-    Raises ValueError naming the bad value; negative, non-finite and above ``MAX_LATENCY_S`` are refused.
-    """
-    if isinstance(latency_s, Mapping):
-        items = list(latency_s.items())
-    else:
-        items = [(op, latency_s) for op in LATENCY_OPS]
-    table: dict[str, float] = {}
-    for op, seconds in items:
-        if op not in LATENCY_OPS:
-            raise ValueError(f"latency for {clip_repr(op)}: not one of {', '.join(LATENCY_OPS)}")
-        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds) \
-                or not 0 <= seconds <= MAX_LATENCY_S:
-            raise ValueError(
-                f"simulator latency {clip_repr(seconds)} must be a number of seconds from 0 to "
-                f"{MAX_LATENCY_S:g}; e.g. 1.5"
-            )
-        if seconds > 0:
-            table[op] = float(seconds)
-    return table
 
 
 class SimulatedBackend:
@@ -156,10 +85,10 @@ class SimulatedBackend:
         self._latency_override = latency_table(latency_s) if latency_s is not None else None
         # A GPU without MIG can never be in MIG mode.
         enabled = mig_enabled and self._model.mig_capable
-        self._gpus = [_Gpu(mig_enabled=enabled) for _ in range(count)]
+        self._gpus = [SimGpu(mig_enabled=enabled) for _ in range(count)]
         self._uuids = [gpu_uuid(model_name, i, host) for i in range(count)]
         if state_file is not None:
-            _check_state_path(state_file)
+            check_state_path(state_file)
             # Read (and validate) now so a bad or foreign state file fails at start-up; write the
             # initial state when there is none. The read happens under the lock, so two processes
             # starting together do not overwrite each other's instances.
@@ -223,8 +152,8 @@ class SimulatedBackend:
         with self._state():
             gpu = self._gpu(index, op)
             self._require_mig(gpu, index, op)
-            profile = self._legal(profile_id, start, op)
-            self._check_room(gpu, profile, start, op)
+            profile = legal_profile(self._model, profile_id, start, op)
+            check_room(self._model, gpu, profile, start, op)
             inst = self._new_instance(gpu, profile, start)
             inst.ci_id = -1
             gpu.instances[inst.gi_id] = inst
@@ -274,8 +203,8 @@ class SimulatedBackend:
                 gpu = self._gpu(index, op)
                 self._maybe_fail("create_instance", op)
                 self._require_mig(gpu, index, op)
-                profile = self._legal(profile_id, start, op)
-                self._check_room(gpu, profile, start, op)
+                profile = legal_profile(self._model, profile_id, start, op)
+                check_room(self._model, gpu, profile, start, op)
                 inst = self._new_instance(gpu, profile, start)
                 try:
                     self._maybe_fail("create_compute_instance", f"{op}: create compute instance")
@@ -378,7 +307,7 @@ class SimulatedBackend:
 
     # ---- internals -------------------------------------------------------------------------------
 
-    def _record(self, index: int, inst: _Instance) -> MigInstance:
+    def _record(self, index: int, inst: SimInstance) -> MigInstance:
         complete = inst.ci_id >= 0
         return MigInstance(
             gpu_index=index,
@@ -392,9 +321,9 @@ class SimulatedBackend:
             in_use=inst.in_use,
         )
 
-    def _new_instance(self, gpu: _Gpu, profile: Profile, start: int) -> _Instance:
+    def _new_instance(self, gpu: SimGpu, profile: Profile, start: int) -> SimInstance:
         gpu.generation += 1
-        return _Instance(
+        return SimInstance(
             gi_id=gpu_instance_id(self._model, start, profile.size),
             profile_id=profile.id,
             start=start,
@@ -407,66 +336,21 @@ class SimulatedBackend:
         if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < self._count:
             raise GpuError("INVALID_ARGUMENT", f"{op}: no GPU {clip_repr(index)} (this node has {self._count})")
 
-    def _gpu(self, index: int, op: str) -> _Gpu:
+    def _gpu(self, index: int, op: str) -> SimGpu:
         self._check_index(index, op)
         return self._gpus[index]
 
-    def _require_mig(self, gpu: _Gpu, index: int, op: str) -> None:
+    def _require_mig(self, gpu: SimGpu, index: int, op: str) -> None:
         if not self._model.mig_capable:
             raise GpuError("NOT_SUPPORTED", f"{op}: GPU {index} ({self._model.product}) has no MIG")
         if not gpu.mig_enabled:
             raise GpuError("NOT_SUPPORTED", f"{op}: MIG mode is disabled on GPU {index}")
 
-    def _legal(self, profile_id: int, start: int, op: str) -> Profile:
-        profile = self._profile(profile_id, op)
-        legal = {p.start for p in profile.placements}
-        if start not in legal:
-            raise GpuError(
-                "INVALID_ARGUMENT", f"{op}: start {start} is not a legal placement of {profile.name} "
-                f"(legal starts {sorted(legal)})"
-            )
-        return profile
-
-    def _profile(self, profile_id: int, op: str) -> Profile:
-        for profile in self._model.profiles:
-            if profile.id == profile_id:
-                return profile
-        known = ", ".join(str(p.id) for p in self._model.profiles)
-        raise GpuError(
-            "INVALID_ARGUMENT", f"{op}: no profile id {profile_id} on {self._model.name} (known: {known})"
-        )
-
-    def _find(self, gpu: _Gpu, index: int, gi_id: int, op: str) -> _Instance:
+    def _find(self, gpu: SimGpu, index: int, gi_id: int, op: str) -> SimInstance:
         try:
             return gpu.instances[gi_id]
         except (KeyError, TypeError):
             raise GpuError("NOT_FOUND", f"{op}: GPU {index} has no GPU instance {clip_repr(gi_id)}") from None
-
-    def _check_room(self, gpu: _Gpu, profile: Profile, start: int, op: str) -> None:
-        wanted = ((1 << profile.size) - 1) << start
-        for other in gpu.instances.values():
-            if ((1 << other.size) - 1) << other.start & wanted:
-                raise GpuError(
-                    "INSUFFICIENT_RESOURCES",
-                    f"{op}: placement {start}:{profile.size} overlaps GPU instance {other.gi_id} "
-                    f"at {other.start}:{other.size}",
-                )
-        same = sum(1 for other in gpu.instances.values() if other.profile_id == profile.id)
-        if same >= profile.max_instances:
-            raise GpuError(
-                "INSUFFICIENT_RESOURCES",
-                f"{op}: {profile.name} already has its maximum of {profile.max_instances} instance(s)",
-            )
-        # Compute slices are a budget of their own (7 on 8-slot boards); the memory geometry keeps
-        # every catalog layout within it, but checking costs nothing and guards future catalogs.
-        # A GPU instance holds its slices whether or not it has its compute instance.
-        total = max(p.slices for p in self._model.profiles)
-        used = sum(self._model.profile_by_id(o.profile_id).slices for o in gpu.instances.values())
-        if used + profile.slices > total:
-            raise GpuError(
-                "INSUFFICIENT_RESOURCES", f"{op}: {used} of {total} compute slices in use, {profile.name} "
-                f"needs {profile.slices}"
-            )
 
     def _maybe_fail(self, op: str, message: str) -> None:
         queue = self._faults.get(op)
@@ -492,7 +376,7 @@ class SimulatedBackend:
     @contextlib.contextmanager
     def _serial(self, index: int) -> Iterator[None]:
         """One mutation at a time per GPU in this process (an invalid index is refused inside)."""
-        lock = self._gpu_locks[index] if _is_int(index) and 0 <= index < self._count else None
+        lock = self._gpu_locks[index] if is_int(index) and 0 <= index < self._count else None
         if lock is None:
             yield
             return
@@ -533,175 +417,20 @@ class SimulatedBackend:
                 raise self._file_error(exc) from None
 
     def _file_error(self, exc: OSError) -> GpuError:
-        name = "NO_PERMISSION" if isinstance(exc, PermissionError) else "UNKNOWN"
-        return GpuError(name, f"simulator state file {clip_repr(self._state_file)}: {exc.strerror or exc}")
-
-    def _corrupt(self, reason: str) -> GpuError:
-        return GpuError(
-            "UNKNOWN",
-            f"simulator state file {clip_repr(self._state_file)} is not usable: {reason}; "
-            "move it aside or use another state file",
-        )
+        return file_error(self._state_file or "", exc)
 
     def _load(self) -> bool:
         """Replace the in-memory state with the file's; False when there is no state yet."""
         assert self._state_file is not None
-        try:
-            with open(self._state_file, "rb") as f:
-                raw = f.read(_MAX_STATE_BYTES + 1)
-        except FileNotFoundError:
+        state = load_state(self._state_file, self._model, self._count)
+        if state is None:
             return False
-        if not raw:
-            return False  # an empty file (made by `touch`) is a fresh simulator
-        if len(raw) > _MAX_STATE_BYTES:
-            raise self._corrupt(f"larger than {_MAX_STATE_BYTES // 2**20} MiB")
-        try:
-            data = json.loads(raw.decode("utf-8"))
-        except UnicodeDecodeError:
-            raise self._corrupt("not UTF-8 text") from None
-        except RecursionError:
-            raise self._corrupt("JSON nested too deeply") from None
-        except ValueError as exc:
-            # JSONDecodeError, or an integer beyond Python's 4300-digit limit.
-            detail = f"{exc.msg} at line {exc.lineno}" if isinstance(exc, json.JSONDecodeError) else "a number too long"
-            raise self._corrupt(f"not JSON ({detail})") from None
-        try:
-            self._gpus, self._faults, self._latency = self._decode(data)
-        except _Corrupt as exc:
-            raise self._corrupt(str(exc)) from None
+        self._gpus, self._faults, self._latency = state
         return True
 
-    def _decode(self, data: object) -> tuple[list[_Gpu], dict[str, list[list[Any]]], dict[str, float]]:
-        """The state a file holds, checked field by field; raises _Corrupt (or GpuError for a file of
-        another model or GPU count)."""
-        _need(isinstance(data, dict), "the top level is not a JSON object")
-        assert isinstance(data, dict)
-        version = data.get("version")
-        _need(version == _STATE_VERSION, f"'version' is {clip_repr(version)}, not {_STATE_VERSION}")
-        model_name, gpus = data.get("model"), data.get("gpus")
-        _need(isinstance(model_name, str), "'model' is not a string")
-        _need(isinstance(gpus, list), "'gpus' is not a list")
-        assert isinstance(gpus, list)
-        if model_name != self._model.name or len(gpus) != self._count:
-            raise GpuError(
-                "INVALID_ARGUMENT",
-                f"simulator state file {clip_repr(self._state_file)} holds {len(gpus)} GPU(s) of "
-                f"{clip_repr(model_name)}, not {self._count} of {self._model.name!r}; use another file",
-            )
-        decoded = [self._decode_gpu(i, g) for i, g in enumerate(gpus)]
-        faults = data.get("faults", {})
-        _need(isinstance(faults, dict), "'faults' is not an object")
-        checked: dict[str, list[list[Any]]] = {}
-        for op, queue in faults.items():
-            _need(op in FAULT_OPS, f"faults: unknown operation {clip_repr(op)}")
-            _need(isinstance(queue, list), f"faults.{op} is not a list")
-            for entry in queue:
-                _need(isinstance(entry, list) and len(entry) == 2 and entry[0] in NVML_ERROR_CODES
-                      and _is_int(entry[1]) and entry[1] >= 1,
-                      f"faults.{op}: {clip_repr(entry)} is not [NVML error name, count >= 1]")
-            if queue:
-                checked[op] = [list(entry) for entry in queue]
-        latency = data.get("latency_s", {})
-        _need(isinstance(latency, dict), "'latency_s' is not an object")
-        try:
-            table = latency_table(latency)
-        except ValueError as exc:
-            raise _Corrupt(f"latency_s: {exc}") from None
-        return decoded, checked, table
-
-    def _decode_gpu(self, i: int, g: object) -> _Gpu:
-        where = f"gpus[{i}]"
-        _need(isinstance(g, dict), f"{where} is not an object")
-        assert isinstance(g, dict)
-        enabled, generation, raw_instances = g.get("mig_enabled"), g.get("generation"), g.get("instances")
-        _need(isinstance(enabled, bool), f"{where}.mig_enabled is not true or false")
-        _need(_is_int(generation) and generation >= 0, f"{where}.generation is not a count")
-        _need(isinstance(raw_instances, list), f"{where}.instances is not a list")
-        assert isinstance(raw_instances, list) and isinstance(generation, int)
-        _need(self._model.mig_capable or (not enabled and not raw_instances),
-              f"{where} has MIG state, but {self._model.name} has no MIG")
-        instances: dict[int, _Instance] = {}
-        for j, raw in enumerate(raw_instances):
-            at = f"{where}.instances[{j}]"
-            _need(isinstance(raw, dict) and set(raw) == set(_INSTANCE_FIELDS),
-                  f"{at} does not have exactly the fields {', '.join(_INSTANCE_FIELDS)}")
-            assert isinstance(raw, dict)
-            _need(all(_is_int(raw[k]) for k in _INSTANCE_FIELDS if k != "in_use") and isinstance(raw["in_use"], bool),
-                  f"{at} has a field of the wrong type")
-            inst = _Instance(**raw)
-            try:
-                profile = self._model.profile_by_id(inst.profile_id)
-            except CatalogError:
-                raise _Corrupt(f"{at}: no profile id {inst.profile_id} on {self._model.name}") from None
-            _need(inst.start in {p.start for p in profile.placements} and inst.size == profile.size,
-                  f"{at}: {inst.start}:{inst.size} is not a placement of {profile.name}")
-            _need(inst.gi_id == gpu_instance_id(self._model, inst.start, inst.size),
-                  f"{at}: GPU instance id {inst.gi_id} does not belong to placement {inst.start}:{inst.size}")
-            _need(inst.ci_id in (0, -1), f"{at}: compute instance id {inst.ci_id} is not 0 or -1")
-            _need(not (inst.in_use and inst.ci_id < 0), f"{at} is in use without a compute instance")
-            _need(0 <= inst.generation <= generation, f"{at}: generation {inst.generation} is out of range")
-            mask = ((1 << inst.size) - 1) << inst.start
-            for other in instances.values():
-                _need(not ((1 << other.size) - 1) << other.start & mask,
-                      f"{at} overlaps GPU instance {other.gi_id}")
-            instances[inst.gi_id] = inst
-        return _Gpu(mig_enabled=enabled, instances=instances, generation=generation)
-
     def _snapshot(self) -> dict[str, Any]:
-        return {
-            "version": _STATE_VERSION,
-            "model": self._model.name,
-            "gpus": [
-                {
-                    "mig_enabled": g.mig_enabled,
-                    "generation": g.generation,
-                    "instances": [asdict(i) for i in sorted(g.instances.values(), key=lambda i: i.gi_id)],
-                }
-                for g in self._gpus
-            ],
-            "faults": {op: [list(entry) for entry in queue] for op, queue in sorted(self._faults.items()) if queue},
-            "latency_s": dict(sorted(self._latency.items())),
-        }
+        return snapshot(self._model, self._gpus, self._faults, self._latency)
 
     def _save(self) -> None:
         assert self._state_file is not None
-        directory = os.path.dirname(os.path.abspath(self._state_file))
-        fd, tmp = tempfile.mkstemp(prefix=".simstate-", dir=directory)
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(self._snapshot(), f, indent=1)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self._state_file)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
-
-
-def _need(condition: bool, reason: str) -> None:
-    if not condition:
-        raise _Corrupt(reason)
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _check_state_path(path: str) -> None:
-    """Refuse, before anything is created, a state file the simulator cannot keep (ValueError)."""
-    shown = clip_repr(path)
-    example = "e.g. --state-file /tmp/mig-sim.json"
-    if not isinstance(path, str) or not path:
-        raise ValueError(f"simulator state file {shown} is not a path; {example}")
-    for candidate in (path, path + ".lock"):
-        # /dev/null, a directory, a FIFO: nothing may be created beside it, nor written through it.
-        if os.path.lexists(candidate) and not os.path.isfile(candidate):
-            raise ValueError(
-                f"simulator state file {clip_repr(candidate)} exists and is not a regular file; {example}"
-            )
-    directory = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(directory):
-        raise ValueError(f"simulator state file {shown}: directory {clip_repr(directory)} does not exist; {example}")
-    if not os.access(directory, os.W_OK | os.X_OK):
-        raise ValueError(f"simulator state file {shown}: directory {clip_repr(directory)} is not writable; {example}")
+        save_state(self._state_file, self._snapshot())

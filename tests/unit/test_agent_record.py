@@ -15,6 +15,7 @@ import pytest
 
 from mig_operator.core.cluster import MODE_FRACTION, MODE_MIG
 from mig_operator.core.lifecycle import COMPLETED, STARTED, OwnerEntry, OwnerRecord
+from mig_operator.gpu import files as files_module
 from mig_operator.kube.agent import record as record_module
 from mig_operator.kube.agent.record import RecordError, RecordStore, boot_id
 
@@ -170,7 +171,7 @@ def test_temp_file_cannot_be_created_gives_record_error(path, monkeypatch) -> No
     def no_temp(*a, **kw):
         raise OSError(13, "Permission denied")
 
-    monkeypatch.setattr(record_module.tempfile, "mkstemp", no_temp)
+    monkeypatch.setattr(files_module.tempfile, "mkstemp", no_temp)
     with pytest.raises(RecordError) as info:
         store.put(MIG_ENTRY)
     assert path in str(info.value)
@@ -308,3 +309,60 @@ def test_boot_id_reads_the_file_and_falls_back_when_missing(tmp_path) -> None:
     f.write_text("abc-123\n")
     assert boot_id(str(f)) == "abc-123"
     assert boot_id(str(tmp_path / "missing")) == "unknown"
+
+
+# --- versions: a record of the previous commit, and of a newer agent ------------------------------------
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
+
+
+def test_a_record_written_by_the_previous_commit_is_read(tmp_path) -> None:
+    # Written by main@03d318a's record.py (tests/unit/fixtures/make_owners_record.py says how).
+    path = tmp_path / "owners.json"
+    with open(os.path.join(FIXTURES, "owners-main-03d318a.json")) as src:
+        path.write_text(src.read())
+    store = RecordStore(str(path))
+    owners = store.record.owners
+    assert store.record.boot_id == "0b8d6c1e-5b2f-4f7e-9a51-3c2d7a0e9f11"
+    assert sorted(owners) == ["uid-a", "uid-b", "uid-c", "uid-d"]
+    assert owners["uid-a"] == OwnerEntry("uid-a", "team-a/notebook", MODE_MIG, 1, COMPLETED, 16384 * 2**20, 19,
+                                         "1g.18gb", 3, 1, 7, 0, "MIG-7f0c2f9e-0000-5000-8000-000000000007",
+                                         reused=True)
+    assert owners["uid-b"].mode == MODE_FRACTION and owners["uid-b"].granted_bytes == 4 * 2**30
+    assert owners["uid-c"].state == STARTED and owners["uid-c"].gi_id == -1
+    assert store.record.idle_since == {"MIG-7f0c2f9e-0000-5000-8000-000000000011": "2026-11-26T11:00:00.000Z"}
+    assert {c.claim_uid: c.slice_uid for c in store.prepared.values()} == {"claim-1": "uid-a", "claim-2": "uid-d"}
+    assert store.revoked == frozenset({"uid-d"})
+    store.drop("uid-b", "2026-11-26T12:00:00.000Z")  # a rewrite is read back the same way
+    again = RecordStore(str(path))
+    assert again.record == store.record and again.prepared == store.prepared and again.revoked == store.revoked
+    assert json.loads(path.read_text())["version"] == record_module.VERSION
+
+
+def test_a_newer_records_unknown_fields_are_read_and_kept_on_rewrite(path) -> None:
+    entry = {"uid": "u", "slice": "ns/u", "mode": "mig", "gpu": 0, "state": "completed", "gi_id": 3,
+             "device_uuid": "MIG-3", "migDeviceKind": "mig-1g", "health": {"xid": []}}
+    data = {"version": record_module.VERSION + 1, "bootId": "b", "owners": {"u": entry},
+            "preparedClaims": {"c1": {"namespace": "ns", "name": "u", "sliceUID": "u", "generation": 2}},
+            "checksum": "f00d", "futureSection": {"a": 1}}
+    with open(path, "w") as fh:
+        json.dump(data, fh)
+    store = RecordStore(path)
+    assert store.record.owners["u"] == OwnerEntry("u", "ns/u", MODE_MIG, 0, COMPLETED, gi_id=3, device_uuid="MIG-3")
+    store.put(FRACTION_ENTRY)
+    written = json.loads(open(path).read())
+    assert written["checksum"] == "f00d" and written["futureSection"] == {"a": 1}
+    assert written["owners"]["u"]["migDeviceKind"] == "mig-1g" and written["owners"]["u"]["health"] == {"xid": []}
+    assert written["preparedClaims"]["c1"]["generation"] == 2
+    assert "migDeviceKind" not in written["owners"]["uid-b"]
+    assert written["version"] == record_module.VERSION + 1  # still says its fields are a newer version's
+    assert RecordStore(path).record == store.record
+
+
+@pytest.mark.parametrize("version", ["1", 0, -3, True, 1.5])
+def test_a_record_with_a_bad_version_is_refused(path, version) -> None:
+    with open(path, "w") as fh:
+        json.dump({"version": version, "bootId": "b"}, fh)
+    with pytest.raises(RecordError) as info:
+        RecordStore(path)
+    assert path in str(info.value)

@@ -18,6 +18,7 @@ pynvml = pytest.importorskip("pynvml")
 
 from mig_operator.core.profiles import get_model  # noqa: E402
 from mig_operator.gpu import nvml as nvml_backend  # noqa: E402
+from mig_operator.gpu import nvml_query  # noqa: E402
 from mig_operator.gpu.inventory import describe, render_text  # noqa: E402
 from mig_operator.gpu.protocol import GpuError  # noqa: E402
 from mig_operator.gpu.simulated import SimulatedBackend  # noqa: E402
@@ -234,6 +235,7 @@ class FakeNvml:
 def fake(monkeypatch: pytest.MonkeyPatch) -> FakeNvml:
     nvml = FakeNvml()
     monkeypatch.setattr(nvml_backend, "pynvml", nvml)
+    monkeypatch.setattr(nvml_query, "pynvml", nvml)
     monkeypatch.setattr(nvml_backend, "_session_refs", 0)
     return nvml
 

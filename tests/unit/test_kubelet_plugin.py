@@ -8,174 +8,28 @@ The API server here is an in-memory stand-in holding the few objects the agent r
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
 import os
-import shutil
 import stat
 import subprocess
 import sys
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from fake_kubelet import FakeKubelet
+from kubelet_harness import (
+    CLAIMS,
+    NODE,
+    SLICES,
+    Node,
+    allocated_claim,
+    mig_slice,
+    root_fixture,  # noqa: F401 (the fixture ``root``)
+)
 
 from mig_operator.core.cdi import SliceDevice, slice_spec
-from mig_operator.core.lifecycle import idle_instances
 from mig_operator.gpu.device_files import device_nodes, simulated_cap_minor
-from mig_operator.gpu.simulated import SimulatedBackend
-from mig_operator.kube.agent.agent import AgentSettings, NodeAgent
-from mig_operator.kube.agent.inventory import instance_state
 from mig_operator.kube.agent.kubelet_plugin import KubeletPlugin, PluginSettings
-from mig_operator.kube.agent.record import RecordStore
-from mig_operator.kube.common.client import ApiError
-
-NODE = "node-a"
-SLICES = "/apis/cdmo.io/v1alpha1"
-CLAIMS = "/apis/resource.k8s.io/v1"
-MIG_PROFILE_ID, MIG_PROFILE = 19, "1g.10gb"  # h100-80gb's smallest profile
-
-
-class ApiStandIn:
-    """Objects by path; just what NodeAgent and the plugin call."""
-
-    def __init__(self) -> None:
-        self.objects: dict[str, dict] = {
-            f"/api/v1/nodes/{NODE}": {"metadata": {"name": NODE, "uid": "node-uid-1", "labels": {}}},
-        }
-        self.version = 1
-
-    def _bump(self, body: dict) -> dict:
-        self.version += 1
-        body.setdefault("metadata", {})["resourceVersion"] = str(self.version)
-        return copy.deepcopy(body)
-
-    async def get(self, path: str, params: Any = None) -> dict:
-        if path not in self.objects:
-            raise ApiError(404, "NotFound", f"{path} not found")
-        return copy.deepcopy(self.objects[path])
-
-    async def list(self, path: str, label_selector: str | None = None, field_selector: str | None = None) -> list:
-        if path.endswith("/resourceslices"):  # one node here: the field selector holds for all of them
-            return [copy.deepcopy(o) for p, o in self.objects.items() if p.startswith(f"{path}/")]
-        return [copy.deepcopy(o) for p, o in self.objects.items() if p.startswith(SLICES) and "/gpuslices/" in p]
-
-    async def merge_patch(self, path: str, body: dict) -> dict:
-        target = path.removesuffix("/status")
-        if target.startswith(f"{SLICES}/gpunodes"):
-            return {"metadata": {"resourceVersion": "1"}}
-        if target not in self.objects:
-            raise ApiError(404, "NotFound", f"{path} not found")
-        self.objects[target].setdefault("status", {}).update(copy.deepcopy(body.get("status") or {}))
-        return self._bump(self.objects[target])
-
-    async def json_patch(self, path: str, ops: list) -> dict:
-        # Only the agent's finalizer removal: drop the finalizers the ops remove.
-        body = self.objects[path]
-        for op in ops:
-            if op["op"] == "remove":
-                body["metadata"]["finalizers"].pop(int(op["path"].rsplit("/", 1)[1]))
-        return self._bump(body)
-
-    async def create(self, path: str, body: dict) -> dict:
-        full = f"{path}/{body['metadata']['name']}"
-        if full in self.objects:
-            raise ApiError(409, "Conflict", "exists")
-        self.objects[full] = copy.deepcopy(dict(body))
-        return self._bump(self.objects[full])
-
-    async def request(self, method: str, path: str, body: Any = None, **_: Any) -> dict:
-        assert method == "PUT"
-        self.objects[path] = copy.deepcopy(body)
-        return self._bump(self.objects[path])
-
-    async def delete(self, path: str) -> dict:
-        return self.objects.pop(path)
-
-
-class NoEvents:
-    def post(self, *args: Any) -> None:
-        pass
-
-    async def drain(self) -> None:
-        pass
-
-
-def mig_slice(uid: str, name: str, start: int, phase: str = "Bound") -> dict:
-    return {"metadata": {"uid": uid, "name": name, "namespace": "team", "resourceVersion": "1",
-                         "finalizers": ["cdmo.io/agent"]},
-            "status": {"phase": phase, "node": NODE, "gpu": 0, "mode": "mig", "grantedBytes": 10 * 2**30,
-                       "profileId": MIG_PROFILE_ID, "profile": MIG_PROFILE, "placement": {"start": start, "size": 1}}}
-
-
-def allocated_claim(uid: str, name: str, device: str, pool: str = NODE, namespace: str = "team",
-                    owner: str | None = "") -> dict:
-    """A claim allocated ``device``; controlled by the GpuSlice of UID ``owner`` ("": the device's
-    slice, as the controller writes it; None: no owner)."""
-    refs = [] if owner is None else [{"apiVersion": "cdmo.io/v1alpha1", "kind": "GpuSlice", "name": name,
-                                      "uid": owner or device, "controller": True}]
-    return {"metadata": {"uid": uid, "name": name, "namespace": namespace, "ownerReferences": refs},
-            "status": {"allocation": {"devices": {"results": [
-                {"request": "gpu", "driver": "gpu.cdmo.io", "pool": pool, "device": device}]}}}}
-
-
-class Node:
-    """One simulated node: API stand-in, backend, record, agent and plugin, restartable."""
-
-    def __init__(self, root: Path, model: str = "h100-80gb") -> None:
-        self.root = root
-        self.model = model
-        self.api = ApiStandIn()
-        self.settings = PluginSettings(registry_dir=str(root / "reg"), plugin_dir=str(root / "plug"),
-                                       cdi_dir=str(root / "cdi"), shim_host_dir=str(root / "shim"),
-                                       nvidia_cdi_dirs=(str(root / "etc-cdi"), str(root / "cdi")))
-        (root / "reg").mkdir()
-        self.agent: NodeAgent | None = None
-        self.plugin: KubeletPlugin | None = None
-
-    def backend(self) -> SimulatedBackend:
-        return SimulatedBackend(self.model, count=1, state_file=str(self.root / "sim.json"), host=NODE)
-
-    async def start(self) -> None:
-        store = RecordStore(str(self.root / "owners.json"))
-        self.agent = NodeAgent(AgentSettings(NODE, publish_delay_s=0.01, heartbeat_s=3600,
-                                                 release_recheck_s=0.05), self.backend(), store,
-                               self.api, NoEvents())  # type: ignore[arg-type]
-        await self.agent.start()
-        self.plugin = KubeletPlugin(self.agent, self.settings)
-        assert await self.plugin.start()
-
-    async def stop(self) -> None:
-        assert self.plugin is not None and self.agent is not None
-        await self.plugin.stop()
-        await self.agent.stop()
-
-    async def add_slice(self, body: dict) -> dict:
-        path = f"{SLICES}/namespaces/team/gpuslices/{body['metadata']['name']}"
-        self.api.objects[path] = body
-        assert self.agent is not None
-        await self.agent.handle(copy.deepcopy(body))
-        # The watch then shows the agent's own Ready write.
-        await self.agent.handle(copy.deepcopy(self.api.objects[path]))
-        return self.api.objects[path]
-
-    def add_claim(self, body: dict) -> None:
-        meta = body["metadata"]
-        self.api.objects[f"{CLAIMS}/namespaces/{meta['namespace']}/resourceclaims/{meta['name']}"] = body
-
-    def spec_path(self, slice_uid: str) -> Path:
-        return self.root / "cdi" / f"gpu.cdmo.io-slice_{slice_uid}.json"
-
-
-@pytest.fixture
-def root() -> Iterator[Path]:
-    # Short: a unix socket path holds at most 107 bytes, and pytest's tmp_path can be longer.
-    path = Path(tempfile.mkdtemp(prefix="kp-"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def test_registration_prepare_unprepare_repeated(root: Path) -> None:
@@ -449,164 +303,6 @@ def test_nvidia_toolkit_spec_adds_its_device_id(root: Path) -> None:
             answer = await kubelet.prepare(("c-1", "train"))
             assert list(answer.claims["c-1"].devices[0].cdi_device_ids) == \
                 ["gpu.cdmo.io/slice=s-1", f"nvidia.com/gpu={uuid}"]
-        finally:
-            await kubelet.close()
-            await node.stop()
-
-    asyncio.run(scenario())
-
-
-def test_prepared_claim_survives_a_restart_and_holds_a_deleted_slices_instance(root: Path) -> None:
-    async def scenario() -> None:
-        node = Node(root)
-        await node.start()
-        kubelet = FakeKubelet(str(root / "reg" / "gpu.cdmo.io-reg.sock"))
-        try:
-            await kubelet.register()
-            body = await node.add_slice(mig_slice("s-1", "train", 0))
-            node.add_claim(allocated_claim("c-1", "train", "s-1"))
-            prepared = await kubelet.prepare(("c-1", "train"))
-            assert prepared.claims["c-1"].error == ""
-            slice_in_api = f"{SLICES}/namespaces/team/gpuslices/train"
-            await asyncio.sleep(0.1)  # the coalesced publish
-            assert [d["name"] for d in node.api.objects[f"{CLAIMS}/resourceslices/{NODE}-gpu.cdmo.io"]["spec"]
-                    ["devices"]] == ["s-1"]
-
-            # The slice is deleted while the pod runs: its instance stays held, offered to nobody.
-            deleting = copy.deepcopy(body)
-            deleting["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
-            assert node.agent is not None
-            await node.agent.handle(deleting)
-            del node.api.objects[slice_in_api]
-            await node.agent.deleted(deleting)
-            record = node.agent.store.record
-            assert "s-1" in record.owners and "s-1" in node.agent.store.revoked
-            assert idle_instances(record, 0, [instance_state(i) for i in node.backend().instances(0)]) == []
-            await asyncio.sleep(0.1)  # the coalesced publish
-            assert node.api.objects[f"{CLAIMS}/resourceslices/{NODE}-gpu.cdmo.io"]["spec"]["devices"] == []
-
-            # The agent restarts (new servers, the same record): still held, and the kubelet's calls work.
-            await kubelet.close()
-            await node.stop()
-            await node.start()
-            kubelet = FakeKubelet(str(root / "reg" / "gpu.cdmo.io-reg.sock"))
-            await kubelet.register()
-            assert node.agent.store.prepared.keys() == {"c-1"} and "s-1" in node.agent.store.revoked
-            assert "s-1" in node.agent.store.record.owners
-            again = await kubelet.prepare(("c-1", "train"))  # the kubelet may ask again: same answer
-            assert again == prepared
-
-            await kubelet.unprepare(("c-1", "train"))
-            assert not node.spec_path("s-1").exists()
-            record = node.agent.store.record
-            uuid = node.backend().instances(0)[0].device_uuid
-            assert "s-1" not in record.owners and uuid in record.idle_since  # idle now, reusable
-            assert not node.agent.store.revoked
-        finally:
-            await kubelet.close()
-            await node.stop()
-
-    asyncio.run(scenario())
-
-
-def owned_claim(uid: str, name: str, device: str, slice_uid: str, pods: list[str]) -> dict:
-    body = allocated_claim(uid, name, device)
-    body["metadata"]["ownerReferences"] = [{"apiVersion": "cdmo.io/v1alpha1", "kind": "GpuSlice", "name": name,
-                                            "uid": slice_uid, "controller": True}]
-    body["status"]["reservedFor"] = [{"resource": "pods", "name": p, "uid": f"pod-{p}"} for p in pods]
-    return body
-
-
-def test_a_deleted_slice_in_use_keeps_its_finalizer_and_device_until_its_claim_is_free(root: Path) -> None:
-    """Issue 24: the agent removed its finalizer while a claim was prepared, so the slice, its binding
-    and its quota charge vanished while the pod kept the device. Now it is kept, saying who holds it,
-    until the kubelet unprepares the claim and the claim's reservation is gone."""
-    async def scenario() -> None:
-        node = Node(root)
-        await node.start()
-        kubelet = FakeKubelet(str(root / "reg" / "gpu.cdmo.io-reg.sock"))
-        try:
-            await kubelet.register()
-            await node.add_slice(mig_slice("s-1", "train", 0))
-            claim_path = f"{CLAIMS}/namespaces/team/resourceclaims/train"
-            node.add_claim(owned_claim("c-1", "train", "s-1", "s-1", ["trainer"]))
-            assert (await kubelet.prepare(("c-1", "train"))).claims["c-1"].error == ""
-            slice_in_api = f"{SLICES}/namespaces/team/gpuslices/train"
-            uuid = node.backend().instances(0)[0].device_uuid
-            assert node.agent is not None
-
-            def released() -> dict | None:
-                conds = node.api.objects[slice_in_api]["status"].get("conditions") or []
-                return next((c for c in conds if c["type"] == "Released"), None)
-
-            deleting = copy.deepcopy(node.api.objects[slice_in_api])
-            deleting["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
-            node.api.objects[slice_in_api]["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
-            await node.agent.handle(deleting)
-            kept = node.api.objects[slice_in_api]
-            assert kept["metadata"]["finalizers"] == ["cdmo.io/agent"]
-            cond = released()
-            assert cond is not None and (cond["status"], cond["reason"]) == ("False", "InUse")
-            assert "pod team/trainer" in cond["message"] and f"prepared on node {NODE}" in cond["message"]
-            assert (kept["status"]["phase"], kept["status"]["reason"]) == ("Ready", "InUse")
-            record = node.agent.store.record
-            assert "s-1" in record.owners and "s-1" not in node.agent.store.revoked
-            assert uuid not in record.idle_since
-            await asyncio.sleep(0.1)  # the coalesced publish: no longer a device anyone can claim
-            assert node.api.objects[f"{CLAIMS}/resourceslices/{NODE}-gpu.cdmo.io"]["spec"]["devices"] == []
-
-            # The pod's containers stop: the kubelet unprepares, the reservation is still there.
-            await kubelet.unprepare(("c-1", "train"))
-            await asyncio.sleep(0.2)
-            assert node.api.objects[slice_in_api]["metadata"]["finalizers"] == ["cdmo.io/agent"]
-            cond = released()
-            assert cond is not None and "prepared on node" not in cond["message"]
-            assert "pod team/trainer" in cond["message"]
-            assert "s-1" in node.agent.store.record.owners
-
-            # The pod is gone: kube-controller-manager drops the reservation; released within a re-check.
-            node.api.objects[claim_path]["status"]["reservedFor"] = []
-            deadline = asyncio.get_running_loop().time() + 5
-            while node.api.objects[slice_in_api]["metadata"]["finalizers"]:
-                assert asyncio.get_running_loop().time() < deadline, "the finalizer was never removed"
-                await asyncio.sleep(0.05)
-            record = node.agent.store.record
-            assert "s-1" not in record.owners and uuid in record.idle_since  # idle now, reusable
-            assert not node.agent._holding
-        finally:
-            await kubelet.close()
-            await node.stop()
-
-    asyncio.run(scenario())
-
-
-def test_a_restart_writes_prepared_specs_again_and_unprepare_removes_them(root: Path) -> None:
-    async def scenario() -> None:
-        node = Node(root)
-        await node.start()
-        kubelet = FakeKubelet(str(root / "reg" / "gpu.cdmo.io-reg.sock"))
-        await kubelet.register()
-        await node.add_slice(mig_slice("s-1", "train", 0))
-        node.add_claim(allocated_claim("c-1", "train", "s-1"))
-        assert (await kubelet.prepare(("c-1", "train"))).claims["c-1"].error == ""
-        await kubelet.close()
-        await node.stop()
-        # While it is down the node reboots (/var/run/cdi is a tmpfs) or a spec is left from an old claim.
-        written = node.spec_path("s-1").read_text()
-        node.spec_path("s-1").unlink()
-        node.spec_path("s-old").write_text("{}")
-        (root / "cdi" / "other-vendor.json").write_text("{}")
-
-        await node.start()
-        kubelet = FakeKubelet(str(root / "reg" / "gpu.cdmo.io-reg.sock"))
-        try:
-            await kubelet.register()
-            assert node.spec_path("s-1").read_text() == written  # written again for the prepared claim
-            assert not node.spec_path("s-old").exists()  # no prepared claim names it
-            assert (root / "cdi" / "other-vendor.json").exists()  # not ours
-            assert (await kubelet.unprepare(("c-1", "train"))).claims["c-1"].error == ""
-            assert not node.spec_path("s-1").exists()
-            assert "s-1" in node.agent.store.record.owners  # the slice lives on: only its claim went
         finally:
             await kubelet.close()
             await node.stop()

@@ -289,7 +289,7 @@ def _published_gpu() -> tuple[dict[str, Any], Any]:
 
 
 def test_the_slots_gauge_counts_what_the_gpunode_columns_and_top_count() -> None:
-    from mig_operator.kube.agent.agent import slot_states
+    from mig_operator.kube.agent.publish import slot_states
 
     status, h200 = _published_gpu()
     counts = slot_states(status["gpus"][0], h200.memory_slots)
@@ -307,7 +307,7 @@ def test_the_agent_sets_the_slots_gauge_and_drops_it_when_the_gpu_leaves_mig() -
 
     from prometheus_client import REGISTRY
 
-    from mig_operator.kube.agent.agent import NodeAgent
+    from mig_operator.kube.agent.publish import Publisher
 
     status, h200 = _published_gpu()
     agent = SimpleNamespace(settings=SimpleNamespace(node="slots-node"), _slot_models={})
@@ -316,9 +316,9 @@ def test_the_agent_sets_the_slots_gauge_and_drops_it_when_the_gpu_leaves_mig() -
         return REGISTRY.get_sample_value("mig_operator_slots", {"node": "slots-node", "gpu": "0", "model": model,
                                                                 "state": state})
 
-    NodeAgent._publish_slots(agent, status["gpus"][0], h200)  # type: ignore[arg-type]
+    Publisher.publish_slots(agent, status["gpus"][0], h200)  # type: ignore[arg-type]
     assert [sample(s) for s in ("in_use", "idle", "free")] == [3, 1, 4]
-    NodeAgent._publish_slots(agent, status["gpus"][0] | {"migEnabled": False}, h200)  # type: ignore[arg-type]
+    Publisher.publish_slots(agent, status["gpus"][0] | {"migEnabled": False}, h200)  # type: ignore[arg-type]
     assert [sample(s) for s in ("in_use", "idle", "free")] == [None, None, None]
 
 

@@ -130,7 +130,7 @@ def make_agent(tmp_path: Any, client: RecordingClient) -> NodeAgent:
     backend = SimulatedBackend("h100-80gb", state_file=str(tmp_path / "sim.json"))
     settings = AgentSettings(node="gpu-a", publish_delay_s=0.01)
     agent = NodeAgent(settings, backend, RecordStore(str(tmp_path / "owners.json")), client, events=None)  # type: ignore[arg-type]
-    agent._gpus = backend.gpus()
+    agent.gpus.all = backend.gpus()
     return agent
 
 
@@ -143,11 +143,11 @@ def test_a_change_made_while_the_gpunode_is_written_gets_a_write_of_its_own(tmp_
     async def scenario() -> list[str]:
         client = RecordingClient()
         agent = make_agent(tmp_path, client)
-        agent._labelled = True
+        agent.node_watch.labelled = True
         agent.schedule_publish()
         client.hold = asyncio.Event()
         await asyncio.wait_for(client.entered.wait(), 5)  # the first write is under way ...
-        agent._labelled = False  # ... when something changes (here the label, as the heartbeat reads it)
+        agent.node_watch.labelled = False  # ... when something changes (here the label, as the heartbeat reads it)
         agent.schedule_publish()
         client.hold.set()
         for _ in range(100):
@@ -161,7 +161,7 @@ def test_a_change_that_must_go_out_at_once_does_not_wait_behind_a_coalescing_del
     async def scenario() -> tuple[int, float]:
         client = RecordingClient()
         agent = make_agent(tmp_path, client)
-        agent.settings = replace(agent.settings, publish_delay_s=30.0)
+        agent.publisher.settings = replace(agent.publisher.settings, publish_delay_s=30.0)
         agent.schedule_publish()  # a change that may wait (an instance released): 30 s of coalescing
         await asyncio.sleep(0.05)
         started = time.monotonic()

@@ -29,8 +29,7 @@ import logging
 import os
 import shutil
 import stat
-import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -53,8 +52,10 @@ from mig_operator.core.cluster import MODE_FRACTION, MODE_MIG
 from mig_operator.core.lifecycle import OwnerEntry
 from mig_operator.core.slice_claim import claim_path as resource_claim_path
 from mig_operator.gpu.device_files import DeviceFileError, device_nodes
+from mig_operator.gpu.files import write_atomically
 
 from ..common.client import ApiError, KubeClient
+from ..common.names import SHIM_HOST_DIR
 from .kubeletapi import DRA_PLUGIN_SERVICE, DRA_PLUGIN_TYPE
 from .kubeletapi import dra_v1_pb2 as dra
 from .kubeletapi import dra_v1_pb2_grpc as dra_grpc
@@ -69,7 +70,6 @@ DRA_SOCKET = "dra.sock"
 DEFAULT_REGISTRY_DIR = "/var/lib/kubelet/plugins_registry"
 DEFAULT_PLUGIN_DIR = f"/var/lib/kubelet/plugins/{DRIVER}"
 DEFAULT_CDI_DIR = "/var/run/cdi"
-DEFAULT_SHIM_HOST_DIR = "/var/lib/mig-operator/shim"
 # Where the NVIDIA toolkit's spec may be (nvidia-ctk cdi generate; the GPU Operator with CDI on).
 NVIDIA_CDI_DIRS = ("/etc/cdi", "/var/run/cdi")
 MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes with the terminating NUL
@@ -80,7 +80,7 @@ class PluginSettings:
     registry_dir: str = DEFAULT_REGISTRY_DIR  # "" serves no plugin (no kubelet on this machine)
     plugin_dir: str = DEFAULT_PLUGIN_DIR
     cdi_dir: str = DEFAULT_CDI_DIR
-    shim_host_dir: str = DEFAULT_SHIM_HOST_DIR
+    shim_host_dir: str = SHIM_HOST_DIR
     nvidia_cdi_dirs: tuple[str, ...] = NVIDIA_CDI_DIRS
 
     @property
@@ -134,22 +134,6 @@ class PrepareRefused(Exception):
 
 def _claim_ref(claim: Any) -> str:
     return f"ResourceClaim {claim.namespace}/{claim.name} (uid {claim.uid})"
-
-
-def write_file_atomically(path: str, text: str, mode: int = 0o644) -> None:
-    directory = os.path.dirname(path)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
 
 
 def make_ledger_dir(path: str) -> None:
@@ -286,7 +270,7 @@ class ClaimPreparer:
             await asyncio.to_thread(make_ledger_dir, ledger_dir(self.settings.ledger_host_dir, entry.uid))
         os.makedirs(self.settings.cdi_dir, exist_ok=True)
         path = os.path.join(self.settings.cdi_dir, spec_file_name(entry.uid))
-        await asyncio.to_thread(write_file_atomically, path, json.dumps(spec, indent=1) + "\n")
+        await asyncio.to_thread(write_atomically, path, json.dumps(spec, indent=1) + "\n", 0o644)
         ids = [device_id(entry.uid)]
         nvidia = await asyncio.to_thread(find_nvidia_device, self.settings.nvidia_cdi_dirs, entry.device_uuid)
         if nvidia is not None:
@@ -431,6 +415,3 @@ def socket_paths_fit(settings: PluginSettings) -> list[str]:
     paths = [settings.dra_socket] + ([settings.registration_socket] if settings.registry_dir else [])
     return [p for p in paths if len(p.encode()) > MAX_SOCKET_PATH]
 
-
-def describe_claims(claims: Mapping[str, PreparedClaim]) -> str:
-    return ", ".join(f"{c.namespace}/{c.name}->{c.slice_uid}" for c in claims.values()) or "none"

@@ -1,7 +1,7 @@
 """``mig-operator agent``: the node agent as a kopf operator, standalone (every agent runs).
 
-It watches only the GpuSlices bound to its node, through a server-side label selector, so its
-work and traffic grow with its own node's slices, not with the cluster.
+It watches only the GpuSlices bound to its node (a server-side field selector on the slice's node), so
+its work and traffic grow with its own node's slices, not with the cluster.
 """
 
 from __future__ import annotations

@@ -6,22 +6,33 @@ the kubelet has had prepared (claim UID -> slice UID) and the slices deleted whi
 was prepared (their instances stay held until the kubelet unprepares the claim). Every change is written to a
 temporary file, fsynced and renamed over the old one, so a crash leaves the old record or the new
 one, never half of either; the directory is fsynced too, so the rename survives a power cut.
+
+Versioned as NVIDIA's DRA driver checkpoint is: the file says which ``version`` wrote it; an older
+version is converted on read (``_UPGRADES``, one step per version: a format change adds a step and
+bumps ``VERSION``); fields this version does not know are kept and written back as they were, so an
+agent downgraded later still reads what a newer one wrote (a newer record keeps its version number
+when rewritten). Only a record of a newer version may carry unknown entry fields: in a version this
+code knows, one is a corrupt record, refused.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import tempfile
 import threading
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
 
 from mig_operator.core.lifecycle import OwnerEntry, OwnerRecord
+from mig_operator.gpu.files import write_atomically
 
 BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
-_VERSION = 1
+VERSION = 1  # what this code writes
+# version -> the conversion of a record of that version to the next one (none yet: 1 is the first).
+_UPGRADES: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {}
+_TOP_FIELDS = ("version", "bootId", "owners", "idleSince", "preparedClaims", "revoked")
+_CLAIM_FIELDS = ("namespace", "name", "sliceUID")
 
 
 @dataclass(frozen=True)
@@ -41,19 +52,38 @@ class RecordError(Exception):
 _FIELD_TYPES = {f.name: f.type for f in fields(OwnerEntry)}
 
 
-def _entry(raw: object) -> OwnerEntry:
+def _entry(raw: object, newer: bool) -> tuple[OwnerEntry, dict[str, Any]]:
     """One owner entry, every field of the type OwnerEntry declares (a wrongly typed one would
-    never match its instance, and its instance would look unowned)."""
+    never match its instance, and its instance would look unowned), and the fields it does not
+    know (kept only from a newer version's record)."""
     if not isinstance(raw, dict):
         raise TypeError(f"an owner entry is {type(raw).__name__}, not an object")
+    known: dict[str, Any] = {}
+    unknown: dict[str, Any] = {}
     for key, value in raw.items():
         kind = _FIELD_TYPES.get(key)
         if kind is None:
-            raise TypeError(f"unknown field {key!r}")
+            if not newer:
+                raise TypeError(f"unknown field {key!r}")
+            unknown[key] = value
+            continue
         expected = {"str": str, "int": int, "bool": bool}[kind]
         if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
             raise TypeError(f"field {key!r} is {value!r}, not {kind}")
-    return OwnerEntry(**raw)
+        known[key] = value
+    return OwnerEntry(**known), unknown
+
+
+def _upgraded(data: dict[str, Any]) -> dict[str, Any]:
+    """The record converted step by step from the version that wrote it to this one (a record
+    without a version is version 1, the first); a newer record is left as it is."""
+    version = data.get("version", 1)
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise TypeError(f"version is {version!r}, not a positive integer")
+    while version < VERSION:
+        data = _UPGRADES[version](data)
+        version += 1
+    return data
 
 
 def _prepared(claim_uid: str, raw: object) -> PreparedClaim:
@@ -88,6 +118,12 @@ class RecordStore:
                 raise RecordError(f"cannot create the directory of owner record {path!r}: {exc.strerror}") from None
         self._prepared: dict[str, PreparedClaim] = {}
         self._revoked: frozenset[str] = frozenset()
+        # What a newer version wrote that this one does not know, written back as it was: top-level
+        # keys, and fields of owner entries and prepared claims (while those exist).
+        self._version = VERSION  # a newer record keeps its version: its unknown fields are still in it
+        self._unknown: dict[str, Any] = {}
+        self._unknown_owners: dict[str, dict[str, Any]] = {}
+        self._unknown_claims: dict[str, dict[str, Any]] = {}
         self._record = self._read()
 
     @property
@@ -142,8 +178,19 @@ class RecordStore:
             raise RecordError(f"owner record {self.path!r} is unreadable ({exc}); "
                               "move it aside to start afresh") from None
         try:
-            owners = {uid: _entry(entry) for uid, entry in (data.get("owners") or {}).items()}
+            data = _upgraded(data)
+            self._version = max(VERSION, data.get("version", 1))
+            newer = self._version > VERSION
+            owners: dict[str, OwnerEntry] = {}
+            for uid, raw in (data.get("owners") or {}).items():
+                owners[uid], unknown = _entry(raw, newer)
+                if unknown:
+                    self._unknown_owners[uid] = unknown
             self._prepared = {uid: _prepared(uid, raw) for uid, raw in (data.get("preparedClaims") or {}).items()}
+            self._unknown_claims = {uid: {k: v for k, v in raw.items() if k not in _CLAIM_FIELDS}
+                                    for uid, raw in (data.get("preparedClaims") or {}).items()
+                                    if set(raw) - set(_CLAIM_FIELDS)}
+            self._unknown = {k: v for k, v in data.items() if k not in _TOP_FIELDS}
             self._revoked = frozenset(str(uid) for uid in (data.get("revoked") or ()))
             return OwnerRecord(
                 boot_id=str(data.get("bootId", "")),
@@ -186,33 +233,18 @@ class RecordStore:
 
     def _write(self, record: OwnerRecord, prepared: dict[str, PreparedClaim], revoked: frozenset[str]) -> None:
         data = {
-            "version": _VERSION,
+            **self._unknown,
+            "version": self._version,
             "bootId": record.boot_id,
-            "owners": {uid: asdict(entry) for uid, entry in sorted(record.owners.items())},
+            "owners": {uid: {**self._unknown_owners.get(uid, {}), **asdict(entry)}
+                       for uid, entry in sorted(record.owners.items())},
             "idleSince": dict(sorted(record.idle_since.items())),
-            "preparedClaims": {uid: {"namespace": c.namespace, "name": c.name, "sliceUID": c.slice_uid}
+            "preparedClaims": {uid: {**self._unknown_claims.get(uid, {}), "namespace": c.namespace, "name": c.name,
+                                     "sliceUID": c.slice_uid}
                                for uid, c in sorted(prepared.items())},
             "revoked": sorted(revoked),
         }
-        directory = os.path.dirname(os.path.abspath(self.path))
         try:
-            fd, tmp = tempfile.mkstemp(prefix=".owners-", dir=directory)
+            write_atomically(self.path, lambda fh: json.dump(data, fh, indent=1), prefix=".owners-")
         except OSError as exc:
             raise RecordError(f"cannot write owner record {self.path!r}: {exc.strerror}") from None
-        try:
-            with os.fdopen(fd, "w") as fh:
-                json.dump(data, fh, indent=1)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, self.path)
-            dir_fd = os.open(directory, os.O_RDONLY)
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
-        except BaseException as exc:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            if isinstance(exc, OSError):
-                raise RecordError(f"cannot write owner record {self.path!r}: {exc.strerror}") from None
-            raise

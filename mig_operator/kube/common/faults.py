@@ -12,7 +12,7 @@ import signal
 
 ENV = "MIG_OPERATOR_CRASHPOINT"
 POINTS = frozenset({
-    "controller:after-bind",  # status written (phase Bound), label and finalizer not yet
+    "controller:after-bind",  # status written (phase Bound); a hand-made slice has no agent finalizer yet
     "agent:after-intent",  # record says started and status says Creating; no NVML call yet
     "agent:during-reclaim",  # the first idle instance of the reclaim set destroyed, the rest not
     "agent:after-create",  # the instance exists; the record and status do not say so yet

@@ -1,0 +1,198 @@
+"""What the node agent tells the cluster: its GpuNode (GPUs, instances, who holds what, conditions),
+its ResourceSlice (one device per offered slice: ``core.lifecycle.offered``) and its metrics.
+
+Changes within ``publish_delay_s`` share one GpuNode write; a heartbeat re-reads the GPUs, the Node
+and the runtime and publishes at least every ``heartbeat_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from mig_operator.core.device_plugin import CONDITION_TYPE, DevicePluginCheck
+from mig_operator.core.lifecycle import OwnerEntry
+from mig_operator.gpu.protocol import GpuError, MigInstance
+
+from ..common import metrics, status
+from ..common.client import ApiError, KubeClient, gpunode_path, gpunodes_path
+from ..common.events import EventPoster
+from ..common.names import API_VERSION, NODE_KIND
+from .gpus import Gpus
+from .inventory import gpunode_status
+from .node_watch import NodeWatch
+from .record import RecordStore
+from .resource_slice import ResourceSlicePublisher, device_info
+
+if TYPE_CHECKING:
+    from .agent import AgentSettings
+
+log = logging.getLogger("mig_operator.agent")
+
+
+class Publisher:
+    """The node's GpuNode, ResourceSlice and gauges, written when something changes and on a heartbeat."""
+
+    def __init__(self, settings: AgentSettings, gpus: Gpus, store: RecordStore, client: KubeClient,
+                 events: EventPoster, node: NodeWatch, offered: Callable[[], list[OwnerEntry]]) -> None:
+        self.settings = settings
+        self.gpus = gpus
+        self.store = store
+        self.client = client
+        self.events = events
+        self.node = node
+        self.offered = offered  # the entries whose device the ResourceSlice lists
+        self.resource_slice = ResourceSlicePublisher(client, settings.node)
+        self._pending: asyncio.Task | None = None
+        self._again = False  # a change arrived while a publish was under way
+        self._now = asyncio.Event()  # set: the next publish skips (or cuts short) its coalescing delay
+        # One ResourceSlice write at a time (a read, then a PUT with its resourceVersion).
+        self._devices_lock = asyncio.Lock()
+        self._conflict_reported = False  # a Warning Event about a device plugin conflict was posted
+        self._slot_models: dict[str, str] = {}  # GPU index -> the model label of its mig_operator_slots series
+
+    def schedule(self, at_once: bool = False) -> None:
+        """Publish soon; changes within ``publish_delay_s`` share one write. A change that arrives
+        while a write is under way gets a write of its own after it (the one under way may have read
+        the GPUs and the record before the change: skipping it left the GpuNode stale until the
+        heartbeat, up to 30 s). ``at_once``: no coalescing delay (a change people wait to see)."""
+        self._again = True
+        if at_once:
+            self._now.set()  # a publish waiting out its delay goes now, with this change
+        if self._pending is None or self._pending.done():
+            self._pending = asyncio.create_task(self._later(), name="gpunode-publish")
+
+    async def _later(self) -> None:
+        while self._again:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._now.wait(), self.settings.publish_delay_s)
+            self._now.clear()
+            self._again = False
+            try:
+                await self.publish()
+            except (GpuError, ApiError) as exc:
+                log.warning("publishing GpuNode %s failed, the heartbeat retries: %s", self.settings.node, exc)
+
+    async def heartbeat(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.heartbeat_s)
+            try:
+                await self.gpus.refresh()
+                await self.node.read()
+                await self.node.read_runtime()
+                await self.publish(verify_devices=True)
+            except (GpuError, ApiError) as exc:
+                log.warning("GpuNode heartbeat failed: %s", exc)
+
+    def cancel(self) -> list[asyncio.Task]:
+        if self._pending is not None:
+            self._pending.cancel()
+            return [self._pending]
+        return []
+
+    async def publish(self, verify_devices: bool = False) -> None:
+        models: dict[int, Any] = {}
+        instances: dict[int, list[MigInstance]] = {}
+        for gpu in self.gpus.all:
+            models[gpu.index] = (await self.gpus.call("model", self.gpus.backend.model, gpu.index)
+                                 if gpu.mig_capable else None)
+            instances[gpu.index] = await self.gpus.instances(gpu)
+        node = self.node
+        check = node.device_plugin
+        body = gpunode_status(self.gpus.all, models, instances, self.store.record, node.labelled, status.now(),
+                              self.store.revoked, check, node.device_plugin_since,
+                              node.runtime.condition() if node.runtime is not None else None)
+        metrics.DEVICE_PLUGIN_CONFLICT.labels(self.settings.node).set(1 if check.conflict else 0)
+        for gpu in body["gpus"]:
+            states = {"in_use": 0, "idle": 0}
+            for inst in gpu["instances"]:
+                states["in_use" if inst["sliceUID"] or inst["inUse"] else "idle"] += 1
+            for state, count in states.items():
+                metrics.INSTANCES.labels(self.settings.node, str(gpu["index"]), state).set(count)
+            metrics.GRANTED_BYTES.labels(self.settings.node, str(gpu["index"])).set(gpu["grantedBytes"])
+            self.publish_slots(gpu, models.get(gpu["index"]))
+        # Devices first: the controller writes a slice's claim and ungates its pod once the GpuNode lists
+        # the device, and kube-scheduler must then find that device in the ResourceSlice already (else
+        # the pod is unschedulable until the next ResourceSlice event requeues it).
+        await self.devices(verify_devices)
+        path = gpunode_path(self.settings.node, status=True)
+        try:
+            written = await self.client.merge_patch(path, {"status": body})
+        except ApiError as exc:
+            if not exc.not_found:
+                raise
+            if not node.uid:
+                # The Node is gone (the garbage collector removed its GpuNode): publish nothing until a
+                # Node of this name exists again, so no inventory outlives its node.
+                log.debug("node %s does not exist: its GpuNode is not written", self.settings.node)
+                return
+            await self._create_gpunode()
+            written = await self.client.merge_patch(path, {"status": body})
+        self._post_device_plugin_event(written, check)
+
+    def _post_device_plugin_event(self, gpunode: Mapping | None, check: DevicePluginCheck) -> None:
+        """An Event on the GpuNode when a device plugin conflict appears, changes or is resolved (the
+        poster skips one that repeats the last, so the heartbeat's publishes post nothing new)."""
+        if not isinstance(gpunode, Mapping) or not (gpunode.get("metadata") or {}).get("uid"):
+            return
+        if check.conflict:
+            self.events.post(gpunode, "Warning", CONDITION_TYPE, check.message)
+            self._conflict_reported = True
+        elif check.resources or self._conflict_reported:
+            # Shared deliberately, or resolved after a conflict this agent reported: said once.
+            self.events.post(gpunode, "Normal", check.reason, check.message)
+            self._conflict_reported = False
+
+    def publish_slots(self, gpu: Mapping[str, Any], model: Any) -> None:
+        """``mig_operator_slots`` of one GPU: the GpuNode's slot columns, per GPU and model."""
+        node, index = self.settings.node, str(gpu["index"])
+        slots = slot_states(gpu, model.memory_slots) if gpu["migEnabled"] and model is not None else None
+        before = self._slot_models.pop(index, None)
+        if before is not None and (slots is None or before != model.name):
+            # No longer a MIG GPU (or another model): its old series would count slots it does not have.
+            for state in ("in_use", "idle", "free"):
+                metrics.SLOTS.remove(node, index, before, state)
+        if slots is not None:
+            for state, count in slots.items():
+                metrics.SLOTS.labels(node, index, model.name, state).set(count)
+            self._slot_models[index] = model.name
+
+    async def devices(self, verify: bool = False) -> None:
+        """The node's ResourceSlice: one device per offered slice (written only when that changes;
+        ``verify``: read back even if unchanged here, since the kubelet may have deleted it)."""
+        async with self._devices_lock:
+            devices = [device_info(e) for e in self.offered()]
+            try:
+                await self.resource_slice.publish(devices, self.node.uid, verify=verify)
+            except ApiError as exc:
+                self.resource_slice.forget()  # written again at the next publish or heartbeat
+                log.warning("publishing the ResourceSlice of node %s failed, retried: %s", self.settings.node, exc)
+
+    async def _create_gpunode(self) -> None:
+        # Owned by its Node: deleting the Node deletes its inventory (kube-controller-manager's GC).
+        meta: dict[str, Any] = {"name": self.settings.node, "ownerReferences": [
+            {"apiVersion": "v1", "kind": "Node", "name": self.settings.node, "uid": self.node.uid}]}
+        body = {"apiVersion": API_VERSION, "kind": NODE_KIND, "metadata": meta,
+                "spec": {"nodeName": self.settings.node}}
+        try:
+            await self.client.create(gpunodes_path(), body)
+        except ApiError as exc:
+            if not exc.conflict:
+                raise
+
+
+def slot_states(gpu: Mapping[str, Any], memory_slots: int) -> dict[str, int]:
+    """A MIG GPU's memory slots under instances in use, under idle ones and under none, from its GpuNode
+    entry: the rule of the GpuNode's columns (held by a slice or running a process is in use)."""
+    held = idle = 0
+    for inst in gpu["instances"]:
+        mask = ((1 << inst["size"]) - 1) << inst["start"]
+        if inst["sliceUID"] or inst["inUse"]:
+            held |= mask
+        else:
+            idle |= mask
+    return {"in_use": held.bit_count(), "idle": idle.bit_count(),
+            "free": memory_slots - (held | idle).bit_count()}

@@ -1,0 +1,345 @@
+"""Realising a slice bound to this node, and letting its instance go when it fails or is gone.
+
+Decisions come from ``core.lifecycle`` (what to do with a slice event, which instance to use); this
+module carries them out in this order, so that a crash anywhere leaves an intent to finish or an
+idle instance, never a leak or a device serving two slices:
+
+1. record the intent (owner record ``started``), and write ``phase: Creating`` before any NVML call;
+2. destroy the reclaim set (each only if the record gives it to no slice and NVML reports no process),
+   then reuse, complete or create the instance;
+3. record the device (``completed``), then write ``phase: Ready``.
+
+A slice that fails, or is gone (``release.py`` releases a deleted one), lets its instance go: idle
+in the record, or held while a claim prepared on it is (``let_go``). A reuse makes no NVML change
+and is handed over at once, never waiting behind a create on the GPU's lock; an instance claimed by
+one slice's step (a reuse, or a create's reclaim) is never taken by another's until it is recorded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import replace
+from typing import TYPE_CHECKING, TypeVar
+
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
+
+from mig_operator.core.cluster import (
+    MODE_FRACTION,
+    MODE_MIG,
+    Binding,
+    InstanceState,
+    binding_from_status,
+    describe_binding,
+)
+from mig_operator.core.lifecycle import (
+    COMPLETED,
+    CREATING,
+    STARTED,
+    Blocked,
+    MigSteps,
+    OwnerEntry,
+    OwnerRecord,
+    offered,
+    offered_entries,
+    plan_mig,
+)
+from mig_operator.core.quantities import format_bytes
+from mig_operator.gpu.protocol import GpuError, GpuInfo, MigInstance
+
+from ..common import metrics, status
+from ..common.client import KubeClient, resource_version, slice_path
+from ..common.events import EventPoster
+from ..common.faults import crashpoint
+from .gpus import Gpus, describe_instance
+from .inventory import instance_state
+from .publish import Publisher
+from .record import RecordStore
+
+if TYPE_CHECKING:
+    from .agent import AgentSettings
+
+log = logging.getLogger("mig_operator.agent")
+T = TypeVar("T")
+
+
+def _gpu_error_reason(error: GpuError) -> str:
+    # NVML's name in CamelCase for status.reason (IN_USE -> NvmlInUse); the message keeps NVML_ERROR_IN_USE.
+    return "Nvml" + "".join(part.capitalize() for part in error.name.split("_"))
+
+
+def _is_transient(exc: BaseException) -> bool:
+    return (isinstance(exc, GpuError) and exc.transient) or (isinstance(exc, Blocked) and exc.transient)
+
+
+def _as_mig(gpu: int, inst: InstanceState) -> MigInstance:
+    return MigInstance(gpu, inst.gi_id, inst.ci_id, inst.profile_id, inst.profile, inst.start, inst.size,
+                       inst.device_uuid, inst.in_use)
+
+
+class Realiser:
+    """Realises and releases this node's slices; knows which slices say Ready (their devices' offers)."""
+
+    def __init__(self, settings: AgentSettings, gpus: Gpus, store: RecordStore, client: KubeClient,
+                 events: EventPoster, publisher: Publisher) -> None:
+        self.settings = settings
+        self.gpus = gpus
+        self.store = store
+        self.client = client
+        self.events = events
+        self.publisher = publisher
+        # Slices whose status says Ready and that are not being deleted, as last seen or written here.
+        self.shown_ready: set[str] = set()
+        # Slices realised whose Ready write is under way: their device is published first, and their
+        # own older events (still Creating) must not take it out again.
+        self.announcing: set[str] = set()
+        self.written: dict[str, int] = {}  # slice UID -> resourceVersion of the agent's last write
+        # (GPU, GI id) -> the slice whose step holds the instance until that step is recorded: a
+        # reuse and a create's reclaim on one GPU never take the same instance.
+        self._claims: dict[tuple[int, int], str] = {}
+
+    # ---- what is offered ---------------------------------------------------------------------------
+
+    def offers(self, uid: str) -> bool:
+        return offered(self.store.record.owners.get(uid), uid in self.store.revoked,
+                       uid in self.shown_ready or uid in self.announcing)
+
+    def offered_entries(self) -> list[OwnerEntry]:
+        return offered_entries(self.store.record, self.store.revoked, self.shown_ready | self.announcing)
+
+    def saw(self, uid: str, phase_ready: bool) -> None:
+        """A slice event says Ready (and not deleting) or not; a slice being announced keeps its offer."""
+        if phase_ready:
+            self.shown_ready.add(uid)
+        elif uid not in self.announcing:
+            self.shown_ready.discard(uid)
+
+    # ---- realise -----------------------------------------------------------------------------------
+
+    async def _retrying(self, what: Callable[[], Awaitable[T]]) -> T:
+        """``what`` again while it fails transiently (NVML IN_USE, TIMEOUT, a process still on an instance)."""
+        async for attempt in AsyncRetrying(
+            stop=stop_after_attempt(self.settings.nvml_attempts),
+            wait=wait_exponential(multiplier=self.settings.nvml_first_wait_s, max=5.0),
+            retry=retry_if_exception(_is_transient),
+            reraise=True,
+        ):
+            with attempt:
+                return await what()
+        raise AssertionError("unreachable: tenacity reraises")
+
+    async def realise(self, body: Mapping) -> None:
+        meta, current = body["metadata"], body.get("status") or {}
+        uid, ref = meta["uid"], f"{meta['namespace']}/{meta['name']}"
+        binding = binding_from_status(uid, current)
+        if binding is None or binding.node != self.settings.node:
+            return
+        started = time.perf_counter()
+        gpu = self.gpus.get(binding.gpu)
+        try:
+            if gpu is None:
+                raise Blocked(f"node {self.settings.node} has no GPU {binding.gpu}", transient=False)
+            if binding.mode == MODE_FRACTION:
+                action, ready = await self._realise_fraction(uid, ref, binding, gpu)
+            else:
+                action, ready = await self._realise_mig(uid, ref, binding, body)
+        except GpuError as exc:
+            await self._fail(body, _gpu_error_reason(exc), f"{describe_binding(binding)}: {exc}")
+            return
+        except Blocked as exc:
+            await self._fail(body, "InUse" if exc.transient else "Conflict", exc.message)
+            return
+        # The device is in the ResourceSlice before the slice says Ready (the pod's claim already
+        # exists: kube-scheduler can allocate it the moment the pod is ungated, with no event to wait
+        # for); the GpuNode, which needs the GPUs read again, follows at once (a full publish before
+        # Ready cost a new instance more than the controller's wait for it: measured, docs/benchmarks.md).
+        self.announcing.add(uid)
+        try:
+            await self.publisher.devices()
+            await self.write_status(body, ready)
+            self.shown_ready.add(uid)
+        except BaseException:
+            self.shown_ready.discard(uid)
+            self.publisher.schedule()
+            raise
+        finally:
+            self.announcing.discard(uid)
+        log.info("slice %s ready: %s", ref, ready["message"])
+        metrics.REALISE_SECONDS.labels(action).observe(time.perf_counter() - started)
+        # The controller hands a device on once the GpuNode lists it: a new instance's must go out at
+        # once; a reused instance (listed idle) and a fraction's GPU are listed already, so their
+        # change joins the next coalesced publish (a GpuNode write costs kube-apiserver about ten
+        # times a slice's status write: docs/benchmarks.md).
+        self.publisher.schedule(at_once=action == "create")
+
+    async def _realise_fraction(self, uid: str, ref: str, binding: Binding, gpu: GpuInfo) -> tuple[str, dict]:
+        if gpu.mig_enabled:
+            raise Blocked(f"GPU {gpu.index} of {self.settings.node} is in MIG mode; it takes no fractions",
+                          transient=False)
+        others = sum(e.granted_bytes for e in self.store.record.owners.values()
+                     if e.mode == MODE_FRACTION and e.gpu == gpu.index and e.uid != uid)
+        if others + binding.granted_bytes > gpu.memory_mib * 2**20:
+            raise Blocked(
+                f"GPU {gpu.index} of {self.settings.node} has {format_bytes(gpu.memory_mib * 2**20 - others)} "
+                f"left for fractions, not {format_bytes(binding.granted_bytes)}", transient=False,
+            )
+        entry = OwnerEntry(uid, ref, MODE_FRACTION, gpu.index, COMPLETED, binding.granted_bytes,
+                           device_uuid=gpu.uuid)
+        await asyncio.to_thread(self.store.put, entry)
+        message = f"{describe_binding(binding)} ({gpu.uuid}), enforced by libgpuslice"
+        return "fraction", status.ready(None, gpu.uuid, binding.granted_bytes, False, message,
+                                        claim=ref.rpartition("/")[2])
+
+    async def _realise_mig(self, uid: str, ref: str, binding: Binding, body: Mapping) -> tuple[str, dict]:
+        """A reuse (or a resume after a crash) is handed over at once: it makes no NVML call, so it must
+        not wait behind a create of seconds on the same GPU. Anything else runs under the GPU's lock,
+        retried while it fails transiently."""
+        handed = await self._hand_over(uid, ref, binding, body)
+        if handed is not None:
+            return handed
+        async with self.gpus.lock(binding.gpu):
+            return await self._retrying(lambda: self._realise_mig_locked(uid, ref, binding, body))
+
+    def _claim(self, uid: str, gpu: int, instances: list[InstanceState]) -> list[tuple[int, int]] | None:
+        """Claim instances for slice ``uid`` until its step is recorded; None if another slice's step
+        holds one of them. Synchronous, so the check and the claim happen with no await between."""
+        keys = [(gpu, inst.gi_id) for inst in instances]
+        if any(self._claims.get(key, uid) != uid for key in keys):
+            return None
+        for key in keys:
+            self._claims[key] = uid
+        return keys
+
+    def _unclaim(self, uid: str, keys: list[tuple[int, int]]) -> None:
+        for key in keys:
+            if self._claims.get(key) == uid:
+                del self._claims[key]
+
+    async def _hand_over(self, uid: str, ref: str, binding: Binding, body: Mapping) -> tuple[str, dict] | None:
+        instances = [instance_state(i) for i in await self.gpus.on(binding.gpu)]
+        try:
+            steps = plan_mig(uid, binding, instances, self.store.record)
+        except Blocked:
+            return None  # the locked path decides (and retries) with the same rules
+        if steps.action not in ("reuse", "resume") or steps.destroy:
+            return None
+        assert steps.instance is not None
+        keys = self._claim(uid, binding.gpu, [steps.instance])
+        if keys is None:
+            return None
+        try:
+            entry = self.store.record.owners.get(uid)
+            reused = entry.reused if entry is not None and entry.state == STARTED else steps.action == "reuse"
+            return await self._finish(uid, ref, binding, body, _as_mig(binding.gpu, steps.instance), reused)
+        finally:
+            self._unclaim(uid, keys)
+
+    async def _realise_mig_locked(self, uid: str, ref: str, binding: Binding, body: Mapping) -> tuple[str, dict]:
+        instances = [instance_state(i) for i in await self.gpus.on(binding.gpu)]
+        record = self.store.record
+        steps = plan_mig(uid, binding, instances, record)
+        keys = self._claim(uid, binding.gpu, [*steps.destroy, *([steps.instance] if steps.instance else [])])
+        if keys is None:
+            raise Blocked(f"an instance at {describe_binding(binding)} is being handed to another slice",
+                          transient=True)
+        try:
+            return await self._carry_out(uid, ref, binding, body, steps, record)
+        finally:
+            self._unclaim(uid, keys)
+
+    async def _carry_out(self, uid: str, ref: str, binding: Binding, body: Mapping, steps: MigSteps,
+                         record: OwnerRecord) -> tuple[str, dict]:
+        gpu, backend = binding.gpu, self.gpus.backend
+        entry = record.owners.get(uid)
+        reused = entry.reused if entry is not None and entry.state == STARTED else steps.action == "reuse"
+        base = OwnerEntry(uid, ref, MODE_MIG, gpu, STARTED, binding.granted_bytes, binding.profile_id,
+                          binding.profile, binding.start, binding.size, reused=reused)
+        if steps.needs_nvml:
+            if entry is None or entry.state != STARTED:
+                await asyncio.to_thread(self.store.put, base)
+            if (body.get("status") or {}).get("phase") != CREATING:
+                what = "creating" if steps.action == "create" else "completing"
+                reclaim = f" after reclaiming {len(steps.destroy)} idle instance(s)" if steps.destroy else ""
+                await self.write_status(body, status.creating(body.get("status"),
+                                                              f"{what} {describe_binding(binding)}{reclaim}"))
+                log.info("slice %s: %s %s%s", ref, what, describe_binding(binding), reclaim)
+            crashpoint("agent:after-intent")
+        for n, victim in enumerate(steps.destroy):
+            await self.gpus.call("destroy_instance", backend.destroy_instance, gpu, victim.gi_id)
+            log.info("slice %s: reclaimed idle %s (%s) to make room", ref,
+                     describe_instance(self.settings.node, gpu, victim), victim.device_uuid or "no device")
+            if victim.device_uuid:
+                await asyncio.to_thread(self.store.update, lambda r, u=victim.device_uuid: replace(
+                    r, idle_since={k: v for k, v in r.idle_since.items() if k != u}))
+            if n == 0:
+                crashpoint("agent:during-reclaim")
+        if steps.action == "create":
+            try:
+                made = await self.gpus.call("create_instance", backend.create_instance, gpu, binding.profile_id,
+                                            binding.start)
+            except GpuError:
+                await self._clear_half_made(gpu, binding)
+                raise
+            crashpoint("agent:after-create")
+        elif steps.action == "complete":
+            assert steps.instance is not None
+            made = await self.gpus.call("create_compute_instance", backend.create_compute_instance, gpu,
+                                        steps.instance.gi_id)
+        else:
+            assert steps.instance is not None
+            made = _as_mig(gpu, steps.instance)
+        return await self._finish(uid, ref, binding, body, made, reused)
+
+    async def _finish(self, uid: str, ref: str, binding: Binding, body: Mapping, made: MigInstance,
+                      reused: bool) -> tuple[str, dict]:
+        """Record the device as the slice's (the record is the authority from here on), then say Ready."""
+        done = OwnerEntry(uid, ref, MODE_MIG, binding.gpu, COMPLETED, binding.granted_bytes, binding.profile_id,
+                          binding.profile, binding.start, binding.size, made.gi_id, made.ci_id, made.device_uuid,
+                          reused)
+        await asyncio.to_thread(self.store.put, done)
+        verb = "reused idle" if reused else "created"
+        message = f"{verb} {describe_binding(binding)}: {made.device_uuid}"
+        ready = status.ready(body.get("status"), made.device_uuid, binding.granted_bytes, reused, message,
+                             gi_id=made.gi_id, ci_id=made.ci_id, claim=ref.rpartition("/")[2])
+        return ("reuse" if reused else "create"), ready
+
+    async def _clear_half_made(self, gpu: int, binding: Binding) -> None:
+        """After a failed create, destroy what it left at the placement (a GI without its CI), if anything."""
+        try:
+            for inst in await self.gpus.on(gpu):
+                if inst.start == binding.start and inst.profile_id == binding.profile_id and inst.ci_id < 0:
+                    await self.gpus.call("destroy_instance", self.gpus.backend.destroy_instance, gpu, inst.gi_id)
+        except GpuError as exc:
+            log.warning("half-made instance at %s on GPU %s stays until the next attempt: %s",
+                        binding.start, gpu, exc)
+
+    async def _fail(self, body: Mapping, reason: str, message: str) -> None:
+        meta = body["metadata"]
+        log.warning("slice %s/%s failed: %s", meta["namespace"], meta["name"], message)
+        metrics.RECONCILE_ERRORS.labels("agent", reason).inc()
+        await self.let_go(meta["uid"])
+        await self.write_status(body, status.failed(body.get("status"), reason, message))
+        self.events.post(body, "Warning", reason, message)
+        self.publisher.schedule()
+
+    async def write_status(self, body: Mapping, new_status: dict) -> None:
+        meta = body["metadata"]
+        answer = await self.client.merge_patch(slice_path(meta["namespace"], meta["name"], status=True),
+                                               {"status": new_status})
+        self.written[meta["uid"]] = resource_version(answer.get("metadata") or {})
+
+    async def let_go(self, uid: str) -> None:
+        """The slice is gone or failed: its instance becomes idle, unless a prepared claim holds it
+        (then it stays the slice's, held and offered to nobody, until the kubelet unprepares it)."""
+        self.shown_ready.discard(uid)
+        if self.store.claims_on(uid):
+            if uid not in self.store.revoked:
+                entry = self.store.record.owners.get(uid)
+                log.info("slice %s is gone while its claim is prepared: %s stays held until the kubelet "
+                         "unprepares it", entry.slice if entry else uid, entry.device_uuid if entry else "")
+                await asyncio.to_thread(self.store.revoke, uid)
+        else:
+            await asyncio.to_thread(self.store.drop, uid, status.now())
+        self.publisher.schedule()

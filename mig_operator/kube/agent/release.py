@@ -1,0 +1,178 @@
+"""Releasing a slice: its instance becomes idle in the record, then the agent's finalizer goes.
+
+Nothing is released while in use: a deleted slice whose ResourceClaim is reserved for a pod or
+prepared here (``core.lifecycle.claim_hold``) keeps its finalizer, so its binding, its GPU room and
+its quota charge stay, and says so (condition Released=False, reason InUse). It is looked at again
+when the kubelet unprepares a claim on it, and on a timer while it is held (``release_recheck_s``,
+doubling up to ``release_recheck_max_s`` while nothing changes): one GET of its claim each time, and
+only for such slices, rather than a cluster-wide watch of ResourceClaims in every agent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from mig_operator.core.cluster import MODE_MIG, Binding, describe_binding
+from mig_operator.core.lifecycle import IN_USE, ClaimHold, OwnerEntry, claim_hold
+
+from ..common import status
+from ..common.client import ApiError, slice_path
+from ..common.faults import crashpoint
+from ..common.finalizers import remove_finalizer
+from ..common.names import AGENT_FINALIZER
+from .realise import Realiser
+from .resource_slice import resource_claim_path
+
+if TYPE_CHECKING:
+    from .agent import AgentSettings
+
+log = logging.getLogger("mig_operator.agent")
+
+
+class Releaser:
+    """Releases this node's deleted slices, holding those whose claim is in use."""
+
+    def __init__(self, settings: AgentSettings, realiser: Realiser) -> None:
+        self.settings = settings
+        self.realiser = realiser
+        self.store = realiser.store
+        self.client = realiser.client
+        self.events = realiser.events
+        # Deleted slices kept while their claim is in use: uid -> (the latest body seen, the Released
+        # message last written); one release of a slice at a time (events, unprepare and the re-check).
+        self.holding: dict[str, tuple[Mapping, str]] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._recheck: asyncio.Task | None = None
+        self._due: dict[str, tuple[float, float]] = {}  # held slice uid -> (next re-check, interval)
+        self._kicks: set[asyncio.Task] = set()
+
+    def tasks(self) -> list[asyncio.Task]:
+        return [*self._kicks, *([self._recheck] if self._recheck else [])]
+
+    async def claim_released(self, slice_uid: str) -> None:
+        """The kubelet unprepared a claim on the slice: a slice deleted meanwhile lets its instance go
+        now that no claim holds it (DESIGN: never reused while a claim on it is prepared)."""
+        held = self.holding.get(slice_uid)
+        if held is not None:
+            self._due.pop(slice_uid, None)  # its next re-checks come soon again
+            # Looked at again now, outside the kubelet's call (its claim's reservation may go later).
+            task = asyncio.create_task(self._release_quietly(held[0]), name="release-after-unprepare")
+            self._kicks.add(task)
+            task.add_done_callback(self._kicks.discard)
+        if slice_uid in self.store.revoked and not self.store.claims_on(slice_uid):
+            entry = self.store.record.owners.get(slice_uid)
+            if entry is not None:
+                self.log_release(entry)
+            await asyncio.to_thread(self.store.drop, slice_uid, status.now())
+            self.realiser.publisher.schedule()
+
+    async def deleted(self, body: Mapping) -> None:
+        """The slice is gone. Normally its release already ran (the finalizer held it); if the
+        finalizer was removed by hand, its instance becomes idle now."""
+        uid = body["metadata"]["uid"]
+        self.realiser.written.pop(uid, None)
+        self.holding.pop(uid, None)
+        self.realiser.shown_ready.discard(uid)
+        if uid in self.store.record.owners:
+            if uid not in self.store.revoked:
+                self.log_release(self.store.record.owners[uid])
+            await self.realiser.let_go(uid)
+
+    async def release(self, body: Mapping) -> None:
+        """The slice is being deleted: unless its claim is in use (then it is kept as it is and says
+        so), its instance becomes idle, then the finalizer goes."""
+        meta = body["metadata"]
+        uid = meta["uid"]
+        lock = self._locks.setdefault(uid, asyncio.Lock())
+        try:
+            async with lock:
+                self.realiser.shown_ready.discard(uid)
+                if uid in self.store.record.owners:
+                    hold = await self._claim_hold(body)
+                    if not hold.free:
+                        await self._hold(body, hold)
+                        return
+                self.holding.pop(uid, None)
+                if uid in self.store.record.owners:
+                    if not self.store.claims_on(uid):
+                        self.log_release(self.store.record.owners[uid])
+                    await self.realiser.let_go(uid)
+                crashpoint("agent:during-release")
+                await remove_finalizer(self.client, slice_path(meta["namespace"], meta["name"]), body,
+                                       AGENT_FINALIZER)
+        finally:
+            if not lock.locked() and self._locks.get(uid) is lock:
+                del self._locks[uid]
+
+    async def _claim_hold(self, body: Mapping) -> ClaimHold:
+        """Who holds the slice's claim: its reservations (the API server's claim of the slice's name)
+        and the claims prepared here on its device (the record)."""
+        meta = body["metadata"]
+        try:
+            claim = await self.client.get(resource_claim_path(meta["namespace"], meta["name"]))
+        except ApiError as exc:
+            if not exc.not_found:
+                raise
+            claim = None
+        prepared = [f"{c.namespace}/{c.name}" for c in self.store.claims_on(meta["uid"])]
+        return claim_hold(meta["uid"], claim, prepared)
+
+    async def _hold(self, body: Mapping, hold: ClaimHold) -> None:
+        """Keep a deleted slice whose claim is in use: the finalizer stays; its status says who holds it."""
+        meta = body["metadata"]
+        uid = meta["uid"]
+        message = hold.message(self.settings.node)
+        _, written = self.holding.get(uid, (body, ""))
+        shown = status.released_condition(body.get("status"))
+        self.holding[uid] = (body, written)
+        if written != message and not (shown is not None and shown.get("status") == "False"
+                                        and shown.get("message") == message):
+            await self.realiser.write_status(body, status.held_in_use(body.get("status"), message))
+            self.holding[uid] = (body, message)
+            self.events.post(body, "Normal", IN_USE, message)
+            log.info("slice %s/%s is deleted but kept: %s", meta["namespace"], meta["name"], message)
+        if self._recheck is None or self._recheck.done():
+            self._recheck = asyncio.create_task(self._recheck_holds(), name="release-recheck")
+
+    async def _recheck_holds(self) -> None:
+        first = self.settings.release_recheck_s
+        while self.holding:
+            await asyncio.sleep(first)
+            now = time.monotonic()
+            for uid, (body, _) in list(self.holding.items()):
+                due, interval = self._due.setdefault(uid, (now, first))
+                if due > now:
+                    continue
+                await self._release_quietly(body)
+                if uid in self.holding:
+                    interval = min(interval * 2, self.settings.release_recheck_max_s)
+                    self._due[uid] = (time.monotonic() + interval, interval)
+            for uid in [u for u in self._due if u not in self.holding]:
+                del self._due[uid]
+
+    async def _release_quietly(self, body: Mapping) -> None:
+        try:
+            await self.release(body)
+        except ApiError as exc:
+            if exc.not_found:
+                self.holding.pop(body["metadata"]["uid"], None)
+            else:
+                log.warning("slice %s/%s kept for its claim: looking again failed, retried: %s",
+                            body["metadata"]["namespace"], body["metadata"]["name"], exc)
+
+    def log_release(self, entry: OwnerEntry) -> None:
+        if entry.mode == MODE_MIG:
+            where = Binding(entry.uid, self.settings.node, entry.gpu, MODE_MIG, entry.granted_bytes, entry.profile_id,
+                            entry.profile, entry.start, entry.size)
+            if entry.device_uuid:
+                log.info("slice %s released: %s stays as an idle instance (%s)", entry.slice,
+                         describe_binding(where), entry.device_uuid)
+            else:
+                log.info("slice %s released before its instance %s was made", entry.slice, describe_binding(where))
+        else:
+            where = Binding(entry.uid, self.settings.node, entry.gpu, entry.mode, entry.granted_bytes)
+            log.info("slice %s released: its %s is free", entry.slice, describe_binding(where))
