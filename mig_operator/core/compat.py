@@ -1,13 +1,10 @@
 """The seed platforms' GPU request forms, read as the operator's own (pure: no I/O).
 
-Clusters moving from Run:ai (or its open-source scheduler, KAI) or from ClearML's Fractional GPU
-Injector carry pods, Helm charts and queue templates written in those platforms' forms. With a dialect
-enabled (chart value ``compat``, default none), ``dialect_request`` reads that form from a pod and says
-what the webhook does with it: the ``cdmo.io/*`` request annotation to add (checked by the annotation's
-own rules, ``slice_spec.request_from_annotations``), the extended resources to take out of the
-containers, which containers get the device, and what was asked (``DialectRequest.record``). The pod
-then goes on as an annotated pod. A dialect that is not enabled means nothing: its keys are left alone
-for whatever else reads them.
+Clusters moving from Run:ai (or KAI) or from ClearML's Fractional GPU Injector carry pods and templates
+in those platforms' forms. With a dialect enabled (chart value ``compat``), ``dialect_request`` reads
+that form from a pod and says what the webhook does with it: the ``cdmo.io/*`` request annotation to add
+(checked by its own rules), the extended resources to take out, which containers get the device, and
+what was asked (``DialectRequest.record``). A dialect that is not enabled means nothing.
 
 ``runai`` (pod annotations, as Run:ai and KAI read them):
   - ``gpu-fraction: "0.5"``: a share of one GPU, below 1 (KAI refuses 1 and more) -> ``cdmo.io/gpu-fraction``;
@@ -17,9 +14,8 @@ for whatever else reads them.
   - ``mig-profile: 2g.10gb`` (Run:ai's dynamic MIG) -> ``cdmo.io/mig-profile``;
   - ``gpu-fraction-container-name``: the container (or init container) that gets the device; without
     it, the pod's first container does, as in KAI;
-  - ``gpu-fraction-num-devices: "1"`` is accepted; more devices are refused (one device per pod), as
-    are Run:ai's burst limits ``gpu-fraction-limit`` and ``gpu-memory-limit`` (a slice's limit is its
-    request: nothing here can grow past it).
+  - ``gpu-fraction-num-devices: "N"`` (1 to 16) -> ``cdmo.io/gpu-count``; Run:ai's burst limits
+    ``gpu-fraction-limit`` and ``gpu-memory-limit`` are refused (a slice's limit is its request).
 
 ``clearml`` (ClearML's Fractional GPU Injector): the pod label ``clearml-injector/fraction``, whose
 documented values are 0.0625, the eighths 0.125 ... 0.875 and whole GPUs (``1.000``; 2 and more are
@@ -29,12 +25,10 @@ several devices, refused), in the queue templates of its three generations:
     device plugin splits each GPU 8 ways), e.g. ``0.500`` with ``nvidia.com/gpu: 4``;
   - the label alone (injector >= 1.3.0): every container gets the device, as with an annotation.
   -> ``cdmo.io/gpu-fraction`` with the label's value; ``nvidia.com/gpu`` and ``clear.ml/fraction-1``
-  are taken out of the limits and requests. ClearML's CDMO (MIG) queue templates ask for
-  ``nvidia.com/mig-1g.10gb: 1``, which ``request_forms`` serves with or without a dialect.
+  are taken out. ClearML's CDMO queue templates (``nvidia.com/mig-1g.10gb: 1``) need no dialect.
 
-Everything else a dialect's keys say is refused, the message naming the key, the value and a valid
-example; so is a pod that asks in two forms at once (a dialect's and a ``cdmo.io/*`` annotation that
-differs, two dialects, a dialect and ``nvidia.com/gpu`` or ``nvidia.com/mig-*``).
+Anything else a dialect's keys say is refused (naming key, value and a valid example), as is a pod
+asking in two forms at once (two dialects, or a dialect beside another request form that differs).
 """
 
 from __future__ import annotations

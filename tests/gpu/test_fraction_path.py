@@ -366,11 +366,12 @@ def run_torch_in_container(oci: dict, limit: int, workdir: Path) -> dict[str, An
 def test_agent_prepares_fraction_claims_and_torch_holds_each_limit(
         gpu: str, cdi_validate: Path, container_tools: None, shim_library: Path, short_dir: Path) -> None:
     from mig_operator.core.cdi import spec_file_name
+    from mig_operator.core.slice_claim import claim_path as resource_claim_path
     from mig_operator.gpu import open_backend
     from mig_operator.kube.agent.agent import AgentSettings, NodeAgent
     from mig_operator.kube.agent.kubelet_plugin import KubeletPlugin, PluginSettings
     from mig_operator.kube.agent.record import RecordStore
-    from mig_operator.kube.agent.resource_slice import resource_claim_path, resource_slice_path
+    from mig_operator.kube.agent.resource_slice import resource_slice_path
     from mig_operator.kube.common.client import gpunode_path, slice_path
 
     backend = open_backend("nvml")
@@ -537,11 +538,11 @@ def test_a_whole_gpu_slice_gets_the_gpu_with_no_shim_and_torch_sees_all_of_it(
     started with exactly that spec, sees the GPU's whole memory as NVML reports it."""
     from mig_operator.core.cdi import spec_file_name
     from mig_operator.core.quantities import MIB
+    from mig_operator.core.slice_claim import claim_path as resource_claim_path
     from mig_operator.gpu import open_backend
     from mig_operator.kube.agent.agent import AgentSettings, NodeAgent
     from mig_operator.kube.agent.kubelet_plugin import KubeletPlugin, PluginSettings
     from mig_operator.kube.agent.record import RecordStore
-    from mig_operator.kube.agent.resource_slice import resource_claim_path
     from mig_operator.kube.common.client import slice_path
 
     backend = open_backend("nvml")

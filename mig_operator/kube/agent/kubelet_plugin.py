@@ -50,7 +50,7 @@ from mig_operator.core.cdi import (
 from mig_operator.core.claim_owner import claim_refusal
 from mig_operator.core.cluster import MODE_FRACTION, MODE_MIG
 from mig_operator.core.lifecycle import OwnerEntry
-from mig_operator.core.slice_claim import claim_path as resource_claim_path
+from mig_operator.core.slice_claim import claim_path
 from mig_operator.gpu.device_files import DeviceFileError, device_nodes
 from mig_operator.gpu.files import write_atomically
 
@@ -204,7 +204,7 @@ class ClaimPreparer:
         holder = self.holder
         ref = _claim_ref(claim)
         try:
-            body = await holder.client.get(resource_claim_path(claim.namespace, claim.name))
+            body = await holder.client.get(claim_path(claim.namespace, claim.name))
         except ApiError as exc:
             if exc.not_found:
                 raise PrepareRefused(f"{ref} does not exist") from None

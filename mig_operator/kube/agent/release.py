@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from mig_operator.core.cluster import MODE_MIG, Binding, describe_binding
 from mig_operator.core.lifecycle import IN_USE, ClaimHold, OwnerEntry, claim_hold
+from mig_operator.core.slice_claim import claim_path
 
 from ..common import status
 from ..common.client import ApiError, slice_path
@@ -25,7 +26,6 @@ from ..common.faults import crashpoint
 from ..common.finalizers import remove_finalizer
 from ..common.names import AGENT_FINALIZER
 from .realise import Realiser
-from .resource_slice import resource_claim_path
 
 if TYPE_CHECKING:
     from .agent import AgentSettings
@@ -113,7 +113,7 @@ class Releaser:
         and the claims prepared here on its device (the record)."""
         meta = body["metadata"]
         try:
-            claim = await self.client.get(resource_claim_path(meta["namespace"], meta["name"]))
+            claim = await self.client.get(claim_path(meta["namespace"], meta["name"]))
         except ApiError as exc:
             if not exc.not_found:
                 raise

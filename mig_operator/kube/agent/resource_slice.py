@@ -26,7 +26,6 @@ from mig_operator.core.cdi import DRIVER
 from mig_operator.core.cluster import MODE_MIG
 from mig_operator.core.lifecycle import OwnerEntry
 from mig_operator.core.slice_claim import DRA_API as RESOURCE_API
-from mig_operator.core.slice_claim import claim_path as resource_claim_path  # noqa: F401 (imported from here)
 
 from ..common.client import ApiError, KubeClient
 
