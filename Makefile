@@ -27,7 +27,7 @@ control-plane:
 # The Dockerfile built without a daemon (buildah, chroot isolation) on a Debian-made Python base, and the
 # node tests' workload image: OCI archives in build/image/, cached by content under ~/.cache/mig-operator/image
 # (scripts/image says how; docs/control-plane.md has the times and sizes).
-image: shim
+image:
 	scripts/image build
 
 lint: venv
