@@ -3,6 +3,9 @@
 #
 #   docker build -t REGISTRY/mig-operator:0.1.0 .     then: helm install ... --set image.repository=REGISTRY/mig-operator
 #
+# Without Docker or a registry: `make image` (scripts/image) builds this file with buildah on a Python
+# base made from Debian's packages, passed as PYTHON_IMAGE, into an OCI archive (docs/control-plane.md).
+#
 # Base: the official python:3.11-slim-bookworm multi-platform index, pinned by digest. The digest is
 # the one Docker Hub's tag API and `docker buildx imagetools inspect python:3.11-slim-bookworm`
 # reported for that tag (Python 3.11.16) in late September 2026, as recorded independently in several
