@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 
+from .compute import compute_from_status, format_compute
 from .device_plugin import conflict_from_conditions
 from .node_blocks import DEVICE_PLUGIN_CONFLICT as DEVICE_PLUGIN_CONFLICT  # re-exported: a refusal code
 from .node_blocks import RUNTIME_UNTRUSTED as RUNTIME_UNTRUSTED  # re-exported: a refusal code
@@ -119,6 +120,9 @@ class Binding:
     start: int = 0
     size: int = 0
     namespace: str = ""  # the slice's: a fraction GPU's tenant (core.tenancy)
+    # A fraction's compute share in (0, 1], served by MPS (core.compute); None: shared (time-sliced),
+    # and always None for a MIG slice, whose compute is its profile's.
+    compute: float | None = None
 
     @property
     def mask(self) -> int:
@@ -243,7 +247,7 @@ def binding_from_status(uid: str, status: Mapping | None, namespace: str = "") -
                            int(placement["size"]), namespace)
         if mode == MODE_FRACTION:
             return Binding(uid, str(status["node"]), int(status["gpu"]), mode, int(status.get("grantedBytes", 0)),
-                           namespace=namespace)
+                           namespace=namespace, compute=compute_from_status(status.get("compute")))
     except (KeyError, TypeError, ValueError):
         return None
     return None
@@ -253,7 +257,8 @@ def describe_binding(binding: Binding) -> str:
     """A short human form for logs and Events: ``1g.18gb@0 on node-a/gpu 1`` or ``4Gi fraction ...``."""
     if binding.mode == MODE_MIG:
         return f"{binding.profile} at {{{binding.start}}}:{binding.size} on {binding.node} GPU {binding.gpu}"
-    return f"{format_bytes(binding.granted_bytes)} fraction of {binding.node} GPU {binding.gpu}"
+    share = "" if binding.compute is None else f" with compute {format_compute(binding.compute)}"
+    return f"{format_bytes(binding.granted_bytes)} fraction{share} of {binding.node} GPU {binding.gpu}"
 
 
 # Phases in which a slice holds a binding (and so its GPU room).

@@ -186,7 +186,7 @@ class Realiser:
                 f"left for fractions, not {format_bytes(binding.granted_bytes)}", transient=False,
             )
         entry = OwnerEntry(uid, ref, MODE_FRACTION, gpu.index, COMPLETED, binding.granted_bytes,
-                           device_uuid=gpu.uuid)
+                           device_uuid=gpu.uuid, compute=binding.compute)
         await asyncio.to_thread(self.store.put, entry)
         message = f"{describe_binding(binding)} ({gpu.uuid}), enforced by libgpuslice"
         return "fraction", status.ready(None, gpu.uuid, binding.granted_bytes, False, message,
