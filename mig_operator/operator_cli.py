@@ -387,7 +387,8 @@ def cmd_top(args: argparse.Namespace) -> int:
     import json
     import time
 
-    from .core.top_view import render_text, view_json
+    from .core.top_json import view_json
+    from .core.top_view import render_text
     from .kube.top import TopError, client_for, read_view
 
     interval = _watch_seconds(args.watch) if args.watch is not None else None
