@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from decimal import Decimal, localcontext
 from fractions import Fraction
+from functools import cached_property, lru_cache
 
 from .quantities import QuantityError, clip_repr, parse_fraction
 
@@ -28,6 +29,8 @@ DEFAULT_COMPUTE_CHOICES = (SHARED, PROPORTIONAL)
 # status it reads back as the same float, and shares rounded down never sum above their memory.
 PROPORTIONAL_PLACES = 4
 WHOLE = Fraction(1)
+# Two floats in (0, 1] this far apart compare as their decimals do (each is within 1e-16 of its own).
+_FAR = 1e-12
 
 
 class DefaultComputeError(QuantityError):
@@ -48,8 +51,10 @@ def parse_default_compute(value: str) -> str:
     return value
 
 
+@lru_cache(maxsize=4096)
 def exact(share: float) -> Fraction:
-    """The share as the decimal it is written as (``repr``), compared and summed without drift."""
+    """The share as the decimal it is written as (``repr``), compared and summed without drift (cached:
+    the planner asks it of one share for every GPU it weighs)."""
     return Fraction(repr(float(share)))
 
 
@@ -113,16 +118,26 @@ class GpuCompute:
     with_share: int = 0
     shared: int = 0
 
-    @property
+    @cached_property
     def left(self) -> Fraction:
         return max(Fraction(0), WHOLE - self.granted)
+
+    @cached_property
+    def left_approx(self) -> float:
+        """``left`` as the nearest float: to order GPUs, and to settle ``has_room`` quickly when the
+        share is far from it (a float is within 1e-16 of its decimal; 1e-12 apart is far)."""
+        return float(self.left)
 
     def conflicts(self, share: float | None) -> bool:
         """Whether a fraction with ``share`` (None: shared) is of the other kind than the GPU's."""
         return bool(self.with_share) if share is None else bool(self.shared)
 
     def has_room(self, share: float | None) -> bool:
-        return share is None or self.granted + exact(share) <= WHOLE
+        if share is None or share < self.left_approx - _FAR:
+            return True
+        if share > self.left_approx + _FAR:
+            return False
+        return exact(share) <= self.left
 
     def takes(self, share: float | None) -> bool:
         return not self.conflicts(share) and self.has_room(share)

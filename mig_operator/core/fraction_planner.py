@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .compute import SHARED, GpuCompute, exact, resolve_compute
+from .compute import SHARED, GpuCompute, resolve_compute
 from .planner import Unplaceable
 from .quantities import MIB, format_bytes
 from .request import MIN_SLICE_BYTES, SliceRequest
@@ -84,8 +84,8 @@ def choose_fraction(request: SliceRequest, gpus: list[FractionGpu], namespace: s
                                                                           short[0].index):
                 short = (gpu, share)
             continue
-        left = gpu.compute.left - (exact(share) if share is not None else 0)
-        key = (gpu.free_bytes - need, left, gpu.node, gpu.index)
+        # Then the least compute left (the same order as what would be left after it, for one share).
+        key = (gpu.free_bytes - need, gpu.compute.left_approx if share is not None else 0.0, gpu.node, gpu.index)
         if best is None or key < best[0]:
             best = (key, gpu, need, share)
     if best is None and short is not None:
