@@ -12,6 +12,8 @@ from dataclasses import replace
 from decimal import Decimal
 
 import pytest
+from hypothesis import assume, example, given
+from hypothesis import strategies as st
 
 from mig_operator.core.cluster import (
     MODE_FRACTION,
@@ -25,7 +27,15 @@ from mig_operator.core.cluster import (
     inventory_from_status,
 )
 from mig_operator.core.cluster_planner import ClusterPlanner
-from mig_operator.core.compute import PROPORTIONAL, SHARED, exact, format_exact, parse_compute, proportional
+from mig_operator.core.compute import (
+    PROPORTIONAL,
+    SHARED,
+    exact,
+    format_exact,
+    gpu_compute,
+    parse_compute,
+    proportional,
+)
 from mig_operator.core.fraction_compute import COMPUTE_MODE
 from mig_operator.core.planner import PlannerSettings
 from mig_operator.core.profiles import get_model
@@ -259,3 +269,24 @@ def test_under_shared_the_default_fraction_has_no_share() -> None:
     (10, 10, "1"), (11, 10, "1"), (1, 3, "0.3333"), (2, 3, "0.6666"), (0, 10, "0.0001")])
 def test_proportional_rounding(granted: int, gpu: int, expected: str) -> None:
     assert Decimal(repr(proportional(granted, gpu))) == Decimal(expected)
+
+
+# --- exactness, against Decimal ----------------------------------------------------------------------
+
+decimal_share = st.builds(lambda digits, places: Decimal(digits).scaleb(-places), st.integers(1, 10**6),
+                          st.integers(1, 17)).filter(lambda d: 0 < d <= 1)
+
+
+@given(st.lists(decimal_share, max_size=8), decimal_share)
+@example([Decimal("0.34"), Decimal("0.56")], Decimal("0.1"))  # exactly 1 (floats: 1.0000000000000002)
+@example([Decimal("0.34"), Decimal("0.56")], Decimal("0.1000000000000001"))  # a hair over
+@example([Decimal("0.3333333333333333")] * 3, Decimal("1e-16"))  # exactly 1
+@example([Decimal("0.1")] * 9, Decimal("0.1"))  # exactly 1 (floats: 0.9999999999999999)
+# 0.8999999106682958 is the float nearest what is left (0.89999991066829574423649), and above it.
+@example([Decimal("0.1"), Decimal("8.933170425576351e-08")], Decimal("0.8999999106682958"))
+def test_room_for_a_share_is_decided_as_decimals_add_up(held: list[Decimal], asked: Decimal) -> None:
+    shares = [float(d) for d in held]
+    assume(all(Decimal(repr(f)) == d for f, d in zip(shares, held, strict=True)))  # written as floats write
+    assume(Decimal(repr(float(asked))) == asked)
+    compute = gpu_compute(shares)
+    assert compute.has_room(float(asked)) == (sum(held, Decimal(0)) + asked <= 1)
