@@ -3,17 +3,20 @@
 A fraction GPU serves either ``shared`` fractions (time-sliced turns, no promise) or fractions with a
 compute share, a number in (0, 1] that NVIDIA MPS turns into that share of the GPU's SMs. A binding
 carries the resolved share as a float (``core.cluster.Binding.compute``, None = shared); every sum
-and comparison goes through ``exact``, the decimal the float was written as, so three shares of
-0.1, 0.2 and 0.7 fill a GPU exactly (as floats they add up to 1.0000000000000002).
+and comparison goes through ``exact``, the decimal the float was written as, so shares of 0.34,
+0.56 and 0.1 fill a GPU exactly (added as floats they come to 1.0000000000000002).
 
 A MIG slice's compute is its profile's: its compute slices over the GPU's (``3/7``), never a share.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from dataclasses import dataclass
+from decimal import Decimal, localcontext
 from fractions import Fraction
 
-from .quantities import parse_fraction
+from .quantities import QuantityError, clip_repr, parse_fraction
 
 COMPUTE_EXAMPLE = "0.25"
 # What status.compute says of a fraction without a share, and the chart value that leaves it so.
@@ -27,7 +30,7 @@ PROPORTIONAL_PLACES = 4
 WHOLE = Fraction(1)
 
 
-class DefaultComputeError(ValueError):
+class DefaultComputeError(QuantityError):
     """--default-compute names neither choice; the message names it and a valid one."""
 
 
@@ -39,7 +42,7 @@ def parse_compute(value: object) -> float:
 def parse_default_compute(value: str) -> str:
     if value not in DEFAULT_COMPUTE_CHOICES:
         raise DefaultComputeError(
-            f"--default-compute {value!r} is not one of {', '.join(DEFAULT_COMPUTE_CHOICES)}; "
+            f"--default-compute {clip_repr(value)} is not one of {', '.join(DEFAULT_COMPUTE_CHOICES)}; "
             f"use e.g. --default-compute {SHARED}"
         )
     return value
@@ -80,6 +83,81 @@ def compute_from_status(text: object) -> float | None:
     return share if 0 < share <= 1 else None
 
 
+def resolve_compute(asked: float | None, need_bytes: int, gpu_bytes: int, default: str) -> float | None:
+    """The share a fraction gets on a GPU: what it asked, else its memory share under the
+    ``proportional`` default, else none (shared)."""
+    if asked is not None:
+        return asked
+    return proportional(need_bytes, gpu_bytes) if default == PROPORTIONAL else None
+
+
+def format_exact(value: Fraction) -> str:
+    """A sum of shares in plain decimal (``0.75``, ``1``, ``0.0001``); every share is a decimal,
+    so the sum is one too (a non-terminating value is cut at 30 places)."""
+    with localcontext() as ctx:
+        ctx.prec = 60
+        text = format(Decimal(value.numerator) / Decimal(value.denominator), "f")
+    if "." in text:
+        text = text[: text.index(".") + 31].rstrip("0").rstrip(".")
+    return text
+
+
+@dataclass(frozen=True)
+class GpuCompute:
+    """A fraction GPU's compute as bound now: the shares on it (summed exactly) and how many of its
+    fractions have a share and how many are shared. A GPU serves shares (through MPS) or shared
+    fractions, never both: a shared process would time-slice against the MPS server and break the
+    promised shares."""
+
+    granted: Fraction = Fraction(0)
+    with_share: int = 0
+    shared: int = 0
+
+    @property
+    def left(self) -> Fraction:
+        return max(Fraction(0), WHOLE - self.granted)
+
+    def conflicts(self, share: float | None) -> bool:
+        """Whether a fraction with ``share`` (None: shared) is of the other kind than the GPU's."""
+        return bool(self.with_share) if share is None else bool(self.shared)
+
+    def has_room(self, share: float | None) -> bool:
+        return share is None or self.granted + exact(share) <= WHOLE
+
+    def takes(self, share: float | None) -> bool:
+        return not self.conflicts(share) and self.has_room(share)
+
+    def why_not(self, share: float | None) -> str:
+        """Why a fraction with ``share`` may not join, in words naming what is left."""
+        if share is not None and self.shared:
+            return (f"serves {self.shared} shared fraction(s) (time-sliced, no compute share), and a compute "
+                    f"share (MPS) cannot join them: a shared process would time-slice against the MPS server")
+        if share is None and self.with_share:
+            return (f"serves compute shares through MPS ({format_exact(self.granted)} of 1 given out), and a "
+                    f"shared fraction cannot join them: it would time-slice against the MPS server")
+        return f"has compute {format_exact(self.left)} of 1 left, not {format_compute(share)}"
+
+    def plus(self, share: float | None) -> GpuCompute:
+        if share is None:
+            return GpuCompute(self.granted, self.with_share, self.shared + 1)
+        return GpuCompute(self.granted + exact(share), self.with_share + 1, self.shared)
+
+    def describe(self) -> str:
+        """What a GpuNode and ``top`` show of it: the shares given out (``0.75``), ``shared``, or ``""``."""
+        if self.with_share:
+            return format_exact(self.granted)
+        return SHARED if self.shared else ""
+
+
+def gpu_compute(shares: Iterable[float | None]) -> GpuCompute:
+    """The compute of a GPU holding fractions with these shares (None: shared)."""
+    total = GpuCompute()
+    for share in shares:
+        total = total.plus(share)
+    return total
+
+
 def mig_compute(profile_slices: int, gpu_slices: int) -> str:
-    """A MIG slice's status.compute: its profile's compute slices over the GPU's (``3/7``)."""
-    return f"{profile_slices}/{gpu_slices}" if profile_slices > 0 and gpu_slices > 0 else ""
+    """A MIG slice's status.compute: its profile's compute slices over the GPU's (``3/7``); on a
+    GpuNode, those of the instances in use (``0/7``). ``""`` when the GPU's are not known."""
+    return f"{profile_slices}/{gpu_slices}" if gpu_slices > 0 else ""

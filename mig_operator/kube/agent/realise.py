@@ -34,6 +34,7 @@ from mig_operator.core.cluster import (
     binding_from_status,
     describe_binding,
 )
+from mig_operator.core.compute import gpu_compute
 from mig_operator.core.lifecycle import (
     COMPLETED,
     CREATING,
@@ -184,13 +185,20 @@ class Realiser:
         if gpu.mig_enabled:
             raise Blocked(f"GPU {gpu.index} of {self.settings.node} is in MIG mode; it takes no fractions",
                           transient=False)
-        others = sum(e.granted_bytes for e in self.store.record.owners.values()
-                     if e.mode == MODE_FRACTION and e.gpu == gpu.index and e.uid != uid)
+        neighbours = [e for e in self.store.record.owners.values()
+                      if e.mode == MODE_FRACTION and e.gpu == gpu.index and e.uid != uid]
+        others = sum(e.granted_bytes for e in neighbours)
         if others + binding.granted_bytes > gpu.memory_mib * 2**20:
             raise Blocked(
                 f"GPU {gpu.index} of {self.settings.node} has {format_bytes(gpu.memory_mib * 2**20 - others)} "
                 f"left for fractions, not {format_bytes(binding.granted_bytes)}", transient=False,
             )
+        # Compute as the controller planned it (core.compute): the shares fit, and shares (MPS) and
+        # shared fractions do not meet on one GPU.
+        compute = gpu_compute(e.compute for e in neighbours)
+        if not compute.takes(binding.compute):
+            raise Blocked(f"GPU {gpu.index} of {self.settings.node} {compute.why_not(binding.compute)}",
+                          transient=False)
         entry = OwnerEntry(uid, ref, MODE_FRACTION, gpu.index, COMPLETED, binding.granted_bytes,
                            device_uuid=gpu.uuid, compute=binding.compute)
         await asyncio.to_thread(self.store.put, entry)
