@@ -174,11 +174,15 @@ def split(results: Mapping[str, dict], first: str, second: str) -> float:
     return 100.0 * a / (a + b)
 
 
-def host_launch(stderr_dir: Path) -> Launch:
-    """Workers as plain processes on this host, with the given variables over this environment."""
+def host_launch(stderr_dir: Path, user: str = "") -> Launch:
+    """Workers as plain processes on this host, with the given variables over this environment
+    (``user``: as that uid, through ``setpriv``)."""
+    # Bounded: a client of a second uid may wait for the first uid's MPS server to end.
+    prefix = ["timeout", "90", "setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups"] if user else []
+
     def launch(env: Mapping[str, str], args: Sequence[str]) -> subprocess.Popen:
         log = open(stderr_dir / f"worker-{time.monotonic_ns()}.stderr", "w")  # noqa: SIM115 (kept for the run)
-        return subprocess.Popen([sys.executable, str(Path(__file__).resolve()), *args], text=True,
+        return subprocess.Popen([*prefix, sys.executable, str(Path(__file__).resolve()), *args], text=True,
                                 env={**os.environ, **env}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=log)
     return launch
@@ -277,6 +281,55 @@ def bench(seconds: float, root: Path) -> dict[str, Any]:
     return out
 
 
+def extra(seconds: float, root: Path) -> dict[str, Any]:
+    """A client running as another uid than the daemon's (uid 65534), and the latency phases repeated."""
+    sys.path.insert(0, str(REPO))
+    from mig_operator.core.environment import mps_environment
+    from mig_operator.gpu.mps import MpsDaemons
+
+    query = subprocess.run(["nvidia-smi", "-i", "0", "--query-gpu=uuid,name,driver_version",
+                            "--format=csv,noheader"], capture_output=True, text=True, check=True, timeout=60)
+    uuid, name, driver = (part.strip() for part in query.stdout.strip().split(","))
+    logs = root / "stderr"
+    logs.mkdir(parents=True, exist_ok=True)
+    os.chmod(logs, 0o777)
+    launch, nobody = host_launch(logs), host_launch(logs, "65534")
+    plain = {"CUDA_VISIBLE_DEVICES": uuid, "HOME": "/tmp"}
+    out: dict[str, Any] = {"gpu": name, "uuid": uuid, "driver": driver, "seconds": seconds}
+    out["alone"] = run_together({"a": (launch, plain, "matmul")}, seconds)["a"]
+    daemons = MpsDaemons(str(root / "mps"), private_shm=False)
+    pipe = daemons.dirs(uuid).pipe
+
+    def client(share: float) -> dict[str, str]:
+        return {**plain, **mps_environment(share, 8 * GIB), "CUDA_MPS_PIPE_DIRECTORY": pipe}
+
+    try:
+        daemons.start(uuid)
+        for n in range(3):
+            out[f"latency_alone_0.25_{n}"] = run_together({"lat": (launch, client(0.25), "small")}, seconds)["lat"]
+            out[f"latency_beside_train_{n}"] = run_together({"lat": (launch, client(0.25), "small"),
+                                                             "train": (launch, client(0.75), "matmul")}, seconds)
+        try:
+            out["nobody_alone_0.25"] = run_together({"a": (nobody, client(0.25), "matmul")}, 4.0)["a"]
+        except (RuntimeError, subprocess.TimeoutExpired) as exc:
+            out["nobody_alone_0.25"] = {"error": str(exc)[-1500:]}
+        out["nobody_servers"] = daemons.command(uuid, "get_server_list")
+    finally:
+        daemons.stop(uuid)
+        out["daemon_running_after_stop"] = daemons.running(uuid)
+    return out
+
+
+def extra_summary(out: Mapping[str, Any]) -> dict[str, Any]:
+    alone = [out[f"latency_alone_0.25_{n}"]["p99_ms"] for n in range(3)]
+    beside = [out[f"latency_beside_train_{n}"]["lat"]["p99_ms"] for n in range(3)]
+    nobody = out["nobody_alone_0.25"]
+    return {"latency_p99_ms_alone_0.25": [round(v, 3) for v in alone],
+            "latency_p99_ms_beside_train": [round(v, 3) for v in beside],
+            "latency_beside_vs_alone_pct": [round(100 * (b / a - 1), 1) for a, b in zip(alone, beside, strict=True)],
+            "nobody_of_gpu_pct": round(100 * nobody["rate"] / out["alone"]["rate"], 1) if "rate" in nobody else nobody}
+
+
 def summary(out: Mapping[str, Any]) -> dict[str, Any]:
     alone = out["alone"]["rate"]
     lat = out["latency_alone_0.25"]["p99_ms"]
@@ -311,13 +364,16 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--out", help="write every raw result here (JSON)")
+    parser.add_argument("--extra", action="store_true",
+                        help="only the second run: a client of another uid, and the latency phases three times")
     args = parser.parse_args(argv)
     if not 1 <= args.seconds <= 120:
         print(f"--seconds {args.seconds} must be 1..120; e.g. --seconds 8", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory(prefix="mps-bench-") as root:
-        out = bench(args.seconds, Path(root))
-    out["summary"] = summary(out)
+        os.chmod(root, 0o755)  # a client of another uid reaches the pipe directory under it
+        out = extra(args.seconds, Path(root)) if args.extra else bench(args.seconds, Path(root))
+    out["summary"] = extra_summary(out) if args.extra else summary(out)
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     print(json.dumps(out["summary"], indent=1))

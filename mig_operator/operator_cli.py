@@ -377,7 +377,9 @@ def cmd_agent(args: argparse.Namespace) -> int:
                             "downward API's spec.nodeName")
     settings = AgentSettings(node=args.node, idle_timeout_s=idle, nvml_attempts=args.nvml_attempts,
                              toolkit_config=toolkit_config)
-    mps = mps_for_backend(args.backend, plugin.mps_host_dir)
+    # The simulator's MPS stand-ins keep their directories beside its state, as its GPUs do.
+    simulated = args.backend.startswith("sim:") and args.state_file
+    mps = mps_for_backend(args.backend, f"{args.state_file}.mps" if simulated else plugin.mps_host_dir)
     run_agent(AgentOptions(settings, record_file, args.kubeconfig, args.metrics_address, metrics_socket, plugin,
                            mps), backend)
     return 0

@@ -132,10 +132,13 @@ class MpsDaemons:
         if self.running(gpu_uuid):
             return
         d = self.dirs(gpu_uuid)
-        for path in (d.pipe, d.log, d.shm):
-            os.makedirs(path, mode=0o755, exist_ok=True)
-        # Clients run as any user: the server's files in shm are theirs to open, as in a /dev/shm.
-        os.chmod(d.shm, 0o1777)
+        try:
+            for path in (d.pipe, d.log, d.shm):
+                os.makedirs(path, mode=0o755, exist_ok=True)
+            # Clients run as any user: the server's files in shm are theirs to open, as in a /dev/shm.
+            os.chmod(d.shm, 0o1777)
+        except OSError as exc:
+            raise MpsError(f"cannot make the MPS directories of {gpu_uuid} under {d.root}: {exc}") from None
         argv = [*self.program, "-d"]
         if self.private_shm:
             argv = ["unshare", "--mount", "--propagation", "private", "sh", "-c",

@@ -43,11 +43,14 @@ def _answer(state: dict[str, str], line: str) -> tuple[str, bool]:
 def daemon(pipe: str, log: str) -> None:
     os.makedirs(pipe, exist_ok=True)
     os.makedirs(log, exist_ok=True)
+    # Bound by its name in the pipe directory: a unix socket's path holds 107 bytes, a test's
+    # directory can be longer.
+    os.chdir(pipe)
     path = os.path.join(pipe, "control")
     if os.path.exists(path):
         os.unlink(path)
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    server.bind(path)
+    server.bind("control")
     server.listen(8)
     with open(os.path.join(pipe, PID_FILE), "w") as fh:
         fh.write(f"{os.getpid()}\n")
@@ -74,7 +77,8 @@ def daemon(pipe: str, log: str) -> None:
 def client(pipe: str) -> int:
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        conn.connect(os.path.join(pipe, "control"))
+        os.chdir(pipe)
+        conn.connect("control")
     except OSError:
         print("Cannot find MPS control daemon process", file=sys.stderr)
         return 1
