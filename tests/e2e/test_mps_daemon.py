@@ -122,8 +122,43 @@ def test_the_daemon_starts_with_the_first_share_is_adopted_and_stops_with_the_la
         wait_until(lambda: "adopted" in agent.tail(200), 30, lambda: f"adoption\n{operator.logs()}")
         assert daemon_pid(root) == first
 
-        operator.delete_slice(ns, "infer")
-        operator.wait_gone(ns, "infer")
+        # The daemon dies and cannot be started again (its pipe directory blocked): a new share fails,
+        # the GpuNode and the Ready shares say so, their phase stays; unblocked, the next share starts
+        # it again and they say so too.
+        os.kill(first, signal.SIGKILL)
+        wait_until(lambda: daemon_pid(root) is None, 30, "the daemon's death")
+        shutil.rmtree(root / "pipe")
+        (root / "pipe").write_text("blocked")
+        operator.create_slice(ns, "probe", {"memory": "1Gi", "compute": 0.1, "nodeName": node.name})
+        probe = operator.wait_phase(ns, "probe", "Failed")
+        assert probe["status"]["reason"] == "MPSUnavailable", probe["status"]
+        down = wait_until(lambda: (c := mps_condition(operator, node)) and c["status"] == "False" and c, 30,
+                          lambda: f"MPSReady False\n{operator.logs()}")
+        assert down["reason"] == "MPSDaemonFailed" and uuid in down["message"], down
+
+        def ready_condition(name: str) -> dict:
+            body = operator.get_slice(ns, name) or {}
+            return next(c for c in body["status"]["conditions"] if c["type"] == "Ready")
+
+        for name in ("infer", "train"):
+            wait_until(lambda n=name: ready_condition(n)["status"] == "False", 30,
+                       lambda: f"Ready False\n{operator.logs()}")
+            assert ready_condition(name)["reason"] == "MPSUnavailable"
+            assert (operator.get_slice(ns, name) or {})["status"]["phase"] == "Ready"
+        (root / "pipe").unlink()
+        operator.create_slice(ns, "probe-2", {"memory": "1Gi", "compute": 0.1, "nodeName": node.name})
+        operator.wait_phase(ns, "probe-2", "Ready")
+        first = daemon_pid(root)
+        assert first is not None
+        for name in ("infer", "train"):
+            wait_until(lambda n=name: ready_condition(n)["status"] == "True", 30,
+                       lambda: f"Ready True again\n{operator.logs()}")
+        wait_until(lambda: (c := mps_condition(operator, node)) and c["status"] == "True", 30,
+                   lambda: f"MPSReady True again\n{operator.logs()}")
+
+        for name in ("infer", "probe", "probe-2"):
+            operator.delete_slice(ns, name)
+            operator.wait_gone(ns, name)
         assert daemon_pid(root) == first  # "train" still holds a share on the GPU
         operator.delete_slice(ns, "train")
         operator.wait_gone(ns, "train")

@@ -88,6 +88,7 @@ class NodeAgent:
         self.publisher = Publisher(settings, self.gpus, store, client, events, self.node_watch,
                                    lambda: self.realiser.offered_entries(), self.mps)
         self.realiser = Realiser(settings, self.gpus, store, client, events, self.publisher, self.mps)
+        self.mps.on_change = self.realiser.mps_changed
         self.releaser = Releaser(settings, self.realiser)
         self.idle = (IdleReaper(settings.node, settings.idle_timeout_s, self.gpus, store, self.publisher.schedule)
                      if settings.idle_timeout_s is not None else None)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from mig_operator.core.cluster import MODE_FRACTION
 from mig_operator.core.environment import thread_percentage
@@ -54,6 +54,10 @@ class MpsKeeper:
         self._since = ""
         self._status = ""
         self._lock = asyncio.Lock()
+        # Told when a GPU's daemon stops answering (False) or answers again (True), with why: the
+        # Ready compute shares on it say so (Realiser.mps_changed).
+        self.on_change: Callable[[str, bool, str], Awaitable[None]] | None = None
+        self._told: dict[str, bool] = {}  # GPU UUID -> whether on_change last said it answers
 
     def dirs(self, gpu_uuid: str) -> MpsDirs | None:
         return self.control.dirs(gpu_uuid) if self.control is not None else None
@@ -116,11 +120,16 @@ class MpsKeeper:
                     await self._ensure(uuid, ceiling)
                 except MpsError:
                     pass  # kept in self.failed: the condition says it, the next publish tries again
+                why = self.failed.get(uuid)
+                if self.on_change is not None and self._told.get(uuid, True) != (why is None):
+                    await self.on_change(uuid, why is None, why or f"the MPS control daemon of {uuid} answers again")
+                self._told[uuid] = why is None
             for gpu in self.gpus.all:
                 if gpu.uuid in needed:
                     continue
                 self.failed.pop(gpu.uuid, None)
                 self.held.pop(gpu.uuid, None)
+                self._told.pop(gpu.uuid, None)
                 try:
                     if gpu.uuid in self.running or await asyncio.to_thread(self.control.running, gpu.uuid):
                         await asyncio.to_thread(self.control.stop, gpu.uuid)

@@ -52,7 +52,7 @@ from mig_operator.gpu.mps import MpsError
 from mig_operator.gpu.protocol import GpuError, GpuInfo, MigInstance
 
 from ..common import metrics, status
-from ..common.client import KubeClient, resource_version, slice_path
+from ..common.client import ApiError, KubeClient, resource_version, slice_path
 from ..common.events import EventPoster
 from ..common.faults import crashpoint
 from .gpus import Gpus, describe_instance
@@ -340,6 +340,23 @@ class Realiser:
         await self.write_status(body, status.failed(body.get("status"), reason, message))
         self.events.post(body, "Warning", reason, message)
         self.publisher.schedule()
+
+    async def mps_changed(self, gpu_uuid: str, ok: bool, message: str) -> None:
+        """The GPU's MPS daemon stopped answering (``ok`` False) or answers again: each Ready compute
+        share on it says so in its Ready condition (reason ``MPSUnavailable``); its phase stays."""
+        for entry in list(self.store.record.owners.values()):
+            if entry.device_uuid != gpu_uuid or entry.compute is None or entry.uid not in self.shown_ready:
+                continue
+            namespace, _, name = entry.slice.partition("/")
+            try:
+                body = await self.client.get(slice_path(namespace, name))
+                if body["metadata"]["uid"] != entry.uid:
+                    continue
+                reason = "MPSDaemonRunning" if ok else SLICE_REASON
+                await self.write_status(body, status.serving(body.get("status"), ok, reason, message))
+            except ApiError as exc:
+                log.warning("cannot say on slice %s that its MPS daemon %s: %s", entry.slice,
+                            "answers again" if ok else "is down", exc)
 
     async def write_status(self, body: Mapping, new_status: dict) -> None:
         meta = body["metadata"]
