@@ -169,8 +169,13 @@ class MpsDaemons:
         self.command(gpu_uuid, f"set_default_active_thread_percentage {thread_percentage}")
         self.command(gpu_uuid, f"set_default_device_pinned_mem_limit 0 {limit}")
         for pid in self.servers(gpu_uuid):
-            self.command(gpu_uuid, f"set_active_thread_percentage {pid} {thread_percentage}")
-            self.command(gpu_uuid, f"set_device_pinned_mem_limit {pid} 0 {limit}")
+            try:
+                self.command(gpu_uuid, f"set_active_thread_percentage {pid} {thread_percentage}")
+                self.command(gpu_uuid, f"set_device_pinned_mem_limit {pid} 0 {limit}")
+            except MpsError:
+                if pid in self.servers(gpu_uuid):
+                    raise
+                # it ended meanwhile (with its last client): nothing left to hold
 
     def stop(self, gpu_uuid: str) -> None:
         d = self.dirs(gpu_uuid)

@@ -134,26 +134,18 @@ def test_compute_shares_split_the_gpu_through_the_agents_mps_daemon(
         try:
             await kubelet.register()
             assert not mps.running(target.uuid)
-            bodies = {}
-            for n, (name, uid, share, _) in enumerate(SLICES):
+            claims = {name: (f"claim-{uid}", name) for name, uid, _, _ in SLICES}
+
+            async def realise_and_prepare(name: str, uid: str, share: float) -> None:
                 body = bound_fraction(name, uid, target.index, GRANTED)
                 body["spec"]["compute"] = share
                 body["status"]["compute"] = str(share)
-                api.objects[slice_path(NAMESPACE, name)] = bodies[name] = body
+                api.objects[slice_path(NAMESPACE, name)] = body
                 await agent.handle(copy.deepcopy(body))
                 st = api.objects[slice_path(NAMESPACE, name)]["status"]
                 assert st["phase"] == "Ready", st
-                if n == 0:  # the first compute share started the GPU's daemon
-                    assert mps.running(target.uuid)
-            await agent.publish()
-            conditions = {c["type"]: c for c in api.objects[gpunode_path(NODE)]["status"]["conditions"]}
-            assert conditions["MPSReady"]["status"] == "True", conditions
-            claims = [(f"claim-{uid}", name) for name, uid, _, _ in SLICES]
-            for (claim_uid, name), (_, uid, _, _) in zip(claims, SLICES, strict=True):
-                api.objects[resource_claim_path(NAMESPACE, name)] = allocated_claim(claim_uid, name, uid)
-            prepared = await kubelet.prepare(*claims)
-            for (claim_uid, name), (_, uid, _, _) in zip(claims, SLICES, strict=True):
-                answer = prepared.claims[claim_uid]
+                api.objects[resource_claim_path(NAMESPACE, name)] = allocated_claim(claims[name][0], name, uid)
+                answer = (await kubelet.prepare(claims[name])).claims[claims[name][0]]
                 assert answer.error == "", answer.error
                 specs[name] = json.loads((short_dir / "cdi" / spec_file_name(uid)).read_text())
                 base = {"ociVersion": "1.2.0", "root": {"path": "rootfs"}, "linux": {},
@@ -162,9 +154,27 @@ def test_compute_shares_split_the_gpu_through_the_agents_mps_daemon(
                 workdir.mkdir()
                 _, ocis[name] = apply_cdi(cdi_validate, short_dir / "cdi", list(answer.devices[0].cdi_device_ids),
                                           base, workdir)
+
+            # The first share starts the GPU's daemon; a client of it runs (so an MPS server does) while
+            # the larger shares come, and the daemon's ceiling is raised on that running server too.
+            name, uid, share, _ = SLICES[0]
+            await realise_and_prepare(name, uid, share)
+            assert mps.running(target.uuid)
             made.extend(placeholders(ocis["quarter"].get("mounts") or []))
+            holder = container_launch(ocis["quarter"], logs)({}, ["worker", "small", "1"])
+            assert holder.stdout is not None and holder.stdin is not None
+            assert json.loads(holder.stdout.readline())["phase"] == "ready"
+            out["servers_while_realising"] = mps.servers(target.uuid)
+            for name, uid, share, _ in SLICES[1:]:
+                await realise_and_prepare(name, uid, share)
+            holder.stdin.write("go\n")
+            holder.stdin.close()
+            assert holder.wait(60) == 0
+            await agent.publish()
+            conditions = {c["type"]: c for c in api.objects[gpunode_path(NODE)]["status"]["conditions"]}
+            assert conditions["MPSReady"]["status"] == "True", conditions
             await asyncio.to_thread(measure)
-            assert (await kubelet.unprepare(*claims)).claims
+            assert (await kubelet.unprepare(*claims.values())).claims
             for name, _, _, _ in SLICES:
                 await agent.deleted(api.objects[slice_path(NAMESPACE, name)])
             await agent.publish()
@@ -238,5 +248,6 @@ def test_compute_shares_split_the_gpu_through_the_agents_mps_daemon(
     for key in ("fill_spec", "fill_mps_only", "fill_asks_more"):
         assert 0 < out[key]["allocated"] <= GRANTED, (key, out[key])
     assert 0 < out["fill_shim_2g"]["allocated"] <= 2 * GIB, out["fill_shim_2g"]
+    assert out["servers_while_realising"], "no MPS server ran while the larger shares were realised"
     assert out["running_after_last"] is False
     assert out["condition_after_last"]["reason"] == "NoComputeShares"
