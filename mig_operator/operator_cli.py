@@ -148,8 +148,8 @@ def add_operator_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quota-required", action="store_true",
                    help="a namespace without a GpuQuota gets no slice (reason NoQuota); default: no limit")
     p.add_argument("--default-compute", default="shared", metavar="shared|proportional",
-                   help="the compute of a fraction without spec.compute: shared (time-sliced, the default) or "
-                        "proportional (a share equal to its memory share of the GPU, served by MPS)")
+                   help="the compute of a fraction without spec.compute: shared (time-sliced) or proportional "
+                        "(a share equal to its memory share of the GPU, served by MPS) (default: shared)")
     p.add_argument("--webhook", metavar="HOST:PORT", help="serve the pod admission webhook there (TLS)")
     p.add_argument("--webhook-cert", help="serving certificate (PEM); default: one made at start")
     p.add_argument("--webhook-key", help="its private key (PEM)")

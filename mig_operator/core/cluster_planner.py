@@ -34,7 +34,7 @@ from .cluster import (
     model_of,
 )
 from .compute import resolve_compute
-from .fraction_compute import COMPUTE_MODE, compute_mode_message
+from .fraction_compute import COMPUTE_MODE, COMPUTE_ONLY_FRACTIONS, compute_mode_message
 from .fraction_planner import FractionGpu, choose_fraction, fraction_bytes
 from .node_blocks import NodeBlock, blocked_code, blocked_note, blocked_text, node_block
 from .planner import InstanceSlot, MigDecision, MigGpu, PlannerSettings, Unplaceable
@@ -125,8 +125,9 @@ def _decide(
     if not has_mig and not fraction:
         if blocked:
             raise Refusal(blocked_code(blocked), clip_message(blocked_text(request, blocked)))
-        kind = "MIG GPU" if request.profile is not None else "GPU"
-        raise Refusal(NO_GPU, clip_message(f"no {kind} {where} can take slices: {request.describe()} waits for one"))
+        kind = "MIG GPU" if request.profile is not None else "GPU serving fractions" if request.compute else "GPU"
+        raise Refusal(NO_GPU, clip_message(f"no {kind} {where} can take slices: {request.describe()} waits for one"
+                                           + (COMPUTE_ONLY_FRACTIONS if request.compute is not None else "")))
     reasons: list[str] = []
     if has_mig:
         try:

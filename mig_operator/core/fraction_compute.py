@@ -22,6 +22,8 @@ from .request import SliceRequest
 # status.reason of a slice that waits because the fraction GPUs with room serve the other kind of
 # compute (shares through MPS, or shared fractions).
 COMPUTE_MODE = "ComputeMode"
+# Why a request with compute waits where only MIG GPUs are.
+COMPUTE_ONLY_FRACTIONS = " (a compute share is served to fractions only: a MIG slice's compute is its profile's)"
 
 
 def compute_mode_message(request: SliceRequest, gpus: list[FractionGpu], default_compute: str) -> str | None:

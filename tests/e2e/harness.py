@@ -17,6 +17,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -397,7 +398,8 @@ def check_invariants(harness: OperatorHarness, in_use: Iterable[tuple[str, int, 
     - every owner the agents' records name is a slice that exists (nothing owned by the dead);
     - no GPU instance is left without its compute instance;
     - instances a process uses (``in_use``: node, GPU, device UUID) still exist;
-    - fractions on a GPU add up to at most its memory.
+    - fractions on a GPU add up to at most its memory, their compute shares (status.compute, as
+      written) to at most 1, and shares and shared fractions never meet on one GPU.
     """
     slices = harness.slices()
     live = {s["metadata"]["uid"] for s in slices}
@@ -415,6 +417,7 @@ def check_invariants(harness: OperatorHarness, in_use: Iterable[tuple[str, int, 
     held: dict[tuple[str, int], list[tuple[int, str]]] = {}
     served: dict[tuple[str, int, int], str] = {}
     fractions: dict[tuple[str, int], int] = {}
+    computes: dict[tuple[str, int], list[str]] = {}
     for body in slices:
         st = body.get("status") or {}
         ref = f"{body['metadata']['namespace']}/{body['metadata']['name']}"
@@ -434,9 +437,13 @@ def check_invariants(harness: OperatorHarness, in_use: Iterable[tuple[str, int, 
                 served[(st["node"], st["gpu"], st["giId"])] = ref
         else:
             fractions[key] = fractions.get(key, 0) + int(st.get("grantedBytes", 0))
+            computes.setdefault(key, []).append(st.get("compute", "shared"))
     for node, gpu, device in in_use:
         assert any(i.device_uuid == device for (g, _), i in devices[node].items() if g == gpu), (
             f"instance {device} on {node} GPU {gpu} was in use and is gone")
     for (node, gpu), granted in fractions.items():
         model = get_model(harness.nodes[node].model)
         assert granted <= model.memory_mib * 2**20, f"fractions on {node} GPU {gpu} exceed its memory"
+    for key, shares in computes.items():
+        assert "shared" not in shares or set(shares) == {"shared"}, f"shares and shared fractions on {key}: {shares}"
+        assert sum(Decimal(c) for c in shares if c != "shared") <= 1, f"compute over 1 on {key}: {shares}"

@@ -599,7 +599,7 @@ def _changed(value: Any) -> Any:
 
 
 # Values whose every other value is refused by the chart are changed to one it takes.
-VALID_CHANGES: dict[tuple[str, ...], Any] = {("compat",): ["clearml"]}
+VALID_CHANGES: dict[tuple[str, ...], Any] = {("compat",): ["clearml"], ("fractions", "defaultCompute"): "proportional"}
 
 # A value that only matters in another mode is changed on top of that mode.
 MODES = {("webhook", "certManager"): {"webhook": {"certManager": {"enabled": True}}},
