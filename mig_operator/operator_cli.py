@@ -319,6 +319,7 @@ def cmd_controller(args: argparse.Namespace) -> int:
 
 def cmd_agent(args: argparse.Namespace) -> int:
     from .gpu import open_backend
+    from .gpu.mps import mps_for_backend
     from .kube.agent.agent import AgentSettings
     from .kube.agent.kubelet_plugin import MAX_SOCKET_PATH, PluginSettings, socket_paths_fit
     from .kube.agent.main import AgentOptions, node_exists, run_agent
@@ -376,8 +377,11 @@ def cmd_agent(args: argparse.Namespace) -> int:
                             "downward API's spec.nodeName")
     settings = AgentSettings(node=args.node, idle_timeout_s=idle, nvml_attempts=args.nvml_attempts,
                              toolkit_config=toolkit_config)
-    run_agent(AgentOptions(settings, record_file, args.kubeconfig, args.metrics_address, metrics_socket, plugin),
-              backend)
+    # The simulator's MPS stand-ins keep their directories beside its state, as its GPUs do.
+    simulated = args.backend.startswith("sim:") and args.state_file
+    mps = mps_for_backend(args.backend, f"{args.state_file}.mps" if simulated else plugin.mps_host_dir)
+    run_agent(AgentOptions(settings, record_file, args.kubeconfig, args.metrics_address, metrics_socket, plugin,
+                           mps), backend)
     return 0
 
 

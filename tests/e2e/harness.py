@@ -358,6 +358,11 @@ class OperatorHarness:
             time.sleep(0.2)
         for proc in self.procs:
             self.stop(proc)
+        for node in self.nodes.values():  # the MPS stand-ins an agent left running (adopted, not stopped)
+            for pipe in Path(f"{node.state_file}.mps").glob("*/pipe"):
+                subprocess.run([sys.executable, "-m", "mig_operator.gpu.mps_standin"], input="quit\n", text=True,
+                               capture_output=True, timeout=30,
+                               env={**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(pipe)})
         if self.webhook_port:
             try:
                 kubernetes.client.AdmissionregistrationV1Api(self.cluster.api_client).delete_mutating_webhook_configuration(

@@ -131,6 +131,15 @@ def held_in_use(previous: Mapping | None, message: str) -> dict:
             "conditions": [*kept, _condition(previous, RELEASED_CONDITION, False, IN_USE, message, now())]}
 
 
+def serving(previous: Mapping | None, ok: bool, reason: str, message: str) -> dict:
+    """A Ready slice whose device stops (``ok`` False) or starts again to serve: its Ready condition
+    says so, with the reason, and so do its reason and message; the phase and the other conditions
+    stay as they are."""
+    kept = [c for c in (previous or {}).get("conditions") or () if c.get("type") != READY_CONDITION]
+    return {"reason": reason if not ok else "Ready", "message": _message(message),
+            "conditions": [*kept, _condition(previous, READY_CONDITION, ok, reason, message, now())]}
+
+
 def released_condition(current: Mapping | None) -> Mapping | None:
     """The slice's Released condition, if it has one."""
     return next((c for c in (current or {}).get("conditions") or () if c.get("type") == RELEASED_CONDITION), None)
