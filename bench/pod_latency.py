@@ -4,8 +4,11 @@ ones, against plain pods (no annotation) and DRA-native pods in the same run.
     .venv/bin/python bench/pod_latency.py [--pods 100] [--nodes 4] [--latency 0] [--gap 0] [--json out.json]
                                           [--scheduler-qps N] [--scheduler-burst N]
                                           [--controller-manager-qps N] [--controller-manager-burst N]
+                                          [--rounds plain,dra_native,new,reused] [--webhook-process]
+                                          [--profile FILE]
 
-The whole path runs for real: the admission webhook (served by the controller), the pod's GpuSlice,
+The whole path runs for real: the admission webhook (served by the controller, or with --webhook-process
+by `mig-operator webhook` as the chart runs it), the pod's GpuSlice,
 binding, the agent (simulated GPUs) and its ResourceSlice, the slice's ResourceClaim and its allocation
 (the controller's), ungating, kube-scheduler reserving the claim and binding the pod, kwok starting it.
 Created-to-Running is measured from just before the client's create call to the moment a watch on the
@@ -128,8 +131,12 @@ class Profiler:
     def stop(self) -> dict:
         cpu_s = cpu_seconds(self.cluster)["controller"] - self.cpu_before
         self.proc.send_signal(signal.SIGINT)  # py-spy writes its file and ends
-        self.proc.wait(60)
-        return {"file": self.path, "controller_cpu_s": round(cpu_s, 3), **profile_parts.shares(Path(self.path))}
+        try:
+            self.proc.wait(60)
+            return {"file": self.path, "controller_cpu_s": round(cpu_s, 3), **profile_parts.shares(Path(self.path))}
+        except (OSError, subprocess.TimeoutExpired) as exc:  # no profile (py-spy could not attach): the rest stands
+            log = (self.cluster.plane.dir / "py-spy.log").read_text(errors="replace")[-300:]
+            return {"file": self.path, "controller_cpu_s": round(cpu_s, 3), "error": f"{exc}; py-spy: {log}"}
 
 
 def standin_driver(custom: kubernetes.client.CustomObjectsApi, nodes: list[str], ns: str, per_node: int) -> None:
@@ -156,6 +163,22 @@ def remove_standin_driver(custom: kubernetes.client.CustomObjectsApi, nodes: lis
             custom.delete_cluster_custom_object("resource.k8s.io", "v1", plural, name)
         except kubernetes.client.ApiException:
             pass
+
+
+def wait_webhook(plane: Plane, listen: str, config: str, timeout_s: float = 60) -> None:
+    """Until the webhook's configuration exists and its server accepts connections."""
+    admission = kubernetes.client.AdmissionregistrationV1Api(plane.api)
+    host, _, port = listen.rpartition(":")
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            admission.read_mutating_webhook_configuration(config)
+            with socket.create_connection((host, int(port)), timeout=1):
+                time.sleep(0.5)  # the API server's webhook client may lag its informer
+                return
+        except (kubernetes.client.ApiException, OSError):
+            time.sleep(0.2)
+    raise SystemExit(f"the webhook on {listen} did not serve in {timeout_s:g} s")
 
 
 def cpu_seconds(cluster: Cluster) -> dict[str, float]:
@@ -282,6 +305,8 @@ def main() -> int:
                             help=f"kube-{part}'s client QPS (control-plane up --{part}-qps; default {default})")
         parser.add_argument(f"--{part}-burst", type=positive(int, 2**31 - 1),
                             help=f"kube-{part}'s client burst (control-plane up --{part}-burst)")
+    parser.add_argument("--webhook-process", action="store_true",
+                        help="serve the webhook from its own process (mig-operator webhook), not the controller's")
     parser.add_argument("--rounds", default=",".join(ROUNDS), type=rounds_list,
                         help="the rounds to run, in this order (reused needs new before it)")
     parser.add_argument("--profile", metavar="FILE",
@@ -302,15 +327,17 @@ def main() -> int:
                 (("scheduler_limiter", "kube-scheduler"), ("controller_manager_limiter", "kube-controller-manager"))}
     if up_args and not plane.own:
         print(f"note: MIG_OPERATOR_RUN names a running plane, whose limits are {limiters}", file=sys.stderr)
-    port = free_port()
-    cluster = Cluster(plane, args.nodes, args.latency, controller_args=(
-        "--webhook", f"127.0.0.1:{port}", "--webhook-config", f"bench-{os.getpid()}", "--namespace", "kube-system"))
+    webhook_args = ("--webhook", f"127.0.0.1:{free_port()}", "--webhook-config", f"bench-{os.getpid()}",
+                    "--namespace", "kube-system")
+    cluster = Cluster(plane, args.nodes, args.latency, controller_args=() if args.webhook_process else webhook_args)
+    if args.webhook_process:  # as the chart runs it: its own process (`mig-operator webhook`), the controller none
+        cluster.spawn("webhook", "webhook", *webhook_args)
     core = cluster.core
     ns = f"pods-{os.getpid()}"
     core.create_namespace({"metadata": {"name": ns}})
     custom = kubernetes.client.CustomObjectsApi(plane.api)
     standin_driver(custom, cluster.names, ns, per_node=min(128, args.pods))  # 128: a ResourceSlice's most
-    time.sleep(2)  # the webhook configuration is in place
+    wait_webhook(plane, webhook_args[1], webhook_args[3])
     writes: dict[str, float] = {}
     by_resource: dict[str, dict[str, float]] = {}
     cpu: dict[str, dict[str, float]] = {}
@@ -368,6 +395,7 @@ def main() -> int:
     tags = {name: TAGS[name] for name in rounds}
     result = {"pods": args.pods, "nodes": args.nodes, "gpus": args.nodes * 8, "latency_s": args.latency,
               "gap_s": args.gap, "cpus": len(os.sched_getaffinity(0)), **limiters,
+              "webhook": "own process" if args.webhook_process else "in the controller",
               **{name: summary(times) for name, times in rounds.items()},
               "writes_per_pod": {name: writes[tag] for name, tag in tags.items()},
               "writes_per_pod_by_resource": {name: by_resource[tag] for name, tag in tags.items()},
