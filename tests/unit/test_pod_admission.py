@@ -634,6 +634,21 @@ def test_a_pod_found_ready_twice_at_once_is_ungated_with_one_patch() -> None:
     assert [c[0] for c in client.calls].count("PATCH") == 1, "ungated: nothing more to do"
 
 
+def test_a_pass_that_awaited_while_the_pod_was_ungated_sends_no_second_patch() -> None:
+    """A slice event's pass read the pod gated, then awaited its claim; meanwhile another pass ungated the
+    pod (the watch's view is now ungated): the late pass must not patch the pod as it read it."""
+    pods, client, _ = _pod_slices("pod-uid")
+    gated = _pod("Pending", gated=True)
+    pods.pods[("ns", "p-gs-1")] = {**gated, "spec": {"containers": [{"name": "c"}]}}  # as the watch sees it now
+    info = pods.state.slice_named("ns", "p-gs-1")
+    assert info is not None
+    asyncio.run(pods._release_gate(gated, info))
+    assert [c for c in client.calls if c[0] == "PATCH"] == []
+    pods.pods[("ns", "p-gs-1")] = gated
+    asyncio.run(pods._release_gate(gated, info))
+    assert [c for c in client.calls if c[0] == "PATCH"] == [("PATCH", "/api/v1/namespaces/ns/pods/p")]
+
+
 class _NodesClient(_Client):
     def __init__(self, nodes: list[dict]) -> None:
         super().__init__()

@@ -146,7 +146,7 @@ class PodSlices:
         # Told each slice made, as the API returned it (its own watch event follows and is then old).
         self.on_created: list[Callable[[dict[str, Any]], Awaitable[None]]] = []
         # Pods (namespace, pod group) whose gate is being removed: the pod's own event and its slice's
-        # may both find it ready at once, and a second patch would only be refused (422).
+        # may both find it ready at once, and a second patch would only be refused (422) and read the pod.
         self._ungating: set[tuple[str, str]] = set()
 
     async def pod_event(self, pod: dict[str, Any], deleted: bool) -> None:
@@ -416,11 +416,13 @@ class PodSlices:
 
     async def _release_gate(self, pod: dict[str, Any], info: SliceRecord) -> None:
         key = (info.namespace, group_of(info))
-        if key in self._ungating:
-            return
+        current = self.pods.get(key)
+        if key in self._ungating or current is None or not _gated(current) or (
+                current["metadata"].get("uid") != pod["metadata"].get("uid")):
+            return  # being ungated, or ungated while this pass awaited the claim: nothing left to do
         self._ungating.add(key)
         try:
-            await self._ungate(pod, info)
+            await self._ungate(current, info)
         finally:
             self._ungating.discard(key)
 
