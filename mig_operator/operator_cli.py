@@ -8,23 +8,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import re
 import signal
 import sys
-import tempfile
 from types import FrameType
-from typing import TYPE_CHECKING
 
-from .core.compat import UnknownDialect, check_dialects
 from .core.quantities import QuantityError
 from .core.runtime_trust import DEFAULT_CONFIG as TOOLKIT_CONFIG
 from .core.slice_spec import MAX_NODE_NAME_LENGTH, NODE_NAME
-
-if TYPE_CHECKING:
-    import kopf
-
-    from .kube.webhook.server import WebhookOptions
 
 DURATION_EXAMPLE = "10m"
 _DURATION = re.compile(r"^(?P<number>[0-9]+(?:\.[0-9]+)?)(?P<unit>ms|s|m|h|d)?$")
@@ -134,6 +125,8 @@ def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
 
 
 def add_operator_commands(sub: argparse._SubParsersAction) -> None:
+    from .webhook_cli import add_webhook_flags, cmd_webhook
+
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster, then KUBECONFIG, ~/.kube/config)")
     common.add_argument("--log-format", choices=("text", "json"), default="text",
@@ -152,12 +145,12 @@ def add_operator_commands(sub: argparse._SubParsersAction) -> None:
                    help="how long a waiting slice may hold back its namespace's smaller ones (fair order)")
     p.add_argument("--quota-required", action="store_true",
                    help="a namespace without a GpuQuota gets no slice (reason NoQuota); default: no limit")
-    _add_webhook_flags(p, required=False)
+    add_webhook_flags(p, required=False)
     p.set_defaults(func=cmd_controller)
 
     p = sub.add_parser("webhook", parents=[common], help="serve only the pod admission webhook (stateless: run "
                        "several replicas behind one Service)")
-    _add_webhook_flags(p, required=True)
+    add_webhook_flags(p, required=True)
     p.set_defaults(func=cmd_webhook)
 
     p = sub.add_parser("agent", parents=[common], help="run the node agent (realises slices bound to this node)")
@@ -190,80 +183,6 @@ def add_operator_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true",
                    help="one JSON object for scripts (with --watch: one per line)")
     p.set_defaults(func=cmd_top)
-
-
-def _add_webhook_flags(p: argparse.ArgumentParser, required: bool) -> None:
-    """The admission webhook's flags: the same for ``webhook`` and for ``controller --webhook``."""
-    p.add_argument("--webhook", metavar="HOST:PORT", required=required,
-                   help="serve the pod admission webhook there (TLS)")
-    p.add_argument("--webhook-cert", help="serving certificate (PEM); default: one made at start")
-    p.add_argument("--webhook-key", help="its private key (PEM)")
-    p.add_argument("--webhook-cert-secret", help="Secret (in --namespace) holding the made certificate, shared "
-                   "by replicas; made by the first one to start")
-    p.add_argument("--webhook-url", help="URL the API server calls (default https://HOST:PORT/gpu-slice)")
-    p.add_argument("--webhook-service", metavar="NAMESPACE/NAME[:PORT]",
-                   help="point the webhook configuration at this Service instead of a URL (in a cluster)")
-    p.add_argument("--mig-request-namespaces", default=None, metavar="NS[,NS...]",
-                   help="namespaces whose nvidia.com/mig-* requests the webhook serves (default: every one it "
-                        "serves; a namespace labelled cdmo.io/mig-requests=off is always left out)")
-    p.add_argument("--whole-gpus-everywhere", action="store_true",
-                   help="serve nvidia.com/gpu requests as whole-GPU slices in every namespace the webhook serves "
-                        "(default: only in namespaces labelled cdmo.io/whole-gpus=on)")
-    p.add_argument("--compat", default=None, metavar="DIALECT[,DIALECT...]",
-                   help="also serve the seed platforms' request forms: runai, clearml (default: none)")
-    p.add_argument("--webhook-config", default="mig-operator",
-                   help="MutatingWebhookConfiguration to create or update with the CA bundle ('' to leave it alone)")
-    p.add_argument("--namespace", default="mig-operator",
-                   help="the operator's own namespace: its pods are never sent to the webhook")
-
-
-def _webhook_options(args: argparse.Namespace) -> WebhookOptions:
-    """The webhook's flags checked, each error one line naming the flag (``listen`` is empty without
-    ``--webhook``: the controller then serves none)."""
-    from .kube.webhook.certs import CertificateFileError, check_pem_pair
-    from .kube.webhook.server import WebhookOptions
-
-    if args.webhook:
-        _address("--webhook", args.webhook, "127.0.0.1:9443")
-    _dns_label("--namespace", args.namespace, "mig-operator", "namespace")
-    if args.webhook_config:
-        _dns_subdomain("--webhook-config", args.webhook_config, "mig-operator", "MutatingWebhookConfiguration name")
-    if args.webhook_service:
-        _webhook_service(args.webhook_service)
-    mig_namespaces = tuple(n.strip() for n in (args.mig_request_namespaces or "").split(",") if n.strip())
-    for namespace in mig_namespaces:
-        _dns_label("--mig-request-namespaces", namespace, "team-a,team-b", "namespace")
-    try:
-        compat = check_dialects(args.compat or "")
-    except UnknownDialect as exc:
-        raise QuantityError(f"--compat {_shown(args.compat)}: {exc}") from None
-    if bool(args.webhook_cert) != bool(args.webhook_key):
-        raise QuantityError("--webhook-cert and --webhook-key go together; e.g. --webhook-cert tls.crt "
-                            "--webhook-key tls.key")
-    if args.webhook_cert:
-        try:
-            check_pem_pair(args.webhook_cert, args.webhook_key)
-        except CertificateFileError as exc:
-            raise QuantityError(str(exc)) from None
-    return WebhookOptions(
-        listen=args.webhook or "", namespace=args.namespace, cert_file=args.webhook_cert,
-        key_file=args.webhook_key, cert_secret=args.webhook_cert_secret, url=args.webhook_url,
-        service=args.webhook_service, config_name=args.webhook_config or None,
-        mig_request_namespaces=mig_namespaces, compat=compat, whole_gpus_everywhere=args.whole_gpus_everywhere,
-    )
-
-
-def _serve_webhook(stack: contextlib.ExitStack, registry: kopf.OperatorRegistry, webhook: WebhookOptions,
-                   kubeconfig: str | None) -> None:
-    """Bind the webhook's socket now (a taken port is a start-up error) and add the server to ``registry``."""
-    from .kube.webhook.server import bind, register
-
-    webhook_socket = stack.enter_context(bind(webhook))
-    if not webhook.cert_file:
-        # The made certificate's key lives only as long as this process.
-        key_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="mig-operator-webhook-"))
-        webhook = dataclasses.replace(webhook, key_dir=key_dir)
-    register(registry, webhook, kubeconfig, webhook_socket)
 
 
 def _directory_flag(flag: str, text: str, example: str) -> str:
@@ -308,6 +227,7 @@ def cmd_controller(args: argparse.Namespace) -> int:
     from .kube.common.listen import ListenError
     from .kube.common.operator import run_operator
     from .kube.controller.main import ControllerOptions, build_registry, default_priority
+    from .webhook_cli import serve_webhook, webhook_options
 
     _configure_logs(args)  # first: with json, even an error that stops it at start is a JSON line
     _check_credentials(args.kubeconfig)
@@ -315,7 +235,7 @@ def cmd_controller(args: argparse.Namespace) -> int:
     # that fails and is retried every 2 s for ever.
     if args.metrics_address:
         _address("--metrics-address", args.metrics_address, ":9090")
-    webhook = _webhook_options(args)
+    webhook = webhook_options(args)
     _dns_subdomain("--peering", args.peering, "mig-operator", "peering name")
     lifetime = _peering_lifetime(args.peering_lifetime)
     resync = _duration_flag("--resync", args.resync)
@@ -332,42 +252,13 @@ def cmd_controller(args: argparse.Namespace) -> int:
             if metrics_socket is not None:
                 stack.callback(metrics_socket.close)
             if args.webhook:
-                _serve_webhook(stack, registry, webhook, args.kubeconfig)
+                serve_webhook(stack, registry, webhook, args.kubeconfig)
         except ListenError as exc:
             raise QuantityError(str(exc)) from None
         if metrics_socket is not None:
             metrics.serve(metrics_socket)
         priority = options.priority if options.priority is not None else default_priority()
         run_operator(registry, standalone=False, priority=priority, peering_name=options.peering)
-    return 0
-
-
-def cmd_webhook(args: argparse.Namespace) -> int:
-    """The admission webhook alone: the same server as ``controller --webhook``, in a process of its own
-    that keeps no state (no peering, no watch), so any number of replicas serve one Service."""
-    from .kube.common import metrics
-    from .kube.common.listen import ListenError
-    from .kube.common.operator import run_operator
-    from .kube.webhook.server import webhook_registry
-
-    _configure_logs(args)
-    _check_credentials(args.kubeconfig)
-    if args.metrics_address:
-        _address("--metrics-address", args.metrics_address, ":9090")
-    webhook = _webhook_options(args)
-    registry = webhook_registry(args.kubeconfig)
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    with contextlib.ExitStack() as stack:
-        try:
-            metrics_socket = metrics.bind(args.metrics_address) if args.metrics_address else None
-            if metrics_socket is not None:
-                stack.callback(metrics_socket.close)
-            _serve_webhook(stack, registry, webhook, args.kubeconfig)
-        except ListenError as exc:
-            raise QuantityError(str(exc)) from None
-        if metrics_socket is not None:
-            metrics.serve(metrics_socket)
-        run_operator(registry, standalone=True)
     return 0
 
 
