@@ -330,7 +330,7 @@ def test_the_rendered_arguments_parse_and_agree_with_each_other(render: Any, nam
     assert _volume(docs, "agent", "ledgers")["hostPath"] == {"path": ledgers, "type": "DirectoryOrCreate"}
     assert {"name": "ledgers", "mountPath": ledgers} in agent_container["volumeMounts"]
     mps = PluginSettings(shim_host_dir=agent.shim_host_dir).mps_host_dir
-    assert _volume(docs, "DaemonSet", "mps")["hostPath"] == {"path": mps, "type": "DirectoryOrCreate"}
+    assert _volume(docs, "agent", "mps")["hostPath"] == {"path": mps, "type": "DirectoryOrCreate"}
     assert {"name": "mps", "mountPath": mps} in agent_container["volumeMounts"]
     # The agent's node comes from the downward API; its record lives in the host state directory.
     assert agent.node == "node-a"
