@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import socket
 from typing import Any
 
 import kopf
@@ -74,5 +76,11 @@ def run_operator(registry: kopf.OperatorRegistry, *, standalone: bool, priority:
     logging.getLogger("kopf.activities.startup").setLevel(logging.WARNING)
     asyncio.run(kopf.operator(
         registry=registry, standalone=standalone, priority=priority, peering_name=peering_name,
-        clusterwide=True,
+        clusterwide=True, identity=own_identity(),
     ))
+
+
+def own_identity() -> str:
+    """This process's name among the peers. kopf's default asks the passwd file for the user's name,
+    which fails for a uid the image has no entry for (the chart's 65532, an OpenShift random uid)."""
+    return f"{socket.gethostname()}/{os.getpid()}"
