@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: all venv shim control-plane lint chart-crds test unit e2e demo bench clean
+.PHONY: all venv shim control-plane image lint chart-crds test unit e2e demo bench clean
 
 all: test
 
@@ -23,6 +23,12 @@ shim:
 
 control-plane:
 	scripts/control-plane build
+
+# The Dockerfile built without a daemon (buildah, chroot isolation) on a Debian-made Python base, and the
+# node tests' workload image: OCI archives in build/image/, cached by content under ~/.cache/mig-operator/image
+# (scripts/image says how; docs/control-plane.md has the times and sizes).
+image:
+	scripts/image build
 
 lint: venv
 	$(BIN)/ruff check mig_operator tests bench
