@@ -57,7 +57,8 @@ class RealNode:
         result = subprocess.run([str(self.bin_dir / "kubectl"), f"--kubeconfig={self.kubeconfig}", *args],
                                 input=input, capture_output=True, text=True, timeout=timeout)
         if check and result.returncode != 0:
-            raise AssertionError(f"kubectl {' '.join(args)} exited {result.returncode}:\n{result.stdout}{result.stderr}")
+            raise AssertionError(f"kubectl {' '.join(args)} exited {result.returncode}:\n"
+                                 f"{result.stdout}{result.stderr}")
         return result
 
     def helm(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:

@@ -13,15 +13,17 @@ from __future__ import annotations
 import json
 import re
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from conftest import REPO_ROOT, RealNode
 
+# tests/node/conftest.py's RealNode (a fixture's type; not imported: several test directories have a
+# conftest module of that name).
+RealNode = Any
+REPO_ROOT = Path(__file__).resolve().parents[2]
 CHART_DIR = REPO_ROOT / "helm" / "mig-operator"
 PROBE = (Path(__file__).parent / "probe.py").read_text()
 RELEASE, RELEASE_NS, TEAM = "mig-operator", "mig-operator", "team-a"
