@@ -205,7 +205,7 @@ node_network_up() {
 }
 
 start_node() {
-    local api_port=$1 kc=$STATE_DIR/kubeconfig why i ready=""
+    local api_port=$1 why i
     why=$(node_preflight)
     [[ -z $why ]] || fail_up "the real node cannot start here: $why"
     write_node_config "$api_port"
@@ -223,13 +223,23 @@ start_node() {
     node_ctr version >/dev/null 2>&1 || { tail -30 "$STATE_DIR/logs/containerd.log" >&2; fail_up "containerd failed to start"; }
     node_ctr images import --local "$NODE_BIN_DIR/pause.oci.tar" >/dev/null \
         || fail_up "importing the pause image failed"
+    start_kubelet
+}
+
+# The kubelet, then its Node Ready. Also `restart kubelet`: a kubelet restarted with pods running and
+# claims prepared finds them in its checkpoints, as after a kubelet upgrade on a production node.
+start_kubelet() {
+    local kc=$STATE_DIR/kubeconfig i ready="" port
     log "starting kubelet as Node $NODE_NAME (root $NODE_DIR/kubelet, InternalIP $NODE_IP)"
     start_proc kubelet "$NODE_BIN_DIR/kubelet" --config="$NODE_DIR/kubelet-config.yaml" \
         --kubeconfig="$kc" --root-dir="$NODE_DIR/kubelet" --hostname-override="$NODE_NAME" \
         --node-ip="$NODE_IP" --cert-dir="$NODE_DIR/kubelet/pki"
+    # A restarted kubelet's Node may still say Ready from before: its own health endpoint first.
+    port=$(sed -nE 's/^healthzPort: ([0-9]+)$/\1/p' "$NODE_DIR/kubelet-config.yaml")
     for ((i = 0; i < 480; i++)); do
-        ready=$("$BIN_DIR/kubectl" --kubeconfig="$kc" get node "$NODE_NAME" \
-            -o 'jsonpath={.status.conditions[?(@.type=="Ready")].status}' 2>/dev/null) || true
+        [[ -n $ready ]] || { curl -sf -o /dev/null --max-time 2 "http://127.0.0.1:$port/healthz" && ready=healthy; }
+        [[ -n $ready ]] && ready=$("$BIN_DIR/kubectl" --kubeconfig="$kc" get node "$NODE_NAME" \
+            -o 'jsonpath={.status.conditions[?(@.type=="Ready")].status}' 2>/dev/null || echo healthy)
         [[ $ready == True ]] && return 0
         recorded_alive kubelet || break
         sleep 0.25
@@ -302,9 +312,18 @@ stop_node() {
     fi
     ip link del "$NODE_BRIDGE" 2>/dev/null || true
     [[ -f $NODE_DIR/etc-cdi-made ]] && rmdir /etc/cdi 2>/dev/null || true
+    # containerd's fixed shim socket and fifo dirs, when empty (nothing else uses them then).
+    rmdir /run/containerd/s /run/containerd/fifo /run/containerd/runc /run/containerd 2>/dev/null || true
     # The kubelet's cgroups (cgroupfs driver): kubepods and its QoS/pod children, leaves first.
     for c in /sys/fs/cgroup/*/kubepods; do
         [[ -d $c ]] && find "$c" -depth -type d -exec rmdir {} \; 2>/dev/null || true
     done
     rm -rf "$NODE_DIR"
+}
+
+# `restart kubelet`: stop the kubelet (pods and containerd keep running) and start it again.
+restart_kubelet() {
+    recorded_alive kubelet || die "restart: no kubelet of a real node runs in $STATE_DIR (up --with node first)"
+    stop_named kubelet
+    start_kubelet
 }
