@@ -268,16 +268,26 @@ kill_pod_processes() {
     done
 }
 
-# The shims of this node's containerd (their command line names its socket): by pid.
-kill_node_shims() {
-    local d pid exe
+# The shims of this node's containerd (their command line names its socket), by pid.
+node_shims() {
+    local d exe
     for d in /proc/[0-9]*; do
-        pid=${d#/proc/}
         exe=$(readlink "$d/exe" 2>/dev/null) || continue
         [[ $exe == "$NODE_BIN_DIR/containerd-shim-runc-v2" ]] || continue
         tr '\0' ' ' <"$d/cmdline" 2>/dev/null | grep -qF -- "$NODE_DIR/containerd/containerd.sock" \
-            && kill -KILL "$pid" 2>/dev/null || true
+            && echo "${d#/proc/}"
     done
+}
+
+# Their containers killed, the shims exit by themselves (removing their sockets under
+# /run/containerd/s); any left after 5 s are killed.
+kill_node_shims() {
+    local i pid
+    for ((i = 0; i < 20; i++)); do
+        [[ -n $(node_shims) ]] || return 0
+        sleep 0.25
+    done
+    for pid in $(node_shims); do kill -KILL "$pid" 2>/dev/null || true; done
 }
 
 stop_named() {   # NAME: SIGTERM, SIGKILL after 10 s (as cmd_down does for the others)
