@@ -3,6 +3,9 @@
 #
 #   docker build -t REGISTRY/mig-operator:0.1.0 .     then: helm install ... --set image.repository=REGISTRY/mig-operator
 #
+# Without Docker or a registry: `make image` (scripts/image) builds this file with buildah on a Python
+# base made from Debian's packages, passed as PYTHON_IMAGE, into an OCI archive (docs/control-plane.md).
+#
 # Base: the official python:3.11-slim-bookworm multi-platform index, pinned by digest. The digest is
 # the one Docker Hub's tag API and `docker buildx imagetools inspect python:3.11-slim-bookworm`
 # reported for that tag (Python 3.11.16) in late September 2026, as recorded independently in several
@@ -28,11 +31,17 @@ FROM ${PYTHON_IMAGE} AS wheel
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
 WORKDIR /src
 COPY pyproject.toml ./
+# A virtual environment, copied whole into the final stage, with the dependencies pyproject.toml names
+# installed first, in a layer of their own: a change to the sources alone rebuilds only the next step.
+RUN python -m venv /opt/mig-operator \
+    && python -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]))' \
+        > /tmp/requirements.txt \
+    && /opt/mig-operator/bin/pip install -r /tmp/requirements.txt \
+    && rm /tmp/requirements.txt
 COPY mig_operator/ mig_operator/
-# The wheel (setuptools from pyproject's build-system, in pip's isolated build environment), then a
-# virtual environment holding it and its dependencies, copied whole into the final stage.
+# The wheel (setuptools from pyproject's build-system, in pip's isolated build environment), installed
+# into the environment, whose dependencies are already there.
 RUN pip wheel --no-deps --wheel-dir /wheels . \
-    && python -m venv /opt/mig-operator \
     && /opt/mig-operator/bin/pip install /wheels/mig_operator-*.whl
 
 # ---- the image -----------------------------------------------------------------------------------

@@ -117,6 +117,22 @@ def test_the_shim_is_at_the_path_the_chart_copies_from(image: Image) -> None:
     assert SHIM.split("/", 1)[1] in (REPO_ROOT / "helm" / "mig-operator" / "templates" / "agent.yaml").read_text()
 
 
+def test_no_layer_holds_a_ca_this_machine_added(image: Image) -> None:
+    """The build's RUN steps trust this machine's CAs (its TLS-inspecting proxy's, for pip) through a
+    bind mount; none of them may end up in the image users run."""
+    added = [path for path in Path("/usr/local/share/ca-certificates").glob("**/*.crt")]
+    if not added:
+        pytest.skip("this machine trusts no CA of its own (/usr/local/share/ca-certificates is empty)")
+    bodies = {path.name: "".join(line for line in path.read_text().splitlines() if not line.startswith("-----"))
+              for path in added}
+    for layer in image.layers():
+        for member in layer:
+            if member.isfile() and member.name.endswith((".crt", ".pem")):
+                text = layer.extractfile(member).read().decode(errors="replace").replace("\n", "")
+                leaked = [name for name, body in bodies.items() if body and body in text]
+                assert not leaked, f"{member.name} holds this machine's CA(s) {leaked}"
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="starting the unpacked image with chroot needs root")
 def test_the_unpacked_image_starts_as_its_user(image: Image, tmp_path: Path) -> None:
     root = tmp_path / "rootfs"
