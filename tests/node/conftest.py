@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -93,10 +92,34 @@ def _last_line(text: str) -> str:
     return lines[-1] if lines else "(no output)"
 
 
-def _skip(why: str) -> None:
-    # One line, for `make test`'s summary: -rs prints it.
-    print(f"real node suite skipped: {why}", file=sys.stderr)
-    pytest.skip(why)
+def _why_not() -> str | None:
+    """Why the node cannot run here, or None once its parts and the images are built (cached after the
+    first time)."""
+    state_dir = os.path.join(tempfile.gettempdir(), "mig-node-preflight")  # only read by `env`
+    why = _env([str(CONTROL_PLANE)], state_dir).get("NODE_PREFLIGHT")
+    if why:
+        return f"the real node cannot start here: {why}"
+    build = _run([str(CONTROL_PLANE), "build", "--with", "node"], state_dir, BUILD_TIMEOUT_S)
+    if build.returncode != 0:
+        return f"the real node's parts could not be built here: {_last_line(build.stderr)}"
+    image = _run([str(IMAGE_SCRIPT), "build"], state_dir, BUILD_TIMEOUT_S)
+    if image.returncode != 0:
+        return f"the images could not be built here: {_last_line(image.stderr)}"
+    return None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Checked once, before any test runs, so that a node that cannot start here skips the whole
+    suite with one line of `pytest -ra` (a skip mark folds into one report line; a skip from a
+    fixture would print one per test)."""
+    here = Path(__file__).resolve().parent
+    mine = [item for item in items if here in Path(item.path).resolve().parents]
+    if not mine:
+        return
+    why = _why_not()
+    for item in mine:
+        if why:
+            item.add_marker(pytest.mark.skip(reason=why))
 
 
 @pytest.fixture(scope="session")
@@ -104,16 +127,6 @@ def real_node() -> Iterator[RealNode]:
     # A short path: containerd's and the kubelet's sockets live under it (108-byte limit).
     state_dir = os.path.join(tempfile.mkdtemp(prefix="mig-node-"), "cp")
     settings = _env([str(CONTROL_PLANE)], state_dir)
-    if settings.get("NODE_PREFLIGHT"):
-        _skip(f"the real node cannot start here: {settings['NODE_PREFLIGHT']}")
-    build = _run([str(CONTROL_PLANE), "build", "--with", "node"], state_dir, BUILD_TIMEOUT_S)
-    if build.returncode != 0:
-        _skip(f"the real node's parts could not be built here: {_last_line(build.stderr)}")
-    if not IMAGE_SCRIPT.exists():
-        _skip("scripts/image is missing: no image to install")
-    image = _run([str(IMAGE_SCRIPT), "build"], state_dir, BUILD_TIMEOUT_S)
-    if image.returncode != 0:
-        _skip(f"the images could not be built here: {_last_line(image.stderr)}")
     images = _env([str(IMAGE_SCRIPT)], state_dir)
     up = _run([str(CONTROL_PLANE), "up", "--with", "node"], state_dir, 600)
     last = _last_line(up.stdout)
