@@ -35,7 +35,10 @@ node_built() {
 install_node_packages() {
     command -v runc >/dev/null && command -v iptables >/dev/null && return
     log "installing runc and iptables (Debian packages)..."
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -q runc iptables >/dev/null \
+    # One apt at a time on this machine (others may be installing too): wait for dpkg's lock.
+    DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 update -qq >/dev/null \
+        && DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -qq \
+            --no-install-recommends runc iptables >/dev/null \
         || die "apt-get install runc iptables failed (needs root and Debian's package mirror)"
 }
 
