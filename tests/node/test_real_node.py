@@ -333,12 +333,17 @@ def test_helm_uninstall_leaves_only_what_the_docs_say(release: RealNode) -> None
     for kind in CLUSTER_KINDS:
         names = node.kubectl("get", kind, "-o", "name").stdout.split()
         assert not [n for n in names if RELEASE in n or "cdmo" in n], f"{kind} left: {names}"
-    # The CRDs stay (Helm never deletes a chart's crds/), with the GpuNode the agent published.
+    # The CRDs stay (Helm never deletes a chart's crds/), with the GpuNode the agent published (step 4
+    # of the guide deletes both).
+    assert get(node, "gpunode", node.name)
     chart_crds = {f"customresourcedefinition.apiextensions.k8s.io/{doc['metadata']['name']}"
                   for path in (CHART_DIR / "crds").glob("*.yaml") for doc in yaml.safe_load_all(path.read_text())
                   if doc and doc.get("kind") == "CustomResourceDefinition"}
     assert chart_crds <= set(node.kubectl("get", "crds", "-o", "name").stdout.split())
     assert not node.kubectl("get", "resourceclaims", "-A", "-o", "name").stdout.strip()
+    # The kubelet withdraws the devices of a driver whose plugin is gone (after its grace period).
+    wait_for(lambda: not [r for r in get(node, "resourceslices")["items"] if r["spec"]["driver"] == "gpu.cdmo.io"],
+             120, "the agent's ResourceSlices to go")
     # On the node: every claim unprepared (no CDI spec left); the state dir stays (step 5 is optional).
     assert not list(Path(node.settings["NODE_CDI_DIR"]).iterdir())
     assert (node.node_dir / "var/lib/mig-operator/shim/libgpuslice.so").exists()
