@@ -25,9 +25,25 @@ NODE_BINS=(containerd ctr containerd-shim-runc-v2 kubelet cni/bridge cni/loopbac
 
 # ---- build -----------------------------------------------------------------------------------
 
+# Each part is keyed by what it is made from: its pinned version (the pause image: the sha256 of
+# pause.c's version and of the packer), kept next to it as <part>.key; a changed key rebuilds it.
+part_key() {
+    case $1 in
+        containerd) echo "$CONTAINERD_VERSION" ;;
+        cni) echo "$CNI_PLUGINS_VERSION" ;;
+        kubelet) echo "$K8S_VERSION" ;;
+        pause) echo "$K8S_VERSION $PAUSE_IMAGE $(sha256sum <"$REPO_DIR/scripts/oci-archive" | cut -d' ' -f1)" ;;
+    esac
+}
+
+part_current() {   # PART: built, from what it is made from now
+    [[ -f $NODE_BIN_DIR/$1.key && $(<"$NODE_BIN_DIR/$1.key") == "$(part_key "$1")" ]]
+}
+
 node_built() {
-    local b
+    local b p
     for b in "${NODE_BINS[@]}"; do [[ -x $NODE_BIN_DIR/$b ]] || return 1; done
+    for p in containerd cni kubelet pause; do part_current "$p" || return 1; done
     [[ -f $NODE_BIN_DIR/pause.oci.tar ]] && command -v runc >/dev/null && command -v iptables >/dev/null
 }
 
@@ -85,15 +101,19 @@ build_pause() {
 }
 
 build_node() {
-    local start=$SECONDS
+    local start=$SECONDS p
     mkdir -p "$NODE_BIN_DIR"
     install_node_packages
-    [[ -x $NODE_BIN_DIR/containerd && -x $NODE_BIN_DIR/ctr && -x $NODE_BIN_DIR/containerd-shim-runc-v2 ]] \
-        || build_containerd
-    [[ -x $NODE_BIN_DIR/cni/bridge && -x $NODE_BIN_DIR/cni/loopback && -x $NODE_BIN_DIR/cni/host-local ]] \
-        || build_cni_plugins
-    [[ -x $NODE_BIN_DIR/kubelet ]] || build_kubelet
-    [[ -f $NODE_BIN_DIR/pause.oci.tar ]] || build_pause
+    for p in containerd cni kubelet pause; do
+        part_current "$p" && continue
+        case $p in
+            containerd) build_containerd ;;
+            cni) build_cni_plugins ;;
+            kubelet) build_kubelet ;;
+            pause) build_pause ;;
+        esac
+        part_key "$p" >"$NODE_BIN_DIR/$p.key"
+    done
     log "node parts built in $((SECONDS - start)) s; in $NODE_BIN_DIR"
 }
 
