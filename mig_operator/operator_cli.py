@@ -16,6 +16,7 @@ import tempfile
 from types import FrameType
 
 from .core.compat import UnknownDialect, check_dialects
+from .core.compute import parse_default_compute
 from .core.quantities import QuantityError
 from .core.runtime_trust import DEFAULT_CONFIG as TOOLKIT_CONFIG
 from .core.slice_spec import MAX_NODE_NAME_LENGTH, NODE_NAME
@@ -146,6 +147,9 @@ def add_operator_commands(sub: argparse._SubParsersAction) -> None:
                    help="how long a waiting slice may hold back its namespace's smaller ones (fair order)")
     p.add_argument("--quota-required", action="store_true",
                    help="a namespace without a GpuQuota gets no slice (reason NoQuota); default: no limit")
+    p.add_argument("--default-compute", default="shared", metavar="shared|proportional",
+                   help="the compute of a fraction without spec.compute: shared (time-sliced) or proportional "
+                        "(a share equal to its memory share of the GPU, served by MPS) (default: shared)")
     p.add_argument("--webhook", metavar="HOST:PORT", help="serve the pod admission webhook there (TLS)")
     p.add_argument("--webhook-cert", help="serving certificate (PEM); default: one made at start")
     p.add_argument("--webhook-key", help="its private key (PEM)")
@@ -257,6 +261,7 @@ def cmd_controller(args: argparse.Namespace) -> int:
     lifetime = _peering_lifetime(args.peering_lifetime)
     resync = _duration_flag("--resync", args.resync)
     fair_hold = _duration_flag("--fair-hold", args.fair_hold)
+    default_compute = parse_default_compute(args.default_compute)
     _dns_label("--namespace", args.namespace, "mig-operator", "namespace")
     if args.webhook_config:
         _dns_subdomain("--webhook-config", args.webhook_config, "mig-operator", "MutatingWebhookConfiguration name")
@@ -280,6 +285,7 @@ def cmd_controller(args: argparse.Namespace) -> int:
     options = ControllerOptions(
         kubeconfig=args.kubeconfig, priority=args.priority, peering=args.peering,
         peering_lifetime_s=lifetime, resync_s=resync, fair_hold_s=fair_hold, quota_required=args.quota_required,
+        default_compute=default_compute,
     )
     registry = build_registry(options)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
@@ -313,6 +319,7 @@ def cmd_controller(args: argparse.Namespace) -> int:
 
 def cmd_agent(args: argparse.Namespace) -> int:
     from .gpu import open_backend
+    from .gpu.mps import mps_for_backend
     from .kube.agent.agent import AgentSettings
     from .kube.agent.kubelet_plugin import MAX_SOCKET_PATH, PluginSettings, socket_paths_fit
     from .kube.agent.main import AgentOptions, node_exists, run_agent
@@ -370,8 +377,11 @@ def cmd_agent(args: argparse.Namespace) -> int:
                             "downward API's spec.nodeName")
     settings = AgentSettings(node=args.node, idle_timeout_s=idle, nvml_attempts=args.nvml_attempts,
                              toolkit_config=toolkit_config)
-    run_agent(AgentOptions(settings, record_file, args.kubeconfig, args.metrics_address, metrics_socket, plugin),
-              backend)
+    # The simulator's MPS stand-ins keep their directories beside its state, as its GPUs do.
+    simulated = args.backend.startswith("sim:") and args.state_file
+    mps = mps_for_backend(args.backend, f"{args.state_file}.mps" if simulated else plugin.mps_host_dir)
+    run_agent(AgentOptions(settings, record_file, args.kubeconfig, args.metrics_address, metrics_socket, plugin,
+                           mps), backend)
     return 0
 
 
@@ -381,7 +391,8 @@ def cmd_top(args: argparse.Namespace) -> int:
     import json
     import time
 
-    from .core.top_view import render_text, view_json
+    from .core.top_json import view_json
+    from .core.top_view import render_text
     from .kube.top import TopError, client_for, read_view
 
     interval = _watch_seconds(args.watch) if args.watch is not None else None

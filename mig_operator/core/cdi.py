@@ -5,8 +5,9 @@ container runtime, which applies the spec's edits: the device nodes of the GPU (
 GPU and compute instance's ``nvidia-caps`` nodes), ``NVIDIA_VISIBLE_DEVICES=void`` so that no
 runtime hook widens the set, the slice's variables, and for fractions the shim mounted read-only
 and preloaded, and the slice's ledger directory mounted read-write at the one path the shim knows,
-so that every process of every pod of the claim shares one limit. Pure: the caller reads the device
-numbers, makes the ledger directory and writes the file.
+so that every process of every pod of the claim shares one limit; a fraction with a compute share
+also mounts its GPU's MPS pipe and shm directories and gets its MPS limits (``environment``). Pure:
+the caller reads the device numbers, makes the ledger directory and writes the file.
 """
 
 from __future__ import annotations
@@ -16,7 +17,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from .cluster import MODE_FRACTION, MODE_MIG
-from .environment import DEVICES_VARIABLE, LEDGER_PATH_IN_CONTAINER, SHIM_PATH_IN_CONTAINER, slice_environment
+from .environment import (
+    DEVICES_VARIABLE,
+    LEDGER_PATH_IN_CONTAINER,
+    MPS_PIPE_IN_CONTAINER,
+    MPS_SHM_IN_CONTAINER,
+    SHIM_PATH_IN_CONTAINER,
+    slice_environment,
+)
 
 DRIVER = "gpu.cdmo.io"
 CDI_KIND = f"{DRIVER}/slice"
@@ -58,6 +66,11 @@ class SliceDevice:
     # A fraction that is all of its GPU (fraction 1: a whole GPU without MIG, nothing else on it):
     # nothing to limit, so no shim.
     whole_gpu: bool = False
+    # A compute share in (0, 1] (None: shared, time-sliced): the slice is a client of its GPU's MPS
+    # control daemon, whose pipe and shm directories on the node (gpu.mps.mps_dirs) it mounts.
+    compute: float | None = None
+    mps_pipe_dir: str = ""
+    mps_shm_dir: str = ""
 
 
 def ledger_dir(ledger_host_dir: str, slice_uid: str) -> str:
@@ -107,9 +120,13 @@ def slice_spec(device: SliceDevice) -> dict[str, Any]:
         raise ValueError(f"mode {device.mode!r} is not 'mig' or 'fraction'")
     if not device.device_nodes:
         raise ValueError(f"slice {device.namespace}/{device.name} has no device nodes to hand over")
+    mps = device.compute is not None
+    if mps and (device.mode != MODE_FRACTION or not device.mps_pipe_dir or not device.mps_shm_dir):
+        raise ValueError(f"slice {device.namespace}/{device.name} has compute {device.compute!r}: only a "
+                         "fraction has a share, and its MPS pipe and shm directories must be given")
     shim_dir = SHIM_PATH_IN_CONTAINER.rsplit("/", 1)[0]
     env = slice_environment(device.mode, device.granted_bytes, device.namespace, device.name,
-                            whole_gpu=device.whole_gpu)
+                            whole_gpu=device.whole_gpu, compute=device.compute)
     # NVIDIA_VISIBLE_DEVICES first (what a reader looks for), then the rest in name order.
     order = sorted(env, key=lambda key: (key != DEVICES_VARIABLE, key))
     variables = [f"{key}={env[key]}" for key in order]
@@ -117,8 +134,9 @@ def slice_spec(device: SliceDevice) -> dict[str, Any]:
         "env": variables,
         "deviceNodes": [_device_node(node) for node in device.device_nodes],
     }
+    mounts: list[dict[str, Any]] = []
     if device.mode == MODE_FRACTION and not device.whole_gpu:
-        edits["mounts"] = [{
+        mounts += [{
             "hostPath": f"{device.shim_host_dir.rstrip('/')}/{SHIM_FILE}",
             "containerPath": f"{shim_dir}/{SHIM_FILE}",
             "options": ["ro", "nosuid", "nodev", "bind"],
@@ -127,6 +145,20 @@ def slice_spec(device: SliceDevice) -> dict[str, Any]:
             "containerPath": LEDGER_PATH_IN_CONTAINER,
             "options": ["rw", "nosuid", "nodev", "noexec", "bind"],
         }]
+    if mps:
+        # What NVIDIA's DRA driver mounts into an MPS client: the daemon's pipe directory, and its shm
+        # at /dev/shm (the daemon's own /dev/shm: gpu/mps.py), where server and clients share memory.
+        mounts += [{
+            "hostPath": device.mps_pipe_dir,
+            "containerPath": MPS_PIPE_IN_CONTAINER,
+            "options": ["rw", "nosuid", "nodev", "noexec", "bind"],
+        }, {
+            "hostPath": device.mps_shm_dir,
+            "containerPath": MPS_SHM_IN_CONTAINER,
+            "options": ["rw", "nosuid", "nodev", "noexec", "bind"],
+        }]
+    if mounts:
+        edits["mounts"] = mounts
     return {
         "cdiVersion": cdi_version(device.slice_uid),
         "kind": CDI_KIND,

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 
+from .compute import GpuCompute, compute_from_status, format_compute, gpu_compute, mig_compute
 from .device_plugin import conflict_from_conditions
 from .node_blocks import DEVICE_PLUGIN_CONFLICT as DEVICE_PLUGIN_CONFLICT  # re-exported: a refusal code
 from .node_blocks import RUNTIME_UNTRUSTED as RUNTIME_UNTRUSTED  # re-exported: a refusal code
@@ -75,6 +76,7 @@ class FractionState:
     slice_uid: str
     slice: str  # <namespace>/<name>
     granted_bytes: int
+    compute: float | None = None  # its compute share (MPS); None: shared
 
 
 @dataclass(frozen=True)
@@ -119,6 +121,9 @@ class Binding:
     start: int = 0
     size: int = 0
     namespace: str = ""  # the slice's: a fraction GPU's tenant (core.tenancy)
+    # A fraction's compute share in (0, 1], served by MPS (core.compute); None: shared (time-sliced),
+    # and always None for a MIG slice, whose compute is its profile's.
+    compute: float | None = None
 
     @property
     def mask(self) -> int:
@@ -147,6 +152,17 @@ def gpu_role(labelled: bool, gpu: GpuState) -> tuple[str, str]:
     return MODE_FRACTION, "MIG mode is disabled: the GPU serves fractions"
 
 
+def binding_mig_compute(gpu: GpuState | None, binding: Binding) -> str:
+    """A MIG binding's compute for its status (``3/7``): its profile's compute slices over the most
+    any profile of its GPU has; ``""`` for a fraction or a GPU whose profiles are not known."""
+    if gpu is None or binding.mode != MODE_MIG:
+        return ""
+    profile = next((p for p in gpu.profiles if p.id == binding.profile_id), None)
+    if profile is None or profile.slices <= 0:
+        return ""
+    return mig_compute(profile.slices, max(p.slices for p in gpu.profiles))
+
+
 @lru_cache(maxsize=256)
 def model_of(name: str, product: str, memory_mib: int, profiles: tuple[Profile, ...]) -> GpuModel:
     """The planner's model for a published profile table; equal tables share one object, so the
@@ -163,6 +179,14 @@ def fraction_granted(gpu: GpuState, bound: Iterable[Binding]) -> int:
     for held in gpu.fractions:
         granted.setdefault(held.slice_uid, held.granted_bytes)
     return sum(granted.values())
+
+
+def fraction_compute(gpu: GpuState, bound: Iterable[Binding]) -> GpuCompute:
+    """Compute given out on a fraction GPU, counted as ``fraction_granted`` counts memory."""
+    shares = {b.uid: b.compute for b in bound if b.mode == MODE_FRACTION}
+    for held in gpu.fractions:
+        shares.setdefault(held.slice_uid, held.compute)
+    return gpu_compute(shares.values())
 
 
 @dataclass(frozen=True)
@@ -204,6 +228,13 @@ def _instance_from(raw: Mapping) -> InstanceState:
     )
 
 
+def _share(value: object) -> float | None:
+    """A published fraction's compute share (a number in (0, 1]); None: shared, or not one."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        return None
+    return float(value)
+
+
 def inventory_from_status(node: str, status: Mapping | None) -> NodeInventory:
     """A GpuNode's status as a NodeInventory; entries that are not well formed are skipped."""
     gpus = []
@@ -216,7 +247,8 @@ def inventory_from_status(node: str, status: Mapping | None) -> NodeInventory:
                     mig_capable=bool(raw.get("migCapable", False)), mig_enabled=bool(raw.get("migEnabled", False)),
                     profiles=tuple(_profile_from(p) for p in raw.get("profiles") or ()),
                     instances=tuple(_instance_from(i) for i in raw.get("instances") or ()),
-                    fractions=tuple(FractionState(str(f["sliceUID"]), str(f.get("slice", "")), int(f.get("bytes", 0)))
+                    fractions=tuple(FractionState(str(f["sliceUID"]), str(f.get("slice", "")), int(f.get("bytes", 0)),
+                                                  _share(f.get("compute")))
                                     for f in raw.get("fractions") or () if f.get("sliceUID")),
                 )
             )
@@ -243,7 +275,7 @@ def binding_from_status(uid: str, status: Mapping | None, namespace: str = "") -
                            int(placement["size"]), namespace)
         if mode == MODE_FRACTION:
             return Binding(uid, str(status["node"]), int(status["gpu"]), mode, int(status.get("grantedBytes", 0)),
-                           namespace=namespace)
+                           namespace=namespace, compute=compute_from_status(status.get("compute")))
     except (KeyError, TypeError, ValueError):
         return None
     return None
@@ -253,7 +285,8 @@ def describe_binding(binding: Binding) -> str:
     """A short human form for logs and Events: ``1g.18gb@0 on node-a/gpu 1`` or ``4Gi fraction ...``."""
     if binding.mode == MODE_MIG:
         return f"{binding.profile} at {{{binding.start}}}:{binding.size} on {binding.node} GPU {binding.gpu}"
-    return f"{format_bytes(binding.granted_bytes)} fraction of {binding.node} GPU {binding.gpu}"
+    share = "" if binding.compute is None else f" with compute {format_compute(binding.compute)}"
+    return f"{format_bytes(binding.granted_bytes)} fraction{share} of {binding.node} GPU {binding.gpu}"
 
 
 # Phases in which a slice holds a binding (and so its GPU room).

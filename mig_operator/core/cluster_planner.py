@@ -28,10 +28,13 @@ from .cluster import (
     NodeInventory,
     Refusal,
     clip_message,
+    fraction_compute,
     fraction_granted,
     gpu_role,
     model_of,
 )
+from .compute import resolve_compute
+from .fraction_compute import COMPUTE_MODE, COMPUTE_ONLY_FRACTIONS, compute_mode_message
 from .fraction_planner import FractionGpu, choose_fraction, fraction_bytes
 from .node_blocks import NodeBlock, blocked_code, blocked_note, blocked_text, node_block
 from .planner import InstanceSlot, MigDecision, MigGpu, PlannerSettings, Unplaceable
@@ -55,12 +58,14 @@ def _block(inventory: NodeInventory, accepted: bool) -> NodeBlock | None:
 
 
 def _fraction_gpu(node: str, gpu: GpuState, bound: list[Binding], sharing: bool) -> FractionGpu:
-    """A GPU serving fractions: what is taken on it, and its tenants (core.tenancy): the namespaces
-    of its fraction bindings and of the fractions its agent still holds there."""
+    """A GPU serving fractions: what is taken on it (memory and compute), and its tenants
+    (core.tenancy): the namespaces of its fraction bindings and of the fractions its agent still
+    holds there."""
     reported = (namespace_of(f.slice) for f in gpu.fractions)
     held = frozenset(b.namespace for b in bound if b.mode == MODE_FRACTION)
     held |= frozenset(ns for ns in reported if ns is not None)
-    return FractionGpu(node, gpu.index, gpu.memory_mib * MIB, fraction_granted(gpu, bound), held, sharing)
+    return FractionGpu(node, gpu.index, gpu.memory_mib * MIB, fraction_granted(gpu, bound), held, sharing,
+                       fraction_compute(gpu, bound))
 
 
 def _mig_gpu(node: str, gpu: GpuState, bound: list[Binding], live: Collection[str]) -> MigGpu:
@@ -107,18 +112,22 @@ def _decide(
     ``blocked``: the nodes within reach whose GPUs were left out (``core.node_blocks``); a refusal
     names them, and when nothing else was within reach its code is theirs. Fractions go only to GPUs
     ``namespace`` may use (``core.tenancy``); when only GPUs of other namespaces have room, the code is
-    OtherNamespace.
+    OtherNamespace. A request with compute goes only to fraction GPUs (a MIG slice's compute is its
+    profile's); when only GPUs serving the other kind of compute have room, the code is ComputeMode.
     """
     if request.profile is not None:
         fraction = []
+    if request.compute is not None:
+        has_mig = False
     if where is None:
         where = f"on node {node}" if node is not None else "in the cluster"
     blocked = blocked or {}
     if not has_mig and not fraction:
         if blocked:
             raise Refusal(blocked_code(blocked), clip_message(blocked_text(request, blocked)))
-        kind = "MIG GPU" if request.profile is not None else "GPU"
-        raise Refusal(NO_GPU, clip_message(f"no {kind} {where} can take slices: {request.describe()} waits for one"))
+        kind = "MIG GPU" if request.profile is not None else "GPU serving fractions" if request.compute else "GPU"
+        raise Refusal(NO_GPU, clip_message(f"no {kind} {where} can take slices: {request.describe()} waits for one"
+                                           + (COMPUTE_ONLY_FRACTIONS if request.compute is not None else "")))
     reasons: list[str] = []
     if has_mig:
         try:
@@ -132,20 +141,24 @@ def _decide(
                 profile=decision.profile.name, start=decision.start, size=decision.size, namespace=namespace,
             )
     if fraction:
+        default = settings.default_compute
         try:
-            share = choose_fraction(request, fraction, namespace)
+            share = choose_fraction(request, fraction, namespace, default)
         except Unplaceable:
             pass
         else:
             return Binding(uid="", node=share.node, gpu=share.gpu, mode=MODE_FRACTION,
-                           granted_bytes=share.granted_bytes, namespace=namespace)
-        held = _held_by_others(request, namespace, [g for g in fraction if not g.may_take(namespace)])
+                           granted_bytes=share.granted_bytes, namespace=namespace, compute=share.compute)
+        held = _held_by_others(request, namespace, [g for g in fraction if not g.may_take(namespace)], default)
         if held is not None:
             raise Refusal(OTHER_NAMESPACE, clip_message("; ".join([held, *reasons])))
+        other_kind = compute_mode_message(request, [g for g in fraction if g.may_take(namespace)], default)
+        if other_kind is not None:
+            raise Refusal(COMPUTE_MODE, clip_message("; ".join([other_kind, *reasons])))
         # No GPU fits it, whoever holds them: the reason is the same for every namespace (a pass of the
         # binder reuses a NoCapacity refusal for an equal request of another namespace).
         try:
-            choose_fraction(request, fraction)
+            choose_fraction(request, fraction, default_compute=default)
         except Unplaceable as exc:
             reasons.append(f"fractions: {exc.reason}")
     code = _refusal_code(request, list(models()) if has_mig else [], fraction)
@@ -154,20 +167,23 @@ def _decide(
     raise Refusal(code, clip_message(f"{request.describe()} fits nowhere {where}: " + "; ".join(reasons)))
 
 
-def _fits(request: SliceRequest, gpu: FractionGpu) -> bool:
+def _fits(request: SliceRequest, gpu: FractionGpu, default_compute: str) -> bool:
     need = fraction_bytes(request, gpu.memory_bytes)
-    return need <= gpu.free_bytes and (request.fraction is None or need >= MIN_SLICE_BYTES)
+    share = resolve_compute(request.compute, need, gpu.memory_bytes, default_compute)
+    return (need <= gpu.free_bytes and (request.fraction is None or need >= MIN_SLICE_BYTES)
+            and gpu.compute.takes(share))
 
 
-def _held_by_others(request: SliceRequest, namespace: str, others: list[FractionGpu]) -> str | None:
+def _held_by_others(request: SliceRequest, namespace: str, others: list[FractionGpu],
+                    default_compute: str) -> str | None:
     """When a GPU that other namespaces hold has room for the request, why it waits (naming the GPU
     best fit would have chosen); None when tenancy is not what keeps it waiting."""
     try:
-        share = choose_fraction(request, others)
+        share = choose_fraction(request, others, default_compute=default_compute)
     except Unplaceable:
         return None
     chosen = next(g for g in others if (g.node, g.index) == (share.node, share.gpu))
-    with_room = sum(1 for g in others if _fits(request, g))
+    with_room = sum(1 for g in others if _fits(request, g, default_compute))
     return other_namespace_message(request, namespace, chosen, share.granted_bytes, with_room)
 
 

@@ -1,10 +1,12 @@
 """Fractions: memory bin-packing on GPUs without MIG (best fit), one namespace per GPU unless its node
-shares across namespaces (``core.tenancy``)."""
+shares across namespaces (``core.tenancy``), and compute as a second dimension (``core.compute``):
+the shares on one GPU sum to at most 1, and a GPU serves shares or shared fractions, not both."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .compute import SHARED, GpuCompute, resolve_compute
 from .planner import Unplaceable
 from .quantities import MIB, format_bytes
 from .request import MIN_SLICE_BYTES, SliceRequest
@@ -21,6 +23,7 @@ class FractionGpu:
     # Namespaces whose fractions it holds, and whether its node shares across namespaces (core.tenancy).
     tenants: frozenset[str] = frozenset()
     shared: bool = False
+    compute: GpuCompute = GpuCompute()
 
     @property
     def free_bytes(self) -> int:
@@ -38,6 +41,7 @@ class FractionDecision:
     node: str
     gpu: int
     granted_bytes: int
+    compute: float | None = None  # the share resolved for that GPU (core.compute); None: shared
 
 
 def fraction_bytes(request: SliceRequest, gpu_memory_bytes: int) -> int:
@@ -50,9 +54,13 @@ def fraction_bytes(request: SliceRequest, gpu_memory_bytes: int) -> int:
     raise Unplaceable(f"migProfile {request.profile} needs a MIG node; this node shares GPUs by fractions")
 
 
-def choose_fraction(request: SliceRequest, gpus: list[FractionGpu], namespace: str | None = None) -> FractionDecision:
-    """Memory bin-packing: the GPU with the least free memory that still fits (best fit); with
-    ``namespace``, among the GPUs it may take (``FractionGpu.may_take``).
+def choose_fraction(request: SliceRequest, gpus: list[FractionGpu], namespace: str | None = None,
+                    default_compute: str = SHARED, compute_kind: bool = True) -> FractionDecision:
+    """Memory bin-packing: the GPU with the least free memory that still fits (best fit), then the
+    least compute left; with ``namespace``, among the GPUs it may take (``FractionGpu.may_take``).
+    The request's compute share on each GPU is ``core.compute.resolve_compute`` with
+    ``default_compute``; a GPU must have room for it, and, with ``compute_kind``, serve its kind
+    (shares or shared).
 
     A GPU on which a fraction's grant would be less than ``MIN_SLICE_BYTES`` (a small share of a small
     GPU) is never chosen: the CUDA context alone would fill such a slice. Memory requests below it are
@@ -60,8 +68,9 @@ def choose_fraction(request: SliceRequest, gpus: list[FractionGpu], namespace: s
     """
     if not gpus:
         raise Unplaceable("no GPU is available for fractions")
-    best: tuple[tuple, FractionGpu, int] | None = None
+    best: tuple[tuple, FractionGpu, int, float | None] | None = None
     large_enough = []
+    short: tuple[FractionGpu, float | None] | None = None  # best fit by memory that compute kept out
     for gpu in gpus:
         need = fraction_bytes(request, gpu.memory_bytes)
         if request.fraction is not None and need < MIN_SLICE_BYTES:
@@ -69,9 +78,20 @@ def choose_fraction(request: SliceRequest, gpus: list[FractionGpu], namespace: s
         large_enough.append(gpu)
         if need > gpu.free_bytes or (namespace is not None and gpu.tenants and not gpu.may_take(namespace)):
             continue
-        key = (gpu.free_bytes - need, gpu.node, gpu.index)
+        share = resolve_compute(request.compute, need, gpu.memory_bytes, default_compute)
+        if not gpu.compute.has_room(share) or (compute_kind and gpu.compute.conflicts(share)):
+            if short is None or (gpu.free_bytes, gpu.node, gpu.index) < (short[0].free_bytes, short[0].node,
+                                                                          short[0].index):
+                short = (gpu, share)
+            continue
+        # Then the least compute left (the same order as what would be left after it, for one share).
+        key = (gpu.free_bytes - need, gpu.compute.left_approx if share is not None else 0.0, gpu.node, gpu.index)
         if best is None or key < best[0]:
-            best = (key, gpu, need)
+            best = (key, gpu, need, share)
+    if best is None and short is not None:
+        gpu, share = short
+        raise Unplaceable(f"GPU {gpu.index} of node {gpu.node} has {format_bytes(gpu.free_bytes)} free for "
+                          f"{request.describe()}, but {gpu.compute.why_not(share)}")
     if best is None:
         largest = max(gpus, key=lambda g: g.memory_bytes)
         need = fraction_bytes(request, largest.memory_bytes)
@@ -85,4 +105,4 @@ def choose_fraction(request: SliceRequest, gpus: list[FractionGpu], namespace: s
                 f"{request.describe()} is larger than any GPU (largest: {format_bytes(largest.memory_bytes)})"
             )
         raise Unplaceable(f"every GPU is held by slices in use: none has {format_bytes(need)} free")
-    return FractionDecision(best[1].node, best[1].index, best[2])
+    return FractionDecision(best[1].node, best[1].index, best[2], best[3])

@@ -43,6 +43,8 @@ class OwnerEntry:
     ci_id: int = -1
     device_uuid: str = ""
     reused: bool = False
+    # A fraction's compute share (Binding.compute), served by MPS; None: shared.
+    compute: float | None = None
 
     def holds(self, inst: InstanceState, gpu: int) -> bool:
         """Whether this entry names that instance: same GPU and GI, and the same device once known."""

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
+from .compute import SHARED
 from .mig_refusals import model_order, no_room_reason, room_summary, too_large_reason
 from .profiles import GpuModel, Profile
 from .quantities import mib_ceil
@@ -41,6 +42,8 @@ class PlannerSettings:
     # Give a GPU a larger profile than its model's smallest fitting one when no GPU can take the
     # smaller grants (HAMi does this always; it trades memory for latency, so it can be turned off).
     allow_larger_profile: bool = True
+    # The compute of a fraction without spec.compute (core.compute): shared, or proportional to its memory.
+    default_compute: str = SHARED
 
 
 @dataclass(frozen=True)

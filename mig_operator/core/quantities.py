@@ -176,15 +176,16 @@ def show_fraction(value: object) -> str:
     return f"{value:.9f}".rstrip("0").rstrip(".")
 
 
-def parse_fraction(value: str | float | int) -> float:
-    """A share of one GPU in (0, 1], from an annotation string (``"0.5"``) or a number.
+def parse_fraction(value: str | float | int, what: str = "fraction", example: str = FRACTION_EXAMPLE) -> float:
+    """A share of one GPU in (0, 1], from an annotation string (``"0.5"``) or a number; ``what`` names
+    it in messages (``fraction``, or ``compute`` for a compute share) and ``example`` is the valid one shown.
 
     Text must match the module's fraction grammar; its value is compared exactly, so
     ``1.0000000000000000001`` is refused although it rounds to the float 1.0.
     """
     shown = show_fraction(value)
     not_a_number = (
-        f"fraction {shown} is not a number; write a decimal such as {FRACTION_EXAMPLE!r} "
+        f"{what} {shown} is not a number; write a decimal such as {example!r} "
         f"(ASCII digits and at most one point)"
     )
     if isinstance(value, bool):
@@ -192,15 +193,15 @@ def parse_fraction(value: str | float | int) -> float:
     if isinstance(value, str):
         if len(value) > MAX_FRACTION_LENGTH:
             raise QuantityError(
-                f"fraction {shown} is too long: may not be more than {MAX_FRACTION_LENGTH} characters; "
-                f"use e.g. {FRACTION_EXAMPLE!r}"
+                f"{what} {shown} is too long: may not be more than {MAX_FRACTION_LENGTH} characters; "
+                f"use e.g. {example!r}"
             )
         if _FRACTION_TEXT.fullmatch(value) is None:
             if value[:1] in "+-" and _FRACTION_TEXT.fullmatch(value[1:]) is not None:
                 # A signed decimal is a number, just not one this grammar writes: say what is wrong.
                 if value[0] == "-":
-                    raise QuantityError(f"fraction {shown} must be in (0, 1]; use e.g. {FRACTION_EXAMPLE!r}")
-                raise QuantityError(f"fraction {shown} must be written without a sign; use e.g. {FRACTION_EXAMPLE!r}")
+                    raise QuantityError(f"{what} {shown} must be in (0, 1]; use e.g. {example!r}")
+                raise QuantityError(f"{what} {shown} must be written without a sign; use e.g. {example!r}")
             raise QuantityError(not_a_number)
         exact = Fraction(value if not value.endswith(".") else value[:-1])
     elif isinstance(value, int):
@@ -212,7 +213,7 @@ def parse_fraction(value: str | float | int) -> float:
     else:
         raise QuantityError(not_a_number)
     if not 0 < exact <= 1:
-        raise QuantityError(f"fraction {shown} must be in (0, 1]; use e.g. {FRACTION_EXAMPLE!r}")
+        raise QuantityError(f"{what} {shown} must be in (0, 1]; use e.g. {example!r}")
     # Positive as a float too: 32 characters cannot write a number below the smallest float.
     return float(exact)
 

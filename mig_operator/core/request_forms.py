@@ -256,6 +256,8 @@ def pod_devices(annotations: Mapping[str, str] | None) -> tuple[PodDevice, ...]:
         spec = {"fraction": parse_fraction(annotations[ANNOTATION_FRACTION])}
     else:
         spec = {"migProfile": annotations[ANNOTATION_PROFILE]}
+    if request.compute is not None:
+        spec["compute"] = request.compute
     return (PodDevice(spec, request),) * _count(annotations)
 
 

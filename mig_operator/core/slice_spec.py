@@ -15,6 +15,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from .compute import COMPUTE_EXAMPLE, parse_compute
 from .quantities import (
     FRACTION_EXAMPLE,
     MEMORY_EXAMPLE,
@@ -39,6 +40,8 @@ ANNOTATION_MEMORY = "cdmo.io/gpu-memory"
 ANNOTATION_FRACTION = "cdmo.io/gpu-fraction"
 ANNOTATION_PROFILE = "cdmo.io/mig-profile"
 REQUEST_ANNOTATIONS = (ANNOTATION_MEMORY, ANNOTATION_FRACTION, ANNOTATION_PROFILE)
+# Beside cdmo.io/gpu-memory or cdmo.io/gpu-fraction: the slice's compute share (spec.compute).
+ANNOTATION_COMPUTE = "cdmo.io/gpu-compute"
 # Written by the webhook on a pod whose containers asked through nvidia.com/mig-* resources: what they
 # asked for (core/request_forms.py). Informational: a pod may carry it (a copy of such a pod does).
 ANNOTATION_REQUESTED = "cdmo.io/requested-resources"
@@ -47,7 +50,8 @@ ANNOTATION_COUNT = "cdmo.io/gpu-count"
 # Written by the webhook on a pod that asked in a seed platform's form (core/compat.py): what it asked.
 # Informational: the request annotation written beside it is the request.
 ANNOTATION_COMPAT_RECORD = "cdmo.io/compat-request"
-POD_ANNOTATIONS = (*REQUEST_ANNOTATIONS, ANNOTATION_COUNT, ANNOTATION_REQUESTED, ANNOTATION_COMPAT_RECORD)
+POD_ANNOTATIONS = (*REQUEST_ANNOTATIONS, ANNOTATION_COMPUTE, ANNOTATION_COUNT, ANNOTATION_REQUESTED,
+                   ANNOTATION_COMPAT_RECORD)
 # Any other annotation under this prefix, in any case, is refused, not ignored: a misspelt request
 # (cdmo.io/gpu-memroy, cdmo.io/GPU-memory, cdmo.io/mig-profiles) or a guessed one (cdmo.io/gpu: 1)
 # would otherwise run with no slice and no word said.
@@ -58,7 +62,7 @@ def looks_like_request(key: str) -> bool:
     """Whether a pod annotation key is under the operator's prefix but not one the operator knows."""
     return key.lower().startswith(ANNOTATION_PREFIX) and key not in POD_ANNOTATIONS
 
-SPEC_FIELDS = ("memory", "fraction", "migProfile", "nodeName")
+SPEC_FIELDS = ("memory", "fraction", "migProfile", "compute", "nodeName")
 # All of the spec is the request: the controller may have acted on any of it, so none may change.
 IMMUTABLE_FIELDS = SPEC_FIELDS
 
@@ -83,16 +87,20 @@ def request_from_spec(spec: Mapping[str, Any]) -> SliceRequest:
     memory = spec.get("memory")
     fraction = spec.get("fraction")
     profile = spec.get("migProfile")
+    compute = spec.get("compute")
     node_name = spec.get("nodeName")
     if memory is not None:
         _check_memory_text(memory)
     if fraction is not None and (isinstance(fraction, bool) or not isinstance(fraction, (int, float))):
         raise RequestError(f"fraction {clip_repr(fraction)} must be of type number; use e.g. 0.5")
+    if compute is not None and (isinstance(compute, bool) or not isinstance(compute, (int, float))):
+        raise RequestError(f"compute {clip_repr(compute)} must be of type number; use e.g. {COMPUTE_EXAMPLE}")
     if profile is not None:
         _check_profile_text(profile)
     if node_name is not None:
         check_node_name(node_name)
-    return check_floor(slice_request(memory=memory, fraction=fraction, profile=profile), memory or fraction)
+    request = slice_request(memory=memory, fraction=fraction, profile=profile, compute=compute)
+    return check_floor(request, memory or fraction)
 
 
 def check_floor(request: SliceRequest, given: object) -> SliceRequest:
@@ -126,6 +134,14 @@ def request_from_annotations(annotations: Mapping[str, str] | None) -> SliceRequ
             f"{', '.join(REQUEST_ANNOTATIONS)}, e.g. {ANNOTATION_MEMORY}: '{MEMORY_EXAMPLE}'"
         )
     given = [key for key in REQUEST_ANNOTATIONS if key in annotations]
+    compute = annotations.get(ANNOTATION_COMPUTE)
+    if compute is not None and (not given or given == [ANNOTATION_PROFILE]):
+        beside = (f"goes beside {ANNOTATION_MEMORY} or {ANNOTATION_FRACTION}" if not given
+                  else f"cannot go beside {ANNOTATION_PROFILE}: a MIG slice's compute is its profile's")
+        raise RequestError(
+            f"annotation {ANNOTATION_COMPUTE}: {clip_repr(compute)} {beside}; "
+            f"e.g. {ANNOTATION_FRACTION}: '0.5' with {ANNOTATION_COMPUTE}: '{COMPUTE_EXAMPLE}'"
+        )
     if not given:
         return None
     if len(given) > 1:
@@ -145,13 +161,18 @@ def request_from_annotations(annotations: Mapping[str, str] | None) -> SliceRequ
         error = RequestError if key == ANNOTATION_PROFILE else QuantityError
         raise error(f"annotation {key}: {field} {clip_repr(value)} is too long: may not be more than {limit} "
                     f"characters; use e.g. '{example}'")
+    if compute is not None:
+        try:
+            parse_compute(compute)
+        except QuantityError as error:
+            raise QuantityError(f"annotation {ANNOTATION_COMPUTE}: {error}") from error
     try:
         if key == ANNOTATION_MEMORY:
             _check_memory_text(value)
-            return check_floor(slice_request(memory=value), value)
+            return check_floor(slice_request(memory=value, compute=compute), value)
         if key == ANNOTATION_FRACTION:
             # Annotation values are strings; core parses "0.5" itself.
-            return check_floor(slice_request(fraction=value), value)
+            return check_floor(slice_request(fraction=value, compute=compute), value)
         _check_profile_text(value)
         return slice_request(profile=value)
     except RequestError as error:

@@ -1,11 +1,13 @@
 """`mig-operator top`: who holds what, from the GpuNodes, GpuSlices and GpuQuotas as the API serves them.
 
 Pure: ``build_view`` turns the objects' bodies into a ``TopView``; ``render_text`` draws it as plain
-text for a terminal or a log (ASCII, no colours, at most ``WIDTH`` columns); ``view_json`` is the
-stable shape of ``top --json`` (docs/operations.md). Reading the objects is kube/top.py's job.
+text for a terminal or a log (ASCII, no colours, at most ``WIDTH`` columns); ``core.top_json`` gives
+the stable shape of ``top --json`` (docs/operations.md). Reading the objects is kube/top.py's job.
 
 A MIG GPU is drawn as its memory slots (an H100 has 8): each instance is a box over the slots it
 spans, filled by its state; a GPU without MIG is a bar of its memory with each fraction's share.
+Each instance and fraction shows its compute (``core.compute``): a profile's ``3/7``, a share, or
+``shared``.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .compute import SHARED, compute_from_status, format_compute, gpu_compute, mig_compute
 from .quantities import QuantityError, parse_memory
 
 WIDTH = 100
@@ -49,6 +52,7 @@ class SliceInfo:
     size: int | None
     profile: str
     granted_bytes: int
+    compute: float | None = None  # a fraction's share (status.compute); None: shared
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,7 @@ class Span:
     slice_uid: str
     device_uuid: str
     drawn: bool  # False: it overlaps instances that exist (it waits for them to be reclaimed)
+    compute: str = ""  # its profile's compute slices over the GPU's, e.g. 3/7
 
 
 @dataclass(frozen=True)
@@ -75,6 +80,7 @@ class Share:
     slice_uid: str
     bytes: int
     state: str  # IN_USE or CREATING
+    compute: float | None = None  # its compute share; None: shared
 
 
 @dataclass(frozen=True)
@@ -92,6 +98,7 @@ class GpuView:
     granted_bytes: int
     spans: tuple[Span, ...] = ()
     shares: tuple[Share, ...] = ()
+    compute: str = ""  # shares given out (0.75), shared, or the MIG instances' (4/7); "" when none
 
     def slot_counts(self) -> dict[str, int]:
         return {state: self.slot_states.count(state) for state in (IN_USE, CREATING, IDLE, FREE)}
@@ -158,6 +165,7 @@ def slice_info(body: Mapping[str, Any]) -> SliceInfo:
         start=placement.get("start") if isinstance(placement.get("start"), int) else None,
         size=placement.get("size") if isinstance(placement.get("size"), int) else None,
         profile=str(st.get("profile") or ""), granted_bytes=_int(st.get("grantedBytes")),
+        compute=compute_from_status(st.get("compute")),
     )
 
 
@@ -202,8 +210,18 @@ def _mig_gpu(node: str, gpu: Mapping[str, Any], slots: int, slices: Sequence[Sli
                     states[slot] = CREATING
             found.append((s.start, s.size, s.profile, CREATING, s.ref, s.uid, "", drawn))
     found.sort(key=lambda f: (f[0], not f[7], f[4]))
-    spans = tuple(Span(_label(i), *f) for i, f in enumerate(found))
+    slices_of = {str(p.get("name", "")): _int(p.get("slices")) or _named_slices(str(p.get("name", "")))
+                 for p in gpu.get("profiles") or []}
+    whole = max(slices_of.values(), default=0)
+    spans = tuple(Span(_label(i), *f, compute=mig_compute(slices_of.get(f[2]) or _named_slices(f[2]), whole))
+                  for i, f in enumerate(found))
     return spans, tuple(states)
+
+
+def _named_slices(profile: str) -> int:
+    """Compute slices as a profile's name gives them (``3g.40gb``: 3), where the table says none."""
+    head = profile.partition("g.")[0]
+    return int(head) if head.isdigit() else 0
 
 
 def _label(i: int) -> str:
@@ -212,19 +230,21 @@ def _label(i: int) -> str:
 
 def _fraction_gpu(node: str, gpu: Mapping[str, Any], slices: Sequence[SliceInfo],
                   by_uid: Mapping[str, SliceInfo]) -> tuple[Share, ...]:
-    found: list[tuple[str, str, int, str]] = []
+    found: list[tuple[str, str, int, str, float | None]] = []
     listed = set()
     for f in gpu.get("fractions") or []:
         uid = str(f.get("sliceUID") or "")
         listed.add(uid)
         owner = by_uid.get(uid)
         state = CREATING if owner is not None and owner.phase in _ON_ITS_WAY else IN_USE
-        found.append((str(f.get("slice") or ""), uid, _int(f.get("bytes")), state))
+        share = f.get("compute")
+        found.append((str(f.get("slice") or ""), uid, _int(f.get("bytes")), state,
+                      compute_from_status(format_compute(share) if isinstance(share, (int, float)) else None)))
     index = _int(gpu.get("index"), -1)
     for s in slices:
         if (s.mode == "fraction" and s.node == node and s.gpu == index and s.phase in _ON_ITS_WAY
                 and s.uid not in listed):
-            found.append((s.ref, s.uid, s.granted_bytes, CREATING))
+            found.append((s.ref, s.uid, s.granted_bytes, CREATING, s.compute))
     return tuple(Share(_label(i), *f) for i, f in enumerate(found))
 
 
@@ -260,11 +280,13 @@ def build_view(gpunodes: Sequence[Mapping[str, Any]], slices: Sequence[Mapping[s
             spans, states = _mig_gpu(name, gpu, slots, infos, by_uid) if mig else ((), ())
             shares = () if mig else _fraction_gpu(name, gpu, infos, by_uid)
             granted = _int(gpu.get("grantedBytes")) if mig else sum(s.bytes for s in shares)
+            compute = (str(gpu.get("compute") or "") if mig
+                       else gpu_compute(s.compute for s in shares).describe())
             gpus.append(GpuView(
                 node=name, index=_int(gpu.get("index")), product=str(gpu.get("product", "")),
                 model=str(gpu.get("model", "")), memory_bytes=_int(gpu.get("memoryMiB")) * 2**20, mig=mig,
                 serves=str(gpu.get("serves", "")), serves_reason=str(gpu.get("servesReason", "")), slots=slots,
-                slot_states=states, granted_bytes=granted, spans=spans, shares=shares,
+                slot_states=states, granted_bytes=granted, spans=spans, shares=shares, compute=compute,
             ))
         nodes.append(NodeView(name, str(st.get("observedAt", "")), tuple(gpus)))
     pending: dict[str, int] = {}
@@ -344,24 +366,28 @@ def _gpu_lines(gpu: GpuView) -> list[str]:
         lines.append(slot_map(gpu))
         place = max((len(f"{{{s.start}}}:{s.size}") for s in gpu.spans), default=0)
         profile = max((len(s.profile) for s in gpu.spans), default=0)
+        compute = max((len(s.compute) for s in gpu.spans), default=0)
         for s in gpu.spans:
             where = f"{{{s.start}}}:{s.size}".ljust(place)
             note = "" if s.drawn else " (waits for the instances there to be reclaimed)"
-            text = f"      {s.label}  {where}  {s.profile.ljust(profile)}  {STATE_WORDS[s.state]:<8}  "
+            text = (f"      {s.label}  {where}  {s.profile.ljust(profile)}  {s.compute.ljust(compute)}  "
+                    f"{STATE_WORDS[s.state]:<8}  ")
             owner = s.slice or ("- (a process outside any slice)" if s.state == IN_USE else "-")
             lines.append(_clip(text + owner + note, WIDTH))
         if not gpu.spans:
             lines.append("      no instances")
     else:
         held = {state: sum(1 for s in gpu.shares if s.state == state) for state in (IN_USE, CREATING)}
+        compute = {"": "", SHARED: ", compute shared"}.get(gpu.compute, f", compute {gpu.compute} of 1")
         lines.append(_clip(f"  GPU {gpu.index}  {name}  fractions, {gib(gpu.granted_bytes)} of "
-                           f"{gib(gpu.memory_bytes)} granted: {held[IN_USE]} in use, {held[CREATING]} creating",
-                           WIDTH))
+                           f"{gib(gpu.memory_bytes)} granted{compute}: {held[IN_USE]} in use, "
+                           f"{held[CREATING]} creating", WIDTH))
         lines.append(memory_bar(gpu))
         size = max((len(gib(s.bytes)) for s in gpu.shares), default=0)
+        shares = max((len(format_compute(s.compute)) for s in gpu.shares), default=0)
         for s in gpu.shares:
             text = (f"      {s.label}  {gib(s.bytes).rjust(size)}  {_percent(s.bytes, gpu.memory_bytes):>4}  "
-                    f"{STATE_WORDS[s.state]:<8}  ")
+                    f"{format_compute(s.compute).ljust(shares)}  {STATE_WORDS[s.state]:<8}  ")
             lines.append(_clip(text + (s.slice or "-"), WIDTH))
     if gpu.serves == "none":
         lines.append(_clip(f"      takes no new slices: {gpu.serves_reason}", WIDTH))
@@ -410,36 +436,3 @@ def render_text(view: TopView) -> str:
         lines.append("pending slices: none")
     lines.extend(_quota_lines(view))
     return "\n".join(lines) + "\n"
-
-
-# ---- JSON ----------------------------------------------------------------------------------------
-
-
-def view_json(view: TopView) -> dict[str, Any]:
-    """``top --json``: keys and meanings are documented in docs/operations.md and kept stable."""
-    return {
-        "nodes": [{
-            "name": n.name, "observedAt": n.observed_at,
-            "gpus": [{
-                "index": g.index, "product": g.product, "model": g.model, "memoryBytes": g.memory_bytes,
-                "mode": "mig" if g.mig else "fraction", "serves": g.serves, "servesReason": g.serves_reason,
-                "slots": g.slots, "slotStates": list(g.slot_states), "slotCounts": g.slot_counts() if g.mig else {},
-                "grantedBytes": g.granted_bytes,
-                "instances": [{
-                    "label": s.label, "start": s.start, "size": s.size, "profile": s.profile, "state": s.state,
-                    "slice": s.slice, "sliceUID": s.slice_uid, "deviceUUID": s.device_uuid, "drawn": s.drawn,
-                } for s in g.spans],
-                "fractions": [{
-                    "label": s.label, "slice": s.slice, "sliceUID": s.slice_uid, "bytes": s.bytes, "state": s.state,
-                } for s in g.shares],
-            } for g in n.gpus],
-        } for n in view.nodes],
-        "pending": {"total": sum(view.pending.values()), "byReason": dict(view.pending)},
-        "quotas": {
-            "state": view.quota_state, "note": view.quota_note,
-            "items": [{
-                "namespace": q.namespace, "name": q.name, "usedBytes": q.used_bytes, "hardBytes": q.hard_bytes,
-                "usedSlices": q.used_slices, "hardSlices": q.hard_slices, "waiting": q.waiting,
-            } for q in view.quotas],
-        },
-    }

@@ -17,6 +17,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -357,6 +358,11 @@ class OperatorHarness:
             time.sleep(0.2)
         for proc in self.procs:
             self.stop(proc)
+        for node in self.nodes.values():  # the MPS stand-ins an agent left running (adopted, not stopped)
+            for pipe in Path(f"{node.state_file}.mps").glob("*/pipe"):
+                subprocess.run([sys.executable, "-m", "mig_operator.gpu.mps_standin"], input="quit\n", text=True,
+                               capture_output=True, timeout=30,
+                               env={**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(pipe)})
         if self.webhook_port:
             try:
                 kubernetes.client.AdmissionregistrationV1Api(self.cluster.api_client).delete_mutating_webhook_configuration(
@@ -392,7 +398,8 @@ def check_invariants(harness: OperatorHarness, in_use: Iterable[tuple[str, int, 
     - every owner the agents' records name is a slice that exists (nothing owned by the dead);
     - no GPU instance is left without its compute instance;
     - instances a process uses (``in_use``: node, GPU, device UUID) still exist;
-    - fractions on a GPU add up to at most its memory.
+    - fractions on a GPU add up to at most its memory, their compute shares (status.compute, as
+      written) to at most 1, and shares and shared fractions never meet on one GPU.
     """
     slices = harness.slices()
     live = {s["metadata"]["uid"] for s in slices}
@@ -410,6 +417,7 @@ def check_invariants(harness: OperatorHarness, in_use: Iterable[tuple[str, int, 
     held: dict[tuple[str, int], list[tuple[int, str]]] = {}
     served: dict[tuple[str, int, int], str] = {}
     fractions: dict[tuple[str, int], int] = {}
+    computes: dict[tuple[str, int], list[str]] = {}
     for body in slices:
         st = body.get("status") or {}
         ref = f"{body['metadata']['namespace']}/{body['metadata']['name']}"
@@ -429,9 +437,13 @@ def check_invariants(harness: OperatorHarness, in_use: Iterable[tuple[str, int, 
                 served[(st["node"], st["gpu"], st["giId"])] = ref
         else:
             fractions[key] = fractions.get(key, 0) + int(st.get("grantedBytes", 0))
+            computes.setdefault(key, []).append(st.get("compute", "shared"))
     for node, gpu, device in in_use:
         assert any(i.device_uuid == device for (g, _), i in devices[node].items() if g == gpu), (
             f"instance {device} on {node} GPU {gpu} was in use and is gone")
     for (node, gpu), granted in fractions.items():
         model = get_model(harness.nodes[node].model)
         assert granted <= model.memory_mib * 2**20, f"fractions on {node} GPU {gpu} exceed its memory"
+    for key, shares in computes.items():
+        assert "shared" not in shares or set(shares) == {"shared"}, f"shares and shared fractions on {key}: {shares}"
+        assert sum(Decimal(c) for c in shares if c != "shared") <= 1, f"compute over 1 on {key}: {shares}"

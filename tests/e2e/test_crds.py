@@ -317,6 +317,7 @@ def test_kubectl_get_gs_shows_the_columns(api: Any, kube_cluster: Any, namespace
         "giId": 9,
         "ciId": 0,
         "grantedBytes": 16384 * 2**20,
+        "compute": "1/7",
         "reused": False,
         "phaseTimes": {"Bound": "2026-01-01T00:00:00.000Z", "Ready": "2026-01-01T00:00:00.120Z"},
         "observedGeneration": 1,
@@ -334,8 +335,9 @@ def test_kubectl_get_gs_shows_the_columns(api: Any, kube_cluster: Any, namespace
     }
     api.patch_namespaced_custom_object_status(GROUP, VERSION, namespace, SLICES, name, {"status": status})
     rows = _table(kube_cluster.kubectl("get", "gs", name, "-n", namespace).stdout)
-    assert rows[0] == ["NAME", "REQUEST", "PHASE", "REASON", "NODE", "GPU", "PROFILE", "REUSED", "CLAIM", "AGE"]
-    assert rows[1][:9] == [name, "memory 17G", "Ready", "Ready", "gpu-node-1", "0", "1g.18gb", "false", name]
+    assert rows[0] == ["NAME", "REQUEST", "PHASE", "REASON", "NODE", "GPU", "PROFILE", "COMPUTE", "REUSED", "CLAIM",
+                       "AGE"]
+    assert rows[1][:10] == [name, "memory 17G", "Ready", "Ready", "gpu-node-1", "0", "1g.18gb", "1/7", "false", name]
     wide = _table(kube_cluster.kubectl("get", "gpuslice", name, "-n", namespace, "-o", "wide").stdout)
     assert wide[0][-5:] == ["MODE", "MEMORY", "FRACTION", "MIG-PROFILE", "DEVICE"]
     assert wide[1][-5:] == ["mig", "17G", "", "", status["deviceUUID"]]

@@ -18,7 +18,9 @@ from harness import REPO_ROOT, OperatorHarness, wait_until
 from test_metrics import free_port, scrape, value
 
 SLOT_CELL, MAP_INDENT = 7, 10  # the map's geometry, as docs/operations.md describes it
-LEGEND = re.compile(r"^      (\S)  \{(\d+)\}:(\d+)  (\S+)\s+(in use|idle|creating)\s+(.*)$")
+LEGEND = re.compile(r"^      (\S)  \{(\d+)\}:(\d+)  (\S+)\s+(\d+/\d+)\s+(in use|idle|creating)\s+(.*)$")
+# An H100's compute slices per profile, of its 7 (NVIDIA's MIG user guide), as the COMPUTE column shows them.
+H100_COMPUTE = {"1g.10gb": "1/7", "1g.20gb": "1/7", "3g.40gb": "3/7", "7g.80gb": "7/7"}
 MIB = 2**20
 
 
@@ -48,7 +50,8 @@ def legend(block: list[str]) -> dict[str, tuple[str, int, int, str, str]]:
     for line in block:
         match = LEGEND.match(line)
         if match:
-            label, start, size, profile, state, owner = match.groups()
+            label, start, size, profile, compute, state, owner = match.groups()
+            assert compute == H100_COMPUTE[profile], line
             found[owner.split(" (")[0]] = (label, int(start), int(size), profile, state)
     return found
 
@@ -115,9 +118,9 @@ def test_top_draws_the_layout_the_operator_made(operator: OperatorHarness) -> No
     # 11517 MiB, 25 of the bar's 50 columns.
     assert ready["part"]["grantedBytes"] == 11517 * MIB
     assert gpu_block(text, plain.name) == [
-        "  GPU 0  NVIDIA L4  fractions, 11.2 GiB of 22.5 GiB granted: 1 in use, 0 creating",
+        "  GPU 0  NVIDIA L4  fractions, 11.2 GiB of 22.5 GiB granted, compute shared: 1 in use, 0 creating",
         "    memory |A" + "#" * 24 + "." * 25 + "|",
-        f"      A  11.2 GiB   50%  in use    {ns}/part",
+        f"      A  11.2 GiB   50%  shared  in use    {ns}/part",
     ]
     assert "pending slices: 1 (NoCapacity 1)" in text.splitlines()
     quota_crd = operator.cluster.kubectl("get", "crd", "gpuquotas.cdmo.io", check=False).returncode == 0
@@ -142,7 +145,10 @@ def test_top_draws_the_layout_the_operator_made(operator: OperatorHarness) -> No
     assert by_slice[f"{ns}/big"]["deviceUUID"] == ready["big"]["deviceUUID"]
     assert by_slice[f"{ns}/small"]["sliceUID"] == operator.get_slice(ns, "small")["metadata"]["uid"]
     assert set(by_slice[""]) == {"label", "start", "size", "profile", "state", "slice", "sliceUID", "deviceUUID",
-                                 "drawn"}
+                                 "drawn", "compute"}
+    # Compute: each slice's status says its profile's share, and the GPU's is the instances in use (3 + 1 of 7).
+    assert (ready["big"]["compute"], ready["small"]["compute"], ready["part"]["compute"]) == ("3/7", "1/7", "shared")
+    assert gpu["compute"] == "4/7" and (operator.gpunode(mig) or {})["status"]["gpus"][0]["compute"] == "4/7"
     assert out["pending"] == {"total": 1, "byReason": {"NoCapacity": 1}}
     assert out["quotas"]["state"] in ("listed", "absent") and isinstance(out["quotas"]["items"], list)
     samples = scrape(port)[1]

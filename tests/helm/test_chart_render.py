@@ -320,6 +320,9 @@ def test_the_rendered_arguments_parse_and_agree_with_each_other(render: Any, nam
     ledgers = PluginSettings(shim_host_dir=agent.shim_host_dir).ledger_host_dir
     assert _volume(docs, "DaemonSet", "ledgers")["hostPath"] == {"path": ledgers, "type": "DirectoryOrCreate"}
     assert {"name": "ledgers", "mountPath": ledgers} in agent_container["volumeMounts"]
+    mps = PluginSettings(shim_host_dir=agent.shim_host_dir).mps_host_dir
+    assert _volume(docs, "DaemonSet", "mps")["hostPath"] == {"path": mps, "type": "DirectoryOrCreate"}
+    assert {"name": "mps", "mountPath": mps} in agent_container["volumeMounts"]
     # The agent's node comes from the downward API; its record lives in the host state directory.
     assert agent.node == "node-a"
     assert next(e for e in agent_container["env"] if e["name"] == "NODE_NAME")["valueFrom"] == {
@@ -485,7 +488,7 @@ def test_the_controller_runs_unprivileged_and_the_agent_privileged_in_no_host_na
     env = {e["name"]: e.get("value") for e in agent["env"]}
     assert {k: env[k] for k in env if k.startswith("NVIDIA_")} == {
         "NVIDIA_VISIBLE_DEVICES": "all", "NVIDIA_MIG_CONFIG_DEVICES": "all", "NVIDIA_MIG_MONITOR_DEVICES": "all",
-        "NVIDIA_DRIVER_CAPABILITIES": "utility"}
+        "NVIDIA_DRIVER_CAPABILITIES": "utility,compute"}
     assert "resources" not in agent or "nvidia.com/gpu" not in str(agent["resources"])
     init = container(docs, "DaemonSet", "install-shim", init=True)
     assert init["securityContext"]["capabilities"] == {"drop": ["ALL"]}
@@ -496,11 +499,12 @@ def test_the_controller_runs_unprivileged_and_the_agent_privileged_in_no_host_na
         kubelet = values["agent"]["kubeletDir"]
         assert host_paths == sorted([values["agent"]["stateDir"], values["shim"]["hostDir"],
                                      "/var/lib/mig-operator/ledgers",  # the slices' ledgers, beside the shim's
+                                     "/var/lib/mig-operator/mps",  # the GPUs' MPS daemon directories
                                      f"{kubelet}/plugins_registry", f"{kubelet}/plugins/gpu.cdmo.io",
                                      values["agent"]["cdiDir"], "/etc/cdi", "/etc/nvidia-container-runtime"])
         assert agent_pod["runtimeClassName"] == "nvidia"
         assert agent_pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
-    assert len(host_paths) == 8
+    assert len(host_paths) == 9
     # The agent serves the kubelet where the kubelet looks (its flags), and writes CDI specs where it mounts them.
     args = _args(agent)
     mounts = {m["mountPath"]: m.get("readOnly", False) for m in agent["volumeMounts"]}
@@ -595,7 +599,7 @@ def _changed(value: Any) -> Any:
 
 
 # Values whose every other value is refused by the chart are changed to one it takes.
-VALID_CHANGES: dict[tuple[str, ...], Any] = {("compat",): ["clearml"]}
+VALID_CHANGES: dict[tuple[str, ...], Any] = {("compat",): ["clearml"], ("fractions", "defaultCompute"): "proportional"}
 
 # A value that only matters in another mode is changed on top of that mode.
 MODES = {("webhook", "certManager"): {"webhook": {"certManager": {"enabled": True}}},

@@ -18,6 +18,8 @@ NODES = ["n0", "n1", "n2"]
 REQUESTS = [
     slice_request(memory=m) for m in ("4G", "9Gi", "10000Mi", "17Gi", "30Gi", "70Gi", "200Gi")
 ] + [slice_request(fraction=f) for f in (0.1, 0.5, 1.0)] + [slice_request(profile=p) for p in ("1g.10gb", "3g.71gb")]
+# With a compute share: fractions only, and shares and shared fractions not on one GPU.
+REQUESTS += [slice_request(fraction=0.25, compute=0.5), slice_request(memory="9Gi", compute=0.34)]
 
 
 def gpu(model_name: str, index: int, mig: bool, instances: tuple[InstanceState, ...] = ()) -> GpuState:

@@ -5,6 +5,7 @@ of what its slices hold, a refused group holds nothing, a rollback restores the 
 from __future__ import annotations
 
 from dataclasses import replace
+from decimal import Decimal
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -18,6 +19,9 @@ from mig_operator.core.request import slice_request
 
 REQUESTS = [slice_request(memory=m) for m in ("4G", "9Gi", "17Gi", "30Gi", "70Gi")] + [
     slice_request(fraction=f) for f in (0.25, 0.5, 1.0)] + [slice_request(profile=p) for p in ("1g.10gb", "3g.40gb")]
+# Compute shares (fractions only), chosen so that floats would drift: 0.34 + 0.56 + 0.1 is 1 exactly.
+REQUESTS += [slice_request(memory="4G", compute=c) for c in (0.34, 0.56, 0.1)] + [
+    slice_request(fraction=0.25, compute=0.5)]
 NAMESPACES = ["team-a", "team-b"]
 
 
@@ -58,6 +62,10 @@ def check_invariants(ledger: Ledger) -> None:
                     assert not a.mask & b.mask, f"{a} overlaps {b}"
         else:
             assert sum(b.granted_bytes for b in bound) <= MEMORY[where]
+            # Compute: shares (as written) sum to at most 1, and shares and shared fractions never meet.
+            shares = [b.compute for b in bound]
+            assert all(c is None for c in shares) or all(c is not None for c in shares), f"mixed on {where}"
+            assert sum(Decimal(repr(c)) for c in shares if c is not None) <= 1, f"compute over 1 on {where}"
     # Usage from first principles: every known slice holding a binding (written, or reserved) is charged.
     expected: dict[str, Usage] = {}
     for info in ledger.slices.values():

@@ -26,11 +26,16 @@ GiB = 2**30
      "nodeName 'Node_1' is not a node name (lower-case DNS subdomain); use e.g. 'gpu-node-1'"),
     ({"memory": "1Gi", "nodeName": "a" * 254}, "nodeName is too long: may not be more than 253 characters"),
     ({"memory": "1Gi", "extra": 1, "another": 2},
-     'unknown field "spec.another"; a GpuSlice spec has only memory, fraction, migProfile, nodeName, '
-     "e.g. memory: '4Gi'"),
+     'unknown field "spec.another"; a GpuSlice spec has only memory, fraction, migProfile, compute, '
+     "nodeName, e.g. memory: '4Gi'"),
     # Keys of any type are named, not compared with one another.
     ({"memory": "1Gi", 3: 1, "b": 2}, 'unknown field "spec.3"; a GpuSlice spec has only memory, fraction, '
-     "migProfile, nodeName, e.g. memory: '4Gi'"),
+     "migProfile, compute, nodeName, e.g. memory: '4Gi'"),
+    ({"fraction": 0.5, "compute": "0.5"}, "compute '0.5' must be of type number; use e.g. 0.25"),
+    ({"memory": "1Gi", "compute": 1.5}, "compute 1.5 must be in (0, 1]; use e.g. '0.25'"),
+    ({"migProfile": "1g.10gb", "compute": 0.5},
+     "compute cannot be asked of a MIG slice: its compute is its profile's (spec.migProfile); leave compute out, "
+     "or ask by memory or fraction, e.g. fraction: 0.5 with compute: 0.25"),
 ])
 def test_spec_refusals_name_the_value(spec, message: str) -> None:
     with pytest.raises(QuantityError) as info:

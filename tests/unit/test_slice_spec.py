@@ -44,6 +44,7 @@ def test_valid_specs_are_accepted(case: dict) -> None:
         assert request.fraction == case["spec"]["fraction"]
     if "migProfile" in case["spec"]:
         assert request.profile == case["spec"]["migProfile"]
+    assert request.compute == case["spec"].get("compute")
 
 
 @pytest.mark.parametrize("case", CORPUS["invalid"], ids=_ids(CORPUS["invalid"]))

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from mig_operator.cli import main
+from mig_operator.core.top_json import view_json
 from mig_operator.core.top_view import (
     BAR_WIDTH,
     QUOTAS_ABSENT,
@@ -17,7 +18,6 @@ from mig_operator.core.top_view import (
     build_view,
     memory_bar,
     render_text,
-    view_json,
 )
 
 GIB = 2**30
@@ -92,7 +92,8 @@ def layout() -> tuple[list[dict], list[dict], list[dict]]:
     return nodes, slices, quotas
 
 
-# Written by hand from the layout: 7 columns per slot, each box "[" label (profile if it fits) fill "]".
+# Written by hand from the layout: 7 columns per slot, each box "[" label (profile if it fits) fill "]";
+# an H100's profiles have 1, 3 or 7 of its 7 compute slices; the L4's fractions ask no compute share.
 GOLDEN = """\
 2 node(s), 3 GPU(s); slots and memory: # in use, ~ creating, - idle, . free
 
@@ -100,22 +101,22 @@ node gpu-a  (observed 2026-11-24T15:00:00.000Z)
   GPU 0  NVIDIA H100 80GB HBM3 (h100-80gb)  MIG, 8 slots: 4 in use, 1 creating, 2 idle, 1 free
     slot     0      1      2      3      4      5      6      7
           [A 3g.40gb ################][B 1g.20gb --][C~~~~]   .
-      A  {0}:4  3g.40gb  in use    team-a/train
-      B  {4}:2  1g.20gb  idle      -
-      C  {6}:1  1g.10gb  creating  team-b/nb
+      A  {0}:4  3g.40gb  3/7  in use    team-a/train
+      B  {4}:2  1g.20gb  1/7  idle      -
+      C  {6}:1  1g.10gb  1/7  creating  team-b/nb
   GPU 1  NVIDIA H100 80GB HBM3 (h100-80gb)  MIG, 8 slots: 1 in use, 2 creating, 2 idle, 3 free
     slot     0      1      2      3      4      5      6      7
           [A 1g.20gb ~~]   .      .   [B 1g.20gb --]   .   [D####]
-      A  {0}:2  1g.20gb  creating  team-b/new
-      B  {4}:2  1g.20gb  idle      -
-      C  {4}:4  3g.40gb  creating  team-c/big (waits for the instances there to be reclaimed)
-      D  {7}:1  1g.10gb  in use    - (a process outside any slice)
+      A  {0}:2  1g.20gb  1/7  creating  team-b/new
+      B  {4}:2  1g.20gb  1/7  idle      -
+      C  {4}:4  3g.40gb  3/7  creating  team-c/big (waits for the instances there to be reclaimed)
+      D  {7}:1  1g.10gb  1/7  in use    - (a process outside any slice)
 
 node l4-a  (observed 2026-11-24T15:00:01.000Z)
-  GPU 0  NVIDIA L4  fractions, 12 GiB of 22.5 GiB granted: 1 in use, 1 creating
+  GPU 0  NVIDIA L4  fractions, 12 GiB of 22.5 GiB granted, compute shared: 1 in use, 1 creating
     memory |A#################B~~~~~~~~.......................|
-      A  8 GiB   36%  in use    team-a/infer
-      B  4 GiB   18%  creating  team-c/dev
+      A  8 GiB   36%  shared  in use    team-a/infer
+      B  4 GiB   18%  shared  creating  team-c/dev
 
 pending slices: 3 (NoCapacity 2, QuotaExceeded 1)
 quotas (GpuQuota; memory counts what each slice was granted)
@@ -150,20 +151,23 @@ def test_json_has_the_documented_shape() -> None:
     assert [n["name"] for n in out["nodes"]] == ["gpu-a", "l4-a"]
     gpu0 = out["nodes"][0]["gpus"][0]
     assert set(gpu0) == {"index", "product", "model", "memoryBytes", "mode", "serves", "servesReason", "slots",
-                         "slotStates", "slotCounts", "grantedBytes", "instances", "fractions"}
+                         "slotStates", "slotCounts", "grantedBytes", "compute", "instances", "fractions"}
     assert (gpu0["mode"], gpu0["slots"], gpu0["memoryBytes"]) == ("mig", 8, 81559 * MIB)
     assert gpu0["slotCounts"] == {"in_use": 4, "creating": 1, "idle": 2, "free": 1}
     assert gpu0["instances"][0] == {"label": "A", "start": 0, "size": 4, "profile": "3g.40gb", "state": "in_use",
                                     "slice": "team-a/train", "sliceUID": "u-train", "deviceUUID": "MIG-0-3g.40gb",
-                                    "drawn": True}
+                                    "drawn": True, "compute": "3/7"}
     big = out["nodes"][0]["gpus"][1]["instances"][2]
     assert (big["slice"], big["state"], big["drawn"], big["deviceUUID"]) == ("team-c/big", "creating", False, "")
     l4 = out["nodes"][1]["gpus"][0]
     assert (l4["mode"], l4["slots"], l4["slotStates"], l4["slotCounts"], l4["grantedBytes"]) == (
         "fraction", 0, [], {}, 12 * GIB)
     assert l4["fractions"] == [
-        {"label": "A", "slice": "team-a/infer", "sliceUID": "u-infer", "bytes": 8 * GIB, "state": "in_use"},
-        {"label": "B", "slice": "team-c/dev", "sliceUID": "u-dev", "bytes": 4 * GIB, "state": "creating"}]
+        {"label": "A", "slice": "team-a/infer", "sliceUID": "u-infer", "bytes": 8 * GIB, "state": "in_use",
+         "compute": None},
+        {"label": "B", "slice": "team-c/dev", "sliceUID": "u-dev", "bytes": 4 * GIB, "state": "creating",
+         "compute": None}]
+    assert l4["compute"] == "shared"
     assert out["pending"] == {"total": 3, "byReason": {"NoCapacity": 2, "QuotaExceeded": 1}}
     assert out["quotas"]["state"] == "listed"
     assert out["quotas"]["items"] == [
@@ -235,7 +239,7 @@ def test_long_names_are_clipped_to_the_width() -> None:
     view = build_view([gpunode("x" * 200, "t", [gpu])], [gpuslice(ref, "u", "Ready")], [])
     lines = render_text(view).splitlines()
     assert max(len(line) for line in lines) == WIDTH
-    assert any(line.endswith("...") and "A  {0}:1  1g.10gb  in use    nnn" in line for line in lines)
+    assert any(line.endswith("...") and "A  {0}:1  1g.10gb  1/7  in use    nnn" in line for line in lines)
 
 
 # ---- the command line --------------------------------------------------------------------------------

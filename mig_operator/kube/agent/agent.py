@@ -6,6 +6,7 @@
 - ``publish.py``: the GpuNode, the ResourceSlice and the metrics, coalesced, with a heartbeat;
 - ``node_watch.py``: this node's Node (MIG label, device plugin resources, runtime trust);
 - ``idle.py``: the idle time-out;
+- ``mps_keeper.py``: the MPS control daemon of each GPU that holds a compute share;
 - ``gpus.py``: the GPUs they share (measured NVML calls off the event loop, one lock per GPU).
 
 ``start`` adopts what exists (``core.lifecycle.adopt`` and ``settle_adoption``); ``handle`` routes each
@@ -33,6 +34,7 @@ from mig_operator.core.lifecycle import (
     agent_step,
     settle_adoption,
 )
+from mig_operator.gpu.mps import MpsControl, MpsDirs
 from mig_operator.gpu.protocol import GpuBackend, GpuError
 
 from ..common import metrics, status
@@ -42,6 +44,7 @@ from ..common.names import AGENT_FINALIZER, slices_of_node
 from .gpus import Gpus
 from .idle import IdleReaper
 from .inventory import instance_state
+from .mps_keeper import MpsKeeper
 from .node_watch import NodeWatch
 from .publish import Publisher
 from .realise import Realiser
@@ -73,17 +76,19 @@ class NodeAgent:
     """One node's agent; ``start`` adopts what exists, ``handle`` takes each slice event."""
 
     def __init__(self, settings: AgentSettings, backend: GpuBackend, store: RecordStore, client: KubeClient,
-                 events: EventPoster) -> None:
+                 events: EventPoster, mps: MpsControl | None = None) -> None:
         self.settings = settings
         self.backend = backend
         self.store = store
         self.client = client
         self.events = events
         self.gpus = Gpus(backend)
+        self.mps = MpsKeeper(self.gpus, store, mps, status.now)
         self.node_watch = NodeWatch(settings.node, client, settings.toolkit_config)
         self.publisher = Publisher(settings, self.gpus, store, client, events, self.node_watch,
-                                   lambda: self.realiser.offered_entries())
-        self.realiser = Realiser(settings, self.gpus, store, client, events, self.publisher)
+                                   lambda: self.realiser.offered_entries(), self.mps)
+        self.realiser = Realiser(settings, self.gpus, store, client, events, self.publisher, self.mps)
+        self.mps.on_change = self.realiser.mps_changed
         self.releaser = Releaser(settings, self.realiser)
         self.idle = (IdleReaper(settings.node, settings.idle_timeout_s, self.gpus, store, self.publisher.schedule)
                      if settings.idle_timeout_s is not None else None)
@@ -103,6 +108,10 @@ class NodeAgent:
 
     def gpu_memory_bytes(self, gpu_index: int) -> int | None:
         return self.gpus.memory_bytes(gpu_index)
+
+    def mps_dirs(self, gpu_uuid: str) -> MpsDirs | None:
+        """The GPU's MPS directories while its daemon answers; None while it does not (or no MPS here)."""
+        return self.mps.dirs(gpu_uuid) if self.mps.ready(gpu_uuid) else None
 
     async def device_root(self) -> str:
         return await self.gpus.call("device_root", self.backend.device_root)

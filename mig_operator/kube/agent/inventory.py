@@ -11,6 +11,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from mig_operator.core.cluster import MODE_FRACTION, MODE_MIG, GpuState, InstanceState, gpu_role
+from mig_operator.core.compute import gpu_compute
+from mig_operator.core.compute import mig_compute as mig_compute_label
 from mig_operator.core.device_plugin import DevicePluginCheck
 from mig_operator.core.lifecycle import OwnerRecord
 from mig_operator.core.profiles import GpuModel
@@ -62,6 +64,12 @@ def _instance(gpu: int, inst: MigInstance, record: OwnerRecord, held: frozenset[
     return body
 
 
+def _mig_compute(model: GpuModel, held: Sequence[MigInstance]) -> str:
+    """The compute slices of a MIG GPU's instances in use over the GPU's (``4/7``)."""
+    slices = {p.id: p.slices for p in model.profiles}
+    return mig_compute_label(sum(slices.get(i.profile_id, 0) for i in held), max(slices.values(), default=0))
+
+
 def gpunode_status(
     gpus: Sequence[GpuInfo],
     models: Mapping[int, GpuModel | None],
@@ -86,10 +94,11 @@ def gpunode_status(
         insts = list(instances.get(info.index, ()))
         role, why = gpu_role(labelled, GpuState(info.index, info.uuid, mig_capable=info.mig_capable,
                                                 mig_enabled=info.mig_enabled))
+        held_fractions = [e for e in record.owners.values() if e.mode == MODE_FRACTION and e.gpu == info.index]
         fractions = [
-            {"slice": e.slice, "sliceUID": e.uid, "bytes": e.granted_bytes}
-            for e in record.owners.values()
-            if e.mode == MODE_FRACTION and e.gpu == info.index
+            {"slice": e.slice, "sliceUID": e.uid, "bytes": e.granted_bytes,
+             **({"compute": e.compute} if e.compute is not None else {})}
+            for e in held_fractions
         ]
         granted = sum(f["bytes"] for f in fractions) + sum(
             e.granted_bytes for e in record.owners.values() if e.mode == MODE_MIG and e.gpu == info.index
@@ -104,7 +113,10 @@ def gpunode_status(
                 in_use, held_mask = in_use + 1, held_mask | mask
             else:
                 idle, idle_mask = idle + 1, idle_mask | mask
+        compute = gpu_compute(e.compute for e in held_fractions).describe()
         if info.mig_enabled and model is not None:
+            compute = _mig_compute(model, [i for i, e in zip(insts, body, strict=True)
+                                           if e["sliceUID"] or e["inUse"]])
             used_slots += held_mask.bit_count()
             idle_slots += idle_mask.bit_count()
             free_slots += model.memory_slots - (held_mask | idle_mask).bit_count()
@@ -113,6 +125,7 @@ def gpunode_status(
             "model": model.name if model is not None else "", "memoryMiB": info.memory_mib,
             "migCapable": info.mig_capable, "migEnabled": info.mig_enabled, "serves": role, "servesReason": why,
             "profiles": _profiles(model), "instances": body, "fractions": fractions, "grantedBytes": granted,
+            **({"compute": compute} if compute else {}),
         })
     extra: dict[str, Any] = {}
     if device_plugin is not None:

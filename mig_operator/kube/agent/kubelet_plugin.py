@@ -53,6 +53,7 @@ from mig_operator.core.lifecycle import OwnerEntry
 from mig_operator.core.slice_claim import claim_path
 from mig_operator.gpu.device_files import DeviceFileError, device_nodes
 from mig_operator.gpu.files import write_atomically
+from mig_operator.gpu.mps import MpsDirs
 
 from ..common.client import ApiError, KubeClient
 from ..common.names import SHIM_HOST_DIR
@@ -89,6 +90,11 @@ class PluginSettings:
         return os.path.join(os.path.dirname(self.shim_host_dir.rstrip("/")) or "/", "ledgers")
 
     @property
+    def mps_host_dir(self) -> str:
+        """The GPUs' MPS control daemon directories, beside the ledgers (``/var/lib/mig-operator/mps``)."""
+        return os.path.join(os.path.dirname(self.shim_host_dir.rstrip("/")) or "/", "mps")
+
+    @property
     def registration_socket(self) -> str:
         return os.path.join(self.registry_dir, REGISTRATION_SOCKET)
 
@@ -116,6 +122,10 @@ class SliceHolder(Protocol):
     def gpu_minor(self, gpu_index: int) -> int | None: ...
 
     def gpu_memory_bytes(self, gpu_index: int) -> int | None: ...
+
+    def mps_dirs(self, gpu_uuid: str) -> MpsDirs | None:
+        """The GPU's MPS directories while its control daemon answers, else None."""
+        ...
 
     async def device_root(self) -> str: ...
 
@@ -263,9 +273,17 @@ class ClaimPreparer:
         namespace, _, name = entry.slice.partition("/")
         memory = self.holder.gpu_memory_bytes(entry.gpu)
         whole = entry.mode == MODE_FRACTION and memory is not None and entry.granted_bytes >= memory
+        pipe = shm = ""
+        if entry.compute is not None:  # an MPS client: its GPU's daemon must answer before it starts
+            mps = self.holder.mps_dirs(entry.device_uuid)
+            if mps is None:
+                raise PrepareRefused(f"{ref}: {where}: the MPS control daemon of GPU {entry.gpu} "
+                                     f"({entry.device_uuid}) on node {self.holder.node} is not running "
+                                     "(GpuNode condition MPSReady)")
+            pipe, shm = mps.pipe, mps.shm
         spec = slice_spec(SliceDevice(entry.uid, namespace, name, entry.mode, entry.device_uuid, entry.granted_bytes,
                                       tuple(nodes), self.settings.shim_host_dir, self.settings.ledger_host_dir,
-                                      whole_gpu=whole))
+                                      whole_gpu=whole, compute=entry.compute, mps_pipe_dir=pipe, mps_shm_dir=shm))
         if entry.mode == MODE_FRACTION and not whole:  # the shim's ledger, which the spec mounts
             await asyncio.to_thread(make_ledger_dir, ledger_dir(self.settings.ledger_host_dir, entry.uid))
         os.makedirs(self.settings.cdi_dir, exist_ok=True)

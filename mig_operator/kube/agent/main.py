@@ -14,6 +14,7 @@ from typing import Any
 
 import kopf
 
+from mig_operator.gpu.mps import MpsControl
 from mig_operator.gpu.protocol import GpuBackend
 
 from ..common import metrics
@@ -36,6 +37,7 @@ class AgentOptions:
     metrics_address: str | None = None
     metrics_socket: socket.socket | None = None  # bound before start (metrics.bind); else bound from the address
     plugin: PluginSettings = PluginSettings()  # the kubelet's DRA plugin (registry dir "": none)
+    mps: MpsControl | None = None  # the GPUs' MPS control daemons (compute shares); None: none served
 
 
 def build_registry(options: AgentOptions, backend: GpuBackend) -> kopf.OperatorRegistry:
@@ -51,7 +53,7 @@ def build_registry(options: AgentOptions, backend: GpuBackend) -> kopf.OperatorR
         settings.watching.field_selectors["v1", "nodes"] = f"metadata.name={options.settings.node}"
         client = KubeClient.from_environment(options.kubeconfig)
         agent = NodeAgent(options.settings, backend, RecordStore(options.record_file), client,
-                          EventPoster(client, "mig-operator-agent", options.settings.node))
+                          EventPoster(client, "mig-operator-agent", options.settings.node), options.mps)
         await agent.start()
         state.update(agent=agent, client=client)
         # After the agent has adopted its instances: a prepare needs the record and the Ready slices.

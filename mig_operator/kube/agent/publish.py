@@ -23,6 +23,7 @@ from ..common.events import EventPoster
 from ..common.names import API_VERSION, NODE_KIND
 from .gpus import Gpus
 from .inventory import gpunode_status
+from .mps_keeper import MpsKeeper
 from .node_watch import NodeWatch
 from .record import RecordStore
 from .resource_slice import ResourceSlicePublisher, device_info
@@ -37,7 +38,8 @@ class Publisher:
     """The node's GpuNode, ResourceSlice and gauges, written when something changes and on a heartbeat."""
 
     def __init__(self, settings: AgentSettings, gpus: Gpus, store: RecordStore, client: KubeClient,
-                 events: EventPoster, node: NodeWatch, offered: Callable[[], list[OwnerEntry]]) -> None:
+                 events: EventPoster, node: NodeWatch, offered: Callable[[], list[OwnerEntry]],
+                 mps: MpsKeeper) -> None:
         self.settings = settings
         self.gpus = gpus
         self.store = store
@@ -45,6 +47,7 @@ class Publisher:
         self.events = events
         self.node = node
         self.offered = offered  # the entries whose device the ResourceSlice lists
+        self.mps = mps
         self.resource_slice = ResourceSlicePublisher(client, settings.node)
         self._pending: asyncio.Task | None = None
         self._again = False  # a change arrived while a publish was under way
@@ -94,6 +97,7 @@ class Publisher:
         return []
 
     async def publish(self, verify_devices: bool = False) -> None:
+        await self.mps.settle()  # the daemons follow the record (each change publishes; so does the heartbeat)
         models: dict[int, Any] = {}
         instances: dict[int, list[MigInstance]] = {}
         for gpu in self.gpus.all:
@@ -105,6 +109,9 @@ class Publisher:
         body = gpunode_status(self.gpus.all, models, instances, self.store.record, node.labelled, status.now(),
                               self.store.revoked, check, node.device_plugin_since,
                               node.runtime.condition() if node.runtime is not None else None)
+        mps = self.mps.condition()
+        if mps is not None:
+            body["conditions"] = [*body.get("conditions", []), mps]
         metrics.DEVICE_PLUGIN_CONFLICT.labels(self.settings.node).set(1 if check.conflict else 0)
         for gpu in body["gpus"]:
             states = {"in_use": 0, "idle": 0}

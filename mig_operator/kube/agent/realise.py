@@ -34,6 +34,7 @@ from mig_operator.core.cluster import (
     binding_from_status,
     describe_binding,
 )
+from mig_operator.core.compute import gpu_compute
 from mig_operator.core.lifecycle import (
     COMPLETED,
     CREATING,
@@ -47,14 +48,16 @@ from mig_operator.core.lifecycle import (
     plan_mig,
 )
 from mig_operator.core.quantities import format_bytes
+from mig_operator.gpu.mps import MpsError
 from mig_operator.gpu.protocol import GpuError, GpuInfo, MigInstance
 
 from ..common import metrics, status
-from ..common.client import KubeClient, resource_version, slice_path
+from ..common.client import ApiError, KubeClient, resource_version, slice_path
 from ..common.events import EventPoster
 from ..common.faults import crashpoint
 from .gpus import Gpus, describe_instance
 from .inventory import instance_state
+from .mps_keeper import SLICE_REASON, MpsKeeper
 from .publish import Publisher
 from .record import RecordStore
 
@@ -83,13 +86,14 @@ class Realiser:
     """Realises and releases this node's slices; knows which slices say Ready (their devices' offers)."""
 
     def __init__(self, settings: AgentSettings, gpus: Gpus, store: RecordStore, client: KubeClient,
-                 events: EventPoster, publisher: Publisher) -> None:
+                 events: EventPoster, publisher: Publisher, mps: MpsKeeper) -> None:
         self.settings = settings
         self.gpus = gpus
         self.store = store
         self.client = client
         self.events = events
         self.publisher = publisher
+        self.mps = mps
         # Slices whose status says Ready and that are not being deleted, as last seen or written here.
         self.shown_ready: set[str] = set()
         # Slices realised whose Ready write is under way: their device is published first, and their
@@ -151,6 +155,9 @@ class Realiser:
         except Blocked as exc:
             await self._fail(body, "InUse" if exc.transient else "Conflict", exc.message)
             return
+        except MpsError as exc:
+            await self._fail(body, SLICE_REASON, f"{describe_binding(binding)}: {exc}")
+            return
         # The device is in the ResourceSlice before the slice says Ready (the pod's claim already
         # exists: kube-scheduler can allocate it the moment the pod is ungated, with no event to wait
         # for); the GpuNode, which needs the GPUs read again, follows at once (a full publish before
@@ -178,17 +185,27 @@ class Realiser:
         if gpu.mig_enabled:
             raise Blocked(f"GPU {gpu.index} of {self.settings.node} is in MIG mode; it takes no fractions",
                           transient=False)
-        others = sum(e.granted_bytes for e in self.store.record.owners.values()
-                     if e.mode == MODE_FRACTION and e.gpu == gpu.index and e.uid != uid)
+        neighbours = [e for e in self.store.record.owners.values()
+                      if e.mode == MODE_FRACTION and e.gpu == gpu.index and e.uid != uid]
+        others = sum(e.granted_bytes for e in neighbours)
         if others + binding.granted_bytes > gpu.memory_mib * 2**20:
             raise Blocked(
                 f"GPU {gpu.index} of {self.settings.node} has {format_bytes(gpu.memory_mib * 2**20 - others)} "
                 f"left for fractions, not {format_bytes(binding.granted_bytes)}", transient=False,
             )
+        # Compute as the controller planned it (core.compute): the shares fit, and shares (MPS) and
+        # shared fractions do not meet on one GPU.
+        compute = gpu_compute(e.compute for e in neighbours)
+        if not compute.takes(binding.compute):
+            raise Blocked(f"GPU {gpu.index} of {self.settings.node} {compute.why_not(binding.compute)}",
+                          transient=False)
         entry = OwnerEntry(uid, ref, MODE_FRACTION, gpu.index, COMPLETED, binding.granted_bytes,
-                           device_uuid=gpu.uuid)
+                           device_uuid=gpu.uuid, compute=binding.compute)
         await asyncio.to_thread(self.store.put, entry)
         message = f"{describe_binding(binding)} ({gpu.uuid}), enforced by libgpuslice"
+        if binding.compute is not None:  # its share is served by the GPU's MPS daemon, running before Ready
+            await self.mps.ensure(gpu.uuid, self.mps.needed()[gpu.uuid])
+            message += " and its compute share by MPS"
         return "fraction", status.ready(None, gpu.uuid, binding.granted_bytes, False, message,
                                         claim=ref.rpartition("/")[2])
 
@@ -323,6 +340,23 @@ class Realiser:
         await self.write_status(body, status.failed(body.get("status"), reason, message))
         self.events.post(body, "Warning", reason, message)
         self.publisher.schedule()
+
+    async def mps_changed(self, gpu_uuid: str, ok: bool, message: str) -> None:
+        """The GPU's MPS daemon stopped answering (``ok`` False) or answers again: each Ready compute
+        share on it says so in its Ready condition (reason ``MPSUnavailable``); its phase stays."""
+        for entry in list(self.store.record.owners.values()):
+            if entry.device_uuid != gpu_uuid or entry.compute is None or entry.uid not in self.shown_ready:
+                continue
+            namespace, _, name = entry.slice.partition("/")
+            try:
+                body = await self.client.get(slice_path(namespace, name))
+                if body["metadata"]["uid"] != entry.uid:
+                    continue
+                reason = "MPSDaemonRunning" if ok else SLICE_REASON
+                await self.write_status(body, status.serving(body.get("status"), ok, reason, message))
+            except ApiError as exc:
+                log.warning("cannot say on slice %s that its MPS daemon %s: %s", entry.slice,
+                            "answers again" if ok else "is down", exc)
 
     async def write_status(self, body: Mapping, new_status: dict) -> None:
         meta = body["metadata"]

@@ -28,9 +28,17 @@ from mig_operator.core.lifecycle import OwnerEntry, OwnerRecord
 from mig_operator.gpu.files import write_atomically
 
 BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
-VERSION = 1  # what this code writes
-# version -> the conversion of a record of that version to the next one (none yet: 1 is the first).
-_UPGRADES: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {}
+VERSION = 2  # what this code writes
+
+
+def _to_2(data: dict[str, Any]) -> dict[str, Any]:
+    """Version 2 adds an owner entry's ``compute`` (a fraction's compute share, null = shared): a
+    version-1 entry has none, so it reads as shared; an agent of version 1 keeps the field unread."""
+    return {**data, "version": 2}
+
+
+# version -> the conversion of a record of that version to the next one.
+_UPGRADES: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {1: _to_2}
 _TOP_FIELDS = ("version", "bootId", "owners", "idleSince", "preparedClaims", "revoked")
 _CLAIM_FIELDS = ("namespace", "name", "sliceUID")
 
@@ -66,6 +74,11 @@ def _entry(raw: object, newer: bool) -> tuple[OwnerEntry, dict[str, Any]]:
             if not newer:
                 raise TypeError(f"unknown field {key!r}")
             unknown[key] = value
+            continue
+        if kind == "float | None":
+            if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)):
+                raise TypeError(f"field {key!r} is {value!r}, not a number or null")
+            known[key] = None if value is None else float(value)
             continue
         expected = {"str": str, "int": int, "bool": bool}[kind]
         if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):

@@ -174,5 +174,6 @@ class Releaser:
             else:
                 log.info("slice %s released before its instance %s was made", entry.slice, describe_binding(where))
         else:
-            where = Binding(entry.uid, self.settings.node, entry.gpu, entry.mode, entry.granted_bytes)
+            where = Binding(entry.uid, self.settings.node, entry.gpu, entry.mode, entry.granted_bytes,
+                            compute=entry.compute)
             log.info("slice %s released: its %s is free", entry.slice, describe_binding(where))

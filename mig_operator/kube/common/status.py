@@ -12,6 +12,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from mig_operator.core.cluster import MODE_MIG, Binding
+from mig_operator.core.compute import format_compute
 from mig_operator.core.lifecycle import BOUND, CREATING, FAILED, IN_USE, PENDING, READY
 from mig_operator.core.request import SliceRequest
 
@@ -55,8 +56,9 @@ def pending(previous: Mapping | None, request: SliceRequest, reason: str, messag
 
 
 def bound(previous: Mapping | None, request: SliceRequest, binding: Binding, gpu_uuid: str,
-          reclaim: list[dict], message: str) -> dict:
-    """The controller's decision: phase Bound with the node, GPU, mode, profile and placement."""
+          reclaim: list[dict], message: str, mig_compute: str = "") -> dict:
+    """The controller's decision: phase Bound with the node, GPU, mode, profile and placement, and
+    ``compute`` (core.compute): a fraction's share or ``shared``, a MIG slice's ``mig_compute`` (``3/7``)."""
     when = now()
     body: dict[str, Any] = {
         "phase": BOUND, "reason": "Bound", "message": _message(message), "request": request.describe(),
@@ -69,6 +71,10 @@ def bound(previous: Mapping | None, request: SliceRequest, binding: Binding, gpu
     if binding.mode == MODE_MIG:
         body.update(profile=binding.profile, profileId=binding.profile_id,
                     placement={"start": binding.start, "size": binding.size}, reclaim=reclaim)
+        if mig_compute:
+            body["compute"] = mig_compute
+    else:
+        body["compute"] = format_compute(binding.compute)
     return body
 
 
@@ -123,6 +129,15 @@ def held_in_use(previous: Mapping | None, message: str) -> dict:
     kept = [c for c in (previous or {}).get("conditions") or () if c.get("type") != RELEASED_CONDITION]
     return {"reason": IN_USE, "message": _message(message),
             "conditions": [*kept, _condition(previous, RELEASED_CONDITION, False, IN_USE, message, now())]}
+
+
+def serving(previous: Mapping | None, ok: bool, reason: str, message: str) -> dict:
+    """A Ready slice whose device stops (``ok`` False) or starts again to serve: its Ready condition
+    says so, with the reason, and so do its reason and message; the phase and the other conditions
+    stay as they are."""
+    kept = [c for c in (previous or {}).get("conditions") or () if c.get("type") != READY_CONDITION]
+    return {"reason": reason if not ok else "Ready", "message": _message(message),
+            "conditions": [*kept, _condition(previous, READY_CONDITION, ok, reason, message, now())]}
 
 
 def released_condition(current: Mapping | None) -> Mapping | None:

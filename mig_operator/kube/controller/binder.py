@@ -30,7 +30,15 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from mig_operator.core.cluster import MODE_MIG, Binding, Refusal, binding_from_status, describe_binding
+from mig_operator.core.cluster import (
+    MODE_MIG,
+    Binding,
+    GpuState,
+    Refusal,
+    binding_from_status,
+    binding_mig_compute,
+    describe_binding,
+)
 from mig_operator.core.ledger import Decision, Ledger, SliceRecord
 from mig_operator.core.planner import PlannerSettings
 from mig_operator.core.quota import DEFAULT_HOLD_S, FairQueue, held_behind, holds_back
@@ -270,10 +278,13 @@ class Binder:
             if not exc.not_found:
                 raise
 
+    def _gpu(self, binding: Binding) -> GpuState | None:
+        inventory = self.ledger.inventories.get(binding.node)
+        return next((g for g in inventory.gpus if g.index == binding.gpu), None) if inventory else None
+
     def _reclaim(self, binding: Binding) -> list[dict]:
         """Idle instances the placement overlaps: the agent destroys them first (shown in status)."""
-        inventory = self.ledger.inventories.get(binding.node)
-        gpu = next((g for g in inventory.gpus if g.index == binding.gpu), None) if inventory else None
+        gpu = self._gpu(binding)
         if gpu is None or binding.mode != MODE_MIG:
             return []
         return [
@@ -289,7 +300,8 @@ class Binder:
         reclaim = self._reclaim(binding)
         body = {
             "metadata": {"resourceVersion": str(info.version)},
-            "status": status.bound(info.body.get("status"), info.request, binding, gpu_uuid, reclaim, message),
+            "status": status.bound(info.body.get("status"), info.request, binding, gpu_uuid, reclaim, message,
+                                   binding_mig_compute(self._gpu(binding), binding)),
         }
         answer = await self.client.merge_patch(slice_path(info.namespace, info.name, status=True), body)
         updated = self.ledger.put_slice(slice_record(answer)) or self.ledger.slices[info.uid]

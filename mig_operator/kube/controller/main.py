@@ -14,6 +14,8 @@ from typing import Any
 
 import kopf
 
+from mig_operator.core.compute import SHARED
+from mig_operator.core.planner import PlannerSettings
 from mig_operator.core.quota import DEFAULT_HOLD_S
 
 from ..common.client import ApiError, KubeClient
@@ -47,6 +49,8 @@ class ControllerOptions:
     fair_hold_s: float = DEFAULT_HOLD_S
     # A namespace without a GpuQuota gets no slice (reason NoQuota).
     quota_required: bool = False
+    # The compute of a fraction without spec.compute (core.compute): shared or proportional.
+    default_compute: str = SHARED
 
 
 def default_priority() -> int:
@@ -79,8 +83,8 @@ def build_registry(options: ControllerOptions) -> kopf.OperatorRegistry:
         client = KubeClient.from_environment(options.kubeconfig)
         await ensure_peering(client, options.peering)
         events = EventPoster(client, "mig-operator-controller", os.uname().nodename)
-        binder = Binder(client, events, resync_s=options.resync_s, hold_s=options.fair_hold_s,
-                        quota_required=options.quota_required)
+        binder = Binder(client, events, PlannerSettings(default_compute=options.default_compute),
+                        resync_s=options.resync_s, hold_s=options.fair_hold_s, quota_required=options.quota_required)
         claims = SliceClaims(client, events, binder.ledger)
         pods = PodSlices(client, events, binder.ledger, claims)
         quotas = QuotaStatus(client, binder)
