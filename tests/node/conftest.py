@@ -108,6 +108,7 @@ def _why_not() -> str | None:
     return None
 
 
+@pytest.hookimpl(trylast=True)  # after `-m`/`-k` deselection: no build for tests not run
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Checked once, before any test runs, so that a node that cannot start here skips the whole
     suite with one line of `pytest -ra` (a skip mark folds into one report line; a skip from a

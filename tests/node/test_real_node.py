@@ -20,6 +20,9 @@ from typing import Any
 import pytest
 import yaml
 
+# Needs a control plane, as tests/e2e: `pytest -m "not e2e"` leaves the suite out (and builds nothing).
+pytestmark = pytest.mark.e2e
+
 # tests/node/conftest.py's RealNode (a fixture's type; not imported: several test directories have a
 # conftest module of that name).
 RealNode = Any
