@@ -4,8 +4,11 @@ ones, against plain pods (no annotation) and DRA-native pods in the same run.
     .venv/bin/python bench/pod_latency.py [--pods 100] [--nodes 4] [--latency 0] [--gap 0] [--json out.json]
                                           [--scheduler-qps N] [--scheduler-burst N]
                                           [--controller-manager-qps N] [--controller-manager-burst N]
+                                          [--rounds plain,dra_native,new,reused] [--webhook-process]
+                                          [--profile FILE]
 
-The whole path runs for real: the admission webhook (served by the controller), the pod's GpuSlice,
+The whole path runs for real: the admission webhook (served by the controller, or with --webhook-process
+by `mig-operator webhook` as the chart runs it), the pod's GpuSlice,
 binding, the agent (simulated GPUs) and its ResourceSlice, the slice's ResourceClaim and its allocation
 (the controller's), ungating, kube-scheduler reserving the claim and binding the pod, kwok starting it.
 Created-to-Running is measured from just before the client's create call to the moment a watch on the
@@ -28,7 +31,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -39,6 +45,7 @@ from pathlib import Path
 import kubernetes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import profile_parts  # noqa: E402
 from operator_scale import Cluster, Plane, pct, stamp  # noqa: E402
 
 
@@ -56,6 +63,13 @@ LIMITER_DEFAULTS = {"kube-scheduler": {"qps": 50.0, "burst": 100},
 # The DRA-native round's stand-in driver: a DeviceClass of this name selects its devices.
 STANDIN_DRIVER = "standin.example.com"
 STANDIN_TEMPLATE = "standin"
+# The rounds, in the order they run by default: what each pod asks (annotation, claim template) and
+# the prefix of its pods' names.
+ROUNDS = ("plain", "dra_native", "new", "reused")
+ANNOTATED = ("new", "reused")
+ROUND_ASKS: dict[str, tuple[str | None, str | None]] = {
+    "plain": (None, None), "dra_native": (None, STANDIN_TEMPLATE), "new": ("9Gi", None), "reused": ("9Gi", None)}
+TAGS = {"plain": "plain", "dra_native": "dra", "new": "new", "reused": "again"}
 
 
 def positive(kind: type, most: int) -> Callable[[str], float | int]:
@@ -85,6 +99,46 @@ def client_limiter(plane: Plane, program: str) -> dict:
             "burst": int(got.get("burst", LIMITER_DEFAULTS[program]["burst"])), "flags": flags}
 
 
+def rounds_list(text: str) -> list[str]:
+    """argparse type: rounds by name, comma-separated, each at most once; reused only after new."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in ROUNDS]
+    if unknown or not names or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"'{text}' is not a list of distinct rounds from {', '.join(ROUNDS)} "
+                                         "(e.g. new,reused)")
+    if "reused" in names and ("new" not in names or names.index("new") > names.index("reused")):
+        raise argparse.ArgumentTypeError(f"'{text}': reused needs new before it (e.g. new,reused)")
+    return names
+
+
+class Profiler:
+    """py-spy attached to the controller from the first annotated round to the end of the last: its
+    samples (collapsed stacks) in a file, and the controller's CPU over the same time."""
+
+    def __init__(self, cluster: Cluster, path: str) -> None:
+        spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+        if not Path(spy).exists():
+            raise SystemExit("--profile needs py-spy: pip install '.[bench]'")
+        self.cluster, self.path = cluster, path
+        self.pid = cluster.procs["controller"].pid
+        # --nonblocking: the controller is never stopped to be sampled, so its latencies stay its own.
+        self.proc = subprocess.Popen([spy, "record", "--pid", str(self.pid), "--rate", "200", "--format", "raw",
+                                      "--nonblocking", "--output", path], stdout=subprocess.DEVNULL,
+                                     stderr=open(cluster.plane.dir / "py-spy.log", "w"))  # noqa: SIM115
+        self.cpu_before = cpu_seconds(cluster)["controller"]
+        time.sleep(1)  # attached before the round's first pod
+
+    def stop(self) -> dict:
+        cpu_s = cpu_seconds(self.cluster)["controller"] - self.cpu_before
+        self.proc.send_signal(signal.SIGINT)  # py-spy writes its file and ends
+        try:
+            self.proc.wait(60)
+            return {"file": self.path, "controller_cpu_s": round(cpu_s, 3), **profile_parts.shares(Path(self.path))}
+        except (OSError, subprocess.TimeoutExpired) as exc:  # no profile (py-spy could not attach): the rest stands
+            log = (self.cluster.plane.dir / "py-spy.log").read_text(errors="replace")[-300:]
+            return {"file": self.path, "controller_cpu_s": round(cpu_s, 3), "error": f"{exc}; py-spy: {log}"}
+
+
 def standin_driver(custom: kubernetes.client.CustomObjectsApi, nodes: list[str], ns: str, per_node: int) -> None:
     """What a static DRA driver has published before any pod comes: a DeviceClass, one ResourceSlice
     of ``per_node`` devices on each node, and a ResourceClaimTemplate that asks for one device."""
@@ -109,6 +163,22 @@ def remove_standin_driver(custom: kubernetes.client.CustomObjectsApi, nodes: lis
             custom.delete_cluster_custom_object("resource.k8s.io", "v1", plural, name)
         except kubernetes.client.ApiException:
             pass
+
+
+def wait_webhook(plane: Plane, listen: str, config: str, timeout_s: float = 60) -> None:
+    """Until the webhook's configuration exists and its server accepts connections."""
+    admission = kubernetes.client.AdmissionregistrationV1Api(plane.api)
+    host, _, port = listen.rpartition(":")
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            admission.read_mutating_webhook_configuration(config)
+            with socket.create_connection((host, int(port)), timeout=1):
+                time.sleep(0.5)  # the API server's webhook client may lag its informer
+                return
+        except (kubernetes.client.ApiException, OSError):
+            time.sleep(0.2)
+    raise SystemExit(f"the webhook on {listen} did not serve in {timeout_s:g} s")
 
 
 def cpu_seconds(cluster: Cluster) -> dict[str, float]:
@@ -235,6 +305,13 @@ def main() -> int:
                             help=f"kube-{part}'s client QPS (control-plane up --{part}-qps; default {default})")
         parser.add_argument(f"--{part}-burst", type=positive(int, 2**31 - 1),
                             help=f"kube-{part}'s client burst (control-plane up --{part}-burst)")
+    parser.add_argument("--webhook-process", action="store_true",
+                        help="serve the webhook from its own process (mig-operator webhook), not the controller's")
+    parser.add_argument("--rounds", default=",".join(ROUNDS), type=rounds_list,
+                        help="the rounds to run, in this order (reused needs new before it)")
+    parser.add_argument("--profile", metavar="FILE",
+                        help="record the controller with py-spy during the annotated rounds (pip install "
+                        "'.[bench]'): collapsed stacks to FILE, each part's share in the JSON")
     parser.add_argument("--json")
     args = parser.parse_args()
     up_args: tuple[str, ...] = ()
@@ -250,15 +327,17 @@ def main() -> int:
                 (("scheduler_limiter", "kube-scheduler"), ("controller_manager_limiter", "kube-controller-manager"))}
     if up_args and not plane.own:
         print(f"note: MIG_OPERATOR_RUN names a running plane, whose limits are {limiters}", file=sys.stderr)
-    port = free_port()
-    cluster = Cluster(plane, args.nodes, args.latency, controller_args=(
-        "--webhook", f"127.0.0.1:{port}", "--webhook-config", f"bench-{os.getpid()}", "--namespace", "kube-system"))
+    webhook_args = ("--webhook", f"127.0.0.1:{free_port()}", "--webhook-config", f"bench-{os.getpid()}",
+                    "--namespace", "kube-system")
+    cluster = Cluster(plane, args.nodes, args.latency, controller_args=() if args.webhook_process else webhook_args)
+    if args.webhook_process:  # as the chart runs it: its own process (`mig-operator webhook`), the controller none
+        cluster.spawn("webhook", "webhook", *webhook_args)
     core = cluster.core
     ns = f"pods-{os.getpid()}"
     core.create_namespace({"metadata": {"name": ns}})
     custom = kubernetes.client.CustomObjectsApi(plane.api)
     standin_driver(custom, cluster.names, ns, per_node=min(128, args.pods))  # 128: a ResourceSlice's most
-    time.sleep(2)  # the webhook configuration is in place
+    wait_webhook(plane, webhook_args[1], webhook_args[3])
     writes: dict[str, float] = {}
     by_resource: dict[str, dict[str, float]] = {}
     cpu: dict[str, dict[str, float]] = {}
@@ -291,10 +370,16 @@ def main() -> int:
             time.sleep(0.5)
         return times
 
+    spy: Profiler | None = None
+    rounds: dict[str, dict[str, list[float]]] = {}
     try:
-        rounds = {"plain": measured(None, "plain"), "dra_native": measured(None, "dra", STANDIN_TEMPLATE),
-                  "new": measured("9Gi", "new"), "reused": measured("9Gi", "again")}
+        for name in args.rounds:
+            if name in ANNOTATED and args.profile and spy is None:
+                spy = Profiler(cluster, args.profile)
+            memory, template = ROUND_ASKS[name]
+            rounds[name] = measured(memory, TAGS[name], template)
     finally:
+        parts = spy.stop() if spy is not None else None
         cluster.stop()
         remove_standin_driver(custom, cluster.names)
         core.delete_namespace(ns)
@@ -307,19 +392,22 @@ def main() -> int:
         out["watches_reopened"] = int(times["watches_reopened"][0])
         return out
 
-    tags = {"plain": "plain", "dra_native": "dra", "new": "new", "reused": "again"}
+    tags = {name: TAGS[name] for name in rounds}
     result = {"pods": args.pods, "nodes": args.nodes, "gpus": args.nodes * 8, "latency_s": args.latency,
               "gap_s": args.gap, "cpus": len(os.sched_getaffinity(0)), **limiters,
+              "webhook": "own process" if args.webhook_process else "in the controller",
               **{name: summary(times) for name, times in rounds.items()},
               "writes_per_pod": {name: writes[tag] for name, tag in tags.items()},
               "writes_per_pod_by_resource": {name: by_resource[tag] for name, tag in tags.items()},
               # CPU milliseconds per pod by part, from the round's start to its last pod Running.
               "cpu_ms_per_pod": {name: cpu[tag] for name, tag in tags.items()},
               "events": {name: events[tag] for name, tag in tags.items()}}
+    if parts is not None:
+        result["controller_profile"] = parts
     p50 = {name: pct(times["total"], 0.5) for name, times in rounds.items()}
-    result["ratio_p50"] = {"dra_native": p50["dra_native"] / p50["plain"], "new": p50["new"] / p50["plain"],
-                           "reused": p50["reused"] / p50["plain"],
-                           "reused_over_dra_native": p50["reused"] / p50["dra_native"]}
+    ratios = {"dra_native": ("dra_native", "plain"), "new": ("new", "plain"), "reused": ("reused", "plain"),
+              "reused_over_dra_native": ("reused", "dra_native")}
+    result["ratio_p50"] = {key: p50[a] / p50[b] for key, (a, b) in ratios.items() if a in p50 and b in p50}
     print(json.dumps(result, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
@@ -336,11 +424,11 @@ def text_summary(result: dict) -> str:
     lines = [f"{result['pods']} pods, gap {result['gap_s']} s, {result['cpus']} CPUs; client limiters: kube-scheduler "
              f"{limits('scheduler_limiter')}; kube-controller-manager {limits('controller_manager_limiter')}",
              "round        total p50/p99 ms   ->Ready   Ready->ungated  ungated->bound  ->bound  writes/pod  p50/plain"]
-    for name in ("plain", "dra_native", "new", "reused"):
+    for name in (n for n in ROUNDS if n in result):
         r = result[name]
         split = [f"{r[part]['p50_ms']:.0f}" if part in r else "-"
                  for part in ("to_slice_ready", "slice_ready_to_ungated", "ungated_to_bound", "created_to_bound")]
-        ratio = result["ratio_p50"].get(name, 1.0)
+        ratio = result["ratio_p50"].get(name, 1.0 if name == "plain" else float("nan"))
         lines.append(f"{name:<12} {r['total']['p50_ms']:>7.0f}/{r['total']['p99_ms']:<8.0f} {split[0]:>9} "
                      f"{split[1]:>15} {split[2]:>15} {split[3]:>8} "
                      f"{result['writes_per_pod'][name]:>11.1f} {ratio:>10.1f}")

@@ -8,14 +8,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import re
 import signal
 import sys
-import tempfile
 from types import FrameType
 
-from .core.compat import UnknownDialect, check_dialects
 from .core.compute import parse_default_compute
 from .core.quantities import QuantityError
 from .core.runtime_trust import DEFAULT_CONFIG as TOOLKIT_CONFIG
@@ -129,6 +126,8 @@ def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
 
 
 def add_operator_commands(sub: argparse._SubParsersAction) -> None:
+    from .webhook_cli import add_webhook_flags, cmd_webhook
+
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster, then KUBECONFIG, ~/.kube/config)")
     common.add_argument("--log-format", choices=("text", "json"), default="text",
@@ -150,27 +149,13 @@ def add_operator_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--default-compute", default="shared", metavar="shared|proportional",
                    help="the compute of a fraction without spec.compute: shared (time-sliced) or proportional "
                         "(a share equal to its memory share of the GPU, served by MPS) (default: shared)")
-    p.add_argument("--webhook", metavar="HOST:PORT", help="serve the pod admission webhook there (TLS)")
-    p.add_argument("--webhook-cert", help="serving certificate (PEM); default: one made at start")
-    p.add_argument("--webhook-key", help="its private key (PEM)")
-    p.add_argument("--webhook-cert-secret", help="Secret (in --namespace) holding the made certificate, shared "
-                   "by replicas; made by the first one to start")
-    p.add_argument("--webhook-url", help="URL the API server calls (default https://HOST:PORT/gpu-slice)")
-    p.add_argument("--webhook-service", metavar="NAMESPACE/NAME[:PORT]",
-                   help="point the webhook configuration at this Service instead of a URL (in a cluster)")
-    p.add_argument("--mig-request-namespaces", default=None, metavar="NS[,NS...]",
-                   help="namespaces whose nvidia.com/mig-* requests the webhook serves (default: every one it "
-                        "serves; a namespace labelled cdmo.io/mig-requests=off is always left out)")
-    p.add_argument("--whole-gpus-everywhere", action="store_true",
-                   help="serve nvidia.com/gpu requests as whole-GPU slices in every namespace the webhook serves "
-                        "(default: only in namespaces labelled cdmo.io/whole-gpus=on)")
-    p.add_argument("--compat", default=None, metavar="DIALECT[,DIALECT...]",
-                   help="also serve the seed platforms' request forms: runai, clearml (default: none)")
-    p.add_argument("--webhook-config", default="mig-operator",
-                   help="MutatingWebhookConfiguration to create or update with the CA bundle ('' to leave it alone)")
-    p.add_argument("--namespace", default="mig-operator",
-                   help="the operator's own namespace: its pods are never sent to the webhook")
+    add_webhook_flags(p, required=False)
     p.set_defaults(func=cmd_controller)
+
+    p = sub.add_parser("webhook", parents=[common], help="serve only the pod admission webhook (stateless: run "
+                       "several replicas behind one Service)")
+    add_webhook_flags(p, required=True)
+    p.set_defaults(func=cmd_webhook)
 
     p = sub.add_parser("agent", parents=[common], help="run the node agent (realises slices bound to this node)")
     p.add_argument("--node", required=True, help="the Kubernetes node this agent serves")
@@ -246,8 +231,7 @@ def cmd_controller(args: argparse.Namespace) -> int:
     from .kube.common.listen import ListenError
     from .kube.common.operator import run_operator
     from .kube.controller.main import ControllerOptions, build_registry, default_priority
-    from .kube.webhook.certs import CertificateFileError, check_pem_pair
-    from .kube.webhook.server import WebhookOptions, bind, register
+    from .webhook_cli import serve_webhook, webhook_options
 
     _configure_logs(args)  # first: with json, even an error that stops it at start is a JSON line
     _check_credentials(args.kubeconfig)
@@ -255,33 +239,12 @@ def cmd_controller(args: argparse.Namespace) -> int:
     # that fails and is retried every 2 s for ever.
     if args.metrics_address:
         _address("--metrics-address", args.metrics_address, ":9090")
-    if args.webhook:
-        _address("--webhook", args.webhook, "127.0.0.1:9443")
+    webhook = webhook_options(args)
     _dns_subdomain("--peering", args.peering, "mig-operator", "peering name")
     lifetime = _peering_lifetime(args.peering_lifetime)
     resync = _duration_flag("--resync", args.resync)
     fair_hold = _duration_flag("--fair-hold", args.fair_hold)
     default_compute = parse_default_compute(args.default_compute)
-    _dns_label("--namespace", args.namespace, "mig-operator", "namespace")
-    if args.webhook_config:
-        _dns_subdomain("--webhook-config", args.webhook_config, "mig-operator", "MutatingWebhookConfiguration name")
-    if args.webhook_service:
-        _webhook_service(args.webhook_service)
-    mig_namespaces = tuple(n.strip() for n in (args.mig_request_namespaces or "").split(",") if n.strip())
-    for namespace in mig_namespaces:
-        _dns_label("--mig-request-namespaces", namespace, "team-a,team-b", "namespace")
-    try:
-        compat = check_dialects(args.compat or "")
-    except UnknownDialect as exc:
-        raise QuantityError(f"--compat {_shown(args.compat)}: {exc}") from None
-    if bool(args.webhook_cert) != bool(args.webhook_key):
-        raise QuantityError("--webhook-cert and --webhook-key go together; e.g. --webhook-cert tls.crt "
-                            "--webhook-key tls.key")
-    if args.webhook_cert:
-        try:
-            check_pem_pair(args.webhook_cert, args.webhook_key)
-        except CertificateFileError as exc:
-            raise QuantityError(str(exc)) from None
     options = ControllerOptions(
         kubeconfig=args.kubeconfig, priority=args.priority, peering=args.peering,
         peering_lifetime_s=lifetime, resync_s=resync, fair_hold_s=fair_hold, quota_required=args.quota_required,
@@ -295,19 +258,7 @@ def cmd_controller(args: argparse.Namespace) -> int:
             if metrics_socket is not None:
                 stack.callback(metrics_socket.close)
             if args.webhook:
-                webhook = WebhookOptions(
-                    listen=args.webhook, namespace=args.namespace, cert_file=args.webhook_cert,
-                    key_file=args.webhook_key, cert_secret=args.webhook_cert_secret, url=args.webhook_url,
-                    service=args.webhook_service, config_name=args.webhook_config or None,
-                    mig_request_namespaces=mig_namespaces, compat=compat,
-                    whole_gpus_everywhere=args.whole_gpus_everywhere,
-                )
-                webhook_socket = stack.enter_context(bind(webhook))
-                if not args.webhook_cert:
-                    # The made certificate's key lives only as long as this process.
-                    key_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="mig-operator-webhook-"))
-                    webhook = dataclasses.replace(webhook, key_dir=key_dir)
-                register(registry, webhook, args.kubeconfig, webhook_socket)
+                serve_webhook(stack, registry, webhook, args.kubeconfig)
         except ListenError as exc:
             raise QuantityError(str(exc)) from None
         if metrics_socket is not None:

@@ -162,7 +162,9 @@ class OperatorHarness:
     def _spawn(self, name: str, args: list[str], env: Mapping[str, str] | None = None) -> Proc:
         log = self.workdir / f"{name}-{len(self.procs)}.log"
         full_env = {k: v for k, v in os.environ.items() if k != "MIG_OPERATOR_CRASHPOINT"}
-        kubeconfig = self.kubeconfigs.get(args[0], self.cluster.kubeconfig)
+        # The webhook runs as the controller's ServiceAccount, as in the chart.
+        part = "controller" if args[0] == "webhook" else args[0]
+        kubeconfig = self.kubeconfigs.get(part, self.cluster.kubeconfig)
         full_env.update(KUBECONFIG=str(kubeconfig), PYTHONUNBUFFERED="1", **(env or {}))
         proc = Proc(name, [sys.executable, "-m", "mig_operator.cli", *args], log, full_env)
         self.start(proc)
@@ -192,6 +194,16 @@ class OperatorHarness:
         return self.controller(env, "--webhook", f"127.0.0.1:{self.webhook_port}", "--webhook-config",
                                self.webhook_config, "--namespace", "mig-operator-system", *args)
 
+    def webhook(self, env: Mapping[str, str] | None = None, *args: str) -> Proc:
+        """``mig-operator webhook`` alone (as the chart runs it), on the port and with the configuration
+        ``controller_with_webhook`` would use."""
+        if not self.webhook_port:
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                self.webhook_port = sock.getsockname()[1]
+        return self._spawn("webhook", ["webhook", "--webhook", f"127.0.0.1:{self.webhook_port}", "--webhook-config",
+                                       self.webhook_config, "--namespace", "mig-operator-system", *args], env)
+
     def wait_webhook(self, timeout: float = 30) -> None:
         """Until the webhook configuration exists and the server answers."""
         admission = kubernetes.client.AdmissionregistrationV1Api(self.cluster.api_client)
@@ -212,13 +224,18 @@ class OperatorHarness:
             "--nvml-attempts", "3", *args,
         ], env)
 
-    def start_operator(self, *nodes: SimNode, webhook: bool = False) -> None:
-        """An agent per node, each GpuNode published, then the controller (with the webhook, if asked)."""
+    def start_operator(self, *nodes: SimNode, webhook: bool | str = False) -> None:
+        """An agent per node, each GpuNode published, then the controller (with the webhook, if asked;
+        ``webhook="process"``: the webhook in a process of its own, as the chart runs it)."""
         for node in nodes:
             self.agent(node)
         for node in nodes:
             self.wait_gpunode(node)
-        if webhook:
+        if webhook == "process":
+            self.controller()
+            self.webhook()
+            self.wait_webhook()
+        elif webhook:
             self.controller_with_webhook()
             self.wait_webhook()
         else:

@@ -63,8 +63,8 @@ def tolerate_kwok(tmp_path: Path) -> list[str]:
     """Values that let both parts' pods onto kwok nodes (which kwok then reports as running); the
     agents keep their default toleration (Helm replaces a list given in values, never merges it)."""
     values = yaml.safe_load((CHART_DIR / "values.yaml").read_text())
-    extra = {"controller": {"tolerations": [*values["controller"]["tolerations"], KWOK_TAINT]},
-             "agent": {"tolerations": [*values["agent"]["tolerations"], KWOK_TAINT]}}
+    extra = {part: {"tolerations": [*values[part]["tolerations"], KWOK_TAINT]}
+             for part in ("controller", "webhook", "agent")}
     path = tmp_path / "kwok-values.yaml"
     path.write_text(yaml.safe_dump(extra))
     return ["--values", str(path)]
@@ -146,8 +146,12 @@ def test_the_chart_installs_upgrades_and_uninstalls_with_every_object_accepted(
         for doc in docs:
             assert exists(kube_cluster, doc, namespace), f"{doc['kind']} {doc['metadata']['name']} was not created"
         # The pods themselves are accepted (securityContext, RuntimeClass, hostPaths, downward API) and
-        # placed: two controller replicas, one agent on the GPU node.
+        # placed: two controller replicas, two webhook replicas, one agent on the GPU node.
         wait_until(lambda: len(pods(kube_cluster, namespace, "controller")) == 2, 60, "two controller pods")
+        wait_until(lambda: len(pods(kube_cluster, namespace, "webhook")) == 2, 60, "two webhook pods")
+        hook, ctl = pods(kube_cluster, namespace, "webhook")[0], pods(kube_cluster, namespace, "controller")[0]
+        assert hook.spec.containers[0].args[0] == "webhook" and ctl.spec.containers[0].args[0] == "controller"
+        assert hook.spec.service_account_name == ctl.spec.service_account_name
         agent = wait_until(lambda: pods(kube_cluster, namespace, "agent"), 60, "an agent pod")
         assert [p.spec.node_name for p in agent] == [gpu_node.name]
         assert agent[0].spec.runtime_class_name == "nvidia"
@@ -217,7 +221,10 @@ def test_pod_security_the_controller_meets_restricted_and_the_agent_needs_privil
     API server's own PodSecurity admission (server-side dry runs of the chart's pod templates)."""
     rendered = helm(kube_cluster, "template", "ps", str(CHART_DIR), "--namespace", "default").stdout
     docs = [d for d in yaml.safe_load_all(rendered) if d]
-    templates = {d["kind"]: d["spec"]["template"] for d in docs if d["kind"] in ("Deployment", "DaemonSet")}
+    templates = {(d["kind"], d["metadata"]["name"]): d["spec"]["template"] for d in docs
+                 if d["kind"] in ("Deployment", "DaemonSet")}
+    assert sorted(templates) == [("DaemonSet", "ps-mig-operator-agent"), ("Deployment", "ps-mig-operator-controller"),
+                                 ("Deployment", "ps-mig-operator-webhook")]
     core = kube_cluster.core_v1()
     names = []
     try:
@@ -226,8 +233,8 @@ def test_pod_security_the_controller_meets_restricted_and_the_agent_needs_privil
             names.append(name)
             core.create_namespace({"metadata": {"name": name, "labels": {
                 "pod-security.kubernetes.io/enforce": level}}})
-            for kind, template in templates.items():
-                pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": kind.lower(), "namespace": name},
+            for (kind, workload), template in templates.items():
+                pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": workload, "namespace": name},
                        "spec": template["spec"]}
                 result = kube_cluster.kubectl("apply", "--dry-run=server", "-f", "-", input=yaml.safe_dump(pod),
                                               check=False)
@@ -408,10 +415,12 @@ def _served_certificate(port: int) -> bytes:
         return tls.getpeercert(binary_form=True)
 
 
-def test_two_controllers_share_the_webhook_certificate_through_the_charts_secret(
+def test_webhook_replicas_share_the_certificate_through_the_charts_secret(
         operator: OperatorHarness, chart_identities: ChartIdentities) -> None:
     """The first replica makes the certificate and stores it (secrets: create), the second reads it
-    (secrets: get, by name); both serve it, and the configuration trusts its CA (create, patch)."""
+    (secrets: get, by name); both serve it, and the configuration trusts its CA (create, patch). The
+    first is `mig-operator webhook`, as the chart runs it; the second a controller serving the same
+    webhook in its own process (`controller --webhook`): one server, whichever process holds it."""
     secret = chart_identities.webhook_cert_secret
     core = operator.core
     try:
@@ -419,7 +428,7 @@ def test_two_controllers_share_the_webhook_certificate_through_the_charts_secret
     except ApiException as exc:
         if exc.status != 404:
             raise
-    first = operator.controller_with_webhook(None, "--webhook-cert-secret", secret)
+    first = operator.webhook(None, "--webhook-cert-secret", secret)
     operator.wait_webhook()
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

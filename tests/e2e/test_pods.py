@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +113,30 @@ def test_annotated_pods_run_on_their_slice_with_exactly_its_environment(operator
         "slice": sl["metadata"]["uid"], "sliceName": sl["metadata"]["name"], "sliceNamespace": ns, "mode": "fraction",
         "profile": "", "uuid": st["gpuUUID"], "memory": str(limit)}
     assert st["gpuUUID"].startswith("GPU-")
+    check_invariants(operator)
+
+
+def test_the_webhook_in_its_own_process_admits_pods_while_no_controller_runs(operator: OperatorHarness) -> None:
+    """`mig-operator webhook` (the chart's webhook Deployment) changes an annotated pod at admission as
+    `controller --webhook` does, with no controller running: admission never waits for the controller.
+    The pod waits, gated, until a controller starts, then runs on its slice."""
+    node = operator.add_node("h100-80gb")
+    operator.start_operator(node, webhook="process")
+    [controller] = [p for p in operator.procs if p.name == "controller"]
+    operator.stop(controller)
+    ns = operator.namespace()
+    name = create_pod(operator, ns, {"cdmo.io/gpu-memory": "4G"})["metadata"]["name"]
+    pod = operator.core.read_namespaced_pod(name, ns)
+    assert [g.name for g in pod.spec.scheduling_gates] == [GATE]
+    assert [(c.name, c.resource_claim_name) for c in pod.spec.resource_claims] == [
+        ("gpu-slice", pod.metadata.labels["cdmo.io/gpu-slice"])]
+    time.sleep(2)
+    assert not operator.custom.list_namespaced_custom_object("cdmo.io", "v1alpha1", ns, "gpuslices")["items"]
+    operator.start(controller)
+    pod = running(operator, ns, name)
+    sl = slice_of(operator, pod)
+    assert pod.spec.node_name == node.name == sl["status"]["node"]
+    assert handed_device(operator, pod)["slice"] == sl["metadata"]["uid"]
     check_invariants(operator)
 
 

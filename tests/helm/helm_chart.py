@@ -27,6 +27,15 @@ def find(docs: list[dict[str, Any]], kind: str, name: str | None = None) -> dict
     return found[0]
 
 
+def workload(docs: list[dict[str, Any]], kind: str, container_name: str, init: bool = False) -> dict[str, Any]:
+    """The one object of ``kind`` (a Deployment, a DaemonSet) whose pods run a container of that name."""
+    key = "initContainers" if init else "containers"
+    found = [d for d in docs if d["kind"] == kind
+             and any(c["name"] == container_name for c in d["spec"]["template"]["spec"].get(key) or [])]
+    assert len(found) == 1, f"{len(found)} {kind} running {container_name}"
+    return found[0]
+
+
 def container(docs: list[dict[str, Any]], kind: str, name: str, init: bool = False) -> dict[str, Any]:
-    spec = find(docs, kind)["spec"]["template"]["spec"]
+    spec = workload(docs, kind, name, init)["spec"]["template"]["spec"]
     return next(c for c in spec["initContainers" if init else "containers"] if c["name"] == name)

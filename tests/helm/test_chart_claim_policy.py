@@ -11,7 +11,7 @@ from typing import Any
 
 import kubernetes_validate
 import pytest
-from helm_chart import find
+from helm_chart import workload
 
 from mig_operator.kube.common.names import DEVICE_CLASS, DRA_DRIVER
 from mig_operator.kube.controller.claims import claim_body
@@ -42,8 +42,8 @@ def test_two_policies_refuse_everyone_but_the_releases_controller_in_every_names
     found = policies(docs)
     assert [p["metadata"]["name"] for p, _ in found.values()] == ["mo-mig-operator-claims.cdmo.io",
                                                                     "mo-mig-operator-claim-templates.cdmo.io"]
-    controller = find(docs, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"]
-    assert controller == "ctl"
+    for part in ("controller", "webhook"):
+        assert workload(docs, "Deployment", part)["spec"]["template"]["spec"]["serviceAccountName"] == "ctl"
     for suffix, (policy, binding) in found.items():
         resource, _ = KINDS[suffix]
         # Every namespace (no matchResources), enforced.

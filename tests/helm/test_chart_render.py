@@ -10,7 +10,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
-from helm_chart import CHART_DIR, REPO_ROOT, container, find
+from helm_chart import CHART_DIR, REPO_ROOT, container, find, workload
 
 from mig_operator.cli import build_parser
 from mig_operator.core.compat import check_dialects
@@ -41,7 +41,8 @@ VARIANTS: dict[str, list[str]] = {
         "--set", "fullnameOverride=gpu-slices", "--set", "image.repository=registry.example/mig-operator",
         "--set", f"image.digest={SHA}", "--set", "imagePullSecrets[0].name=pull",
         "--set", "logging.level=debug", "--set", "logging.format=text", "--set", "metrics.enabled=false",
-        "--set", "controller.replicas=3", "--set", "controller.resync=2m", "--set", "controller.peering=gpu-peers",
+        "--set", "controller.replicas=3", "--set", "webhook.replicas=3", "--set", "controller.resync=2m",
+        "--set", "controller.peering=gpu-peers",
         "--set", "controller.fairHold=90s", "--set", "compat={runai}", "--set", "webhook.wholeGpusEverywhere=true",
         "--set", "controller.priorityClassName=system-cluster-critical",
         "--set", "controller.podDisruptionBudget.enabled=false", "--set", "webhook.port=8443",
@@ -182,12 +183,12 @@ def test_the_chart_ships_the_webhook_configuration_the_controller_would_write(re
     del expected["metadata"]["labels"]  # the controller patches webhooks only, never the chart's labels
     annotations = rendered["metadata"].pop("annotations", None)
     assert rendered == expected
-    ctl = _args(container(docs, "Deployment", "controller"))
+    ctl = _args(container(docs, "Deployment", "webhook"))
     if cert_manager:
         certificate = find(docs, "Certificate")
         assert annotations == {"cert-manager.io/inject-ca-from": f"gpu-system/{certificate['metadata']['name']}"}
         assert ctl.webhook_config == ""  # the controller leaves the configuration to the chart and cert-manager
-        assert certificate["spec"]["secretName"] == _volume(docs, "Deployment", "webhook-tls")["secret"]["secretName"]
+        assert certificate["spec"]["secretName"] == _volume(docs, "webhook", "webhook-tls")["secret"]["secretName"]
         # The certificate names the Service the way the controller's own certificate would.
         assert certificate["spec"]["dnsNames"] == [f"{service['metadata']['name']}.gpu-system.svc",
                                                    f"{service['metadata']['name']}.gpu-system.svc.cluster.local"]
@@ -202,7 +203,7 @@ def test_the_chart_ships_the_webhook_configuration_the_controller_would_write(re
 
 
 def test_the_default_webhook_configuration_name_is_the_code_default(render: Any) -> None:
-    args = _args(container(render(), "Deployment", "controller"))
+    args = _args(container(render(), "Deployment", "webhook"))
     assert args.webhook_config == WEBHOOK_NAME
 
 
@@ -225,7 +226,7 @@ def test_the_mig_request_namespaces_reach_the_configuration_and_the_controller_a
     """The chart's webhook entry for nvidia.com/mig-* requests and the one the controller writes from its
     --mig-request-namespaces flag select the same namespaces (the controller's patch must not widen it)."""
     docs = render("--set", "webhook.migRequestNamespaces={team-a,team-b}", release="gs", namespace="gpu-system")
-    ctl = _args(container(docs, "Deployment", "controller"))
+    ctl = _args(container(docs, "Deployment", "webhook"))
     assert ctl.mig_request_namespaces == "team-a,team-b"
     rendered = find(docs, "MutatingWebhookConfiguration")["webhooks"][1]
     options = WebhookOptions(listen="0.0.0.0:9443", namespace="gpu-system", service=ctl.webhook_service,
@@ -234,7 +235,7 @@ def test_the_mig_request_namespaces_reach_the_configuration_and_the_controller_a
     assert rendered["namespaceSelector"] == expected["namespaceSelector"]
     assert rendered["namespaceSelector"]["matchExpressions"][-1]["values"] == ["team-a", "team-b"]
     assert rendered["matchConditions"] == expected["matchConditions"]
-    default = _args(container(render(release="gs", namespace="gpu-system"), "Deployment", "controller"))
+    default = _args(container(render(release="gs", namespace="gpu-system"), "Deployment", "webhook"))
     assert default.mig_request_namespaces is None
 
 
@@ -243,7 +244,7 @@ def test_the_compat_entry_is_the_one_the_controller_writes(render: Any, compat: 
     """The chart's third webhook entry (value compat) is the controller's, CEL included, and the
     controller gets the same dialects."""
     docs = render("--set", f"compat={{{','.join(compat)}}}", release="gs", namespace="gpu-system")
-    ctl = _args(container(docs, "Deployment", "controller"))
+    ctl = _args(container(docs, "Deployment", "webhook"))
     assert ctl.compat == ",".join(compat)
     options = WebhookOptions(listen="0.0.0.0:9443", namespace="gpu-system", service=ctl.webhook_service,
                              compat=check_dialects(ctl.compat))
@@ -260,7 +261,7 @@ def test_the_compat_entry_is_the_one_the_controller_writes(render: Any, compat: 
 def test_the_whole_gpu_entry_is_the_one_the_controller_writes(render: Any, everywhere: bool) -> None:
     docs = render("--set", f"webhook.wholeGpusEverywhere={str(everywhere).lower()}", release="gs",
                   namespace="gpu-system")
-    ctl = _args(container(docs, "Deployment", "controller"))
+    ctl = _args(container(docs, "Deployment", "webhook"))
     assert ctl.whole_gpus_everywhere is everywhere
     options = WebhookOptions(listen="0.0.0.0:9443", namespace="gpu-system", service=ctl.webhook_service,
                              whole_gpus_everywhere=everywhere)
@@ -286,8 +287,10 @@ def _args(c: dict[str, Any]) -> Any:
     return build_parser().parse_args(argv)
 
 
-def _volume(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
-    return next(v for v in find(docs, kind)["spec"]["template"]["spec"]["volumes"] if v["name"] == name)
+def _volume(docs: list[dict[str, Any]], part: str, name: str) -> dict[str, Any]:
+    """Volume ``name`` of the workload running container ``part`` (controller, webhook, agent)."""
+    kind = "DaemonSet" if part == "agent" else "Deployment"
+    return next(v for v in workload(docs, kind, part)["spec"]["template"]["spec"]["volumes"] if v["name"] == name)
 
 
 @pytest.mark.parametrize("name", ["default", "everything else changed", "cert-manager, ServiceMonitor"])
@@ -295,21 +298,27 @@ def test_the_rendered_arguments_parse_and_agree_with_each_other(render: Any, nam
     docs = render(*VARIANTS[name], namespace="gpu-system")
     values = yaml.safe_load((CHART_DIR / "values.yaml").read_text())
     ctl_container = container(docs, "Deployment", "controller")
+    hook_container = container(docs, "Deployment", "webhook")
     agent_container = container(docs, "DaemonSet", "agent")
-    ctl, agent = _args(ctl_container), _args(agent_container)
-    assert (ctl.command, agent.command) == ("controller", "agent")
-    # The webhook: the Service in front of the replicas is the one the controller names in its
-    # configuration, on the port it listens on.
-    service_ns, _, rest = ctl.webhook_service.partition("/")
+    ctl, hook, agent = _args(ctl_container), _args(hook_container), _args(agent_container)
+    assert (ctl.command, hook.command, agent.command) == ("controller", "webhook", "agent")
+    # The controller serves no webhook: its own Deployment does.
+    assert ctl.webhook is None and "webhook" not in {p["name"] for p in ctl_container.get("ports") or []}
+    # The webhook: the Service in front of its replicas is the one they name in their configuration,
+    # on the port they listen on.
+    service_ns, _, rest = hook.webhook_service.partition("/")
     service_name, _, service_port = rest.partition(":")
     service = find(docs, "Service", service_name)
-    assert service_ns == ctl.namespace == "gpu-system"
+    assert service_ns == hook.namespace == ctl.namespace == "gpu-system"
     assert service["spec"]["ports"] == [{"name": "webhook", "port": int(service_port), "targetPort": "webhook",
                                          "protocol": "TCP"}]
-    ports = {p["name"]: p["containerPort"] for p in ctl_container["ports"]}
-    assert ports["webhook"] == int(ctl.webhook.rpartition(":")[2])
-    assert service["spec"]["selector"].items() <= find(docs, "Deployment")["spec"]["template"]["metadata"][
-        "labels"].items()
+    ports = {p["name"]: p["containerPort"] for p in hook_container["ports"]}
+    assert ports["webhook"] == int(hook.webhook.rpartition(":")[2])
+    hook_labels = workload(docs, "Deployment", "webhook")["spec"]["template"]["metadata"]["labels"]
+    ctl_labels = workload(docs, "Deployment", "controller")["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= hook_labels.items()
+    assert not service["spec"]["selector"].items() <= ctl_labels.items()
+    assert workload(docs, "Deployment", "webhook")["metadata"]["name"] == service_name  # <fullname>-webhook
     # The shim: installed by the agents' init container.
     assert container(docs, "DaemonSet", "install-shim", init=True)["volumeMounts"] == [
         {"name": "shim", "mountPath": "/host-shim"}]
@@ -318,7 +327,7 @@ def test_the_rendered_arguments_parse_and_agree_with_each_other(render: Any, nam
     from mig_operator.kube.agent.kubelet_plugin import PluginSettings
 
     ledgers = PluginSettings(shim_host_dir=agent.shim_host_dir).ledger_host_dir
-    assert _volume(docs, "DaemonSet", "ledgers")["hostPath"] == {"path": ledgers, "type": "DirectoryOrCreate"}
+    assert _volume(docs, "agent", "ledgers")["hostPath"] == {"path": ledgers, "type": "DirectoryOrCreate"}
     assert {"name": "ledgers", "mountPath": ledgers} in agent_container["volumeMounts"]
     mps = PluginSettings(shim_host_dir=agent.shim_host_dir).mps_host_dir
     assert _volume(docs, "DaemonSet", "mps")["hostPath"] == {"path": mps, "type": "DirectoryOrCreate"}
@@ -327,25 +336,27 @@ def test_the_rendered_arguments_parse_and_agree_with_each_other(render: Any, nam
     assert agent.node == "node-a"
     assert next(e for e in agent_container["env"] if e["name"] == "NODE_NAME")["valueFrom"] == {
         "fieldRef": {"fieldPath": "spec.nodeName"}}
-    state = _volume(docs, "DaemonSet", "state")["hostPath"]["path"]
+    state = _volume(docs, "agent", "state")["hostPath"]["path"]
     assert Path(agent.record_file).parent == Path(state)
     assert {"name": "state", "mountPath": state} in agent_container["volumeMounts"]
     if agent.idle_timeout:
         assert parse_duration(agent.idle_timeout) > 0
     # Logs and metrics as the values say, on a named port when on.
-    for part, c in ((ctl, ctl_container), (agent, agent_container)):
+    for part, c in ((ctl, ctl_container), (hook, hook_container), (agent, agent_container)):
         assert part.log_format in ("json", "text") and part.log_level in ("debug", "info", "warning", "error")
         if part.metrics_address:
             assert {p["name"]: p["containerPort"] for p in c["ports"]}["metrics"] == int(
                 part.metrics_address.rpartition(":")[2])
     if name == "default":
         assert (ctl.log_format, ctl.log_level, agent.backend) == ("json", "info", "nvml")
-        assert ctl.metrics_address == agent.metrics_address == f":{values['metrics']['port']}"
+        assert ctl.metrics_address == hook.metrics_address == agent.metrics_address == f":{values['metrics']['port']}"
         assert agent.idle_timeout is None and agent.nvml_attempts == 5
-        assert find(docs, "Deployment")["spec"]["replicas"] == 2
+        assert workload(docs, "Deployment", "controller")["spec"]["replicas"] == 2
+        assert workload(docs, "Deployment", "webhook")["spec"]["replicas"] == values["webhook"]["replicas"] == 2
     if name == "everything else changed":
         assert (ctl.log_format, ctl.log_level, agent.idle_timeout, agent.nvml_attempts) == ("text", "debug", "10m", 9)
-        assert ctl.metrics_address is None and agent.metrics_address is None
+        assert ctl.metrics_address is None and hook.metrics_address is None and agent.metrics_address is None
+        assert workload(docs, "Deployment", "webhook")["spec"]["replicas"] == 3
         assert agent.state_file == "/opt/cdmo/state/simulated-gpus.json"
         assert ctl_container["image"] == f"registry.example/mig-operator@{SHA}"
 
@@ -414,8 +425,10 @@ def test_each_part_gets_exactly_the_verbs_its_code_uses(render: Any) -> None:
         binding = find(docs, kind, binding_name)
         assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account, "namespace": "gpu-system"}]
         assert binding["roleRef"]["name"] == binding_name
-    deployment, daemonset = find(docs, "Deployment"), find(docs, "DaemonSet")
-    assert deployment["spec"]["template"]["spec"]["serviceAccountName"] == "mo-mig-operator-controller"
+    daemonset = find(docs, "DaemonSet")
+    for part in ("controller", "webhook"):  # the webhook writes its certificate and CA as the controller's account
+        deployment = workload(docs, "Deployment", part)
+        assert deployment["spec"]["template"]["spec"]["serviceAccountName"] == "mo-mig-operator-controller"
     assert daemonset["spec"]["template"]["spec"]["serviceAccountName"] == "mo-mig-operator-agent"
 
 
@@ -472,12 +485,13 @@ def test_the_controller_runs_unprivileged_and_the_agent_privileged_in_no_host_na
     """The agent is privileged (as NVIDIA's DRA kubelet plugin): the toolkit gives it its GPUs even with
     accept-nvidia-visible-devices-envvar-when-unprivileged = false, the setting nodes need (issue 24)."""
     docs = render(*variant)
-    ctl_pod = find(docs, "Deployment")["spec"]["template"]["spec"]
-    ctl = container(docs, "Deployment", "controller")
-    assert ctl_pod["securityContext"]["runAsNonRoot"] is True and ctl_pod["securityContext"]["runAsUser"] != 0
-    assert ctl["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
-                                      "capabilities": {"drop": ["ALL"]}}
-    assert not [v for v in ctl_pod["volumes"] if "hostPath" in v]
+    for part in ("controller", "webhook"):
+        ctl_pod = workload(docs, "Deployment", part)["spec"]["template"]["spec"]
+        ctl = container(docs, "Deployment", part)
+        assert ctl_pod["securityContext"]["runAsNonRoot"] is True and ctl_pod["securityContext"]["runAsUser"] != 0
+        assert ctl["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                                          "capabilities": {"drop": ["ALL"]}}
+        assert not [v for v in ctl_pod.get("volumes") or [] if "hostPath" in v]
 
     agent_pod = find(docs, "DaemonSet")["spec"]["template"]["spec"]
     agent = container(docs, "DaemonSet", "agent")
@@ -514,7 +528,7 @@ def test_the_controller_runs_unprivileged_and_the_agent_privileged_in_no_host_na
     # The toolkit's configuration, read-only, where the flag reads it (RuntimeTrusted).
     toolkit_dir = args.toolkit_config.rsplit("/", 1)[0]
     assert toolkit_dir in host_paths and mounts[toolkit_dir] is True
-    assert args.shim_host_dir == _volume(docs, "DaemonSet", "shim")["hostPath"]["path"]
+    assert args.shim_host_dir == _volume(docs, "agent", "shim")["hostPath"]["path"]
 
 
 @pytest.mark.parametrize(("agent_class", "controller_class", "quota"), [
@@ -539,8 +553,8 @@ def test_a_critical_priority_class_comes_with_the_quota_that_admits_it(
     [scope] = found["spec"]["scopeSelector"]["matchExpressions"]
     assert (scope["scopeName"], scope["operator"], scope["values"]) == ("PriorityClass", "In", quota)
     assert int(float(found["spec"]["hard"]["pods"].rstrip("G")) * 1e9) >= 10**6  # limits nothing in practice
-    for kind in ("Deployment", "DaemonSet"):
-        pod = find(docs, kind)["spec"]["template"]["spec"]
+    for kind, part in (("Deployment", "controller"), ("Deployment", "webhook"), ("DaemonSet", "agent")):
+        pod = workload(docs, kind, part)["spec"]["template"]["spec"]
         if pod.get("priorityClassName", "").startswith("system-"):
             assert pod["priorityClassName"] in scope["values"], kind
 

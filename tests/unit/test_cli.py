@@ -606,3 +606,29 @@ def test_a_bad_mig_request_namespace_exits_2_naming_it(tmp_path, value: str) -> 
     proc = part(tmp_path, "controller", "--webhook", "127.0.0.1:9443", "--mig-request-namespaces", value)
     assert_one_line_error(proc, 2, "--mig-request-namespaces")
     assert "is not a namespace" in proc.stderr and "e.g. --mig-request-namespaces team-a,team-b" in proc.stderr
+
+
+@pytest.mark.parametrize(("argv", "fragment"), [
+    ([], "the following arguments are required: --webhook"),
+    (["--webhook", "127.0.0.1:99999"], "--webhook '127.0.0.1:99999' is not HOST:PORT"),
+    (["--webhook", "192.0.2.1:9443"], "--webhook '192.0.2.1:9443' cannot be listened on: 192.0.2.1 is not an "
+                                      "address of this host"),
+    (["--webhook", "127.0.0.1:9443", "--webhook-service", "ns/svc:0"], "is not NAMESPACE/NAME[:PORT]"),
+    (["--webhook", "127.0.0.1:9443", "--mig-request-namespaces", "Team-A"], "--mig-request-namespaces 'Team-A' is "
+                                                                           "not a namespace"),
+    (["--webhook", "127.0.0.1:9443", "--compat", "kai"], "--compat 'kai'"),
+    (["--webhook", "127.0.0.1:9443", "--webhook-cert", "/nope.pem"], "--webhook-cert and --webhook-key go together"),
+    (["--webhook", "127.0.0.1:9443", "--namespace", "Ops"], "--namespace 'Ops' is not a namespace"),
+    (["--webhook", "127.0.0.1:9443", "--webhook-config", "Bad Name"], "--webhook-config 'Bad Name' is not a "
+                                                                     "MutatingWebhookConfiguration name"),
+    (["--webhook", "127.0.0.1:9443", "--peering", "x"], "unrecognized arguments: --peering x"),
+])
+def test_the_webhook_command_checks_the_controllers_webhook_flags_before_start(tmp_path, argv: list[str],
+                                                                              fragment: str) -> None:
+    """`mig-operator webhook` takes the --webhook-* flags `controller` takes, checked the same way
+    before anything starts (one line, exit 2); it has no controller flags."""
+    proc = part(tmp_path, "webhook", *argv)
+    assert_one_line_error(proc, 2, fragment)
+    if argv and argv[-2] != "--peering":
+        same = part(tmp_path, "controller", *argv)
+        assert_one_line_error(same, 2, fragment)

@@ -163,3 +163,114 @@ def test_no_diff_base_keeps_nothing_of_the_body() -> None:
     body = kopf.Body({"metadata": {"name": "a", "labels": {"k": "v"}}, "spec": {"memory": "4Gi"}})
     assert settings.persistence.diffbase_storage.build(body=body) == {}
     assert settings.persistence.diffbase_storage.fetch(body=body) is None
+
+
+# --- on_event: watch events handed to the handler past kopf's per-event processing ------------------
+
+
+def _direct_registry(seen: list, fail: bool = False):  # type: ignore[no-untyped-def]
+    import kopf
+
+    from mig_operator.kube.common.operator import on_event
+
+    async def pods(body: dict, type: str | None) -> None:
+        seen.append((body, type))
+        if fail:
+            raise RuntimeError("handler broke")
+
+    registry = kopf.OperatorRegistry()
+    on_event(registry, "", "v1", "pods", pods)
+    return registry
+
+
+def test_on_event_routes_its_resources_past_kopfs_processing() -> None:
+    import asyncio
+
+    from kopf._cogs.structs.references import Resource
+    from kopf._core.reactor import processing
+
+    from mig_operator.kube.common.operator import _direct_processor
+
+    seen: list = []
+    registry = _direct_registry(seen)
+    assert _direct_processor() and _direct_processor(), "installed once, and found installed again"
+    body = {"metadata": {"name": "p", "namespace": "ns", "uid": "u"}, "spec": {}}
+    # Every argument kopf's own processing needs is missing: only the direct path can take the event.
+    for kind in (None, "ADDED", "DELETED"):
+        asyncio.run(processing.process_resource_event(
+            registry=registry, resource=Resource("", "v1", "pods"), raw_event={"type": kind, "object": body}))
+    assert seen == [(body, None), (body, "ADDED"), (body, "DELETED")]
+    assert seen[0][0] is body, "the body as the watch parsed it: no copy, no kopf wrapper"
+    with pytest.raises(TypeError):  # another resource goes on to kopf's processing (which wants them)
+        asyncio.run(processing.process_resource_event(
+            registry=registry, resource=Resource("", "v1", "nodes"), raw_event={"type": None, "object": body}))
+
+
+def test_on_event_handler_failure_is_logged_and_the_next_event_comes(caplog: pytest.LogCaptureFixture) -> None:
+    import asyncio
+
+    from kopf._cogs.structs.references import Resource
+    from kopf._core.reactor import processing
+
+    from mig_operator.kube.common.operator import _direct_processor
+
+    seen: list = []
+    registry = _direct_registry(seen, fail=True)
+    _direct_processor()
+    body = {"metadata": {"name": "p", "namespace": "ns"}}
+    for _ in range(2):
+        assert asyncio.run(processing.process_resource_event(
+            registry=registry, resource=Resource("", "v1", "pods"), raw_event={"type": "MODIFIED", "object": body})
+        ) is None
+    assert len(seen) == 2
+    assert "pods ns/p: the event handler failed" in caplog.text and "handler broke" in caplog.text
+
+
+def test_on_event_is_also_an_ordinary_kopf_handler() -> None:
+    """Where the direct path cannot be installed, kopf calls the same function through on.event."""
+    import asyncio
+
+    import kopf
+
+    seen: list = []
+    registry = _direct_registry(seen)
+    handlers = registry._watching.get_all_handlers()
+    assert len(handlers) == 1
+    asyncio.run(handlers[0].fn(body=kopf.Body({"metadata": {"name": "p"}}), type="MODIFIED"))
+    assert seen == [({"metadata": {"name": "p"}}, "MODIFIED")] and type(seen[0][0]) is dict
+
+
+def test_the_controller_takes_every_watched_resource_directly() -> None:
+    from mig_operator.kube.controller.main import ControllerOptions, build_registry
+
+    registry = build_registry(ControllerOptions())
+    direct = registry._mig_operator_direct
+    watched = {(h.selector.group, h.selector.any_name) for h in registry._watching.get_all_handlers()}
+    assert set(direct) == watched == {("cdmo.io", "gpuslices"), ("cdmo.io", "gpunodes"), ("cdmo.io", "gpuquotas"),
+                                      ("", "nodes"), ("", "pods")}
+
+
+def test_the_client_reads_its_token_at_most_once_a_second(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A token read per request cost 2 % of the controller's CPU in a burst; a rotated token still
+    reaches the next request after a second."""
+    from mig_operator.kube.common import client as client_module
+
+    reads: list[str] = []
+    token = ["Bearer one"]
+
+    def bearer(config: object) -> str:
+        reads.append(token[0])
+        return token[0]
+
+    now = [100.0]
+    monkeypatch.setattr(client_module, "bearer_token", bearer)
+    monkeypatch.setattr(client_module.time, "monotonic", lambda: now[0])
+    config = type("Config", (), {"host": "https://127.0.0.1:6443"})()
+    kube = client_module.KubeClient(config)  # type: ignore[arg-type]
+    assert kube._headers(None)["Authorization"] == "Bearer one"
+    token[0] = "Bearer two"
+    now[0] += 0.5
+    assert kube._headers("application/json")["Authorization"] == "Bearer one"
+    now[0] += 0.6
+    assert kube._headers(None)["Authorization"] == "Bearer two"
+    assert reads == ["Bearer one", "Bearer two"]

@@ -601,3 +601,83 @@ def test_another_pods_slice_is_neither_released_nor_handed_over() -> None:
     assert [c[0] for c in client.calls] == ["POST", "MERGE", "MERGE", "PATCH"], \
         "its own Ready slice: claim, its allocation, status, ungate"
     assert client.calls[0][1] == "/apis/resource.k8s.io/v1/namespaces/ns/resourceclaims"
+
+
+class _SlowPatchClient(_Client):
+    """The API answers the ungate patch only after a moment, as a loaded API server does."""
+
+    async def json_patch(self, path: str, ops: list) -> dict:
+        self.calls.append(("PATCH", path))
+        await asyncio.sleep(0.05)
+        return {"metadata": {"name": "p", "namespace": "ns", "uid": "pod-uid"}, "spec": {}}
+
+
+def test_a_pod_found_ready_twice_at_once_is_ungated_with_one_patch() -> None:
+    """The pod's own event and its slice's Ready event may both find it ready while the first ungate
+    is on its way: a second patch would only be refused (and counted by the API server)."""
+    state = BodyLedger()
+    state.put_slice(_slice_body("pod-uid"))
+    state.put_inventory({"metadata": {"name": "n"}, "spec": {"nodeName": "n"},
+                         "status": {"gpus": [{"index": 0, "uuid": "GPU-1", "memoryMiB": 81559}]}})
+    client, events = _SlowPatchClient(), _Events()
+    pods = PodSlices(client, events, state, SliceClaims(client, events, state))  # type: ignore[arg-type]
+    pods.pods[("ns", "p-gs-1")] = _pod("Pending", gated=True)
+    info = state.slice_named("ns", "p-gs-1")
+    assert info is not None
+
+    async def both() -> None:
+        await asyncio.gather(pods.slice_changed(info), pods.slice_changed(info))
+
+    asyncio.run(both())
+    assert [c[0] for c in client.calls].count("PATCH") == 1
+    asyncio.run(pods.slice_changed(info))
+    assert [c[0] for c in client.calls].count("PATCH") == 1, "ungated: nothing more to do"
+
+
+def test_a_pass_that_awaited_while_the_pod_was_ungated_sends_no_second_patch() -> None:
+    """A slice event's pass read the pod gated, then awaited its claim; meanwhile another pass ungated the
+    pod (the watch's view is now ungated): the late pass must not patch the pod as it read it."""
+    pods, client, _ = _pod_slices("pod-uid")
+    gated = _pod("Pending", gated=True)
+    pods.pods[("ns", "p-gs-1")] = {**gated, "spec": {"containers": [{"name": "c"}]}}  # as the watch sees it now
+    info = pods.state.slice_named("ns", "p-gs-1")
+    assert info is not None
+    asyncio.run(pods._release_gate(gated, info))
+    assert [c for c in client.calls if c[0] == "PATCH"] == []
+    pods.pods[("ns", "p-gs-1")] = gated
+    asyncio.run(pods._release_gate(gated, info))
+    assert [c for c in client.calls if c[0] == "PATCH"] == [("PATCH", "/api/v1/namespaces/ns/pods/p")]
+
+
+class _NodesClient(_Client):
+    def __init__(self, nodes: list[dict]) -> None:
+        super().__init__()
+        self.nodes = nodes
+
+    async def list(self, path: str, **_: str) -> list[dict]:
+        self.calls.append(("LIST", path))
+        return self.nodes
+
+
+def _node(name: str, taints: list[dict] | None = None) -> dict:
+    return {"metadata": {"name": name, "labels": {"kubernetes.io/hostname": name}},
+            "spec": {"taints": taints or []}}
+
+
+def test_node_taints_come_from_the_node_watch_between_lists() -> None:
+    """A burst of pods costs no list of every node: the first pod lists them, the controller's watch
+    on nodes keeps labels and taints current after that."""
+    state = BodyLedger()
+    for name in ("a", "b"):
+        state.put_inventory({"metadata": {"name": name}, "spec": {"nodeName": name},
+                             "status": {"gpus": [{"index": 0, "uuid": f"GPU-{name}", "memoryMiB": 81559}]}})
+    client, events = _NodesClient([_node("a"), _node("b")]), _Events()
+    pods = PodSlices(client, events, state, SliceClaims(client, events, state))  # type: ignore[arg-type]
+    pod = {"metadata": {"name": "p", "namespace": "ns"}, "spec": {"containers": [{"name": "c"}]}}
+    assert asyncio.run(pods.eligible_nodes(pod)) is None  # every GPU node
+    pods.node_changed("b", _node("b", [{"key": "gpu", "value": "x", "effect": "NoSchedule"}]))
+    assert asyncio.run(pods.eligible_nodes(pod)) == ["a"], "b's new taint, seen without a list"
+    pods.node_changed("b", None)  # b is gone
+    pods.node_changed("c", _node("c"))
+    assert asyncio.run(pods.node_labels()).keys() == {"a", "c"}
+    assert [c for c in client.calls if c[0] == "LIST"] == [("LIST", "/api/v1/nodes")]

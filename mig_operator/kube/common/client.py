@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import ssl
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -32,6 +33,7 @@ log = logging.getLogger("mig_operator.api")
 MERGE_PATCH = "application/merge-patch+json"
 JSON_PATCH = "application/json-patch+json"
 _TRANSIENT_STATUS = frozenset({429, 500, 502, 503, 504})
+TOKEN_TTL_S = 1.0
 
 
 class ApiError(Exception):
@@ -122,6 +124,8 @@ class KubeClient:
         self._connections = connections
         self._session: aiohttp.ClientSession | None = None
         self.host = config.host.rstrip("/")
+        self._token: str | None = None
+        self._token_at = -float("inf")
 
     @classmethod
     def from_environment(cls, kubeconfig: str | None = None, **kwargs: Any) -> KubeClient:
@@ -150,7 +154,11 @@ class KubeClient:
 
     def _headers(self, content_type: str | None) -> dict[str, str]:
         headers = {"Accept": "application/json"}
-        token = bearer_token(self._config)
+        # Read at most once a second: the loaders re-read a rotated token, but not on every call.
+        now = time.monotonic()
+        if now - self._token_at > TOKEN_TTL_S:
+            self._token, self._token_at = bearer_token(self._config), now
+        token = self._token
         if token:
             headers["Authorization"] = token
         if content_type:

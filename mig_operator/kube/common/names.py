@@ -35,6 +35,7 @@ def slices_of_node(node: str) -> str:
 # Each part also has its own kopf storage prefix; kopf's own finalizer is named after it (kopf-notes).
 AGENT_FINALIZER = "cdmo.io/agent"
 CONTROLLER_PREFIX = "controller.cdmo.io"
+WEBHOOK_PREFIX = "webhook.cdmo.io"  # kopf's own annotations and finalizer: the webhook process writes none
 AGENT_PREFIX = "agent.cdmo.io"
 
 # kopf's peering objects: the controller's replicas elect one active through this one.

@@ -29,7 +29,7 @@ from ..common.names import (
     SLICES,
     VERSION,
 )
-from ..common.operator import register_login, tune
+from ..common.operator import on_event, register_login, tune
 from .binder import Binder
 from .claims import SliceClaims
 from .pods import PodSlices
@@ -95,37 +95,37 @@ def build_registry(options: ControllerOptions) -> kopf.OperatorRegistry:
         await binder.resync()
         state.update(client=client, binder=binder, pods=pods, claims=claims, quotas=quotas)
 
-    @kopf.on.event(GROUP, VERSION, SLICES, registry=registry)
-    async def slice_event(body: kopf.Body, type: str | None, **_: Any) -> None:
+    async def slice_event(body: dict[str, Any], type: str | None) -> None:
         binder: Binder = state["binder"]
-        await binder.slice_event(dict(body), deleted=type == "DELETED")
+        await binder.slice_event(body, deleted=type == "DELETED")
         binder.publish_counts()
         if type == "DELETED":
-            await state["pods"].slice_deleted(dict(body))
+            await state["pods"].slice_deleted(body)
 
-    @kopf.on.event(GROUP, VERSION, NODES, registry=registry)
-    async def gpunode_event(body: kopf.Body, type: str | None, **_: Any) -> None:
-        state["binder"].inventory_event(dict(body), deleted=type == "DELETED")
+    async def gpunode_event(body: dict[str, Any], type: str | None) -> None:
+        state["binder"].inventory_event(body, deleted=type == "DELETED")
         # A device a Ready slice names may have just been published: its claim and pod are looked at again.
         node = (body.get("spec") or {}).get("nodeName") or body["metadata"]["name"]
         await state["claims"].inventory_changed(node)
         await state["pods"].inventory_changed(node)
 
-    @kopf.on.event(GROUP, VERSION, QUOTAS, registry=registry)
-    async def gpuquota_event(body: kopf.Body, type: str | None, **_: Any) -> None:
+    async def gpuquota_event(body: dict[str, Any], type: str | None) -> None:
         # A quota raised, lowered, made or removed: waiting slices are planned again (no restart).
         deleted = type == "DELETED"
-        state["binder"].quota_event(dict(body), deleted=deleted)
-        state["quotas"].quota_event(dict(body), deleted=deleted)
+        state["binder"].quota_event(body, deleted=deleted)
+        state["quotas"].quota_event(body, deleted=deleted)
 
-    @kopf.on.event("v1", "nodes", registry=registry)
-    async def node_event(body: kopf.Body, type: str | None, **_: Any) -> None:
+    async def node_event(body: dict[str, Any], type: str | None) -> None:
         labels = None if type == "DELETED" else body.get("metadata", {}).get("labels") or {}
         state["binder"].node_event(body["metadata"]["name"], labels)
+        state["pods"].node_changed(body["metadata"]["name"], None if type == "DELETED" else body)
 
-    @kopf.on.event("v1", "pods", registry=registry)
-    async def pod_event(body: kopf.Body, type: str | None, **_: Any) -> None:
-        await state["pods"].pod_event(dict(body), deleted=type == "DELETED")
+    async def pod_event(body: dict[str, Any], type: str | None) -> None:
+        await state["pods"].pod_event(body, deleted=type == "DELETED")
+
+    for group, plural, fn in ((GROUP, SLICES, slice_event), (GROUP, NODES, gpunode_event),
+                              (GROUP, QUOTAS, gpuquota_event), ("", "nodes", node_event), ("", "pods", pod_event)):
+        on_event(registry, group, VERSION if group else "v1", plural, fn)
 
     @kopf.on.cleanup(registry=registry)
     async def cleanup(**_: Any) -> None:

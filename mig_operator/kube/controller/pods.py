@@ -53,9 +53,9 @@ from .claims import SliceClaims
 
 log = logging.getLogger("mig_operator.controller.pods")
 HOSTNAME_LABEL = "kubernetes.io/hostname"
-# Node labels are listed (only for pods that constrain their nodes) at most this often: a burst of
-# pods costs one list.
-NODE_LABELS_TTL_S = 2.0
+# Node labels and taints are listed at most this often; the controller's watch on nodes keeps them
+# current in between (``node_changed``), so a burst of pods costs no list.
+NODE_LABELS_TTL_S = 30.0
 FINISHED_PHASES = ("Succeeded", "Failed")
 # On a pod's GpuSlice: how many slices the pod has had, this one included (absent: the first).
 SLICE_TRY_ANNOTATION = "cdmo.io/slice-try"
@@ -145,6 +145,9 @@ class PodSlices:
         self._device_wait_since: dict[str, float] = {}  # slice UID -> when its device was first not listed
         # Told each slice made, as the API returned it (its own watch event follows and is then old).
         self.on_created: list[Callable[[dict[str, Any]], Awaitable[None]]] = []
+        # Pods (namespace, pod group) whose gate is being removed: the pod's own event and its slice's
+        # may both find it ready at once, and a second patch would only be refused (422) and read the pod.
+        self._ungating: set[tuple[str, str]] = set()
 
     async def pod_event(self, pod: dict[str, Any], deleted: bool) -> None:
         meta = pod["metadata"]
@@ -198,8 +201,18 @@ class PodSlices:
                     raise
             log.debug("pod %s/%s finished: its slice %s released", key[0], pod["metadata"]["name"], info.ref)
 
+    def node_changed(self, name: str, node: Mapping[str, Any] | None) -> None:
+        """A Node's watch event (None: it is gone): its labels and taints as they are now."""
+        if node is None:
+            self._node_labels.pop(name, None)
+            self._node_taints.pop(name, None)
+            return
+        self._node_labels[name] = dict((node.get("metadata") or {}).get("labels") or {})
+        self._node_taints[name] = list((node.get("spec") or {}).get("taints") or [])
+
     async def node_labels(self) -> dict[str, dict[str, str]]:
-        """Every node's labels (and, in ``_node_taints``, taints), listed at most every NODE_LABELS_TTL_S."""
+        """Every node's labels (and, in ``_node_taints``, taints): listed at most every NODE_LABELS_TTL_S,
+        kept current by ``node_changed`` in between."""
         async with self._node_labels_lock:
             if time.monotonic() - self._node_labels_at > NODE_LABELS_TTL_S:
                 nodes = await self.client.list("/api/v1/nodes")
@@ -402,6 +415,18 @@ class PodSlices:
         return (await self.node_labels()).get(node, {}).get(HOSTNAME_LABEL)
 
     async def _release_gate(self, pod: dict[str, Any], info: SliceRecord) -> None:
+        key = (info.namespace, group_of(info))
+        current = self.pods.get(key)
+        if key in self._ungating or current is None or not _gated(current) or (
+                current["metadata"].get("uid") != pod["metadata"].get("uid")):
+            return  # being ungated, or ungated while this pass awaited the claim: nothing left to do
+        self._ungating.add(key)
+        try:
+            await self._ungate(current, info)
+        finally:
+            self._ungating.discard(key)
+
+    async def _ungate(self, pod: dict[str, Any], info: SliceRecord) -> None:
         assert info.binding is not None
         meta = pod["metadata"]
         path = core_path("pods", info.namespace, meta["name"])

@@ -1,4 +1,5 @@
-"""Serving the webhook inside the controller's process, and its MutatingWebhookConfiguration.
+"""Serving the webhook, in a process of its own (``mig-operator webhook``) or inside the controller's
+(``controller --webhook``): one server, one registration, and its MutatingWebhookConfiguration.
 
 Only pods that ask are ever sent to it: the configuration selects them with ``matchConditions`` (CEL
 on the annotations, and in a second entry on the containers' ``nvidia.com/mig-*`` resources) and
@@ -40,7 +41,8 @@ from mig_operator.core.slice_spec import ANNOTATION_PREFIX
 
 from ..common.client import ApiError, KubeClient
 from ..common.listen import listen
-from ..common.names import WEBHOOK_NAME
+from ..common.names import WEBHOOK_NAME, WEBHOOK_PREFIX
+from ..common.operator import register_login, tune
 from .admission import (
     RefusalsAtInfo,
     mutate_pod,
@@ -297,6 +299,19 @@ async def prepare(options: WebhookOptions, client: KubeClient) -> tuple[str, str
     with os.fdopen(fd, "wb") as fh:
         fh.write(bundle.key_pem)
     return cert_path, key_path, bundle.ca_pem
+
+
+def webhook_registry(kubeconfig: str | None) -> kopf.OperatorRegistry:
+    """A registry for a process that serves only the webhook (``register`` adds the server): it
+    watches nothing and keeps no state, so replicas need no peering."""
+    registry = kopf.OperatorRegistry()
+    register_login(registry, kubeconfig)
+
+    @kopf.on.startup(registry=registry)
+    async def settings(settings: kopf.OperatorSettings, **_: Any) -> None:
+        tune(settings, WEBHOOK_PREFIX)
+
+    return registry
 
 
 def register(registry: kopf.OperatorRegistry, options: WebhookOptions, kubeconfig: str | None,
