@@ -158,6 +158,7 @@ def release(real_node: RealNode, tmp_path_factory: pytest.TempPathFactory) -> It
     values = {
         "image": {"repository": repository, "tag": tag, "pullPolicy": "Never"},
         "controller": {"replicas": 1},
+        "webhook": {"replicas": 1},
         "agent": {"backend": SIM_BACKEND, "stateDir": f"{node_dir}/var/lib/mig-operator",
                   "kubeletDir": f"{node_dir}/kubelet", "cdiDir": real_node.settings["NODE_CDI_DIR"],
                   "runtimeClassName": "", "toolkitConfig": ""},
@@ -181,8 +182,9 @@ def release(real_node: RealNode, tmp_path_factory: pytest.TempPathFactory) -> It
 
 def test_chart_installs_and_its_parts_run(release: RealNode) -> None:
     node = release
-    deploy = get(node, "deployment", f"{RELEASE}-controller", "-n", RELEASE_NS)
-    assert deploy["status"].get("availableReplicas") == 1, deploy["status"]
+    for part in ("controller", "webhook"):
+        deploy = get(node, "deployment", f"{RELEASE}-{part}", "-n", RELEASE_NS)
+        assert deploy["status"].get("availableReplicas") == 1, (part, deploy["status"])
     ds = get(node, "daemonset", f"{RELEASE}-agent", "-n", RELEASE_NS)
     assert ds["status"]["numberReady"] == 1, ds["status"]
     # The agent publishes its node's simulated GPUs; the DeviceClass and policies are the chart's.
@@ -191,7 +193,7 @@ def test_chart_installs_and_its_parts_run(release: RealNode) -> None:
     assert len(gn) == 2
     assert get(node, "deviceclass", "gpuslice.cdmo.io")
     wait_for(lambda: (get(node, "mutatingwebhookconfiguration", RELEASE) or {}).get("webhooks", [{}])[0]
-             .get("clientConfig", {}).get("caBundle"), 120, "the controller to patch its CA into the webhook")
+             .get("clientConfig", {}).get("caBundle"), 120, "the operator to patch its CA into the webhook")
     policies = get(node, "validatingadmissionpolicies")["items"]
     assert {p["metadata"]["name"] for p in policies}, "the chart's admission policies"
 
