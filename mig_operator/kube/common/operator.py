@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -135,5 +137,11 @@ def run_operator(registry: kopf.OperatorRegistry, *, standalone: bool, priority:
         log.info("kopf's event processing is not the expected one: events go through kopf's handlers")
     asyncio.run(kopf.operator(
         registry=registry, standalone=standalone, priority=priority, peering_name=peering_name,
-        clusterwide=True,
+        clusterwide=True, identity=own_identity(),
     ))
+
+
+def own_identity() -> str:
+    """This process's name among the peers. kopf's default asks the passwd file for the user's name,
+    which fails for a uid the image has no entry for (the chart's 65532, an OpenShift random uid)."""
+    return f"{socket.gethostname()}/{os.getpid()}"

@@ -1,0 +1,354 @@
+"""The chart installed on a real node (kubelet, containerd with CDI, runc, CNI; tests/node/conftest.py),
+each step checked the way a user would, with kubectl: the node Ready and a plain pod running; `helm
+install` of helm/mig-operator with the built image (the agent on the simulator backend); an annotated
+fraction pod whose container sees its slice and is refused past its limit; a MIG pod with its instance's
+capability nodes; a pod naming a GpuSlice's claim; the kubelet restarted and the agent's pod replaced
+while claims are prepared; `helm uninstall` leaving only what docs/operations.md says.
+
+The tests run in file order and share one release (module fixture): each step builds on the last.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+# Needs a control plane, as tests/e2e: `pytest -m "not e2e"` leaves the suite out (and builds nothing).
+pytestmark = pytest.mark.e2e
+
+# tests/node/conftest.py's RealNode (a fixture's type; not imported: several test directories have a
+# conftest module of that name).
+RealNode = Any
+REPO_ROOT = Path(__file__).resolve().parents[2]
+CHART_DIR = REPO_ROOT / "helm" / "mig-operator"
+PROBE = (Path(__file__).parent / "probe.py").read_text()
+RELEASE, RELEASE_NS, TEAM = "mig-operator", "mig-operator", "team-a"
+GPU_PRESENT = "nvidia.com/gpu.present"
+MIG_LABEL = "cdmo.clear.ml/gpu-partitioning"
+SIM_BACKEND = "sim:h100-80gbx2"
+MIG_PROFILE = "1g.10gb"  # the H100 80GB's smallest
+# The driver's numbering of MIG capability minors (NVIDIA's /proc/driver/nvidia-caps/mig-minors):
+# 1 config, 2 monitor, then per GPU 15 GPU instances of 1 + 8 compute-instance minors each.
+CAPS_MAJOR_SIM = 510
+GI_MINORS, GIS_PER_GPU = 9, 15
+FRONTEND_MAJOR = 195
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, what: str | Callable[[], str]) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        result = predicate()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout} s waiting for {what() if callable(what) else what}",
+                        pytrace=False)
+        time.sleep(0.5)
+
+
+def get(node: RealNode, *args: str) -> Any:
+    out = node.kubectl("get", *args, "-o", "json", check=False)
+    return json.loads(out.stdout) if out.returncode == 0 else None
+
+
+def pod_phase(node: RealNode, ns: str, name: str) -> str:
+    pod = get(node, "pod", name, "-n", ns)
+    return pod["status"].get("phase", "") if pod else ""
+
+
+def describe(node: RealNode, ns: str, name: str) -> Callable[[], str]:
+    return lambda: f"pod {ns}/{name}:\n" + node.kubectl("describe", "pod", name, "-n", ns, check=False).stdout[-3000:]
+
+
+def probe_output(node: RealNode, ns: str, name: str) -> dict[str, Any]:
+    logs = node.kubectl("logs", name, "-n", ns).stdout
+    line = next((x for x in logs.splitlines() if x.startswith("PROBE ")), None)
+    assert line, f"pod {ns}/{name} printed no PROBE line:\n{logs}"
+    return json.loads(line.removeprefix("PROBE "))
+
+
+def probe_pod(node: RealNode, name: str, *, annotations: dict[str, str] | None = None,
+              claim: str | None = None, env: dict[str, str] | None = None, wait: bool = False) -> dict[str, Any]:
+    container: dict[str, Any] = {
+        "name": "probe", "image": node.images["WORKLOAD_IMAGE"], "imagePullPolicy": "Never",
+        "command": ["python3", "-c", PROBE, *(["--wait"] if wait else [])],
+        "env": [{"name": k, "value": v} for k, v in (env or {}).items()],
+    }
+    spec: dict[str, Any] = {"restartPolicy": "Never", "containers": [container],
+                            "terminationGracePeriodSeconds": 1}
+    if claim:
+        spec["resourceClaims"] = [{"name": "gpu", "resourceClaimName": claim}]
+        container["resources"] = {"claims": [{"name": "gpu"}]}
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": TEAM, "annotations": annotations or {}}, "spec": spec}
+
+
+def run_pod(node: RealNode, pod: dict[str, Any], until: str = "Succeeded", timeout: float = 180) -> str:
+    name = pod["metadata"]["name"]
+    node.kubectl("apply", "-f", "-", input=json.dumps(pod))
+    wait_for(lambda: pod_phase(node, TEAM, name) in (until, "Failed"), timeout, describe(node, TEAM, name))
+    phase = pod_phase(node, TEAM, name)
+    assert phase == until, describe(node, TEAM, name)() + node.kubectl("logs", name, "-n", TEAM, check=False).stdout
+    return name
+
+
+def wait_for_probe(node: RealNode, name: str) -> dict[str, Any]:
+    """The probe's output of a pod kept running (--wait)."""
+    wait_for(lambda: "PROBE " in node.kubectl("logs", name, "-n", TEAM, check=False).stdout, 60,
+             f"pod {name}'s probe output")
+    return probe_output(node, TEAM, name)
+
+
+def fake_cuda_env(node: RealNode, alloc: int, tries: int = 64) -> dict[str, str]:
+    """The fake libcuda of the shim's C tests (in the workload image) found by the loader, a GPU far
+    larger than the slice, and the probe's allocation loop."""
+    return {"LD_LIBRARY_PATH": node.images["FAKE_CUDA_DIR"], "FAKE_TOTAL": str(80 << 30),
+            "PROBE_ALLOC_BYTES": str(alloc), "PROBE_ALLOC_TRIES": str(tries)}
+
+
+def agent_logs(node: RealNode) -> str:
+    names = node.kubectl("get", "pods", "-n", RELEASE_NS, "-l", "app.kubernetes.io/component=agent",
+                         "-o", "name").stdout.split()
+    return "\n".join(node.kubectl("logs", "-n", RELEASE_NS, n, "-c", "agent", check=False).stdout for n in names)
+
+
+def prepared_count(logs: str, claim: str) -> int:
+    return len(re.findall(rf"prepared ResourceClaim {re.escape(TEAM)}/{re.escape(claim)} ", logs))
+
+
+# ---- the node ------------------------------------------------------------------------------------
+
+def test_node_is_ready_and_runs_a_plain_pod(real_node: RealNode) -> None:
+    node = get(real_node, "node", real_node.name)
+    ready = {c["type"]: c["status"] for c in node["status"]["conditions"]}
+    assert ready["Ready"] == "True", node["status"]["conditions"]
+    assert node["status"]["nodeInfo"]["containerRuntimeVersion"].startswith("containerd://2.")
+    assert node["status"]["nodeInfo"]["kubeletVersion"] == "v1.34.4"
+    real_node.kubectl("create", "namespace", TEAM)
+    wait_for(lambda: get(real_node, "serviceaccount", "default", "-n", TEAM), 60, "team-a's default ServiceAccount")
+    # A plain pod: it runs, its network is the node's bridge, and it reaches the API server through
+    # the kubernetes Service as every in-cluster client does.
+    reach = ("import os, ssl, urllib.request as u; ctx = ssl.create_default_context("
+             "cafile='/var/run/secrets/kubernetes.io/serviceaccount/ca.crt'); "
+             "url = 'https://%s:%s/version' % (os.environ['KUBERNETES_SERVICE_HOST'], "
+             "os.environ['KUBERNETES_SERVICE_PORT']); print('VERSION', u.urlopen(url, context=ctx).read().decode())")
+    pod = probe_pod(real_node, "plain")
+    pod["spec"]["containers"][0]["command"] = ["python3", "-c", reach]
+    run_pod(real_node, pod)
+    logs = real_node.kubectl("logs", "plain", "-n", TEAM).stdout
+    assert '"gitVersion": "v1.34.4"' in logs, logs
+    assert get(real_node, "pod", "plain", "-n", TEAM)["status"]["podIP"].startswith("10.88.")
+    real_node.kubectl("delete", "pod", "plain", "-n", TEAM, "--wait=true")
+
+
+# ---- the chart -----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def release(real_node: RealNode, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealNode]:
+    """helm install of the chart with the built image; the node labelled as GPU Feature Discovery would."""
+    repository, tag = real_node.images["OPERATOR_IMAGE"].rsplit(":", 1)
+    node_dir = real_node.node_dir
+    values = {
+        "image": {"repository": repository, "tag": tag, "pullPolicy": "Never"},
+        "controller": {"replicas": 1},
+        "webhook": {"replicas": 1},
+        "agent": {"backend": SIM_BACKEND, "stateDir": f"{node_dir}/var/lib/mig-operator",
+                  "kubeletDir": f"{node_dir}/kubelet", "cdiDir": real_node.settings["NODE_CDI_DIR"],
+                  "runtimeClassName": "", "toolkitConfig": ""},
+        "shim": {"hostDir": f"{node_dir}/var/lib/mig-operator/shim"},
+    }
+    path = tmp_path_factory.mktemp("release") / "values.yaml"
+    path.write_text(yaml.safe_dump(values))
+    # The simulated hardware, as an admin left it: GPU 0 in MIG mode, GPU 1 not (`nvidia-smi -i 1 -mig 0`),
+    # so that one node serves both kinds of slice (MIG on GPU 0 once the node is labelled for MIG).
+    state = node_dir / "var/lib/mig-operator"
+    state.mkdir(parents=True, exist_ok=True)
+    gpus = [{"mig_enabled": enabled, "generation": 0, "instances": []} for enabled in (True, False)]
+    (state / "simulated-gpus.json").write_text(json.dumps(
+        {"version": 1, "model": SIM_BACKEND.removeprefix("sim:").split("x")[0], "gpus": gpus,
+         "faults": {}, "latency_s": {}}))
+    real_node.kubectl("label", "node", real_node.name, f"{GPU_PRESENT}=true", "--overwrite")
+    real_node.helm("install", RELEASE, str(CHART_DIR), "--namespace", RELEASE_NS, "--create-namespace",
+                   "--values", str(path), "--wait", "--timeout", "5m")
+    yield real_node
+
+
+def test_chart_installs_and_its_parts_run(release: RealNode) -> None:
+    node = release
+    for part in ("controller", "webhook"):
+        deploy = get(node, "deployment", f"{RELEASE}-{part}", "-n", RELEASE_NS)
+        assert deploy["status"].get("availableReplicas") == 1, (part, deploy["status"])
+    ds = get(node, "daemonset", f"{RELEASE}-agent", "-n", RELEASE_NS)
+    assert ds["status"]["numberReady"] == 1, ds["status"]
+    # The agent publishes its node's simulated GPUs; the DeviceClass and policies are the chart's.
+    gn = wait_for(lambda: (get(node, "gpunode", node.name) or {}).get("status", {}).get("gpus"), 120,
+                  "the agent's GpuNode")
+    assert len(gn) == 2
+    assert get(node, "deviceclass", "gpuslice.cdmo.io")
+    wait_for(lambda: (get(node, "mutatingwebhookconfiguration", RELEASE) or {}).get("webhooks", [{}])[0]
+             .get("clientConfig", {}).get("caBundle"), 120, "the operator to patch its CA into the webhook")
+    policies = get(node, "validatingadmissionpolicies")["items"]
+    assert {p["metadata"]["name"] for p in policies}, "the chart's admission policies"
+
+
+# ---- slices in containers ------------------------------------------------------------------------
+
+def test_fraction_pod_sees_its_slice_and_is_refused_past_its_limit(release: RealNode) -> None:
+    node = release
+    limit = 4 * 10**9  # cdmo.io/gpu-memory: 4G (Kubernetes' G: 10^9 bytes)
+    chunk = 10**9
+    pod = probe_pod(node, "fraction", annotations={"cdmo.io/gpu-memory": "4G"}, env=fake_cuda_env(node, chunk))
+    run_pod(node, pod)
+    view = probe_output(node, TEAM, "fraction")
+    claim = get(node, "pod", "fraction", "-n", TEAM)["spec"]["resourceClaims"][0]["resourceClaimName"]
+    env = view["env"]
+    assert env["NVIDIA_VISIBLE_DEVICES"] == "void"
+    assert env["CDMO_SLICE"] == f"{TEAM}/{claim}"
+    assert env["CDMO_GPU_MEMORY_LIMIT"] == str(limit)
+    assert env["GPU_MEM_LIMIT_GB"] == "4"
+    assert env["LD_PRELOAD"] == "/usr/local/lib/cdmo/libgpuslice.so"
+    shim_opts = view["mounts"]["/usr/local/lib/cdmo/libgpuslice.so"]
+    assert "ro" in shim_opts, shim_opts
+    assert "rw" in view["mounts"]["/run/cdmo/ledger"]
+    assert view["shim_mapped"], "the shim is not loaded into the container's process"
+    # GPU 1 (MIG mode off) serves fractions: its node, the control and UVM nodes, no MIG capability.
+    assert view["devices"] == {"/dev/nvidia1": [FRONTEND_MAJOR, 1], "/dev/nvidiactl": [FRONTEND_MAJOR, 255],
+                               "/dev/nvidia-uvm": [509, 0], "/dev/nvidia-uvm-tools": [509, 1]}
+    # 80 GiB behind the fake driver, 4G granted: four 10^9-byte allocations fit, the fifth is refused
+    # with CUDA_ERROR_OUT_OF_MEMORY (2).
+    assert view["alloc"]["results"] == [0] * (limit // chunk) + [2], view["alloc"]
+    node.kubectl("delete", "pod", "fraction", "-n", TEAM, "--wait=true")
+
+
+def test_mig_pod_gets_its_instances_capability_nodes(release: RealNode) -> None:
+    node = release
+    node.kubectl("label", "node", node.name, f"{MIG_LABEL}=mig", "--overwrite")
+    # Kept running: a pod's slice goes when the pod finishes.
+    run_pod(node, probe_pod(node, "mig", annotations={"cdmo.io/mig-profile": MIG_PROFILE}, wait=True),
+            until="Running")
+    view = wait_for_probe(node, "mig")
+    claim = get(node, "pod", "mig", "-n", TEAM)["spec"]["resourceClaims"][0]["resourceClaimName"]
+    status = get(node, "gpuslice", claim, "-n", TEAM)["status"]
+    assert status["mode"] == "mig" and status["profile"] == MIG_PROFILE, status
+    gpu, gi, ci = status["gpu"], status["giId"], status["ciId"]
+    gi_minor = 3 + gpu * GIS_PER_GPU * GI_MINORS + gi * GI_MINORS
+    assert view["devices"] == {
+        f"/dev/nvidia{gpu}": [FRONTEND_MAJOR, gpu], "/dev/nvidiactl": [FRONTEND_MAJOR, 255],
+        "/dev/nvidia-uvm": [509, 0], "/dev/nvidia-uvm-tools": [509, 1],
+        f"/dev/nvidia-caps/nvidia-cap{gi_minor}": [CAPS_MAJOR_SIM, gi_minor],
+        f"/dev/nvidia-caps/nvidia-cap{gi_minor + 1 + ci}": [CAPS_MAJOR_SIM, gi_minor + 1 + ci],
+    }
+    assert view["env"] == {"NVIDIA_VISIBLE_DEVICES": "void"}, "a MIG slice needs no shim"
+    assert view["mounts"] == {} and not view["shim_mapped"]
+    node.kubectl("delete", "pod", "mig", "-n", TEAM, "--wait=true")
+
+
+def test_pod_using_a_gpuslices_claim(release: RealNode) -> None:
+    node = release
+    slice_doc = {"apiVersion": "cdmo.io/v1alpha1", "kind": "GpuSlice",
+                 "metadata": {"name": "notebook", "namespace": TEAM}, "spec": {"migProfile": MIG_PROFILE}}
+    node.kubectl("apply", "-f", "-", input=json.dumps(slice_doc))
+    wait_for(lambda: get(node, "resourceclaim", "notebook", "-n", TEAM), 120, "the GpuSlice's ResourceClaim")
+    status = get(node, "gpuslice", "notebook", "-n", TEAM)["status"]
+    run_pod(node, probe_pod(node, "notebook-1", claim="notebook"))
+    view = probe_output(node, TEAM, "notebook-1")
+    assert f"/dev/nvidia{status['gpu']}" in view["devices"]
+    assert len([d for d in view["devices"] if d.startswith("/dev/nvidia-caps/")]) == 2
+    # The claim outlives the pod: a second pod gets the same instance.
+    node.kubectl("delete", "pod", "notebook-1", "-n", TEAM, "--wait=true")
+    run_pod(node, probe_pod(node, "notebook-2", claim="notebook"))
+    assert probe_output(node, TEAM, "notebook-2")["devices"] == view["devices"]
+    node.kubectl("delete", "pod", "notebook-2", "-n", TEAM, "--wait=true")
+    node.kubectl("delete", "gpuslice", "notebook", "-n", TEAM, "--wait=true")
+
+
+# ---- restarts ------------------------------------------------------------------------------------
+
+def test_kubelet_restart_and_agent_replacement_keep_running_containers(release: RealNode) -> None:
+    node = release
+    # Fractions again (GPU 1): without the MIG label a memory request cannot go to GPU 0.
+    node.kubectl("label", "node", node.name, f"{MIG_LABEL}-")
+    chunk = 10**9
+    run_pod(node, probe_pod(node, "steady", annotations={"cdmo.io/gpu-memory": "2G"},
+                            env=fake_cuda_env(node, chunk), wait=True), until="Running")
+    before = wait_for_probe(node, "steady")
+    assert before["alloc"]["results"] == [0, 0, 2], before["alloc"]
+    claim = get(node, "pod", "steady", "-n", TEAM)["spec"]["resourceClaims"][0]["resourceClaimName"]
+    assert prepared_count(agent_logs(node), claim) == 1
+
+    restart = node.control_plane("restart", "kubelet")
+    assert restart.returncode == 0, restart.stderr
+    run_pod(node, probe_pod(node, "after-kubelet", annotations={"cdmo.io/gpu-memory": "2G"},
+                            env=fake_cuda_env(node, chunk)))
+    assert probe_output(node, TEAM, "after-kubelet")["alloc"]["results"] == [0, 0, 2]
+    old_agent = node.kubectl("get", "pods", "-n", RELEASE_NS, "-l", "app.kubernetes.io/component=agent",
+                             "-o", "jsonpath={.items[0].metadata.name}").stdout
+    old_logs = agent_logs(node)
+    assert prepared_count(old_logs, claim) == 1, "the restarted kubelet had the claim prepared again"
+
+    node.kubectl("delete", "pod", old_agent, "-n", RELEASE_NS, "--wait=true")
+    wait_for(lambda: (get(node, "daemonset", f"{RELEASE}-agent", "-n", RELEASE_NS) or {})
+             .get("status", {}).get("numberReady") == 1
+             and old_agent not in node.kubectl("get", "pods", "-n", RELEASE_NS, "-o", "name").stdout,
+             120, "the DaemonSet's new agent pod")
+    run_pod(node, probe_pod(node, "after-agent", annotations={"cdmo.io/gpu-memory": "2G"},
+                            env=fake_cuda_env(node, chunk)))
+    assert probe_output(node, TEAM, "after-agent")["alloc"]["results"] == [0, 0, 2]
+    assert prepared_count(agent_logs(node), claim) == 0, "the new agent prepared the running pod's claim again"
+
+    # The running container kept its devices, its slice's variables and its limit: a second process in
+    # it shares the first one's ledger, which already holds the whole 2G.
+    steady = get(node, "pod", "steady", "-n", TEAM)
+    assert steady["status"]["phase"] == "Running"
+    assert steady["status"]["containerStatuses"][0]["restartCount"] == 0
+    again = node.kubectl("exec", "steady", "-n", TEAM, "--", "python3", "-c", PROBE).stdout
+    after = json.loads(next(x for x in again.splitlines() if x.startswith("PROBE ")).removeprefix("PROBE "))
+    assert after["devices"] == before["devices"] and after["env"] == before["env"]
+    assert after["alloc"]["results"] == [2], after["alloc"]
+    for name in ("steady", "after-kubelet", "after-agent"):
+        node.kubectl("delete", "pod", name, "-n", TEAM, "--wait=true")
+
+
+# ---- uninstall -----------------------------------------------------------------------------------
+
+CLUSTER_KINDS = ("clusterroles", "clusterrolebindings", "mutatingwebhookconfigurations",
+                 "validatingwebhookconfigurations", "validatingadmissionpolicies",
+                 "validatingadmissionpolicybindings", "deviceclasses", "clusterkopfpeerings", "priorityclasses")
+NAMESPACED_KINDS = "all,secrets,configmaps,serviceaccounts,roles,rolebindings,resourcequotas,poddisruptionbudgets"
+
+
+def test_helm_uninstall_leaves_only_what_the_docs_say(release: RealNode) -> None:
+    node = release
+    # docs/operations.md, "Uninstall": workloads and slices first, while the operator runs.
+    node.kubectl("delete", "pods", "--all", "-n", TEAM, "--wait=true")
+    node.kubectl("delete", "gs", "--all", "-A", "--wait=true", timeout=180)
+    node.helm("uninstall", RELEASE, "--namespace", RELEASE_NS, "--wait", "--timeout", "3m")
+    wait_for(lambda: not node.kubectl("get", "pods", "-n", RELEASE_NS, "-o", "name").stdout.strip(), 120,
+             "the release's pods to go")
+    left = set(node.kubectl("get", NAMESPACED_KINDS, "-n", RELEASE_NS, "-o", "name").stdout.split())
+    # Step 3 of the guide removes the controller's certificate Secret by hand; the rest is Kubernetes' own.
+    assert left == {f"secret/{RELEASE}-webhook-cert", "configmap/kube-root-ca.crt", "serviceaccount/default"}, left
+    for kind in CLUSTER_KINDS:
+        names = node.kubectl("get", kind, "-o", "name").stdout.split()
+        assert not [n for n in names if RELEASE in n or "cdmo" in n], f"{kind} left: {names}"
+    # The CRDs stay (Helm never deletes a chart's crds/), with the GpuNode the agent published (step 4
+    # of the guide deletes both).
+    assert get(node, "gpunode", node.name)
+    chart_crds = {f"customresourcedefinition.apiextensions.k8s.io/{doc['metadata']['name']}"
+                  for path in (CHART_DIR / "crds").glob("*.yaml") for doc in yaml.safe_load_all(path.read_text())
+                  if doc and doc.get("kind") == "CustomResourceDefinition"}
+    assert chart_crds <= set(node.kubectl("get", "crds", "-o", "name").stdout.split())
+    assert not node.kubectl("get", "resourceclaims", "-A", "-o", "name").stdout.strip()
+    # The kubelet withdraws the devices of a driver whose plugin is gone (after its grace period).
+    wait_for(lambda: not [r for r in get(node, "resourceslices")["items"] if r["spec"]["driver"] == "gpu.cdmo.io"],
+             120, "the agent's ResourceSlices to go")
+    # On the node: every claim unprepared (no CDI spec left); the state dir stays (step 5 is optional).
+    assert not list(Path(node.settings["NODE_CDI_DIR"]).iterdir())
+    assert (node.node_dir / "var/lib/mig-operator/shim/libgpuslice.so").exists()
