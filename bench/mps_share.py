@@ -1,11 +1,11 @@
-"""Compute shares through NVIDIA MPS on a real GPU: the split, the overhead, latency, and what a client
-can change itself (issue 26; docs/benchmarks.md "Compute shares through MPS").
+"""Compute shares through NVIDIA MPS on a real GPU: the split, the overhead, and what a client can
+change itself (issue 26; docs/benchmarks.md "Compute shares through MPS").
 
     python bench/mps_share.py [--seconds 8] [--out FILE]     # needs a GPU with MIG off, and PyTorch
 
 Workers are PyTorch processes (``worker KIND SECONDS``): ``matmul`` (bf16 8192² matmuls back to back),
 ``graph`` (the same matmuls replayed from a CUDA graph), ``small`` (inference-like steps of small
-kernels, each step synchronised: its latency per step), ``fill`` (256 MiB allocations until out of
+kernels, each step synchronised; a client holding an MPS server), ``fill`` (256 MiB allocations until out of
 memory). Each prints one JSON line when CUDA is ready, waits for ``go`` on stdin (so the processes of
 a phase start together), runs SECONDS and prints its result.
 
@@ -215,12 +215,9 @@ def bench(seconds: float, root: Path) -> dict[str, Any]:
     launch = host_launch(logs)
     plain = {"CUDA_VISIBLE_DEVICES": uuid}
     out: dict[str, Any] = {"gpu": str(name), "uuid": uuid, "driver": str(driver), "seconds": seconds}
-    # Without MPS: one process alone, two time-sliced, and the latency process alone and beside training.
+    # Without MPS: one process alone, two time-sliced. (Latency beside training: bench/mps_latency.py.)
     out["alone"] = run_together({"a": (launch, plain, "matmul")}, seconds)["a"]
     out["timesliced"] = run_together({"a": (launch, plain, "matmul"), "b": (launch, plain, "matmul")}, seconds)
-    out["latency_alone_plain"] = run_together({"lat": (launch, plain, "small")}, seconds)["lat"]
-    out["latency_timesliced"] = run_together({"lat": (launch, plain, "small"), "train": (launch, plain, "matmul")},
-                                             seconds)
     daemons = MpsDaemons(str(root / "mps"), private_shm=False)  # host processes share the host's /dev/shm
     pipe = daemons.dirs(uuid).pipe
     granted = 8 * GIB
@@ -238,9 +235,6 @@ def bench(seconds: float, root: Path) -> dict[str, Any]:
                                           "b": (launch, client(0.5), "matmul")}, seconds)
         out["graph_25_75"] = run_together({"a": (launch, client(0.25), "graph"),
                                            "b": (launch, client(0.75), "matmul")}, seconds)
-        out["latency_alone_0.25"] = run_together({"lat": (launch, client(0.25), "small")}, seconds)["lat"]
-        out["latency_beside_train"] = run_together({"lat": (launch, client(0.25), "small"),
-                                                    "train": (launch, client(0.75), "matmul")}, seconds)
         # A client outside MPS (no pipe directory) beside an MPS client: does it run, and with what share?
         out["bypass_beside_0.75"] = run_together({"a": (launch, {**plain, "CUDA_MPS_PIPE_DIRECTORY": "/nonexistent"},
                                                             "matmul"),
@@ -282,7 +276,7 @@ def bench(seconds: float, root: Path) -> dict[str, Any]:
 
 
 def extra(seconds: float, root: Path) -> dict[str, Any]:
-    """A client running as another uid than the daemon's (uid 65534), and the latency phases repeated."""
+    """A client running as another uid than the daemon's (uid 65534)."""
     sys.path.insert(0, str(REPO))
     from mig_operator.core.environment import mps_environment
     from mig_operator.gpu.mps import MpsDaemons
@@ -305,10 +299,6 @@ def extra(seconds: float, root: Path) -> dict[str, Any]:
 
     try:
         daemons.start(uuid)
-        for n in range(3):
-            out[f"latency_alone_0.25_{n}"] = run_together({"lat": (launch, client(0.25), "small")}, seconds)["lat"]
-            out[f"latency_beside_train_{n}"] = run_together({"lat": (launch, client(0.25), "small"),
-                                                             "train": (launch, client(0.75), "matmul")}, seconds)
         try:
             out["nobody_alone_0.25"] = run_together({"a": (nobody, client(0.25), "matmul")}, 4.0)["a"]
         except (RuntimeError, subprocess.TimeoutExpired) as exc:
@@ -321,18 +311,12 @@ def extra(seconds: float, root: Path) -> dict[str, Any]:
 
 
 def extra_summary(out: Mapping[str, Any]) -> dict[str, Any]:
-    alone = [out[f"latency_alone_0.25_{n}"]["p99_ms"] for n in range(3)]
-    beside = [out[f"latency_beside_train_{n}"]["lat"]["p99_ms"] for n in range(3)]
     nobody = out["nobody_alone_0.25"]
-    return {"latency_p99_ms_alone_0.25": [round(v, 3) for v in alone],
-            "latency_p99_ms_beside_train": [round(v, 3) for v in beside],
-            "latency_beside_vs_alone_pct": [round(100 * (b / a - 1), 1) for a, b in zip(alone, beside, strict=True)],
-            "nobody_of_gpu_pct": round(100 * nobody["rate"] / out["alone"]["rate"], 1) if "rate" in nobody else nobody}
+    return {"nobody_of_gpu_pct": round(100 * nobody["rate"] / out["alone"]["rate"], 1) if "rate" in nobody else nobody}
 
 
 def summary(out: Mapping[str, Any]) -> dict[str, Any]:
     alone = out["alone"]["rate"]
-    lat = out["latency_alone_0.25"]["p99_ms"]
     return {
         "alone_it_s": round(alone, 1),
         "timesliced_it_s": [round(out["timesliced"][k]["rate"], 1) for k in ("a", "b")],
@@ -342,11 +326,6 @@ def summary(out: Mapping[str, Any]) -> dict[str, Any]:
         "pair_25_75_sum_of_alone_pct": round(100 * sum(r["rate"] for r in out["pair_25_75"].values()) / alone, 1),
         "pair_50_50_split_pct": round(split(out["pair_50_50"], "a", "b"), 2),
         "graph_25_75_split_pct": round(split(out["graph_25_75"], "a", "b"), 2),
-        "latency_p99_ms": {"alone_plain": round(out["latency_alone_plain"]["p99_ms"], 3),
-                           "alone_0.25": round(lat, 3),
-                           "beside_train_mps": round(out["latency_beside_train"]["lat"]["p99_ms"], 3),
-                           "beside_train_timesliced": round(out["latency_timesliced"]["lat"]["p99_ms"], 3)},
-        "latency_beside_train_vs_alone_pct": round(100 * (out["latency_beside_train"]["lat"]["p99_ms"] / lat - 1), 1),
         "bypass_it_s": round(out["bypass_beside_0.75"]["a"]["rate"], 1),
         "bypass_split_pct": round(split(out["bypass_beside_0.75"], "a", "b"), 2),
         "held_25_env_25_of_gpu_pct": round(100 * out["held_25_env_25"]["rate"] / alone, 1),
@@ -365,7 +344,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--out", help="write every raw result here (JSON)")
     parser.add_argument("--extra", action="store_true",
-                        help="only the second run: a client of another uid, and the latency phases three times")
+                        help="only the second run: a client of another uid")
     args = parser.parse_args(argv)
     if not 1 <= args.seconds <= 120:
         print(f"--seconds {args.seconds} must be 1..120; e.g. --seconds 8", file=sys.stderr)

@@ -14,7 +14,8 @@ Checked against numbers worked out here, not by the code under test: each spec's
 throughput within 3 points of 25/75 and 50/50, a CUDA graph's replays held like launches; the
 shim's limit still holding under MPS; the daemon stopped once the last slice is gone. Reported:
 one process alone at 0.25 against the whole GPU, and a latency-sensitive process's p99 beside
-training. The MPS daemon is stopped at the end whatever happens. Needs what test_fraction_path
+training at 0.75 against alone (``bench/mps_latency.py``'s paired rounds, in the slices' containers).
+The MPS daemon is stopped at the end whatever happens. Needs what test_fraction_path
 needs (root, unshare, cdi-validate); skipped without a GPU.
 """
 
@@ -50,6 +51,7 @@ from test_fraction_path import (  # noqa: F401 (fixtures)
 
 REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "bench" / "mps_share.py"
+LATENCY = REPO / "bench" / "mps_latency.py"
 GIB = 2**30
 SECONDS = 8.0
 GRANTED = 8 * GIB
@@ -66,9 +68,10 @@ sys.path.insert(0, str(REPO / "bench"))
 STARTED: list[subprocess.Popen] = []  # every worker, killed at the end if still there
 
 
-def container_launch(oci: dict, stderr_dir: Path) -> Any:
-    """A launcher for ``bench.mps_share.run_together``: the worker as the OCI spec's process in the
-    stand-in container; ``env`` changes the spec's environment (an empty value removes a variable)."""
+def container_launch(oci: dict, stderr_dir: Path, program: Path = BENCH) -> Any:
+    """A launcher for ``bench.mps_share.run_together`` (or ``bench.mps_latency.section`` with its
+    ``program``): the worker as the OCI spec's process in the stand-in container; ``env`` changes the
+    spec's environment (an empty value removes a variable)."""
     def launch(env: Mapping[str, str], args: Sequence[str]) -> subprocess.Popen:
         spec = copy.deepcopy(oci)
         variables = dict(v.split("=", 1) for v in spec["process"]["env"])
@@ -78,7 +81,7 @@ def container_launch(oci: dict, stderr_dir: Path) -> Any:
             else:
                 variables.pop(key, None)
         spec["process"]["env"] = [f"{k}={v}" for k, v in variables.items()]
-        spec["process"]["args"] = [sys.executable, str(BENCH), *args]
+        spec["process"]["args"] = [sys.executable, str(program), *args]
         log = open(stderr_dir / f"{args[1]}-{len(list(stderr_dir.iterdir()))}.stderr", "w")  # noqa: SIM115
         proc = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c", container_script(spec)],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True)
@@ -89,6 +92,7 @@ def container_launch(oci: dict, stderr_dir: Path) -> Any:
 
 def test_compute_shares_split_the_gpu_through_the_agents_mps_daemon(
         gpu: str, cdi_validate: Path, container_tools: None, shim_library: Path, short_dir: Path) -> None:  # noqa: F811
+    from mps_latency import Plan, compare, section
     from mps_share import host_launch, run_together, split
 
     from mig_operator.core.cdi import spec_file_name
@@ -212,8 +216,11 @@ def test_compute_shares_split_the_gpu_through_the_agents_mps_daemon(
         out["alone_0.25"] = run_together({"q": (q, {}, "matmul")}, SECONDS)["q"]
         out["pair_25_75"] = run_together({"q": (q, {}, "matmul"), "t": (t, {}, "matmul")}, SECONDS)
         out["graph_25_75"] = run_together({"q": (q, {}, "graph"), "t": (t, {}, "matmul")}, SECONDS)
-        out["latency_alone_0.25"] = run_together({"q": (q, {}, "small")}, SECONDS)["q"]
-        out["latency_beside_0.75"] = run_together({"q": (q, {}, "small"), "t": (t, {}, "matmul")}, SECONDS)
+        # The latency process at 0.25 alone and beside training at 0.75, in alternating paired rounds.
+        plan, raw = Plan(rounds=6, phase_seconds=1.0, max_steps=3000), {}
+        out["latency"] = section(target.uuid, (container_launch(ocis["quarter"], logs, LATENCY), {}),
+                                 (container_launch(ocis["three-quarters"], logs, LATENCY), {}), plan, raw)
+        out["latency_summary"] = compare(out["latency"], raw, plan.rounds)
         # Memory: the spec as it is; MPS alone (no shim); the client asking MPS for more; the shim's
         # limit set below MPS's (does the shim still hold under MPS?).
         out["fill_spec"] = run_together({"q": (q, {}, "fill")}, SECONDS)["q"]
@@ -247,9 +254,9 @@ def test_compute_shares_split_the_gpu_through_the_agents_mps_daemon(
         "pair_25_75_split_pct": round(split(out["pair_25_75"], "q", "t"), 2),
         "pair_50_50_split_pct": round(split(out["pair_50_50"], "a", "b"), 2),
         "graph_25_75_split_pct": round(split(out["graph_25_75"], "q", "t"), 2),
-        "latency_p99_ms": {k: round(v, 3) for k, v in (
-            ("alone_0.25", out["latency_alone_0.25"]["p99_ms"]),
-            ("beside_0.75", out["latency_beside_0.75"]["q"]["p99_ms"]))},
+        "latency_p99_beside_vs_alone_pct": {k: {f: out["latency_summary"][k][f] for f in (
+            "alone_p99_us_median", "beside_p99_us_median", "p99_beside_vs_alone_pct_median", "interval_pct")}
+            for k in ("eager_wall", "graph_wall")},
         "fill_mib": {k: out[k]["allocated"] >> 20 for k in
                      ("fill_spec", "fill_mps_only", "fill_asks_more", "fill_shim_2g")},
     }
