@@ -144,9 +144,7 @@ class SliceClaims:
                 return False
             self.written[key] = info.uid
             log.info("slice %s: ResourceClaim %s written", info.ref, info.name)
-        # A pod's slice's claim is allocated once the slice is bound (the allocation names only its node
-        # and UID): its gated pod waits for Ready and the device check alone, one write fewer after Ready.
-        if not ready and (info.binding is None or not early(info)):
+        if not ready:
             self._wait_for_device(info, key)
             return False
         allocated = await self._allocate(info, claim)
@@ -156,9 +154,6 @@ class SliceClaims:
         # kube-controller-manager clears its allocation once no pod uses it: allocated again at a resync.
         if DELETE_PROTECTION not in ((allocated.get("metadata") or {}).get("finalizers") or []):
             self.allocated[key] = info.uid
-        if not ready:
-            self._wait_for_device(info, key)
-            return False
         await self._record(info)  # an early claim: the agent names it in its Ready write
         return True
 
