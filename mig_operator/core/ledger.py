@@ -121,6 +121,8 @@ class Ledger:
         self._charges = Charges()
         self.line = WaitingLine()
         self._writing: set[str] = set()  # decided, write not yet committed or rolled back
+        # Slices seen deleted since the last full list: uid -> the deletion's resourceVersion.
+        self._gone: dict[str, int] = {}
 
     # ---- reading -------------------------------------------------------------------------------
 
@@ -380,7 +382,11 @@ class Ledger:
         self._held(info.uid)
         return info
 
-    def remove_slice(self, uid: str) -> SliceRecord | None:
+    def remove_slice(self, uid: str, version: int = 0) -> SliceRecord | None:
+        """Take a slice's deletion; ``version``: the deletion's resourceVersion (0: unknown), so that
+        a full list read before it does not bring the slice back."""
+        if version:
+            self._gone[uid] = max(version, self._gone.get(uid, 0))
         self._reserved.pop(uid, None)
         self.line.set(uid, None)
         gone = self.slices.pop(uid, None)
@@ -422,13 +428,21 @@ class Ledger:
         return changed
 
     def replace_all(self, slices: Iterable[SliceRecord], inventories: Iterable[NodeInventory],
-                    labels: Mapping[str, NodeLabels]) -> None:
+                    labels: Mapping[str, NodeLabels], listed_at: int | None = None) -> None:
         """A fresh full list: what is not in it is gone (events may have been missed while paused).
-        ``labels``: at least every node carrying a label placement reads."""
+        ``labels``: at least every node carrying a label placement reads. ``listed_at``: the list's
+        resourceVersion. The watch runs on while the list is read, so what it showed after that
+        version stands: a slice made (or changed) since is kept though the list lacks it, and a
+        slice deleted since is not brought back, so neither its room nor another's binding is lost."""
         fresh = {}
         for info in slices:
+            if listed_at is not None and self._gone.get(info.uid, 0) > listed_at:
+                continue
             known = self.slices.get(info.uid)
             fresh[info.uid] = known if known is not None and known.version > info.version else info
+        if listed_at is not None:
+            fresh.update({uid: s for uid, s in self.slices.items() if uid not in fresh and s.version > listed_at})
+        self._gone = {uid: v for uid, v in self._gone.items() if listed_at is not None and v > listed_at}
         self.slices = fresh
         self._names = {(s.namespace, s.name): uid for uid, s in fresh.items()}
         self._groups = {}

@@ -28,6 +28,7 @@ class BodyLedger(Ledger):
         return super().set_node_labels(node, node_labels(labels))
 
     def replace_all(self, slices: Iterable[Mapping], inventories: Iterable[Mapping],  # type: ignore[override]
-                    nodes: Iterable[Mapping]) -> None:
+                    nodes: Iterable[Mapping], listed_at: int | None = None) -> None:
         labels = {n["metadata"]["name"]: node_labels(n["metadata"].get("labels")) for n in nodes}
-        super().replace_all([slice_record(b) for b in slices], [inventory(b) for b in inventories], labels)
+        super().replace_all([slice_record(b) for b in slices], [inventory(b) for b in inventories], labels,
+                            listed_at)

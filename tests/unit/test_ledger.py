@@ -179,3 +179,61 @@ def test_a_rollback_puts_a_waiting_slice_back_in_line() -> None:
     assert ledger.decide("x").kind == "bind" and ledger.writing("x") and not ledger.line.in_line("team-a")
     ledger.rollback("x")
     assert books(ledger) == before and ledger.line.in_line("team-a") and not ledger.writing("x")
+
+
+def _bound(ledger: Ledger, uid: str, version: int, written: dict) -> None:
+    """Decide slice ``uid`` and write its binding, as the binder does; ``written``: every binding
+    the API server holds (uid -> binding), kept here apart from the ledger's own books."""
+    decision = ledger.decide(uid)
+    if decision.kind != "bind":
+        return
+    binding = decision.bindings[0]
+    ledger.put_slice(replace(decision.todo[0], version=version, phase="Bound", binding=binding))
+    ledger.commit(uid)
+    written[uid] = binding
+
+
+def _overlapping(written: dict) -> list[tuple[str, str]]:
+    pairs = sorted(written.items())
+    return [(a, b) for i, (a, x) in enumerate(pairs) for b, y in pairs[i + 1:]
+            if (x.node, x.gpu) == (y.node, y.gpu) and x.mask & y.mask]
+
+
+def test_a_full_list_keeps_the_slices_the_watch_showed_after_it() -> None:
+    # The controller lists slices every resync_s while its watch runs on: a slice made and bound
+    # after the list's snapshot (resourceVersion 100) is not in it. Dropping it freed its placement,
+    # and the next slice was bound to the same instance (its agent refused it: Conflict).
+    ledger = Ledger()
+    ledger.set_node_labels("n0", NodeLabels(mig=True))
+    ledger.put_inventory(INVENTORIES[0])
+    written: dict = {}
+    ledger.put_slice(replace(record("early", "team-a", 1), version=10))
+    _bound(ledger, "early", 11, written)
+    listed = [ledger.slices["early"]]  # the list, read at resourceVersion 100
+    ledger.put_slice(replace(record("late", "team-a", 1), version=101))
+    _bound(ledger, "late", 102, written)
+    ledger.put_slice(replace(record("missed", "team-a", 1), version=60))  # deleted before the list
+    ledger.replace_all(listed, INVENTORIES[:1], {"n0": NodeLabels(mig=True)}, listed_at=100)
+    for i in range(13):  # two H100s hold 14 1g.10gb instances: 12 more fit
+        ledger.put_slice(replace(record(f"next-{i:02d}", "team-a", 1), version=103 + 2 * i))
+        _bound(ledger, f"next-{i:02d}", 104 + 2 * i, written)
+    assert _overlapping(written) == []
+    assert len(written) == 14 and "late" in ledger.slices and "missed" not in ledger.slices
+    check_invariants(ledger)
+
+
+def test_a_full_list_does_not_bring_back_a_slice_deleted_after_it() -> None:
+    ledger = Ledger()
+    ledger.set_node_labels("n0", NodeLabels(mig=True))
+    ledger.put_inventory(INVENTORIES[0])
+    written: dict = {}
+    ledger.put_slice(replace(record("old", "team-a", 1), version=50))
+    _bound(ledger, "old", 51, written)
+    listed = [ledger.slices["old"]]  # read at 100; the slice is gone at 105
+    assert ledger.remove_slice("old", 105) is not None
+    del written["old"]
+    ledger.replace_all(listed, INVENTORIES[:1], {"n0": NodeLabels(mig=True)}, listed_at=100)
+    assert "old" not in ledger.slices and ledger.bindings() == [] and ledger.used("team-a") == Usage()
+    # A later list that no longer has it settles it: nothing is remembered past it.
+    ledger.replace_all([], INVENTORIES[:1], {"n0": NodeLabels(mig=True)}, listed_at=110)
+    assert ledger.slices == {} and ledger._gone == {}

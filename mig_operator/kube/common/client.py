@@ -207,6 +207,13 @@ class KubeClient:
 
     async def list(self, path: str, label_selector: str | None = None, field_selector: str | None = None) -> list[dict]:
         """Every item at a collection path, following continue tokens."""
+        return (await self.list_at(path, label_selector, field_selector))[0]
+
+    async def list_at(self, path: str, label_selector: str | None = None,
+                      field_selector: str | None = None) -> tuple[list[dict], int]:
+        """Every item at a collection path, and the resourceVersion it was read at (every page of one
+        list comes from the first page's snapshot): what is not in it was made after that version."""
+        version = 0
         params: dict[str, str] = {"limit": "500"}
         if label_selector:
             params["labelSelector"] = label_selector
@@ -216,9 +223,10 @@ class KubeClient:
         while True:
             page = await self.get(path, params)
             items.extend(page.get("items") or [])
+            version = version or resource_version(page.get("metadata") or {})
             token = (page.get("metadata") or {}).get("continue")
             if not token:
-                return items
+                return items, version
             params["continue"] = token
 
     async def merge_patch(self, path: str, body: Mapping) -> dict:

@@ -44,7 +44,7 @@ from mig_operator.core.planner import PlannerSettings
 from mig_operator.core.quota import DEFAULT_HOLD_S, FairQueue, held_behind, holds_back
 
 from ..common import metrics, status
-from ..common.client import ApiError, KubeClient, gpunodes_path, slice_path, slices_path
+from ..common.client import ApiError, KubeClient, gpunodes_path, resource_version, slice_path, slices_path
 from ..common.events import EventPoster
 from ..common.faults import crashpoint
 from ..common.finalizers import remove_finalizer
@@ -98,12 +98,13 @@ class Binder:
         """Read slices, inventories and labelled nodes afresh, then finish what is unfinished
         (and whatever else registered in ``on_resync``, e.g. the pods)."""
         async with self._lock:
-            slices, inventories, quotas, *labelled = await asyncio.gather(
-                self.client.list(slices_path()), self.client.list(gpunodes_path()), self._list_quotas(),
+            (slices, listed_at), inventories, quotas, *labelled = await asyncio.gather(
+                self.client.list_at(slices_path()), self.client.list(gpunodes_path()), self._list_quotas(),
                 *(self.client.list("/api/v1/nodes", label_selector=f"{k}={v}") for k, v in PLACEMENT_LABELS),
             )
             nodes = {n["metadata"]["name"]: node_labels(n["metadata"].get("labels")) for ls in labelled for n in ls}
-            self.ledger.replace_all([slice_record(b) for b in slices], [inventory(b) for b in inventories], nodes)
+            self.ledger.replace_all([slice_record(b) for b in slices], [inventory(b) for b in inventories], nodes,
+                                    listed_at or None)
             self.ledger.replace_quotas(quotas)
             self._last_resync = time.monotonic()
         self._announce()
@@ -145,7 +146,7 @@ class Binder:
 
     async def slice_event(self, body: dict, deleted: bool) -> None:
         if deleted:
-            gone = self.ledger.remove_slice(body["metadata"]["uid"])
+            gone = self.ledger.remove_slice(body["metadata"]["uid"], resource_version(body["metadata"]))
             self.events.forget(body["metadata"]["uid"])
             self._announce()
             self._namespace_changed(body["metadata"]["namespace"])
@@ -308,7 +309,7 @@ class Binder:
         crashpoint("controller:after-bind")
         log.info("slice %s (%s) %s%s", info.ref, info.request.describe(), message,
                  f", reclaiming {len(reclaim)} idle instance(s)" if reclaim else "")
-        if not updated.marked:
+        if updated.binding is not None and not updated.marked:  # (not if its agent wrote Failed meanwhile)
             await self.mark(updated)
 
     async def mark(self, info: SliceRecord) -> None:
