@@ -227,11 +227,9 @@ def _check_credentials(kubeconfig: str | None) -> None:
 
 
 def cmd_controller(args: argparse.Namespace) -> int:
-    from .kube.common import metrics
-    from .kube.common.listen import ListenError
     from .kube.common.operator import run_operator
     from .kube.controller.main import ControllerOptions, build_registry, default_priority
-    from .webhook_cli import serve_webhook, webhook_options
+    from .webhook_cli import listen, webhook_options
 
     _configure_logs(args)  # first: with json, even an error that stops it at start is a JSON line
     _check_credentials(args.kubeconfig)
@@ -253,16 +251,7 @@ def cmd_controller(args: argparse.Namespace) -> int:
     registry = build_registry(options)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     with contextlib.ExitStack() as stack:
-        try:
-            metrics_socket = metrics.bind(args.metrics_address) if args.metrics_address else None
-            if metrics_socket is not None:
-                stack.callback(metrics_socket.close)
-            if args.webhook:
-                serve_webhook(stack, registry, webhook, args.kubeconfig)
-        except ListenError as exc:
-            raise QuantityError(str(exc)) from None
-        if metrics_socket is not None:
-            metrics.serve(metrics_socket)
+        listen(stack, registry, args.metrics_address, webhook if args.webhook else None, args.kubeconfig)
         priority = options.priority if options.priority is not None else default_priority()
         run_operator(registry, standalone=False, priority=priority, peering_name=options.peering)
     return 0

@@ -103,11 +103,28 @@ def serve_webhook(stack: contextlib.ExitStack, registry: kopf.OperatorRegistry, 
     register(registry, webhook, kubeconfig, webhook_socket)
 
 
+def listen(stack: contextlib.ExitStack, registry: kopf.OperatorRegistry, metrics_address: str | None,
+           webhook: WebhookOptions | None, kubeconfig: str | None) -> None:
+    """Bind the metrics and webhook sockets before anything starts (a taken port is a start-up error,
+    one line, exit 2), then serve metrics; the webhook's server runs in ``registry``."""
+    from .kube.common import metrics
+    from .kube.common.listen import ListenError
+
+    try:
+        metrics_socket = metrics.bind(metrics_address) if metrics_address else None
+        if metrics_socket is not None:
+            stack.callback(metrics_socket.close)
+        if webhook is not None:
+            serve_webhook(stack, registry, webhook, kubeconfig)
+    except ListenError as exc:
+        raise QuantityError(str(exc)) from None
+    if metrics_socket is not None:
+        metrics.serve(metrics_socket)
+
+
 def cmd_webhook(args: argparse.Namespace) -> int:
     """The admission webhook alone: the same server as ``controller --webhook``, in a process of its own
     that keeps no state (no peering, no watch), so any number of replicas serve one Service."""
-    from .kube.common import metrics
-    from .kube.common.listen import ListenError
     from .kube.common.operator import run_operator
     from .kube.webhook.server import webhook_registry
 
@@ -119,14 +136,6 @@ def cmd_webhook(args: argparse.Namespace) -> int:
     registry = webhook_registry(args.kubeconfig)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     with contextlib.ExitStack() as stack:
-        try:
-            metrics_socket = metrics.bind(args.metrics_address) if args.metrics_address else None
-            if metrics_socket is not None:
-                stack.callback(metrics_socket.close)
-            serve_webhook(stack, registry, webhook, args.kubeconfig)
-        except ListenError as exc:
-            raise QuantityError(str(exc)) from None
-        if metrics_socket is not None:
-            metrics.serve(metrics_socket)
+        listen(stack, registry, args.metrics_address, webhook, args.kubeconfig)
         run_operator(registry, standalone=True)
     return 0
