@@ -202,14 +202,20 @@ def control_as(user: str, mps_env: Mapping[str, str], command: str) -> dict[str,
             "stderr": done.stderr.strip()[:300]}
 
 
+def gpu_zero() -> tuple[str, str, str]:
+    """GPU 0's UUID, name and driver version, as nvidia-smi gives them."""
+    query = subprocess.run(["nvidia-smi", "-i", "0", "--query-gpu=uuid,name,driver_version",
+                            "--format=csv,noheader"], capture_output=True, text=True, check=True, timeout=60)
+    uuid, name, driver = (part.strip() for part in query.stdout.strip().split(","))
+    return uuid, name, driver
+
+
 def bench(seconds: float, root: Path) -> dict[str, Any]:
     sys.path.insert(0, str(REPO))
     from mig_operator.core.environment import mps_environment
     from mig_operator.gpu.mps import MpsDaemons
 
-    query = subprocess.run(["nvidia-smi", "-i", "0", "--query-gpu=uuid,name,driver_version",
-                            "--format=csv,noheader"], capture_output=True, text=True, check=True, timeout=60)
-    uuid, name, driver = (part.strip() for part in query.stdout.strip().split(","))
+    uuid, name, driver = gpu_zero()
     logs = root / "stderr"
     logs.mkdir(parents=True, exist_ok=True)
     launch = host_launch(logs)
@@ -281,9 +287,7 @@ def extra(seconds: float, root: Path) -> dict[str, Any]:
     from mig_operator.core.environment import mps_environment
     from mig_operator.gpu.mps import MpsDaemons
 
-    query = subprocess.run(["nvidia-smi", "-i", "0", "--query-gpu=uuid,name,driver_version",
-                            "--format=csv,noheader"], capture_output=True, text=True, check=True, timeout=60)
-    uuid, name, driver = (part.strip() for part in query.stdout.strip().split(","))
+    uuid, name, driver = gpu_zero()
     logs = root / "stderr"
     logs.mkdir(parents=True, exist_ok=True)
     os.chmod(logs, 0o777)
