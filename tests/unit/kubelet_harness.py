@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fake_kubelet import FakeKubelet
 
 from mig_operator.gpu.simulated import SimulatedBackend
 from mig_operator.kube.agent.agent import AgentSettings, NodeAgent
@@ -133,6 +134,12 @@ class Node:
         await self.agent.start()
         self.plugin = KubeletPlugin(self.agent, self.settings)
         assert await self.plugin.start()
+
+    def kubelet(self, namespace: str = "team") -> FakeKubelet:
+        """A kubelet (pods of ``namespace``) looking for the plugin where the kubelet finds it: the
+        driver's registration socket in the plugins registry, spelt out here rather than taken from
+        the plugin's settings."""
+        return FakeKubelet(str(self.root / "reg" / "gpu.cdmo.io-reg.sock"), namespace=namespace)
 
     async def stop(self) -> None:
         assert self.plugin is not None and self.agent is not None

@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from fake_kubelet import FakeKubelet
 from kubelet_harness import (
     CLAIMS,
     NODE,
@@ -36,7 +35,7 @@ def test_registration_prepare_unprepare_repeated(root: Path) -> None:
     async def scenario() -> None:
         node = Node(root)
         await node.start()
-        kubelet = FakeKubelet(str(root / "reg" / "gpu.cdmo.io-reg.sock"))
+        kubelet = node.kubelet()
         try:
             info = await kubelet.register()
             assert (info.type, info.name, info.endpoint, list(info.supported_versions)) == \
@@ -104,7 +103,7 @@ def test_a_fraction_that_is_its_whole_gpu_gets_no_shim(root: Path, granted: int,
     async def scenario() -> None:
         node = Node(root, "l40s-48gb")
         await node.start()
-        kubelet = FakeKubelet(str(root / "reg" / "gpu.cdmo.io-reg.sock"))
+        kubelet = node.kubelet()
         try:
             await kubelet.register()
             await node.add_slice(fraction_slice("f-1", "job", granted))
@@ -128,7 +127,7 @@ def test_a_fraction_claim_gets_its_own_ledger_directory_until_unprepared(root: P
     async def scenario() -> None:
         node = Node(root, "l40s-48gb")
         await node.start()
-        kubelet = FakeKubelet(str(root / "reg" / "gpu.cdmo.io-reg.sock"))
+        kubelet = node.kubelet()
         ledger = root / "ledgers" / "f-1"
         try:
             await kubelet.register()
@@ -147,7 +146,7 @@ def test_a_fraction_claim_gets_its_own_ledger_directory_until_unprepared(root: P
             await node.stop()
             (root / "ledgers" / "gone-slice").mkdir()  # left by a claim unprepared while the agent was down
             await node.start()
-            kubelet = FakeKubelet(str(root / "reg" / "gpu.cdmo.io-reg.sock"))
+            kubelet = node.kubelet()
             await kubelet.register()
             assert (ledger / "gpu-0123").exists() and not (root / "ledgers" / "gone-slice").exists()
 
@@ -164,7 +163,7 @@ def test_a_ledger_path_that_is_not_a_directory_refuses_the_claim(root: Path) -> 
     async def scenario() -> None:
         node = Node(root, "l40s-48gb")
         await node.start()
-        kubelet = FakeKubelet(str(root / "reg" / "gpu.cdmo.io-reg.sock"))
+        kubelet = node.kubelet()
         try:
             await kubelet.register()
             await node.add_slice(fraction_slice("f-1", "job", 8 * 2**30))
@@ -189,7 +188,7 @@ def test_refuses_what_is_not_a_ready_slice_of_this_node(root: Path) -> None:
     async def scenario() -> None:
         node = Node(root)
         await node.start()
-        kubelet = FakeKubelet(str(root / "reg" / "gpu.cdmo.io-reg.sock"))
+        kubelet = node.kubelet()
         try:
             await kubelet.register()
             await node.add_slice(mig_slice("s-1", "train", 0))
@@ -235,8 +234,8 @@ def test_only_the_slices_own_claim_is_prepared(root: Path) -> None:
     async def scenario() -> None:
         node = Node(root)
         await node.start()
-        tenant = FakeKubelet(str(root / "reg" / "gpu.cdmo.io-reg.sock"))
-        thief = FakeKubelet(str(root / "reg" / "gpu.cdmo.io-reg.sock"), namespace="team-b")
+        tenant = node.kubelet()
+        thief = node.kubelet("team-b")
         try:
             await tenant.register()
             await thief.register()
@@ -289,7 +288,7 @@ def test_nvidia_toolkit_spec_adds_its_device_id(root: Path) -> None:
     async def scenario() -> None:
         node = Node(root)
         await node.start()
-        kubelet = FakeKubelet(str(root / "reg" / "gpu.cdmo.io-reg.sock"))
+        kubelet = node.kubelet()
         try:
             await kubelet.register()
             await node.add_slice(mig_slice("s-1", "train", 0))

@@ -8,7 +8,6 @@ import asyncio
 import copy
 from pathlib import Path
 
-from fake_kubelet import FakeKubelet
 from kubelet_harness import (
     CLAIMS,
     NODE,
@@ -27,7 +26,7 @@ def test_prepared_claim_survives_a_restart_and_holds_a_deleted_slices_instance(r
     async def scenario() -> None:
         node = Node(root)
         await node.start()
-        kubelet = FakeKubelet(str(root / "reg" / "gpu.cdmo.io-reg.sock"))
+        kubelet = node.kubelet()
         try:
             await kubelet.register()
             body = await node.add_slice(mig_slice("s-1", "train", 0))
@@ -56,7 +55,7 @@ def test_prepared_claim_survives_a_restart_and_holds_a_deleted_slices_instance(r
             await kubelet.close()
             await node.stop()
             await node.start()
-            kubelet = FakeKubelet(str(root / "reg" / "gpu.cdmo.io-reg.sock"))
+            kubelet = node.kubelet()
             await kubelet.register()
             assert node.agent.store.prepared.keys() == {"c-1"} and "s-1" in node.agent.store.revoked
             assert "s-1" in node.agent.store.record.owners
@@ -91,7 +90,7 @@ def test_a_deleted_slice_in_use_keeps_its_finalizer_and_device_until_its_claim_i
     async def scenario() -> None:
         node = Node(root)
         await node.start()
-        kubelet = FakeKubelet(str(root / "reg" / "gpu.cdmo.io-reg.sock"))
+        kubelet = node.kubelet()
         try:
             await kubelet.register()
             await node.add_slice(mig_slice("s-1", "train", 0))
@@ -151,7 +150,7 @@ def test_a_restart_writes_prepared_specs_again_and_unprepare_removes_them(root: 
     async def scenario() -> None:
         node = Node(root)
         await node.start()
-        kubelet = FakeKubelet(str(root / "reg" / "gpu.cdmo.io-reg.sock"))
+        kubelet = node.kubelet()
         await kubelet.register()
         await node.add_slice(mig_slice("s-1", "train", 0))
         node.add_claim(allocated_claim("c-1", "train", "s-1"))
@@ -165,7 +164,7 @@ def test_a_restart_writes_prepared_specs_again_and_unprepare_removes_them(root: 
         (root / "cdi" / "other-vendor.json").write_text("{}")
 
         await node.start()
-        kubelet = FakeKubelet(str(root / "reg" / "gpu.cdmo.io-reg.sock"))
+        kubelet = node.kubelet()
         try:
             await kubelet.register()
             assert node.spec_path("s-1").read_text() == written  # written again for the prepared claim
