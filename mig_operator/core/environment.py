@@ -10,6 +10,8 @@ device memory limit.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from .cluster import MODE_FRACTION, MODE_MIG
 
 SHIM_PATH_IN_CONTAINER = "/usr/local/lib/cdmo/libgpuslice.so"
@@ -42,6 +44,18 @@ def thread_percentage(compute: float) -> int:
     if not 0 < compute <= 1:
         raise ValueError(f"compute {compute!r} is not in (0, 1]; e.g. 0.25")
     return max(1, min(100, round(compute * 100)))
+
+
+def mps_ceilings(shares: Iterable[tuple[str, float, int]]) -> dict[str, tuple[int, int]]:
+    """What each GPU's MPS daemon must hold, from its compute shares (GPU UUID, share, granted bytes):
+    GPU UUID -> (the largest thread percentage, the largest granted bytes). MPS limits a daemon or a
+    server, not a client, so the daemon holds the loosest of its slices' limits and each client's own
+    comes from its CDI spec."""
+    ceilings: dict[str, tuple[int, int]] = {}
+    for gpu_uuid, compute, granted_bytes in shares:
+        pct, size = ceilings.get(gpu_uuid, (0, 0))
+        ceilings[gpu_uuid] = (max(pct, thread_percentage(compute)), max(size, granted_bytes))
+    return ceilings
 
 
 def pinned_limit(granted_bytes: int) -> str:

@@ -23,7 +23,7 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from mig_operator.core.cluster import MODE_FRACTION
-from mig_operator.core.environment import thread_percentage
+from mig_operator.core.environment import mps_ceilings
 from mig_operator.gpu.mps import MpsControl, MpsDirs, MpsError
 
 from .gpus import Gpus
@@ -64,14 +64,8 @@ class MpsKeeper:
 
     def needed(self) -> dict[str, tuple[int, int]]:
         """GPU UUID -> (the largest thread percentage, the largest granted bytes) of its compute shares."""
-        ceilings: dict[str, tuple[int, int]] = {}
-        for entry in self.store.record.owners.values():
-            if entry.mode != MODE_FRACTION or entry.compute is None or not entry.device_uuid:
-                continue
-            pct, size = ceilings.get(entry.device_uuid, (0, 0))
-            ceilings[entry.device_uuid] = (max(pct, thread_percentage(entry.compute)),
-                                           max(size, entry.granted_bytes))
-        return ceilings
+        return mps_ceilings((e.device_uuid, e.compute, e.granted_bytes) for e in self.store.record.owners.values()
+                            if e.mode == MODE_FRACTION and e.compute is not None and e.device_uuid)
 
     def ready(self, gpu_uuid: str) -> bool:
         return gpu_uuid in self.running
