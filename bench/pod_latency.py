@@ -273,14 +273,21 @@ def round_trip(core: kubernetes.client.CoreV1Api, ns: str, pods: int, memory: st
     if missing:
         raise SystemExit(f"{len(missing)} pods never ran, e.g. {missing[:3]}")
     custom = kubernetes.client.CustomObjectsApi(core.api_client)
-    ready = {}
+    ready: dict[str, float] = {}
+    slice_bound: dict[str, float] = {}  # the binding's stamp (the controller's clock, this machine's)
     for body in custom.list_namespaced_custom_object("cdmo.io", "v1alpha1", ns, "gpuslices")["items"]:
         owner = (body["metadata"].get("labels") or {}).get("cdmo.io/pod", "")
-        if owner in created and "Ready" in body["status"].get("phaseTimes", {}):
-            ready[owner] = stamp(body["status"]["phaseTimes"]["Ready"])
+        times = body["status"].get("phaseTimes", {})
+        if owner in created and "Ready" in times:
+            ready[owner] = stamp(times["Ready"])
+            if "Bound" in times:
+                slice_bound[owner] = stamp(times["Bound"])
     return {
         "total": [running[n] - created[n] for n in created],
         "to_slice_ready": [ready[n] - created[n] for n in ready],
+        # Where create to Ready goes: admission, the controller (slice made, planned, bound), the agent.
+        "to_slice_bound": [slice_bound[n] - created[n] for n in slice_bound],
+        "slice_bound_to_ready": [ready[n] - slice_bound[n] for n in slice_bound],
         "slice_ready_to_running": [running[n] - ready[n] for n in ready],
         # Where Ready to Running goes: the controller (device check, claim, ungate), kube-scheduler
         # (claim allocation, binding), kwok (Running).

@@ -216,16 +216,31 @@ def _pods_slice(state: BodyLedger, phase: str) -> None:
     state.put_slice(body)
 
 
-def test_a_pods_slice_gets_its_claim_at_once_and_its_allocation_only_once_ready() -> None:
+def test_a_pods_slice_gets_its_claim_at_once_and_its_allocation_once_bound() -> None:
     client = _Client()
     claims, state, _ = _claims(client)
-    _pods_slice(state, "Bound")
+    pending = _slice("Pending")
+    pending["status"] = {"phase": "Pending"}  # not bound: no node to allocate the claim on
+    pending["metadata"]["ownerReferences"] = [{"apiVersion": "v1", "kind": "Pod", "name": "p", "uid": "pod-uid"}]
+    state.put_slice(pending)
     assert asyncio.run(claims.ensure(state.slice_named("ns", "train"))) is False
     assert client.calls == [("POST", CLAIMS)] and "status" not in client.existing
+    # Bound: allocated while the agent realises the slice (its pod stays gated until Ready), and not
+    # handed on: ensure says False until the slice is Ready.
+    _pods_slice(state, "Bound")
+    assert asyncio.run(claims.ensure(state.slice_named("ns", "train"))) is False
+    assert client.calls[1:] == [("MERGE", CLAIM_STATUS)]
+    assert client.existing["status"]["allocation"] == PINNED
     _pods_slice(state, "Ready")
     assert asyncio.run(claims.ensure(state.slice_named("ns", "train"))) is True
-    assert client.calls[1:] == [("MERGE", CLAIM_STATUS), ("MERGE", SLICE_STATUS)]
-    assert client.existing["status"]["allocation"] == PINNED
+    assert client.calls[2:] == []  # nothing left to write once Ready (the agent's Ready names the claim)
+
+
+def test_a_slice_made_directly_is_not_allocated_before_it_is_ready() -> None:
+    client = _Client()
+    claims, state, _ = _claims(client, phase="Bound")
+    assert asyncio.run(claims.ensure(state.slice_named("ns", "train"))) is False
+    assert client.calls == []  # any pod of the namespace may name its claim: nothing before Ready
 
 
 def test_a_claim_already_allocated_to_the_slices_device_on_its_node_is_not_written_again() -> None:

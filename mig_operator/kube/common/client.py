@@ -12,6 +12,7 @@ Transient failures (HTTP 429, 500, 502, 503 and 504, connection errors, timeouts
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import ssl
@@ -24,6 +25,7 @@ from urllib.parse import quote
 import aiohttp
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
 
+from . import wire
 from .names import API_VERSION
 
 if TYPE_CHECKING:
@@ -172,11 +174,16 @@ class KubeClient:
         """One API call, retried while it fails transiently; the decoded JSON answer."""
         if method != "GET":
             log.debug("%s %s", method, path)
-        if not retry:
+        try:
             return await self._once(method, path, body, params, content_type)
+        except ApiError as exc:
+            if not retry or not exc.transient or self._retry.attempts <= 1:
+                raise
+        # Failed transiently: retried with back-off (tenacity only here, off the hot path).
+        await asyncio.sleep(self._retry.first_wait_s)
         async for attempt in AsyncRetrying(
-            stop=stop_after_attempt(self._retry.attempts),
-            wait=wait_exponential(multiplier=self._retry.first_wait_s, max=self._retry.max_wait_s),
+            stop=stop_after_attempt(self._retry.attempts - 1),
+            wait=wait_exponential(multiplier=2 * self._retry.first_wait_s, max=self._retry.max_wait_s),
             retry=retry_if_exception(_is_transient),
             reraise=True,
         ):
@@ -186,17 +193,18 @@ class KubeClient:
 
     async def _once(self, method: str, path: str, body: Any, params: Mapping[str, str] | None,
                     content_type: str | None) -> dict:
-        data = None if body is None else json.dumps(body)
+        data = None if body is None else wire.dumps(body)
         if data is not None and content_type is None:
             content_type = "application/json"
         try:
             async with self._get_session().request(
                 method, self.host + path, data=data, params=params, headers=self._headers(content_type)
             ) as response:
-                text = await response.text()
+                raw = await response.read()
                 if response.status >= 400:
-                    raise _error(response.status, response.reason or "", text, method, path)
-                return json.loads(text) if text else {}
+                    raise _error(response.status, response.reason or "", raw.decode(errors="replace"), method,
+                                 path)
+                return wire.loads(raw) if raw else {}
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             raise ApiError(0, "", f"{method} {path}: {type(exc).__name__}: {exc}") from exc
 

@@ -8,11 +8,14 @@ that node only (core/slice_claim, which says why). kube-scheduler only reserves 
 that names it, on that node, and the kubelet asks the agent to prepare it. A device that another
 node's agent publishes under the slice's UID is never allocated to the claim.
 
-A pod's slice gets its claim as soon as the slice exists, not when it is Ready: the pod names the
-claim and stays gated until its slice is Ready, its device checked and the claim allocated, and
+A pod's slice gets its claim as soon as the slice exists, not when it is Ready, and the claim is
+allocated as soon as the slice is bound: the pod names the claim and stays gated until its slice is
+Ready and its device checked (pods.py), so allocating early hands nothing on, and takes the claim's
+two writes off the path from Ready to the ungate (they run while the agent realises the slice).
 kube-scheduler must know the claim before it sees the pod ungated (a pod it schedules before the
 claim reaches its cache is unschedulable until the claim's event requeues it, after a back-off of a
-second or more).
+second or more). A directly made slice's claim is written and allocated once the slice is Ready and
+its device checked: any pod of the namespace may name that claim, and none is gated.
 
 A claim of that name left from an earlier slice of the same name (a pod's next try, a slice made
 again) is deleted and written anew; a claim of that name the operator did not write is never
@@ -144,7 +147,7 @@ class SliceClaims:
                 return False
             self.written[key] = info.uid
             log.info("slice %s: ResourceClaim %s written", info.ref, info.name)
-        if not ready:
+        if not ready and (info.binding is None or not early(info)):
             self._wait_for_device(info, key)
             return False
         allocated = await self._allocate(info, claim)
@@ -154,6 +157,9 @@ class SliceClaims:
         # kube-controller-manager clears its allocation once no pod uses it: allocated again at a resync.
         if DELETE_PROTECTION not in ((allocated.get("metadata") or {}).get("finalizers") or []):
             self.allocated[key] = info.uid
+        if not ready:
+            self._wait_for_device(info, key)
+            return False
         await self._record(info)  # an early claim: the agent names it in its Ready write
         return True
 
@@ -175,7 +181,7 @@ class SliceClaims:
     async def _allocate(self, info: SliceRecord, claim: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
         """Allocate the slice's claim to its device in its node's pool (``claim``: as last read, None
         when unknown); the claim once it is so allocated, else None."""
-        assert info.binding is not None  # ready
+        assert info.binding is not None  # ready, or a pod's slice bound
         node = info.binding.node
         path = claim_path(info.namespace, info.name)
         if claim is not None:
