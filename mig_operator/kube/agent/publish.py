@@ -121,9 +121,8 @@ class Publisher:
                 metrics.INSTANCES.labels(self.settings.node, str(gpu["index"]), state).set(count)
             metrics.GRANTED_BYTES.labels(self.settings.node, str(gpu["index"])).set(gpu["grantedBytes"])
             self.publish_slots(gpu, models.get(gpu["index"]))
-        # Devices first: the controller writes a slice's claim and ungates its pod once the GpuNode lists
-        # the device, and kube-scheduler must then find that device in the ResourceSlice already (else
-        # the pod is unschedulable until the next ResourceSlice event requeues it).
+        # Devices first: the GpuNode is what the controller checks a device against before it ungates a
+        # pod, and the ResourceSlice then lists it already.
         await self.devices(verify_devices)
         path = gpunode_path(self.settings.node, status=True)
         try:

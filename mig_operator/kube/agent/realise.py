@@ -158,14 +158,14 @@ class Realiser:
         except MpsError as exc:
             await self._fail(body, SLICE_REASON, f"{describe_binding(binding)}: {exc}")
             return
-        # The device is in the ResourceSlice before the slice says Ready (the pod's claim already
-        # exists: kube-scheduler can allocate it the moment the pod is ungated, with no event to wait
-        # for); the GpuNode, which needs the GPUs read again, follows at once (a full publish before
-        # Ready cost a new instance more than the controller's wait for it: measured, docs/benchmarks.md).
+        # The device goes into the ResourceSlice as the slice says Ready, both writes at once: the
+        # controller allocates the claim itself (kube-scheduler never looks for the device), and the
+        # kubelet's prepare asks this agent, so neither waits for the other (one write less on every
+        # pod's path: docs/benchmarks.md). The GpuNode, which needs the GPUs read again, follows at once
+        # (a full publish before Ready cost a new instance more than the controller's wait for it).
         self.announcing.add(uid)
         try:
-            await self.publisher.devices()
-            await self.write_status(body, ready)
+            await asyncio.gather(self.publisher.devices(), self.write_status(body, ready))
             self.shown_ready.add(uid)
         except BaseException:
             self.shown_ready.discard(uid)
