@@ -12,21 +12,17 @@ import json
 import logging
 import os
 import socket
-from collections.abc import Awaitable, Callable
 from types import SimpleNamespace
 from typing import Any
 
 import kopf
 
-from . import wire
+from . import direct_watch, wire
 from .client import bearer_token, load_configuration
+from .direct_watch import EventFn
 
 log = logging.getLogger("mig_operator.events")
 
-# A watch event handler: the object as the watch gave it (a plain dict) and the event's type (None
-# when the object was seen in the initial list, else ADDED, MODIFIED or DELETED).
-EventFn = Callable[[dict[str, Any], str | None], Awaitable[None]]
-_DIRECT = "_mig_operator_direct"  # a registry's {(group, plural): EventFn}
 
 
 def register_login(registry: kopf.OperatorRegistry, kubeconfig: str | None) -> None:
@@ -84,10 +80,10 @@ def tune(settings: kopf.OperatorSettings, prefix: str) -> None:
 def on_event(registry: kopf.OperatorRegistry, group: str, version: str, plural: str, fn: EventFn) -> None:
     """Call ``fn`` with every watch event of a resource (``group`` "" for the core group), as
     ``kopf.on.event`` does, for a handler that needs nothing of kopf's per-event work: kopf still
-    watches, queues each object's events in order and pauses with its peering, but ``run_operator``
-    hands the event to ``fn`` directly, without kopf's cause detection, progress storage, object
-    loggers and handler bookkeeping (a fifth of the controller's CPU in a burst of pods:
-    docs/benchmarks.md). Where kopf's internals are not as expected, ``fn`` runs as an ordinary
+    watches and pauses with its peering, but ``direct_watch.watcher`` hands each event to ``fn``
+    (one object's events in order), without kopf's per-object workers, cause detection, progress
+    storage and handler bookkeeping (a fifth and then a sixth of the controller's CPU in a burst of
+    pods: docs/benchmarks.md). Where kopf's internals are not as expected, ``fn`` runs as an ordinary
     ``kopf.on.event`` handler."""
     async def handler(body: kopf.Body, type: str | None, **_: Any) -> None:
         await fn(dict(body), type)
@@ -95,41 +91,11 @@ def on_event(registry: kopf.OperatorRegistry, group: str, version: str, plural: 
     where = (group, version, plural) if group else (version, plural)  # "" is the core group
     kopf.on.event(*where, registry=registry)(handler)
 
-    handlers = getattr(registry, _DIRECT, None)
+    handlers = getattr(registry, direct_watch.HANDLERS, None)
     if handlers is None:
         handlers = {}
-        setattr(registry, _DIRECT, handlers)
+        setattr(registry, direct_watch.HANDLERS, handlers)
     handlers[(group, plural)] = fn
-
-
-def _direct_processor() -> bool:
-    """Route the events of ``on_event`` resources past kopf's processing (see ``on_event``); False
-    where kopf's processor is not the one this was written against (kopf 1.45)."""
-    try:
-        from kopf._core.reactor import processing
-    except ImportError:
-        return False
-    kopf_process = processing.process_resource_event
-    if getattr(kopf_process, "_mig_operator_direct", False):
-        return True
-
-    async def process(*, registry: kopf.OperatorRegistry, resource: Any, raw_event: dict[str, Any],
-                      **kwargs: Any) -> str | None:
-        fn = getattr(registry, _DIRECT, {}).get((resource.group, resource.plural))
-        if fn is None:
-            return await kopf_process(registry=registry, resource=resource, raw_event=raw_event, **kwargs)
-        body = raw_event["object"]
-        try:
-            await fn(body, raw_event["type"])
-        except Exception:  # as kopf does for an on.event handler: logged, the next event comes anyway
-            meta = body.get("metadata") or {}
-            log.exception("%s %s/%s: the event handler failed", resource.plural, meta.get("namespace", ""),
-                          meta.get("name", ""))
-        return None
-
-    process._mig_operator_direct = True  # type: ignore[attr-defined]
-    processing.process_resource_event = process
-    return True
 
 
 def _fast_watch_decoding() -> bool:
@@ -153,8 +119,8 @@ def run_operator(registry: kopf.OperatorRegistry, *, standalone: bool, priority:
                  peering_name: str | None = None) -> None:
     """Run kopf in this thread until it stops (SIGTERM/SIGINT) or fails."""
     logging.getLogger("kopf.activities.startup").setLevel(logging.WARNING)
-    if getattr(registry, _DIRECT, None) and not _direct_processor():
-        log.info("kopf's event processing is not the expected one: events go through kopf's handlers")
+    if getattr(registry, direct_watch.HANDLERS, None) and not direct_watch.install():
+        log.info("kopf's watcher is not the expected one: events go through kopf's handlers")
     if not _fast_watch_decoding():
         log.info("kopf's watch stream is not the expected one: its events are decoded by kopf")
     asyncio.run(kopf.operator(
