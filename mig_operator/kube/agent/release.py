@@ -25,6 +25,7 @@ from ..common.client import ApiError, slice_path
 from ..common.faults import crashpoint
 from ..common.finalizers import remove_finalizer
 from ..common.names import AGENT_FINALIZER
+from ..common.workqueue import KeyedLocks
 from .realise import Realiser
 
 if TYPE_CHECKING:
@@ -45,7 +46,7 @@ class Releaser:
         # Deleted slices kept while their claim is in use: uid -> (the latest body seen, the Released
         # message last written); one release of a slice at a time (events, unprepare and the re-check).
         self.holding: dict[str, tuple[Mapping, str]] = {}
-        self._locks: dict[str, asyncio.Lock] = {}
+        self._locks = KeyedLocks()
         self._recheck: asyncio.Task | None = None
         self._due: dict[str, tuple[float, float]] = {}  # held slice uid -> (next re-check, interval)
         self._kicks: set[asyncio.Task] = set()
@@ -87,26 +88,21 @@ class Releaser:
         so), its instance becomes idle, then the finalizer goes."""
         meta = body["metadata"]
         uid = meta["uid"]
-        lock = self._locks.setdefault(uid, asyncio.Lock())
-        try:
-            async with lock:
-                self.realiser.shown_ready.discard(uid)
-                if uid in self.store.record.owners:
-                    hold = await self._claim_hold(body)
-                    if not hold.free:
-                        await self._hold(body, hold)
-                        return
-                self.holding.pop(uid, None)
-                if uid in self.store.record.owners:
-                    if not self.store.claims_on(uid):
-                        self.log_release(self.store.record.owners[uid])
-                    await self.realiser.let_go(uid)
-                crashpoint("agent:during-release")
-                await remove_finalizer(self.client, slice_path(meta["namespace"], meta["name"]), body,
-                                       AGENT_FINALIZER)
-        finally:
-            if not lock.locked() and self._locks.get(uid) is lock:
-                del self._locks[uid]
+        async with self._locks.hold(uid):
+            self.realiser.shown_ready.discard(uid)
+            if uid in self.store.record.owners:
+                hold = await self._claim_hold(body)
+                if not hold.free:
+                    await self._hold(body, hold)
+                    return
+            self.holding.pop(uid, None)
+            if uid in self.store.record.owners:
+                if not self.store.claims_on(uid):
+                    self.log_release(self.store.record.owners[uid])
+                await self.realiser.let_go(uid)
+            crashpoint("agent:during-release")
+            await remove_finalizer(self.client, slice_path(meta["namespace"], meta["name"]), body,
+                                   AGENT_FINALIZER)
 
     async def _claim_hold(self, body: Mapping) -> ClaimHold:
         """Who holds the slice's claim: its reservations (the API server's claim of the slice's name)

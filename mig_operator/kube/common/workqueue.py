@@ -4,13 +4,15 @@
 keeps its earlier time (a burst of requests coalesces into one run), and a key added while its work
 runs is run once more afterwards. Different keys run concurrently; one key never runs twice at once.
 ``NodeWaits`` keeps what waits for a node's GpuNode to change (a device not yet listed there).
+``KeyedLocks`` lets one holder at a time work on a key (a slice's claim, a slice's release).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Hashable
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable
 
 log = logging.getLogger("mig_operator.workqueue")
 
@@ -75,3 +77,29 @@ class NodeWaits(dict[str, set[tuple[str, str]]]):
     def take(self, node: str) -> list[tuple[str, str]]:
         """Every key waiting on ``node``, in order; they wait no more."""
         return sorted(self.pop(node, set()))
+
+
+class KeyedLocks:
+    """One holder at a time per key. A key's lock lives while someone holds it or waits for it: a lock
+    dropped when its holder let go, with another waiting on it, let a third caller make a new lock
+    and run beside the waiter (two allocations of one claim at once, one refused)."""
+
+    def __init__(self) -> None:
+        self._locks: dict[Hashable, tuple[asyncio.Lock, int]] = {}  # key -> (lock, holders and waiters)
+
+    @contextlib.asynccontextmanager
+    async def hold(self, key: Hashable) -> AsyncIterator[None]:
+        lock, users = self._locks.get(key) or (asyncio.Lock(), 0)
+        self._locks[key] = (lock, users + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            _, users = self._locks[key]
+            if users == 1:
+                del self._locks[key]
+            else:
+                self._locks[key] = (lock, users - 1)
+
+    def __len__(self) -> int:
+        return len(self._locks)

@@ -46,7 +46,7 @@ from mig_operator.core.slice_claim import claim_body as slice_claim_body
 from ..common.client import ApiError, KubeClient, slice_path
 from ..common.events import EventPoster
 from ..common.names import API_VERSION, SLICE_KIND
-from ..common.workqueue import NodeWaits
+from ..common.workqueue import KeyedLocks, NodeWaits
 
 log = logging.getLogger("mig_operator.controller.claims")
 CLAIM_TAKEN = "ClaimNameTaken"
@@ -88,7 +88,7 @@ class SliceClaims:
         self.waiting = NodeWaits()
         # One write of a claim at a time: a slice's own watch event may come while the write its creation
         # started is under way, and a second create would only be refused (409), at kube-apiserver's cost.
-        self._writing: dict[tuple[str, str], asyncio.Lock] = {}
+        self._writing = KeyedLocks()
 
     async def slice_changed(self, info: SliceRecord) -> None:
         await self.ensure(info)
@@ -125,13 +125,8 @@ class SliceClaims:
         key = (info.namespace, info.name)
         if self.allocated.get(key) == info.uid:
             return self.ready(info)
-        lock = self._writing.setdefault(key, asyncio.Lock())
-        try:
-            async with lock:
-                return await self._ensure(info, key)
-        finally:
-            if not lock.locked() and self._writing.get(key) is lock:
-                del self._writing[key]
+        async with self._writing.hold(key):
+            return await self._ensure(info, key)
 
     async def _ensure(self, info: SliceRecord, key: tuple[str, str]) -> bool:
         ready = self.ready(info)
