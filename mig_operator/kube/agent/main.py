@@ -21,7 +21,7 @@ from ..common import metrics
 from ..common.client import ApiError, KubeClient, Retry
 from ..common.events import EventPoster
 from ..common.names import AGENT_PREFIX, GROUP, SLICES, VERSION, slices_of_node
-from ..common.operator import register_login, run_operator, tune
+from ..common.operator import on_event, register_login, run_operator, tune
 from .agent import AgentSettings, NodeAgent
 from .kubelet_plugin import KubeletPlugin, PluginSettings
 from .record import RecordStore
@@ -66,19 +66,21 @@ def build_registry(options: AgentOptions, backend: GpuBackend) -> kopf.OperatorR
                       options.plugin.dra_socket, exc)
         state.update(plugin=plugin)
 
-    @kopf.on.event(GROUP, VERSION, SLICES, registry=registry)
-    async def slice_event(body: kopf.Body, type: str | None, **_: Any) -> None:
+    async def slice_event(body: dict[str, Any], type: str | None) -> None:
         if type == "DELETED":
             await state["agent"].deleted(body)
         else:
             await state["agent"].handle(body)
 
-    @kopf.on.event("v1", "nodes", registry=registry)
-    async def own_node_event(body: kopf.Body, type: str | None, **_: Any) -> None:
+    async def own_node_event(body: dict[str, Any], type: str | None) -> None:
         if type == "DELETED":
             state["agent"].node_deleted()
         else:
             state["agent"].node_changed(body)
+
+    # Straight from kopf's watch to the handlers (operator.on_event): a slice's events in order.
+    on_event(registry, GROUP, VERSION, SLICES, slice_event)
+    on_event(registry, "", "v1", "nodes", own_node_event)
 
     @kopf.on.cleanup(registry=registry)
     async def cleanup(**_: Any) -> None:
