@@ -36,6 +36,9 @@ MERGE_PATCH = "application/merge-patch+json"
 JSON_PATCH = "application/json-patch+json"
 _TRANSIENT_STATUS = frozenset({429, 500, 502, 503, 504})
 TOKEN_TTL_S = 1.0
+# How long an idle connection to the API server is kept: aiohttp's default is 15 s; kube-apiserver
+# closes one idle for 90 s, and a connection it closed first costs a failed request and a retry.
+KEEPALIVE_S = 60.0
 
 
 class ApiError(Exception):
@@ -119,7 +122,7 @@ class KubeClient:
     """Asynchronous JSON access to the API server, sharing one connection pool."""
 
     def __init__(self, config: kubernetes.client.Configuration, retry: Retry = Retry(),
-                 timeout_s: float = 30.0, connections: int = 64) -> None:
+                 timeout_s: float = 30.0, connections: int = 16) -> None:
         self._config = config
         self._retry = retry
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
@@ -145,7 +148,11 @@ class KubeClient:
 
     def _get_session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            connector = aiohttp.TCPConnector(ssl=self._ssl(), limit=self._connections)
+            # Few connections, kept open between bursts: each new one costs a TLS handshake, and
+            # opening 64 of them at the start of every burst took a tenth of the controller's CPU
+            # (docs/benchmarks.md); 16 requests in flight keep one core busy.
+            connector = aiohttp.TCPConnector(ssl=self._ssl(), limit=self._connections,
+                                             keepalive_timeout=KEEPALIVE_S)
             self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout)
         return self._session
 
