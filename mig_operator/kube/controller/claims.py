@@ -141,7 +141,8 @@ class SliceClaims:
             if claim is None:
                 return False
             self.written[key] = info.uid
-            log.info("slice %s: ResourceClaim %s written", info.ref, info.name)
+            # Debug: every pod's slice has one, and the binding's info line says where the slice went.
+            log.debug("slice %s: ResourceClaim %s written", info.ref, info.name)
         if not ready and (info.binding is None or not early(info)):
             self._wait_for_device(info, key)
             return False
@@ -198,7 +199,7 @@ class SliceClaims:
             if allocation_state(claim, node, info.uid) == PINNED:
                 return claim
             return await self._allocated_elsewhere(info, claim)
-        log.info("slice %s: ResourceClaim %s allocated on node %s", info.ref, info.name, node)
+        log.debug("slice %s: ResourceClaim %s allocated on node %s", info.ref, info.name, node)
         return allocated
 
     async def _allocated_elsewhere(self, info: SliceRecord, claim: Mapping[str, Any]) -> None:
