@@ -649,6 +649,40 @@ def test_a_pass_that_awaited_while_the_pod_was_ungated_sends_no_second_patch() -
     assert [c for c in client.calls if c[0] == "PATCH"] == [("PATCH", "/api/v1/namespaces/ns/pods/p")]
 
 
+class _AnsweringClient(_Client):
+    """The ungate's answer is the pod ungated, at a newer resourceVersion than any event before it."""
+
+    async def json_patch(self, path: str, ops: list) -> dict:
+        self.calls.append(("PATCH", path))
+        pod = _pod("Pending")
+        pod["metadata"]["resourceVersion"] = "20"
+        return pod
+
+
+def test_an_event_older_than_the_ungates_answer_sends_no_second_patch() -> None:
+    """The watch may deliver a gated copy of the pod after the controller's own ungate answered; taking
+    it as the pod's state led to a second ungate, refused by the API server (a write per pod wasted)."""
+    state = BodyLedger()
+    state.put_slice(_slice_body("pod-uid"))
+    state.put_inventory({"metadata": {"name": "n"}, "spec": {"nodeName": "n"},
+                         "status": {"gpus": [{"index": 0, "uuid": "GPU-1", "memoryMiB": 81559}]}})
+    client, events = _AnsweringClient(), _Events()
+    pods = PodSlices(client, events, state, SliceClaims(client, events, state))  # type: ignore[arg-type]
+    older = _pod("Pending", gated=True)
+    older["metadata"]["resourceVersion"] = "10"
+    asyncio.run(pods.pod_event(older, deleted=False))
+    assert [c[0] for c in client.calls].count("PATCH") == 1
+    asyncio.run(pods.pod_event(older, deleted=False))  # the same old copy, late
+    info = state.slice_named("ns", "p-gs-1")
+    assert info is not None
+    asyncio.run(pods.slice_changed(info))
+    assert [c[0] for c in client.calls].count("PATCH") == 1
+    newer = _pod("Running")
+    newer["metadata"]["resourceVersion"] = "30"
+    asyncio.run(pods.pod_event(newer, deleted=False))
+    assert pods.pods[("ns", "p-gs-1")]["metadata"]["resourceVersion"] == "30"
+
+
 class _NodesClient(_Client):
     def __init__(self, nodes: list[dict]) -> None:
         super().__init__()

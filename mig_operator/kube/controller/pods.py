@@ -36,7 +36,7 @@ from mig_operator.core.pod_admission import PodRefused, check_pod_devices
 from mig_operator.core.quantities import QuantityError
 from mig_operator.core.request_forms import device_slice_names
 
-from ..common.client import ApiError, KubeClient, core_path, slice_path, slices_path
+from ..common.client import ApiError, KubeClient, core_path, resource_version, slice_path, slices_path
 from ..common.events import EventPoster
 from ..common.names import (
     AGENT_FINALIZER,
@@ -163,6 +163,10 @@ class PodSlices:
             self.pods.pop(key, None)
             await self._release(pod, key)
             return
+        known = self.pods.get(key)
+        if (known is not None and known["metadata"].get("uid") == meta["uid"]
+                and resource_version(known["metadata"]) > resource_version(meta)):
+            return  # older than the pod as the controller last wrote it (its ungate's answer): nothing new
         self.pods[key] = pod
         if not _gated(pod) or self._retrying(key):
             return  # a pod waiting out a failed slice's back-off gets its next slice from that task
