@@ -24,7 +24,6 @@ from .direct_watch import EventFn
 log = logging.getLogger("mig_operator.events")
 
 
-
 def register_login(registry: kopf.OperatorRegistry, kubeconfig: str | None) -> None:
     @kopf.on.login(registry=registry)
     def login(**_: Any) -> kopf.ConnectionInfo:
