@@ -183,47 +183,66 @@ def _direct_registry(seen: list, fail: bool = False):  # type: ignore[no-untyped
     return registry
 
 
-def test_on_event_routes_its_resources_past_kopfs_processing() -> None:
+def _watch_through(registry, resource, events, monkeypatch, processor=None):  # type: ignore[no-untyped-def]
+    """Run the watcher kopf's orchestration calls (``queueing.watcher``, as direct_watch installs it)
+    on ``events`` instead of a real stream."""
     import asyncio
+    import functools
 
+    import kopf
+    from kopf._cogs.clients import watching
+    from kopf._core.reactor import processing, queueing
+
+    from mig_operator.kube.common import direct_watch
+
+    async def stream(**_: object):  # type: ignore[no-untyped-def]
+        for event in events:
+            yield event
+
+    monkeypatch.setattr(watching, "infinite_watch", stream)
+    assert direct_watch.install() and direct_watch.install(), "installed once, and found installed again"
+    processor = processor or functools.partial(
+        functools.partial(processing.process_resource_event, registry=registry), resource=resource)
+
+    async def run() -> None:
+        await queueing.watcher(settings=kopf.OperatorSettings(), resource=resource, namespace=None,
+                               processor=processor)
+
+    asyncio.run(run())
+
+
+def test_on_event_resources_go_from_kopfs_watch_straight_to_their_handler(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    from kopf._cogs.clients import watching
     from kopf._cogs.structs.references import Resource
-    from kopf._core.reactor import processing
-
-    from mig_operator.kube.common.operator import _direct_processor
-
-    seen: list = []
-    registry = _direct_registry(seen)
-    assert _direct_processor() and _direct_processor(), "installed once, and found installed again"
-    body = {"metadata": {"name": "p", "namespace": "ns", "uid": "u"}, "spec": {}}
-    # Every argument kopf's own processing needs is missing: only the direct path can take the event.
-    for kind in (None, "ADDED", "DELETED"):
-        asyncio.run(processing.process_resource_event(
-            registry=registry, resource=Resource("", "v1", "pods"), raw_event={"type": kind, "object": body}))
-    assert seen == [(body, None), (body, "ADDED"), (body, "DELETED")]
-    assert seen[0][0] is body, "the body as the watch parsed it: no copy, no kopf wrapper"
-    with pytest.raises(TypeError):  # another resource goes on to kopf's processing (which wants them)
-        asyncio.run(processing.process_resource_event(
-            registry=registry, resource=Resource("", "v1", "nodes"), raw_event={"type": None, "object": body}))
-
-
-def test_on_event_handler_failure_is_logged_and_the_next_event_comes(caplog: pytest.LogCaptureFixture) -> None:
-    import asyncio
-
-    from kopf._cogs.structs.references import Resource
-    from kopf._core.reactor import processing
-
-    from mig_operator.kube.common.operator import _direct_processor
 
     seen: list = []
     registry = _direct_registry(seen, fail=True)
-    _direct_processor()
-    body = {"metadata": {"name": "p", "namespace": "ns"}}
-    for _ in range(2):
-        assert asyncio.run(processing.process_resource_event(
-            registry=registry, resource=Resource("", "v1", "pods"), raw_event={"type": "MODIFIED", "object": body})
-        ) is None
-    assert len(seen) == 2
-    assert "pods ns/p: the event handler failed" in caplog.text and "handler broke" in caplog.text
+    body = {"metadata": {"name": "p", "namespace": "ns", "uid": "u"}, "spec": {}}
+    events = [{"type": None, "object": body}, watching.Bookmark.LISTED, {"type": "ADDED", "object": body},
+              {"type": "BOOKMARK", "object": {"metadata": {"resourceVersion": "9"}}},
+              {"type": "DELETED", "object": body}]
+    _watch_through(registry, Resource("", "v1", "pods"), events, monkeypatch)
+    # In order, bookmarks left out; each handler call failed and the next event came anyway.
+    assert seen == [(body, None), (body, "ADDED"), (body, "DELETED")]
+    assert seen[0][0] is body, "the body as the watch parsed it: no copy, no kopf wrapper"
+    assert caplog.text.count("pods ns/p: the event handler failed") == 3 and "handler broke" in caplog.text
+
+
+def test_other_resources_still_go_through_kopfs_own_watcher(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kopf._cogs.structs.references import Resource
+
+    seen: list = []
+    registry = _direct_registry(seen)
+    processed: list = []
+
+    async def kopf_processor(*, raw_event: dict, **_: object) -> None:  # what kopf's workers call
+        processed.append(raw_event["type"])
+
+    node = {"metadata": {"name": "n", "uid": "n-uid"}}
+    _watch_through(registry, Resource("", "v1", "nodes"), [{"type": "ADDED", "object": node}], monkeypatch,
+                   processor=kopf_processor)
+    assert processed == ["ADDED"] and seen == []
 
 
 def test_on_event_is_also_an_ordinary_kopf_handler() -> None:
