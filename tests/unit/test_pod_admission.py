@@ -560,13 +560,13 @@ def _slice_body(owner_uid: str, phase: str = "Ready") -> dict:
                        "deviceUUID": "GPU-1", "gpuUUID": "GPU-1"}}
 
 
-def _pod_slices(owner_uid: str) -> tuple[PodSlices, _Client, _Events]:
+def _pod_slices(owner_uid: str, client: _Client | None = None) -> tuple[PodSlices, _Client, _Events]:
     state = BodyLedger()
     state.put_slice(_slice_body(owner_uid))
     # Node n's GpuNode lists the slice's device, so the controller's device check accepts it.
     state.put_inventory({"metadata": {"name": "n"}, "spec": {"nodeName": "n"},
                          "status": {"gpus": [{"index": 0, "uuid": "GPU-1", "memoryMiB": 81559}]}})
-    client, events = _Client(), _Events()
+    client, events = client or _Client(), _Events()
     claims = SliceClaims(client, events, state)  # type: ignore[arg-type]
     return PodSlices(client, events, state, claims), client, events  # type: ignore[arg-type]
 
@@ -615,12 +615,8 @@ class _SlowPatchClient(_Client):
 def test_a_pod_found_ready_twice_at_once_is_ungated_with_one_patch() -> None:
     """The pod's own event and its slice's Ready event may both find it ready while the first ungate
     is on its way: a second patch would only be refused (and counted by the API server)."""
-    state = BodyLedger()
-    state.put_slice(_slice_body("pod-uid"))
-    state.put_inventory({"metadata": {"name": "n"}, "spec": {"nodeName": "n"},
-                         "status": {"gpus": [{"index": 0, "uuid": "GPU-1", "memoryMiB": 81559}]}})
-    client, events = _SlowPatchClient(), _Events()
-    pods = PodSlices(client, events, state, SliceClaims(client, events, state))  # type: ignore[arg-type]
+    pods, client, _ = _pod_slices("pod-uid", _SlowPatchClient())
+    state = pods.state
     pods.pods[("ns", "p-gs-1")] = _pod("Pending", gated=True)
     info = state.slice_named("ns", "p-gs-1")
     assert info is not None
@@ -662,12 +658,8 @@ class _AnsweringClient(_Client):
 def test_an_event_older_than_the_ungates_answer_sends_no_second_patch() -> None:
     """The watch may deliver a gated copy of the pod after the controller's own ungate answered; taking
     it as the pod's state led to a second ungate, refused by the API server (a write per pod wasted)."""
-    state = BodyLedger()
-    state.put_slice(_slice_body("pod-uid"))
-    state.put_inventory({"metadata": {"name": "n"}, "spec": {"nodeName": "n"},
-                         "status": {"gpus": [{"index": 0, "uuid": "GPU-1", "memoryMiB": 81559}]}})
-    client, events = _AnsweringClient(), _Events()
-    pods = PodSlices(client, events, state, SliceClaims(client, events, state))  # type: ignore[arg-type]
+    pods, client, _ = _pod_slices("pod-uid", _AnsweringClient())
+    state = pods.state
     older = _pod("Pending", gated=True)
     older["metadata"]["resourceVersion"] = "10"
     asyncio.run(pods.pod_event(older, deleted=False))
