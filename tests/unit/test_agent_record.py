@@ -366,3 +366,84 @@ def test_a_record_with_a_bad_version_is_refused(path, version) -> None:
     with pytest.raises(RecordError) as info:
         RecordStore(path)
     assert path in str(info.value)
+
+
+# --- changes made during a write share the next one (group commit) ----------------------------------------
+
+
+def _entry(n: int) -> OwnerEntry:
+    return replace(MIG_ENTRY, uid=f"uid-{n}", gi_id=n, device_uuid=f"MIG-{n}")
+
+
+def _put_from_threads(store: RecordStore, count: int, staged: threading.Semaphore) -> list[BaseException | None]:
+    """``count`` threads each put one entry; ``staged`` is released as each change is staged."""
+    outcomes: list[BaseException | None] = [None] * count
+
+    def put(n: int) -> None:
+        def change(record: OwnerRecord) -> OwnerRecord:
+            staged.release()
+            return replace(record, owners={**record.owners, f"uid-{n}": _entry(n)})
+        try:
+            store.update(change)
+        except BaseException as exc:  # noqa: BLE001 - the test looks at every outcome
+            outcomes[n] = exc
+
+    threads = [threading.Thread(target=put, args=(n,)) for n in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    return outcomes
+
+
+def _first_write_waits(monkeypatch, staged: threading.Semaphore, count: int, fail: bool) -> list[dict]:
+    """The first write waits until all ``count`` changes are staged (then fails, with ``fail``);
+    returns the list of records written, as the file held each."""
+    written: list[dict] = []
+    real = record_module.write_atomically
+
+    def write(path, content, **kwargs):
+        if not written and not getattr(write, "waited", False):
+            write.waited = True
+            for _ in range(count):
+                assert staged.acquire(timeout=10)
+            if fail:
+                raise OSError(28, "No space left on device")
+        real(path, content, **kwargs)
+        with open(path) as fh:
+            written.append(json.load(fh))
+
+    monkeypatch.setattr(record_module, "write_atomically", write)
+    return written
+
+
+def test_changes_staged_during_a_write_share_the_next_write(path, monkeypatch) -> None:
+    store = RecordStore(path)
+    staged = threading.Semaphore(0)
+    written = _first_write_waits(monkeypatch, staged, 10, fail=False)
+    outcomes = _put_from_threads(store, 10, staged)
+    assert outcomes == [None] * 10
+    # The first write holds what was staged when it began; every change staged while it waited went
+    # into one write after it: at most 2 writes, not 10.
+    assert 1 <= len(written) <= 2
+    expected = {f"uid-{n}" for n in range(10)}
+    assert set(written[-1]["owners"]) == expected
+    assert set(store.record.owners) == expected
+    assert set(RecordStore(path).record.owners) == expected
+
+
+def test_a_failed_write_fails_every_change_staged_with_it(path, monkeypatch) -> None:
+    store = RecordStore(path)
+    store.put(FRACTION_ENTRY)
+    before_disk, before_memory = _stored(path), store.record
+    staged = threading.Semaphore(0)
+    _first_write_waits(monkeypatch, staged, 6, fail=True)
+    outcomes = _put_from_threads(store, 6, staged)
+    # Each caller learns its change is not on disk, and neither the file nor the memory holds any.
+    assert all(isinstance(o, RecordError) and path in str(o) and "No space left" in str(o) for o in outcomes)
+    assert _stored(path) == before_disk
+    assert store.record is before_memory
+    # The next change is staged on what the file holds, not on the lost changes.
+    store.put(_entry(42))
+    assert set(RecordStore(path).record.owners) == {"uid-b", "uid-42"}
+    assert leftovers(os.path.dirname(path)) == []

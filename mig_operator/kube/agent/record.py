@@ -7,6 +7,11 @@ was prepared (their instances stay held until the kubelet unprepares the claim).
 temporary file, fsynced and renamed over the old one, so a crash leaves the old record or the new
 one, never half of either; the directory is fsynced too, so the rename survives a power cut.
 
+Changes made while a write is under way share the next write (a group commit): a burst of slices on
+one node costs a few fsyncs, not one each. A change returns once a write holding it is on disk, and
+what ``record`` shows is what the file holds; a failed write loses every change staged with it, and
+each of their callers gets the error.
+
 Versioned as NVIDIA's DRA driver checkpoint is: the file says which ``version`` wrote it; an older
 version is converted on read (``_UPGRADES``, one step per version: a format change adds a step and
 bumps ``VERSION``); fields this version does not know are kept and written back as they were, so an
@@ -22,7 +27,7 @@ import os
 import threading
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Any
+from typing import Any, TypeVar
 
 from mig_operator.core.lifecycle import OwnerEntry, OwnerRecord
 from mig_operator.gpu.files import write_atomically
@@ -51,6 +56,10 @@ class PreparedClaim:
     namespace: str
     name: str
     slice_uid: str
+
+
+_State = tuple[OwnerRecord, dict[str, PreparedClaim], frozenset[str]]  # record, prepared claims, revoked
+_R = TypeVar("_R")
 
 
 class RecordError(Exception):
@@ -115,11 +124,13 @@ def boot_id(path: str = BOOT_ID_PATH) -> str:
 
 
 class RecordStore:
-    """The owner record in memory and on disk; every change goes through ``update``."""
+    """The owner record in memory and on disk; every change goes through ``update`` (or the prepared
+    claims' and revocations' methods), staged in memory and then written with whatever else was staged."""
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the staged state and the generations
+        self._write_lock = threading.Lock()  # one write at a time
         directory = os.path.dirname(os.path.abspath(path))
         if os.path.exists(path) and not os.path.isfile(path):
             raise RecordError(f"owner record {path!r} exists and is not a regular file; "
@@ -138,6 +149,12 @@ class RecordStore:
         self._unknown_owners: dict[str, dict[str, Any]] = {}
         self._unknown_claims: dict[str, dict[str, Any]] = {}
         self._record = self._read()
+        # Staged: the written state with the changes not written yet. Each change gets the next
+        # generation; ``_written`` is the newest generation on disk, and generations up to ``_lost``
+        # that never reached it were dropped by a failed write (``_lost_error`` says why).
+        self._staged: _State = (self._record, self._prepared, self._revoked)
+        self._generation = self._written = self._lost = 0
+        self._lost_error = ""
 
     @property
     def record(self) -> OwnerRecord:
@@ -157,29 +174,67 @@ class RecordStore:
         return [c for c in self._prepared.values() if c.slice_uid == slice_uid]
 
     def put_prepared(self, claim: PreparedClaim) -> None:
-        with self._lock:
-            prepared = {**self._prepared, claim.claim_uid: claim}
-            self._write(self._record, prepared, self._revoked)
-            self._prepared = prepared
+        self._change(lambda record, prepared, revoked: ((record, {**prepared, claim.claim_uid: claim}, revoked), None))
 
     def drop_prepared(self, claim_uid: str) -> PreparedClaim | None:
         """Forget a prepared claim; a revoked slice no claim names any more is dropped with it (its
         instance becomes idle from ``now``). Returns the claim forgotten, if any."""
-        with self._lock:
-            prepared = dict(self._prepared)
-            claim = prepared.pop(claim_uid, None)
-            if claim is None:
-                return None
-            self._write(self._record, prepared, self._revoked)
-            self._prepared = prepared
-            return claim
+        def change(record: OwnerRecord, prepared: dict[str, PreparedClaim], revoked: frozenset[str]
+                   ) -> tuple[_State | None, PreparedClaim | None]:
+            if claim_uid not in prepared:
+                return None, None
+            rest = dict(prepared)
+            return (record, rest, revoked), rest.pop(claim_uid)
+
+        return self._change(change)
 
     def revoke(self, slice_uid: str) -> None:
         """Slice ``slice_uid`` is gone but a claim on it is prepared: keep its owner entry, held."""
+        self._change(lambda record, prepared, revoked: ((record, prepared, revoked | {slice_uid}), None))
+
+    def update(self, change: Callable[[OwnerRecord], OwnerRecord]) -> OwnerRecord:
+        """Apply ``change`` to the record and write it; ``record`` shows the change once it is written."""
+        def staged(record: OwnerRecord, prepared: dict[str, PreparedClaim], revoked: frozenset[str]
+                   ) -> tuple[_State, OwnerRecord]:
+            new = change(record)
+            # A slice no longer in the record is no longer held for a claim.
+            return (new, prepared, frozenset(uid for uid in revoked if uid in new.owners)), new
+
+        return self._change(staged)
+
+    def _change(self, change: Callable[..., tuple[_State | None, _R]]) -> _R:
+        """Stage ``change`` (given the staged record, prepared claims and revocations, it returns their
+        new values, or None for no change, and what to return), then wait until a write holds it."""
         with self._lock:
-            revoked = self._revoked | {slice_uid}
-            self._write(self._record, self._prepared, revoked)
-            self._revoked = revoked
+            new, result = change(*self._staged)
+            if new is None:
+                return result
+            self._staged = new
+            self._generation += 1
+            generation = self._generation
+        self._commit(generation)
+        return result
+
+    def _commit(self, generation: int) -> None:
+        with self._write_lock:
+            with self._lock:
+                if generation <= self._written:
+                    return  # a write since this change was staged held it
+                if generation <= self._lost:
+                    raise RecordError(self._lost_error)
+                state, upto = self._staged, self._generation
+            try:
+                self._write(*state)
+            except BaseException as exc:
+                with self._lock:  # every change staged so far is gone: back to what the file holds
+                    self._staged = (self._record, self._prepared, self._revoked)
+                    self._lost = self._generation
+                    self._lost_error = (str(exc) if isinstance(exc, RecordError) else
+                                        f"cannot write owner record {self.path!r}: {type(exc).__name__}: {exc}")
+                raise
+            with self._lock:
+                self._record, self._prepared, self._revoked = state
+                self._written = upto
 
     def _read(self) -> OwnerRecord:
         try:
@@ -213,16 +268,6 @@ class RecordStore:
         except (TypeError, AttributeError, ValueError) as exc:
             raise RecordError(f"owner record {self.path!r} is not a record ({exc}); "
                               "move it aside to start afresh") from None
-
-    def update(self, change: Callable[[OwnerRecord], OwnerRecord]) -> OwnerRecord:
-        """Apply ``change`` to the record and write it; the in-memory record changes only if the write did."""
-        with self._lock:
-            new = change(self._record)
-            # A slice no longer in the record is no longer held for a claim.
-            revoked = frozenset(uid for uid in self._revoked if uid in new.owners)
-            self._write(new, self._prepared, revoked)
-            self._record, self._revoked = new, revoked
-            return new
 
     def put(self, entry: OwnerEntry) -> OwnerRecord:
         def change(record: OwnerRecord) -> OwnerRecord:
