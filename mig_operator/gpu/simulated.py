@@ -410,7 +410,7 @@ class SimulatedBackend:
                     try:
                         raw = read_state(self._state_file)
                         cache, self._cache = self._cache, None
-                        if raw is not None and cache is not None and raw == cache[0]:
+                        if cache is not None and raw == cache[0]:
                             found, before = True, cache[1]
                         else:
                             found = self._load(raw)
