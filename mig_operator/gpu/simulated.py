@@ -18,12 +18,13 @@ What it reproduces, because the operator's logic depends on it:
   completes one. Faults (``inject_fault``) and ``create_half_instance`` make such states on purpose.
 
 State lives in memory, or in a JSON file when ``state_file`` is given: it is read under an ``fcntl``
-lock before every operation and written atomically (temp file + rename) whenever the operation
-changed it, failed operations included (a half-made instance, a fault used up). A mutation's latency
-is slept after the file is unlocked, so only that caller waits. The file holds the
-instances, the pending faults and the latency, so a restarted agent, or another process using the
-same file (an agent under test), sees the same GPUs, faults and delays. A file that cannot be read as
-this simulator's state gives a one-line GpuError, never a traceback.
+lock before every operation (decoded only when its bytes changed) and written atomically (temp file
++ rename, no fsync) whenever the operation changed it, failed operations included (a half-made
+instance, a fault used up). A mutation's latency is slept after the file is unlocked, so only that
+caller waits. The file holds the instances, the pending faults and the latency, so a restarted
+agent, or another process using the same file (an agent under test), sees the same GPUs, faults and
+delays. A file that cannot be read as this simulator's state gives a one-line GpuError, never a
+traceback.
 """
 
 from __future__ import annotations
