@@ -18,12 +18,13 @@ What it reproduces, because the operator's logic depends on it:
   completes one. Faults (``inject_fault``) and ``create_half_instance`` make such states on purpose.
 
 State lives in memory, or in a JSON file when ``state_file`` is given: it is read under an ``fcntl``
-lock before every operation and written atomically (temp file + rename) whenever the operation
-changed it, failed operations included (a half-made instance, a fault used up). A mutation's latency
-is slept after the file is unlocked, so only that caller waits. The file holds the
-instances, the pending faults and the latency, so a restarted agent, or another process using the
-same file (an agent under test), sees the same GPUs, faults and delays. A file that cannot be read as
-this simulator's state gives a one-line GpuError, never a traceback.
+lock before every operation (decoded only when its bytes changed) and written atomically (temp file
++ rename, no fsync) whenever the operation changed it, failed operations included (a half-made
+instance, a fault used up). A mutation's latency is slept after the file is unlocked, so only that
+caller waits. The file holds the instances, the pending faults and the latency, so a restarted
+agent, or another process using the same file (an agent under test), sees the same GPUs, faults and
+delays. A file that cannot be read as this simulator's state gives a one-line GpuError, never a
+traceback.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ from mig_operator.gpu.sim_state import (
     gpu_instance_id,
     is_int,
     latency_table,
-    load_state,
+    parse_state,
+    read_state,
     save_state,
     snapshot,
 )
@@ -83,6 +85,8 @@ class SimulatedBackend:
         self._faults: dict[str, list[list[Any]]] = {}
         self._latency: dict[str, float] = {}
         self._latency_override = latency_table(latency_s) if latency_s is not None else None
+        # The state file's bytes that the in-memory state holds, and its snapshot (see ``_state``).
+        self._cache: tuple[bytes, dict[str, Any]] | None = None
         # A GPU without MIG can never be in MIG mode.
         enabled = mig_enabled and self._model.mig_capable
         self._gpus = [SimGpu(mig_enabled=enabled) for _ in range(count)]
@@ -389,7 +393,13 @@ class SimulatedBackend:
     def _state(self, initial: bool = False) -> Iterator[None]:
         """Hold the state for one operation: thread lock, file lock, fresh read, and a write-back when
         the operation changed anything, also when it failed with a GpuError after a change (a fault
-        used up, a GPU instance left half-made), since the hardware would have changed as well."""
+        used up, a GPU instance left half-made), since the hardware would have changed as well.
+
+        The file is read every time, so another process's change is always seen, but decoded only
+        when its bytes differ from those in ``_cache``: the bytes last read or written here, which
+        the in-memory state holds, with that state's snapshot. The cache is None while an operation
+        runs, and stays None when one ends without its state saved (an OSError on save, an
+        exception other than GpuError), so the next operation decodes the file afresh."""
         with self._lock:
             if self._state_file is None:
                 yield
@@ -399,16 +409,19 @@ class SimulatedBackend:
                 with open(self._state_file + ".lock", "a") as lock_fd:
                     fcntl.flock(lock_fd, fcntl.LOCK_EX)
                     try:
-                        found = self._load()
-                        before = self._snapshot()
+                        raw = read_state(self._state_file)
+                        cache, self._cache = self._cache, None
+                        if cache is not None and raw == cache[0]:
+                            found, before = True, cache[1]
+                        else:
+                            found = self._load(raw)
+                            before = self._snapshot()
                         try:
                             yield
                         except GpuError:
-                            if self._snapshot() != before:
-                                self._save()
+                            self._write_back(raw, before, force=False)
                             raise
-                        if self._snapshot() != before or (initial and not found):
-                            self._save()
+                        self._write_back(raw, before, force=initial and not found)
                     finally:
                         fcntl.flock(lock_fd, fcntl.LOCK_UN)
             except OSError as exc:
@@ -419,10 +432,10 @@ class SimulatedBackend:
     def _file_error(self, exc: OSError) -> GpuError:
         return file_error(self._state_file or "", exc)
 
-    def _load(self) -> bool:
-        """Replace the in-memory state with the file's; False when there is no state yet."""
+    def _load(self, raw: bytes | None) -> bool:
+        """Replace the in-memory state with the one ``raw`` holds; False when there is no state yet."""
         assert self._state_file is not None
-        state = load_state(self._state_file, self._model, self._count)
+        state = parse_state(raw, self._state_file, self._model, self._count) if raw is not None else None
         if state is None:
             return False
         self._gpus, self._faults, self._latency = state
@@ -431,6 +444,11 @@ class SimulatedBackend:
     def _snapshot(self) -> dict[str, Any]:
         return snapshot(self._model, self._gpus, self._faults, self._latency)
 
-    def _save(self) -> None:
+    def _write_back(self, raw: bytes | None, before: dict[str, Any], force: bool) -> None:
+        """Save the state when it differs from ``before`` (or ``force``); then cache the file's bytes."""
         assert self._state_file is not None
-        save_state(self._state_file, self._snapshot())
+        after = self._snapshot()
+        if force or after != before:
+            self._cache = (save_state(self._state_file, after), after)
+        elif raw:  # an empty or missing file holds no state: the next operation must see so
+            self._cache = (raw, after)

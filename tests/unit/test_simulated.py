@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import multiprocessing
 import os
@@ -13,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mig_operator.core.profiles import CATALOG, get_model
-from mig_operator.gpu import open_backend
+from mig_operator.gpu import open_backend, sim_state
 from mig_operator.gpu.inventory import describe
 from mig_operator.gpu.protocol import GpuBackend, GpuError
 from mig_operator.gpu.simulated import SimulatedBackend, gpu_uuid
@@ -139,6 +140,80 @@ def test_state_persists_across_backend_objects(tmp_path: Path) -> None:
     data = json.loads(Path(state).read_text())
     assert data["model"] == "h200-141gb" and len(data["gpus"]) == 2
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".simstate-")]  # no temp file left
+
+
+def test_another_backends_change_is_seen_through_the_cache(tmp_path: Path) -> None:
+    state = str(tmp_path / "sim.json")
+    a = SimulatedBackend("h200-141gb", state_file=state)
+    assert a.instances(0) == [] and a.instances(0) == []  # a's cache now holds the file's bytes
+    b = SimulatedBackend("h200-141gb", state_file=state)
+    made = b.create_instance(0, 19, 3)
+    assert a.instances(0) == [made]
+    b.inject_fault("instances", "TIMEOUT")
+    with pytest.raises(GpuError) as injected:
+        a.instances(0)
+    assert _error(injected) == "TIMEOUT"
+    # Recreated: a file of the same size (generation 1 becomes 2), likely within the same mtime tick.
+    size = os.path.getsize(state)
+    b.destroy_instance(0, made.gi_id)
+    remade = b.create_instance(0, 19, 3)
+    assert os.path.getsize(state) == size and remade.device_uuid != made.device_uuid
+    assert a.instances(0) == [remade]
+
+
+def _counting_decode(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count the state file's decodes (the field-by-field check every parse of the file runs)."""
+    calls: list[int] = []
+    real = sim_state._decode
+
+    def counted(*args: object, **kwargs: object) -> object:
+        calls.append(1)
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(sim_state, "_decode", counted)
+    return calls
+
+
+def test_the_state_file_is_decoded_only_when_its_bytes_changed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    state = str(tmp_path / "sim.json")
+    a = SimulatedBackend("h200-141gb", count=2, state_file=state)
+    made = a.create_instance(1, 15, 2)
+    decodes = _counting_decode(monkeypatch)
+    inode = os.stat(state).st_ino
+    for _ in range(3):
+        assert a.instances(1) == [made] and [g.index for g in a.gpus()] == [0, 1]
+    assert decodes == [] and os.stat(state).st_ino == inode  # neither decoded nor rewritten
+    a.set_in_use(1, made.gi_id, True)  # a's own write: the bytes it wrote are those it holds
+    assert a.instances(1)[0].in_use and decodes == []
+    b = SimulatedBackend("h200-141gb", count=2, state_file=state)  # decodes once, at start
+    b.create_instance(0, 19, 0)
+    del decodes[:]
+    assert [i.gi_id for i in a.instances(0)] == [7] and len(decodes) == 1
+    assert [i.gi_id for i in a.instances(0)] == [7] and len(decodes) == 1
+
+
+def test_a_state_not_saved_is_not_served_from_the_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    state = str(tmp_path / "sim.json")
+    sim = SimulatedBackend("h200-141gb", state_file=state)
+    assert sim.instances(0) == []
+    before = Path(state).read_bytes()
+    real_write = sim_state.write_atomically
+
+    def full_disk(*args: object, **kwargs: object) -> None:
+        monkeypatch.setattr(sim_state, "write_atomically", real_write)  # this once
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(sim_state, "write_atomically", full_disk)
+    with pytest.raises(GpuError, match="No space left on device"):
+        sim.create_instance(0, 19, 0)
+    assert Path(state).read_bytes() == before and sim.instances(0) == []  # the file's state, not memory's
+    # An operation that fails otherwise than with a GpuError after changing the state: not saved either.
+    with monkeypatch.context() as patched:
+        patched.setattr(SimulatedBackend, "_record", lambda *_: 1 / 0)
+        with pytest.raises(ZeroDivisionError):
+            sim.create_instance(0, 19, 1)
+    assert Path(state).read_bytes() == before and sim.instances(0) == []
+    assert [i.start for i in SimulatedBackend("h200-141gb", state_file=state).instances(0)] == []
 
 
 def test_a_foreign_state_file_is_refused(tmp_path: Path) -> None:

@@ -324,6 +324,84 @@ def test_a_bad_state_file_is_one_line_gpu_error(name: str, tmp_path: Path) -> No
     assert path.read_bytes() == BAD_CONTENTS[name]  # a refused file is left as it was
 
 
+# The file's layout, written out by hand: other processes (and older agents) read it.
+_STATE_TEXT = """{
+ "version": 1,
+ "model": "h200-141gb",
+ "gpus": [
+  {
+   "mig_enabled": true,
+   "generation": 3,
+   "instances": [
+    {
+     "gi_id": 7,
+     "profile_id": 19,
+     "start": 0,
+     "size": 1,
+     "ci_id": 0,
+     "generation": 1,
+     "in_use": false
+    },
+    {
+     "gi_id": 10,
+     "profile_id": 19,
+     "start": 3,
+     "size": 1,
+     "ci_id": 0,
+     "generation": 2,
+     "in_use": true
+    },
+    {
+     "gi_id": 12,
+     "profile_id": 19,
+     "start": 5,
+     "size": 1,
+     "ci_id": -1,
+     "generation": 3,
+     "in_use": false
+    }
+   ]
+  },
+  {
+   "mig_enabled": true,
+   "generation": 0,
+   "instances": []
+  }
+ ],
+ "faults": {
+  "destroy_instance": [
+   [
+    "IN_USE",
+    2
+   ]
+  ]
+ },
+ "latency_s": {
+  "create_instance": 1.5
+ }
+}"""
+
+
+def test_the_state_file_layout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "s.json"
+    fsyncs: list[int] = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: fsyncs.append(fd) or real_fsync(fd))
+    sim = SimulatedBackend("h200-141gb", count=2, state_file=str(path))
+    for start in (0, 3):
+        sim.create_instance(0, 19, start)
+    sim.create_half_instance(0, 19, 5)
+    sim.set_in_use(0, 10, True)
+    sim.inject_fault("destroy_instance", "IN_USE", 2)
+    sim.set_latency({"create_instance": 1.5})
+    assert path.read_text() == _STATE_TEXT
+    assert fsyncs == []  # the simulated MIG state is not kept across a power cut, as on hardware
+    # Read back as it was written, by another backend.
+    other = SimulatedBackend("h200-141gb", count=2, state_file=str(path))
+    assert [(i.gi_id, i.ci_id, i.in_use) for i in other.instances(0)] == [(7, 0, False), (10, 0, True), (12, -1, False)]
+    assert path.read_text() == _STATE_TEXT
+
+
 def test_a_gpu_without_mig_holds_no_mig_state(tmp_path: Path) -> None:
     path = tmp_path / "s.json"
     SimulatedBackend("l4-24gb", state_file=str(path))
