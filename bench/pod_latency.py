@@ -48,6 +48,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import profile_parts  # noqa: E402
 from operator_scale import Cluster, Plane, pct, stamp  # noqa: E402
 
+from mig_operator.kube.common.operator import event_loop_factory  # noqa: E402
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -403,6 +405,8 @@ def main() -> int:
     result = {"pods": args.pods, "nodes": args.nodes, "gpus": args.nodes * 8, "latency_s": args.latency,
               "gap_s": args.gap, "cpus": len(os.sched_getaffinity(0)), **limiters,
               "webhook": "own process" if args.webhook_process else "in the controller",
+              # The operator's processes run with this interpreter and path: uvloop's loop where installed.
+              "event_loop": "asyncio" if event_loop_factory() is None else "uvloop",
               **{name: summary(times) for name, times in rounds.items()},
               "writes_per_pod": {name: writes[tag] for name, tag in tags.items()},
               "writes_per_pod_by_resource": {name: by_resource[tag] for name, tag in tags.items()},
@@ -429,7 +433,8 @@ def text_summary(result: dict) -> str:
         return f"qps {limiter['qps']:g}, burst {limiter['burst']}" + ("" if limiter["flags"] else " (defaults)")
 
     lines = [f"{result['pods']} pods, gap {result['gap_s']} s, {result['cpus']} CPUs; client limiters: kube-scheduler "
-             f"{limits('scheduler_limiter')}; kube-controller-manager {limits('controller_manager_limiter')}",
+             f"{limits('scheduler_limiter')}; kube-controller-manager {limits('controller_manager_limiter')}; "
+             f"event loop {result.get('event_loop', 'asyncio')}",
              "round        total p50/p99 ms   ->Ready   Ready->ungated  ungated->bound  ->bound  writes/pod  p50/plain"]
     for name in (n for n in ROUNDS if n in result):
         r = result[name]
