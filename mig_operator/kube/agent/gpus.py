@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from mig_operator.core.cluster import InstanceState
+from mig_operator.core.profiles import GpuModel
 from mig_operator.core.quantities import MIB
 from mig_operator.gpu.protocol import GpuBackend, GpuError, GpuInfo, MigInstance
 
@@ -28,14 +29,23 @@ class Gpus:
 
     async def call(self, call: str, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` in a worker thread, timed and its NVML errors counted under ``call``."""
-        started = time.perf_counter()
-        try:
-            return await asyncio.to_thread(fn, *args)
-        except GpuError as exc:
-            metrics.NVML_ERRORS.labels(call, exc.name).inc()
-            raise
-        finally:
-            metrics.NVML_SECONDS.labels(call).observe(time.perf_counter() - started)
+        return await asyncio.to_thread(_measured, call, fn, *args)
+
+    async def read_all(self) -> tuple[dict[int, GpuModel | None], dict[int, list[MigInstance]]]:
+        """Every GPU's model (None without MIG) and MIG instances (none with MIG off), as last listed,
+        read in one worker thread: a publish needs them all, and a thread hop per GPU cost more than
+        the reads themselves (docs/benchmarks.md). Each read is measured as ``call`` measures it."""
+        def read() -> tuple[dict[int, GpuModel | None], dict[int, list[MigInstance]]]:
+            models: dict[int, GpuModel | None] = {}
+            instances: dict[int, list[MigInstance]] = {}
+            for gpu in self.all:
+                models[gpu.index] = (_measured("model", self.backend.model, gpu.index)
+                                     if gpu.mig_capable else None)
+                instances[gpu.index] = (_measured("instances", self.backend.instances, gpu.index)
+                                        if gpu.mig_enabled else [])
+            return models, instances
+
+        return await asyncio.to_thread(read)
 
     async def refresh(self) -> None:
         self.all = await self.call("gpus", self.backend.gpus)
@@ -60,6 +70,18 @@ class Gpus:
     def memory_bytes(self, index: int) -> int | None:
         gpu = self.get(index)
         return gpu.memory_mib * MIB if gpu is not None else None
+
+
+def _measured(call: str, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)``, timed and its NVML errors counted under ``call``."""
+    started = time.perf_counter()
+    try:
+        return fn(*args)
+    except GpuError as exc:
+        metrics.NVML_ERRORS.labels(call, exc.name).inc()
+        raise
+    finally:
+        metrics.NVML_SECONDS.labels(call).observe(time.perf_counter() - started)
 
 
 def describe_instance(node: str, gpu: int, inst: InstanceState) -> str:

@@ -118,20 +118,36 @@ class MpsKeeper:
                 if self.on_change is not None and self._told.get(uuid, True) != (why is None):
                     await self.on_change(uuid, why is None, why or f"the MPS control daemon of {uuid} answers again")
                 self._told[uuid] = why is None
-            for gpu in self.gpus.all:
-                if gpu.uuid in needed:
-                    continue
+            unneeded = [gpu for gpu in self.gpus.all if gpu.uuid not in needed]
+            for gpu in unneeded:
                 self.failed.pop(gpu.uuid, None)
                 self.held.pop(gpu.uuid, None)
                 self._told.pop(gpu.uuid, None)
+            # Each publish asks: one thread hop for all the GPUs, most of which never had a daemon.
+            unknown = [gpu.uuid for gpu in unneeded if gpu.uuid not in self.running]
+            answering = await asyncio.to_thread(self._answering, unknown) if unknown else set()
+            for gpu in unneeded:
+                if gpu.uuid not in self.running and gpu.uuid not in answering:
+                    continue
                 try:
-                    if gpu.uuid in self.running or await asyncio.to_thread(self.control.running, gpu.uuid):
-                        await asyncio.to_thread(self.control.stop, gpu.uuid)
-                        log.info("MPS control daemon of %s stopped: no compute share left on GPU %s",
-                                 gpu.uuid, gpu.index)
+                    await asyncio.to_thread(self.control.stop, gpu.uuid)
+                    log.info("MPS control daemon of %s stopped: no compute share left on GPU %s",
+                             gpu.uuid, gpu.index)
                     self.running.discard(gpu.uuid)
                 except MpsError as exc:
                     log.warning("%s", exc)
+
+    def _answering(self, uuids: list[str]) -> set[str]:
+        """The GPUs among ``uuids`` whose daemon answers (one left by an agent before this one)."""
+        assert self.control is not None
+        found = set()
+        for uuid in uuids:
+            try:
+                if self.control.running(uuid):
+                    found.add(uuid)
+            except MpsError as exc:
+                log.warning("%s", exc)
+        return found
 
     def condition(self) -> dict[str, str] | None:
         """The GpuNode's ``MPSReady`` condition, once this agent has served a compute share."""

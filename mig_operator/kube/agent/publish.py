@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from mig_operator.core.device_plugin import CONDITION_TYPE, DevicePluginCheck
 from mig_operator.core.lifecycle import OwnerEntry
-from mig_operator.gpu.protocol import GpuError, MigInstance
+from mig_operator.gpu.protocol import GpuError
 
 from ..common import metrics, status
 from ..common.client import ApiError, KubeClient, gpunode_path, gpunodes_path
@@ -98,12 +98,7 @@ class Publisher:
 
     async def publish(self, verify_devices: bool = False) -> None:
         await self.mps.settle()  # the daemons follow the record (each change publishes; so does the heartbeat)
-        models: dict[int, Any] = {}
-        instances: dict[int, list[MigInstance]] = {}
-        for gpu in self.gpus.all:
-            models[gpu.index] = (await self.gpus.call("model", self.gpus.backend.model, gpu.index)
-                                 if gpu.mig_capable else None)
-            instances[gpu.index] = await self.gpus.instances(gpu)
+        models, instances = await self.gpus.read_all()
         node = self.node
         check = node.device_plugin
         body = gpunode_status(self.gpus.all, models, instances, self.store.record, node.labelled, status.now(),
