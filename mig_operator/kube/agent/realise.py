@@ -161,9 +161,13 @@ class Realiser:
         # The device goes into the ResourceSlice as the slice says Ready, both writes at once: the
         # controller allocates the claim itself (kube-scheduler never looks for the device), and the
         # kubelet's prepare asks this agent, so neither waits for the other (one write less on every
-        # pod's path: docs/benchmarks.md). The GpuNode, which needs the GPUs read again, follows at once
-        # (a full publish before Ready cost a new instance more than the controller's wait for it).
+        # pod's path: docs/benchmarks.md).
         self.announcing.add(uid)
+        if action == "create":
+            # The controller hands a device on once the GpuNode lists it: a new instance's GpuNode write
+            # starts beside its Ready, not after it (the record names the instance's slice already; a
+            # publish awaited before Ready cost a new instance more than the controller's wait for it).
+            self.publisher.schedule(at_once=True)
         try:
             await asyncio.gather(self.publisher.devices(), self.write_status(body, ready))
             self.shown_ready.add(uid)
@@ -175,11 +179,11 @@ class Realiser:
             self.announcing.discard(uid)
         log.info("slice %s ready: %s", ref, ready["message"])
         metrics.REALISE_SECONDS.labels(action).observe(time.perf_counter() - started)
-        # The controller hands a device on once the GpuNode lists it: a new instance's must go out at
-        # once; a reused instance (listed idle) and a fraction's GPU are listed already, so their
-        # change joins the next coalesced publish (a GpuNode write costs kube-apiserver about ten
-        # times a slice's status write: docs/benchmarks.md).
-        self.publisher.schedule(at_once=action == "create")
+        # A reused instance (listed idle) and a fraction's GPU are listed already, so their change joins
+        # the next coalesced publish (a GpuNode write costs kube-apiserver about ten times a slice's
+        # status write: docs/benchmarks.md).
+        if action != "create":
+            self.publisher.schedule()
 
     async def _realise_fraction(self, uid: str, ref: str, binding: Binding, gpu: GpuInfo) -> tuple[str, dict]:
         if gpu.mig_enabled:
