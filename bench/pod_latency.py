@@ -5,7 +5,7 @@ ones, against plain pods (no annotation) and DRA-native pods in the same run.
                                           [--scheduler-qps N] [--scheduler-burst N]
                                           [--controller-manager-qps N] [--controller-manager-burst N]
                                           [--rounds plain,dra_native,new,reused] [--webhook-process]
-                                          [--profile FILE]
+                                          [--profile FILE] [--warm-up PODS]
 
 The whole path runs for real: the admission webhook (served by the controller, or with --webhook-process
 by `mig-operator webhook` as the chart runs it), the pod's GpuSlice,
@@ -20,6 +20,9 @@ all pods are deleted, and the last round finds the instances idle and reuses the
 kube-apiserver's own count of non-GET requests during a round (every client: operator, scheduler,
 controller-manager, kwok), over the pods. CPU per pod: each part's CPU time over the round, over the
 pods (where the CPUs go in a burst).
+
+Before the rounds, a warm-up of 100 plain pods (--warm-up) runs unmeasured: on a fresh plane the
+first round ran up to four times slower than the same round later (docs/benchmarks.md, run L).
 
 The client rate limiters of kube-scheduler and kube-controller-manager (--scheduler-qps/-burst,
 --controller-manager-qps/-burst, passed to the plane this run starts) are reported as the running
@@ -72,6 +75,13 @@ ANNOTATED = ("new", "reused")
 ROUND_ASKS: dict[str, tuple[str | None, str | None]] = {
     "plain": (None, None), "dra_native": (None, STANDIN_TEMPLATE), "new": ("9Gi", None), "reused": ("9Gi", None)}
 TAGS = {"plain": "plain", "dra_native": "dra", "new": "new", "reused": "again"}
+
+
+def warm_up_pods(text: str) -> int:
+    """argparse type: a whole number of pods from 0 to 1000."""
+    if not text.isdigit() or int(text) > 1000:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a whole number of pods from 0 to 1000 (e.g. 100)")
+    return int(text)
 
 
 def positive(kind: type, most: int) -> Callable[[str], float | int]:
@@ -316,6 +326,9 @@ def main() -> int:
                             help=f"kube-{part}'s client burst (control-plane up --{part}-burst)")
     parser.add_argument("--webhook-process", action="store_true",
                         help="serve the webhook from its own process (mig-operator webhook), not the controller's")
+    parser.add_argument("--warm-up", type=warm_up_pods, default=100, metavar="PODS",
+                        help="plain pods created, run and deleted before the measured rounds, unmeasured "
+                        "(default 100; 0: none): the first round on a fresh plane ran up to 4 times slower")
     parser.add_argument("--rounds", default=",".join(ROUNDS), type=rounds_list,
                         help="the rounds to run, in this order (reused needs new before it)")
     parser.add_argument("--profile", metavar="FILE",
@@ -367,9 +380,13 @@ def main() -> int:
                 key = f"{event.source.component or event.reporting_component}/{event.reason}"
                 reasons[key] = reasons.get(key, 0) + (event.count or 1)
         events[tag] = dict(sorted(reasons.items()))
+        cleared()
+        return times
+
+    def cleared() -> None:
+        """Delete the round's pods; return once they, their slices and their claims are gone (the
+        garbage collector deletes a claim after its slice or its pod), so no clean-up is counted."""
         core.delete_collection_namespaced_pod(ns, grace_period_seconds=0)
-        # The next round starts once this one's objects are gone: pods, slices and their claims (the
-        # garbage collector deletes a claim after its slice or its pod), so no clean-up is counted in it.
         deadline = time.monotonic() + 120
         while (custom.list_namespaced_custom_object("cdmo.io", "v1alpha1", ns, "gpuslices")["items"]
                or custom.list_namespaced_custom_object("resource.k8s.io", "v1", ns, "resourceclaims")["items"]
@@ -377,11 +394,13 @@ def main() -> int:
             if time.monotonic() > deadline:
                 raise SystemExit("the deleted pods' slices and claims were not gone in 120 s")
             time.sleep(0.5)
-        return times
 
     spy: Profiler | None = None
     rounds: dict[str, dict[str, list[float]]] = {}
     try:
+        if args.warm_up:
+            round_trip(core, ns, args.warm_up, None, "warm-up")
+            cleared()
         for name in args.rounds:
             if name in ANNOTATED and args.profile and spy is None:
                 spy = Profiler(cluster, args.profile)
@@ -403,7 +422,7 @@ def main() -> int:
 
     tags = {name: TAGS[name] for name in rounds}
     result = {"pods": args.pods, "nodes": args.nodes, "gpus": args.nodes * 8, "latency_s": args.latency,
-              "gap_s": args.gap, "cpus": len(os.sched_getaffinity(0)), **limiters,
+              "gap_s": args.gap, "warm_up_pods": args.warm_up, "cpus": len(os.sched_getaffinity(0)), **limiters,
               "webhook": "own process" if args.webhook_process else "in the controller",
               # The operator's processes run with this interpreter and path: uvloop's loop where installed.
               "event_loop": "asyncio" if event_loop_factory() is None else "uvloop",
