@@ -99,16 +99,48 @@ def test_failure_while_serialising_leaves_old_file_and_memory(path) -> None:
     assert RecordStore(path).record.owners == {"uid-a": MIG_ENTRY}
 
 
-def test_json_dump_raising_leaves_old_file_and_memory(path, monkeypatch) -> None:
+def test_encoding_interrupted_leaves_old_file_and_memory(path, monkeypatch) -> None:
     store = RecordStore(path)
     store.put(MIG_ENTRY)
     before_disk, before_memory = _stored(path), store.record
 
-    def crash(data, fh, **kwargs):
-        fh.write('{"bootId": "half')
+    def crash(data, **kwargs):
         raise KeyboardInterrupt("power cut")
 
-    monkeypatch.setattr(record_module.json, "dump", crash)
+    monkeypatch.setattr(record_module.json, "dumps", crash)
+    with pytest.raises(KeyboardInterrupt):
+        store.drop("uid-a", "2024-01-01T00:00:00.000Z")
+    monkeypatch.undo()
+    assert _stored(path) == before_disk
+    assert store.record is before_memory
+    assert leftovers(os.path.dirname(path)) == []
+    store.put(FRACTION_ENTRY)  # the interrupted change is gone; the next one is written on the old record
+    assert set(RecordStore(path).record.owners) == {"uid-a", "uid-b"}
+
+
+def test_a_write_cut_short_leaves_old_file(path, monkeypatch) -> None:
+    store = RecordStore(path)
+    store.put(MIG_ENTRY)
+    before_disk, before_memory = _stored(path), store.record
+    real_fdopen = files_module.os.fdopen
+
+    class HalfFile:
+        """Writes half of what it is given to the temporary file, then the machine stops."""
+
+        def __init__(self, fh):
+            self.fh = fh
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.fh.close()
+
+        def write(self, text):
+            self.fh.write(text[: len(text) // 2])
+            raise KeyboardInterrupt("power cut")
+
+    monkeypatch.setattr(files_module.os, "fdopen", lambda fd, mode: HalfFile(real_fdopen(fd, mode)))
     with pytest.raises(KeyboardInterrupt):
         store.drop("uid-a", "2024-01-01T00:00:00.000Z")
     monkeypatch.undo()

@@ -26,7 +26,7 @@ import json
 import os
 import threading
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any, TypeVar
 
 from mig_operator.core.lifecycle import OwnerEntry, OwnerRecord
@@ -294,7 +294,7 @@ class RecordStore:
             **self._unknown,
             "version": self._version,
             "bootId": record.boot_id,
-            "owners": {uid: {**self._unknown_owners.get(uid, {}), **asdict(entry)}
+            "owners": {uid: {**self._unknown_owners.get(uid, {}), **{f: getattr(entry, f) for f in _FIELD_TYPES}}
                        for uid, entry in sorted(record.owners.items())},
             "idleSince": dict(sorted(record.idle_since.items())),
             "preparedClaims": {uid: {**self._unknown_claims.get(uid, {}), "namespace": c.namespace, "name": c.name,
@@ -303,6 +303,8 @@ class RecordStore:
             "revoked": sorted(revoked),
         }
         try:
-            write_atomically(self.path, lambda fh: json.dump(data, fh, indent=1), prefix=".owners-")
+            # One line: json.dumps encodes it in C, where indenting (or json.dump) takes the pure-Python
+            # encoder, the larger part of a write's CPU in a burst (docs/benchmarks.md).
+            write_atomically(self.path, json.dumps(data), prefix=".owners-")
         except OSError as exc:
             raise RecordError(f"cannot write owner record {self.path!r}: {exc.strerror}") from None
