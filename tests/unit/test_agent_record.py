@@ -86,6 +86,13 @@ def _stored(path) -> bytes:
         return fh.read()
 
 
+def _assert_as_before(store: RecordStore, path: str, disk: bytes, memory: OwnerRecord) -> None:
+    """The file, the in-memory record and the directory are as before a failed write."""
+    assert _stored(path) == disk
+    assert store.record is memory
+    assert leftovers(os.path.dirname(path)) == []
+
+
 def test_failure_while_serialising_leaves_old_file_and_memory(path) -> None:
     store = RecordStore(path)
     store.put(MIG_ENTRY)
@@ -111,9 +118,7 @@ def test_encoding_interrupted_leaves_old_file_and_memory(path, monkeypatch) -> N
     with pytest.raises(KeyboardInterrupt):
         store.drop("uid-a", "2024-01-01T00:00:00.000Z")
     monkeypatch.undo()
-    assert _stored(path) == before_disk
-    assert store.record is before_memory
-    assert leftovers(os.path.dirname(path)) == []
+    _assert_as_before(store, path, before_disk, before_memory)
     store.put(FRACTION_ENTRY)  # the interrupted change is gone; the next one is written on the old record
     assert set(RecordStore(path).record.owners) == {"uid-a", "uid-b"}
 
@@ -144,9 +149,7 @@ def test_a_write_cut_short_leaves_old_file(path, monkeypatch) -> None:
     with pytest.raises(KeyboardInterrupt):
         store.drop("uid-a", "2024-01-01T00:00:00.000Z")
     monkeypatch.undo()
-    assert _stored(path) == before_disk
-    assert store.record is before_memory
-    assert leftovers(os.path.dirname(path)) == []
+    _assert_as_before(store, path, before_disk, before_memory)
 
 
 def test_rename_failing_gives_record_error_and_leaves_old_file_and_memory(path, monkeypatch) -> None:
@@ -162,9 +165,7 @@ def test_rename_failing_gives_record_error_and_leaves_old_file_and_memory(path, 
         store.put(FRACTION_ENTRY)
     monkeypatch.undo()
     assert path in str(info.value)
-    assert _stored(path) == before_disk
-    assert store.record is before_memory
-    assert leftovers(os.path.dirname(path)) == []
+    _assert_as_before(store, path, before_disk, before_memory)
 
 
 def test_fsync_failing_gives_record_error_and_keeps_memory(path, monkeypatch) -> None:
@@ -179,9 +180,7 @@ def test_fsync_failing_gives_record_error_and_keeps_memory(path, monkeypatch) ->
     with pytest.raises(RecordError):
         store.put(FRACTION_ENTRY)
     monkeypatch.undo()
-    assert _stored(path) == before_disk
-    assert store.record is before_memory
-    assert leftovers(os.path.dirname(path)) == []
+    _assert_as_before(store, path, before_disk, before_memory)
 
 
 def test_change_function_raising_writes_nothing(path) -> None:
