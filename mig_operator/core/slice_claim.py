@@ -82,9 +82,33 @@ def allocation(node: str, slice_uid: str) -> dict[str, Any]:
     }
 
 
-def allocation_patch(node: str, slice_uid: str) -> dict[str, Any]:
-    """The merge patch of the claim's status subresource that allocates it (``allocation``)."""
-    return {"status": {"allocation": allocation(node, slice_uid)}}
+def pod_consumer(pod_name: str, pod_uid: str) -> dict[str, str]:
+    """A ``status.reservedFor`` entry for a pod (resource.k8s.io/v1 ResourceClaimConsumerReference; the
+    core API group is the empty one, left out as kube-scheduler leaves it)."""
+    return {"resource": "pods", "name": pod_name, "uid": pod_uid}
+
+
+def allocation_patch(node: str, slice_uid: str, reserved_for: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The merge patch of the claim's status subresource that allocates it (``allocation``) and, for a
+    pod's slice, reserves it for that pod (``reserved_for``, a ``pod_consumer``) in the same write.
+
+    kube-scheduler writes a reservation only for a pod the claim is not reserved for yet, and
+    kube-controller-manager keeps one while its pod exists and has not finished: reserved here, the
+    claim costs kube-scheduler no write of its own, and a pod's path from ungated to bound one write
+    less (docs/benchmarks.md, run M). The reservation counts as a use (``core.lifecycle.claim_hold``):
+    the controller takes it away before a slice of a pod that is still gated goes (``unreserve_patch``).
+    """
+    status: dict[str, Any] = {"allocation": allocation(node, slice_uid)}
+    if reserved_for is not None:
+        status["reservedFor"] = [dict(reserved_for)]
+    return {"status": status}
+
+
+def unreserve_patch(pod_uid: str) -> dict[str, Any]:
+    """The strategic merge patch of the claim's status subresource that takes pod ``pod_uid``'s
+    reservation away and leaves any other (``reservedFor`` merges by ``uid``), as kube-scheduler's
+    Unreserve does; a claim not reserved for the pod is left as it is."""
+    return {"status": {"reservedFor": [{"$patch": "delete", "uid": pod_uid}]}}
 
 
 def allocation_state(claim: Mapping[str, Any], node: str, slice_uid: str) -> str:

@@ -1,8 +1,9 @@
 """The controller allocates each slice's ResourceClaim itself, pinned to the slice's node (issue 24, "The
 controller's claims are pinned"), on a real control plane with kube-scheduler, kube-controller-manager
-and kwok nodes: kube-scheduler only reserves the claim, a device that another node publishes under the
-slice's UID (a compromised agent) never gets the slice's pods, and a directly made slice's claim stays
-allocated to its node across its pods. The chart's claim allocation policy
+and kwok nodes: an annotated pod's claim is reserved for it by the controller too (kube-scheduler
+writes nothing to it), a device that another node publishes under the slice's UID (a compromised
+agent) never gets the slice's pods, and a directly made slice's claim stays allocated to its node
+across its pods. The chart's claim allocation policy
 (templates/claim-allocation-policy.yaml, for the controller of the session's chart identities) is
 applied for these tests: without it, a pod that names a claim before the controller allocates it can
 have kube-scheduler allocate it first (without the policy, in 4 runs of the two tests that play it,
@@ -149,7 +150,7 @@ def _notebook_pod(name: str, claim: str, prefer: str | None = None) -> dict[str,
     return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name}, "spec": spec}
 
 
-def test_an_annotated_pods_claim_is_allocated_by_the_controller_and_only_reserved_by_the_scheduler(
+def test_an_annotated_pods_claim_is_allocated_and_reserved_by_the_controller_and_not_written_by_the_scheduler(
         operator: OperatorHarness, allocation_policy: str) -> None:
     node = operator.add_node("h100-80gb")
     operator.start_operator(node, webhook=True)
@@ -162,8 +163,12 @@ def test_an_annotated_pods_claim_is_allocated_by_the_controller_and_only_reserve
     claim = _claim(operator, ns, slice_name)
     assert pod.spec.node_name == node.name
     _assert_the_controllers_allocation(claim, node.name, uid)
-    assert SCHEDULER in _writers(claim, "status", "reservedFor")
-    assert [r["uid"] for r in claim["status"]["reservedFor"]] == [pod.metadata.uid]
+    # Reserved for the pod in the allocating write, so kube-scheduler, which reserves a claim only for
+    # a pod it is not reserved for yet, never wrote to it: one write less per pod.
+    assert _writers(claim, "status", "reservedFor") == _writers(claim, "spec"), claim["metadata"]["managedFields"]
+    assert SCHEDULER not in {entry["manager"] for entry in claim["metadata"]["managedFields"]}
+    assert claim["status"]["reservedFor"] == [{"resource": "pods", "name": pod.metadata.name,
+                                               "uid": pod.metadata.uid}]
 
 
 def test_a_device_another_node_publishes_under_a_slices_uid_never_gets_its_pods(

@@ -305,7 +305,7 @@ def test_the_controllers_writes_are_narrowed_to_what_its_code_writes(
     kube_cluster.custom_objects().create_namespaced_custom_object(*claims, unowned)
     refused(lambda: custom.delete_namespaced_custom_object(*claims, "users"))
     # Its allocation: that slice's device in one node's pool, usable there only (core/slice_claim.py).
-    from mig_operator.core.slice_claim import allocation_patch
+    from mig_operator.core.slice_claim import allocation_patch, pod_consumer
 
     def allocate(name: str, body: dict[str, Any]) -> Any:
         return custom.patch_namespaced_custom_object_status(*claims, name, body)
@@ -318,8 +318,20 @@ def test_the_controllers_writes_are_narrowed_to_what_its_code_writes(
     for body in (other_device, other_pool, any_node):
         refused(lambda body=body: allocate("mine", body), "allocates a GpuSlice's ResourceClaim only")
     refused(lambda: allocate("users", allocation_patch("node-a", uid)))  # a claim no GpuSlice owns
-    allocated = allocate("mine", allocation_patch("node-a", uid))
+    # Reserved in the allocating write for one pod only (claims.py), and afterwards only taken away.
+    two_pods = allocation_patch("node-a", uid)
+    two_pods["status"]["reservedFor"] = [pod_consumer("a", str(uuid.uuid4())), pod_consumer("b", str(uuid.uuid4()))]
+    refused(lambda: allocate("mine", two_pods), "reserves a GpuSlice's ResourceClaim only for one pod")
+    not_a_pod = allocation_patch("node-a", uid, {"resource": "deployments", "name": "d", "uid": str(uuid.uuid4())})
+    refused(lambda: allocate("mine", not_a_pod), "reserves a GpuSlice's ResourceClaim only for one pod")
+    first = pod_consumer("train-0", str(uuid.uuid4()))
+    allocated = allocate("mine", allocation_patch("node-a", uid, first))
     assert allocated["status"]["allocation"] == allocation_patch("node-a", uid)["status"]["allocation"]
+    assert allocated["status"]["reservedFor"] == [first]
+    later = {"status": {"reservedFor": [first, pod_consumer("train-1", str(uuid.uuid4()))]}}
+    refused(lambda: allocate("mine", later), "reserves a GpuSlice's ResourceClaim only for one pod")
+    assert not allocate("mine", {"status": {"reservedFor": None}})["status"].get("reservedFor")
+    refused(lambda: allocate("mine", {"status": {"reservedFor": [first]}}), "only for one pod")
     custom.delete_namespaced_custom_object(*claims, "mine")
     # The release's webhook configuration and peering object only (create cannot be named in RBAC).
     refused(lambda: admission.create_mutating_webhook_configuration({"metadata": {"name": f"{ns}-other"}}),

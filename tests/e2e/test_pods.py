@@ -510,3 +510,35 @@ def test_a_pod_whose_slice_failed_gets_a_new_slice_after_a_back_off(operator: Op
     assert second["metadata"]["annotations"]["cdmo.io/slice-try"] == "2"
     assert second["status"]["phase"] == "Ready" and second["status"]["profile"] == "2g.20gb"
     check_invariants(operator)
+
+
+def test_a_gated_pods_slice_deleted_while_it_is_made_is_released_at_once_and_made_again(
+        operator: OperatorHarness) -> None:
+    """The controller reserves a pod's claim for the pod in the write that allocates it, at bind,
+    while the pod is still gated, and a reservation holds a deleted slice (the agent releases none in
+    use). So a gated pod's slice that goes (deleted by hand here; a group's part given back takes the
+    same path) loses the reservation first: released at once, not held for as long as the pod lives."""
+    node = operator.add_node("h100-80gb")
+    operator.agent(node, None, "--sim-latency", "3")  # each create takes 3 s: the pod stays gated meanwhile
+    operator.wait_gpunode(node)
+    operator.controller_with_webhook()
+    operator.wait_webhook()
+    ns = operator.namespace()
+    made = create_pod(operator, ns, {"cdmo.io/mig-profile": "1g.10gb"}, name="early")
+    name = made["metadata"]["labels"]["cdmo.io/gpu-slice"]
+    first = operator.wait_phase(ns, name, "Creating", timeout=20)
+    claim = wait_until(lambda: (c := operator.custom.get_namespaced_custom_object(
+        "resource.k8s.io", "v1", ns, "resourceclaims", name))["status"].get("reservedFor") and c, 10,
+        lambda: f"the claim reserved for the gated pod\n{operator.logs()}")
+    # Written out by hand from resource.k8s.io/v1 (ResourceClaimConsumerReference).
+    assert claim["status"]["reservedFor"] == [{"resource": "pods", "name": "early", "uid": made["metadata"]["uid"]}]
+    gates = operator.core.read_namespaced_pod("early", ns).spec.scheduling_gates
+    assert [g.name for g in gates] == ["cdmo.io/gpu-slice"]
+    operator.delete_slice(ns, name)
+    # Its create ends 3 s in; held for the reservation, the slice would stay while the pod lives.
+    wait_until(lambda: (s := operator.get_slice(ns, name)) is None or s["metadata"]["uid"] != first["metadata"]["uid"],
+               20, lambda: f"the deleted slice to be released\n{operator.get_slice(ns, name)}\n{operator.logs()}")
+    pod = running(operator, ns, "early", timeout=60)
+    second = slice_of(operator, pod)
+    assert second["metadata"]["uid"] != first["metadata"]["uid"] and second["status"]["phase"] == "Ready"
+    check_invariants(operator)

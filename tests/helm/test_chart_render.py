@@ -704,8 +704,12 @@ def test_the_controller_write_policy_names_the_releases_configuration_peering_an
     # The claim it may write is the one claims.py writes: the class and the selector, up to the slice's UID.
     [claims] = [e for e in expressions if "'resourceclaims'" in e and "variables.status" not in e]
     # The allocation it may write is the one core/slice_claim.py builds: the driver, the slice's device.
-    [allocation] = [e for e in expressions if "'resourceclaims'" in e and "variables.status" in e]
+    [allocation] = [e for e in expressions if "'resourceclaims'" in e and "variables.status" in e
+                    and "reservedFor" not in e]
     assert f"x.driver == '{DRA_DRIVER}'" in allocation and "x.device == r.uid" in allocation
+    # Its reservations: one pod, in the allocating write (core/slice_claim.py's pod_consumer), then only fewer.
+    [reservations] = [e for e in expressions if "'resourceclaims'" in e and "reservedFor" in e]
+    assert "reservedFor.size() == 1" in reservations and "c.resource == 'pods'" in reservations
     assert f"q.exactly.deviceClassName == '{DEVICE_CLASS}'" in claims
     prefix, suffix = device_selector("UID").split("UID")
     assert f"== '{prefix}' + r.uid + '{suffix}'" in claims

@@ -19,6 +19,8 @@ from mig_operator.core.slice_claim import (
     allocation_state,
     claim_body,
     node_pool,
+    pod_consumer,
+    unreserve_patch,
 )
 
 UID = "0b9e6a8c-2f43-4d7a-9c1e-5a6b7c8d9e0f"
@@ -49,6 +51,20 @@ def test_the_allocation_is_the_slices_device_in_the_nodes_pool_usable_there_only
     assert set(alloc) <= {"devices", "nodeSelector"}  # allocationTimestamp: dropped unless binding conditions
     [term] = alloc["nodeSelector"]["nodeSelectorTerms"]
     assert term["matchFields"][0]["key"] == "metadata.name"  # the only field a node selector may match
+
+
+def test_a_pods_claim_is_reserved_for_it_in_the_allocating_write() -> None:
+    pod = pod_consumer("train-0", "8d3c1f2e-0000-4000-8000-000000000001")
+    # resource.k8s.io/v1 ResourceClaimConsumerReference, written out by hand: kube-controller-manager
+    # keeps an entry of the empty API group and resource "pods" while that pod lives.
+    assert pod == {"resource": "pods", "name": "train-0", "uid": "8d3c1f2e-0000-4000-8000-000000000001"}
+    assert allocation_patch("n", UID, pod) == {"status": {"allocation": allocation("n", UID), "reservedFor": [pod]}}
+    assert "reservedFor" not in allocation_patch("n", UID)["status"]
+
+
+def test_unreserve_is_a_strategic_delete_by_the_pods_uid() -> None:
+    # The directive kube-scheduler's Unreserve sends: reservedFor merges by uid, others stay.
+    assert unreserve_patch("u-1") == {"status": {"reservedFor": [{"$patch": "delete", "uid": "u-1"}]}}
 
 
 def test_the_pool_is_the_nodes_name() -> None:

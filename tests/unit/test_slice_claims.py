@@ -19,6 +19,8 @@ CLAIMS = "/apis/resource.k8s.io/v1/namespaces/ns/resourceclaims"
 CLAIM_STATUS = f"{CLAIMS}/train/status"
 SLICE_STATUS = "/apis/cdmo.io/v1alpha1/namespaces/ns/gpuslices/train/status"
 # Written out by hand from resource.k8s.io/v1 (AllocationResult), not from the code: node n's pool.
+# resource.k8s.io/v1 ResourceClaimConsumerReference of pod p (the core group is the empty one).
+POD_P = {"resource": "pods", "name": "p", "uid": "pod-uid"}
 PINNED = {"devices": {"results": [{"request": "gpu", "driver": "gpu.cdmo.io", "pool": "n", "device": UID}]},
           "nodeSelector": {"nodeSelectorTerms": [{"matchFields": [
               {"key": "metadata.name", "operator": "In", "values": ["n"]}]}]}}
@@ -85,11 +87,24 @@ class _Client:
             assert body == {"status": {"claim": "train"}}
             return body
         assert path == CLAIM_STATUS and self.existing is not None
-        assert body == {"status": {"allocation": PINNED}}
+        assert body == {"status": {"allocation": PINNED}} or body == {
+            "status": {"allocation": PINNED, "reservedFor": [POD_P]}}
         current = (self.existing.get("status") or {}).get("allocation")
         if current is not None and current != PINNED:
             raise ApiError(422, "Invalid", "status.allocation: field is immutable")
-        self.existing = {**self.existing, "status": {"allocation": PINNED}}
+        self.existing = {**self.existing, "status": dict(body["status"])}
+        return self.existing
+
+    async def strategic_patch(self, path: str, body: dict) -> dict:
+        self.calls.append(("STRATEGIC", path))
+        assert path == CLAIM_STATUS
+        if self.existing is None:
+            raise ApiError(404, "NotFound", "gone")
+        # kube-apiserver's merge of reservedFor by uid, written out for the one directive used.
+        gone = {entry["uid"] for entry in body["status"]["reservedFor"] if entry.get("$patch") == "delete"}
+        status = dict(self.existing.get("status") or {})
+        status["reservedFor"] = [r for r in status.get("reservedFor", []) if r["uid"] not in gone]
+        self.existing = {**self.existing, "status": status}
         return self.existing
 
 
@@ -231,9 +246,45 @@ def test_a_pods_slice_gets_its_claim_at_once_and_its_allocation_once_bound() -> 
     assert asyncio.run(claims.ensure(state.slice_named("ns", "train"))) is False
     assert client.calls[1:] == [("MERGE", CLAIM_STATUS)]
     assert client.existing["status"]["allocation"] == PINNED
+    # Reserved for the pod in the same write: kube-scheduler, which reserves only a claim not reserved
+    # for the pod yet, then writes nothing to it.
+    assert client.existing["status"]["reservedFor"] == [POD_P]
     _pods_slice(state, "Ready")
     assert asyncio.run(claims.ensure(state.slice_named("ns", "train"))) is True
     assert client.calls[2:] == []  # nothing left to write once Ready (the agent's Ready names the claim)
+
+
+def test_a_slice_made_directly_is_reserved_for_no_pod() -> None:
+    client = _Client()
+    claims, state, _ = _claims(client)
+    assert asyncio.run(claims.ensure(state.slice_named("ns", "train"))) is True
+    assert client.existing["status"] == {"allocation": PINNED}  # any pod of the namespace may name it
+
+
+def test_unreserve_takes_away_only_the_slices_pods_reservation_and_only_once() -> None:
+    other = {"resource": "pods", "name": "q", "uid": "q-uid"}
+    client = _Client(existing={**claim_body("ns", "train", UID),
+                               "status": {"allocation": PINNED, "reservedFor": [POD_P, other]}})
+    claims, state, _ = _claims(client)
+    _pods_slice(state, "Ready")
+    info = state.slice_named("ns", "train")
+    asyncio.run(claims.unreserve(info))
+    asyncio.run(claims.unreserve(info))
+    assert client.calls == [("STRATEGIC", CLAIM_STATUS)]
+    assert client.existing["status"] == {"allocation": PINNED, "reservedFor": [other]}
+
+
+def test_unreserve_leaves_a_directly_made_slices_claim_alone_and_a_gone_claim_is_no_error() -> None:
+    client = _Client(existing={**claim_body("ns", "train", UID), "status": {"allocation": PINNED,
+                                                                            "reservedFor": [POD_P]}})
+    claims, state, _ = _claims(client)
+    asyncio.run(claims.unreserve(state.slice_named("ns", "train")))  # no Pod owner: its pods are users'
+    assert client.calls == [] and client.existing["status"]["reservedFor"] == [POD_P]
+    gone = _Client()
+    claims, state, _ = _claims(gone)
+    _pods_slice(state, "Ready")
+    asyncio.run(claims.unreserve(state.slice_named("ns", "train")))
+    assert gone.calls == [("STRATEGIC", CLAIM_STATUS)]
 
 
 def test_a_slice_made_directly_is_not_allocated_before_it_is_ready() -> None:

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("mig_operator.api")
 MERGE_PATCH = "application/merge-patch+json"
 JSON_PATCH = "application/json-patch+json"
+STRATEGIC_MERGE_PATCH = "application/strategic-merge-patch+json"  # built-in kinds only, not CRDs
 _TRANSIENT_STATUS = frozenset({429, 500, 502, 503, 504})
 TOKEN_TTL_S = 1.0
 # How long an idle connection to the API server is kept: aiohttp's default is 15 s; kube-apiserver
@@ -249,6 +250,9 @@ class KubeClient:
 
     async def json_patch(self, path: str, ops: list[dict]) -> dict:
         return await self.request("PATCH", path, body=ops, content_type=JSON_PATCH)
+
+    async def strategic_patch(self, path: str, body: Mapping) -> dict:
+        return await self.request("PATCH", path, body=body, content_type=STRATEGIC_MERGE_PATCH)
 
     async def create(self, path: str, body: Mapping) -> dict:
         return await self.request("POST", path, body=body)

@@ -89,6 +89,8 @@ class Binder:
         self._counted = 0.0
         self.on_resync: list[Callable[[], Awaitable[None]]] = []
         self.on_slice_changed: list[Callable[[SliceRecord], Awaitable[None]]] = []
+        # Told a slice that is being deleted, or that the binder is about to delete (a group's part given back).
+        self.on_slice_going: list[Callable[[SliceRecord], Awaitable[None]]] = []
         # Told the namespace whose quota use or waiting slices may have changed (the GpuQuota status).
         self.on_namespace_changed: list[Callable[[str], None]] = []
 
@@ -165,6 +167,8 @@ class Binder:
             # it, at once or once its claim is no longer in use.
             if info.binding is None and AGENT_FINALIZER in (info.body["metadata"].get("finalizers") or ()):
                 await self._let_go_unbound(info)
+            for callback in self.on_slice_going:
+                await callback(info)
             return
         if info.invalid and info.phase != "Failed":
             await self._write(info, status.failed(info.body.get("status"), "InvalidSpec", info.invalid))
@@ -239,6 +243,8 @@ class Binder:
                 await self._refuse(member, decision.refusal)
             for member in decision.give_back:
                 log.info("slice %s given back: the rest of its group cannot be placed beside it", member.ref)
+                for callback in self.on_slice_going:
+                    await callback(member)
                 await self._delete(member)
             return BindOutcome(False, decision.refusal.code, decision.could_fit)
         return await self._act(decision, started)

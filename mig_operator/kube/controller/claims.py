@@ -8,6 +8,11 @@ that node only (core/slice_claim, which says why). kube-scheduler only reserves 
 that names it, on that node, and the kubelet asks the agent to prepare it. A device that another
 node's agent publishes under the slice's UID is never allocated to the claim.
 
+A pod's slice's claim is reserved for that pod in the write that allocates it, so kube-scheduler
+writes nothing to it. The reservation holds the slice while the pod lives (the agent releases no
+slice whose claim is reserved), so before a slice of a pod still gated goes (a group's part given
+back, a slice or its pod deleted) the controller takes it away (``unreserve``).
+
 A pod's slice gets its claim as soon as the slice exists, not when it is Ready, and the claim is
 allocated as soon as the slice is bound: the pod names the claim and stays gated until its slice is
 Ready and its device checked (pods.py), so allocating early hands nothing on, and takes the claim's
@@ -40,6 +45,8 @@ from mig_operator.core.slice_claim import (
     allocation_patch,
     allocation_state,
     claim_path,
+    pod_consumer,
+    unreserve_patch,
 )
 from mig_operator.core.slice_claim import claim_body as slice_claim_body
 
@@ -69,10 +76,15 @@ def slice_owner(claim: Mapping[str, Any]) -> str | None:
     return None
 
 
+def owner_pod(info: SliceRecord) -> Mapping[str, Any] | None:
+    """The ownerReference of the pod the slice was made for; None for a slice made directly."""
+    refs = (info.body.get("metadata") or {}).get("ownerReferences") or []
+    return next((ref for ref in refs if ref.get("kind") == "Pod" and ref.get("apiVersion") == "v1"), None)
+
+
 def early(info: SliceRecord) -> bool:
     """Whether the slice's claim is written before it is Ready: a pod's slice (see the module's doc)."""
-    refs = (info.body.get("metadata") or {}).get("ownerReferences") or []
-    return not info.deleting and any(ref.get("kind") == "Pod" and ref.get("apiVersion") == "v1" for ref in refs)
+    return not info.deleting and owner_pod(info) is not None
 
 
 class SliceClaims:
@@ -89,6 +101,7 @@ class SliceClaims:
         # One write of a claim at a time: a slice's own watch event may come while the write its creation
         # started is under way, and a second create would only be refused (409), at kube-apiserver's cost.
         self._writing = KeyedLocks()
+        self._unreserved: set[str] = set()  # slices whose pod's reservation was taken away (``unreserve``)
 
     async def slice_changed(self, info: SliceRecord) -> None:
         await self.ensure(info)
@@ -103,6 +116,7 @@ class SliceClaims:
         """After a full list: forget the slices that are gone, write what is missing."""
         self.written = {key: uid for key, uid in self.written.items() if uid in self.state.slices}
         self.allocated = {key: uid for key, uid in self.allocated.items() if uid in self.state.slices}
+        self._unreserved &= set(self.state.slices)
         for info in list(self.state.slices.values()):
             try:
                 await self.ensure(info)
@@ -186,8 +200,10 @@ class SliceClaims:
                 return claim
             if state == ELSEWHERE:
                 return await self._allocated_elsewhere(info, claim)
+        pod = owner_pod(info) if early(info) else None
+        reserved_for = pod_consumer(str(pod.get("name", "")), str(pod.get("uid", ""))) if pod else None
         try:
-            allocated = await self.client.merge_patch(f"{path}/status", allocation_patch(node, info.uid))
+            allocated = await self.client.merge_patch(f"{path}/status", allocation_patch(node, info.uid, reserved_for))
         except ApiError as exc:
             if exc.not_found:  # deleted meanwhile: written anew at the slice's next event
                 self.written.pop((info.namespace, info.name), None)
@@ -201,6 +217,23 @@ class SliceClaims:
             return await self._allocated_elsewhere(info, claim)
         log.debug("slice %s: ResourceClaim %s allocated on node %s", info.ref, info.name, node)
         return allocated
+
+    async def unreserve(self, info: SliceRecord) -> None:
+        """Take the reservation for the slice's pod off its claim (written with the allocation), once:
+        the caller knows the pod is still gated, so nothing ran on the device, and the slice goes.
+        Left on, it would hold the slice (``core.lifecycle.claim_hold``) until the pod goes."""
+        pod = owner_pod(info)
+        if pod is None or info.uid in self._unreserved:
+            return
+        self._unreserved.add(info.uid)
+        try:
+            await self.client.strategic_patch(f"{claim_path(info.namespace, info.name)}/status",
+                                              unreserve_patch(str(pod.get("uid", ""))))
+        except ApiError as exc:
+            if not exc.not_found:
+                self._unreserved.discard(info.uid)
+                raise
+        log.debug("slice %s: its ResourceClaim is no longer reserved for its gated pod", info.ref)
 
     async def _allocated_elsewhere(self, info: SliceRecord, claim: Mapping[str, Any]) -> None:
         """The slice's claim is allocated to another device or pool: deleted (written anew at the

@@ -90,6 +90,7 @@ def build_registry(options: ControllerOptions) -> kopf.OperatorRegistry:
         quotas = QuotaStatus(client, binder)
         # Claims first: a pod is released once its slice's claim exists.
         binder.on_slice_changed.extend([claims.slice_changed, pods.slice_changed])
+        binder.on_slice_going.append(pods.slice_going)
         pods.on_created.append(lambda body: binder.slice_event(body, deleted=False))
         binder.on_resync.extend([claims.resync, pods.resync, quotas.resync])
         await binder.resync()

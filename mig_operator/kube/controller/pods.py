@@ -158,6 +158,10 @@ class PodSlices:
         if deleted or meta.get("deletionTimestamp"):
             self.pods.pop(key, None)
             self.events.forget(meta["uid"])
+            if _gated(pod):  # never ran: its claims' reservations go now, not once its slices are collected
+                for info in self._own_slices(pod, key):
+                    if info.binding is not None:
+                        await self.claims.unreserve(info)
             return
         if (pod.get("status") or {}).get("phase") in FINISHED_PHASES:
             self.pods.pop(key, None)
@@ -190,13 +194,30 @@ class PodSlices:
             return
         await self._create_slices(pod, group)
 
-    async def _release(self, pod: Mapping[str, Any], key: tuple[str, str]) -> None:
-        """Delete a finished pod's slices (its own only): the agent then releases the instances."""
+    def _own_slices(self, pod: Mapping[str, Any], key: tuple[str, str]) -> list[SliceRecord]:
+        """The pod's slices (``key``: namespace, pod group) that it owns."""
         first = self.state.slice_named(*key) or self.state.slice_named(key[0], f"{key[1]}-0")
         if first is None:
-            return
-        for info in self.state.group_members(first):
-            if info.deleting or not owned_by(info.body, pod):
+            return []
+        return [info for info in self.state.group_members(first) if owned_by(info.body, pod)]
+
+    async def slice_going(self, info: SliceRecord) -> None:
+        """A pod's slice is being deleted, or the binder is about to delete it (a group's part given
+        back). While the pod is still gated nothing ran on the device, so the reservation for the pod
+        that the claim got with its allocation (claims.py) goes first: the agent then releases the
+        slice at once rather than hold it as in use until the pod goes. (A Failed slice holds no
+        instance, so its agent releases it whatever its claim says.)"""
+        key = (info.namespace, group_of(info))
+        pod = self.pods.get(key)
+        if (info.binding is None or pod is None or key in self._ungating or not _gated(pod)
+                or not owned_by(info.body, pod)):
+            return  # an unbound slice's claim is not allocated, so not reserved either
+        await self.claims.unreserve(info)
+
+    async def _release(self, pod: Mapping[str, Any], key: tuple[str, str]) -> None:
+        """Delete a finished pod's slices (its own only): the agent then releases the instances."""
+        for info in self._own_slices(pod, key):
+            if info.deleting:
                 continue
             try:
                 await self.client.delete(slice_path(info.namespace, info.name))
