@@ -84,11 +84,20 @@ class Plane:
 
     def apiserver_writes(self) -> dict[str, float]:
         """kube-apiserver's own count of non-GET requests, by resource[/subresource]."""
+        return self.apiserver_write_metric("apiserver_request_total")
+
+    def apiserver_write_seconds(self) -> dict[str, float]:
+        """kube-apiserver's own time in non-GET requests (admission and storage included, from the
+        request's arrival to its answer), in seconds, by resource[/subresource]."""
+        return self.apiserver_write_metric("apiserver_request_duration_seconds_sum")
+
+    def apiserver_write_metric(self, metric: str) -> dict[str, float]:
+        """A counter of kube-apiserver's requests, summed over the non-GET ones, by resource[/subresource]."""
         text = subprocess.run([self.kubectl, "get", "--raw", "/metrics"], env=self.env, capture_output=True,
                               text=True, check=True).stdout
         counts: dict[str, float] = {}
         for line in text.splitlines():
-            if not line.startswith("apiserver_request_total{"):
+            if not line.startswith(metric + "{"):
                 continue
             labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
             if labels.get("verb") in ("GET", "LIST", "WATCH", "CONNECT"):

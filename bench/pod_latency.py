@@ -362,18 +362,23 @@ def main() -> int:
     wait_webhook(plane, webhook_args[1], webhook_args[3])
     writes: dict[str, float] = {}
     by_resource: dict[str, dict[str, float]] = {}
+    write_ms: dict[str, dict[str, float]] = {}  # kube-apiserver's mean time per write, by resource
     cpu: dict[str, dict[str, float]] = {}
     events: dict[str, dict[str, int]] = {}  # component/reason -> Events (counts included) on the round's pods
 
     def measured(memory: str | None, tag: str, claim_template: str | None = None) -> dict[str, list[float]]:
-        before, cpu_before = plane.apiserver_writes(), cpu_seconds(cluster)
+        before, seconds_before = plane.apiserver_writes(), plane.apiserver_write_seconds()
+        cpu_before = cpu_seconds(cluster)
         times = round_trip(core, ns, args.pods, memory, tag, args.gap, claim_template)
-        after, cpu_after = plane.apiserver_writes(), cpu_seconds(cluster)
+        after, seconds_after = plane.apiserver_writes(), plane.apiserver_write_seconds()
+        cpu_after = cpu_seconds(cluster)
         cpu[tag] = {part: round(1000 * (cpu_after[part] - cpu_before.get(part, 0.0)) / args.pods, 2)
                     for part in sorted(cpu_after)}
         delta = {key: (after[key] - before.get(key, 0.0)) / args.pods for key in after}
         writes[tag] = sum(delta.values())
         by_resource[tag] = {key: round(value, 2) for key, value in sorted(delta.items()) if value >= 0.01}
+        write_ms[tag] = {key: round(1000 * (seconds_after.get(key, 0.0) - seconds_before.get(key, 0.0))
+                                    / (delta[key] * args.pods), 2) for key in by_resource[tag]}
         reasons: dict[str, int] = {}
         for event in core.list_namespaced_event(ns).items:
             if (event.involved_object.name or "").startswith(tag):
@@ -429,6 +434,8 @@ def main() -> int:
               **{name: summary(times) for name, times in rounds.items()},
               "writes_per_pod": {name: writes[tag] for name, tag in tags.items()},
               "writes_per_pod_by_resource": {name: by_resource[tag] for name, tag in tags.items()},
+              # kube-apiserver's mean milliseconds per write (from arrival to answer, admission included).
+              "apiserver_ms_per_write_by_resource": {name: write_ms[tag] for name, tag in tags.items()},
               # CPU milliseconds per pod by part, from the round's start to its last pod Running.
               "cpu_ms_per_pod": {name: cpu[tag] for name, tag in tags.items()},
               "events": {name: events[tag] for name, tag in tags.items()}}
