@@ -136,7 +136,7 @@ def test_a_refused_pod_is_an_info_line_not_an_error(operator: OperatorHarness) -
     with pytest.raises(ApiException) as refused:
         operator.core.create_namespaced_pod(ns, pod)
     assert refused.value.status == 400 and "'4X'" in json.loads(refused.value.body)["message"]
-    needle = f"INFO kopf.objects: pod {ns}/bad refused at admission: "
+    needle = f"INFO mig_operator.webhook: pod {ns}/bad refused at admission: "
     wait_until(lambda: log_lines(operator, "controller", needle), 5, lambda: f"{needle!r} in\n{operator.logs()}")
     assert "'4X'" in log_lines(operator, "controller", needle)[0]
     assert not log_lines(operator, "controller", "ERROR"), operator.logs()

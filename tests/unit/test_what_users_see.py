@@ -10,7 +10,6 @@ import time
 from dataclasses import replace
 from typing import Any
 
-import kopf
 import pytest
 from cluster_reference import build_view, plan_binding
 
@@ -25,7 +24,8 @@ from mig_operator.kube.agent.agent import AgentSettings, NodeAgent
 from mig_operator.kube.agent.inventory import gpunode_status
 from mig_operator.kube.agent.record import RecordStore
 from mig_operator.kube.common.client import ApiError
-from mig_operator.kube.webhook.server import WebhookOptions, register
+from mig_operator.kube.webhook.review import review_response
+from mig_operator.kube.webhook.server import HANDLER_ID, WebhookOptions, pod_handlers
 
 H100 = get_model("h100-80gb")
 MIB = 2**20
@@ -194,25 +194,33 @@ def test_the_node_label_shows_in_the_gpunode_without_waiting_for_the_heartbeat(t
 # --- item 13: a refused pod is INFO -------------------------------------------------------------------------
 
 
-def kopf_error(message: str) -> None:
-    logging.getLogger("kopf.objects").error(
-        message, extra={"k8s_ref": {"namespace": "team-a", "name": "trainer"}})
+def review(pod: dict[str, Any], handler: Any) -> dict[str, Any]:
+    return review_response({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {
+        "uid": "r-1", "operation": "CREATE", "namespace": "team-a", "object": pod}}, handler)
 
 
 def test_a_refused_pod_is_logged_at_info_and_a_failing_handler_stays_an_error(
         caplog: pytest.LogCaptureFixture) -> None:
-    register(kopf.OperatorRegistry(), WebhookOptions(listen="127.0.0.1:9443", namespace="ops"), None)
+    handler = pod_handlers(WebhookOptions(listen="127.0.0.1:9443", namespace="ops"))[HANDLER_ID]
     caplog.set_level(logging.INFO)
-    kopf_error("Webhook 'gpu-slice' failed permanently: annotation cdmo.io/gpu-memory: '4X' is not a quantity")
-    kopf_error("Webhook 'gpu-slice' failed with an exception and will stop now: KeyError 'spec'")
-    assert [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "kopf.objects"] == [
-        ("INFO", "pod team-a/trainer refused at admission: annotation cdmo.io/gpu-memory: '4X' is not a quantity"),
-        ("ERROR", "Webhook 'gpu-slice' failed with an exception and will stop now: KeyError 'spec'"),
-    ]
+    bad = {"metadata": {"name": "trainer", "annotations": {"cdmo.io/gpu-memory": "4X"}},
+           "spec": {"containers": [{"name": "main", "image": "busybox"}]}}
+    answer = review(bad, handler)["response"]
+    assert answer["allowed"] is False and answer["status"]["code"] == 400 and "'4X'" in answer["status"]["message"]
+
+    def broken(pod: dict[str, Any]) -> None:
+        raise KeyError("spec")
+
+    assert review(bad, broken)["response"]["status"]["code"] == 500
+    lines = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "mig_operator.webhook"]
+    assert lines[0][0] == "INFO" and lines[0][1].startswith("pod team-a/trainer refused at admission: annotation "
+                                                             "cdmo.io/gpu-memory")
+    assert lines[1] == ("ERROR", "pod team-a/trainer: the admission handler failed")
 
 
 def test_a_refused_pod_is_not_shown_when_only_warnings_are_asked_for(caplog: pytest.LogCaptureFixture) -> None:
-    register(kopf.OperatorRegistry(), WebhookOptions(listen="127.0.0.1:9443", namespace="ops"), None)
+    handler = pod_handlers(WebhookOptions(listen="127.0.0.1:9443", namespace="ops"))[HANDLER_ID]
     caplog.set_level(logging.WARNING)
-    kopf_error("Webhook 'gpu-slice' failed permanently: annotation cdmo.io/gpu-memory: '4X' is not a quantity")
-    assert [r for r in caplog.records if r.name == "kopf.objects"] == []
+    review({"metadata": {"generateName": "job-", "annotations": {"cdmo.io/gpu-memory": "4X"}},
+            "spec": {"containers": [{"name": "main", "image": "busybox"}]}}, handler)
+    assert [r for r in caplog.records if r.name == "mig_operator.webhook"] == []

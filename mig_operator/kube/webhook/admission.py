@@ -12,7 +12,6 @@ The slice's name is made here: a pod made from ``generateName`` has no name yet 
 from __future__ import annotations
 
 import copy
-import logging
 import secrets
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import Any
@@ -28,28 +27,6 @@ from mig_operator.core.request_forms import (
 from mig_operator.core.slice_spec import ANNOTATION_COMPAT_RECORD
 
 from ..common.names import POD_CLAIM_ENTRY, POD_SLICE_LABEL, SCHEDULING_GATE
-
-
-class RefusalsAtInfo(logging.Filter):
-    """For the ``kopf.objects`` logger: a pod refused at admission is the user's request turned down,
-    not an operator error, so kopf's ``ERROR Webhook '<id>' failed permanently: ...`` (how it logs the
-    handler's ``AdmissionError``) becomes one INFO line naming the namespace and the pod. Every other
-    failure of the handler (kopf says "failed with an exception") stays an ERROR."""
-
-    def __init__(self, *handler_ids: str) -> None:
-        super().__init__()
-        self._prefixes = tuple(f"Webhook {handler_id!r} failed permanently: " for handler_id in handler_ids)
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        prefix = next((p for p in self._prefixes if str(record.msg).startswith(p)), None)
-        if record.levelno != logging.ERROR or prefix is None:
-            return True
-        ref = getattr(record, "k8s_ref", None) or {}
-        pod = f"{ref.get('namespace') or '?'}/{ref.get('name') or '(name not yet generated)'}"
-        record.levelno, record.levelname = logging.INFO, logging.getLevelName(logging.INFO)
-        record.msg, record.args = f"pod {pod} refused at admission: {str(record.msg)[len(prefix):]}", None
-        # The logger's level let an ERROR through; an INFO line is shown only where INFO is asked for.
-        return logging.getLogger().isEnabledFor(logging.INFO)
 
 
 def slice_name_for(pod: Mapping[str, Any], token: str | None = None) -> str:

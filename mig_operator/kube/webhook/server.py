@@ -16,13 +16,10 @@ import dataclasses
 import logging
 import os
 import socket
-import ssl
 import tempfile
-from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp.web
 import kopf
 
 from mig_operator.core.compat import dialect_match_expression, dialect_request
@@ -44,7 +41,6 @@ from ..common.listen import listen
 from ..common.names import WEBHOOK_NAME, WEBHOOK_PREFIX
 from ..common.operator import register_login, tune
 from .admission import (
-    RefusalsAtInfo,
     mutate_pod,
     serve_dialect_request,
     serve_mig_request,
@@ -53,10 +49,11 @@ from .admission import (
     with_mig_request,
 )
 from .certs import CertBundle, make_certificate
+from .review import Handler, Mutation, Refused, ReviewServer
 
 log = logging.getLogger("mig_operator.webhook")
 
-HANDLER_ID = "gpu-slice"  # kopf serves each handler at /<id>
+HANDLER_ID = "gpu-slice"  # each handler is served at /<id> (review.ReviewServer)
 WEBHOOK_ENTRY = "pods.cdmo.io"
 # Any cdmo.io/* annotation, in any case, is sent (core.slice_spec.looks_like_request), so a misspelt or
 # guessed one is refused, not ignored.
@@ -124,54 +121,6 @@ class WebhookOptions:
 def bind(options: WebhookOptions) -> socket.socket:
     """The webhook's socket, bound and listening before kopf starts (see kube.common.listen)."""
     return listen("--webhook", options.listen, "127.0.0.1:9443")
-
-
-class BoundWebhookServer(kopf.WebhookServer):
-    """kopf's webhook server on a socket bound beforehand.
-
-    kopf's own binds with SO_REUSEPORT, so a second controller on the same port shared it silently
-    and a bad address was a traceback retried every 2 s; this one is handed a socket that ``bind``
-    already holds. The server restarts when the certificate files change (cert-manager renewals).
-    """
-
-    def __init__(self, sock: socket.socket, *, certfile: str, pkeyfile: str, host: str,
-                 file_check_interval: float = 60.0) -> None:
-        super().__init__(addr=sock.getsockname()[0], port=sock.getsockname()[1], host=host, certfile=certfile,
-                         pkeyfile=pkeyfile, file_check_interval=file_check_interval)
-        self.sock = sock
-
-    def _files_stamp(self) -> tuple[tuple[float, int], ...]:
-        stamps = []
-        for path in (self.certfile, self.pkeyfile):
-            try:
-                st = os.stat(str(path))
-                stamps.append((st.st_mtime, st.st_size))
-            except OSError:
-                stamps.append((0.0, -1))
-        return tuple(stamps)
-
-    async def __call__(self, fn: Any) -> AsyncIterator[Any]:
-        async def serve(request: aiohttp.web.Request) -> aiohttp.web.Response:
-            return await self._serve(fn, request)
-
-        while True:
-            stamp = self._files_stamp()
-            context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-            context.load_cert_chain(str(self.certfile), str(self.pkeyfile))
-            app = aiohttp.web.Application()
-            app.add_routes([aiohttp.web.post("/{id:.*}", serve)])
-            runner = aiohttp.web.AppRunner(app, handle_signals=False)
-            await runner.setup()
-            try:
-                # A duplicate: stopping the site closes the socket it was given, and ours must stay
-                # bound across certificate renewals so that no other process can take the port.
-                await aiohttp.web.SockSite(runner, self.sock.dup(), ssl_context=context).start()
-                yield {"url": f"https://{self.host}:{self.port}"}
-                while self._files_stamp() == stamp:
-                    await asyncio.sleep(self.file_check_interval)
-                log.info("webhook certificate files changed: serving the new ones")
-            finally:
-                await runner.cleanup()
 
 
 def certificate_hosts(options: WebhookOptions) -> list[str]:
@@ -314,69 +263,73 @@ def webhook_registry(kubeconfig: str | None) -> kopf.OperatorRegistry:
     return registry
 
 
+def pod_handlers(options: WebhookOptions) -> dict[str, Handler]:
+    """The handler of each entry of the configuration, by the id its URL path ends with."""
+
+    def slice_annotations(body: dict[str, Any]) -> Mutation | None:
+        try:
+            devices = check_pod_devices(body)
+        except (QuantityError, PodRefused) as exc:
+            raise Refused(str(exc)) from None
+        if not devices:
+            return None
+        name = slice_name_for(body)
+        return lambda pod: mutate_pod(pod, name, devices)
+
+    def resource_handler(whole_gpus: bool) -> Handler:
+        """The handler of one extended-resource form: nvidia.com/mig-* or (``whole_gpus``) nvidia.com/gpu."""
+        def serve(body: dict[str, Any]) -> Mutation | None:
+            try:
+                asked = mig_resource_request(body, whole_gpus=whole_gpus)
+                if asked is None:
+                    return None
+                # Every other rule of an annotated pod applies to the pod as it will go on.
+                devices = check_pod_devices(with_mig_request(body, asked, whole_gpus=whole_gpus))
+            except (QuantityError, PodRefused) as exc:
+                raise Refused(str(exc)) from None
+            name = slice_name_for(body)
+            return lambda pod: serve_mig_request(pod, asked, name, devices, whole_gpus=whole_gpus)
+        return serve
+
+    def compat_request(body: dict[str, Any]) -> Mutation | None:
+        try:
+            asked = dialect_request(body, options.compat)
+            if asked is None:
+                return None
+            devices = check_pod_devices(with_dialect_request(body, asked))
+        except (QuantityError, PodRefused) as exc:
+            raise Refused(str(exc)) from None
+        # The device reaches the containers the dialect names (Run:ai: the first, or the one named).
+        devices = tuple(dataclasses.replace(d, containers=asked.containers) for d in devices)
+        name = slice_name_for(body)
+        return lambda pod: serve_dialect_request(pod, asked, name, devices)
+
+    return {HANDLER_ID: slice_annotations, MIG_HANDLER_ID: resource_handler(False),
+            WHOLE_HANDLER_ID: resource_handler(True), COMPAT_HANDLER_ID: compat_request}
+
+
 def register(registry: kopf.OperatorRegistry, options: WebhookOptions, kubeconfig: str | None,
              sock: socket.socket | None = None) -> None:
-    """Add the webhook to a kopf registry: the server is set up at start, the handler on every pod
-    CREATE the configuration sends (annotated pods only). ``sock`` is from ``bind`` (bound at start
-    when not given)."""
-    kopf_objects = logging.getLogger("kopf.objects")
-    if not any(isinstance(f, RefusalsAtInfo) for f in kopf_objects.filters):
-        kopf_objects.addFilter(RefusalsAtInfo(HANDLER_ID, MIG_HANDLER_ID, COMPAT_HANDLER_ID, WHOLE_HANDLER_ID))
+    """Add the webhook to a kopf registry: at start its certificate and configuration are set up and
+    its server (``review.ReviewServer``) starts, serving the pods the configuration sends; it stops
+    at clean-up. ``sock`` is from ``bind`` (bound at start when not given)."""
+    served: list[asyncio.Task] = []
 
     @kopf.on.startup(registry=registry, backoff=2)
-    async def start_webhook(settings: kopf.OperatorSettings, **_: Any) -> None:
+    async def start_webhook(**_: Any) -> None:
         client = KubeClient.from_environment(kubeconfig)
         try:
             cert, key, ca = await prepare(options, client)
-            settings.admission.server = BoundWebhookServer(sock or bind(options), certfile=cert, pkeyfile=key,
-                                                           host=certificate_hosts(options)[0])
-            settings.admission.managed = None
+            server = ReviewServer(sock or bind(options), cert, key, pod_handlers(options))
             if options.config_name:
                 await upsert_configuration(client, webhook_configuration(options, ca))
         finally:
             await client.close()
+        served.append(asyncio.create_task(server.run(), name="webhook"))
         log.info("webhook serving on %s", options.listen)
 
-    @kopf.on.mutate("v1", "pods", id=HANDLER_ID, operations=["CREATE"], registry=registry)
-    def mutate(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
-        try:
-            devices = check_pod_devices(body)
-        except (QuantityError, PodRefused) as exc:
-            raise kopf.AdmissionError(str(exc), code=400) from None
-        if not devices:
-            return
-        name = slice_name_for(body)
-        patch.fns.append(lambda pod: mutate_pod(pod, name, devices))
-
-    def resource_handler(whole_gpus: bool) -> Callable[..., None]:
-        """The handler of one extended-resource form: nvidia.com/mig-* or (``whole_gpus``) nvidia.com/gpu."""
-        def mutate(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
-            try:
-                asked = mig_resource_request(body, whole_gpus=whole_gpus)
-                if asked is None:
-                    return
-                # Every other rule of an annotated pod applies to the pod as it will go on.
-                devices = check_pod_devices(with_mig_request(body, asked, whole_gpus=whole_gpus))
-            except (QuantityError, PodRefused) as exc:
-                raise kopf.AdmissionError(str(exc), code=400) from None
-            name = slice_name_for(body)
-            patch.fns.append(lambda pod: serve_mig_request(pod, asked, name, devices, whole_gpus=whole_gpus))
-        return mutate
-
-    for handler_id, whole_gpus in ((MIG_HANDLER_ID, False), (WHOLE_HANDLER_ID, True)):
-        kopf.on.mutate("v1", "pods", id=handler_id, operations=["CREATE"], registry=registry)(
-            resource_handler(whole_gpus))
-
-    @kopf.on.mutate("v1", "pods", id=COMPAT_HANDLER_ID, operations=["CREATE"], registry=registry)
-    def mutate_compat_request(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
-        try:
-            asked = dialect_request(body, options.compat)
-            if asked is None:
-                return
-            devices = check_pod_devices(with_dialect_request(body, asked))
-        except (QuantityError, PodRefused) as exc:
-            raise kopf.AdmissionError(str(exc), code=400) from None
-        # The device reaches the containers the dialect names (Run:ai: the first, or the one named).
-        devices = tuple(dataclasses.replace(d, containers=asked.containers) for d in devices)
-        name = slice_name_for(body)
-        patch.fns.append(lambda pod: serve_dialect_request(pod, asked, name, devices))
+    @kopf.on.cleanup(registry=registry)
+    async def stop_webhook(**_: Any) -> None:
+        for task in served:
+            task.cancel()
+        await asyncio.gather(*served, return_exceptions=True)

@@ -1,0 +1,160 @@
+"""Serving the admission reviews the configuration sends: each straight to its handler.
+
+kopf's admission engine ran every review through its handler machinery (a cause, a worker thread for
+the handler, a patch found by diffing the whole pod with jsonpatch): 1.5-2.0 ms of the webhook's CPU
+per pod on the device machine, on the path of every annotated pod's creation (docs/benchmarks.md,
+run M). Here a review is decoded with orjson, the handler its URL path names (as kopf routed them)
+checks the pod and returns its change, and the patch is what that change did (``json_patch``).
+kopf still runs the process (log-in, start-up, signals); it no longer sees the reviews.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import copy
+import logging
+import os
+import socket
+import ssl
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import aiohttp.web
+
+from ..common import wire
+
+log = logging.getLogger("mig_operator.webhook")
+
+# What a handler returns for a pod it serves: the change, made to a copy of the pod.
+Mutation = Callable[[dict[str, Any]], None]
+# A handler: the pod being created (the review's object) to its change, None when it asks for nothing
+# this handler serves; raises Refused to turn the pod down.
+Handler = Callable[[dict[str, Any]], Mutation | None]
+
+
+class Refused(Exception):
+    """The pod is turned down: the API server answers its creator with ``code`` and the message."""
+
+    def __init__(self, message: str, code: int = 400) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _pointer(path: tuple[str, ...]) -> str:
+    # RFC 6901: "~" and "/" in a key (a label such as cdmo.io/gpu-slice) are escaped, "~" first.
+    return "".join("/" + part.replace("~", "~0").replace("/", "~1") for part in path)
+
+
+def json_patch(before: Any, after: Any, path: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    """RFC 6902 operations that turn ``before`` into ``after``: objects key by key, lists of the same
+    length item by item, anything else (a list that grew or shrank, a value) replaced whole."""
+    if isinstance(before, dict) and isinstance(after, dict):
+        ops: list[dict[str, Any]] = []
+        for key in before:
+            if key not in after:
+                ops.append({"op": "remove", "path": _pointer((*path, key))})
+        for key, value in after.items():
+            if key not in before:
+                ops.append({"op": "add", "path": _pointer((*path, key)), "value": value})
+            else:
+                ops.extend(json_patch(before[key], value, (*path, key)))
+        return ops
+    if isinstance(before, list) and isinstance(after, list) and len(before) == len(after):
+        return [op for i, (old, new) in enumerate(zip(before, after, strict=True))
+                for op in json_patch(old, new, (*path, str(i)))]
+    if type(before) is type(after) and before == after:  # True == 1 in Python, not in JSON
+        return []
+    return [{"op": "replace", "path": _pointer(path), "value": after}]
+
+
+def _pod_ref(request: Mapping[str, Any], pod: Mapping[str, Any]) -> str:
+    meta = pod.get("metadata") or {}
+    namespace = request.get("namespace") or meta.get("namespace") or "?"
+    return f"{namespace}/{meta.get('name') or request.get('name') or '(name not yet generated)'}"
+
+
+def review_response(review: Mapping[str, Any], handler: Handler | None) -> dict[str, Any]:
+    """The AdmissionReview answering ``review`` (admission.k8s.io/v1) with ``handler`` (None: the path
+    names none, so the pod passes unchanged). Only a pod's CREATE is served, as the configuration asks."""
+    request = review.get("request") or {}
+    response: dict[str, Any] = {"uid": request.get("uid", ""), "allowed": True}
+    pod = request.get("object")
+    if handler is not None and request.get("operation") == "CREATE" and isinstance(pod, dict):
+        try:
+            change = handler(pod)
+        except Refused as exc:
+            # The user's request turned down, not an operator error: one INFO line.
+            log.info("pod %s refused at admission: %s", _pod_ref(request, pod), exc)
+            response.update(allowed=False, status={"code": exc.code, "message": str(exc)})
+        except Exception as exc:
+            log.exception("pod %s: the admission handler failed", _pod_ref(request, pod))
+            response.update(allowed=False, status={"code": 500, "message": f"mig-operator's webhook failed: {exc!r}"})
+        else:
+            if change is not None:
+                after = copy.deepcopy(pod)
+                change(after)
+                ops = json_patch(pod, after)
+                if ops:
+                    response.update(patchType="JSONPatch", patch=base64.b64encode(wire.dumps(ops)).decode("ascii"))
+    return {"apiVersion": review.get("apiVersion", "admission.k8s.io/v1"),
+            "kind": review.get("kind", "AdmissionReview"), "response": response}
+
+
+class ReviewServer:
+    """HTTPS on a socket bound beforehand (``server.bind``: a taken port is a start-up error, and a
+    second process never shares it), POST /<handler id> per review. The server starts again with the
+    certificate files when they change (cert-manager renewals)."""
+
+    def __init__(self, sock: socket.socket, certfile: str, keyfile: str, handlers: Mapping[str, Handler],
+                 file_check_interval: float = 60.0) -> None:
+        self.sock = sock
+        self.certfile, self.keyfile = certfile, keyfile
+        self.handlers = dict(handlers)
+        self.file_check_interval = file_check_interval
+
+    async def _serve(self, request: aiohttp.web.Request) -> aiohttp.web.Response:
+        try:
+            review = wire.loads(await request.read())
+        except ValueError as exc:
+            return aiohttp.web.Response(status=400, text=f"not an AdmissionReview in JSON: {exc}")
+        if not isinstance(review, dict):
+            return aiohttp.web.Response(status=400, text="not an AdmissionReview: a JSON object is expected")
+        answer = review_response(review, self.handlers.get(request.match_info["id"]))
+        return aiohttp.web.Response(body=wire.dumps(answer), content_type="application/json")
+
+    def _files_stamp(self) -> tuple[tuple[float, int], ...]:
+        stamps = []
+        for path in (self.certfile, self.keyfile):
+            try:
+                st = os.stat(path)
+                stamps.append((st.st_mtime, st.st_size))
+            except OSError:
+                stamps.append((0.0, -1))
+        return tuple(stamps)
+
+    async def run(self) -> None:
+        """Serve until cancelled; a failure to start (say, unreadable certificate files) is logged and
+        tried again."""
+        while True:
+            stamp = self._files_stamp()
+            runner: aiohttp.web.AppRunner | None = None
+            try:
+                context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+                context.load_cert_chain(self.certfile, self.keyfile)
+                app = aiohttp.web.Application()
+                app.add_routes([aiohttp.web.post("/{id:.*}", self._serve)])
+                runner = aiohttp.web.AppRunner(app, handle_signals=False, access_log=None)
+                await runner.setup()
+                # A duplicate: stopping the site closes the socket it was given, and ours must stay
+                # bound across certificate renewals so that no other process can take the port.
+                await aiohttp.web.SockSite(runner, self.sock.dup(), ssl_context=context).start()
+                while self._files_stamp() == stamp:
+                    await asyncio.sleep(self.file_check_interval)
+                log.info("webhook certificate files changed: serving the new ones")
+            except (OSError, ssl.SSLError) as exc:
+                log.error("the webhook cannot serve on %s, tried again in 2 s: %s", self.sock.getsockname(), exc)
+                await asyncio.sleep(2.0)
+            finally:
+                if runner is not None:
+                    await runner.cleanup()
