@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import logging
 import socket
 import ssl
 from typing import Any
@@ -128,3 +129,40 @@ def test_the_server_answers_a_review_over_tls_and_refuses_what_is_not_one(tmp_pa
     assert answer["response"]["uid"] == "9" and answer["response"]["allowed"] is True
     assert "cdmo.io/gpu-slice" in base64.b64decode(answer["response"]["patch"]).decode()
     assert status == 400
+
+
+def test_a_server_that_cannot_start_says_so_and_serves_once_it_can(tmp_path: Any,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    bundle = make_certificate(["127.0.0.1"])
+    cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"  # not written yet: nothing to serve with
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    port = sock.getsockname()[1]
+    server = ReviewServer(sock, str(cert), str(key), {}, file_check_interval=0.05, retry_s=0.05)
+
+    async def scenario() -> int:
+        task = asyncio.create_task(server.run())
+        await asyncio.sleep(0.3)
+        assert not task.done()  # still trying
+        cert.write_bytes(bundle.cert_pem + bundle.ca_pem)
+        key.write_bytes(bundle.key_pem)
+        context = ssl.create_default_context(cadata=bundle.ca_pem.decode())
+        try:
+            async with aiohttp.ClientSession() as session:
+                for _ in range(100):
+                    try:
+                        async with session.post(f"https://127.0.0.1:{port}/none", ssl=context,
+                                                json={"request": {"uid": "1"}}) as got:
+                            return got.status
+                    except aiohttp.ClientConnectionError:
+                        await asyncio.sleep(0.05)
+            raise AssertionError("the server never served")
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            sock.close()
+
+    caplog.set_level(logging.ERROR, logger="mig_operator.webhook")
+    assert asyncio.run(scenario()) == 200
+    assert any("the webhook cannot serve on" in r.getMessage() for r in caplog.records)

@@ -107,11 +107,12 @@ class ReviewServer:
     certificate files when they change (cert-manager renewals)."""
 
     def __init__(self, sock: socket.socket, certfile: str, keyfile: str, handlers: Mapping[str, Handler],
-                 file_check_interval: float = 60.0) -> None:
+                 file_check_interval: float = 60.0, retry_s: float = 2.0) -> None:
         self.sock = sock
         self.certfile, self.keyfile = certfile, keyfile
         self.handlers = dict(handlers)
         self.file_check_interval = file_check_interval
+        self.retry_s = retry_s
 
     async def _serve(self, request: aiohttp.web.Request) -> aiohttp.web.Response:
         try:
@@ -134,8 +135,8 @@ class ReviewServer:
         return tuple(stamps)
 
     async def run(self) -> None:
-        """Serve until cancelled; a failure to start (say, unreadable certificate files) is logged and
-        tried again."""
+        """Serve until cancelled; any failure (say, unreadable certificate files) is logged and tried
+        again after ``retry_s``, never left to end the task while the process runs on."""
         while True:
             stamp = self._files_stamp()
             runner: aiohttp.web.AppRunner | None = None
@@ -152,9 +153,10 @@ class ReviewServer:
                 while self._files_stamp() == stamp:
                     await asyncio.sleep(self.file_check_interval)
                 log.info("webhook certificate files changed: serving the new ones")
-            except (OSError, ssl.SSLError) as exc:
-                log.error("the webhook cannot serve on %s, tried again in 2 s: %s", self.sock.getsockname(), exc)
-                await asyncio.sleep(2.0)
+            except Exception:  # noqa: BLE001 (a webhook that stops serving refuses every pod that asks)
+                log.exception("the webhook cannot serve on %s; tried again in %g s", self.sock.getsockname(),
+                              self.retry_s)
+                await asyncio.sleep(self.retry_s)
             finally:
                 if runner is not None:
                     await runner.cleanup()
