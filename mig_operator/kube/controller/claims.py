@@ -223,8 +223,8 @@ class SliceClaims:
         the caller knows the pod is still gated, so nothing ran on the device, and the slice goes.
         Left on, it would hold the slice (``core.lifecycle.claim_hold``) until the pod goes."""
         pod = owner_pod(info)
-        if pod is None or info.uid in self._unreserved:
-            return
+        if pod is None or info.binding is None or info.uid in self._unreserved:
+            return  # an unbound slice's claim is not allocated, so not reserved either
         self._unreserved.add(info.uid)
         try:
             await self.client.strategic_patch(f"{claim_path(info.namespace, info.name)}/status",

@@ -160,8 +160,7 @@ class PodSlices:
             self.events.forget(meta["uid"])
             if _gated(pod):  # never ran: its claims' reservations go now, not once its slices are collected
                 for info in self._own_slices(pod, key):
-                    if info.binding is not None:
-                        await self.claims.unreserve(info)
+                    await self.claims.unreserve(info)
             return
         if (pod.get("status") or {}).get("phase") in FINISHED_PHASES:
             self.pods.pop(key, None)
@@ -209,9 +208,8 @@ class PodSlices:
         instance, so its agent releases it whatever its claim says.)"""
         key = (info.namespace, group_of(info))
         pod = self.pods.get(key)
-        if (info.binding is None or pod is None or key in self._ungating or not _gated(pod)
-                or not owned_by(info.body, pod)):
-            return  # an unbound slice's claim is not allocated, so not reserved either
+        if pod is None or key in self._ungating or not _gated(pod) or not owned_by(info.body, pod):
+            return
         await self.claims.unreserve(info)
 
     async def _release(self, pod: Mapping[str, Any], key: tuple[str, str]) -> None:
