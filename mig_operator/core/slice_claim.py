@@ -88,6 +88,16 @@ def pod_consumer(pod_name: str, pod_uid: str) -> dict[str, str]:
     return {"resource": "pods", "name": pod_name, "uid": pod_uid}
 
 
+def claim_user(pod: Mapping[str, Any], claim_name: str) -> dict[str, str] | None:
+    """``pod``'s ``pod_consumer`` entry when its ``spec.resourceClaims`` names claim ``claim_name`` (the
+    only pods kube-scheduler reserves a claim for), else None. A reservation for a pod that does not
+    name the claim would hold the slice (``core.lifecycle.claim_hold``) for as long as that pod lives."""
+    meta = pod.get("metadata") or {}
+    if not any(c.get("resourceClaimName") == claim_name for c in (pod.get("spec") or {}).get("resourceClaims") or []):
+        return None
+    return pod_consumer(str(meta.get("name", "")), str(meta.get("uid", "")))
+
+
 def allocation_patch(node: str, slice_uid: str, reserved_for: Mapping[str, str] | None = None) -> dict[str, Any]:
     """The merge patch of the claim's status subresource that allocates it (``allocation``) and, for a
     pod's slice, reserves it for that pod (``reserved_for``, a ``pod_consumer``) in the same write.

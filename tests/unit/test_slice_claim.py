@@ -18,6 +18,7 @@ from mig_operator.core.slice_claim import (
     allocation_patch,
     allocation_state,
     claim_body,
+    claim_user,
     node_pool,
     pod_consumer,
     unreserve_patch,
@@ -60,6 +61,24 @@ def test_a_pods_claim_is_reserved_for_it_in_the_allocating_write() -> None:
     assert pod == {"resource": "pods", "name": "train-0", "uid": "8d3c1f2e-0000-4000-8000-000000000001"}
     assert allocation_patch("n", UID, pod) == {"status": {"allocation": allocation("n", UID), "reservedFor": [pod]}}
     assert "reservedFor" not in allocation_patch("n", UID)["status"]
+
+
+def test_a_claim_is_reserved_only_for_a_pod_that_names_it() -> None:
+    def pod(*claims: str) -> dict:
+        return {"metadata": {"name": "train-0", "uid": "u-1"},
+                "spec": {"resourceClaims": [{"name": f"gpu-slice-{i}", "resourceClaimName": c}
+                                            for i, c in enumerate(claims)]}}
+
+    user = {"resource": "pods", "name": "train-0", "uid": "u-1"}
+    assert claim_user(pod("train"), "train") == user
+    assert claim_user(pod("other", "train-1"), "train-1") == user
+    # A pod that does not name the claim (a plain pod an owner reference names) never gets it reserved.
+    assert claim_user(pod("other"), "train") is None
+    assert claim_user(pod(), "train") is None
+    assert claim_user({"metadata": {"name": "p", "uid": "u"}, "spec": {}}, "train") is None
+    # A template's claim entry (no resourceClaimName) is not this claim.
+    assert claim_user({"metadata": {"name": "p", "uid": "u"}, "spec": {"resourceClaims": [
+        {"name": "x", "resourceClaimTemplateName": "train"}]}}, "train") is None
 
 
 def test_unreserve_is_a_strategic_delete_by_the_pods_uid() -> None:

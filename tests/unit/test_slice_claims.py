@@ -11,8 +11,10 @@ import pytest
 from books import BodyLedger
 
 from mig_operator.kube.common.client import ApiError
+from mig_operator.kube.common.names import POD_SLICE_LABEL, SCHEDULING_GATE
 from mig_operator.kube.controller import claims as claims_module
 from mig_operator.kube.controller.claims import SliceClaims, claim_body, slice_owner
+from mig_operator.kube.controller.pods import PodSlices
 
 UID = "0b9e6a8c-2f43-4d7a-9c1e-5a6b7c8d9e0f"
 CLAIMS = "/apis/resource.k8s.io/v1/namespaces/ns/resourceclaims"
@@ -238,6 +240,8 @@ def test_a_pods_slice_gets_its_claim_at_once_and_its_allocation_once_bound() -> 
     pending["status"] = {"phase": "Pending"}  # not bound: no node to allocate the claim on
     pending["metadata"]["ownerReferences"] = [{"apiVersion": "v1", "kind": "Pod", "name": "p", "uid": "pod-uid"}]
     state.put_slice(pending)
+    asked: list[str] = []
+    claims.consumer = lambda info: asked.append(info.uid) or POD_P  # the pod the controller made it for
     assert asyncio.run(claims.ensure(state.slice_named("ns", "train"))) is False
     assert client.calls == [("POST", CLAIMS)] and "status" not in client.existing
     # Bound: allocated while the agent realises the slice (its pod stays gated until Ready), and not
@@ -248,10 +252,44 @@ def test_a_pods_slice_gets_its_claim_at_once_and_its_allocation_once_bound() -> 
     assert client.existing["status"]["allocation"] == PINNED
     # Reserved for the pod in the same write: kube-scheduler, which reserves only a claim not reserved
     # for the pod yet, then writes nothing to it.
-    assert client.existing["status"]["reservedFor"] == [POD_P]
+    assert client.existing["status"]["reservedFor"] == [POD_P] and asked == [UID]
     _pods_slice(state, "Ready")
     assert asyncio.run(claims.ensure(state.slice_named("ns", "train"))) is True
     assert client.calls[2:] == []  # nothing left to write once Ready (the agent's Ready names the claim)
+
+
+def test_a_slice_whose_owner_reference_alone_names_a_pod_is_reserved_for_no_pod() -> None:
+    # A tenant wrote the reference (kubectl apply): no pod the controller made the slice for, so its
+    # claim is allocated early, as a pod's slice's, and reserved for nobody.
+    client = _Client()
+    claims, state, _ = _claims(client)
+    _pods_slice(state, "Bound")
+    assert asyncio.run(claims.ensure(state.slice_named("ns", "train"))) is False
+    assert client.existing["status"] == {"allocation": PINNED}
+
+
+def test_a_pod_is_the_consumer_only_of_its_own_gated_slice_whose_claim_it_names() -> None:
+    state = BodyLedger()
+    pods = PodSlices(None, None, state, None)  # type: ignore[arg-type]
+    _pods_slice(state, "Bound")
+    info = state.slice_named("ns", "train")
+    made = {"metadata": {"name": "p", "uid": "pod-uid", "namespace": "ns", "labels": {POD_SLICE_LABEL: "train"}},
+            "spec": {"schedulingGates": [{"name": SCHEDULING_GATE}],
+                     "resourceClaims": [{"name": "gpu-slice", "resourceClaimName": "train"}]}}
+    assert pods.consumer(info) is None  # no pod seen
+    pods.pods[("ns", "train")] = made
+    assert pods.consumer(info) == POD_P
+    # Another pod of that name and label (another UID), one not naming the claim, one no longer gated:
+    # none of them is the pod the slice was made for while gated.
+    pods.pods[("ns", "train")] = {**made, "metadata": {**made["metadata"], "uid": "other-uid"}}
+    assert pods.consumer(info) is None
+    pods.pods[("ns", "train")] = {**made, "spec": {**made["spec"], "resourceClaims": []}}
+    assert pods.consumer(info) is None
+    pods.pods[("ns", "train")] = {**made, "spec": {**made["spec"], "schedulingGates": []}}
+    assert pods.consumer(info) is None
+    # Another namespace's pod of the slice's name is never looked at.
+    pods.pods = {("other", "train"): {**made, "metadata": {**made["metadata"], "namespace": "other"}}}
+    assert pods.consumer(info) is None
 
 
 def test_a_slice_made_directly_is_reserved_for_no_pod() -> None:

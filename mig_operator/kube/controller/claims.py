@@ -9,9 +9,11 @@ that names it, on that node, and the kubelet asks the agent to prepare it. A dev
 node's agent publishes under the slice's UID is never allocated to the claim.
 
 A pod's slice's claim is reserved for that pod in the write that allocates it, so kube-scheduler
-writes nothing to it. The reservation holds the slice while the pod lives (the agent releases no
-slice whose claim is reserved), so before a slice of a pod still gated goes (a group's part given
-back, a slice or its pod deleted) the controller takes it away (``unreserve``).
+writes nothing to it; only for the gated pod the controller made the slice for (``consumer``,
+pods.py), never for whatever pod a slice's owner reference names: a tenant writes those. The
+reservation holds the slice while the pod lives (the agent releases no slice whose claim is
+reserved), so before a slice of a pod still gated goes (a group's part given back, a slice or its
+pod deleted) the controller takes it away (``unreserve``).
 
 A pod's slice gets its claim as soon as the slice exists, not when it is Ready, and the claim is
 allocated as soon as the slice is bound: the pod names the claim and stays gated until its slice is
@@ -33,7 +35,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from mig_operator.core.device_check import ACCEPT, check_ready_device
@@ -45,7 +47,6 @@ from mig_operator.core.slice_claim import (
     allocation_patch,
     allocation_state,
     claim_path,
-    pod_consumer,
     unreserve_patch,
 )
 from mig_operator.core.slice_claim import claim_body as slice_claim_body
@@ -102,6 +103,8 @@ class SliceClaims:
         # started is under way, and a second create would only be refused (409), at kube-apiserver's cost.
         self._writing = KeyedLocks()
         self._unreserved: set[str] = set()  # slices whose pod's reservation was taken away (``unreserve``)
+        # Whom a pod's slice's claim is reserved for as it is allocated (a ``pod_consumer``; None: nobody).
+        self.consumer: Callable[[SliceRecord], Mapping[str, str] | None] = lambda _info: None
 
     async def slice_changed(self, info: SliceRecord) -> None:
         await self.ensure(info)
@@ -200,8 +203,7 @@ class SliceClaims:
                 return claim
             if state == ELSEWHERE:
                 return await self._allocated_elsewhere(info, claim)
-        pod = owner_pod(info) if early(info) else None
-        reserved_for = pod_consumer(str(pod.get("name", "")), str(pod.get("uid", ""))) if pod else None
+        reserved_for = self.consumer(info) if early(info) else None
         try:
             allocated = await self.client.merge_patch(f"{path}/status", allocation_patch(node, info.uid, reserved_for))
         except ApiError as exc:

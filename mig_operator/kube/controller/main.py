@@ -87,6 +87,7 @@ def build_registry(options: ControllerOptions) -> kopf.OperatorRegistry:
                         resync_s=options.resync_s, hold_s=options.fair_hold_s, quota_required=options.quota_required)
         claims = SliceClaims(client, events, binder.ledger)
         pods = PodSlices(client, events, binder.ledger, claims)
+        claims.consumer = pods.consumer  # a claim is reserved only for a pod the controller made its slice for
         quotas = QuotaStatus(client, binder)
         # Claims first: a pod is released once its slice's claim exists.
         binder.on_slice_changed.extend([claims.slice_changed, pods.slice_changed])

@@ -35,6 +35,7 @@ from mig_operator.core.node_selection import constrains_nodes, has_required_term
 from mig_operator.core.pod_admission import PodRefused, check_pod_devices
 from mig_operator.core.quantities import QuantityError
 from mig_operator.core.request_forms import device_slice_names
+from mig_operator.core.slice_claim import claim_user
 
 from ..common.client import ApiError, KubeClient, core_path, resource_version, slice_path, slices_path
 from ..common.events import EventPoster
@@ -211,6 +212,15 @@ class PodSlices:
         if pod is None or key in self._ungating or not _gated(pod) or not owned_by(info.body, pod):
             return
         await self.claims.unreserve(info)
+
+    def consumer(self, info: SliceRecord) -> dict[str, str] | None:
+        """Whom the claim of slice ``info`` is reserved for as it is allocated (claims.py): the gated pod
+        seen here that owns the slice and names its claim, so a pod the controller made it for; None
+        for any other (an owner reference alone is the tenant's to write)."""
+        pod = self.pods.get((info.namespace, group_of(info)))
+        if pod is None or not _gated(pod) or not owned_by(info.body, pod):
+            return None
+        return claim_user(pod, info.name)
 
     async def _release(self, pod: Mapping[str, Any], key: tuple[str, str]) -> None:
         """Delete a finished pod's slices (its own only): the agent then releases the instances."""
