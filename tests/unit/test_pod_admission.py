@@ -700,10 +700,10 @@ def test_node_taints_come_from_the_node_watch_between_lists() -> None:
     client, events = _NodesClient([_node("a"), _node("b")]), _Events()
     pods = PodSlices(client, events, state, SliceClaims(client, events, state))  # type: ignore[arg-type]
     pod = {"metadata": {"name": "p", "namespace": "ns"}, "spec": {"containers": [{"name": "c"}]}}
-    assert asyncio.run(pods.eligible_nodes(pod)) is None  # every GPU node
-    pods.node_changed("b", _node("b", [{"key": "gpu", "value": "x", "effect": "NoSchedule"}]))
-    assert asyncio.run(pods.eligible_nodes(pod)) == ["a"], "b's new taint, seen without a list"
-    pods.node_changed("b", None)  # b is gone
-    pods.node_changed("c", _node("c"))
-    assert asyncio.run(pods.node_labels()).keys() == {"a", "c"}
+    assert asyncio.run(pods.nodes.eligible(pod, state.inventories)) is None  # every GPU node
+    pods.nodes.changed("b", _node("b", [{"key": "gpu", "value": "x", "effect": "NoSchedule"}]))
+    assert asyncio.run(pods.nodes.eligible(pod, state.inventories)) == ["a"], "b's new taint, seen without a list"
+    pods.nodes.changed("b", None)  # b is gone
+    pods.nodes.changed("c", _node("c"))
+    assert asyncio.run(pods.nodes.labels()).keys() == {"a", "c"}
     assert [c for c in client.calls if c[0] == "LIST"] == [("LIST", "/api/v1/nodes")]

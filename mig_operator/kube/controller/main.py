@@ -120,7 +120,7 @@ def build_registry(options: ControllerOptions) -> kopf.OperatorRegistry:
     async def node_event(body: dict[str, Any], type: str | None) -> None:
         labels = None if type == "DELETED" else body.get("metadata", {}).get("labels") or {}
         state["binder"].node_event(body["metadata"]["name"], labels)
-        state["pods"].node_changed(body["metadata"]["name"], None if type == "DELETED" else body)
+        state["pods"].nodes.changed(body["metadata"]["name"], None if type == "DELETED" else body)
 
     async def pod_event(body: dict[str, Any], type: str | None) -> None:
         await state["pods"].pod_event(body, deleted=type == "DELETED")

@@ -31,7 +31,6 @@ from typing import Any
 from mig_operator.core.device_check import ACCEPT, REFUSE, check_ready_device
 from mig_operator.core.ledger import Ledger, SliceRecord
 from mig_operator.core.lifecycle import SLICE_TRIES, slice_retry_delay
-from mig_operator.core.node_selection import constrains_nodes, has_required_terms, node_allowed, taints_tolerated
 from mig_operator.core.pod_admission import PodRefused, check_pod_devices
 from mig_operator.core.quantities import QuantityError
 from mig_operator.core.request_forms import device_slice_names
@@ -51,12 +50,9 @@ from ..common.names import (
 )
 from ..common.workqueue import NodeWaits
 from .claims import SliceClaims
+from .pod_nodes import HOSTNAME_LABEL, NodeView
 
 log = logging.getLogger("mig_operator.controller.pods")
-HOSTNAME_LABEL = "kubernetes.io/hostname"
-# Node labels and taints are listed at most this often; the controller's watch on nodes keeps them
-# current in between (``node_changed``), so a burst of pods costs no list.
-NODE_LABELS_TTL_S = 30.0
 FINISHED_PHASES = ("Succeeded", "Failed")
 # On a pod's GpuSlice: how many slices the pod has had, this one included (absent: the first).
 SLICE_TRY_ANNOTATION = "cdmo.io/slice-try"
@@ -135,12 +131,9 @@ class PodSlices:
         self.state = state
         self.claims = claims
         self.pods: dict[tuple[str, str], dict[str, Any]] = {}  # (namespace, pod group) -> pod
-        self._node_labels: dict[str, dict[str, str]] = {}
-        self._node_taints: dict[str, list[dict[str, Any]]] = {}
+        self.nodes = NodeView(client)  # labels and taints, for where a pod may go
         # Failed slices waiting out their back-off, by (namespace, slice name, pod group).
         self._retries: dict[tuple[str, str, str], asyncio.Task] = {}
-        self._node_labels_at = -float("inf")
-        self._node_labels_lock = asyncio.Lock()
         # Pods whose Ready slice's device the node's GpuNode did not list (yet), by node.
         self._device_waits = NodeWaits()
         self._device_wait_since: dict[str, float] = {}  # slice UID -> when its device was first not listed
@@ -234,41 +227,6 @@ class PodSlices:
                     raise
             log.debug("pod %s/%s finished: its slice %s released", key[0], pod["metadata"]["name"], info.ref)
 
-    def node_changed(self, name: str, node: Mapping[str, Any] | None) -> None:
-        """A Node's watch event (None: it is gone): its labels and taints as they are now."""
-        if node is None:
-            self._node_labels.pop(name, None)
-            self._node_taints.pop(name, None)
-            return
-        self._node_labels[name] = dict((node.get("metadata") or {}).get("labels") or {})
-        self._node_taints[name] = list((node.get("spec") or {}).get("taints") or [])
-
-    async def node_labels(self) -> dict[str, dict[str, str]]:
-        """Every node's labels (and, in ``_node_taints``, taints): listed at most every NODE_LABELS_TTL_S,
-        kept current by ``node_changed`` in between."""
-        async with self._node_labels_lock:
-            if time.monotonic() - self._node_labels_at > NODE_LABELS_TTL_S:
-                nodes = await self.client.list("/api/v1/nodes")
-                self._node_labels = {n["metadata"]["name"]: dict(n["metadata"].get("labels") or {}) for n in nodes}
-                self._node_taints = {n["metadata"]["name"]: list((n.get("spec") or {}).get("taints") or [])
-                                     for n in nodes}
-                self._node_labels_at = time.monotonic()
-            return self._node_labels
-
-    async def eligible_nodes(self, pod: Mapping[str, Any]) -> list[str] | None:
-        """The GPU nodes the pod's nodeSelector, required node affinity and tolerations allow; None
-        when it may go to every GPU node there is, so its slice may go anywhere. (All of today's GPU
-        nodes still restricts a pod with a selector: a GPU node that joins later may not match.)"""
-        spec = pod.get("spec") or {}
-        labels = await self.node_labels()
-        constrained = constrains_nodes(spec)
-        allowed = [n for n in sorted(self.state.inventories)
-                   if (n in labels or not constrained) and (not constrained or node_allowed(spec, n, labels[n]))
-                   and taints_tolerated(spec, self._node_taints.get(n, []))]
-        if not constrained and len(allowed) == len(self.state.inventories):
-            return None
-        return allowed
-
     async def _create_slices(self, pod: Mapping[str, Any], group: str,
                              tries: Mapping[str, int] | None = None) -> tuple[str, ...]:
         """Make the pod's slices that do not exist yet, one per device (``device_slice_names``): a
@@ -293,7 +251,7 @@ class PodSlices:
             return names
         annotations: dict[str, str] = {}
         node_name: str | None = None
-        eligible = await self.eligible_nodes(pod)
+        eligible = await self.nodes.eligible(pod, self.state.inventories)
         if eligible is not None:
             if not eligible:
                 known = len(self.state.inventories)
@@ -441,12 +399,6 @@ class PodSlices:
             if info is not None:
                 await self.slice_changed(info)
 
-    async def _hostname(self, pod: Mapping[str, Any], node: str) -> str | None:
-        """The node's kubernetes.io/hostname label, needed only to add to the pod's own required terms."""
-        if not has_required_terms(pod.get("spec") or {}):
-            return None
-        return (await self.node_labels()).get(node, {}).get(HOSTNAME_LABEL)
-
     async def _release_gate(self, pod: dict[str, Any], info: SliceRecord) -> None:
         key = (info.namespace, group_of(info))
         current = self.pods.get(key)
@@ -465,7 +417,7 @@ class PodSlices:
         path = core_path("pods", info.namespace, meta["name"])
         node = info.binding.node
         try:
-            answer = await self.client.json_patch(path, ungate_ops(pod, node, await self._hostname(pod, node)))
+            answer = await self.client.json_patch(path, ungate_ops(pod, node, await self.nodes.hostname(pod, node)))
         except ApiError as exc:
             if exc.not_found:
                 return
@@ -474,7 +426,7 @@ class PodSlices:
             fresh = await self.client.get(path)  # changed meanwhile: try again on what it is now
             if not _gated(fresh):
                 return
-            answer = await self.client.json_patch(path, ungate_ops(fresh, node, await self._hostname(fresh, node)))
+            answer = await self.client.json_patch(path, ungate_ops(fresh, node, await self.nodes.hostname(fresh, node)))
         self.pods[(info.namespace, group_of(info))] = answer
         log.debug("pod %s/%s ungated onto %s", info.namespace, meta["name"], node)
 
