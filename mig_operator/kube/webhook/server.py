@@ -263,14 +263,22 @@ def webhook_registry(kubeconfig: str | None) -> kopf.OperatorRegistry:
     return registry
 
 
+def refusing(serve: Handler) -> Handler:
+    """``serve``, with core's refusals of the pod (a bad quantity, a rule it breaks) turning the pod
+    down with their message."""
+    def handler(body: dict[str, Any]) -> Mutation | None:
+        try:
+            return serve(body)
+        except (QuantityError, PodRefused) as exc:
+            raise Refused(str(exc)) from None
+    return handler
+
+
 def pod_handlers(options: WebhookOptions) -> dict[str, Handler]:
     """The handler of each entry of the configuration, by the id its URL path ends with."""
 
     def slice_annotations(body: dict[str, Any]) -> Mutation | None:
-        try:
-            devices = check_pod_devices(body)
-        except (QuantityError, PodRefused) as exc:
-            raise Refused(str(exc)) from None
+        devices = check_pod_devices(body)
         if not devices:
             return None
         name = slice_name_for(body)
@@ -279,33 +287,28 @@ def pod_handlers(options: WebhookOptions) -> dict[str, Handler]:
     def resource_handler(whole_gpus: bool) -> Handler:
         """The handler of one extended-resource form: nvidia.com/mig-* or (``whole_gpus``) nvidia.com/gpu."""
         def serve(body: dict[str, Any]) -> Mutation | None:
-            try:
-                asked = mig_resource_request(body, whole_gpus=whole_gpus)
-                if asked is None:
-                    return None
-                # Every other rule of an annotated pod applies to the pod as it will go on.
-                devices = check_pod_devices(with_mig_request(body, asked, whole_gpus=whole_gpus))
-            except (QuantityError, PodRefused) as exc:
-                raise Refused(str(exc)) from None
+            asked = mig_resource_request(body, whole_gpus=whole_gpus)
+            if asked is None:
+                return None
+            # Every other rule of an annotated pod applies to the pod as it will go on.
+            devices = check_pod_devices(with_mig_request(body, asked, whole_gpus=whole_gpus))
             name = slice_name_for(body)
             return lambda pod: serve_mig_request(pod, asked, name, devices, whole_gpus=whole_gpus)
         return serve
 
     def compat_request(body: dict[str, Any]) -> Mutation | None:
-        try:
-            asked = dialect_request(body, options.compat)
-            if asked is None:
-                return None
-            devices = check_pod_devices(with_dialect_request(body, asked))
-        except (QuantityError, PodRefused) as exc:
-            raise Refused(str(exc)) from None
+        asked = dialect_request(body, options.compat)
+        if asked is None:
+            return None
+        devices = check_pod_devices(with_dialect_request(body, asked))
         # The device reaches the containers the dialect names (Run:ai: the first, or the one named).
         devices = tuple(dataclasses.replace(d, containers=asked.containers) for d in devices)
         name = slice_name_for(body)
         return lambda pod: serve_dialect_request(pod, asked, name, devices)
 
-    return {HANDLER_ID: slice_annotations, MIG_HANDLER_ID: resource_handler(False),
-            WHOLE_HANDLER_ID: resource_handler(True), COMPAT_HANDLER_ID: compat_request}
+    handlers = {HANDLER_ID: slice_annotations, MIG_HANDLER_ID: resource_handler(False),
+                WHOLE_HANDLER_ID: resource_handler(True), COMPAT_HANDLER_ID: compat_request}
+    return {handler_id: refusing(serve) for handler_id, serve in handlers.items()}
 
 
 def register(registry: kopf.OperatorRegistry, options: WebhookOptions, kubeconfig: str | None,
