@@ -393,6 +393,7 @@ CONTROLLER_RULES = {
     ("", "pods"): "get list watch patch",
     ("resource.k8s.io", "resourceclaims"): "get create delete",
     ("resource.k8s.io", "resourceclaims/status"): "patch",  # the claim's allocation (claims.py)
+    ("resource.k8s.io", "resourceclaims/binding"): "patch",  # the same write, authorized again on 1.36+
     ("", "events"): "create",
     ("kopf.dev", "clusterkopfpeerings"): "list watch create patch",
 }
