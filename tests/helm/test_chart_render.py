@@ -769,3 +769,15 @@ def test_users_get_gpuslices_through_view_edit_admin_and_gpunodes_only_when_aske
             assert {g[2] for g in nodes} == {"get", "list", "watch"}
     assert not [d for d in render("--set", "userRoles.enabled=false") if d["kind"] == "ClusterRole"
                 and d["metadata"]["labels"]["app.kubernetes.io/component"] == "user"]
+
+
+@pytest.mark.parametrize(("version", "installs"), [
+    ("1.33.9", False),  # resource.k8s.io/v1 is served from 1.34
+    ("1.34.0", True),
+    ("1.37.2", True),
+])
+def test_the_chart_installs_only_where_dra_v1_is_served(helm: Any, version: str, installs: bool) -> None:
+    result = helm("template", "mo", str(CHART_DIR), "--kube-version", version, check=False)
+    assert (result.returncode == 0) == installs, result.stderr
+    if not installs:
+        assert "kubeVersion" in result.stderr and version in result.stderr, result.stderr
