@@ -1,10 +1,11 @@
 """The cluster as the controller reads it: plain records of what the agents published and what the
 controller decided, and the words for a decision.
 
-``NodeInventory`` (a GpuNode's status: GPUs, their models' profiles, instances and who holds them, fractions, the
-node's conditions), ``Binding`` (a GpuSlice status's decision, or one just made), ``gpu_role`` (what a
-GPU serves and why), the refusal codes and ``Refusal``, and ``fraction_granted`` (a fraction GPU's
-occupancy). Where a slice goes is ``core.cluster_planner``; the books it is kept in, ``core.ledger``.
+``NodeInventory`` (a GpuNode's status: GPUs, their models' profiles, instances and who holds them,
+fractions, the node's conditions), ``Binding`` (a GpuSlice status's decision, or one just made),
+``gpu_role`` (what a GPU serves and why), the refusal codes and ``Refusal``, and ``fraction_granted``
+(a fraction GPU's occupancy). Where a slice goes is ``core.cluster_planner``; the books it is kept
+in, ``core.ledger``.
 """
 
 from __future__ import annotations
