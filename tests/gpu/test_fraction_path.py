@@ -16,7 +16,7 @@ every runc container gets), with each OCI mount bind-mounted as its options say,
 
 Needs root (mount namespace, mknod), ``unshare`` and ``cdi-validate`` (``$CDI_VALIDATE``, else
 ``scripts/control-plane env``; build it with ``scripts/control-plane build cdi-validate``); skipped
-without a GPU or the validator. docs/fraction-gpu-run.md records a run.
+without a GPU or the validator. bench/results/fraction-gpu-run.md records its runs.
 """
 
 from __future__ import annotations
