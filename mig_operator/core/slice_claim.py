@@ -114,7 +114,7 @@ def allocation_patch(node: str, slice_uid: str, at: str,
     kube-scheduler writes a reservation only for a pod the claim is not reserved for yet, and
     kube-controller-manager keeps one while its pod exists and has not finished: reserved here, the
     claim costs kube-scheduler no write of its own, and a pod's path from ungated to bound one write
-    less (docs/benchmarks.md, run M). The reservation counts as a use (``core.lifecycle.claim_hold``):
+    less. The reservation counts as a use (``core.lifecycle.claim_hold``):
     the controller takes it away before a slice of a pod that is still gated goes (``unreserve_patch``).
     """
     status: dict[str, Any] = {"allocation": allocation(node, slice_uid, at)}
