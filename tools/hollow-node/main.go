@@ -14,6 +14,9 @@
 //
 // It is built by scripts/control-plane inside the k8s.io/kubernetes wrapper module (this
 // directory has no go.mod of its own: the wrapper supplies the staging-module replacements).
+// Where a kubelet API differs between the supported releases, a pair of files holds one variant
+// each, chosen by a build tag the script sets from the release: k8s_pre136 (cri_*.go) below
+// v1.36, k8s_pre137 (podresources_*.go) below v1.37; without tags the newest API is built.
 package main
 
 import (
@@ -25,7 +28,6 @@ import (
 	"strings"
 	"time"
 
-	"go.opentelemetry.io/otel/trace/noop"
 	v1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	"k8s.io/apimachinery/pkg/types"
@@ -46,7 +48,6 @@ import (
 	"k8s.io/kubernetes/pkg/kubemark"
 
 	internalapi "k8s.io/cri-api/pkg/apis"
-	remote "k8s.io/cri-client/pkg"
 	fakeremote "k8s.io/cri-client/pkg/fake"
 )
 
@@ -97,11 +98,12 @@ func (m *draContainerManager) GetResources(ctx context.Context, pod *v1.Pod, con
 	return opts, nil
 }
 
-// GetDynamicResources feeds the kubelet's pod-resources API (<root>/pod-resources/kubelet.sock).
-func (m *draContainerManager) GetDynamicResources(pod *v1.Pod, container *v1.Container) []*podresourcesapi.DynamicResource {
+// dynamicResources feeds the kubelet's pod-resources API (<root>/pod-resources/kubelet.sock);
+// GetDynamicResources (podresources_*.go, one signature per Kubernetes release range) calls it.
+func (m *draContainerManager) dynamicResources(logger klog.Logger, pod *v1.Pod, container *v1.Container) []*podresourcesapi.DynamicResource {
 	infos, err := m.dra.GetContainerClaimInfos(pod, container)
 	if err != nil {
-		klog.ErrorS(err, "reading claim infos", "pod", klog.KObj(pod))
+		logger.Error(err, "reading claim infos", "pod", klog.KObj(pod))
 		return nil
 	}
 	var out []*podresourcesapi.DynamicResource
@@ -277,8 +279,7 @@ func run(s settings) error {
 		return fmt.Errorf("fake CRI runtime at %s: %w", runtimeEndpoint, err)
 	}
 	defer fakeRuntime.Stop()
-	logger := klog.Background()
-	runtimeService, err := remote.NewRemoteRuntimeService(runtimeEndpoint, 15*time.Second, noop.NewTracerProvider(), &logger)
+	runtimeService, err := newRuntimeService(runtimeEndpoint)
 	if err != nil {
 		return err
 	}
