@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import time
 import uuid
@@ -14,6 +15,8 @@ from pathlib import Path
 import kubernetes
 import pytest
 from kubernetes.client.rest import ApiException
+
+CONTROL_PLANE = Path(__file__).resolve().parents[2] / "scripts" / "control-plane"
 
 
 def wait_until(predicate: Callable[[], object], timeout: float, what: str) -> object:
@@ -41,11 +44,21 @@ def namespace(kube_cluster):
     core.delete_namespace(name)
 
 
+def requested_k8s_version() -> str:
+    """The release the plane was asked for: MIG_OPERATOR_K8S_VERSION, else the script's default."""
+    if os.environ.get("MIG_OPERATOR_K8S_VERSION"):
+        return os.environ["MIG_OPERATOR_K8S_VERSION"]
+    default = re.search(r"^K8S_DEFAULT_VERSION=(v\d+\.\d+\.\d+)\s", CONTROL_PLANE.read_text(), re.MULTILINE)
+    assert default, f"no K8S_DEFAULT_VERSION=vX.Y.Z line in {CONTROL_PLANE}"
+    return default.group(1)
+
+
 def test_version_is_the_pinned_release(kube_cluster):
     info = kubernetes.client.VersionApi(kube_cluster.api_client).get_code()
+    assert kube_cluster.k8s_version == requested_k8s_version()
     assert info.git_version == kube_cluster.k8s_version
-    assert kube_cluster.k8s_version.startswith("v1.34.")
-    assert (info.major, info.minor) == ("1", "34")
+    major, minor, _patch = kube_cluster.k8s_version.removeprefix("v").split(".")
+    assert (info.major, info.minor) == (major, minor)
 
 
 def test_namespace_and_configmap_round_trip(kube_cluster, namespace):
@@ -156,8 +169,6 @@ def test_kwok_node_becomes_ready_and_runs_pods(kube_cluster, namespace):
 
 # ---- the hollow node ---------------------------------------------------------------------------------
 
-CONTROL_PLANE = Path(__file__).resolve().parents[2] / "scripts" / "control-plane"
-
 
 @pytest.fixture
 def hollow_plane(tmp_path: Path) -> Iterator[tuple[dict[str, str], kubernetes.client.ApiClient]]:
@@ -206,7 +217,7 @@ def test_hollow_node_registers_a_ready_node_and_calls_dra(hollow_plane):
 
     node = core.read_node("hollow-e2e")  # `up` returned only once it was Ready
     assert [c.status for c in node.status.conditions if c.type == "Ready"] == ["True"]
-    assert node.status.node_info.kubelet_version == "v1.34.4"
+    assert node.status.node_info.kubelet_version == settings["K8S_VERSION"]
     assert node.metadata.labels["cdmo.test/role"] == "hollow"
     assert node.metadata.labels["cdmo.test/zone"] == "a"
     assert node.status.capacity["nvidia.com/gpu"] == node.status.allocatable["nvidia.com/gpu"] == "8"

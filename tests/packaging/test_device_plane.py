@@ -19,9 +19,20 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 DEVICE_PLANE = REPO / "scripts" / "device-plane"
-K8S = "k8s/v1.34.4"
+CONTROL_PLANE = REPO / "scripts" / "control-plane"
 BINS = ("kube-apiserver", "kube-scheduler", "kube-controller-manager", "etcd", "kwok", "kubectl", "helm",
         "hollow-node", "cdi-validate")
+
+
+def plane_k8s_dir() -> str:
+    """k8s/<version> under the cache: where scripts/control-plane keeps the release it builds and
+    starts (`env`'s K8S_VERSION, which MIG_OPERATOR_K8S_VERSION picks), so where `build` looks."""
+    env = subprocess.run([str(CONTROL_PLANE), "env"], capture_output=True, text=True, timeout=60, check=True)
+    settings = dict(line.split("=", 1) for line in env.stdout.splitlines() if "=" in line)
+    return f"k8s/{settings['K8S_VERSION']}"
+
+
+K8S = plane_k8s_dir()
 
 
 def tool_hash(tool: str) -> str:
