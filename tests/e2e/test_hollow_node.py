@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import KubeCluster
+from cluster import KubeCluster
 from harness import MIG_LABEL, REPO_ROOT, apply_crds, wait_until
 from kubernetes.client.rest import ApiException
 
