@@ -23,6 +23,9 @@ from harness import OperatorHarness, SimNode, wait_until
 from kubernetes.client.rest import ApiException
 from test_pods import KWOK_TOLERATION, create_pod, handed_device, running
 
+# Also run on the oldest supported Kubernetes release (make compat).
+pytestmark = pytest.mark.compat
+
 DRA = ("resource.k8s.io", "v1")
 SCHEDULER = "kube-scheduler"
 DELETE_PROTECTION = "resource.kubernetes.io/delete-protection"
