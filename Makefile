@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: all venv shim control-plane image lint chart-crds test unit e2e demo bench clean
+.PHONY: all venv shim control-plane image lint chart-crds test unit e2e compat demo bench clean
 
 all: test
 
@@ -21,8 +21,15 @@ venv: $(STAMP)
 shim:
 	$(MAKE) -C shim
 
+# The oldest Kubernetes release the operator supports (scripts/control-plane's K8S_OLDEST_VERSION);
+# the plane's default release is the current one (K8S_DEFAULT_VERSION there).
+K8S_OLDEST_VERSION := $(shell sed -n 's/^K8S_OLDEST_VERSION=//p' scripts/control-plane)
+
+# Both releases' binaries, each cached in its own ~/.cache/mig-operator/k8s/<version> (the real node,
+# `build --with node`, only for the current one: tests/node builds it when it runs).
 control-plane:
 	scripts/control-plane build
+	MIG_OPERATOR_K8S_VERSION=$(K8S_OLDEST_VERSION) scripts/control-plane build
 
 # The Dockerfile built without a daemon (buildah, chroot isolation) on a Debian-made Python base, and the
 # node tests' workload image: OCI archives in build/image/, cached by content under ~/.cache/mig-operator/image
@@ -40,18 +47,26 @@ lint: venv
 chart-crds:
 	for f in crds/*.yaml; do case "$$f" in crds/device-class.yaml) ;; *) cp "$$f" helm/mig-operator/crds/;; esac; done
 
-# Every test: shim's GPU-free C tests, lint, then pytest (unit, shim, e2e against a real kube-apiserver;
-# tests/gpu skip where no GPU is present). pytest's exit 5 (no tests collected) fails the target.
+# Every test: shim's GPU-free C tests, lint, then pytest (unit, shim, e2e against a real kube-apiserver
+# of the current release; tests/gpu skip where no GPU is present), then the compatibility run on the
+# oldest release. pytest's exit 5 (no tests collected) fails the target.
 test: venv shim control-plane
 	$(MAKE) -C shim test
 	$(MAKE) lint
 	$(BIN)/pytest
+	$(MAKE) compat
 
 unit: venv
 	$(BIN)/pytest tests/unit
 
 e2e: venv control-plane
 	$(BIN)/pytest tests/e2e
+
+# The e2e tests marked `compat` (DRA, pods, tenants) on a plane of the oldest supported release, in a
+# private state dir of its own (a kept or named plane would be the current release's).
+compat: venv control-plane
+	env -u MIG_OPERATOR_RUN -u MIG_OPERATOR_KEEP_CLUSTER MIG_OPERATOR_K8S_VERSION=$(K8S_OLDEST_VERSION) \
+		$(BIN)/pytest -m compat tests/e2e
 
 # The main job: the operator on a local control plane with simulated GPUs (scripts/demo says what it shows).
 # The first run builds the control plane (about 9 minutes on 2 cores, progress printed); later runs take ~30 s.

@@ -19,15 +19,10 @@ from typing import Any
 import kubernetes
 import pytest
 import yaml
+from cluster import CHART_DIR, CHART_NAMESPACE, REPO_ROOT, ChartIdentities, KubeCluster
 from harness import OperatorHarness, wait_until
 from kubernetes.client.rest import ApiException
 
-# conftest's KubeCluster and ChartIdentities (fixtures; not imported: several test directories have a
-# conftest module of that name).
-KubeCluster = ChartIdentities = Any
-REPO_ROOT = Path(__file__).resolve().parents[2]
-CHART_DIR = REPO_ROOT / "helm" / "mig-operator"
-CHART_NAMESPACE = "mig-operator-system"  # where tests/e2e/conftest.py puts the chart's identities
 DEVICE_CLASS = REPO_ROOT / "crds" / "device-class.yaml"
 KWOK_TAINT = {"key": "kwok.x-k8s.io/node", "operator": "Exists", "effect": "NoSchedule"}
 

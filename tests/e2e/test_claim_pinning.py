@@ -18,10 +18,13 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import CHART_NAMESPACE, CHART_RELEASE, ChartIdentities, KubeCluster, render_chart
+from cluster import CHART_NAMESPACE, CHART_RELEASE, ChartIdentities, KubeCluster, render_chart
 from harness import OperatorHarness, SimNode, wait_until
 from kubernetes.client.rest import ApiException
 from test_pods import KWOK_TOLERATION, create_pod, handed_device, running
+
+# Also run on the oldest supported Kubernetes release (make compat).
+pytestmark = pytest.mark.compat
 
 DRA = ("resource.k8s.io", "v1")
 SCHEDULER = "kube-scheduler"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import time
 import uuid
@@ -14,6 +15,8 @@ from pathlib import Path
 import kubernetes
 import pytest
 from kubernetes.client.rest import ApiException
+
+CONTROL_PLANE = Path(__file__).resolve().parents[2] / "scripts" / "control-plane"
 
 
 def wait_until(predicate: Callable[[], object], timeout: float, what: str) -> object:
@@ -41,11 +44,37 @@ def namespace(kube_cluster):
     core.delete_namespace(name)
 
 
+def script_version(name: str) -> str:
+    """A release the script names: K8S_DEFAULT_VERSION or K8S_OLDEST_VERSION."""
+    found = re.search(rf"^{name}=(v\d+\.\d+\.\d+)\s", CONTROL_PLANE.read_text(), re.MULTILINE)
+    assert found, f"no {name}=vX.Y.Z line in {CONTROL_PLANE}"
+    return found.group(1)
+
+
+def requested_k8s_version() -> str:
+    """The release the plane was asked for: MIG_OPERATOR_K8S_VERSION, else the script's default."""
+    return os.environ.get("MIG_OPERATOR_K8S_VERSION") or script_version("K8S_DEFAULT_VERSION")
+
+
+@pytest.mark.compat
 def test_version_is_the_pinned_release(kube_cluster):
     info = kubernetes.client.VersionApi(kube_cluster.api_client).get_code()
+    assert kube_cluster.k8s_version == requested_k8s_version()
     assert info.git_version == kube_cluster.k8s_version
-    assert kube_cluster.k8s_version.startswith("v1.34.")
-    assert (info.major, info.minor) == ("1", "34")
+    major, minor, _patch = kube_cluster.k8s_version.removeprefix("v").split(".")
+    assert (info.major, info.minor) == (major, minor)
+
+
+def test_up_refuses_a_running_plane_of_another_release(kube_cluster):
+    """`up` on a state dir whose plane runs another release fails at once, naming both (it builds
+    nothing: the other release need not be built), and leaves the plane running."""
+    other = next(v for v in (script_version("K8S_OLDEST_VERSION"), script_version("K8S_DEFAULT_VERSION"))
+                 if v != kube_cluster.k8s_version)
+    env = dict(os.environ, MIG_OPERATOR_RUN=str(kube_cluster.kubeconfig.parent), MIG_OPERATOR_K8S_VERSION=other)
+    up = subprocess.run([str(CONTROL_PLANE), "up"], env=env, capture_output=True, text=True, timeout=60)
+    assert up.returncode == 1, up.stderr
+    assert f"k8s/{kube_cluster.k8s_version}/bin/kube-apiserver, not k8s {other}'s" in up.stderr
+    assert kubernetes.client.VersionApi(kube_cluster.api_client).get_code().git_version == kube_cluster.k8s_version
 
 
 def test_namespace_and_configmap_round_trip(kube_cluster, namespace):
@@ -65,11 +94,12 @@ def test_namespace_and_configmap_round_trip(kube_cluster, namespace):
     assert missing.value.status == 404
 
 
-def test_kubectl_sees_the_cluster(kubectl, namespace):
+def test_kubectl_sees_the_cluster(kube_cluster, kubectl, namespace):
     names = kubectl("get", "namespaces", "-o", "jsonpath={.items[*].metadata.name}").stdout.split()
     assert {"default", "kube-system", namespace} <= set(names)
+    # kubectl is built with the plane: the same release as the server.
     client_version = json.loads(kubectl("version", "-o", "json").stdout)["clientVersion"]
-    assert client_version["minor"] == "34"
+    assert client_version["gitVersion"] == kube_cluster.k8s_version
 
 
 def test_namespace_deletion_completes(kube_cluster):
@@ -156,8 +186,6 @@ def test_kwok_node_becomes_ready_and_runs_pods(kube_cluster, namespace):
 
 # ---- the hollow node ---------------------------------------------------------------------------------
 
-CONTROL_PLANE = Path(__file__).resolve().parents[2] / "scripts" / "control-plane"
-
 
 @pytest.fixture
 def hollow_plane(tmp_path: Path) -> Iterator[tuple[dict[str, str], kubernetes.client.ApiClient]]:
@@ -189,6 +217,7 @@ def hollow_plane(tmp_path: Path) -> Iterator[tuple[dict[str, str], kubernetes.cl
         assert down.returncode == 0, down.stderr
 
 
+@pytest.mark.compat
 def test_hollow_node_registers_a_ready_node_and_calls_dra(hollow_plane):
     """`up --with hollow-node`: the real kubelet code registers a Ready Node, runs a plain pod on its
     fake runtime, and for a pod whose claim is allocated on it asks the claim's DRA driver to
@@ -206,7 +235,7 @@ def test_hollow_node_registers_a_ready_node_and_calls_dra(hollow_plane):
 
     node = core.read_node("hollow-e2e")  # `up` returned only once it was Ready
     assert [c.status for c in node.status.conditions if c.type == "Ready"] == ["True"]
-    assert node.status.node_info.kubelet_version == "v1.34.4"
+    assert node.status.node_info.kubelet_version == settings["K8S_VERSION"]
     assert node.metadata.labels["cdmo.test/role"] == "hollow"
     assert node.metadata.labels["cdmo.test/zone"] == "a"
     assert node.status.capacity["nvidia.com/gpu"] == node.status.allocatable["nvidia.com/gpu"] == "8"

@@ -8,6 +8,7 @@ import subprocess
 import time
 from typing import Any
 
+import pytest
 import yaml
 from harness import GROUP, REPO_ROOT, VERSION, OperatorHarness, wait_until
 from kubernetes.client.rest import ApiException
@@ -54,6 +55,7 @@ def wait_quota_crd(op: OperatorHarness) -> None:
     wait_until(lambda: op.cluster.kubectl("get", "gq", "-A", check=False).returncode == 0, 60, "gpuquotas to be served")
 
 
+@pytest.mark.compat
 def test_one_quota_per_namespace_and_its_spec_is_checked_at_admission(operator: OperatorHarness) -> None:
     wait_quota_crd(operator)
     ns = operator.namespace()

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import KubeCluster
+from cluster import KubeCluster
 from harness import MIG_LABEL, REPO_ROOT, apply_crds, wait_until
 from kubernetes.client.rest import ApiException
 
@@ -118,6 +118,7 @@ def claimed_pod(name: str, claim: str) -> dict[str, Any]:
                      "containers": [{"name": "main", "image": "fake", "resources": {"claims": [{"name": "gpu"}]}}]}}
 
 
+@pytest.mark.compat
 def test_kubelet_prepares_and_unprepares_through_the_agent(hollow: HollowSetup, cdi_validate: Path) -> None:
     core = hollow.cluster.core_v1()
     kubectl = hollow.cluster.kubectl

@@ -128,6 +128,7 @@ def gpunode(name: str, node: str | None = None) -> dict[str, Any]:
 # ---- item 2: each agent writes only its own node's objects ------------------------------------------------
 
 
+@pytest.mark.compat
 def test_each_agents_token_writes_only_its_own_nodes_slices_and_gpunode(
         kube_cluster: KubeCluster, operator: OperatorHarness, release: Release) -> None:
     ns, core, admin = release.namespace, kube_cluster.core_v1(), kube_cluster.custom_objects()
@@ -255,6 +256,7 @@ def test_the_controller_never_hands_on_a_device_its_nodes_gpunode_does_not_have(
 # ---- item 4: the controller's ServiceAccount writes only what its code writes -----------------------------
 
 
+@pytest.mark.compat
 def test_the_controllers_writes_are_narrowed_to_what_its_code_writes(
         kube_cluster: KubeCluster, release: Release) -> None:
     from mig_operator.kube.controller.pods import ungate_ops

@@ -27,6 +27,9 @@ import yaml
 from harness import wait_until
 from kubernetes.client.rest import ApiException
 
+# Also run on the oldest supported Kubernetes release (make compat).
+pytestmark = pytest.mark.compat
+
 KubeCluster = Any
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CHART_DIR = REPO_ROOT / "helm" / "mig-operator"

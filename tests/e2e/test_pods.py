@@ -83,6 +83,7 @@ def start(op: OperatorHarness, *nodes: SimNode) -> None:
     op.start_operator(*nodes, webhook=True)
 
 
+@pytest.mark.compat
 def test_annotated_pods_run_on_their_slice_with_exactly_its_environment(operator: OperatorHarness) -> None:
     mig = operator.add_node("h100-80gb")
     plain = operator.add_node("l40s-48gb", labelled=False)
@@ -153,6 +154,7 @@ def test_a_memory_request_runs_as_a_fraction_when_every_mig_gpu_is_full(operator
     assert device["uuid"].startswith("GPU-") and device["mode"] == "fraction" and device["memory"] == str(4 * 2**30)
 
 
+@pytest.mark.compat
 def test_bad_annotations_and_mixed_requests_are_refused_at_admission(operator: OperatorHarness) -> None:
     start(operator, operator.add_node("h100-80gb"))
     ns = operator.namespace()
@@ -222,6 +224,7 @@ def test_unannotated_pods_are_untouched_even_with_the_webhook_down(operator: Ope
     assert down.value.status >= 500 or "webhook" in down.value.body, "an annotated pod is refused, not let through"
 
 
+@pytest.mark.compat
 def test_a_deployment_of_ten_annotated_replicas_runs(operator: OperatorHarness) -> None:
     node = operator.add_node("h100-80gb", count=2)
     start(operator, node)
@@ -246,6 +249,7 @@ def test_a_deployment_of_ten_annotated_replicas_runs(operator: OperatorHarness) 
     check_invariants(operator)
 
 
+@pytest.mark.compat
 def test_deleting_pods_frees_their_slices_and_the_next_pods_reuse_the_instances(operator: OperatorHarness) -> None:
     node = operator.add_node("h100-80gb")
     start(operator, node)
@@ -347,6 +351,7 @@ def test_a_hundred_annotated_pods_at_once_on_four_nodes_overcommit_nothing(opera
     check_invariants(operator)  # no overlapping placements, fractions within each GPU's memory
 
 
+@pytest.mark.compat
 def test_a_pod_goes_only_to_a_node_its_own_selector_and_affinity_allow(operator: OperatorHarness) -> None:
     # The slice's node used to be chosen without the pod's nodeSelector or required node affinity;
     # the pod, pinned to that node too, then stayed Pending for ever (no node matched both).
@@ -415,6 +420,7 @@ def test_a_copy_of_a_running_sliced_pod_gets_a_slice_and_a_device_of_its_own(ope
     check_invariants(operator)
 
 
+@pytest.mark.compat
 def test_a_finished_jobs_pods_release_their_slices(operator: OperatorHarness) -> None:
     # A Job keeps its finished pods; each held its slice (here the whole GPU) until the pod object
     # went, so the Job's second pod waited, gated, for ever. kwok completes a Job's pod once Running.

@@ -116,6 +116,7 @@ def delete_in_use(op: OperatorHarness, ns: str, name: str, pod: str) -> dict:
     return body
 
 
+@pytest.mark.compat
 def test_a_tenant_deleting_its_running_pods_slice_keeps_the_quota_charge_until_the_pod_ends(
         operator: OperatorHarness, tenant_roles: None) -> None:
     node = operator.add_node("h200-141gb")
@@ -222,6 +223,7 @@ def _claim_exists(op: OperatorHarness, ns: str, name: str) -> bool:
     return True
 
 
+@pytest.mark.compat
 def test_a_slice_the_kubelet_prepared_is_kept_until_the_kubelet_unprepares_it(hollow: HollowSetup) -> None:  # noqa: F811
     """The prepared half, with the real kubelet code: the notebook's pod runs on a slice made directly,
     the slice is deleted; it is kept, naming the pod and the node that prepared its claim, until the

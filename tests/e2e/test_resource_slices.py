@@ -25,6 +25,9 @@ from mig_operator.kube.agent.kubeletapi import dra_v1_pb2_grpc as dra_grpc
 from mig_operator.kube.agent.kubeletapi import pluginregistration_v1_pb2 as reg
 from mig_operator.kube.agent.kubeletapi import pluginregistration_v1_pb2_grpc as reg_grpc
 
+# Also run on the oldest supported Kubernetes release (make compat).
+pytestmark = pytest.mark.compat
+
 DRIVER = "gpu.cdmo.io"
 
 

@@ -43,6 +43,9 @@ from kubernetes.client.rest import ApiException
 from test_release_in_use import TENANT, create_pod, put_quota, quota_used, running, slice_name  # isort: skip
 from test_release_in_use import tenant_namespace, tenant_roles  # noqa: F401 (a fixture)  # isort: skip
 
+# Also run on the oldest supported Kubernetes release (make compat).
+pytestmark = pytest.mark.compat
+
 CLAIMS = ("resource.k8s.io", "v1", "resourceclaims")
 FREED = {"memory": "0", "slices": 0}
 # Bounded waits: what the garbage collector, kube-controller-manager and the agent take on a busy

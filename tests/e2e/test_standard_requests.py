@@ -23,6 +23,7 @@ def mig_pod(name: str, limits: dict[str, str], annotations: dict[str, str] | Non
             ]}}
 
 
+@pytest.mark.compat
 def test_a_containers_mig_resource_runs_on_a_slice_of_that_profile_for_that_container(
         operator: OperatorHarness) -> None:
     mig = operator.add_node("h100-80gb")
@@ -50,6 +51,7 @@ def test_a_containers_mig_resource_runs_on_a_slice_of_that_profile_for_that_cont
     check_invariants(operator)
 
 
+@pytest.mark.compat
 def test_an_opted_out_namespace_keeps_its_mig_resources_for_a_device_plugin(operator: OperatorHarness) -> None:
     start(operator, operator.add_node("h100-80gb"))
     ns = operator.namespace()
@@ -69,6 +71,7 @@ def test_an_opted_out_namespace_keeps_its_mig_resources_for_a_device_plugin(oper
     ({"cpu": "1"}, {"cdmo.io/gpu": "1"}, ["annotation cdmo.io/gpu: '1' is not a slice annotation",
                                           "cdmo.io/gpu-memory, cdmo.io/gpu-fraction, cdmo.io/mig-profile"]),
 ])
+@pytest.mark.compat
 def test_what_is_not_served_is_refused_naming_the_key_and_value(operator: OperatorHarness, limits: dict[str, str],
                                                                   annotations: dict[str, str] | None,
                                                                   fragments: list[str]) -> None:

@@ -133,7 +133,7 @@ def test_node_is_ready_and_runs_a_plain_pod(real_node: RealNode) -> None:
     ready = {c["type"]: c["status"] for c in node["status"]["conditions"]}
     assert ready["Ready"] == "True", node["status"]["conditions"]
     assert node["status"]["nodeInfo"]["containerRuntimeVersion"].startswith("containerd://2.")
-    assert node["status"]["nodeInfo"]["kubeletVersion"] == "v1.34.4"
+    assert node["status"]["nodeInfo"]["kubeletVersion"] == real_node.settings["K8S_VERSION"]
     real_node.kubectl("create", "namespace", TEAM)
     wait_for(lambda: get(real_node, "serviceaccount", "default", "-n", TEAM), 60, "team-a's default ServiceAccount")
     # A plain pod: it runs, its network is the node's bridge, and it reaches the API server through
@@ -146,7 +146,8 @@ def test_node_is_ready_and_runs_a_plain_pod(real_node: RealNode) -> None:
     pod["spec"]["containers"][0]["command"] = ["python3", "-c", reach]
     run_pod(real_node, pod)
     logs = real_node.kubectl("logs", "plain", "-n", TEAM).stdout
-    assert '"gitVersion": "v1.34.4"' in logs, logs
+    version = real_node.settings["K8S_VERSION"]
+    assert f'"gitVersion": "{version}"' in logs, logs
     assert get(real_node, "pod", "plain", "-n", TEAM)["status"]["podIP"].startswith("10.88.")
     real_node.kubectl("delete", "pod", "plain", "-n", TEAM, "--wait=true")
 

@@ -1,7 +1,9 @@
 """scripts/device-plane: chunks carried one per call are kept outside the repository until all have
 come, then extracted into the cache layout scripts/control-plane uses, with the wheels installed.
 
-The stream here is made by the test (tarfile, lzma), not by `pack`, whose wheels need a registry."""
+Most streams here are made by the test (tarfile, lzma); `pack` itself runs against a cache of
+stand-in binaries and a local wheel directory (pip's PIP_NO_INDEX and PIP_FIND_LINKS), so it
+needs no registry."""
 
 from __future__ import annotations
 
@@ -9,19 +11,35 @@ import hashlib
 import io
 import lzma
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
+import tomllib
+import uuid
 import zipfile
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 REPO = Path(__file__).resolve().parents[2]
 DEVICE_PLANE = REPO / "scripts" / "device-plane"
-K8S = "k8s/v1.34.4"
+CONTROL_PLANE = REPO / "scripts" / "control-plane"
 BINS = ("kube-apiserver", "kube-scheduler", "kube-controller-manager", "etcd", "kwok", "kubectl", "helm",
         "hollow-node", "cdi-validate")
+
+
+def plane_k8s_dir() -> str:
+    """k8s/<version> under the cache: where scripts/control-plane keeps the release it builds and
+    starts (`env`'s K8S_VERSION, which MIG_OPERATOR_K8S_VERSION picks), so where `build` looks."""
+    env = subprocess.run([str(CONTROL_PLANE), "env"], capture_output=True, text=True, timeout=60, check=True)
+    settings = dict(line.split("=", 1) for line in env.stdout.splitlines() if "=" in line)
+    return f"k8s/{settings['K8S_VERSION']}"
+
+
+K8S = plane_k8s_dir()
 
 
 def tool_hash(tool: str) -> str:
@@ -33,16 +51,21 @@ def tool_hash(tool: str) -> str:
     return hashlib.sha256(b"".join(p.read_bytes() for p in files)).hexdigest()
 
 
-def wheel() -> bytes:
-    """A minimal pure-Python wheel: module devplane_probe."""
+def wheel(name: str = "devplane-probe", version: str = "1.0", module: str = "devplane_probe") -> bytes:
+    """A minimal pure-Python wheel of distribution ``name`` holding ``module`` (ANSWER = 42)."""
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w") as whl:
-        whl.writestr("devplane_probe.py", "ANSWER = 42\n")
-        info = "devplane_probe-1.0.dist-info"
-        whl.writestr(f"{info}/METADATA", "Metadata-Version: 2.1\nName: devplane-probe\nVersion: 1.0\n")
+        whl.writestr(f"{module}.py", "ANSWER = 42\n")
+        info = f"{wheel_name(name)}-{version}.dist-info"
+        whl.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
         whl.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
         whl.writestr(f"{info}/RECORD", "")
     return buf.getvalue()
+
+
+def wheel_name(name: str) -> str:
+    """A distribution's name as a wheel's file name spells it (PEP 427: normalised, - as _)."""
+    return canonicalize_name(name).replace("-", "_")
 
 
 def stream() -> bytes:
@@ -130,3 +153,85 @@ def test_unpack_without_a_manifest_and_pack_outside_an_ignored_path_are_usage_er
     assert packed.returncode == 2 and "not an ignored path" in packed.stderr
     assert len(packed.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists()
+
+
+# ---- pack ------------------------------------------------------------------------------------------
+
+PACKED_BINS = ("kube-apiserver", "kube-scheduler", "kube-controller-manager", "etcd", "kwok", "kubectl")
+# The device machine's interpreter and platform, as pack asks pip for them (scripts/device-plane).
+TARGET = {"python_version": "3.12", "python_full_version": "3.12.0", "implementation_name": "cpython",
+          "platform_python_implementation": "CPython", "sys_platform": "linux", "platform_system": "Linux",
+          "os_name": "posix", "platform_machine": "x86_64"}
+
+
+def packed_requirements() -> list[Requirement]:
+    """What pack must fetch: pyproject's runtime dependencies and pytest, markers evaluated for the target."""
+    listed = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"] + ["pytest"]
+    reqs = [Requirement(text) for text in listed]
+    assert any(r.marker for r in reqs), "no requirement with an environment marker left to pack"
+    return [r for r in reqs if r.marker is None or r.marker.evaluate(TARGET)]
+
+
+def satisfying_version(req: Requirement) -> str:
+    """The lowest bound a requirement names (or 1.0 when it names none), checked against it."""
+    bounds = [spec.version for spec in req.specifier if spec.operator in (">=", "==", "~=")]
+    version = max(bounds, key=lambda v: tuple(int(p) for p in v.split("."))) if bounds else "1.0"
+    assert req.specifier.contains(version), f"{req}: no version picked (got {version})"
+    return version
+
+
+def test_pack_fetches_requirements_with_environment_markers_and_unpack_installs_them(tmp_path: Path):
+    """pack with a requirement such as ``uvloop>=0.19; sys_platform != 'win32'`` (a marker with
+    spaces and !=): every requirement's wheel, from a local wheel directory, is in the stream, and
+    unpack installs them where each module imports."""
+    reqs = packed_requirements()
+    links = tmp_path / "links"
+    links.mkdir()
+    modules = {}
+    for req in reqs:
+        version = satisfying_version(req)
+        modules[canonicalize_name(req.name)] = f"packed_{wheel_name(req.name)}"
+        (links / f"{wheel_name(req.name)}-{version}-py3-none-any.whl").write_bytes(
+            wheel(req.name, version, modules[canonicalize_name(req.name)]))
+    cache = tmp_path / "cache"
+    bin_dir = cache / K8S / "bin"
+    bin_dir.mkdir(parents=True)
+    for name in PACKED_BINS:
+        (bin_dir / name).write_text(f"#!/bin/sh\necho {name}\n")
+        (bin_dir / name).chmod(0o755)
+    for tool in ("hollow-node", "cdi-validate"):
+        (bin_dir / f"{tool}.source-sha256").write_text(tool_hash(tool) + "\n")
+    (cache / K8S / "kwok-stages" / "node").mkdir(parents=True)
+    (cache / K8S / "kwok-stages" / "node" / "stage.yaml").write_text("kind: Stage\n")
+
+    spool = REPO / ".device-plane"
+    spool_existed = spool.exists()
+    out = spool / f"test-{uuid.uuid4().hex[:8]}"
+    env = dict(os.environ, MIG_OPERATOR_CACHE=str(cache), PYTHON=sys.executable, PIP_NO_INDEX="1",
+               PIP_FIND_LINKS=str(links), PIP_DISABLE_PIP_VERSION_CHECK="1")
+    try:
+        packed = subprocess.run([str(DEVICE_PLANE), "pack", str(out)], capture_output=True, text=True, env=env,
+                                timeout=600)
+        assert packed.returncode == 0, packed.stderr
+        manifest = (out / "MANIFEST").read_text()
+        names = [line.split()[1] for line in manifest.splitlines()]
+        data = b"".join((out / name).read_bytes() for name in names)
+        call = one_call(tmp_path, 0, manifest, *((name, (out / name).read_bytes()) for name in names))
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+        if not spool_existed:
+            shutil.rmtree(spool, ignore_errors=True)
+    with tarfile.open(fileobj=io.BytesIO(lzma.decompress(data))) as tar:
+        members = tar.getnames()
+    wheels = {canonicalize_name(Path(m).name.split("-")[0]) for m in members if m.startswith("wheels/")}
+    assert wheels == set(modules)
+    assert "uvloop" in wheels  # the requirement with a marker
+    assert {f"{K8S}/bin/{name}" for name in PACKED_BINS} <= set(members)
+
+    target = tmp_path / "device-cache"
+    unpacked = unpack(call, target)
+    assert unpacked.returncode == 0, unpacked.stderr
+    site = unpacked.stdout.strip().splitlines()[-1].removeprefix("PYTHONPATH=")
+    probe = subprocess.run([sys.executable, "-c", f"import {', '.join(modules.values())}"],
+                           capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=site))
+    assert probe.returncode == 0, probe.stderr
