@@ -22,7 +22,7 @@ controller-manager, kwok), over the pods. CPU per pod: each part's CPU time over
 pods (where the CPUs go in a burst).
 
 Before the rounds, a warm-up of 100 plain pods (--warm-up) runs unmeasured: on a fresh plane the
-first round ran up to four times slower than the same round later (docs/benchmarks.md, run L).
+first round ran up to four times slower than the same round later (bench/results/benchmark-history.md, run L).
 
 The client rate limiters of kube-scheduler and kube-controller-manager (--scheduler-qps/-burst,
 --controller-manager-qps/-burst, passed to the plane this run starts) are reported as the running

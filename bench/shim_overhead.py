@@ -10,7 +10,7 @@
    first use, where the shim measures the footprint), what the shim counts
    after it and after a 1 GiB tensor against NVML's per-process figure, and
    the cost of one NVML per-process query (what a footprint refresh costs).
-With the shim, CDMO_GPU_MEMORY_LIMIT is set (accounting active) well above
+With the shim, its limit file holds a limit (accounting active) well above
 what the workloads use.  Prints a JSON summary; --out FILE also writes it.
 
 Usage: python bench/shim_overhead.py [--rounds N] [--train-rounds N] [--footprint-rounds N] [--out FILE]
@@ -32,8 +32,8 @@ BENCH = ROOT / "bench"
 
 
 def build() -> Path:
-    # the tests' copy of the library: the same code, its ledger the relative directory "ledger" (the
-    # library proper has the directory a slice's CDI spec mounts built in)
+    # the tests' copy of the library: the same code, its ledger the relative directory "ledger" and its
+    # limit the relative file "limit" (the library proper has the paths a slice's CDI spec mounts built in)
     subprocess.run(["make", "-C", str(ROOT / "shim"), "build/test/libgpuslice.so"], check=True, capture_output=True)
     exe = Path(tempfile.gettempdir()) / "shim_alloc_bench"
     subprocess.run(["cc", "-O2", "-std=c11", "-Wall", "-Wextra", "-Werror", str(BENCH / "shim_alloc_bench.c"),
@@ -47,6 +47,8 @@ def env_for(shim: bool, tmp: str) -> dict:
         env.pop(k, None)
     if shim:
         os.makedirs(os.path.join(tmp, "ledger"), exist_ok=True)
+        with open(os.path.join(tmp, "limit"), "w") as fh:
+            fh.write(f"{64 << 30}\n")
         env.update({"LD_PRELOAD": str(ROOT / "shim" / "build" / "test" / "libgpuslice.so"),
                     "CDMO_GPU_MEMORY_LIMIT": str(64 << 30), "CDMO_SLICE": "bench/overhead", "BENCH_CWD": tmp})
     return env

@@ -15,7 +15,7 @@
 #define GS_MAX_DEV 64
 
 /* ---- start-up order ----------------------------------------------------
- * config.c reads the environment in the library's first constructor
+ * config.c reads the slice's limit in the library's first constructor
  * (GS_INIT_CONFIG).  A module that needs setting up, or keeps state a fork
  * must lock or reset, does it in a constructor of its own at GS_INIT_MODULE,
  * only when gs_cfg.active, with its own pthread_atfork handlers: no module
@@ -25,20 +25,27 @@
 #define GS_INIT_CONFIG 101
 #define GS_INIT_MODULE 102
 
-/* ---- config.c: environment, read once by the constructor --------------- */
+/* ---- config.c: the limit and switches, read once by the constructor ---- */
 struct gs_config {
-    int active;        /* CDMO_GPU_MEMORY_LIMIT present: count and enforce   */
+    int active;        /* a slice: count and enforce                          */
     int debug;         /* CDMO_SHIM_DEBUG=1: log decisions to stderr          */
-    int footprint;     /* CDMO_SHIM_FOOTPRINT: GS_FP_* below                  */
-    uint64_t limit;    /* CDMO_GPU_MEMORY_LIMIT, bytes; 0 (a value that is not
-                        * a byte count >= 1): every allocation is refused  */
+    int footprint;     /* GS_FP_* below (CDMO_SHIM_FOOTPRINT in test builds)  */
+    uint64_t limit;    /* GS_LIMIT_FILE's byte count; 0 (the file unreadable
+                        * or not a byte count >= 1, or missing where
+                        * CDMO_GPU_MEMORY_LIMIT says a slice): every
+                        * allocation is refused                             */
 };
 /* The slice's ledger: a directory the CDI spec bind-mounts from the node's
  * per-claim directory, so every process of every pod of one claim shares it.
- * Fixed at build time: no variable chooses another ledger.  (The GPU-free
- * tests build a copy with a relative path, one directory per test case.) */
+ * The slice's limit: a file the CDI spec bind-mounts read-only beside it.
+ * Both fixed at build time: no variable chooses another ledger or limit.
+ * The GPU-free tests build a copy (GS_TEST_BUILD) with relative paths, one
+ * directory per test case, which also honours CDMO_SHIM_FOOTPRINT. */
 #ifndef GS_LEDGER_DIR
 #define GS_LEDGER_DIR "/run/cdmo/ledger"
+#endif
+#ifndef GS_LIMIT_FILE
+#define GS_LIMIT_FILE "/run/cdmo/limit"
 #endif
 /* How the driver-side footprint (context, modules) of a process is measured:
  * NVML's per-process figure for our own pid, the device's used-memory delta

@@ -3,11 +3,15 @@
 The kubelet passes the CDI device ID this spec defines (``gpu.cdmo.io/slice=<slice UID>``) to the
 container runtime, which applies the spec's edits: the device nodes of the GPU (and, for MIG, the
 GPU and compute instance's ``nvidia-caps`` nodes), ``NVIDIA_VISIBLE_DEVICES=void`` so that no
-runtime hook widens the set, the slice's variables, and for fractions the shim mounted read-only
-and preloaded, and the slice's ledger directory mounted read-write at the one path the shim knows,
-so that every process of every pod of the claim shares one limit; a fraction with a compute share
-also mounts its GPU's MPS pipe and shm directories and gets its MPS limits (``environment``). Pure:
-the caller reads the device numbers, makes the ledger directory and writes the file.
+runtime hook widens the set, the slice's variables (for display), and for fractions the shim
+mounted read-only, the slice's ledger directory mounted read-write at the one path the shim knows,
+so that every process of every pod of the claim shares one limit, and the slice's limit file and an
+``/etc/ld.so.preload`` naming the shim, both read-only from the slice's own directory on the node
+(``limit_dir``, its files ``environment.shim_files``): every dynamically linked process of the
+container loads the shim and reads that limit whatever its environment says. A fraction with a
+compute share also mounts its GPU's MPS pipe and shm directories and gets its MPS limits
+(``environment``). Pure: the caller reads the device numbers, makes the ledger and limit directories
+and writes the files.
 """
 
 from __future__ import annotations
@@ -20,8 +24,12 @@ from .cluster import MODE_FRACTION, MODE_MIG
 from .environment import (
     DEVICES_VARIABLE,
     LEDGER_PATH_IN_CONTAINER,
+    LIMIT_FILE,
+    LIMIT_PATH_IN_CONTAINER,
     MPS_PIPE_IN_CONTAINER,
     MPS_SHM_IN_CONTAINER,
+    PRELOAD_FILE,
+    PRELOAD_PATH_IN_CONTAINER,
     SHIM_PATH_IN_CONTAINER,
     slice_environment,
 )
@@ -31,6 +39,9 @@ CDI_KIND = f"{DRIVER}/slice"
 NVIDIA_CDI_KIND = "nvidia.com/gpu"  # the NVIDIA Container Toolkit's spec (nvidia-ctk cdi generate)
 SHIM_FILE = "libgpuslice.so"
 DEFAULT_LEDGER_HOST_DIR = "/var/lib/mig-operator/ledgers"
+DEFAULT_LIMITS_HOST_DIR = "/var/lib/mig-operator/limits"
+# Read-only, and nothing in them runs or is a device.
+_READ_ONLY = ["ro", "nosuid", "nodev", "noexec", "bind"]
 # Device names starting with a digit need CDI 0.5.0 (a UID may start with one); nothing else here
 # needs more than 0.3.0. The lowest version the fields need keeps older runtimes able to read it.
 CDI_BASE_VERSION = "0.3.0"
@@ -63,6 +74,8 @@ class SliceDevice:
     shim_host_dir: str = "/var/lib/mig-operator/shim"
     # Where the node keeps one ledger directory per slice (ledger_dir)
     ledger_host_dir: str = DEFAULT_LEDGER_HOST_DIR
+    # Where the node keeps one directory per slice holding its limit and ld.so.preload (limit_dir)
+    limits_host_dir: str = DEFAULT_LIMITS_HOST_DIR
     # A fraction that is all of its GPU (fraction 1: a whole GPU without MIG, nothing else on it):
     # nothing to limit, so no shim.
     whole_gpu: bool = False
@@ -73,13 +86,24 @@ class SliceDevice:
     mps_shm_dir: str = ""
 
 
-def ledger_dir(ledger_host_dir: str, slice_uid: str) -> str:
-    """The node's ledger directory of one slice: made at prepare, mounted into each of its containers,
-    removed at unprepare. Raises ValueError for a UID that is not a single path component."""
+def _slice_dir(host_dir: str, slice_uid: str) -> str:
     if _DEVICE_NAME.fullmatch(slice_uid) is None or slice_uid in (".", ".."):
         raise ValueError(f"slice UID {slice_uid!r} is not a directory name; e.g. "
                          "'4f9c1e2a-0b7d-4c55-9a7e-2f1d3c4b5a6e'")
-    return f"{ledger_host_dir.rstrip('/')}/{slice_uid}"
+    return f"{host_dir.rstrip('/')}/{slice_uid}"
+
+
+def ledger_dir(ledger_host_dir: str, slice_uid: str) -> str:
+    """The node's ledger directory of one slice: made at prepare, mounted into each of its containers,
+    removed at unprepare. Raises ValueError for a UID that is not a single path component."""
+    return _slice_dir(ledger_host_dir, slice_uid)
+
+
+def limit_dir(limits_host_dir: str, slice_uid: str) -> str:
+    """The node's directory of one slice's limit file and ld.so.preload (``environment.shim_files``):
+    written at prepare, each file mounted read-only into each of its containers, removed at unprepare.
+    Apart from the ledger's, which containers may write. Raises ValueError as ``ledger_dir``."""
+    return _slice_dir(limits_host_dir, slice_uid)
 
 
 def device_id(slice_uid: str) -> str:
@@ -136,6 +160,7 @@ def slice_spec(device: SliceDevice) -> dict[str, Any]:
     }
     mounts: list[dict[str, Any]] = []
     if device.mode == MODE_FRACTION and not device.whole_gpu:
+        limits = limit_dir(device.limits_host_dir, device.slice_uid)
         mounts += [{
             "hostPath": f"{device.shim_host_dir.rstrip('/')}/{SHIM_FILE}",
             "containerPath": f"{shim_dir}/{SHIM_FILE}",
@@ -144,6 +169,14 @@ def slice_spec(device: SliceDevice) -> dict[str, Any]:
             "hostPath": ledger_dir(device.ledger_host_dir, device.slice_uid),
             "containerPath": LEDGER_PATH_IN_CONTAINER,
             "options": ["rw", "nosuid", "nodev", "noexec", "bind"],
+        }, {
+            "hostPath": f"{limits}/{LIMIT_FILE}",
+            "containerPath": LIMIT_PATH_IN_CONTAINER,
+            "options": list(_READ_ONLY),
+        }, {
+            "hostPath": f"{limits}/{PRELOAD_FILE}",
+            "containerPath": PRELOAD_PATH_IN_CONTAINER,
+            "options": list(_READ_ONLY),
         }]
     if mps:
         # What NVIDIA's DRA driver mounts into an MPS client: the daemon's pipe directory, and its shm

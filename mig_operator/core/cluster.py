@@ -1,10 +1,11 @@
 """The cluster as the controller reads it: plain records of what the agents published and what the
 controller decided, and the words for a decision.
 
-``NodeInventory`` (a GpuNode's status: GPUs, profiles, instances and who holds them, fractions, the
-node's conditions), ``Binding`` (a GpuSlice status's decision, or one just made), ``gpu_role`` (what a
-GPU serves and why), the refusal codes and ``Refusal``, and ``fraction_granted`` (a fraction GPU's
-occupancy). Where a slice goes is ``core.cluster_planner``; the books it is kept in, ``core.ledger``.
+``NodeInventory`` (a GpuNode's status: GPUs, their models' profiles, instances and who holds them,
+fractions, the node's conditions), ``Binding`` (a GpuSlice status's decision, or one just made),
+``gpu_role`` (what a GPU serves and why), the refusal codes and ``Refusal``, and ``fraction_granted``
+(a fraction GPU's occupancy). Where a slice goes is ``core.cluster_planner``; the books it is kept
+in, ``core.ledger``.
 """
 
 from __future__ import annotations
@@ -235,9 +236,45 @@ def _share(value: object) -> float | None:
     return float(value)
 
 
+def published_profiles(status: Mapping | None) -> dict[str, list]:
+    """Each model's profile table as a GpuNode status publishes it (``models``), raw, by model name.
+    A GPU's ``model`` names its table; a GPU without MIG names none (``""``)."""
+    tables: dict[str, list] = {}
+    models = (status or {}).get("models")
+    for raw in models if isinstance(models, list) else ():
+        if isinstance(raw, Mapping) and isinstance(raw.get("name"), str) and raw["name"]:
+            profiles = raw.get("profiles")
+            tables[raw["name"]] = profiles if isinstance(profiles, list) else []
+    return tables
+
+
+def _profile_tables(status: Mapping | None) -> dict[str, tuple[Profile, ...] | None]:
+    """``published_profiles`` read into Profiles, each table once; None for a table not well formed."""
+    tables: dict[str, tuple[Profile, ...] | None] = {}
+    for name, raw in published_profiles(status).items():
+        try:
+            tables[name] = tuple(_profile_from(p) for p in raw)
+        except (KeyError, TypeError, ValueError, AttributeError):
+            tables[name] = None
+    return tables
+
+
+def _gpu_profiles(model: str, tables: Mapping[str, tuple[Profile, ...] | None]) -> tuple[Profile, ...]:
+    """The profiles of the model a GPU names: none for ``""``; a KeyError for a model the status does
+    not publish, or publishes not well formed (its GPU is then skipped, as any malformed entry is)."""
+    if not model:
+        return ()
+    table = tables.get(model)
+    if table is None:
+        raise KeyError(f"GPU names model {model!r}, which the status's models do not publish well formed")
+    return table
+
+
 def inventory_from_status(node: str, status: Mapping | None) -> NodeInventory:
-    """A GpuNode's status as a NodeInventory; entries that are not well formed are skipped."""
+    """A GpuNode's status as a NodeInventory; entries that are not well formed are skipped, and so is
+    a GPU naming a model whose profile table is missing or not well formed (its MIG room is unknown)."""
     gpus = []
+    tables = _profile_tables(status)
     for raw in (status or {}).get("gpus") or ():
         try:
             gpus.append(
@@ -245,7 +282,7 @@ def inventory_from_status(node: str, status: Mapping | None) -> NodeInventory:
                     index=int(raw["index"]), uuid=str(raw["uuid"]), product=str(raw.get("product", "")),
                     model=str(raw.get("model", "")), memory_mib=int(raw.get("memoryMiB", 0)),
                     mig_capable=bool(raw.get("migCapable", False)), mig_enabled=bool(raw.get("migEnabled", False)),
-                    profiles=tuple(_profile_from(p) for p in raw.get("profiles") or ()),
+                    profiles=_gpu_profiles(str(raw.get("model", "")), tables),
                     instances=tuple(_instance_from(i) for i in raw.get("instances") or ()),
                     fractions=tuple(FractionState(str(f["sliceUID"]), str(f.get("slice", "")), int(f.get("bytes", 0)),
                                                   _share(f.get("compute")))

@@ -2,10 +2,12 @@
 
 The agent's CDI spec (core/cdi.py) gives it to the container; the real-GPU test starts processes
 with exactly what that spec gives. The device itself reaches the container only as the spec's device
-nodes: ``NVIDIA_VISIBLE_DEVICES=void`` tells the NVIDIA runtime hook to add none. Fractions also
-preload the shim with the limit; the shim's ledger is a mount, not a variable. A fraction with a
-compute share is also an MPS client: the pipe directory, its active-thread percentage and its pinned
-device memory limit.
+nodes: ``NVIDIA_VISIBLE_DEVICES=void`` tells the NVIDIA runtime hook to add none. A fraction's limit
+is shown in variables, but the shim takes nothing from the environment: it is loaded through a
+read-only ``/etc/ld.so.preload`` and reads its limit from a read-only file beside its ledger, both
+mounted by the CDI spec (``shim_files``), so no process of the container unloads it or lifts its
+limit by changing its environment. A fraction with a compute share is also an MPS client: the pipe
+directory, its active-thread percentage and its pinned device memory limit.
 """
 
 from __future__ import annotations
@@ -18,11 +20,20 @@ SHIM_PATH_IN_CONTAINER = "/usr/local/lib/cdmo/libgpuslice.so"
 # The slice's ledger (the shim's shared accounting): the claim's own directory on the node, mounted
 # here by the CDI spec. The shim has this path built in; no variable names another.
 LEDGER_PATH_IN_CONTAINER = "/run/cdmo/ledger"
+# The slice's limit, beside the ledger: the shim has this path built in (GS_LIMIT_FILE) and reads
+# the limit from it, never from a variable.
+LIMIT_PATH_IN_CONTAINER = "/run/cdmo/limit"
+# glibc's dynamic loader preloads what this file names into every dynamically linked process,
+# whatever LD_PRELOAD says (setuid programs included).
+PRELOAD_PATH_IN_CONTAINER = "/etc/ld.so.preload"
+# The files a fraction's CDI spec mounts read-only, by their names in the node's per-slice directory.
+LIMIT_FILE = "limit"
+PRELOAD_FILE = "ld.so.preload"
 DEVICES_VARIABLE = "NVIDIA_VISIBLE_DEVICES"
 # The value the NVIDIA runtime hook reads as "no devices": the CDI edits alone decide what is visible.
 NO_DEVICES = "void"
 PRELOAD_VARIABLE = "LD_PRELOAD"
-LIMIT_VARIABLE = "CDMO_GPU_MEMORY_LIMIT"
+LIMIT_VARIABLE = "CDMO_GPU_MEMORY_LIMIT"  # for display: the shim reads LIMIT_PATH_IN_CONTAINER
 LIMIT_GB_VARIABLE = "GPU_MEM_LIMIT_GB"  # informational, as in ClearML's containers
 SLICE_VARIABLE = "CDMO_SLICE"
 # A fraction with a compute share is an MPS client of its GPU's control daemon (gpu/mps.py). The pipe
@@ -70,14 +81,22 @@ def mps_environment(compute: float, granted_bytes: int) -> dict[str, str]:
             MPS_PINNED_VARIABLE: pinned_limit(granted_bytes)}
 
 
+def shim_files(granted_bytes: int, shim_path: str = SHIM_PATH_IN_CONTAINER) -> dict[str, str]:
+    """What the node writes for a limited fraction, by file name: its limit (a plain decimal byte count
+    and a newline, as the shim reads it) and the ``/etc/ld.so.preload`` line naming the shim. Raises
+    ValueError for a limit the shim would refuse (below 1 byte or beyond 64 bits)."""
+    if not 1 <= granted_bytes < 2**64:
+        raise ValueError(f"granted bytes {granted_bytes!r} are not a limit the shim takes; e.g. 4294967296")
+    return {LIMIT_FILE: f"{granted_bytes}\n", PRELOAD_FILE: f"{shim_path}\n"}
+
+
 def slice_environment(mode: str, granted_bytes: int, namespace: str, name: str,
-                      shim_path: str = SHIM_PATH_IN_CONTAINER, whole_gpu: bool = False,
-                      compute: float | None = None) -> dict[str, str]:
-    """``NVIDIA_VISIBLE_DEVICES=void`` always; in fraction mode also ``LD_PRELOAD``,
-    ``CDMO_GPU_MEMORY_LIMIT`` (bytes), ``GPU_MEM_LIMIT_GB`` (informational) and ``CDMO_SLICE``
-    (informational: the shim's accounting is the ledger the CDI spec mounts), except for a fraction
-    that is its whole GPU (``whole_gpu``), which has nothing to limit. A fraction with a ``compute``
-    share also gets ``mps_environment``."""
+                      whole_gpu: bool = False, compute: float | None = None) -> dict[str, str]:
+    """``NVIDIA_VISIBLE_DEVICES=void`` always; in fraction mode also ``CDMO_GPU_MEMORY_LIMIT`` (bytes),
+    ``GPU_MEM_LIMIT_GB`` and ``CDMO_SLICE``, all for display (the shim reads its limit from the file the
+    CDI spec mounts, and its ledger is a mount), except for a fraction that is its whole GPU
+    (``whole_gpu``), which has nothing to limit. A fraction with a ``compute`` share also gets
+    ``mps_environment``."""
     if mode == MODE_MIG:
         return {DEVICES_VARIABLE: NO_DEVICES}
     if mode != MODE_FRACTION:
@@ -87,7 +106,6 @@ def slice_environment(mode: str, granted_bytes: int, namespace: str, name: str,
         return {DEVICES_VARIABLE: NO_DEVICES, **mps}
     return {
         DEVICES_VARIABLE: NO_DEVICES,
-        PRELOAD_VARIABLE: shim_path,
         LIMIT_VARIABLE: str(granted_bytes),
         LIMIT_GB_VARIABLE: gpu_mem_limit_gb(granted_bytes),
         SLICE_VARIABLE: f"{namespace}/{name}",

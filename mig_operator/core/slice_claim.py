@@ -71,14 +71,22 @@ def claim_body(namespace: str, name: str, owner: Mapping[str, Any]) -> dict[str,
     }
 
 
-def allocation(node: str, slice_uid: str) -> dict[str, Any]:
+def allocation(node: str, slice_uid: str, at: str) -> dict[str, Any]:
     """The claim's ``status.allocation``: slice ``slice_uid``'s device in ``node``'s pool, usable on
-    ``node`` only (the node selector kube-scheduler writes for a node-local pool)."""
+    ``node`` only (the node selector kube-scheduler writes for a node-local pool), allocated at ``at``
+    (RFC 3339, seconds).
+
+    The allocation is immutable once written. From Kubernetes 1.36 kube-scheduler stamps an
+    ``allocationTimestamp`` onto an allocation that has none when it writes a reservation, which the
+    API server then refuses as a change of the allocation: a pod naming a directly made slice's claim
+    would never bind. So the controller writes the stamp itself; 1.34 and 1.35 drop the field.
+    """
     return {
         "devices": {"results": [{"request": REQUEST_NAME, "driver": DRIVER, "pool": node_pool(node),
                                  "device": slice_uid}]},
         "nodeSelector": {"nodeSelectorTerms": [{"matchFields": [
             {"key": "metadata.name", "operator": "In", "values": [node]}]}]},
+        "allocationTimestamp": at,
     }
 
 
@@ -98,17 +106,18 @@ def claim_user(pod: Mapping[str, Any], claim_name: str) -> dict[str, str] | None
     return pod_consumer(str(meta.get("name", "")), str(meta.get("uid", "")))
 
 
-def allocation_patch(node: str, slice_uid: str, reserved_for: Mapping[str, str] | None = None) -> dict[str, Any]:
+def allocation_patch(node: str, slice_uid: str, at: str,
+                     reserved_for: Mapping[str, str] | None = None) -> dict[str, Any]:
     """The merge patch of the claim's status subresource that allocates it (``allocation``) and, for a
     pod's slice, reserves it for that pod (``reserved_for``, a ``pod_consumer``) in the same write.
 
     kube-scheduler writes a reservation only for a pod the claim is not reserved for yet, and
     kube-controller-manager keeps one while its pod exists and has not finished: reserved here, the
     claim costs kube-scheduler no write of its own, and a pod's path from ungated to bound one write
-    less (docs/benchmarks.md, run M). The reservation counts as a use (``core.lifecycle.claim_hold``):
+    less. The reservation counts as a use (``core.lifecycle.claim_hold``):
     the controller takes it away before a slice of a pod that is still gated goes (``unreserve_patch``).
     """
-    status: dict[str, Any] = {"allocation": allocation(node, slice_uid)}
+    status: dict[str, Any] = {"allocation": allocation(node, slice_uid, at)}
     if reserved_for is not None:
         status["reservedFor"] = [dict(reserved_for)]
     return {"status": status}

@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .cluster import published_profiles
 from .compute import SHARED, compute_from_status, format_compute, gpu_compute, mig_compute
 from .quantities import QuantityError, parse_memory
 
@@ -169,10 +170,10 @@ def slice_info(body: Mapping[str, Any]) -> SliceInfo:
     )
 
 
-def _slot_count(gpu: Mapping[str, Any]) -> int:
-    """Memory slots of a GPU, from its published profile table (as the controller reads it)."""
-    return max((_int(pl.get("start")) + _int(pl.get("size")) for p in gpu.get("profiles") or []
-                for pl in p.get("placements") or []), default=0)
+def _slot_count(profiles: Sequence[Any]) -> int:
+    """Memory slots of a GPU, from its model's published profile table (as the controller reads it)."""
+    return max((_int(pl.get("start")) + _int(pl.get("size")) for p in profiles if isinstance(p, Mapping)
+                for pl in p.get("placements") or [] if isinstance(pl, Mapping)), default=0)
 
 
 def _instance_state(inst: Mapping[str, Any], owner: SliceInfo | None) -> str:
@@ -184,7 +185,7 @@ def _instance_state(inst: Mapping[str, Any], owner: SliceInfo | None) -> str:
     return IN_USE if inst.get("inUse") else IDLE
 
 
-def _mig_gpu(node: str, gpu: Mapping[str, Any], slots: int, slices: Sequence[SliceInfo],
+def _mig_gpu(node: str, gpu: Mapping[str, Any], profiles: Sequence[Any], slots: int, slices: Sequence[SliceInfo],
              by_uid: Mapping[str, SliceInfo]) -> tuple[tuple[Span, ...], tuple[str, ...]]:
     states = [FREE] * slots
     found: list[tuple[int, int, str, str, str, str, str, bool]] = []
@@ -211,7 +212,7 @@ def _mig_gpu(node: str, gpu: Mapping[str, Any], slots: int, slices: Sequence[Sli
             found.append((s.start, s.size, s.profile, CREATING, s.ref, s.uid, "", drawn))
     found.sort(key=lambda f: (f[0], not f[7], f[4]))
     slices_of = {str(p.get("name", "")): _int(p.get("slices")) or _named_slices(str(p.get("name", "")))
-                 for p in gpu.get("profiles") or []}
+                 for p in profiles if isinstance(p, Mapping)}
     whole = max(slices_of.values(), default=0)
     spans = tuple(Span(_label(i), *f, compute=mig_compute(slices_of.get(f[2]) or _named_slices(f[2]), whole))
                   for i, f in enumerate(found))
@@ -273,11 +274,14 @@ def build_view(gpunodes: Sequence[Mapping[str, Any]], slices: Sequence[Mapping[s
     for body in sorted(gpunodes, key=lambda b: str((b.get("metadata") or {}).get("name", ""))):
         name = str((body.get("metadata") or {}).get("name", ""))
         st = body.get("status") or {}
+        tables = published_profiles(st)
         gpus = []
         for gpu in sorted(st.get("gpus") or [], key=lambda g: _int(g.get("index"))):
-            slots = _slot_count(gpu)
+            # A GPU naming a model with no published table has no known slots: drawn without its map.
+            profiles = tables.get(str(gpu.get("model") or ""), [])
+            slots = _slot_count(profiles)
             mig = bool(gpu.get("migEnabled")) and slots > 0
-            spans, states = _mig_gpu(name, gpu, slots, infos, by_uid) if mig else ((), ())
+            spans, states = _mig_gpu(name, gpu, profiles, slots, infos, by_uid) if mig else ((), ())
             shares = () if mig else _fraction_gpu(name, gpu, infos, by_uid)
             granted = _int(gpu.get("grantedBytes")) if mig else sum(s.bytes for s in shares)
             compute = (str(gpu.get("compute") or "") if mig

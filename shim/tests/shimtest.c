@@ -7,11 +7,15 @@
  *
  * Each case runs in a fresh process exec'ed with LD_PRELOAD of the tests' copy
  * of the library (build/test/libgpuslice.so, whose ledger directory is the
- * relative "ledger"), the fake libraries first on LD_LIBRARY_PATH, the
- * environment the case names, and a working directory of its own
- * ($SHIMTEST_DIR) holding its ledger directory, so the shim's constructor
- * reads it as in a container.  A case whose environment names
- * SHIMTEST_NO_LEDGER=1 gets no ledger directory.  Its stderr goes to
+ * relative "ledger" and whose limit file the relative "limit"), the fake
+ * libraries first on LD_LIBRARY_PATH, the environment the case names, and a
+ * working directory of its own ($SHIMTEST_DIR) holding its ledger directory
+ * and limit file, so the shim's constructor reads them as in a container.
+ * Words of the case's environment that are the harness's, not variables:
+ * LIMIT_FILE=v writes "v\n" into the limit file, LIMIT_FILE_BARE=v writes v
+ * alone, SHIMTEST_LIMIT_DIR=1 makes "limit" a directory (present, not
+ * readable as a file); no such word, no limit file.  A case whose
+ * environment names SHIMTEST_NO_LEDGER=1 gets no ledger directory.  Its stderr goes to
  * $SHIMTEST_DIR/stderr (copied to ours at its end), so a case can count what
  * the shim said, constructor included.  Device memory is observed through the shim's own cuMemGetInfo
  * (used = total - free while the limit is below the fake's 80 GiB). */
@@ -161,9 +165,24 @@ static void open_driver(void)
     OK(init(0));
 }
 
-static uint64_t env_limit(void)
+/* what the case's limit file holds, as written (NULL: no such file) */
+static const char *limit_file(void)
 {
-    const char *v = getenv("CDMO_GPU_MEMORY_LIMIT");
+    static char buf[128];
+    char path[PATH_MAX];
+    snprintf(path, sizeof path, "%s/limit", getenv("SHIMTEST_DIR"));
+    FILE *fp = fopen(path, "r");
+    if (!fp) return NULL;
+    size_t n = fread(buf, 1, sizeof buf - 1, fp);
+    fclose(fp);
+    buf[n] = 0;
+    return buf;
+}
+
+/* the case's limit in bytes, read here from its file (0: none) */
+static uint64_t slice_limit(void)
+{
+    const char *v = limit_file();
     return v ? strtoull(v, NULL, 10) : 0;
 }
 
@@ -227,25 +246,11 @@ static void case_passthrough(void)
     CHECK(stderr_count("libgpuslice") == 0, "pass-through says nothing");
 }
 
-/* CDMO_GPU_MEMORY_LIMIT present but not a byte count >= 1: every allocation
- * of device memory is refused before it reaches the driver, the figures show
- * an empty slice (total 0, free 0), and the shim says so once, naming the
- * value.  Never "no limit". */
-static void case_refused(void)
+/* Every allocation of device memory is refused before it reaches the
+ * driver, the figures show an empty slice (total 0, free 0), and the shim
+ * says `said` once and nothing else.  Never "no limit". */
+static void expect_refused(const char *said)
 {
-    const char *v = getenv("CDMO_GPU_MEMORY_LIMIT");
-    CHECK(v, "case runs with the variable present");
-    /* why the value is refused, worked out here independently of the shim */
-    int digits = *v != 0, nonzero = 0;
-    for (const char *q = v; *q; q++) {
-        digits &= *q >= '0' && *q <= '9';
-        nonzero |= *q > '0' && *q <= '9';
-    }
-    const char *why = !*v ? "is empty" : !digits ? "is not a plain decimal byte count"
-                    : nonzero ? "is beyond 18446744073709551615" : "is zero";
-    char said[256];
-    snprintf(said, sizeof said, "warning: CDMO_GPU_MEMORY_LIMIT=\"%s\" %s (a limit is a byte count "
-             "such as 1073741824 for 1 GiB): every allocation of device memory is refused", v, why);
     open_driver();
     retain(0); /* with FAKE_CTX_BYTES: a context the driver holds, counted */
     CHECK(in_shim((void *)Alloc), "a refused limit is enforced, not passed through: dlsym gave %s",
@@ -289,10 +294,62 @@ static void case_refused(void)
     CHECK(stderr_count("libgpuslice") == 1, "and nothing else (no second line about the context)");
 }
 
-/* A valid limit holds at exactly its byte count, one byte either side. */
+/* A limit file that is not a byte count >= 1: refused, the shim naming the
+ * file, what it holds and why. */
+static void case_refused(void)
+{
+    const char *raw = limit_file();
+    CHECK(raw, "case runs with a limit file");
+    /* why the content is refused, worked out here independently of the shim */
+    char v[128];
+    snprintf(v, sizeof v, "%s", raw);
+    size_t n = strlen(v);
+    /* a byte count has at most 20 digits: the shim reads 31 bytes and shows them */
+    int longer = n > 30;
+    if (longer) v[31] = 0;
+    else if (n && v[n - 1] == '\n') v[--n] = 0;
+    int digits = *v != 0, nonzero = 0;
+    for (const char *q = v; *q; q++) {
+        digits &= *q >= '0' && *q <= '9';
+        nonzero |= *q > '0' && *q <= '9';
+    }
+    const char *why = longer ? "is longer than any byte count" : !*v ? "is empty"
+                    : !digits ? "is not a plain decimal byte count"
+                    : nonzero ? "is beyond 18446744073709551615" : "is zero";
+    for (char *q = v; *q; q++) /* the shim shows other bytes than printable ASCII as '?' */
+        if (*q < 0x20 || *q > 0x7e) *q = '?';
+    char said[400];
+    snprintf(said, sizeof said, "warning: the slice's limit file limit holds \"%s\", which %s (a limit "
+             "is a byte count such as 1073741824 for 1 GiB): every allocation of device memory is refused",
+             v, why);
+    expect_refused(said);
+}
+
+/* CDMO_GPU_MEMORY_LIMIT says this is a slice, but its limit file is absent:
+ * refused, never the variable's value and never "no limit". */
+static void case_refused_no_file(void)
+{
+    CHECK(!limit_file() && getenv("CDMO_GPU_MEMORY_LIMIT"), "case runs with the variable and no file");
+    expect_refused("warning: CDMO_GPU_MEMORY_LIMIT is set but the slice's limit file limit is absent "
+                   "(the variable is for display only): every allocation of device memory is refused");
+}
+
+/* A limit file that is there but cannot be read as one (a directory). */
+static void case_refused_unreadable(void)
+{
+    struct stat st;
+    char path[PATH_MAX];
+    snprintf(path, sizeof path, "%s/limit", getenv("SHIMTEST_DIR"));
+    CHECK(stat(path, &st) == 0 && S_ISDIR(st.st_mode), "case runs with a directory for the limit file");
+    expect_refused("warning: the slice's limit file limit cannot be read (not a regular file): every "
+                   "allocation of device memory is refused");
+}
+
+/* A valid limit holds at exactly its byte count, one byte either side,
+ * whatever CDMO_GPU_MEMORY_LIMIT says. */
 static void case_limit_exact(void)
 {
-    CHECK(env_limit() == 1073741824ULL, "case runs with CDMO_GPU_MEMORY_LIMIT=1073741824");
+    CHECK(slice_limit() == 1073741824ULL, "case runs with a limit file of 1073741824");
     open_driver();
     CUdeviceptr a, b, c;
     CHECK(Alloc(&a, 1 * GiB + 1) == CUDA_ERROR_OUT_OF_MEMORY, "limit + 1 byte is refused");
@@ -309,7 +366,7 @@ static void case_limit_exact(void)
 /* CDMO_SHIM_DISABLE, which the container sets, does not lift the limit. */
 static void case_disable_ignored(void)
 {
-    CHECK(env_limit() == 1 * GiB && getenv("CDMO_SHIM_DISABLE"), "case runs with a limit and the old switch");
+    CHECK(slice_limit() == 1 * GiB && getenv("CDMO_SHIM_DISABLE"), "case runs with a limit and the old switch");
     open_driver();
     CHECK(in_shim((void *)Alloc), "dlsym must still give the shim's cuMemAlloc_v2, got %s", lib_of((void *)Alloc, NULL));
     CUdeviceptr a, b;
@@ -688,7 +745,7 @@ static void case_nvml(void)
     nvmlReturn_t (*byidx)(unsigned, nvmlDevice_t *) = (nvmlReturn_t(*)(unsigned, nvmlDevice_t *))sym(hnvml, "nvmlDeviceGetHandleByIndex_v2");
     nvmlReturn_t (*m1)(nvmlDevice_t, nvmlMemory_t *) = (nvmlReturn_t(*)(nvmlDevice_t, nvmlMemory_t *))sym(hnvml, "nvmlDeviceGetMemoryInfo");
     nvmlReturn_t (*m2)(nvmlDevice_t, nvmlMemory_v2_t *) = (nvmlReturn_t(*)(nvmlDevice_t, nvmlMemory_v2_t *))sym(hnvml, "nvmlDeviceGetMemoryInfo_v2");
-    uint64_t lim = env_limit();
+    uint64_t lim = slice_limit();
     nvmlDevice_t dev;
     CHECK(init() == NVML_SUCCESS && byidx(0, &dev) == NVML_SUCCESS, "nvml init");
     CUdeviceptr p;
@@ -724,7 +781,7 @@ static void case_nvml(void)
 static void race(int nproc)
 {
     open_driver();
-    const uint64_t chunk = 8 * MiB, lim = env_limit();
+    const uint64_t chunk = 8 * MiB, lim = slice_limit();
     int go[2], res[2], hold[2];
     CHECK(pipe(go) == 0 && pipe(res) == 0 && pipe(hold) == 0, "pipes");
     for (int i = 0; i < nproc; i++) {
@@ -1292,7 +1349,7 @@ static void case_footprint_nvml(void)
  * refused; the shim says so once.  One byte more of limit and one byte fits. */
 static void case_context_over_limit(void)
 {
-    uint64_t lim = env_limit(), ctx = strtoull(getenv("FAKE_CTX_BYTES"), NULL, 10);
+    uint64_t lim = slice_limit(), ctx = strtoull(getenv("FAKE_CTX_BYTES"), NULL, 10);
     open_driver();
     retain(0);
     CHECK(FakeDevUsed(0) == ctx, "the fake's context");
@@ -1586,73 +1643,82 @@ struct tcase { const char *name; void (*fn)(void); const char *env; };
 static const struct tcase cases[] = {
     {"passthrough", case_passthrough, ""},
     {"disable_no_limit", case_passthrough, "CDMO_SHIM_DISABLE=1"},
-    {"disable_ignored", case_disable_ignored, "CDMO_GPU_MEMORY_LIMIT=1073741824 CDMO_SHIM_DISABLE=1"},
-    {"limit_exact", case_limit_exact, "CDMO_GPU_MEMORY_LIMIT=1073741824"},
-    {"limit_zero", case_refused, "CDMO_GPU_MEMORY_LIMIT=0"},
-    {"limit_zeros", case_refused, "CDMO_GPU_MEMORY_LIMIT=000"},
-    {"limit_abc", case_refused, "CDMO_GPU_MEMORY_LIMIT=abc"},
-    {"limit_negative", case_refused, "CDMO_GPU_MEMORY_LIMIT=-5"},
-    {"limit_empty", case_refused, "CDMO_GPU_MEMORY_LIMIT="},
-    {"limit_2pow64", case_refused, "CDMO_GPU_MEMORY_LIMIT=18446744073709551616"},
-    {"limit_trailing", case_refused, "CDMO_GPU_MEMORY_LIMIT=12abc"},
-    {"limit_unit", case_refused, "CDMO_GPU_MEMORY_LIMIT=4Gi"},
+    {"disable_ignored", case_disable_ignored, "LIMIT_FILE=1073741824 CDMO_SHIM_DISABLE=1"},
+    {"limit_exact", case_limit_exact, "LIMIT_FILE=1073741824"},
+    {"limit_bare", case_limit_exact, "LIMIT_FILE_BARE=1073741824"},
+    /* the variable is for display: raised, garbage or absent, the file's limit holds */
+    {"limit_env_raised", case_limit_exact, "LIMIT_FILE=1073741824 CDMO_GPU_MEMORY_LIMIT=85899345920"},
+    {"limit_env_garbage", case_limit_exact, "LIMIT_FILE=1073741824 CDMO_GPU_MEMORY_LIMIT=abc"},
+    {"limit_env_only", case_refused_no_file, "CDMO_GPU_MEMORY_LIMIT=85899345920"},
+    {"limit_file_dir", case_refused_unreadable, "SHIMTEST_LIMIT_DIR=1 CDMO_GPU_MEMORY_LIMIT=85899345920"},
+    {"limit_zero", case_refused, "LIMIT_FILE=0"},
+    {"limit_zeros", case_refused, "LIMIT_FILE=000"},
+    {"limit_abc", case_refused, "LIMIT_FILE=abc"},
+    {"limit_negative", case_refused, "LIMIT_FILE=-5"},
+    {"limit_empty", case_refused, "LIMIT_FILE="},
+    {"limit_empty_file", case_refused, "LIMIT_FILE_BARE="},
+    {"limit_two_lines", case_refused, "LIMIT_FILE=1073741824\\n"},
+    {"limit_long", case_refused, "LIMIT_FILE=000000000000000000000000000001073741824"},
+    {"limit_2pow64", case_refused, "LIMIT_FILE=18446744073709551616"},
+    {"limit_trailing", case_refused, "LIMIT_FILE=12abc"},
+    {"limit_unit", case_refused, "LIMIT_FILE=4Gi"},
     {"limit_zero_context", case_refused,
-     "CDMO_GPU_MEMORY_LIMIT=0 CDMO_SHIM_FOOTPRINT=nvml FAKE_CTX_BYTES=314572800"},
+     "LIMIT_FILE=0 CDMO_SHIM_FOOTPRINT=nvml FAKE_CTX_BYTES=314572800"},
     /* 1(c): a 300 MiB context, limits of 256 MiB, exactly 300 MiB, 300 MiB + 1 byte */
     {"context_over_limit", case_context_over_limit,
-     "CDMO_GPU_MEMORY_LIMIT=268435456 CDMO_SHIM_FOOTPRINT=nvml FAKE_CTX_BYTES=314572800"},
+     "LIMIT_FILE=268435456 CDMO_SHIM_FOOTPRINT=nvml FAKE_CTX_BYTES=314572800"},
     {"context_over_limit_delta", case_context_over_limit,
-     "CDMO_GPU_MEMORY_LIMIT=268435456 CDMO_SHIM_FOOTPRINT=delta FAKE_CTX_BYTES=314572800"},
+     "LIMIT_FILE=268435456 CDMO_SHIM_FOOTPRINT=delta FAKE_CTX_BYTES=314572800"},
     {"context_at_limit", case_context_over_limit,
-     "CDMO_GPU_MEMORY_LIMIT=314572800 CDMO_SHIM_FOOTPRINT=nvml FAKE_CTX_BYTES=314572800"},
+     "LIMIT_FILE=314572800 CDMO_SHIM_FOOTPRINT=nvml FAKE_CTX_BYTES=314572800"},
     {"context_below_limit", case_context_over_limit,
-     "CDMO_GPU_MEMORY_LIMIT=314572801 CDMO_SHIM_FOOTPRINT=nvml FAKE_CTX_BYTES=314572800"},
-    {"dlsym", case_dlsym, "CDMO_GPU_MEMORY_LIMIT=1073741824"},
-    {"procaddr", case_procaddr, "CDMO_GPU_MEMORY_LIMIT=1073741824"},
-    {"procaddr_internal", case_procaddr, "CDMO_GPU_MEMORY_LIMIT=1073741824 FAKE_PROCADDR_INTERNAL=1"},
-    {"accounting", case_accounting, "CDMO_GPU_MEMORY_LIMIT=1073741824"},
-    {"kinds", case_kinds, "CDMO_GPU_MEMORY_LIMIT=1073741824"},
-    {"rollback", case_rollback, "CDMO_GPU_MEMORY_LIMIT=1073741824 FAKE_TOTAL=268435456"},
-    {"nvml", case_nvml, "CDMO_GPU_MEMORY_LIMIT=2147483648"},
-    {"nvml_full_gpu", case_nvml, "CDMO_GPU_MEMORY_LIMIT=2147483648 FAKE_NVML_USED=84825604096"},
-    {"race2", case_race2, "CDMO_GPU_MEMORY_LIMIT=1073741824"},
-    {"race16", case_race16, "CDMO_GPU_MEMORY_LIMIT=1073741824"},
-    {"sigkill", case_sigkill, "CDMO_GPU_MEMORY_LIMIT=1073741824"},
-    {"stale_report", case_stale_report, "CDMO_GPU_MEMORY_LIMIT=1073741824"},
-    {"fork", case_fork, "CDMO_GPU_MEMORY_LIMIT=1073741824"},
-    {"exec", case_exec, "CDMO_GPU_MEMORY_LIMIT=1073741824"},
-    {"threads", case_threads, "CDMO_GPU_MEMORY_LIMIT=1073741824"},
-    {"many", case_many, "CDMO_GPU_MEMORY_LIMIT=1073741824000"},
-    {"region_file", case_region_file, "CDMO_GPU_MEMORY_LIMIT=1073741824 CDMO_SLICE=team-a/train-1"},
-    {"closed", case_closed, "CDMO_GPU_MEMORY_LIMIT=1073741824 FAKE_NDEV=2 SHIMTEST_NO_LEDGER=1"},
-    {"ledger_fixed", case_ledger_fixed, "CDMO_GPU_MEMORY_LIMIT=1073741824"},
-    {"stale_boot", case_stale_boot, "CDMO_GPU_MEMORY_LIMIT=1073741824"},
-    {"modules", case_modules, "CDMO_GPU_MEMORY_LIMIT=1073741824"},
-    {"modules_internal", case_modules, "CDMO_GPU_MEMORY_LIMIT=1073741824 FAKE_PROCADDR_INTERNAL=1"},
+     "LIMIT_FILE=314572801 CDMO_SHIM_FOOTPRINT=nvml FAKE_CTX_BYTES=314572800"},
+    {"dlsym", case_dlsym, "LIMIT_FILE=1073741824"},
+    {"procaddr", case_procaddr, "LIMIT_FILE=1073741824"},
+    {"procaddr_internal", case_procaddr, "LIMIT_FILE=1073741824 FAKE_PROCADDR_INTERNAL=1"},
+    {"accounting", case_accounting, "LIMIT_FILE=1073741824"},
+    {"kinds", case_kinds, "LIMIT_FILE=1073741824"},
+    {"rollback", case_rollback, "LIMIT_FILE=1073741824 FAKE_TOTAL=268435456"},
+    {"nvml", case_nvml, "LIMIT_FILE=2147483648"},
+    {"nvml_full_gpu", case_nvml, "LIMIT_FILE=2147483648 FAKE_NVML_USED=84825604096"},
+    {"race2", case_race2, "LIMIT_FILE=1073741824"},
+    {"race16", case_race16, "LIMIT_FILE=1073741824"},
+    {"sigkill", case_sigkill, "LIMIT_FILE=1073741824"},
+    {"stale_report", case_stale_report, "LIMIT_FILE=1073741824"},
+    {"fork", case_fork, "LIMIT_FILE=1073741824"},
+    {"exec", case_exec, "LIMIT_FILE=1073741824"},
+    {"threads", case_threads, "LIMIT_FILE=1073741824"},
+    {"many", case_many, "LIMIT_FILE=1073741824000"},
+    {"region_file", case_region_file, "LIMIT_FILE=1073741824 CDMO_SLICE=team-a/train-1"},
+    {"closed", case_closed, "LIMIT_FILE=1073741824 FAKE_NDEV=2 SHIMTEST_NO_LEDGER=1"},
+    {"ledger_fixed", case_ledger_fixed, "LIMIT_FILE=1073741824"},
+    {"stale_boot", case_stale_boot, "LIMIT_FILE=1073741824"},
+    {"modules", case_modules, "LIMIT_FILE=1073741824"},
+    {"modules_internal", case_modules, "LIMIT_FILE=1073741824 FAKE_PROCADDR_INTERNAL=1"},
     {"modules_nvml", case_modules_nvml,
-     "CDMO_GPU_MEMORY_LIMIT=1073741824 CDMO_SHIM_FOOTPRINT=nvml FAKE_CTX_BYTES=314572800"},
-    {"libraries", case_libraries, "CDMO_GPU_MEMORY_LIMIT=1073741824"},
-    {"multidev", case_multidev, "CDMO_GPU_MEMORY_LIMIT=1073741824 FAKE_NDEV=2"},
+     "LIMIT_FILE=1073741824 CDMO_SHIM_FOOTPRINT=nvml FAKE_CTX_BYTES=314572800"},
+    {"libraries", case_libraries, "LIMIT_FILE=1073741824"},
+    {"multidev", case_multidev, "LIMIT_FILE=1073741824 FAKE_NDEV=2"},
     {"footprint_nvml", case_footprint_nvml,
-     "CDMO_GPU_MEMORY_LIMIT=1073741824 CDMO_SHIM_FOOTPRINT=nvml FAKE_CTX_BYTES=314572800"},
+     "LIMIT_FILE=1073741824 CDMO_SHIM_FOOTPRINT=nvml FAKE_CTX_BYTES=314572800"},
     {"footprint_delta", case_footprint_delta,
-     "CDMO_GPU_MEMORY_LIMIT=1073741824 CDMO_SHIM_FOOTPRINT=delta FAKE_CTX_BYTES=314572800"},
+     "LIMIT_FILE=1073741824 CDMO_SHIM_FOOTPRINT=delta FAKE_CTX_BYTES=314572800"},
     {"footprint_hidden_pid", case_footprint_hidden_pid,
-     "CDMO_GPU_MEMORY_LIMIT=1073741824 FAKE_NVML_PID_OFFSET=1000000 FAKE_CTX_BYTES=314572800"},
+     "LIMIT_FILE=1073741824 FAKE_NVML_PID_OFFSET=1000000 FAKE_CTX_BYTES=314572800"},
     {"footprint_off", case_footprint_off,
-     "CDMO_GPU_MEMORY_LIMIT=1073741824 CDMO_SHIM_FOOTPRINT=off FAKE_CTX_BYTES=314572800"},
+     "LIMIT_FILE=1073741824 CDMO_SHIM_FOOTPRINT=off FAKE_CTX_BYTES=314572800"},
     {"footprint_2dev", case_footprint_2dev,
-     "CDMO_GPU_MEMORY_LIMIT=1073741824 CDMO_SHIM_FOOTPRINT=nvml FAKE_NDEV=2 FAKE_CTX_BYTES=209715200"},
+     "LIMIT_FILE=1073741824 CDMO_SHIM_FOOTPRINT=nvml FAKE_NDEV=2 FAKE_CTX_BYTES=209715200"},
     {"footprint_lag", case_footprint_lag,
-     "CDMO_GPU_MEMORY_LIMIT=1073741824 CDMO_SHIM_FOOTPRINT=nvml FAKE_CTX_BYTES=314572800"},
-    {"pool_trim", case_pool_trim, "CDMO_GPU_MEMORY_LIMIT=1073741824"},
-    {"pool_granule", case_pool_granule, "CDMO_GPU_MEMORY_LIMIT=1048576000 FAKE_POOL_GRANULE=67108864"},
+     "LIMIT_FILE=1073741824 CDMO_SHIM_FOOTPRINT=nvml FAKE_CTX_BYTES=314572800"},
+    {"pool_trim", case_pool_trim, "LIMIT_FILE=1073741824"},
+    {"pool_granule", case_pool_granule, "LIMIT_FILE=1048576000 FAKE_POOL_GRANULE=67108864"},
     /* 8 MiB of driver memory per pool allocation that no pool figure shows */
     {"pool_hidden", case_pool_hidden,
-     "CDMO_GPU_MEMORY_LIMIT=1048576000 FAKE_POOL_HIDDEN=8388608 CDMO_SHIM_FOOTPRINT=nvml"},
-    {"pool_device", case_pool_device, "CDMO_GPU_MEMORY_LIMIT=1073741824 FAKE_NDEV=2"},
-    {"graph_nodes", case_graph_nodes, "CDMO_GPU_MEMORY_LIMIT=1073741824"},
-    {"graph_capture", case_graph_capture, "CDMO_GPU_MEMORY_LIMIT=1073741824"},
+     "LIMIT_FILE=1048576000 FAKE_POOL_HIDDEN=8388608 CDMO_SHIM_FOOTPRINT=nvml"},
+    {"pool_device", case_pool_device, "LIMIT_FILE=1073741824 FAKE_NDEV=2"},
+    {"graph_nodes", case_graph_nodes, "LIMIT_FILE=1073741824"},
+    {"graph_capture", case_graph_capture, "LIMIT_FILE=1073741824"},
 };
 #define NCASES (sizeof cases / sizeof *cases)
 
@@ -1695,16 +1761,29 @@ static int run_case(const struct tcase *c)
         unsetenv("SHIMTEST_STAGE");
         char env[512];
         snprintf(env, sizeof env, "%s", c->env);
+        if (chdir(dir) != 0) _exit(125);
         for (char *tok = strtok(env, " "); tok; tok = strtok(NULL, " ")) {
             char *eq = strchr(tok, '=');
             *eq = 0;
-            setenv(tok, eq + 1, 1);
+            int bare = !strcmp(tok, "LIMIT_FILE_BARE");
+            if (bare || !strcmp(tok, "LIMIT_FILE")) { /* the mounted file, not a variable */
+                FILE *lf = fopen("limit", "w");
+                if (!lf) _exit(123);
+                for (const char *v = eq + 1; *v; v++) /* \n in a case's word: a newline */
+                    if (v[0] == '\\' && v[1] == 'n') fputc('\n', lf), v++;
+                    else fputc(*v, lf);
+                if (!bare) fputc('\n', lf);
+                if (fclose(lf) != 0) _exit(123);
+            } else if (!strcmp(tok, "SHIMTEST_LIMIT_DIR")) {
+                if (mkdir("limit", 0755) != 0) _exit(123);
+            } else {
+                setenv(tok, eq + 1, 1);
+            }
         }
         char self[PATH_MAX];
         ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
         if (n <= 0) _exit(127);
         self[n] = 0;
-        if (chdir(dir) != 0) _exit(125);
         if (!getenv("SHIMTEST_NO_LEDGER") && mkdir("ledger", 01777) != 0) _exit(124);
         snprintf(buf, sizeof buf, "%s/stderr", dir);
         int efd = open(buf, O_WRONLY | O_CREAT | O_TRUNC | O_APPEND, 0600);

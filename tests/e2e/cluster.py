@@ -37,6 +37,11 @@ class KubeCluster:
             self._api_client = kubernetes.config.new_client_from_config(config_file=str(self.kubeconfig))
         return self._api_client
 
+    @property
+    def minor(self) -> int:
+        """The plane's Kubernetes minor version: 37 for v1.37.2."""
+        return int(self.k8s_version.split(".")[1])
+
     def core_v1(self) -> kubernetes.client.CoreV1Api:
         return kubernetes.client.CoreV1Api(self.api_client)
 

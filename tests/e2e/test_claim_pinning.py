@@ -119,8 +119,13 @@ def _pinned(node: str, uid: str) -> dict[str, Any]:
                 {"key": "metadata.name", "operator": "In", "values": [node]}]}]}}
 
 
-def _assert_the_controllers_allocation(claim: dict[str, Any], node: str, uid: str) -> None:
-    assert claim["status"]["allocation"] == _pinned(node, uid)
+def _assert_the_controllers_allocation(claim: dict[str, Any], node: str, uid: str, minor: int) -> None:
+    allocation = dict(claim["status"]["allocation"])
+    # Stamped by the controller where the API serves the field (1.36+), so kube-scheduler never
+    # rewrites the immutable allocation when it reserves the claim.
+    stamp = allocation.pop("allocationTimestamp", None)
+    assert (stamp is not None) == (minor >= 36), claim["status"]["allocation"]
+    assert allocation == _pinned(node, uid)
     # Written by the manager that created the claim (the controller), not by kube-scheduler, which only
     # reserved it; and without kube-scheduler's finalizer, so nothing ever deallocates it.
     creators = _writers(claim, "spec")
@@ -165,7 +170,7 @@ def test_an_annotated_pods_claim_is_allocated_and_reserved_by_the_controller_and
     uid = operator.get_slice(ns, slice_name)["metadata"]["uid"]
     claim = _claim(operator, ns, slice_name)
     assert pod.spec.node_name == node.name
-    _assert_the_controllers_allocation(claim, node.name, uid)
+    _assert_the_controllers_allocation(claim, node.name, uid, operator.cluster.minor)
     # Reserved for the pod in the allocating write, so kube-scheduler, which reserves a claim only for
     # a pod it is not reserved for yet, never wrote to it: one write less per pod.
     assert _writers(claim, "status", "reservedFor") == _writers(claim, "spec"), claim["metadata"]["managedFields"]
@@ -199,7 +204,7 @@ def test_a_device_another_node_publishes_under_a_slices_uid_never_gets_its_pods(
         for pod_name in names:
             assert running(operator, ns, pod_name).spec.node_name == victim.name
         claim = _claim(operator, ns, "notebook")
-        _assert_the_controllers_allocation(claim, victim.name, uid)
+        _assert_the_controllers_allocation(claim, victim.name, uid, operator.cluster.minor)
         assert len(claim["status"]["reservedFor"]) == len(names)
     finally:
         operator.custom.delete_cluster_custom_object(*DRA, "resourceslices", stolen)
@@ -218,17 +223,17 @@ def test_a_directly_made_slices_claim_stays_allocated_to_its_node_across_its_pod
         operator.core.create_namespaced_pod(ns, _notebook_pod(pod_name, "notebook"))
     for pod_name in first:
         assert running(operator, ns, pod_name).spec.node_name == node.name
-    _assert_the_controllers_allocation(_claim(operator, ns, "notebook"), node.name, uid)
+    _assert_the_controllers_allocation(_claim(operator, ns, "notebook"), node.name, uid, operator.cluster.minor)
     for pod_name in first:
         operator.core.delete_namespaced_pod(pod_name, ns, grace_period_seconds=0)
     # kube-controller-manager drops the gone pods' reservations; the allocation stays (no finalizer of
     # kube-scheduler's, so nothing deallocates it and no later pod's claim is allocated anew).
     wait_until(lambda: not _claim(operator, ns, "notebook")["status"].get("reservedFor"), 30,
                "the first pods' reservations to go")
-    _assert_the_controllers_allocation(_claim(operator, ns, "notebook"), node.name, uid)
+    _assert_the_controllers_allocation(_claim(operator, ns, "notebook"), node.name, uid, operator.cluster.minor)
     operator.core.create_namespaced_pod(ns, _notebook_pod("second", "notebook"))
     pod = running(operator, ns, "second")
     assert pod.spec.node_name == node.name
     claim = _claim(operator, ns, "notebook")
-    _assert_the_controllers_allocation(claim, node.name, uid)
+    _assert_the_controllers_allocation(claim, node.name, uid, operator.cluster.minor)
     assert [r["uid"] for r in claim["status"]["reservedFor"]] == [pod.metadata.uid]

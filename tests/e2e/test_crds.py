@@ -353,6 +353,22 @@ def test_kubectl_get_gn_shows_the_columns(kube_cluster: Any, api: Any, crds: Non
     }
     api.create_cluster_custom_object(GROUP, VERSION, NODES, body)
     try:
+        models = [
+            {
+                "name": "h200-141gb",
+                "profiles": [
+                    {
+                        "name": "1g.18gb",
+                        "id": 19,
+                        "slices": 1,
+                        "memoryMiB": 16384,
+                        "sm": 16,
+                        "maxInstances": 7,
+                        "placements": [{"start": s, "size": 1} for s in range(7)],
+                    }
+                ],
+            }
+        ]
         gpu = {
             "index": 0,
             "uuid": "GPU-1",
@@ -361,17 +377,6 @@ def test_kubectl_get_gn_shows_the_columns(kube_cluster: Any, api: Any, crds: Non
             "memoryMiB": 143771,
             "migCapable": True,
             "migEnabled": True,
-            "profiles": [
-                {
-                    "name": "1g.18gb",
-                    "id": 19,
-                    "slices": 1,
-                    "memoryMiB": 16384,
-                    "sm": 16,
-                    "maxInstances": 7,
-                    "placements": [{"start": s, "size": 1} for s in range(7)],
-                }
-            ],
             "instances": [
                 {
                     "giId": 9,
@@ -388,6 +393,7 @@ def test_kubectl_get_gn_shows_the_columns(kube_cluster: Any, api: Any, crds: Non
             "fractions": [],
         }
         status = {
+            "models": models,
             "gpus": [gpu],
             "gpuCount": 2,
             "migGpuCount": 1,
@@ -405,10 +411,70 @@ def test_kubectl_get_gn_shows_the_columns(kube_cluster: Any, api: Any, crds: Non
                            "IDLE SLOTS", "FREE SLOTS", "FRACTIONS", "OBSERVED", "AGE"]
         assert rows[1][:9] == [name, "2", "1", "0", "1", "0", "1", "7", "0"]
         stored = api.get_cluster_custom_object(GROUP, VERSION, NODES, name)
-        assert stored["status"]["gpus"] == [gpu]  # nothing pruned: the schema has every field
+        # Nothing pruned: the schema has every field.
+        assert (stored["status"]["models"], stored["status"]["gpus"]) == (models, [gpu])
         changed = dict(stored, spec={"nodeName": "another"})
         with pytest.raises(kubernetes.client.ApiException, match="cannot change"):
             api.replace_cluster_custom_object(GROUP, VERSION, NODES, name, changed)
+    finally:
+        api.delete_cluster_custom_object(GROUP, VERSION, NODES, name)
+
+
+def _gpunode(api: Any) -> str:
+    name = f"node-{uuid.uuid4().hex[:6]}"
+    body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "GpuNode", "metadata": {"name": name},
+            "spec": {"nodeName": name}}
+    api.create_cluster_custom_object(GROUP, VERSION, NODES, body)
+    return name
+
+
+def test_a_mixed_nodes_status_as_the_agent_builds_it_is_stored_whole(api: Any, crds: None) -> None:
+    from mig_operator.core.lifecycle import OwnerRecord
+    from mig_operator.core.profiles import get_model
+    from mig_operator.gpu.protocol import GpuInfo
+    from mig_operator.kube.agent.inventory import gpunode_status
+
+    h100, a30, l4 = get_model("h100-80gb"), get_model("a30-24gb"), get_model("l4-24gb")
+    boards = [h100, a30, h100, l4]
+    infos = [GpuInfo(i, f"GPU-{i}", m.product, m.memory_mib, m.mig_capable, m.mig_capable)
+             for i, m in enumerate(boards)]
+    status = gpunode_status(infos, {i: m if m.mig_capable else None for i, m in enumerate(boards)},
+                            {i: [] for i in range(len(boards))}, OwnerRecord(), True, "2026-01-01T00:00:00.000Z")
+    name = _gpunode(api)
+    try:
+        api.patch_cluster_custom_object_status(GROUP, VERSION, NODES, name, {"status": status})
+        stored = api.get_cluster_custom_object(GROUP, VERSION, NODES, name)["status"]
+        assert [m["name"] for m in stored["models"]] == ["h100-80gb", "a30-24gb"]
+        assert [g["model"] for g in stored["gpus"]] == ["h100-80gb", "a30-24gb", "h100-80gb", ""]
+        assert stored == status  # nothing pruned, nothing added
+    finally:
+        api.delete_cluster_custom_object(GROUP, VERSION, NODES, name)
+
+
+@pytest.mark.parametrize("models", [None, [], [{"name": "a30-24gb", "profiles": []}]])
+def test_a_gpu_naming_a_model_the_status_lacks_is_refused(api: Any, crds: None, models: list | None) -> None:
+    name = _gpunode(api)
+    try:
+        status: dict = {"gpus": [{"index": 0, "uuid": "GPU-0", "model": "h100-80gb"}]}
+        if models is not None:
+            status["models"] = models
+        with pytest.raises(kubernetes.client.ApiException) as refused:
+            api.patch_cluster_custom_object_status(GROUP, VERSION, NODES, name, {"status": status})
+        assert "every gpus[].model must name an entry of models" in _api_error(refused.value)
+        # A GPU without MIG names no model and needs no entry.
+        fine = {"models": [], "gpus": [{"index": 0, "uuid": "GPU-0", "model": ""}, {"index": 1, "uuid": "GPU-1"}]}
+        api.patch_cluster_custom_object_status(GROUP, VERSION, NODES, name, {"status": fine})
+    finally:
+        api.delete_cluster_custom_object(GROUP, VERSION, NODES, name)
+
+
+def test_two_entries_for_one_model_are_refused(api: Any, crds: None) -> None:
+    name = _gpunode(api)
+    try:
+        twice = {"models": [{"name": "h100-80gb", "profiles": []}, {"name": "h100-80gb", "profiles": []}]}
+        with pytest.raises(kubernetes.client.ApiException) as refused:
+            api.patch_cluster_custom_object_status(GROUP, VERSION, NODES, name, {"status": twice})
+        assert "Duplicate value" in _api_error(refused.value)
     finally:
         api.delete_cluster_custom_object(GROUP, VERSION, NODES, name)
 
@@ -462,6 +528,8 @@ def _words(text: str) -> str:
         (CRD_FILES[0], "gpuslice.status.placement", ["status", "placement"]),
         (CRD_FILES[1], "gpunode.status", ["status"]),
         (CRD_FILES[1], "gpunode.status.gpus", ["status", "gpus"]),
+        (CRD_FILES[1], "gpunode.status.models", ["status", "models"]),
+        (CRD_FILES[1], "gpunode.status.models.profiles", ["status", "models", "profiles"]),
         (CRD_FILES[1], "gpunode.status.gpus.instances", ["status", "gpus", "instances"]),
     ],
 )

@@ -103,11 +103,11 @@ def test_the_daemon_starts_with_the_first_share_is_adopted_and_stops_with_the_la
                 [str(cdi_validate), "--cdi-dir", str(short_dir / "cdi"), f"{DRIVER}/slice={infer['metadata']['uid']}"],
                 check=True, capture_output=True, text=True).stdout)
             assert {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=4096M",
-                    "CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps", "LD_PRELOAD=/usr/local/lib/cdmo/libgpuslice.so",
-                    "NVIDIA_VISIBLE_DEVICES=void"} <= set(seen["env"])
+                    "CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps", "NVIDIA_VISIBLE_DEVICES=void"} <= set(seen["env"])
             mounts = {m["destination"]: m for m in seen["mounts"]}
             assert mounts["/tmp/nvidia-mps"]["source"] == str(root / "pipe")
             assert mounts["/dev/shm"]["source"] == str(root / "shm")
+            assert "/etc/ld.so.preload" in mounts  # the shim stays, preloaded from the mounted file
             assert "rw" in mounts["/dev/shm"]["options"] and "nosuid" in mounts["/tmp/nvidia-mps"]["options"]
             gone = service.NodeUnprepareResources(dra.NodeUnprepareResourcesRequest(claims=[claim_of(claim)]),
                                                   timeout=30)

@@ -32,6 +32,7 @@ TEMPLATES = ("serviceaccounts.yaml", "rbac.yaml", "agent-node-policy.yaml", "con
              "user-roles.yaml")
 NODE_KEY = "authentication.kubernetes.io/node-name"
 GATE = "cdmo.io/gpu-slice"
+AT = "2026-11-27T11:40:05Z"  # an allocation's timestamp (core/slice_claim.allocation)
 
 
 @dataclass
@@ -313,22 +314,25 @@ def test_the_controllers_writes_are_narrowed_to_what_its_code_writes(
         return custom.patch_namespaced_custom_object_status(*claims, name, body)
 
     another = str(uuid.uuid4())
-    other_device, other_pool, any_node = (allocation_patch("node-a", uid) for _ in range(3))
+    other_device, other_pool, any_node = (allocation_patch("node-a", uid, AT) for _ in range(3))
     other_device["status"]["allocation"]["devices"]["results"][0]["device"] = another
     other_pool["status"]["allocation"]["devices"]["results"][0]["pool"] = "node-b"  # selector: node-a
     any_node["status"]["allocation"].pop("nodeSelector")
     for body in (other_device, other_pool, any_node):
         refused(lambda body=body: allocate("mine", body), "allocates a GpuSlice's ResourceClaim only")
-    refused(lambda: allocate("users", allocation_patch("node-a", uid)))  # a claim no GpuSlice owns
+    refused(lambda: allocate("users", allocation_patch("node-a", uid, AT)))  # a claim no GpuSlice owns
     # Reserved in the allocating write for one pod only (claims.py), and afterwards only taken away.
-    two_pods = allocation_patch("node-a", uid)
+    two_pods = allocation_patch("node-a", uid, AT)
     two_pods["status"]["reservedFor"] = [pod_consumer("a", str(uuid.uuid4())), pod_consumer("b", str(uuid.uuid4()))]
     refused(lambda: allocate("mine", two_pods), "reserves a GpuSlice's ResourceClaim only for one pod")
-    not_a_pod = allocation_patch("node-a", uid, {"resource": "deployments", "name": "d", "uid": str(uuid.uuid4())})
+    not_a_pod = allocation_patch("node-a", uid, AT, {"resource": "deployments", "name": "d", "uid": str(uuid.uuid4())})
     refused(lambda: allocate("mine", not_a_pod), "reserves a GpuSlice's ResourceClaim only for one pod")
     first = pod_consumer("train-0", str(uuid.uuid4()))
-    allocated = allocate("mine", allocation_patch("node-a", uid, first))
-    assert allocated["status"]["allocation"] == allocation_patch("node-a", uid)["status"]["allocation"]
+    allocated = allocate("mine", allocation_patch("node-a", uid, AT, first))
+    written = allocation_patch("node-a", uid, AT)["status"]["allocation"]
+    if kube_cluster.minor < 36:  # allocationTimestamp is served from 1.36; older API servers drop it
+        written.pop("allocationTimestamp")
+    assert allocated["status"]["allocation"] == written
     assert allocated["status"]["reservedFor"] == [first]
     later = {"status": {"reservedFor": [first, pod_consumer("train-1", str(uuid.uuid4()))]}}
     refused(lambda: allocate("mine", later), "reserves a GpuSlice's ResourceClaim only for one pod")

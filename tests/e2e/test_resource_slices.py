@@ -239,17 +239,23 @@ def test_kubelet_plugin_prepares_specs_the_cdi_library_applies(operator: Operato
             [str(cdi_validate), "--cdi-dir", str(short_dir / plain.name / "cdi"), f"{DRIVER}/slice={notebook_uid}"],
             check=True, capture_output=True, text=True).stdout)
         granted = notebook["status"]["grantedBytes"]
-        assert {"NVIDIA_VISIBLE_DEVICES=void", f"CDMO_GPU_MEMORY_LIMIT={granted}", f"CDMO_SLICE={ns}/notebook",
-                "LD_PRELOAD=/usr/local/lib/cdmo/libgpuslice.so"} <= set(seen["env"])
+        assert {"NVIDIA_VISIBLE_DEVICES=void", f"CDMO_GPU_MEMORY_LIMIT={granted}",
+                f"CDMO_SLICE={ns}/notebook"} <= set(seen["env"])
+        assert not any(e.startswith("LD_PRELOAD=") for e in seen["env"])  # /etc/ld.so.preload loads the shim
         ledger = short_dir / plain.name / "ledgers" / notebook_uid  # made at prepare, beside the shim's directory
+        limits = short_dir / plain.name / "limits" / notebook_uid  # written at prepare, beside the ledgers
         # (the CDI library orders mounts by container path)
         mounts = {m["destination"]: m for m in seen["mounts"]}
         assert {d: m["source"] for d, m in mounts.items()} == {
             "/usr/local/lib/cdmo/libgpuslice.so": str(short_dir / plain.name / "shim" / "libgpuslice.so"),
-            "/run/cdmo/ledger": str(ledger)}
-        assert "ro" in mounts["/usr/local/lib/cdmo/libgpuslice.so"]["options"]
+            "/run/cdmo/ledger": str(ledger), "/run/cdmo/limit": str(limits / "limit"),
+            "/etc/ld.so.preload": str(limits / "ld.so.preload")}
+        for read_only in ("/usr/local/lib/cdmo/libgpuslice.so", "/run/cdmo/limit", "/etc/ld.so.preload"):
+            assert "ro" in mounts[read_only]["options"], mounts[read_only]
         assert "rw" in mounts["/run/cdmo/ledger"]["options"]
         assert ledger.is_dir()
+        assert (limits / "limit").read_text() == f"{granted}\n"
+        assert (limits / "ld.so.preload").read_text() == "/usr/local/lib/cdmo/libgpuslice.so\n"
 
         # SIGKILL the MIG node's agent; the restarted one still knows the prepared claim.
         operator.kill(agents[mig.name])

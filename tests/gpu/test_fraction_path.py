@@ -1,7 +1,10 @@
 """The fraction path on a real GPU, through the kubelet (issue 16): the node agent on its NVML backend
 realises two fraction slices, the kubelet's DRA calls (the kubelet's own protos, over the agent's
 real unix sockets) prepare a ResourceClaim for each, and PyTorch started with exactly what the CDI
-spec gives a container sees its limit and cannot pass it.
+spec gives a container sees its limit and cannot pass it; nor can a hostile process of the same
+container that drops ``LD_PRELOAD`` and raises ``CDMO_GPU_MEMORY_LIMIT`` to the whole GPU (``env -u
+LD_PRELOAD CDMO_GPU_MEMORY_LIMIT=<whole GPU>``): the spec's read-only ``/etc/ld.so.preload`` loads the
+shim into it all the same, and the shim reads the limit from the spec's read-only limit file.
 
 What is real: the agent (NVML backend, read only: a GPU with MIG disabled serves fractions, nothing
 is created, destroyed or reset), its owner record, its kubelet plugin and both gRPC servers, the
@@ -11,12 +14,15 @@ stands in: the API server (an in-memory double answering the agent's few calls a
 GET; the GPU machine runs no control plane, the e2e suite covers the API side), the kubelet (the
 calls it makes, as in tests/unit/test_kubelet_plugin.py) and the container runtime: the process runs
 in a private mount namespace whose ``/dev`` holds only the OCI spec's device nodes (and the six
-every runc container gets), with each OCI mount bind-mounted as its options say, then
-``env -i`` with the OCI spec's environment and nothing else.
+every runc container gets), with each OCI mount bind-mounted as its options say (``/etc/ld.so.preload``
+last, as a runtime has every mount in place before the process starts), then ``env -i`` with the OCI
+spec's environment and nothing else. A mount's destination missing on this host is made first, empty
+(``placeholders``), and removed afterwards: an empty ``/etc/ld.so.preload`` preloads nothing, and
+the slice's one is bound over it only inside the private mount namespace.
 
 Needs root (mount namespace, mknod), ``unshare`` and ``cdi-validate`` (``$CDI_VALIDATE``, else
 ``scripts/control-plane env``; build it with ``scripts/control-plane build cdi-validate``); skipped
-without a GPU or the validator. docs/fraction-gpu-run.md records a run.
+without a GPU or the validator. bench/results/fraction-gpu-run.md records its runs.
 """
 
 from __future__ import annotations
@@ -49,6 +55,9 @@ CLAIMS = "/apis/resource.k8s.io/v1"
 DRIVER = "gpu.cdmo.io"
 SHIM_IN_CONTAINER = "/usr/local/lib/cdmo/libgpuslice.so"
 LEDGER_IN_CONTAINER = "/run/cdmo/ledger"  # the shim's GS_LEDGER_DIR
+LIMIT_IN_CONTAINER = "/run/cdmo/limit"  # the shim's GS_LIMIT_FILE
+PRELOAD_IN_CONTAINER = "/etc/ld.so.preload"  # glibc's loader preloads what it names into every process
+READ_ONLY = ["ro", "nosuid", "nodev", "noexec", "bind"]
 # Two slices of one GPU. Real UIDs: one starting with a letter (CDI 0.3.0 suffices) and one with a
 # digit (a device name CDI accepts from 0.5.0 on), so the library checks both versions the agent writes.
 SLICES = (("four", "a3f0c9d2-4b5e-4c6d-8e7f-0a1b2c3d4e5f", 4 * GIB),
@@ -257,7 +266,9 @@ def container_script(oci: dict) -> str:
         mode = format(node.get("fileMode", 0o666) & 0o7777, "04o")
         lines += [f"mkdir -p {q(os.path.dirname(node['path']))}",
                   f"mknod -m {mode} {q(node['path'])} c {node['major']} {node['minor']}"]
-    for mount in oci.get("mounts") or []:
+    # The loader's preload file last: the commands below it then run with the slice's shim loaded, as
+    # every process of the container does.
+    for mount in sorted(oci.get("mounts") or [], key=lambda m: m["destination"] == PRELOAD_IN_CONTAINER):
         src, dst, options = mount["source"], mount["destination"], list(mount.get("options") or [])
         kind = "--rbind" if "rbind" in options else "--bind"
         assert "bind" in options or "rbind" in options, f"only bind mounts are expected here: {mount}"
@@ -329,6 +340,14 @@ def placeholders(mounts: list[dict]) -> list[Path]:
     return list(reversed(made))
 
 
+def process_view(pid: int) -> dict[str, Any]:
+    """What a running process has, read from outside: its environment and the files it has mapped."""
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
+    return {"environ": dict(v.decode().split("=", 1) for v in environ if b"=" in v),
+            "mapped": sorted({line.split()[-1] for line in maps if len(line.split()) >= 6})}
+
+
 def run_torch_in_container(oci: dict, limit: int, workdir: Path) -> dict[str, Any]:
     """Start the OCI spec's process (fill.py torch) in the stand-in container; fill to out of memory."""
     made = placeholders(oci.get("mounts") or [])
@@ -343,6 +362,7 @@ def run_torch_in_container(oci: dict, limit: int, workdir: Path) -> dict[str, An
             line = proc.stdout.readline()
             assert line, f"the process ended before CUDA was ready:\n{stderr_path.read_text()}"
             ready = json.loads(line)
+            seen = process_view(proc.pid)  # unshare, sh and env exec: the pid is PyTorch's
             proc.stdin.write("go\n")
             proc.stdin.flush()
             done = json.loads(proc.stdout.readline())
@@ -360,7 +380,7 @@ def run_torch_in_container(oci: dict, limit: int, workdir: Path) -> dict[str, An
                 path.unlink()
     text = stderr_path.read_text()
     return {"ready": ready, "done": done, "footprint": footprint, "report": parse_report(text), "stderr": text,
-            "limit": limit}
+            "limit": limit, **seen}
 
 
 def test_agent_prepares_fraction_claims_and_torch_holds_each_limit(
@@ -390,11 +410,14 @@ def test_agent_prepares_fraction_claims_and_torch_holds_each_limit(
     node_shim.parent.mkdir(parents=True)
     shutil.copy(shim_library, node_shim)
     ledgers = short_dir / "node-lib" / "ledgers"
+    limits = short_dir / "node-lib" / "limits"
+    whole_gpu = target.memory_mib * 2**20
     settings = PluginSettings(registry_dir=str(short_dir / "reg"), plugin_dir=str(short_dir / "plug"),
                               cdi_dir=str(cdi_dir), shim_host_dir=str(node_shim.parent), nvidia_cdi_dirs=())
     (short_dir / "reg").mkdir()
     image_env = [f"{k}={os.environ[k]}" for k in IMAGE_VARIABLES if k in os.environ]
     results: list[dict[str, Any]] = []
+    hostile_results: list[dict[str, Any]] = []
 
     async def scenario() -> None:
         store = RecordStore(str(short_dir / "owners.json"))
@@ -459,12 +482,24 @@ def test_agent_prepares_fraction_claims_and_torch_holds_each_limit(
                 outcome = await asyncio.to_thread(run_torch_in_container, oci, granted, workdir)
                 results.append({"name": name, "uid": uid, "granted": granted, "spec": json.loads(spec_text),
                                 "summary": summary, "oci": oci, **outcome,
-                                "ledger_files": sorted(p.name for p in (ledgers / uid).iterdir())})
+                                "ledger_files": sorted(p.name for p in (ledgers / uid).iterdir()),
+                                "limit_files": {p.name: p.read_text() for p in (limits / uid).iterdir()}})
+                if name == SLICES[0][0]:
+                    # The hostile process: the same container, LD_PRELOAD dropped and the variable raised to
+                    # the whole GPU, asking for twice the GPU.
+                    hostile = copy.deepcopy(oci)
+                    hostile["process"]["args"] = ["env", "-u", "LD_PRELOAD", f"CDMO_GPU_MEMORY_LIMIT={whole_gpu}",
+                                                  sys.executable, str(FILL), "torch", str(CHUNK_MIB),
+                                                  str(whole_gpu * 2 >> 20)]
+                    (short_dir / "hostile").mkdir()
+                    hostile_results.append(await asyncio.to_thread(run_torch_in_container, hostile, granted,
+                                                                   short_dir / "hostile"))
 
             gone = await kubelet.unprepare(*claims)
             assert all(gone.claims[c].error == "" for c, _ in claims)
             assert list(cdi_dir.iterdir()) == []
             assert list(ledgers.iterdir()) == []  # each slice's ledger goes with its claim
+            assert list(limits.iterdir()) == []  # and its limit file and ld.so.preload
             again = await kubelet.unprepare(*claims)
             assert all(again.claims[c].error == "" for c, _ in claims)
             assert json.loads((short_dir / "owners.json").read_text())["preparedClaims"] == {}
@@ -494,14 +529,19 @@ def test_agent_prepares_fraction_claims_and_torch_holds_each_limit(
         env = dict(v.split("=", 1) for v in result["summary"]["env"])
         assert len(env) == len(result["summary"]["env"]), f"a variable set twice: {result['summary']['env']}"
         assert result["oci"]["process"]["env"] == result["summary"]["env"]
+        # For display: nothing in the environment loads the shim or sets its limit.
         assert env == {**dict(v.split("=", 1) for v in image_env), "NVIDIA_VISIBLE_DEVICES": "void",
-                       "LD_PRELOAD": SHIM_IN_CONTAINER, "CDMO_GPU_MEMORY_LIMIT": str(limit),
+                       "CDMO_GPU_MEMORY_LIMIT": str(limit),
                        "GPU_MEM_LIMIT_GB": LIMIT_GB[limit], "CDMO_SLICE": f"{NAMESPACE}/{name}"}
-        # The shim, read-only from the node; the slice's ledger, read-write, at the path the shim has built in.
-        # (The CDI library orders mounts by container path; these two do not nest, so order is immaterial.)
+        # The shim, read-only from the node; the slice's ledger, read-write, at the path the shim has built in;
+        # its limit and /etc/ld.so.preload naming the shim, read-only from the slice's limit directory.
+        # (The CDI library orders mounts by container path; none nests in another, so order is immaterial.)
         assert sorted((m["source"], m["destination"], m["options"]) for m in result["summary"]["mounts"]) == \
             sorted([(str(node_shim), SHIM_IN_CONTAINER, ["ro", "nosuid", "nodev", "bind"]),
-                    (str(ledgers / result["uid"]), LEDGER_IN_CONTAINER, ["rw", "nosuid", "nodev", "noexec", "bind"])])
+                    (str(ledgers / result["uid"]), LEDGER_IN_CONTAINER, ["rw", "nosuid", "nodev", "noexec", "bind"]),
+                    (str(limits / result["uid"] / "limit"), LIMIT_IN_CONTAINER, READ_ONLY),
+                    (str(limits / result["uid"] / "ld.so.preload"), PRELOAD_IN_CONTAINER, READ_ONLY)])
+        assert result["limit_files"] == {"limit": f"{limit}\n", "ld.so.preload": f"{SHIM_IN_CONTAINER}\n"}
         # The device nodes: the GPU's, the control node and UVM's, each a character device on this
         # host with the numbers the spec gives, and allowed in the device cgroup.
         nodes = {n["path"]: (n["type"], n["major"], n["minor"]) for n in result["summary"]["deviceNodes"]}
@@ -516,10 +556,14 @@ def test_agent_prepares_fraction_claims_and_torch_holds_each_limit(
         report: ContainerReport = result["report"]
         assert report.char_devices == {**RUNC_DEVICES, **{p: (mj, mn) for p, (_, mj, mn) in nodes.items()}}, \
             result["stderr"]
-        assert "ro" in report.mount_options[SHIM_IN_CONTAINER], result["stderr"]
+        for read_only in (SHIM_IN_CONTAINER, LIMIT_IN_CONTAINER, PRELOAD_IN_CONTAINER):
+            assert "ro" in report.mount_options[read_only], result["stderr"]
         assert "rw" in report.mount_options[LEDGER_IN_CONTAINER], result["stderr"]
-        assert report.readonly == {SHIM_IN_CONTAINER}
-        assert report.same_content == {SHIM_IN_CONTAINER, LEDGER_IN_CONTAINER}, result["stderr"]
+        assert report.readonly == {SHIM_IN_CONTAINER, LIMIT_IN_CONTAINER, PRELOAD_IN_CONTAINER}
+        assert report.same_content == {SHIM_IN_CONTAINER, LEDGER_IN_CONTAINER, LIMIT_IN_CONTAINER,
+                                       PRELOAD_IN_CONTAINER}, result["stderr"]
+        # Loaded without LD_PRELOAD, from the preload file alone.
+        assert "LD_PRELOAD" not in result["environ"] and SHIM_IN_CONTAINER in result["mapped"], result["mapped"]
         assert len(result["ledger_files"]) == 1 and result["ledger_files"][0].startswith("gpu-"), result["ledger_files"]
         # And PyTorch: its limit as the GPU's total, out of memory at the limit, NVML's footprint within it.
         assert total == limit, "torch.cuda.mem_get_info() reports the slice's limit as the total"
@@ -529,6 +573,25 @@ def test_agent_prepares_fraction_claims_and_torch_holds_each_limit(
         assert footprint is not None and footprint <= limit, (
             f"NVML's footprint of the process ({footprint}) stays within its limit ({limit})")
     assert {r["spec"]["cdiVersion"] for r in results} == {"0.3.0", "0.5.0"}
+
+    # The hostile process of the first slice: it ran with LD_PRELOAD gone and the variable at the whole
+    # GPU, the shim mapped all the same (from /etc/ld.so.preload), and it held the slice's limit.
+    [hostile] = hostile_results
+    limit = SLICES[0][2]
+    total = hostile["ready"]["info"]["0"]["total"]
+    got, oom = hostile["done"]["allocated"]["0"], hostile["done"]["error"]["0"]
+    print(json.dumps({"slice": SLICES[0][0], "hostile": True, "limit": limit, "whole_gpu": whole_gpu,
+                      "environ_limit": hostile["environ"].get("CDMO_GPU_MEMORY_LIMIT"),
+                      "environ_preload": hostile["environ"].get("LD_PRELOAD"), "mem_get_info_total": total,
+                      "allocated": got, "refusal": oom, "nvml_footprint": hostile["footprint"]}))
+    assert "LD_PRELOAD" not in hostile["environ"], hostile["environ"]
+    assert hostile["environ"]["CDMO_GPU_MEMORY_LIMIT"] == str(whole_gpu)
+    assert SHIM_IN_CONTAINER in hostile["mapped"], hostile["mapped"]
+    assert total == limit, "the shim reported the file's limit, not the variable's"
+    assert oom is not None and re.search(r"out of memory", oom, re.IGNORECASE), oom
+    assert got <= limit, "nothing is allocated past the slice's limit"
+    assert hostile["footprint"] is not None and hostile["footprint"] <= limit, (
+        f"NVML's footprint of the hostile process ({hostile['footprint']}) stays within the limit ({limit})")
 
 
 def test_a_whole_gpu_slice_gets_the_gpu_with_no_shim_and_torch_sees_all_of_it(

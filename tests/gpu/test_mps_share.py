@@ -34,8 +34,10 @@ from typing import Any
 import pytest
 from test_fraction_path import (  # noqa: F401 (fixtures)
     IMAGE_VARIABLES,
+    LIMIT_IN_CONTAINER,
     NAMESPACE,
     NODE,
+    PRELOAD_IN_CONTAINER,
     ApiDouble,
     NoEvents,
     allocated_claim,
@@ -88,6 +90,19 @@ def container_launch(oci: dict, stderr_dir: Path, program: Path = BENCH) -> Any:
         STARTED.append(proc)
         return proc
     return launch
+
+
+def without_mount(oci: dict, destination: str) -> dict:
+    spec = copy.deepcopy(oci)
+    spec["mounts"] = [m for m in spec.get("mounts") or [] if m["destination"] != destination]
+    return spec
+
+
+def with_mount_source(oci: dict, destination: str, source: Path) -> dict:
+    spec = copy.deepcopy(oci)
+    [mount] = [m for m in spec["mounts"] if m["destination"] == destination]
+    mount["source"] = str(source)
+    return spec
 
 
 def test_compute_shares_split_the_gpu_through_the_agents_mps_daemon(
@@ -221,13 +236,18 @@ def test_compute_shares_split_the_gpu_through_the_agents_mps_daemon(
         out["latency"] = section(target.uuid, (container_launch(ocis["quarter"], logs, LATENCY), {}),
                                  (container_launch(ocis["three-quarters"], logs, LATENCY), {}), plan, raw)
         out["latency_summary"] = compare(out["latency"], raw, plan.rounds)
-        # Memory: the spec as it is; MPS alone (no shim); the client asking MPS for more; the shim's
-        # limit set below MPS's (does the shim still hold under MPS?).
+        # Memory: the spec as it is; MPS alone (no shim: the spec without its /etc/ld.so.preload); the
+        # client asking MPS for more; the shim's limit set below MPS's (does the shim still hold under
+        # MPS?), its limit file holding 2 GiB.
         out["fill_spec"] = run_together({"q": (q, {}, "fill")}, SECONDS)["q"]
-        out["fill_mps_only"] = run_together({"q": (q, {"LD_PRELOAD": ""}, "fill")}, SECONDS)["q"]
+        no_shim = container_launch(without_mount(ocis["quarter"], PRELOAD_IN_CONTAINER), logs)
+        out["fill_mps_only"] = run_together({"q": (no_shim, {}, "fill")}, SECONDS)["q"]
         out["fill_asks_more"] = run_together({"q": (q, {"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=65536M"}, "fill")},
                                              SECONDS)["q"]
-        out["fill_shim_2g"] = run_together({"q": (q, {"CDMO_GPU_MEMORY_LIMIT": str(2 * GIB)}, "fill")}, SECONDS)["q"]
+        two_gib = short_dir / "limit-2GiB"
+        two_gib.write_text(f"{2 * GIB}\n")
+        shim_2g = container_launch(with_mount_source(ocis["quarter"], LIMIT_IN_CONTAINER, two_gib), logs)
+        out["fill_shim_2g"] = run_together({"q": (shim_2g, {}, "fill")}, SECONDS)["q"]
 
     try:
         asyncio.run(scenario())
@@ -265,10 +285,11 @@ def test_compute_shares_split_the_gpu_through_the_agents_mps_daemon(
         [device] = specs[name]["devices"]
         env = dict(v.split("=", 1) for v in device["containerEdits"]["env"])
         assert (env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"], env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"],
-                env["CUDA_MPS_PIPE_DIRECTORY"], env["LD_PRELOAD"]) == \
-            (threads, PINNED, "/tmp/nvidia-mps", "/usr/local/lib/cdmo/libgpuslice.so")
+                env["CUDA_MPS_PIPE_DIRECTORY"]) == (threads, PINNED, "/tmp/nvidia-mps")
+        assert "LD_PRELOAD" not in env
         mounts = {m["containerPath"]: m["hostPath"] for m in device["containerEdits"]["mounts"]}
         assert (mounts["/tmp/nvidia-mps"], mounts["/dev/shm"]) == (dirs.pipe, dirs.shm)
+        assert {"/usr/local/lib/cdmo/libgpuslice.so", LIMIT_IN_CONTAINER, PRELOAD_IN_CONTAINER} <= set(mounts)
     assert abs(report["pair_25_75_split_pct"] - 25) <= 3, report
     assert abs(report["pair_50_50_split_pct"] - 50) <= 3, report
     assert abs(report["graph_25_75_split_pct"] - 25) <= 3, report

@@ -12,8 +12,11 @@ out of memory, and measure again while it holds everything.  The asserts:
   * the memory queries still report total = limit.
 Set SHIM_GPU_LOG to a file to collect every measurement as JSON lines.
 
-The shim's ledger is the fixed directory the CDI spec mounts (LEDGER, built into the library): each
-test starts with it empty, which needs root (the GPU machines run these as root); elsewhere they skip.
+The shim's ledger is the fixed directory the CDI spec mounts (LEDGER, built into the library), and
+its limit the fixed file the CDI spec mounts beside it (LIMIT): each test starts with the ledger empty
+and writes the limit it runs under (CDMO_GPU_MEMORY_LIMIT is set too, as the spec shows it, but the
+shim does not read it), which needs root (the GPU machines run these as root); elsewhere they skip.
+LIMIT is removed after each test.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import struct
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -39,6 +43,7 @@ GiB = 1 << 30
 LIMITS = {"1.5GiB": 3 * GiB // 2, "4GiB": 4 * GiB}
 PEAK_OFFSET = 24  # struct gs_region: magic u64, version u32, size u32, nslots u32, pad u32, peak u64
 LEDGER = Path("/run/cdmo/ledger")  # GS_LEDGER_DIR in shim/gs.h, LEDGER_PATH_IN_CONTAINER in core
+LIMIT = Path("/run/cdmo/limit")  # GS_LIMIT_FILE in shim/gs.h, LIMIT_PATH_IN_CONTAINER in core
 SLACK = 0.03  # allocations must reach limit - context - 3 % of the limit
 
 
@@ -56,27 +61,42 @@ def shim() -> Path:
 
 
 @pytest.fixture(autouse=True)
-def fresh_ledger() -> Path:
-    """The ledger directory on this machine, empty, writable by every uid (as the agent makes it)."""
+def fresh_ledger(gpu: str) -> Iterator[Path]:
+    """The ledger directory on this machine, empty, writable by every uid (as the agent makes it), and
+    no limit file until a test writes one (``write_limit``); the limit file is removed afterwards.
+    Takes ``gpu``: where none is present nothing here is touched."""
     if os.geteuid() != 0:
-        pytest.skip(f"the shim's ledger is {LEDGER} (fixed at build time): making it needs root")
+        pytest.skip(f"the shim's ledger is {LEDGER} and its limit {LIMIT} (fixed at build time): "
+                    "making them needs root")
     shutil.rmtree(LEDGER, ignore_errors=True)
+    LIMIT.unlink(missing_ok=True)
     LEDGER.mkdir(parents=True)
     LEDGER.chmod(0o1777)
-    return LEDGER
+    yield LEDGER
+    LIMIT.unlink(missing_ok=True)
+
+
+def write_limit(content: str | None) -> None:
+    """The slice's limit file as the agent writes it (a byte count and a newline); None: no file."""
+    if content is None:
+        LIMIT.unlink(missing_ok=True)
+    else:
+        LIMIT.write_text(f"{content}\n")
+        LIMIT.chmod(0o644)
 
 
 def shim_env(lib: Path, tmp: Path, slice_: str, limit: int | None, extra: dict | None = None) -> dict:
-    """The environment of a process under the shim; SHIM_TEST_TMP (ours, not the shim's) is where its
-    stderr goes."""
+    """The environment of a process under the shim, with ``limit`` written to the limit file (None: no
+    file, no limit); SHIM_TEST_TMP (ours, not the shim's) is where its stderr goes."""
     env = dict(os.environ)
     for k in ("CDMO_GPU_MEMORY_LIMIT", "CDMO_SHIM_DISABLE", "CDMO_SHIM_FOOTPRINT", "PYTORCH_CUDA_ALLOC_CONF",
               "PYTORCH_ALLOC_CONF"):
         env.pop(k, None)
     env.update({"LD_PRELOAD": str(lib), "CDMO_SLICE": slice_, "SHIM_TEST_TMP": str(tmp),
                 "PYTHONUNBUFFERED": "1"})
+    write_limit(str(limit) if limit else None)
     if limit:
-        env["CDMO_GPU_MEMORY_LIMIT"] = str(limit)
+        env["CDMO_GPU_MEMORY_LIMIT"] = str(limit)  # for display, as the CDI spec shows it
     env.update(extra or {})
     return env
 
@@ -330,7 +350,7 @@ def test_reporting_torch_and_nvidia_smi(gpu: str, shim: Path, tmp_path: Path) ->
     assert plain[0] > limit // MiB
 
 
-# CDMO_GPU_MEMORY_LIMIT as the container gets it, and what it must do (issue 19)
+# The limit file as the container gets it, and what it must do (issue 19)
 SMALL = {
     "1GiB": ("1073741824", {}),  # the floor a slice is granted: what is left for tensors
     "1GiB-disable": ("1073741824", {"CDMO_SHIM_DISABLE": "1"}),  # the old kill switch lifts nothing
@@ -344,6 +364,7 @@ def test_small_and_refused_limits(gpu: str, shim: Path, tmp_path: Path, case: st
     value, extra = SMALL[case]
     limit = int(value)
     env = shim_env(shim, tmp_path, f"gputest/small-{case}", None, {"CDMO_GPU_MEMORY_LIMIT": value, **extra})
+    write_limit(value)
     w = fill("torch", env)
     try:
         ready = w.read("ready")
@@ -370,7 +391,7 @@ def test_small_and_refused_limits(gpu: str, shim: Path, tmp_path: Path, case: st
     assert held <= ctx + 2 * MiB, rec
     assert info["free"] == 0 and info["total"] == limit, rec
     if limit == 0:
-        assert 'CDMO_GPU_MEMORY_LIMIT="0" is zero' in stderr, said
+        assert f'the slice\'s limit file {LIMIT} holds "0", which is zero' in stderr, said
     else:
         assert ctx > limit and "alone take the whole limit" in stderr, said
 

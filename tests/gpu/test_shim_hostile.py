@@ -12,8 +12,12 @@ this (unshimmed) process while the attacker holds everything, must never exceed 
       fell back to a limit of its own; now every allocation is refused;
   (d) two pods sharing one claim: each "pod" is a private mount namespace with its own /dev/shm, the
       CDI spec's mounts applied (the shim read-only, the claim's ledger directory read-write at the
-      path the shim has built in) and only the spec's environment.  Before, the ledger lived in
-      /dev/shm, one per pod.
+      path the shim has built in, the limit file and /etc/ld.so.preload read-only from the files the
+      agent writes) and only the spec's environment, which no longer preloads the shim: the preload
+      file does.  Before, the ledger lived in /dev/shm, one per pod.  A mount's destination missing
+      on this host is made empty first and removed afterwards (test_fraction_path.placeholders): an
+      empty /etc/ld.so.preload preloads nothing, and the slice's one is bound over it only inside
+      the pods' namespaces.
 
 Needs root (the ledger path, user switching, mount namespaces); skipped without a GPU.
 """
@@ -142,18 +146,14 @@ def test_c_a_ledger_that_cannot_be_written_refuses_everything(gpu: str, shim: Pa
 
 def _pod_script(spec: dict, argv: list[str], image_env: dict[str, str]) -> str:
     """A stand-in runtime for one pod: a private mount namespace with its own /dev/shm, the CDI spec's
-    mounts applied as bind mounts with their options, then exactly the spec's environment (plus what
-    the image would give: PATH, HOME, ...)."""
+    mounts applied as bind mounts with their options over destinations made beforehand
+    (``placeholders``), /etc/ld.so.preload last as a runtime has every mount in place before the
+    process starts, then exactly the spec's environment (plus what the image would give: PATH, HOME)."""
     edits = spec["devices"][0]["containerEdits"]
     q = shlex.quote
     lines = ["set -e", "mount -t tmpfs -o mode=1777,nosuid,nodev tmpfs /dev/shm"]
-    for m in edits["mounts"]:
+    for m in sorted(edits["mounts"], key=lambda m: m["containerPath"] == "/etc/ld.so.preload"):
         src, dst, opts = m["hostPath"], m["containerPath"], [o for o in m["options"] if o != "bind"]
-        if os.path.isdir(src):
-            lines.append(f"mkdir -p {q(dst)}")
-        else:  # a file: mounted over an empty file in a tmpfs of its own directory
-            parent = os.path.dirname(dst)
-            lines += [f"mkdir -p {q(parent)}", f"mount -t tmpfs tmpfs {q(parent)}", f"touch {q(dst)}"]
         lines += [f"mount --bind {q(src)} {q(dst)}", f"mount -o {q(','.join(['remount', 'bind', *opts]))} {q(dst)}"]
     env = [*(f"{k}={v}" for k, v in image_env.items()), *edits["env"]]
     lines.append("exec env -i " + " ".join(q(e) for e in env) + " " + " ".join(q(a) for a in argv))
@@ -164,19 +164,26 @@ def test_d_two_pods_sharing_one_claim_share_one_limit(gpu: str, shim: Path, tmp_
     if shutil.which("unshare") is None:
         pytest.skip("needs unshare")
     sys.path.insert(0, str(REPO))
-    from mig_operator.core.cdi import DeviceNode, SliceDevice, ledger_dir, slice_spec
+    from test_fraction_path import placeholders
+
+    from mig_operator.core.cdi import DeviceNode, SliceDevice, ledger_dir, limit_dir, slice_spec
+    from mig_operator.core.environment import shim_files
+    from mig_operator.kube.agent.kubelet_plugin import make_ledger_dir, write_limit_dir
 
     uid = "d4c3b2a1-0000-4000-8000-000000000024"
     shim_dir = tmp_path / "shim"
     shim_dir.mkdir()
     shutil.copy(shim, shim_dir / "libgpuslice.so")
-    ledgers = tmp_path / "ledgers"
+    ledgers, limits = tmp_path / "ledgers", tmp_path / "limits"
     spec = slice_spec(SliceDevice(uid, "team-a", "shared", "fraction", "GPU-x", LIMIT,
-                                  (DeviceNode("/dev/nvidiactl", 195, 255),), str(shim_dir), str(ledgers)))
+                                  (DeviceNode("/dev/nvidiactl", 195, 255),), str(shim_dir), str(ledgers),
+                                  str(limits)))
     host_ledger = Path(ledger_dir(str(ledgers), uid))
-    host_ledger.mkdir(parents=True)  # as the agent's kubelet plugin makes it at prepare
-    host_ledger.chmod(0o1777)
-    made = [p for p in (Path("/usr/local/lib/cdmo"), Path("/run/cdmo")) if not p.exists()]
+    make_ledger_dir(str(host_ledger))  # as the agent's kubelet plugin makes them at prepare
+    write_limit_dir(limit_dir(str(limits), uid), shim_files(LIMIT))
+    assert "LD_PRELOAD" not in str(spec["devices"][0]["containerEdits"]["env"])
+    made = placeholders([{"source": m["hostPath"], "destination": m["containerPath"]}
+                         for m in spec["devices"][0]["containerEdits"]["mounts"]])
     image_env = {k: os.environ[k] for k in ("PATH", "LD_LIBRARY_PATH", "HOME", "LANG") if k in os.environ}
     image_env.update({"PYTHONUNBUFFERED": "1", "SHIM_TEST_TMP": str(tmp_path)})
     argv = [sys.executable, str(FILL), "torch", "16", "16384"]
@@ -195,8 +202,11 @@ def test_d_two_pods_sharing_one_claim_share_one_limit(gpu: str, shim: Path, tmp_
         files = sorted(f.name for f in host_ledger.iterdir())
     finally:
         errs = [p.finish() for p in pods]
-        for p in reversed(made):
-            shutil.rmtree(p, ignore_errors=True)
+        for p in made:  # deepest first
+            if p.is_dir():
+                p.rmdir()
+            else:
+                p.unlink()
     rec = {"test": "hostile-d-two-pods-one-claim", "limit": LIMIT, "footprints": prints, "sum": sum(prints),
            "allocated": [d["allocated"]["0"] for d in done], "totals_seen": [d["info"]["0"]["total"] for d in done],
            "ledger_files": files, "mounts": spec["devices"][0]["containerEdits"]["mounts"]}

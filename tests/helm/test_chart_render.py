@@ -329,6 +329,10 @@ def test_the_rendered_arguments_parse_and_agree_with_each_other(render: Any, nam
     ledgers = PluginSettings(shim_host_dir=agent.shim_host_dir).ledger_host_dir
     assert _volume(docs, "agent", "ledgers")["hostPath"] == {"path": ledgers, "type": "DirectoryOrCreate"}
     assert {"name": "ledgers", "mountPath": ledgers} in agent_container["volumeMounts"]
+    # The slices' limit files and ld.so.preload, likewise.
+    limits = PluginSettings(shim_host_dir=agent.shim_host_dir).limits_host_dir
+    assert _volume(docs, "agent", "limits")["hostPath"] == {"path": limits, "type": "DirectoryOrCreate"}
+    assert {"name": "limits", "mountPath": limits} in agent_container["volumeMounts"]
     mps = PluginSettings(shim_host_dir=agent.shim_host_dir).mps_host_dir
     assert _volume(docs, "agent", "mps")["hostPath"] == {"path": mps, "type": "DirectoryOrCreate"}
     assert {"name": "mps", "mountPath": mps} in agent_container["volumeMounts"]
@@ -393,6 +397,7 @@ CONTROLLER_RULES = {
     ("", "pods"): "get list watch patch",
     ("resource.k8s.io", "resourceclaims"): "get create delete",
     ("resource.k8s.io", "resourceclaims/status"): "patch",  # the claim's allocation (claims.py)
+    ("resource.k8s.io", "resourceclaims/binding"): "patch",  # the same write, authorized again on 1.36+
     ("", "events"): "create",
     ("kopf.dev", "clusterkopfpeerings"): "list watch create patch",
 }
@@ -513,12 +518,13 @@ def test_the_controller_runs_unprivileged_and_the_agent_privileged_in_no_host_na
         kubelet = values["agent"]["kubeletDir"]
         assert host_paths == sorted([values["agent"]["stateDir"], values["shim"]["hostDir"],
                                      "/var/lib/mig-operator/ledgers",  # the slices' ledgers, beside the shim's
+                                     "/var/lib/mig-operator/limits",  # their limit files and ld.so.preload
                                      "/var/lib/mig-operator/mps",  # the GPUs' MPS daemon directories
                                      f"{kubelet}/plugins_registry", f"{kubelet}/plugins/gpu.cdmo.io",
                                      values["agent"]["cdiDir"], "/etc/cdi", "/etc/nvidia-container-runtime"])
         assert agent_pod["runtimeClassName"] == "nvidia"
         assert agent_pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
-    assert len(host_paths) == 9
+    assert len(host_paths) == 10
     # The agent serves the kubelet where the kubelet looks (its flags), and writes CDI specs where it mounts them.
     args = _args(agent)
     mounts = {m["mountPath"]: m.get("readOnly", False) for m in agent["volumeMounts"]}
@@ -768,3 +774,15 @@ def test_users_get_gpuslices_through_view_edit_admin_and_gpunodes_only_when_aske
             assert {g[2] for g in nodes} == {"get", "list", "watch"}
     assert not [d for d in render("--set", "userRoles.enabled=false") if d["kind"] == "ClusterRole"
                 and d["metadata"]["labels"]["app.kubernetes.io/component"] == "user"]
+
+
+@pytest.mark.parametrize(("version", "installs"), [
+    ("1.33.9", False),  # resource.k8s.io/v1 is served from 1.34
+    ("1.34.0", True),
+    ("1.37.2", True),
+])
+def test_the_chart_installs_only_where_dra_v1_is_served(helm: Any, version: str, installs: bool) -> None:
+    result = helm("template", "mo", str(CHART_DIR), "--kube-version", version, check=False)
+    assert (result.returncode == 0) == installs, result.stderr
+    if not installs:
+        assert "kubeVersion" in result.stderr and version in result.stderr, result.stderr

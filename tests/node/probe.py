@@ -1,10 +1,11 @@
 """Run inside a sliced container: print, as one JSON object, what the container sees of its slice.
 
-Its environment (the slice's variables), the mounts of the shim and the ledger (with their options),
-whether the shim is mapped into this process (preloaded), the device nodes under /dev, and, when
-PROBE_ALLOC_BYTES is set, how many allocations of that size the CUDA driver API grants before it refuses
-one (through ctypes, as PyTorch and every CUDA program reach the driver: dlopen + dlsym of libcuda.so.1,
-here the shim tests' fake one). Python's standard library only: it runs in the workload image.
+Its environment (the slice's variables), the mounts of the shim, the ledger, the limit file and
+/etc/ld.so.preload (with their options), whether the shim is mapped into this process (preloaded), the
+device nodes under /dev, and, when PROBE_ALLOC_BYTES is set, how many allocations of that size the CUDA
+driver API grants before it refuses one (through ctypes, as PyTorch and every CUDA program reach the
+driver: dlopen + dlsym of libcuda.so.1, here the shim tests' fake one). Python's standard library only:
+it runs in the workload image.
 """
 
 import ctypes
@@ -15,6 +16,8 @@ import sys
 
 SHIM = "/usr/local/lib/cdmo/libgpuslice.so"
 LEDGER = "/run/cdmo/ledger"
+LIMIT = "/run/cdmo/limit"
+PRELOAD = "/etc/ld.so.preload"
 
 
 def mounts() -> dict:
@@ -22,7 +25,7 @@ def mounts() -> dict:
     with open("/proc/self/mountinfo") as fh:
         for line in fh:
             fields = line.split()
-            if fields[4] in (SHIM, LEDGER):
+            if fields[4] in (SHIM, LEDGER, LIMIT, PRELOAD):
                 found[fields[4]] = fields[5].split(",")
     return found
 

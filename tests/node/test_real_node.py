@@ -75,10 +75,13 @@ def probe_output(node: RealNode, ns: str, name: str) -> dict[str, Any]:
 
 
 def probe_pod(node: RealNode, name: str, *, annotations: dict[str, str] | None = None,
-              claim: str | None = None, env: dict[str, str] | None = None, wait: bool = False) -> dict[str, Any]:
+              claim: str | None = None, env: dict[str, str] | None = None, wait: bool = False,
+              prefix: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A pod running the probe; ``prefix``: what its command starts with (the probe's own process
+    started through it, e.g. ``env -u LD_PRELOAD``)."""
     container: dict[str, Any] = {
         "name": "probe", "image": node.images["WORKLOAD_IMAGE"], "imagePullPolicy": "Never",
-        "command": ["python3", "-c", PROBE, *(["--wait"] if wait else [])],
+        "command": [*prefix, "python3", "-c", PROBE, *(["--wait"] if wait else [])],
         "env": [{"name": k, "value": v} for k, v in (env or {}).items()],
     }
     spec: dict[str, Any] = {"restartPolicy": "Never", "containers": [container],
@@ -214,9 +217,9 @@ def test_fraction_pod_sees_its_slice_and_is_refused_past_its_limit(release: Real
     assert env["CDMO_SLICE"] == f"{TEAM}/{claim}"
     assert env["CDMO_GPU_MEMORY_LIMIT"] == str(limit)
     assert env["GPU_MEM_LIMIT_GB"] == "4"
-    assert env["LD_PRELOAD"] == "/usr/local/lib/cdmo/libgpuslice.so"
-    shim_opts = view["mounts"]["/usr/local/lib/cdmo/libgpuslice.so"]
-    assert "ro" in shim_opts, shim_opts
+    assert "LD_PRELOAD" not in env  # the runtime's /etc/ld.so.preload loads the shim
+    for read_only in ("/usr/local/lib/cdmo/libgpuslice.so", "/run/cdmo/limit", "/etc/ld.so.preload"):
+        assert "ro" in view["mounts"][read_only], (read_only, view["mounts"])
     assert "rw" in view["mounts"]["/run/cdmo/ledger"]
     assert view["shim_mapped"], "the shim is not loaded into the container's process"
     # GPU 1 (MIG mode off) serves fractions: its node, the control and UVM nodes, no MIG capability.
@@ -226,6 +229,22 @@ def test_fraction_pod_sees_its_slice_and_is_refused_past_its_limit(release: Real
     # with CUDA_ERROR_OUT_OF_MEMORY (2).
     assert view["alloc"]["results"] == [0] * (limit // chunk) + [2], view["alloc"]
     node.kubectl("delete", "pod", "fraction", "-n", TEAM, "--wait=true")
+
+
+def test_a_fraction_process_that_drops_ld_preload_and_raises_its_limit_keeps_the_slices(release: RealNode) -> None:
+    """A hostile workload starts its process with LD_PRELOAD removed and CDMO_GPU_MEMORY_LIMIT at the
+    fake GPU's whole 80 GiB: runc's /etc/ld.so.preload (the CDI spec's read-only file) loads the shim
+    all the same, and the shim takes the limit from the spec's read-only limit file."""
+    node = release
+    limit, chunk, whole = 4 * 10**9, 10**9, 80 << 30
+    pod = probe_pod(node, "hostile", annotations={"cdmo.io/gpu-memory": "4G"}, env=fake_cuda_env(node, chunk),
+                    prefix=("env", "-u", "LD_PRELOAD", f"CDMO_GPU_MEMORY_LIMIT={whole}"))
+    run_pod(node, pod)
+    view = probe_output(node, TEAM, "hostile")
+    assert "LD_PRELOAD" not in view["env"] and view["env"]["CDMO_GPU_MEMORY_LIMIT"] == str(whole), view["env"]
+    assert view["shim_mapped"], "the shim is not loaded into the process that dropped LD_PRELOAD"
+    assert view["alloc"]["results"] == [0] * (limit // chunk) + [2], view["alloc"]
+    node.kubectl("delete", "pod", "hostile", "-n", TEAM, "--wait=true")
 
 
 def test_mig_pod_gets_its_instances_capability_nodes(release: RealNode) -> None:

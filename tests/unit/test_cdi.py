@@ -10,6 +10,7 @@ from mig_operator.core.cdi import (
     cdi_version,
     device_id,
     ledger_dir,
+    limit_dir,
     names_device,
     nvidia_device_id,
     slice_spec,
@@ -50,42 +51,54 @@ def test_fraction_slice_gets_the_shim_read_only_its_ledger_read_write_and_its_li
     nodes = (DeviceNode("/dev/nvidiactl"), DeviceNode("/dev/nvidia0", 195, 0))
     spec = slice_spec(SliceDevice("9f000000-0000-4000-8000-000000000002", "ns", "nb", "fraction",
                                   "GPU-abc", 5_500_000_000, nodes, shim_host_dir="/opt/shim/",
-                                  ledger_host_dir="/opt/ledgers/"))
+                                  ledger_host_dir="/opt/ledgers/", limits_host_dir="/opt/limits/"))
     assert spec["cdiVersion"] == "0.5.0"  # a device name starting with a digit needs CDI 0.5.0
     edits = spec["devices"][0]["containerEdits"]
+    # For display only: no LD_PRELOAD (the shim comes from /etc/ld.so.preload), and the shim reads
+    # its limit from the mounted file, not from CDMO_GPU_MEMORY_LIMIT.
     assert edits["env"] == [
         "NVIDIA_VISIBLE_DEVICES=void",
         "CDMO_GPU_MEMORY_LIMIT=5500000000",
         "CDMO_SLICE=ns/nb",
         "GPU_MEM_LIMIT_GB=5.5",
-        "LD_PRELOAD=/usr/local/lib/cdmo/libgpuslice.so",
     ]
     # A node whose numbers are unknown leaves them to the runtime (it reads the host's file).
     assert edits["deviceNodes"] == [{"path": "/dev/nvidiactl"},
                                     {"path": "/dev/nvidia0", "type": "c", "major": 195, "minor": 0}]
     # The ledger: the slice's own directory on the node, at the one path the shim has built in (issue
-    # 24), so every process of every pod of the claim shares one limit; no variable names it.
+    # 24), so every process of every pod of the claim shares one limit; no variable names it. The limit
+    # and /etc/ld.so.preload: files of the slice's own directory in another tree, each read-only.
     assert edits["mounts"] == [{"hostPath": "/opt/shim/libgpuslice.so",
                                 "containerPath": "/usr/local/lib/cdmo/libgpuslice.so",
                                 "options": ["ro", "nosuid", "nodev", "bind"]},
                                {"hostPath": "/opt/ledgers/9f000000-0000-4000-8000-000000000002",
                                 "containerPath": "/run/cdmo/ledger",
-                                "options": ["rw", "nosuid", "nodev", "noexec", "bind"]}]
-    assert not any(v.startswith("CDMO_SHIM_") for v in edits["env"])
+                                "options": ["rw", "nosuid", "nodev", "noexec", "bind"]},
+                               {"hostPath": "/opt/limits/9f000000-0000-4000-8000-000000000002/limit",
+                                "containerPath": "/run/cdmo/limit",
+                                "options": ["ro", "nosuid", "nodev", "noexec", "bind"]},
+                               {"hostPath": "/opt/limits/9f000000-0000-4000-8000-000000000002/ld.so.preload",
+                                "containerPath": "/etc/ld.so.preload",
+                                "options": ["ro", "nosuid", "nodev", "noexec", "bind"]}]
+    assert not any(v.startswith(("CDMO_SHIM_", "LD_PRELOAD=")) for v in edits["env"])
 
 
-def test_the_default_ledger_directory_is_beside_the_shims() -> None:
+def test_the_default_ledger_and_limit_directories_are_beside_the_shims() -> None:
     nodes = (DeviceNode("/dev/nvidia0", 195, 0),)
     spec = slice_spec(SliceDevice("u7", "ns", "nb", "fraction", "GPU-abc", 2**30, nodes))
     mounts = spec["devices"][0]["containerEdits"]["mounts"]
     assert [m["hostPath"] for m in mounts] == ["/var/lib/mig-operator/shim/libgpuslice.so",
-                                              "/var/lib/mig-operator/ledgers/u7"]
+                                              "/var/lib/mig-operator/ledgers/u7",
+                                              "/var/lib/mig-operator/limits/u7/limit",
+                                              "/var/lib/mig-operator/limits/u7/ld.so.preload"]
 
 
 @pytest.mark.parametrize("uid", ["../x", "a/b", "", ".", ".."])
-def test_a_ledger_directory_is_one_path_component(uid: str) -> None:
+def test_a_ledger_or_limit_directory_is_one_path_component(uid: str) -> None:
     with pytest.raises(ValueError, match="not a directory name"):
         ledger_dir("/var/lib/mig-operator/ledgers", uid)
+    with pytest.raises(ValueError, match="not a directory name"):
+        limit_dir("/var/lib/mig-operator/limits", uid)
 
 
 def test_a_whole_gpu_fraction_gets_the_gpu_with_no_limit_and_no_shim() -> None:

@@ -35,7 +35,7 @@ from mig_operator.core.cluster import (
     model_of,
 )
 from mig_operator.core.lifecycle import COMPLETED, OwnerEntry, OwnerRecord
-from mig_operator.core.profiles import CATALOG, Profile, get_model
+from mig_operator.core.profiles import CATALOG, Placement, Profile, get_model
 from mig_operator.core.request import SliceRequest
 from mig_operator.gpu.protocol import GpuInfo, MigInstance
 from mig_operator.kube.agent.inventory import gpunode_status
@@ -628,33 +628,81 @@ GOOD_GPU = {"index": 1, "uuid": "GPU-good", "memoryMiB": 23034}
         {"index": 0},  # no uuid
         {"index": "zero", "uuid": "GPU-x"},
         {"index": 0, "uuid": "GPU-x", "memoryMiB": "lots"},
-        {"index": 0, "uuid": "GPU-x", "profiles": [{"id": 19}]},  # profile without a name
-        {"index": 0, "uuid": "GPU-x", "profiles": [{"name": "1g", "id": 19, "placements": [{"start": 0}]}]},
+        {"index": 0, "uuid": "GPU-x", "model": "no-such-model"},  # names a model the status does not publish
+        {"index": 0, "uuid": "GPU-x", "model": "nameless"},  # its model's profile has no name
+        {"index": 0, "uuid": "GPU-x", "model": "half-placed"},  # its model's placement has no size
         {"index": 0, "uuid": "GPU-x", "instances": [{"profileId": 19, "start": 0}]},  # no size
         {"index": 0, "uuid": "GPU-x", "instances": [{"profileId": "x", "start": 0, "size": 1}]},
     ],
 )
 def test_inventory_skips_malformed_gpu_entries(bad) -> None:
-    inv = inventory_from_status("n", {"gpus": [bad, GOOD_GPU]})
+    models = [{"name": "nameless", "profiles": [{"id": 19}]},
+              {"name": "half-placed", "profiles": [{"name": "1g", "id": 19, "placements": [{"start": 0}]}]}]
+    inv = inventory_from_status("n", {"models": models, "gpus": [bad, GOOD_GPU]})
     assert [(g.index, g.uuid, g.memory_mib) for g in inv.gpus] == [(1, "GPU-good", 23034)]
 
 
-@pytest.mark.parametrize("field", ["profiles", "instances"])
 @pytest.mark.parametrize("entry", ["x", 5, None, ["start", 0]])
-def test_inventory_skips_gpu_whose_sub_entries_are_not_objects(field: str, entry) -> None:
-    bad = {"index": 0, "uuid": "GPU-x", field: [entry]}
-    inv = inventory_from_status("n", {"gpus": [bad, GOOD_GPU]})
+def test_inventory_skips_gpu_whose_sub_entries_are_not_objects(entry) -> None:
+    bad_instance = {"index": 0, "uuid": "GPU-x", "instances": [entry]}
+    inv = inventory_from_status("n", {"gpus": [bad_instance, GOOD_GPU]})
     assert [g.index for g in inv.gpus] == [1]
+    bad_profile = {"index": 0, "uuid": "GPU-x", "model": "m"}
+    inv = inventory_from_status("n", {"models": [{"name": "m", "profiles": [entry]}], "gpus": [bad_profile, GOOD_GPU]})
+    assert [g.index for g in inv.gpus] == [1]
+
+
+# Written by hand, two profiles each of an H200 and an A30 with the numbers NVML reports for them,
+# what a status publishes once per model and what the controller must read for each GPU.
+H200_TABLE = [
+    {"name": "1g.18gb", "id": 19, "slices": 1, "memoryMiB": 16384, "sm": 16, "maxInstances": 7,
+     "placements": [{"start": s, "size": 1} for s in range(7)]},
+    {"name": "7g.141gb", "id": 0, "slices": 7, "memoryMiB": 143360, "sm": 132, "maxInstances": 1,
+     "placements": [{"start": 0, "size": 8}]},
+]
+A30_TABLE = [
+    {"name": "1g.6gb", "id": 14, "slices": 1, "memoryMiB": 5952, "sm": 14, "maxInstances": 4,
+     "placements": [{"start": s, "size": 1} for s in range(4)]},
+    {"name": "4g.24gb", "id": 0, "slices": 4, "memoryMiB": 24000, "sm": 56, "maxInstances": 1,
+     "placements": [{"start": 0, "size": 4}]},
+]
+
+
+def test_each_gpu_reads_the_profile_table_its_model_names() -> None:
+    status = {
+        "models": [{"name": "a30-24gb", "profiles": A30_TABLE}, {"name": "h200-141gb", "profiles": H200_TABLE}],
+        "gpus": [
+            {"index": 0, "uuid": "GPU-0", "model": "h200-141gb", "migCapable": True, "migEnabled": True},
+            {"index": 1, "uuid": "GPU-1", "model": "a30-24gb", "migCapable": True, "migEnabled": True},
+            {"index": 2, "uuid": "GPU-2", "model": "h200-141gb", "migCapable": True, "migEnabled": False},
+            {"index": 3, "uuid": "GPU-3", "model": "", "memoryMiB": 23034},  # an L4: no MIG, no table
+        ],
+    }
+    inv = inventory_from_status("n", status)
+    h200 = (Profile("1g.18gb", 19, 1, 16384, 16, 7, tuple(Placement(s, 1) for s in range(7))),
+            Profile("7g.141gb", 0, 7, 143360, 132, 1, (Placement(0, 8),)))
+    a30 = (Profile("1g.6gb", 14, 1, 5952, 14, 4, tuple(Placement(s, 1) for s in range(4))),
+           Profile("4g.24gb", 0, 4, 24000, 56, 1, (Placement(0, 4),)))
+    assert [(g.index, g.model, g.profiles) for g in inv.gpus] == [
+        (0, "h200-141gb", h200), (1, "a30-24gb", a30), (2, "h200-141gb", h200), (3, "", ())]
+    # The planner sees each GPU's own board: 8 memory slots on the H200s, 4 on the A30.
+    assert [model_of(g.model, g.product, g.memory_mib, g.profiles).memory_slots for g in inv.gpus[:3]] == [8, 4, 8]
+
+
+@pytest.mark.parametrize("models", [None, "h200", 7, {"h200-141gb": H200_TABLE}, [None, "x", {"profiles": H200_TABLE}],
+                                    [{"name": "", "profiles": H200_TABLE}], [{"name": 7, "profiles": H200_TABLE}]])
+def test_a_gpu_whose_model_is_not_published_is_skipped_and_one_without_mig_is_kept(models) -> None:
+    status = {"models": models, "gpus": [{"index": 0, "uuid": "GPU-0", "model": "h200-141gb", "migEnabled": True},
+                                         GOOD_GPU]}
+    inv = inventory_from_status("n", status)
+    assert [(g.index, g.profiles) for g in inv.gpus] == [(1, ())]
 
 
 def test_inventory_gpu_with_a_malformed_instance_never_offers_that_instance_slots() -> None:
     # Dropping just the instance would show its slots as free: the whole GPU must go.
     raw = {"index": 0, "uuid": "GPU-x", "model": "h200-141gb", "memoryMiB": H200.memory_mib, "migCapable": True,
-           "migEnabled": True, "profiles": [{"name": p.name, "id": p.id, "memoryMiB": p.memory_mib,
-                                             "placements": [{"start": pl.start, "size": pl.size}
-                                                            for pl in p.placements]} for p in H200.profiles],
-           "instances": [{"profileId": 0, "start": 0, "size": "eight", "inUse": True}]}
-    inv = inventory_from_status("n", {"gpus": [raw]})
+           "migEnabled": True, "instances": [{"profileId": 0, "start": 0, "size": "eight", "inUse": True}]}
+    inv = inventory_from_status("n", {"models": [{"name": "h200-141gb", "profiles": H200_TABLE}], "gpus": [raw]})
     assert inv.gpus == ()
     assert refusal(mem(GiB), [inv], {"n"}).code == NO_GPU
 

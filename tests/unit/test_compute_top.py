@@ -14,7 +14,7 @@ def layout() -> tuple[list[dict], list[dict], list[dict]]:
     (2Gi, 0.125) bound and not yet listed."""
     node = gpunode("l4-a", "t", [{
         "index": 0, "product": "NVIDIA L4", "model": "", "memoryMiB": 23034, "serves": "fraction",
-        "profiles": [], "instances": [], "grantedBytes": 12 * GIB, "compute": "0.75",
+        "instances": [], "grantedBytes": 12 * GIB, "compute": "0.75",
         "fractions": [{"slice": "team-a/a", "sliceUID": "a", "bytes": 8 * GIB, "compute": 0.25},
                       {"slice": "team-a/b", "sliceUID": "b", "bytes": 4 * GIB, "compute": 0.5}]}])
     slices = [

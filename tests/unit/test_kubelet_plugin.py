@@ -110,11 +110,91 @@ def test_a_fraction_that_is_its_whole_gpu_gets_no_shim(root: Path, granted: int,
             node.add_claim(allocated_claim("c-1", "job", "f-1"))
             assert (await kubelet.prepare(("c-1", "job"))).claims["c-1"].error == ""
             edits = json.loads(node.spec_path("f-1").read_text())["devices"][0]["containerEdits"]
-            preload = [e for e in edits["env"] if e.startswith(("LD_PRELOAD=", "CDMO_GPU_MEMORY_LIMIT="))]
-            assert bool(preload) is shim and ("mounts" in edits) is shim
+            limit = [e for e in edits["env"] if e.startswith("CDMO_GPU_MEMORY_LIMIT=")]
+            assert bool(limit) is shim and ("mounts" in edits) is shim
+            assert not any(e.startswith("LD_PRELOAD=") for e in edits["env"])
+            assert (root / "limits" / "f-1").exists() is shim
             if shim:
                 assert f"CDMO_GPU_MEMORY_LIMIT={granted}" in edits["env"]
+                assert (root / "limits" / "f-1" / "limit").read_text() == f"{granted}\n"
+                assert "/etc/ld.so.preload" in {m["containerPath"] for m in edits["mounts"]}
         finally:
+            await node.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_fraction_claim_gets_its_limit_and_preload_files_read_only_until_unprepared(root: Path) -> None:
+    """The shim's limit is a file the agent writes per slice beside the ledgers on the node, and
+    /etc/ld.so.preload another one naming the shim: the spec mounts both read-only, so no process of
+    the container changes them or loads without the shim; they live from prepare to unprepare,
+    survive the kubelet asking again and an agent restart, and one no prepared claim names goes."""
+    granted = 5 * 10**9
+
+    async def scenario() -> None:
+        node = Node(root, "l40s-48gb")
+        await node.start()
+        kubelet = node.kubelet()
+        files = root / "limits" / "f-2"
+        try:
+            await kubelet.register()
+            await node.add_slice(fraction_slice("f-2", "job", granted))
+            node.add_claim(allocated_claim("c-2", "job", "f-2"))
+            assert (await kubelet.prepare(("c-2", "job"))).claims["c-2"].error == ""
+            # What the shim reads (a decimal byte count, one newline) and what glibc's loader reads (the
+            # shim's path in the container, where the spec mounts it), worked out here by hand.
+            assert sorted(p.name for p in files.iterdir()) == ["ld.so.preload", "limit"]  # no temp file left
+            assert (files / "limit").read_text() == "5000000000\n"
+            assert (files / "ld.so.preload").read_text() == "/usr/local/lib/cdmo/libgpuslice.so\n"
+            assert stat.S_IMODE(files.stat().st_mode) == 0o755
+            assert {stat.S_IMODE((files / n).stat().st_mode) for n in ("limit", "ld.so.preload")} == {0o644}
+            edits = json.loads(node.spec_path("f-2").read_text())["devices"][0]["containerEdits"]
+            by_path = {m["containerPath"]: m for m in edits["mounts"]}
+            read_only = ["ro", "nosuid", "nodev", "noexec", "bind"]
+            assert by_path["/run/cdmo/limit"] == {"hostPath": str(files / "limit"), "containerPath": "/run/cdmo/limit",
+                                                  "options": read_only}
+            assert by_path["/etc/ld.so.preload"] == {"hostPath": str(files / "ld.so.preload"),
+                                                     "containerPath": "/etc/ld.so.preload", "options": read_only}
+            assert by_path["/usr/local/lib/cdmo/libgpuslice.so"]["hostPath"] == str(root / "shim" / "libgpuslice.so")
+            # The environment shows the limit; nothing in it loads the shim or sets the limit.
+            assert "CDMO_GPU_MEMORY_LIMIT=5000000000" in edits["env"] and "GPU_MEM_LIMIT_GB=5" in edits["env"]
+            assert not any(e.startswith("LD_PRELOAD=") for e in edits["env"])
+            assert (await kubelet.prepare(("c-2", "job"))).claims["c-2"].error == ""
+            assert (files / "limit").read_text() == "5000000000\n"  # asked again: the same
+
+            await kubelet.close()
+            await node.stop()
+            (root / "limits" / "gone-slice").mkdir()  # left by a claim unprepared while the agent was down
+            await node.start()
+            kubelet = node.kubelet()
+            await kubelet.register()
+            assert (files / "limit").exists() and not (root / "limits" / "gone-slice").exists()
+
+            assert (await kubelet.unprepare(("c-2", "job"))).claims["c-2"].error == ""
+            assert not files.exists()
+        finally:
+            await kubelet.close()
+            await node.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_limit_path_that_is_not_a_directory_refuses_the_claim(root: Path) -> None:
+    async def scenario() -> None:
+        node = Node(root, "l40s-48gb")
+        await node.start()
+        kubelet = node.kubelet()
+        try:
+            await kubelet.register()
+            await node.add_slice(fraction_slice("f-3", "job", 2**30))
+            node.add_claim(allocated_claim("c-3", "job", "f-3"))
+            (root / "limits").mkdir()
+            (root / "limits" / "f-3").write_text("not a directory")
+            error = (await kubelet.prepare(("c-3", "job"))).claims["c-3"].error
+            assert f"{root / 'limits' / 'f-3'} is not a directory: the slice's limit cannot be written" in error
+            assert not node.spec_path("f-3").exists()
+        finally:
+            await kubelet.close()
             await node.stop()
 
     asyncio.run(scenario())
@@ -182,6 +262,8 @@ def test_a_ledger_path_that_is_not_a_directory_refuses_the_claim(root: Path) -> 
 def test_the_ledger_directories_sit_beside_the_shims() -> None:
     assert PluginSettings().ledger_host_dir == "/var/lib/mig-operator/ledgers"
     assert PluginSettings(shim_host_dir="/opt/cdmo/shim/").ledger_host_dir == "/opt/cdmo/ledgers"
+    assert PluginSettings().limits_host_dir == "/var/lib/mig-operator/limits"
+    assert PluginSettings(shim_host_dir="/opt/cdmo/shim/").limits_host_dir == "/opt/cdmo/limits"
 
 
 def test_refuses_what_is_not_a_ready_slice_of_this_node(root: Path) -> None:

@@ -35,16 +35,18 @@ def test_a_compute_share_is_an_mps_client_with_its_share_and_memory() -> None:
     assert env["CUDA_MPS_PIPE_DIRECTORY"] == "/tmp/nvidia-mps"  # MPS's own default, where the pipe is mounted
     assert mounts["/tmp/nvidia-mps"] == (PIPE, ["rw", "nosuid", "nodev", "noexec", "bind"])
     assert mounts["/dev/shm"] == (SHM, ["rw", "nosuid", "nodev", "noexec", "bind"])
-    # the shim stays: memory is limited by both
-    assert env["LD_PRELOAD"] == "/usr/local/lib/cdmo/libgpuslice.so"
+    # the shim stays, preloaded through the mounted /etc/ld.so.preload: memory is limited by both
+    assert "LD_PRELOAD" not in env
     assert env["CDMO_GPU_MEMORY_LIMIT"] == str(8 * GIB)
-    assert "/usr/local/lib/cdmo/libgpuslice.so" in mounts and "/run/cdmo/ledger" in mounts
+    assert {"/usr/local/lib/cdmo/libgpuslice.so", "/run/cdmo/ledger", "/run/cdmo/limit",
+            "/etc/ld.so.preload"} <= set(mounts)
 
 
 def test_a_shared_fraction_gets_nothing_of_mps() -> None:
     env, mounts = edits(device(None, pipe="", shm=""))
     assert not [k for k in env if k.startswith("CUDA_MPS_")]
-    assert set(mounts) == {"/usr/local/lib/cdmo/libgpuslice.so", "/run/cdmo/ledger"}
+    assert set(mounts) == {"/usr/local/lib/cdmo/libgpuslice.so", "/run/cdmo/ledger", "/run/cdmo/limit",
+                           "/etc/ld.so.preload"}
 
 
 def test_a_whole_gpu_with_a_share_has_no_shim_but_is_an_mps_client() -> None:

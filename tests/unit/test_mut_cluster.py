@@ -45,30 +45,33 @@ def mig_gpu(model, index: int = 0, instances: tuple[InstanceState, ...] = ()) ->
 
 
 def test_a_gpunode_status_with_only_the_required_fields_reads_with_the_defaults() -> None:
-    status = {"gpus": [{
-        "index": 0, "uuid": "GPU-0",
-        "profiles": [{"name": "1g.18gb", "id": 19, "placements": [{"start": 2, "size": 1}, {"start": 0, "size": 1}]}],
-        "instances": [{"profileId": 19, "start": 2, "size": 1}],
-    }]}
+    status = {
+        "models": [{"name": "m", "profiles": [{"name": "1g.18gb", "id": 19,
+                                                "placements": [{"start": 2, "size": 1}, {"start": 0, "size": 1}]}]}],
+        "gpus": [{"index": 0, "uuid": "GPU-0", "model": "m", "instances": [{"profileId": 19, "start": 2, "size": 1}]}],
+    }
     profile = Profile("1g.18gb", 19, 0, 0, 0, 2, (Placement(0, 1), Placement(2, 1)))  # as many as placements
     instance = InstanceState(gi_id=-1, ci_id=-1, profile_id=19, profile="", start=2, size=1, device_uuid="",
                              in_use=False, slice_uid="", slice="", idle_since=None)
-    gpu = GpuState(index=0, uuid="GPU-0", product="", model="", memory_mib=0, mig_capable=False, mig_enabled=False,
+    gpu = GpuState(index=0, uuid="GPU-0", product="", model="m", memory_mib=0, mig_capable=False, mig_enabled=False,
                    profiles=(profile,), instances=(instance,))
     assert inventory_from_status("node-a", status) == NodeInventory("node-a", (gpu,))
     assert not instance.complete  # no compute instance, no device: never handed out
 
 
 def test_a_gpunode_status_with_every_field_reads_them_all() -> None:
-    status = {"gpus": [{
-        "index": 1, "uuid": "GPU-1", "product": "NVIDIA H200", "model": "h200-141gb", "memoryMiB": 143771,
-        "migCapable": True, "migEnabled": True,
-        "profiles": [{"name": "1g.35gb", "id": 15, "slices": 1, "memoryMiB": 33280, "sm": 26, "maxInstances": 4,
-                      "placements": [{"start": 6, "size": 2}]}],
-        "instances": [{"giId": 3, "ciId": 0, "profileId": 15, "profile": "1g.35gb", "start": 6, "size": 2,
-                       "deviceUUID": "MIG-3", "inUse": True, "sliceUID": "uid-1", "slice": "ns/a",
-                       "idleSince": "2026-01-01T00:00:00Z"}],
-    }]}
+    status = {
+        "models": [{"name": "h200-141gb",
+                    "profiles": [{"name": "1g.35gb", "id": 15, "slices": 1, "memoryMiB": 33280, "sm": 26,
+                                  "maxInstances": 4, "placements": [{"start": 6, "size": 2}]}]}],
+        "gpus": [{
+            "index": 1, "uuid": "GPU-1", "product": "NVIDIA H200", "model": "h200-141gb", "memoryMiB": 143771,
+            "migCapable": True, "migEnabled": True,
+            "instances": [{"giId": 3, "ciId": 0, "profileId": 15, "profile": "1g.35gb", "start": 6, "size": 2,
+                           "deviceUUID": "MIG-3", "inUse": True, "sliceUID": "uid-1", "slice": "ns/a",
+                           "idleSince": "2026-01-01T00:00:00Z"}],
+        }],
+    }
     inventory = inventory_from_status("node-a", status)
     assert inventory == NodeInventory("node-a", (GpuState(
         1, "GPU-1", "NVIDIA H200", "h200-141gb", 143771, True, True,

@@ -21,7 +21,7 @@ from pod_reference import slice_spec_for
 
 from mig_operator.core.cluster import MODE_FRACTION, MODE_MIG, Binding, GpuState, NodeInventory, Refusal
 from mig_operator.core.cluster_planner import ClusterPlanner
-from mig_operator.core.environment import SHIM_PATH_IN_CONTAINER, gpu_mem_limit_gb, slice_environment
+from mig_operator.core.environment import SHIM_PATH_IN_CONTAINER, gpu_mem_limit_gb, shim_files, slice_environment
 from mig_operator.core.node_selection import constrains_nodes, node_allowed
 from mig_operator.core.pod_admission import PodRefused, check_pod
 from mig_operator.core.profiles import get_model
@@ -259,12 +259,21 @@ def test_mig_slices_get_no_variable_but_void_devices() -> None:
 
 @pytest.mark.parametrize(("granted", "gb"), [(4 * 2**30, "4.29"), (4 * 10**9, "4"), (10**9 + 6 * 10**6, "1.01"),
                                              (1, "0"), (123_456_789_012, "123.46")])
-def test_fraction_slices_get_the_shim_and_their_limit(granted: int, gb: str) -> None:
+def test_fraction_slices_show_their_limit_and_get_it_in_files(granted: int, gb: str) -> None:
+    # The variables are for display: nothing in the environment loads the shim or sets its limit.
     env = slice_environment("fraction", granted, "team-a", "train")
-    assert env == {"NVIDIA_VISIBLE_DEVICES": "void", "LD_PRELOAD": SHIM_PATH_IN_CONTAINER,
+    assert env == {"NVIDIA_VISIBLE_DEVICES": "void",
                    "CDMO_GPU_MEMORY_LIMIT": str(granted), "GPU_MEM_LIMIT_GB": gb, "CDMO_SLICE": "team-a/train"}
     assert gpu_mem_limit_gb(granted) == gb
     assert SHIM_PATH_IN_CONTAINER.endswith("/libgpuslice.so")
+    # What the shim reads instead, and the line glibc's loader reads.
+    assert shim_files(granted) == {"limit": f"{granted}\n", "ld.so.preload": f"{SHIM_PATH_IN_CONTAINER}\n"}
+
+
+@pytest.mark.parametrize("granted", [0, -1, 2**64])
+def test_a_limit_the_shim_would_refuse_is_not_written(granted: int) -> None:
+    with pytest.raises(ValueError, match=rf"granted bytes {granted} are not a limit the shim takes; e.g. 4294967296"):
+        shim_files(granted)
 
 
 def test_an_unknown_mode_is_an_error() -> None:

@@ -372,12 +372,14 @@ def test_a_group_is_admitted_as_a_whole_by_memory_and_by_count() -> None:
 
 def gpunode_holding(name: str, fractions: list[tuple[str, str, int]] = (), instances: list[dict] = ()) -> dict:
     """A GpuNode as an agent publishes it: one L4 for fractions and one H200 in MIG mode with 1g.18gb."""
-    return {"metadata": {"name": name}, "spec": {"nodeName": name}, "status": {"gpus": [
-        {"index": 0, "uuid": "GPU-l4", "memoryMiB": 23034,
-         "fractions": [{"sliceUID": u, "slice": s, "bytes": b} for u, s, b in fractions]},
-        {"index": 1, "uuid": "GPU-h200", "memoryMiB": 143771, "migCapable": True, "migEnabled": True,
-         "profiles": [{"name": "1g.18gb", "id": 19, "memoryMiB": 16384, "placements": [{"start": 0, "size": 1}]}],
-         "instances": list(instances)}]}}
+    return {"metadata": {"name": name}, "spec": {"nodeName": name}, "status": {
+        "models": [{"name": "h200-141gb", "profiles": [
+            {"name": "1g.18gb", "id": 19, "memoryMiB": 16384, "placements": [{"start": 0, "size": 1}]}]}],
+        "gpus": [
+            {"index": 0, "uuid": "GPU-l4", "memoryMiB": 23034,
+             "fractions": [{"sliceUID": u, "slice": s, "bytes": b} for u, s, b in fractions]},
+            {"index": 1, "uuid": "GPU-h200", "model": "h200-141gb", "memoryMiB": 143771, "migCapable": True,
+             "migEnabled": True, "instances": list(instances)}]}}
 
 
 @pytest.mark.parametrize(("what", "fractions", "instances", "expected"), [

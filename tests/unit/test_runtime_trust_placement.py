@@ -43,23 +43,24 @@ def condition(status: str, message: str = WHY) -> list[dict]:
             {"type": CONDITION_TYPE, "status": status, "reason": "Checked", "message": message}]
 
 
+H100_MODELS = [{"name": H100.name, "profiles": [
+    {"name": p.name, "id": p.id, "slices": p.slices, "memoryMiB": p.memory_mib, "sm": p.sm,
+     "maxInstances": p.max_instances, "placements": [{"start": pl.start, "size": pl.size} for pl in p.placements]}
+    for p in H100.profiles]}]
+
+
 def mig_gpu() -> dict:
     return {"index": 0, "uuid": "GPU-h100-0", "product": H100.product, "model": H100.name,
-            "memoryMiB": H100.memory_mib, "migCapable": True, "migEnabled": True,
-            "profiles": [{"name": p.name, "id": p.id, "slices": p.slices, "memoryMiB": p.memory_mib, "sm": p.sm,
-                          "maxInstances": p.max_instances,
-                          "placements": [{"start": pl.start, "size": pl.size} for pl in p.placements]}
-                         for p in H100.profiles]}
+            "memoryMiB": H100.memory_mib, "migCapable": True, "migEnabled": True}
 
 
 def fraction_gpu() -> dict:
-    return {"index": 0, "uuid": "GPU-l40s-0", "product": L40S.product, "model": L40S.name,
-            "memoryMiB": L40S.memory_mib}
+    return {"index": 0, "uuid": "GPU-l40s-0", "product": L40S.product, "model": "", "memoryMiB": L40S.memory_mib}
 
 
 def gpunode(node: str, trusted: str | None, gpu: dict) -> NodeInventory:
     """A GpuNode status as the agent publishes it, read back as the controller does."""
-    status: dict = {"gpus": [gpu]}
+    status: dict = {"models": H100_MODELS if gpu["model"] else [], "gpus": [gpu]}
     if trusted is not None:
         status["conditions"] = condition(trusted)
     return inventory_from_status(node, status)
@@ -146,7 +147,7 @@ def test_bound_slices_stay_and_count_while_the_node_is_untrusted() -> None:
 
 
 def test_a_device_plugin_conflict_comes_first_and_the_label_does_not_clear_it() -> None:
-    both = inventory_from_status("n1", {"gpus": [mig_gpu()], "conditions": [
+    both = inventory_from_status("n1", {"models": H100_MODELS, "gpus": [mig_gpu()], "conditions": [
         {"type": "DevicePluginConflict", "status": "True"}, *condition("False")[1:]],
         "devicePluginResources": ["nvidia.com/gpu"]})
     got = decide([both], slice_request(memory="9Gi"), "n1", accepted_nodes=("n1",))
@@ -162,7 +163,7 @@ def test_many_blocked_nodes_are_summarised_within_a_status() -> None:
 
 
 def test_eligible_nodes_blocked_for_both_causes_name_both() -> None:
-    plugin = inventory_from_status("p", {"gpus": [mig_gpu()], "conditions": [
+    plugin = inventory_from_status("p", {"models": H100_MODELS, "gpus": [mig_gpu()], "conditions": [
         {"type": "DevicePluginConflict", "status": "True"}], "devicePluginResources": ["nvidia.com/gpu"]})
     inventories = [plugin, gpunode("u1", "False", mig_gpu()), gpunode("u2", "False", mig_gpu())]
     got = decide(inventories, slice_request(memory="9Gi"), nodes=["p", "u1", "u2"])

@@ -25,6 +25,8 @@ from mig_operator.core.slice_claim import (
 )
 
 UID = "0b9e6a8c-2f43-4d7a-9c1e-5a6b7c8d9e0f"
+AT = "2026-11-27T11:40:05Z"
+RFC3339_SECONDS = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ")
 OWNER = {"apiVersion": "cdmo.io/v1alpha1", "kind": "GpuSlice", "name": "train", "uid": UID, "controller": True}
 DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
@@ -37,11 +39,11 @@ def _pinned(node: str) -> dict:
 @pytest.mark.parametrize("node", ["n", "gpu-node-7", "ip-10-0-3-17.ec2.internal", "a" * 253])
 def test_the_allocation_is_the_slices_device_in_the_nodes_pool_usable_there_only(node: str) -> None:
     claim = claim_body("ns", "train", OWNER)
-    alloc = allocation(node, UID)
+    alloc = allocation(node, UID, AT)
     assert alloc == {"devices": {"results": [{"request": "gpu", "driver": "gpu.cdmo.io", "pool": node,
                                               "device": UID}]},
-                     "nodeSelector": _pinned(node)}
-    assert allocation_patch(node, UID) == {"status": {"allocation": alloc}}
+                     "nodeSelector": _pinned(node), "allocationTimestamp": AT}
+    assert allocation_patch(node, UID, AT) == {"status": {"allocation": alloc}}
     # What kube-apiserver checks of a new allocation result.
     requests = {r["name"] for r in claim["spec"]["devices"]["requests"]}
     [result] = alloc["devices"]["results"]
@@ -49,7 +51,9 @@ def test_the_allocation_is_the_slices_device_in_the_nodes_pool_usable_there_only
     assert DNS_SUBDOMAIN.fullmatch(result["driver"]) and len(result["driver"]) <= 63
     assert len(result["pool"]) <= 253 and all(DNS_SUBDOMAIN.fullmatch(p) for p in result["pool"].split("/"))
     assert DNS_LABEL.fullmatch(result["device"]) and len(result["device"]) <= 63
-    assert set(alloc) <= {"devices", "nodeSelector"}  # allocationTimestamp: dropped unless binding conditions
+    # Stamped by the controller: kube-scheduler (1.36+) would otherwise stamp it, changing an immutable field.
+    assert set(alloc) == {"devices", "nodeSelector", "allocationTimestamp"}
+    assert RFC3339_SECONDS.fullmatch(alloc["allocationTimestamp"])
     [term] = alloc["nodeSelector"]["nodeSelectorTerms"]
     assert term["matchFields"][0]["key"] == "metadata.name"  # the only field a node selector may match
 
@@ -59,8 +63,9 @@ def test_a_pods_claim_is_reserved_for_it_in_the_allocating_write() -> None:
     # resource.k8s.io/v1 ResourceClaimConsumerReference, written out by hand: kube-controller-manager
     # keeps an entry of the empty API group and resource "pods" while that pod lives.
     assert pod == {"resource": "pods", "name": "train-0", "uid": "8d3c1f2e-0000-4000-8000-000000000001"}
-    assert allocation_patch("n", UID, pod) == {"status": {"allocation": allocation("n", UID), "reservedFor": [pod]}}
-    assert "reservedFor" not in allocation_patch("n", UID)["status"]
+    assert allocation_patch("n", UID, AT, pod) == {"status": {"allocation": allocation("n", UID, AT),
+                                                              "reservedFor": [pod]}}
+    assert "reservedFor" not in allocation_patch("n", UID, AT)["status"]
 
 
 def test_a_claim_is_reserved_only_for_a_pod_that_names_it() -> None:

@@ -5,6 +5,7 @@ otherwise."""
 from __future__ import annotations
 
 import asyncio
+import re
 from typing import Any
 
 import pytest
@@ -59,6 +60,7 @@ class _Client:
         self.existing = existing
         self.gone_after = gone_after  # GETs of the existing claim before it is gone (after a delete)
         self.deleted = False
+        self.refusal: ApiError | None = None  # what the API server answers an allocation with, if not OK
 
     async def create(self, path: str, body: dict) -> dict:
         self.calls.append(("POST", path))
@@ -89,8 +91,13 @@ class _Client:
             assert body == {"status": {"claim": "train"}}
             return body
         assert path == CLAIM_STATUS and self.existing is not None
+        body = {"status": {**body["status"], "allocation": dict(body["status"]["allocation"])}}
+        # The controller stamps its allocation (RFC 3339 to the second); the rest is compared by hand.
+        assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", body["status"]["allocation"].pop("allocationTimestamp"))
         assert body == {"status": {"allocation": PINNED}} or body == {
             "status": {"allocation": PINNED, "reservedFor": [POD_P]}}
+        if self.refusal is not None:
+            raise self.refusal
         current = (self.existing.get("status") or {}).get("allocation")
         if current is not None and current != PINNED:
             raise ApiError(422, "Invalid", "status.allocation: field is immutable")
@@ -352,6 +359,20 @@ def test_a_claim_allocated_in_another_pool_is_deleted_with_a_warning_and_never_h
     [(reason, message)] = events.posted
     assert reason == "ClaimAllocatedElsewhere" and "gpu.cdmo.io/thief/" + UID in message
     assert claims.written == {} and claims.allocated == {}  # written anew at the next event
+
+
+def test_an_allocation_refused_for_another_reason_is_reported_and_the_claim_kept() -> None:
+    # Kubernetes 1.36+ without the binding subresource's permission: 422, and the claim stays unallocated.
+    client = _Client()
+    client.refusal = ApiError(422, "Invalid", 'status.allocation: Forbidden: changing status.allocation or '
+                              'status.reservedFor requires resource="resourceclaims/binding", verb="patch" permission')
+    claims, state, events = _claims(client)
+    with pytest.raises(ApiError, match="resourceclaims/binding"):
+        asyncio.run(claims.ensure(state.slice_named("ns", "train")))
+    assert client.calls == [("POST", CLAIMS), ("MERGE", CLAIM_STATUS), ("GET", f"{CLAIMS}/train")]
+    assert client.existing is not None and not client.deleted  # never deleted
+    [(reason, message)] = events.posted
+    assert reason == "ClaimNotAllocated" and "resourceclaims/binding" in message
 
 
 class _RacedClient(_Client):

@@ -28,12 +28,15 @@ H100_PROFILES = [{"name": "7g.80gb", "placements": [{"start": 0, "size": 8}]},
 
 
 def gpunode(name: str, observed: str, gpus: list[dict[str, Any]]) -> dict[str, Any]:
-    return {"metadata": {"name": name}, "status": {"observedAt": observed, "gpus": gpus}}
+    """A GpuNode publishing the H100 profile table once if any of its GPUs names that model."""
+    models = [{"name": "h100-80gb", "profiles": H100_PROFILES}] if any(g.get("model") == "h100-80gb"
+                                                                       for g in gpus) else []
+    return {"metadata": {"name": name}, "status": {"observedAt": observed, "models": models, "gpus": gpus}}
 
 
 def h100(index: int, instances: list[dict[str, Any]], granted: int = 0) -> dict[str, Any]:
     return {"index": index, "product": "NVIDIA H100 80GB HBM3", "model": "h100-80gb", "memoryMiB": 81559,
-            "migCapable": True, "migEnabled": True, "serves": "mig", "profiles": H100_PROFILES,
+            "migCapable": True, "migEnabled": True, "serves": "mig",
             "instances": instances, "fractions": [], "grantedBytes": granted}
 
 
@@ -67,7 +70,7 @@ def layout() -> tuple[list[dict], list[dict], list[dict]]:
         ]),
         gpunode("l4-a", "2026-11-24T15:00:01.000Z", [
             {"index": 0, "product": "NVIDIA L4", "model": "", "memoryMiB": 23034, "migCapable": False,
-             "migEnabled": False, "serves": "fraction", "profiles": [], "instances": [],
+             "migEnabled": False, "serves": "fraction", "instances": [],
              "fractions": [{"slice": "team-a/infer", "sliceUID": "u-infer", "bytes": 8 * GIB}],
              "grantedBytes": 8 * GIB},
         ]),
@@ -226,7 +229,7 @@ def test_a_whole_gpu_instance_fills_the_map_to_the_last_column() -> None:
 ])
 def test_the_memory_bar_gives_each_share_its_columns(shares: list[int], bar: str) -> None:
     gpu = {"index": 0, "product": "GPU", "model": "", "memoryMiB": 20 * 1024, "migEnabled": False,
-           "serves": "fraction", "instances": [], "profiles": [],
+           "serves": "fraction", "instances": [],
            "fractions": [{"slice": f"ns/s{i}", "sliceUID": f"u{i}", "bytes": b} for i, b in enumerate(shares)]}
     view = build_view([gpunode("n", "t", [gpu])], [], [])
     assert memory_bar(view.nodes[0].gpus[0]) == f"    memory |{bar}|"
@@ -412,3 +415,26 @@ def test_json_once_is_indented_and_with_watch_one_line_each(tmp_path: Any, monke
     assert main(["top", "--kubeconfig", config, "--json", "--watch", "0.5"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 2 and all(json.loads(line) == json.loads(once) for line in lines)
+
+
+def test_each_gpu_of_a_mixed_node_is_drawn_with_its_own_models_slots() -> None:
+    # An A30's table spans 4 memory slots, an H100's 8: each GPU reads the table its model names.
+    a30_profiles = [{"name": "4g.24gb", "slices": 4, "placements": [{"start": 0, "size": 4}]},
+                    {"name": "1g.6gb", "slices": 1, "placements": [{"start": s, "size": 1} for s in range(4)]}]
+    a30 = {"index": 1, "product": "NVIDIA A30", "model": "a30-24gb", "memoryMiB": 24576, "migCapable": True,
+           "migEnabled": True, "serves": "mig", "instances": [instance("1g.6gb", 3, 1, "a/b", "u")],
+           "fractions": [], "grantedBytes": 0}
+    node = gpunode("n", "t", [h100(0, []), a30])
+    node["status"]["models"].append({"name": "a30-24gb", "profiles": a30_profiles})
+    [h, a] = view_json(build_view([node], [gpuslice("a/b", "u", "Ready")], []))["nodes"][0]["gpus"]
+    assert (h["model"], h["mode"], h["slots"], h["slotStates"]) == ("h100-80gb", "mig", 8, ["free"] * 8)
+    assert (a["model"], a["mode"], a["slots"], a["slotStates"]) == ("a30-24gb", "mig", 4,
+                                                                    ["free", "free", "free", "in_use"])
+    assert a["instances"][0]["compute"] == "1/4"  # the A30's whole GPU has 4 compute slices, not the H100's 7
+
+
+def test_a_gpu_naming_a_model_the_node_does_not_publish_has_no_slot_map() -> None:
+    node = gpunode("n", "t", [h100(0, [])])
+    node["status"]["models"] = []
+    [gpu] = view_json(build_view([node], [], []))["nodes"][0]["gpus"]
+    assert (gpu["slots"], gpu["slotStates"]) == (0, [])

@@ -1,5 +1,8 @@
 """The GpuNode status an agent publishes: its GPUs, what they offer, and who holds what.
 
+Each GPU model's MIG profile table is published once, in ``models``; a GPU's ``model`` names its entry
+(``""`` for a GPU without MIG, which has none).
+
 The controller reads it back with ``core.cluster.inventory_from_status``; a unit test round-trips
 one through the other, so the two sides cannot drift apart.
 """
@@ -15,7 +18,7 @@ from mig_operator.core.compute import gpu_compute
 from mig_operator.core.compute import mig_compute as mig_compute_label
 from mig_operator.core.device_plugin import DevicePluginCheck
 from mig_operator.core.lifecycle import OwnerRecord
-from mig_operator.core.profiles import GpuModel
+from mig_operator.core.profiles import GpuModel, Profile
 from mig_operator.core.runtime_trust import RuntimeCheck, check_toolkit_config
 from mig_operator.gpu.protocol import GpuInfo, MigInstance
 
@@ -31,17 +34,38 @@ def instance_state(inst: MigInstance) -> InstanceState:
     )
 
 
-def _profiles(model: GpuModel | None) -> list[dict[str, Any]]:
-    if model is None:
-        return []
+def _profiles(profiles: Sequence[Profile]) -> list[dict[str, Any]]:
     return [
         {
             "name": p.name, "id": p.id, "slices": p.slices, "memoryMiB": p.memory_mib, "sm": p.sm,
             "maxInstances": p.max_instances,
             "placements": [{"start": pl.start, "size": pl.size} for pl in p.placements],
         }
-        for p in model.profiles
+        for p in profiles
     ]
+
+
+def model_entries(
+    gpus: Sequence[GpuInfo], models: Mapping[int, GpuModel | None],
+) -> tuple[dict[int, str], list[dict[str, Any]]]:
+    """The model name each GPU's entry gives (``""`` without MIG) and the status's ``models``: each
+    named model's profile table once, in the order of the GPUs that first name them. Two boards whose
+    models share a name but not a table get distinct names (``<name>-2``), so no GPU reads another
+    board's table."""
+    names: dict[int, str] = {}
+    tables: dict[str, tuple[Profile, ...]] = {}
+    for info in gpus:
+        model = models.get(info.index)
+        if model is None:
+            names[info.index] = ""
+            continue
+        name, n = model.name, 1
+        while tables.get(name, model.profiles) != model.profiles:
+            n += 1
+            name = f"{model.name}-{n}"
+        tables[name] = model.profiles
+        names[info.index] = name
+    return names, [{"name": name, "profiles": _profiles(table)} for name, table in tables.items()]
 
 
 def _instance(gpu: int, inst: MigInstance, record: OwnerRecord, held: frozenset[str]) -> dict[str, Any]:
@@ -88,6 +112,7 @@ def gpunode_status(
     ``DevicePluginConflict`` condition (last changed at ``device_plugin_since``, else now).
     ``runtime``: the ``RuntimeTrusted`` condition (``RuntimeWatch.condition``), written beside it."""
     entries = []
+    model_names, model_list = model_entries(gpus, models)
     free_slots = used_slots = idle_slots = idle = in_use = 0
     for info in gpus:
         model = models.get(info.index)
@@ -122,9 +147,9 @@ def gpunode_status(
             free_slots += model.memory_slots - (held_mask | idle_mask).bit_count()
         entries.append({
             "index": info.index, "uuid": info.uuid, "product": info.product,
-            "model": model.name if model is not None else "", "memoryMiB": info.memory_mib,
+            "model": model_names[info.index], "memoryMiB": info.memory_mib,
             "migCapable": info.mig_capable, "migEnabled": info.mig_enabled, "serves": role, "servesReason": why,
-            "profiles": _profiles(model), "instances": body, "fractions": fractions, "grantedBytes": granted,
+            "instances": body, "fractions": fractions, "grantedBytes": granted,
             **({"compute": compute} if compute else {}),
         })
     extra: dict[str, Any] = {}
@@ -135,7 +160,8 @@ def gpunode_status(
         extra["conditions"] = [*extra.get("conditions", []), dict(runtime)]
     return {
         **extra,
-        "gpus": entries, "gpuCount": len(entries), "migGpuCount": sum(1 for g in gpus if g.mig_enabled),
+        "models": model_list, "gpus": entries, "gpuCount": len(entries),
+        "migGpuCount": sum(1 for g in gpus if g.mig_enabled),
         "freeSlots": free_slots, "usedSlots": used_slots, "idleSlots": idle_slots, "idleInstances": idle,
         "inUseInstances": in_use,
         "fractionSlices": sum(len(e["fractions"]) for e in entries), "observedAt": observed_at,

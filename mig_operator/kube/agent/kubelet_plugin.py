@@ -11,7 +11,8 @@ Prepare reads each ResourceClaim from the API server, checks that what the sched
 this driver is a device of this node's pool, a slice the agent holds Ready, and that the claim is that
 slice's own (``core.claim_owner``: a claim of another namespace may be allocated any device its
 selector matches, so the scheduler's word is not enough), writes the slice's CDI spec (for a fraction,
-after making the slice's ledger directory the spec mounts) and answers its CDI device ID (plus the
+after making the slice's ledger directory and writing its limit file and ld.so.preload, which the
+spec mounts) and answers its CDI device ID (plus the
 NVIDIA toolkit's ID for the same UUID where the node has
 that spec: the driver's user-space libraries come from it). The prepared claim is recorded before
 the answer, so that an agent restarted later still unprepares it and still holds the instance.
@@ -42,6 +43,7 @@ from mig_operator.core.cdi import (
     SliceDevice,
     device_id,
     ledger_dir,
+    limit_dir,
     names_device,
     nvidia_device_id,
     slice_spec,
@@ -49,6 +51,7 @@ from mig_operator.core.cdi import (
 )
 from mig_operator.core.claim_owner import claim_refusal
 from mig_operator.core.cluster import MODE_FRACTION, MODE_MIG
+from mig_operator.core.environment import shim_files
 from mig_operator.core.lifecycle import OwnerEntry
 from mig_operator.core.slice_claim import claim_path
 from mig_operator.gpu.device_files import DeviceFileError, device_nodes
@@ -88,6 +91,12 @@ class PluginSettings:
     def ledger_host_dir(self) -> str:
         """The slices' ledger directories live beside the shim's (``/var/lib/mig-operator/ledgers``)."""
         return os.path.join(os.path.dirname(self.shim_host_dir.rstrip("/")) or "/", "ledgers")
+
+    @property
+    def limits_host_dir(self) -> str:
+        """The slices' limit files and ld.so.preload, one directory per slice beside the ledgers
+        (``/var/lib/mig-operator/limits``); no container mounts these directories, only their files."""
+        return os.path.join(os.path.dirname(self.shim_host_dir.rstrip("/")) or "/", "limits")
 
     @property
     def mps_host_dir(self) -> str:
@@ -158,8 +167,23 @@ def make_ledger_dir(path: str) -> None:
     os.chmod(path, 0o1777)  # after mkdir: the umask would take bits off
 
 
-def remove_ledger_dir(path: str) -> None:
+def remove_slice_dir(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
+
+
+def write_limit_dir(path: str, files: dict[str, str]) -> None:
+    """The slice's limit directory with ``files`` (``environment.shim_files``), each replaced whole by
+    a rename, so that a container being made never reads half a file; readable by all (a container's
+    user, root or not, loads what they name) and writable by the agent alone. Refused if something
+    else than a directory is there."""
+    os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o755)
+    if not stat.S_ISDIR(os.lstat(path).st_mode):
+        raise OSError(f"{path} is not a directory: the slice's limit cannot be written")
+    os.chmod(path, 0o755)
+    for name, content in files.items():
+        write_atomically(os.path.join(path, name), content, 0o644)
 
 
 def find_nvidia_device(dirs: Sequence[str], device_uuid: str) -> str | None:
@@ -283,9 +307,12 @@ class ClaimPreparer:
             pipe, shm = mps.pipe, mps.shm
         spec = slice_spec(SliceDevice(entry.uid, namespace, name, entry.mode, entry.device_uuid, entry.granted_bytes,
                                       tuple(nodes), self.settings.shim_host_dir, self.settings.ledger_host_dir,
-                                      whole_gpu=whole, compute=entry.compute, mps_pipe_dir=pipe, mps_shm_dir=shm))
-        if entry.mode == MODE_FRACTION and not whole:  # the shim's ledger, which the spec mounts
+                                      self.settings.limits_host_dir, whole_gpu=whole, compute=entry.compute,
+                                      mps_pipe_dir=pipe, mps_shm_dir=shm))
+        if entry.mode == MODE_FRACTION and not whole:  # the shim's ledger and limit, which the spec mounts
             await asyncio.to_thread(make_ledger_dir, ledger_dir(self.settings.ledger_host_dir, entry.uid))
+            await asyncio.to_thread(write_limit_dir, limit_dir(self.settings.limits_host_dir, entry.uid),
+                                    shim_files(entry.granted_bytes))
         os.makedirs(self.settings.cdi_dir, exist_ok=True)
         path = os.path.join(self.settings.cdi_dir, spec_file_name(entry.uid))
         await asyncio.to_thread(write_atomically, path, json.dumps(spec, indent=1) + "\n", 0o644)
@@ -322,14 +349,15 @@ class ClaimPreparer:
                         with contextlib.suppress(FileNotFoundError):
                             os.unlink(os.path.join(self.settings.cdi_dir, name))
                         log.info("removed CDI spec %s: no prepared claim names its slice", name)
-            await asyncio.to_thread(self._prune_ledgers, {c.slice_uid for c in store.prepared.values()})
+            await asyncio.to_thread(self._prune_slice_dirs, {c.slice_uid for c in store.prepared.values()})
 
-    def _prune_ledgers(self, keep: set[str]) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            for name in os.listdir(self.settings.ledger_host_dir):
-                if name not in keep:
-                    remove_ledger_dir(os.path.join(self.settings.ledger_host_dir, name))
-                    log.info("removed ledger %s: no prepared claim names its slice", name)
+    def _prune_slice_dirs(self, keep: set[str]) -> None:
+        for directory, what in ((self.settings.ledger_host_dir, "ledger"), (self.settings.limits_host_dir, "limit")):
+            with contextlib.suppress(FileNotFoundError):
+                for name in os.listdir(directory):
+                    if name not in keep:
+                        remove_slice_dir(os.path.join(directory, name))
+                        log.info("removed %s %s: no prepared claim names its slice", what, name)
 
     async def _unprepare_one(self, claim: Any) -> None:
         store = self.holder.store
@@ -340,8 +368,10 @@ class ClaimPreparer:
         if not store.claims_on(prepared.slice_uid):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(self.settings.cdi_dir, spec_file_name(prepared.slice_uid)))
-            await asyncio.to_thread(remove_ledger_dir,
+            await asyncio.to_thread(remove_slice_dir,
                                     ledger_dir(self.settings.ledger_host_dir, prepared.slice_uid))
+            await asyncio.to_thread(remove_slice_dir,
+                                    limit_dir(self.settings.limits_host_dir, prepared.slice_uid))
         log.info("unprepared %s (slice %s)", _claim_ref(claim), prepared.slice_uid)
         await self.holder.claim_released(prepared.slice_uid)
 

@@ -25,6 +25,11 @@ RELEASED_CONDITION = "Released"
 MAX_MESSAGE = 4096  # the CRD's maxLength of status.message
 
 
+def seconds_now() -> str:
+    """RFC 3339 in UTC to the second: the resolution of a built-in API's timestamps (metav1.Time)."""
+    return datetime.now(UTC).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+
+
 def _message(text: str) -> str:
     return text if len(text) <= MAX_MESSAGE else text[: MAX_MESSAGE - 1] + "…"
 

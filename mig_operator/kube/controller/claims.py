@@ -44,6 +44,7 @@ from mig_operator.core.slice_claim import (
     DELETE_PROTECTION,
     ELSEWHERE,
     PINNED,
+    UNALLOCATED,
     allocation_patch,
     allocation_state,
     claim_path,
@@ -54,11 +55,13 @@ from mig_operator.core.slice_claim import claim_body as slice_claim_body
 from ..common.client import ApiError, KubeClient, slice_path
 from ..common.events import EventPoster
 from ..common.names import API_VERSION, SLICE_KIND
+from ..common.status import seconds_now
 from ..common.workqueue import KeyedLocks, NodeWaits
 
 log = logging.getLogger("mig_operator.controller.claims")
 CLAIM_TAKEN = "ClaimNameTaken"
 ALLOCATED_ELSEWHERE = "ClaimAllocatedElsewhere"
+NOT_ALLOCATED = "ClaimNotAllocated"
 # How long an earlier slice's claim may take to go once deleted before the new one is written.
 STALE_CLAIM_WAIT_S = 30.0
 
@@ -205,17 +208,24 @@ class SliceClaims:
                 return await self._allocated_elsewhere(info, claim)
         reserved_for = self.consumer(info) if early(info) else None
         try:
-            allocated = await self.client.merge_patch(f"{path}/status", allocation_patch(node, info.uid, reserved_for))
+            allocated = await self.client.merge_patch(f"{path}/status",
+                                                      allocation_patch(node, info.uid, seconds_now(), reserved_for))
         except ApiError as exc:
             if exc.not_found:  # deleted meanwhile: written anew at the slice's next event
                 self.written.pop((info.namespace, info.name), None)
                 return None
             if exc.status != 422:
                 raise
-            # Allocated by someone else first (an allocation cannot change): what is it?
+            # Refused: allocated by someone else first (an allocation cannot change), or refused for
+            # another reason (a missing permission, a policy), which is reported as it is.
             claim = await self.client.get(path)
-            if allocation_state(claim, node, info.uid) == PINNED:
+            state = allocation_state(claim, node, info.uid)
+            if state == PINNED:
                 return claim
+            if state == UNALLOCATED:
+                self.events.post(info.body, "Warning", NOT_ALLOCATED,
+                                 f"ResourceClaim {info.namespace}/{info.name} could not be allocated: {exc}")
+                raise
             return await self._allocated_elsewhere(info, claim)
         log.debug("slice %s: ResourceClaim %s allocated on node %s", info.ref, info.name, node)
         return allocated

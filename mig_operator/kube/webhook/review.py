@@ -1,11 +1,10 @@
 """Serving the admission reviews the configuration sends: each straight to its handler.
 
-kopf's admission engine ran every review through its handler machinery (a cause, a worker thread for
-the handler, a patch found by diffing the whole pod with jsonpatch): 1.5-2.0 ms of the webhook's CPU
-per pod on the device machine, on the path of every annotated pod's creation (docs/benchmarks.md,
-run M). Here a review is decoded with orjson, the handler its URL path names (as kopf routed them)
-checks the pod and returns its change, and the patch is what that change did (``json_patch``).
-kopf still runs the process (log-in, start-up, signals); it no longer sees the reviews.
+kopf's admission engine would run every review through its handler machinery (a cause, a worker thread
+for the handler, a patch found by diffing the whole pod with jsonpatch), on the path of every annotated
+pod's creation. Here a review is decoded with orjson, the handler its URL path names checks the pod and
+returns its change, and the patch is what that change did (``json_patch``). kopf runs the process
+(log-in, start-up, signals), not the reviews.
 """
 
 from __future__ import annotations
