@@ -65,6 +65,7 @@ e2e: venv control-plane
 # The e2e tests marked `compat` (DRA, pods, tenants) on a plane of the oldest supported release, in a
 # private state dir of its own (a kept or named plane would be the current release's).
 compat: venv control-plane
+	@test -n "$(K8S_OLDEST_VERSION)" || { echo "no K8S_OLDEST_VERSION=vX.Y.Z line in scripts/control-plane" >&2; exit 1; }
 	env -u MIG_OPERATOR_RUN -u MIG_OPERATOR_KEEP_CLUSTER MIG_OPERATOR_K8S_VERSION=$(K8S_OLDEST_VERSION) \
 		$(BIN)/pytest -m compat tests/e2e
 
