@@ -28,9 +28,9 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-from mig_operator.core.device_check import ACCEPT, REFUSE, check_ready_device
+from mig_operator.core.device_check import ACCEPT, REFUSE, check_bound_device, check_ready_device
 from mig_operator.core.ledger import Ledger, SliceRecord
-from mig_operator.core.lifecycle import SLICE_TRIES, slice_retry_delay
+from mig_operator.core.lifecycle import BOUND, READY, SLICE_TRIES, slice_retry_delay
 from mig_operator.core.pod_admission import PodRefused, check_pod_devices
 from mig_operator.core.quantities import QuantityError
 from mig_operator.core.request_forms import device_slice_names
@@ -308,10 +308,11 @@ class PodSlices:
         if phase == "Pending" and st.get("reason"):
             self.events.post(pod, "Warning", st["reason"], f"waiting for GpuSlice {info.ref}: {st.get('message', '')}")
             return
-        if phase != "Ready" or info.binding is None:
+        if phase not in (READY, BOUND) or info.binding is None:
             return
         members = self.state.group_members(info)
-        if len(members) != info.group_size or not all(m.phase == "Ready" and m.binding is not None for m in members):
+        if len(members) != info.group_size or not all(m.phase in (READY, BOUND) and m.binding is not None
+                                                      for m in members):
             return
         if len({m.binding.node for m in members if m.binding is not None}) != 1:
             return  # never: a group is bound on one node (the binder gives back a split one)
@@ -369,9 +370,13 @@ class PodSlices:
 
     async def _device_checked(self, pod: Mapping[str, Any], info: SliceRecord) -> bool:
         """Whether the Ready slice's device is on its node's GpuNode (core/device_check); if not yet, the
-        pod is looked at again when that GpuNode changes; a wrong device is never handed on."""
+        pod is looked at again when that GpuNode changes; a wrong device is never handed on. A slice
+        still Bound passes only onto a device its agent takes without an NVML call; else its Ready
+        event brings the pod here again."""
         assert info.binding is not None
         node = info.binding.node
+        if info.phase == BOUND:
+            return check_bound_device(info.uid, info.binding, self.state.inventories.get(node)).action == ACCEPT
         verdict = check_ready_device(info.uid, (info.body.get("status") or {}).get("deviceUUID", ""), info.binding,
                                      self.state.inventories.get(node))
         key = (info.namespace, info.name)
