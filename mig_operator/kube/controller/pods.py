@@ -30,7 +30,7 @@ from typing import Any
 
 from mig_operator.core.device_check import ACCEPT, REFUSE, check_bound_device, check_ready_device
 from mig_operator.core.ledger import Ledger, SliceRecord
-from mig_operator.core.lifecycle import BOUND, READY, SLICE_TRIES, slice_retry_delay
+from mig_operator.core.lifecycle import BOUND, FAILED, READY, SLICE_TRIES, slice_retry_delay
 from mig_operator.core.pod_admission import PodRefused, check_pod_devices
 from mig_operator.core.quantities import QuantityError
 from mig_operator.core.request_forms import device_slice_names
@@ -292,7 +292,10 @@ class PodSlices:
         """A slice changed: if a gated pod waits for it, move the pod on (or tell it why not). A pod
         with several devices moves on once every one of its slices is Ready, all on one node."""
         pod = self.pods.get((info.namespace, group_of(info)))
-        if pod is None or not _gated(pod) or info.deleting:
+        if pod is None or info.deleting:
+            return
+        if not _gated(pod):
+            self._failed_after_ungate(pod, info)
             return
         if not owned_by(info.body, pod):
             # The pod's label names another pod's slice: never hand that slice's device to this pod.
@@ -320,6 +323,17 @@ class PodSlices:
             if not await self._device_checked(pod, member) or not await self.claims.ensure(member):
                 return
         await self._release_gate(pod, info)
+
+    def _failed_after_ungate(self, pod: Mapping[str, Any], info: SliceRecord) -> None:
+        """A pod let go at its slice's binding (its device needed no NVML call) whose slice then failed:
+        the kubelet cannot prepare its claim, so the pod is told, once, how to get a new slice."""
+        st = info.body.get("status") or {}
+        running = (pod.get("status") or {}).get("phase") == "Running"
+        if st.get("phase") != FAILED or running or not owned_by(info.body, pod):
+            return
+        self.events.post(pod, "Warning", st.get("reason") or "Failed",
+                         f"GpuSlice {info.ref} failed after the pod was scheduled: {st.get('message', '')}; the pod "
+                         "cannot start: delete it, and its next pod gets a new slice")
 
     def _slice_failed(self, pod: Mapping[str, Any], info: SliceRecord) -> None:
         """A pod's slice Failed: a new slice of the same name after a back-off (core's
