@@ -6,6 +6,11 @@ of the bound node's GpuNode, as that node's agent published it. A fraction's dev
 itself (a GPU not in MIG mode); a MIG slice's device is an instance at the bound placement owned by
 this slice, or by no slice yet (the agent writes Ready about a second before it republishes its
 GpuNode). A device the GpuNode does not list yet is waited for, never handed on.
+
+A pod's slice bound where its device needs no NVML call (an idle instance at exactly its placement,
+or a fraction without a compute share on a GPU not in MIG mode) is handed on before its Ready
+(``check_bound_device``): the node's GpuNode lists the device already, and the agent's kubelet plugin
+waits for the slice's realisation, which records it and takes no GPU call, before it prepares the claim.
 """
 
 from __future__ import annotations
@@ -69,3 +74,21 @@ def check_ready_device(uid: str, device_uuid: str, binding: Binding, inventory: 
             f"device {device_uuid} is a {instance.profile or instance.profile_id} at {instance.start}:{instance.size}, "
             f"not the bound {binding.profile or binding.profile_id} at {binding.start}:{binding.size}"))
     return DeviceVerdict(ACCEPT)
+
+
+def check_bound_device(uid: str, binding: Binding, inventory: NodeInventory | None) -> DeviceVerdict:
+    """Whether slice ``uid``, bound by ``binding`` and not yet Ready, has a device its agent will take
+    without an NVML call, listed as free for it on ``inventory`` (the GpuNode of ``binding.node``):
+    ``ACCEPT`` for an idle instance (or one recorded for this slice) at exactly the bound placement, or
+    a fraction without a compute share on a GPU not in MIG mode; ``WAIT`` for anything else (a new
+    instance, an MPS share, a GpuNode that lists the instance with another owner yet): the slice's
+    Ready and ``check_ready_device`` then decide."""
+    gpu = None if inventory is None else next((g for g in inventory.gpus if g.index == binding.gpu), None)
+    if gpu is None:
+        return DeviceVerdict(WAIT)
+    if binding.mode == MODE_FRACTION:
+        free = binding.compute is None and not gpu.mig_enabled and bool(gpu.uuid)
+        return DeviceVerdict(ACCEPT if free else WAIT)
+    idle = any((i.profile_id, i.start, i.size) == (binding.profile_id, binding.start, binding.size)
+               and i.device_uuid and i.slice_uid in ("", uid) and not i.in_use for i in gpu.instances)
+    return DeviceVerdict(ACCEPT if idle else WAIT)

@@ -241,13 +241,15 @@ def test_a_claim_of_another_namespace_never_gets_the_slices_device(hollow: Hollo
     assert "allocation" not in (steal.get("status") or {}), steal["status"]
     assert not core.read_namespaced_pod("thief", thieves).spec.node_name
 
-    # Allocated to the thief all the same, by hand (written independently of the operator's code).
+    # Allocated to the thief all the same, by hand (written independently of the operator's code), with
+    # the timestamp an allocator writes (from 1.36 kube-scheduler's reservation would otherwise stamp the
+    # immutable allocation and be refused, and the pod would never reach the kubelet).
+    stolen = {"devices": {"results": [{"request": "gpu", "driver": "gpu.cdmo.io", "pool": NODE, "device": slice_uid}]},
+              "nodeSelector": {"nodeSelectorTerms": [{"matchFields": [
+                  {"key": "metadata.name", "operator": "In", "values": [NODE]}]}]},
+              "allocationTimestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     kubectl("patch", "resourceclaim", "steal", "-n", thieves, "--subresource=status", "--type=merge", "-p",
-            json.dumps({"status": {"allocation": {
-                "devices": {"results": [{"request": "gpu", "driver": "gpu.cdmo.io", "pool": NODE,
-                                         "device": slice_uid}]},
-                "nodeSelector": {"nodeSelectorTerms": [{"matchFields": [
-                    {"key": "metadata.name", "operator": "In", "values": [NODE]}]}]}}}}))
+            json.dumps({"status": {"allocation": stolen}}))
 
     def refusal() -> str | None:
         events = core.list_namespaced_event(thieves, field_selector="involvedObject.name=thief").items

@@ -15,6 +15,7 @@ from mig_operator.core.device_check import (
     DEVICE_NOT_LISTED,
     REFUSE,
     WAIT,
+    check_bound_device,
     check_ready_device,
 )
 
@@ -93,3 +94,31 @@ def test_a_gpu_the_gpunode_lacks_no_gpunode_and_no_device() -> None:
     verdict = check_ready_device(UID, "GPU-node-a-0", FRACTION, None)
     assert (verdict.action, verdict.reason) == (WAIT, DEVICE_NOT_LISTED) and "node-a" in verdict.message
     assert check_ready_device(UID, "", FRACTION, node(mig=False)).action == REFUSE
+
+
+# A slice bound and not yet Ready: handed on at once only where its agent takes the device without an
+# NVML call, and only onto what the GpuNode lists as free for it; else its Ready is waited for.
+def test_a_bound_mig_slice_onto_an_idle_instance_at_its_placement_is_handed_on_before_its_ready() -> None:
+    assert check_bound_device(UID, MIG, node(instance(owner=""))).action == ACCEPT
+    assert check_bound_device(UID, MIG, node(instance(owner=UID))).action == ACCEPT  # recorded, not yet Ready
+
+
+@pytest.mark.parametrize("change", ["another owner", "no instance", "other placement", "other profile", "in use",
+                                    "no device", "no gpunode", "no such gpu"])
+def test_a_bound_mig_slice_waits_for_its_ready_unless_its_idle_instance_is_listed(change: str) -> None:
+    inst = {"another owner": instance(owner=OTHER_UID),
+            "other placement": instance(start=START + 1),
+            "other profile": instance(profile_id=9),
+            "in use": InstanceState(3, 0, PROFILE_ID, PROFILE, START, SIZE, MIG_DEVICE, in_use=True),
+            "no device": instance(device="")}.get(change)
+    inventory = None if change == "no gpunode" else node(*(() if inst is None else (inst,)))
+    binding = Binding(UID, "node-a", 7, MODE_MIG, 16384 * 2**20, PROFILE_ID, PROFILE, START, SIZE) \
+        if change == "no such gpu" else MIG
+    assert check_bound_device(UID, binding, inventory).action == WAIT
+
+
+def test_a_bound_fraction_is_handed_on_before_its_ready_only_without_a_compute_share() -> None:
+    assert check_bound_device(UID, FRACTION, node(mig=False)).action == ACCEPT
+    shared = Binding(UID, "node-a", 0, MODE_FRACTION, 4 * 2**30, compute=0.25)  # MPS: its daemon may start
+    assert check_bound_device(UID, shared, node(mig=False)).action == WAIT
+    assert check_bound_device(UID, FRACTION, node(mig=True)).action == WAIT  # in MIG mode: the agent refuses it

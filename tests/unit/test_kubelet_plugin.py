@@ -448,3 +448,47 @@ def test_a_socket_path_of_107_bytes_fits() -> None:
     assert len(plugin_dir + "/dra.sock") == 107
     assert socket_paths_fit(PluginSettings(registry_dir="", plugin_dir=plugin_dir)) == []
     assert socket_paths_fit(PluginSettings(registry_dir="", plugin_dir=plugin_dir + "p")) == [plugin_dir + "p/dra.sock"]
+
+
+def test_a_prepare_that_comes_while_its_slice_is_realised_here_waits_for_it(root: Path, monkeypatch) -> None:
+    """A pod whose device needs no NVML call is let go at its slice's binding, so the kubelet can ask
+    before the agent has recorded the slice: the prepare waits for that realisation, then serves it.
+    A slice not being realised here is refused at once, as before."""
+    from mig_operator.kube.agent import realise as realise_module
+
+    async def scenario() -> None:
+        node = Node(root, "l40s-48gb")
+        await node.start()
+        kubelet = node.kubelet()
+        release = asyncio.Event()
+        real = realise_module.Realiser._realise_fraction
+
+        async def held(self, *args, **kwargs):  # the realisation, held until the prepare waits
+            await release.wait()
+            return await real(self, *args, **kwargs)
+
+        monkeypatch.setattr(realise_module.Realiser, "_realise_fraction", held)
+        try:
+            await kubelet.register()
+            body = fraction_slice("f-9", "job", 2**30)
+            node.api.objects[f"{SLICES}/namespaces/team/gpuslices/job"] = body
+            realising = asyncio.create_task(node.agent.handle(body))
+            node.add_claim(allocated_claim("c-9", "job", "f-9"))
+            preparing = asyncio.create_task(kubelet.prepare(("c-9", "job")))
+            await asyncio.sleep(0.2)
+            assert not preparing.done()  # waiting for the slice, not refused
+            release.set()
+            await realising
+            assert (await preparing).claims["c-9"].error == ""
+            assert node.spec_path("f-9").exists()
+            # A claim whose slice nothing realises here: refused at once.
+            node.add_claim(allocated_claim("c-10", "other", "f-10"))
+            started = asyncio.get_running_loop().time()
+            error = (await kubelet.prepare(("c-10", "other"))).claims["c-10"].error
+            assert "is not a slice Ready on node" in error
+            assert asyncio.get_running_loop().time() - started < 1.0
+        finally:
+            await kubelet.close()
+            await node.stop()
+
+    asyncio.run(scenario())

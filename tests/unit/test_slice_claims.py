@@ -251,10 +251,11 @@ def test_a_pods_slice_gets_its_claim_at_once_and_its_allocation_once_bound() -> 
     claims.consumer = lambda info: asked.append(info.uid) or POD_P  # the pod the controller made it for
     assert asyncio.run(claims.ensure(state.slice_named("ns", "train"))) is False
     assert client.calls == [("POST", CLAIMS)] and "status" not in client.existing
-    # Bound: allocated while the agent realises the slice (its pod stays gated until Ready), and not
-    # handed on: ensure says False until the slice is Ready.
+    # Bound: allocated while the agent realises the slice. A fraction without a compute share on a GPU
+    # its GpuNode lists takes no NVML call, so it is handed on at once (its pod need not wait for the
+    # Ready write; core/device_check.check_bound_device), with no write of the slice's status.
     _pods_slice(state, "Bound")
-    assert asyncio.run(claims.ensure(state.slice_named("ns", "train"))) is False
+    assert asyncio.run(claims.ensure(state.slice_named("ns", "train"))) is True
     assert client.calls[1:] == [("MERGE", CLAIM_STATUS)]
     assert client.existing["status"]["allocation"] == PINNED
     # Reserved for the pod in the same write: kube-scheduler, which reserves only a claim not reserved
@@ -265,13 +266,27 @@ def test_a_pods_slice_gets_its_claim_at_once_and_its_allocation_once_bound() -> 
     assert client.calls[2:] == []  # nothing left to write once Ready (the agent's Ready names the claim)
 
 
+def test_a_pods_mig_slice_bound_for_a_new_instance_is_handed_on_only_once_ready() -> None:
+    client = _Client()
+    claims, state, _ = _claims(client, inventory=False)
+    state.put_inventory({"metadata": {"name": "n"}, "spec": {"nodeName": "n"}, "status": {"gpus": [
+        {"index": 0, "uuid": "GPU-1", "memoryMiB": 81559, "migEnabled": True, "instances": []}]}})
+    body = _slice("Bound")
+    body["status"].update(mode="mig", profileId=19, profile="1g.10gb", placement={"start": 0, "size": 1})
+    body["metadata"]["ownerReferences"] = [{"apiVersion": "v1", "kind": "Pod", "name": "p", "uid": "pod-uid"}]
+    state.put_slice(body)
+    # No idle instance at the placement: the agent makes one through NVML, so the pod waits for Ready.
+    assert asyncio.run(claims.ensure(state.slice_named("ns", "train"))) is False
+    assert client.calls == [("POST", CLAIMS), ("MERGE", CLAIM_STATUS)]
+
+
 def test_a_slice_whose_owner_reference_alone_names_a_pod_is_reserved_for_no_pod() -> None:
     # A tenant wrote the reference (kubectl apply): no pod the controller made the slice for, so its
     # claim is allocated early, as a pod's slice's, and reserved for nobody.
     client = _Client()
     claims, state, _ = _claims(client)
     _pods_slice(state, "Bound")
-    assert asyncio.run(claims.ensure(state.slice_named("ns", "train"))) is False
+    asyncio.run(claims.ensure(state.slice_named("ns", "train")))
     assert client.existing["status"] == {"allocation": PINNED}
 
 

@@ -103,6 +103,10 @@ class NodeAgent:
     def ready_entry(self, slice_uid: str) -> OwnerEntry | None:
         return self.store.record.owners.get(slice_uid) if self.realiser.offers(slice_uid) else None
 
+    async def until_ready(self, slice_uid: str, timeout_s: float) -> OwnerEntry | None:
+        await self.realiser.until_offered(slice_uid, timeout_s)
+        return self.ready_entry(slice_uid)
+
     def gpu_minor(self, gpu_index: int) -> int | None:
         return self.gpus.minor(gpu_index)
 

@@ -67,6 +67,9 @@ from .kubeletapi import pluginregistration_v1_pb2 as reg
 from .kubeletapi import pluginregistration_v1_pb2_grpc as reg_grpc
 from .record import PreparedClaim, RecordStore
 
+# How long a prepare waits for a slice being realised here to be Ready (a reuse or a fraction: a
+# record write and no GPU call, milliseconds).
+REALISE_WAIT_S = 10.0
 log = logging.getLogger("mig_operator.agent.kubelet")
 
 REGISTRATION_SOCKET = f"{DRIVER}-reg.sock"
@@ -126,6 +129,11 @@ class SliceHolder(Protocol):
 
     def ready_entry(self, slice_uid: str) -> OwnerEntry | None:
         """The slice's completed owner entry if it is Ready here and not being taken away."""
+        ...
+
+    async def until_ready(self, slice_uid: str, timeout_s: float) -> OwnerEntry | None:
+        """``ready_entry`` once the slice's realisation here ends, if it is under way (at most
+        ``timeout_s``); None at once for a slice not being realised here."""
         ...
 
     def gpu_minor(self, gpu_index: int) -> int | None: ...
@@ -261,6 +269,10 @@ class ClaimPreparer:
                 # Prepared before (the kubelet asks again): the instance is still held for this claim,
                 # even if its slice has gone since.
                 entry = holder.store.record.owners.get(name)
+            if entry is None:
+                # A pod whose device needs no NVML call is let go at its slice's binding, so the
+                # kubelet may ask while the slice is still being realised here: that takes no GPU call.
+                entry = await holder.until_ready(name, REALISE_WAIT_S)
             if entry is None:
                 raise PrepareRefused(f"{ref}: {where} is not a slice Ready on node {holder.node} "
                                      "(deleted, failed, not yet Ready, or bound elsewhere)")

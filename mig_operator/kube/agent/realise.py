@@ -18,6 +18,7 @@ one slice's step (a reuse, or a create's reclaim) is never taken by another's un
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -103,6 +104,11 @@ class Realiser:
         # (GPU, GI id) -> the slice whose step holds the instance until that step is recorded: a
         # reuse and a create's reclaim on one GPU never take the same instance.
         self._claims: dict[tuple[int, int], str] = {}
+        # Slices being realised here, and what waits for each to be offered (``until_offered``): a pod
+        # whose device needs no NVML call is let go before its slice's Ready, so the kubelet may ask
+        # to prepare its claim while the slice is still being realised.
+        self.realising: set[str] = set()
+        self._offered: dict[str, asyncio.Event] = {}
 
     # ---- what is offered ---------------------------------------------------------------------------
 
@@ -112,6 +118,24 @@ class Realiser:
 
     def offered_entries(self) -> list[OwnerEntry]:
         return offered_entries(self.store.record, self.store.revoked, self.shown_ready | self.announcing)
+
+    async def until_offered(self, uid: str, timeout_s: float) -> bool:
+        """Whether slice ``uid`` is offered, waiting up to ``timeout_s`` while it is being realised here."""
+        if self.offers(uid) or uid not in self.realising:
+            return self.offers(uid)
+        event = self._offered.setdefault(uid, asyncio.Event())
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(event.wait(), timeout_s)
+        if not event.is_set() and self._offered.get(uid) is event:
+            del self._offered[uid]
+        return self.offers(uid)
+
+    def _realised(self, uid: str) -> None:
+        """The slice's realisation ended, offered or not: whoever waits for it looks again."""
+        self.realising.discard(uid)
+        event = self._offered.pop(uid, None)
+        if event is not None:
+            event.set()
 
     def saw(self, uid: str, phase_ready: bool) -> None:
         """A slice event says Ready (and not deleting) or not; a slice being announced keeps its offer."""
@@ -142,6 +166,14 @@ class Realiser:
             return
         started = time.perf_counter()
         gpu = self.gpus.get(binding.gpu)
+        self.realising.add(uid)
+        try:
+            await self._realise(body, uid, ref, binding, gpu, started)
+        finally:
+            self._realised(uid)
+
+    async def _realise(self, body: Mapping, uid: str, ref: str, binding: Binding, gpu: GpuInfo | None,
+                       started: float) -> None:
         try:
             if gpu is None:
                 raise Blocked(f"node {self.settings.node} has no GPU {binding.gpu}", transient=False)
@@ -163,6 +195,7 @@ class Realiser:
         # kubelet's prepare asks this agent, so neither waits for the other (one write less on every
         # pod's path: docs/benchmarks.md).
         self.announcing.add(uid)
+        self._realised(uid)  # offered from here: a prepare that waits for it goes on
         if action == "create":
             # The controller hands a device on once the GpuNode lists it: a new instance's GpuNode write
             # starts beside its Ready, not after it (the record names the instance's slice already; a

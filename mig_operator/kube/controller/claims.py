@@ -38,8 +38,9 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from mig_operator.core.device_check import ACCEPT, check_ready_device
+from mig_operator.core.device_check import ACCEPT, check_bound_device, check_ready_device
 from mig_operator.core.ledger import Ledger, SliceRecord
+from mig_operator.core.lifecycle import BOUND, READY
 from mig_operator.core.slice_claim import (
     DELETE_PROTECTION,
     ELSEWHERE,
@@ -130,13 +131,17 @@ class SliceClaims:
                 log.warning("slice %s: its ResourceClaim: %s", info.ref, exc)
 
     def ready(self, info: SliceRecord) -> bool:
-        """Whether ``info`` is Ready, not being deleted, and its device checked against its GpuNode."""
+        """Whether the slice's device may be handed on now (not being deleted): Ready with its device
+        checked against its GpuNode, or, a pod's slice, bound onto a device its agent takes without an
+        NVML call (``check_bound_device``: its pod need not wait for the Ready write)."""
         st = info.body.get("status") or {}
-        if st.get("phase") != "Ready" or info.binding is None or info.deleting:
+        if info.binding is None or info.deleting:
             return False
-        verdict = check_ready_device(info.uid, st.get("deviceUUID", ""), info.binding,
-                                     self.state.inventories.get(info.binding.node))
-        return verdict.action == ACCEPT
+        inventory = self.state.inventories.get(info.binding.node)
+        if st.get("phase") == READY:
+            return check_ready_device(info.uid, st.get("deviceUUID", ""), info.binding, inventory).action == ACCEPT
+        return (st.get("phase") == BOUND and early(info)
+                and check_bound_device(info.uid, info.binding, inventory).action == ACCEPT)
 
     async def ensure(self, info: SliceRecord) -> bool:
         """Write the claim of a ready slice (``ready``), or of a pod's slice (``early``), when it is not
@@ -176,7 +181,8 @@ class SliceClaims:
         if not ready:
             self._wait_for_device(info, key)
             return False
-        await self._record(info)  # an early claim: the agent names it in its Ready write
+        if (info.body.get("status") or {}).get("phase") == READY:
+            await self._record(info)  # an early claim: the agent names it in its Ready write
         return True
 
     def _wait_for_device(self, info: SliceRecord, key: tuple[str, str]) -> None:

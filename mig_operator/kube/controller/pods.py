@@ -28,9 +28,9 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-from mig_operator.core.device_check import ACCEPT, REFUSE, check_ready_device
+from mig_operator.core.device_check import ACCEPT, REFUSE, check_bound_device, check_ready_device
 from mig_operator.core.ledger import Ledger, SliceRecord
-from mig_operator.core.lifecycle import SLICE_TRIES, slice_retry_delay
+from mig_operator.core.lifecycle import BOUND, FAILED, READY, SLICE_TRIES, slice_retry_delay
 from mig_operator.core.pod_admission import PodRefused, check_pod_devices
 from mig_operator.core.quantities import QuantityError
 from mig_operator.core.request_forms import device_slice_names
@@ -292,7 +292,10 @@ class PodSlices:
         """A slice changed: if a gated pod waits for it, move the pod on (or tell it why not). A pod
         with several devices moves on once every one of its slices is Ready, all on one node."""
         pod = self.pods.get((info.namespace, group_of(info)))
-        if pod is None or not _gated(pod) or info.deleting:
+        if pod is None or info.deleting:
+            return
+        if not _gated(pod):
+            self._failed_after_ungate(pod, info)
             return
         if not owned_by(info.body, pod):
             # The pod's label names another pod's slice: never hand that slice's device to this pod.
@@ -308,10 +311,11 @@ class PodSlices:
         if phase == "Pending" and st.get("reason"):
             self.events.post(pod, "Warning", st["reason"], f"waiting for GpuSlice {info.ref}: {st.get('message', '')}")
             return
-        if phase != "Ready" or info.binding is None:
+        if phase not in (READY, BOUND) or info.binding is None:
             return
         members = self.state.group_members(info)
-        if len(members) != info.group_size or not all(m.phase == "Ready" and m.binding is not None for m in members):
+        if len(members) != info.group_size or not all(m.phase in (READY, BOUND) and m.binding is not None
+                                                      for m in members):
             return
         if len({m.binding.node for m in members if m.binding is not None}) != 1:
             return  # never: a group is bound on one node (the binder gives back a split one)
@@ -319,6 +323,17 @@ class PodSlices:
             if not await self._device_checked(pod, member) or not await self.claims.ensure(member):
                 return
         await self._release_gate(pod, info)
+
+    def _failed_after_ungate(self, pod: Mapping[str, Any], info: SliceRecord) -> None:
+        """A pod let go at its slice's binding (its device needed no NVML call) whose slice then failed:
+        the kubelet cannot prepare its claim, so the pod is told, once, how to get a new slice."""
+        st = info.body.get("status") or {}
+        running = (pod.get("status") or {}).get("phase") == "Running"
+        if st.get("phase") != FAILED or running or not owned_by(info.body, pod):
+            return
+        self.events.post(pod, "Warning", st.get("reason") or "Failed",
+                         f"GpuSlice {info.ref} failed after the pod was scheduled: {st.get('message', '')}; the pod "
+                         "cannot start: delete it, and its next pod gets a new slice")
 
     def _slice_failed(self, pod: Mapping[str, Any], info: SliceRecord) -> None:
         """A pod's slice Failed: a new slice of the same name after a back-off (core's
@@ -369,9 +384,13 @@ class PodSlices:
 
     async def _device_checked(self, pod: Mapping[str, Any], info: SliceRecord) -> bool:
         """Whether the Ready slice's device is on its node's GpuNode (core/device_check); if not yet, the
-        pod is looked at again when that GpuNode changes; a wrong device is never handed on."""
+        pod is looked at again when that GpuNode changes; a wrong device is never handed on. A slice
+        still Bound passes only onto a device its agent takes without an NVML call; else its Ready
+        event brings the pod here again."""
         assert info.binding is not None
         node = info.binding.node
+        if info.phase == BOUND:
+            return check_bound_device(info.uid, info.binding, self.state.inventories.get(node)).action == ACCEPT
         verdict = check_ready_device(info.uid, (info.body.get("status") or {}).get("deviceUUID", ""), info.binding,
                                      self.state.inventories.get(node))
         key = (info.namespace, info.name)
