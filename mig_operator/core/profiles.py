@@ -142,13 +142,13 @@ _A100_SM = {"1g": 14, "1g2": 14, "2g": 28, "3g": 42, "4g": 56, "7g": 98}
 _HOPPER_SM = {"1g": 16, "1g2": 26, "2g": 32, "3g": 60, "4g": 64, "7g": 132}
 
 CATALOG: dict[str, GpuModel] = {
-    # Real NVML capture, H200 141GB, driver 580.159.04 (shared/refs/h200-nvml-capture.md).
+    # A real NVML capture of an H200 141GB, driver 580.159.04.
     "h200-141gb": _eight_slot_model(
         "h200-141gb", "NVIDIA H200", 143771,
         {"1g": 16384, "2g": 33280, "4g": 71424, "7g": 143360}, _HOPPER_SM,
         {"1g": "1g.18gb", "1g2": "1g.35gb", "2g": "2g.35gb", "3g": "3g.71gb", "4g": "4g.71gb", "7g": "7g.141gb"},
     ),
-    # Real NVML capture, H100 80GB HBM3, driver 580.159.04 (shared/refs/h200-nvml-capture.md).
+    # A real NVML capture of an H100 80GB HBM3, driver 580.159.04.
     "h100-80gb": _eight_slot_model(
         "h100-80gb", "NVIDIA H100 80GB HBM3", 81559,
         {"1g": 9984, "2g": 20096, "4g": 40448, "7g": 81152}, _HOPPER_SM,

@@ -56,7 +56,10 @@ class NoDiffBase(kopf.DiffBaseStorage):
 
 
 def tune(settings: kopf.OperatorSettings, prefix: str) -> None:
-    """The kopf settings every part shares (see shared/refs/kopf-notes.md for why).
+    """The kopf settings every part shares: kopf's own finalizer, progress and diff-base storage under
+    the part's prefix; a short wait for kopf's own writes to show on the watch (``consistency_timeout``,
+    5 s by default, delays handlers after each of kopf's patches); no Events from log lines; short
+    retry and reconnect back-offs (kopf's default is 60 s).
 
     kopf's own finalizer gets a name of its own: kopf removes its finalizer from every object no
     handler of its needs it for (none here: the parts manage their finalizers themselves), so sharing
