@@ -25,7 +25,9 @@ _WHOLE_GPU_RESOURCE = "nvidia.com/gpu"
 _GPU_RESOURCE_PREFIXES = ("nvidia.com/gpu.", "nvidia.com/mig-")
 # Variables the slice's CDI spec sets: a container's own ``env`` entry would stand beside them and
 # widen or hide the slice (``NVIDIA_VISIBLE_DEVICES=all`` shows the whole GPU where a runtime hook
-# honours it; another ``LD_PRELOAD`` drops the shim that enforces a fraction's limit).
+# honours it). A container's ``LD_PRELOAD`` cannot unload the shim, which the spec's read-only
+# /etc/ld.so.preload loads; where a pod may get a fraction it is still refused, the strict rule kept
+# until the tenancy work decides whether tenants may preload libraries of their own.
 # GPU_MEM_LIMIT_GB is informational and may be set.
 _SLICE_ENV = (DEVICES_VARIABLE, LIMIT_VARIABLE, SLICE_VARIABLE)
 _SHIM_ENV = PRELOAD_VARIABLE
