@@ -28,7 +28,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-from mig_operator.core.device_check import ACCEPT, REFUSE, check_bound_device, check_ready_device
+from mig_operator.core.device_check import ACCEPT, REFUSE, check_ready_device
 from mig_operator.core.ledger import Ledger, SliceRecord
 from mig_operator.core.lifecycle import BOUND, FAILED, READY, SLICE_TRIES, slice_retry_delay
 from mig_operator.core.pod_admission import PodRefused, check_pod_devices
@@ -390,7 +390,7 @@ class PodSlices:
         assert info.binding is not None
         node = info.binding.node
         if info.phase == BOUND:
-            return check_bound_device(info.uid, info.binding, self.state.inventories.get(node)).action == ACCEPT
+            return self.claims.ready(info)  # handed on at its binding only where that check says so
         verdict = check_ready_device(info.uid, (info.body.get("status") or {}).get("deviceUUID", ""), info.binding,
                                      self.state.inventories.get(node))
         key = (info.namespace, info.name)
