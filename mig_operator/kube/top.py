@@ -1,6 +1,6 @@
 """`mig-operator top`'s reads: the GpuNodes, the GpuSlices and the GpuQuotas, three list calls.
 
-Drawing them is core/top_view.py's; the command line (operator_cli.py) loops for ``--watch``.
+Drawing them is core/top_view.py's; the command line (cli/top.py) loops for ``--watch``.
 """
 
 from __future__ import annotations

@@ -13,10 +13,10 @@ import yaml
 from helm_chart import CHART_DIR, REPO_ROOT, container, find, workload
 
 from mig_operator.cli import build_parser
+from mig_operator.cli.flags import parse_duration
 from mig_operator.core.compat import check_dialects
 from mig_operator.kube.common.names import WEBHOOK_NAME
 from mig_operator.kube.webhook.server import WebhookOptions, webhook_configuration
-from mig_operator.operator_cli import parse_duration
 
 K8S_SCHEMA_VERSION = "1.34.0"
 # Kinds from other projects' CRDs: no 1.34 schema exists for them; checked field by field below.

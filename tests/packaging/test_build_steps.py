@@ -99,7 +99,7 @@ def sh(command: list[str] | str, cwd: Path, timeout: float = 600, env: dict[str,
 
 def test_the_build_context_holds_the_sources_and_nothing_built_or_secret() -> None:
     names = {p.relative_to(REPO_ROOT).as_posix() for p in context_files()}
-    assert "pyproject.toml" in names and "mig_operator/cli.py" in names and "shim/Makefile" in names
+    assert "pyproject.toml" in names and "mig_operator/cli/main.py" in names and "shim/Makefile" in names
     assert any(n.startswith("mig_operator/kube/agent/") for n in names)
     leaked = [n for n in names if n.startswith((".venv/", "tests/", "shim/build/", ".git/", "docs/"))
               or n.endswith((".so", ".pyc", ".o"))]

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from mig_operator.cli import MAX_PLAN_GPUS, main
+from mig_operator.cli import main
+from mig_operator.cli.offline import MAX_PLAN_GPUS
 from mig_operator.core.profiles import CATALOG
 
 
@@ -361,7 +362,8 @@ def test_bad_names_exit_2_before_kopf_starts(tmp_path, argv: list[str], fragment
 
 
 def test_names_at_the_length_limit_pass_the_name_check() -> None:
-    from mig_operator.operator_cli import _dns_label, _dns_subdomain
+    from mig_operator.cli.flags import dns_label as _dns_label
+    from mig_operator.cli.flags import dns_subdomain as _dns_subdomain
 
     assert _dns_subdomain("--node", "n" * 253, "x", "node name") == "n" * 253
     assert _dns_subdomain("--node", "gpu-node-1.example", "x", "node name") == "gpu-node-1.example"
@@ -469,7 +471,7 @@ def test_peering_lifetime_out_of_range_exits_2(tmp_path, value: str) -> None:
 
 
 def test_peering_lifetime_bounds_are_accepted() -> None:
-    from mig_operator.operator_cli import _peering_lifetime
+    from mig_operator.cli.flags import peering_lifetime as _peering_lifetime
 
     assert [_peering_lifetime(v) for v in ("1", "10", "3600")] == [1, 10, 3600]
 
@@ -486,7 +488,7 @@ def test_webhook_service_must_be_namespace_name_port(tmp_path, value: str) -> No
 @pytest.mark.parametrize("value", ["mig-operator/mig-operator-webhook", "ns/svc:1", "ns/svc:65535",
                                    "a" * 63 + "/" + "s" * 63 + ":443"])
 def test_valid_webhook_services_are_accepted(value: str) -> None:
-    from mig_operator.operator_cli import _webhook_service
+    from mig_operator.cli.flags import webhook_service as _webhook_service
 
     assert _webhook_service(value) == value
 

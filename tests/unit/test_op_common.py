@@ -1,4 +1,4 @@
-"""operator_cli.parse_duration, kube.common.client.resource_version and ApiError.transient."""
+"""cli.flags.parse_duration, kube.common.client.resource_version and ApiError.transient."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mig_operator.cli.flags import parse_duration
 from mig_operator.core.quantities import QuantityError
 from mig_operator.kube.common.client import ApiError, resource_version
-from mig_operator.operator_cli import parse_duration
 
 YEAR_S = 365 * 24 * 60 * 60
 

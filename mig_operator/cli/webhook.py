@@ -10,23 +10,30 @@ import signal
 import tempfile
 from typing import TYPE_CHECKING
 
-from .core.compat import UnknownDialect, check_dialects
-from .core.quantities import QuantityError
-from .operator_cli import (
-    _address,
-    _check_credentials,
-    _configure_logs,
-    _dns_label,
-    _dns_subdomain,
-    _exit_on_sigterm,
-    _shown,
-    _webhook_service,
+from ..core.compat import UnknownDialect, check_dialects
+from ..core.quantities import QuantityError
+from .flags import (
+    address,
+    check_credentials,
+    configure_logs,
+    dns_label,
+    dns_subdomain,
+    exit_on_sigterm,
+    shown,
+    webhook_service,
 )
 
 if TYPE_CHECKING:
     import kopf
 
-    from .kube.webhook.server import WebhookOptions
+    from ..kube.webhook.server import WebhookOptions
+
+
+def add_webhook_command(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("webhook", parents=parents, help="serve only the pod admission webhook (stateless: run "
+                       "several replicas behind one Service)")
+    add_webhook_flags(p, required=True)
+    p.set_defaults(func=cmd_webhook)
 
 
 def add_webhook_flags(p: argparse.ArgumentParser, required: bool) -> None:
@@ -57,23 +64,23 @@ def add_webhook_flags(p: argparse.ArgumentParser, required: bool) -> None:
 def webhook_options(args: argparse.Namespace) -> WebhookOptions:
     """The webhook's flags checked, each error one line naming the flag (``listen`` is empty without
     ``--webhook``: the controller then serves none)."""
-    from .kube.webhook.certs import CertificateFileError, check_pem_pair
-    from .kube.webhook.server import WebhookOptions
+    from ..kube.webhook.certs import CertificateFileError, check_pem_pair
+    from ..kube.webhook.server import WebhookOptions
 
     if args.webhook:
-        _address("--webhook", args.webhook, "127.0.0.1:9443")
-    _dns_label("--namespace", args.namespace, "mig-operator", "namespace")
+        address("--webhook", args.webhook, "127.0.0.1:9443")
+    dns_label("--namespace", args.namespace, "mig-operator", "namespace")
     if args.webhook_config:
-        _dns_subdomain("--webhook-config", args.webhook_config, "mig-operator", "MutatingWebhookConfiguration name")
+        dns_subdomain("--webhook-config", args.webhook_config, "mig-operator", "MutatingWebhookConfiguration name")
     if args.webhook_service:
-        _webhook_service(args.webhook_service)
+        webhook_service(args.webhook_service)
     mig_namespaces = tuple(n.strip() for n in (args.mig_request_namespaces or "").split(",") if n.strip())
     for namespace in mig_namespaces:
-        _dns_label("--mig-request-namespaces", namespace, "team-a,team-b", "namespace")
+        dns_label("--mig-request-namespaces", namespace, "team-a,team-b", "namespace")
     try:
         compat = check_dialects(args.compat or "")
     except UnknownDialect as exc:
-        raise QuantityError(f"--compat {_shown(args.compat)}: {exc}") from None
+        raise QuantityError(f"--compat {shown(args.compat)}: {exc}") from None
     if bool(args.webhook_cert) != bool(args.webhook_key):
         raise QuantityError("--webhook-cert and --webhook-key go together; e.g. --webhook-cert tls.crt "
                             "--webhook-key tls.key")
@@ -93,7 +100,7 @@ def webhook_options(args: argparse.Namespace) -> WebhookOptions:
 def serve_webhook(stack: contextlib.ExitStack, registry: kopf.OperatorRegistry, webhook: WebhookOptions,
                    kubeconfig: str | None) -> None:
     """Bind the webhook's socket now (a taken port is a start-up error) and add the server to ``registry``."""
-    from .kube.webhook.server import bind, register
+    from ..kube.webhook.server import bind, register
 
     webhook_socket = stack.enter_context(bind(webhook))
     if not webhook.cert_file:
@@ -107,8 +114,8 @@ def listen(stack: contextlib.ExitStack, registry: kopf.OperatorRegistry, metrics
            webhook: WebhookOptions | None, kubeconfig: str | None) -> None:
     """Bind the metrics and webhook sockets before anything starts (a taken port is a start-up error,
     one line, exit 2), then serve metrics; the webhook's server runs in ``registry``."""
-    from .kube.common import metrics
-    from .kube.common.listen import ListenError
+    from ..kube.common import metrics
+    from ..kube.common.listen import ListenError
 
     try:
         metrics_socket = metrics.bind(metrics_address) if metrics_address else None
@@ -125,16 +132,16 @@ def listen(stack: contextlib.ExitStack, registry: kopf.OperatorRegistry, metrics
 def cmd_webhook(args: argparse.Namespace) -> int:
     """The admission webhook alone: the same server as ``controller --webhook``, in a process of its own
     that keeps no state (no peering, no watch), so any number of replicas serve one Service."""
-    from .kube.common.operator import run_operator
-    from .kube.webhook.server import webhook_registry
+    from ..kube.common.operator import run_operator
+    from ..kube.webhook.server import webhook_registry
 
-    _configure_logs(args)
-    _check_credentials(args.kubeconfig)
+    configure_logs(args)
+    check_credentials(args.kubeconfig)
     if args.metrics_address:
-        _address("--metrics-address", args.metrics_address, ":9090")
+        address("--metrics-address", args.metrics_address, ":9090")
     webhook = webhook_options(args)
     registry = webhook_registry(args.kubeconfig)
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    signal.signal(signal.SIGTERM, exit_on_sigterm)
     with contextlib.ExitStack() as stack:
         listen(stack, registry, args.metrics_address, webhook, args.kubeconfig)
         run_operator(registry, standalone=True)

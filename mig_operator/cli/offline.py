@@ -1,4 +1,5 @@
-"""`mig-operator`: the command line. It wires the layers; decisions live in core."""
+"""The commands that need no cluster: ``catalog``, ``inspect``, ``plan`` and ``demo`` (profile tables,
+a GPU backend's view, a trace replayed through the planner, and carried out on simulated GPUs)."""
 
 from __future__ import annotations
 
@@ -7,19 +8,18 @@ import json
 import os
 import re
 import sys
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING
 
-from .core.profiles import CATALOG, CatalogError, GpuModel, get_model
-from .core.quantities import QuantityError, clip_repr, clip_text
-from .core.trace import TRACE_EXAMPLE, TraceError, TraceEvent, parse_trace, replay
-from .gpu.protocol import GpuError
+from ..core.profiles import CATALOG, get_model
+from ..core.quantities import clip_repr, clip_text
+from ..core.trace import TRACE_EXAMPLE, TraceEvent, parse_trace, replay
+from ..gpu.protocol import GpuError
+from .flags import EXIT_GPU_ERROR, UsageError
+from .views import model_json, model_text, placement_note, plan_lines
 
 if TYPE_CHECKING:
-    from .gpu.protocol import GpuBackend
+    from ..gpu.protocol import GpuBackend
 
-EXIT_GPU_ERROR = 1
-EXIT_BAD_INPUT = 2
 # A trace is a few KiB; reading stops here, so `--trace /dev/zero` ends with an error, not a hang.
 MAX_TRACE_BYTES = 16 * 2**20
 # `plan --gpus`: a replay holds every GPU in memory and scans them per event.
@@ -27,86 +27,18 @@ MAX_PLAN_GPUS = 4096
 SIM_EXAMPLE = "sim:h100-80gb"
 
 
-def placement_note(start: int, size: int, slots: int) -> str:
-    """What ``{start}:size`` means, in words, for the first time a user meets it."""
-    last = start + size - 1
-    where = f"slot {start}" if size == 1 else f"slots {start}-{last}"
-    return (f"({{{start}}}:{size} is where the instance sits on its GPU: {size} of the GPU's {slots} memory "
-            f"slots, {where}; the number in braces is the first slot, the one after ':' how many)")
-
-
-class UsageError(Exception):
-    """Bad input from the user: printed as one line, exit status 2."""
-
-
-class DefaultsHelpFormatter(argparse.HelpFormatter):
-    """``--help`` shows each option's default, unless it has none or its help already says it."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        text = action.help or ""
-        unset = action.default is None or action.default is False or action.default == argparse.SUPPRESS
-        if unset or "default" in text or not action.option_strings:
-            return text
-        return f"{text} (default: %(default)s)" if text else "(default: %(default)s)"
-
-
-class Parser(argparse.ArgumentParser):
-    """argparse with one-line errors (exit 2), like every other bad input of this command; subcommands
-    are made with the same class, so each has both.
-
-    A value that starts with a minus and a digit (``--idle-timeout -1s``) is a value, not an option:
-    no option of this command looks like that, and the value's own check can then name it. By
-    default argparse takes only plain negative numbers as values and says "expected one argument".
-    """
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
-        super().__init__(*args, **kwargs)
-        self._negative_number_matcher = re.compile(r"^-[0-9]")
-
-    def error(self, message: str) -> NoReturn:
-        # argparse quotes whole values (an unknown argument of 5000 characters): keep the line short.
-        self.exit(EXIT_BAD_INPUT, f"{self.prog}: {clip_text(message, 300)}; see '{self.prog} --help'\n")
-
-
-def _model_json(model: GpuModel) -> dict:
-    from .gpu.inventory import profiles_json
-
-    return {
-        "model": model.name,
-        "product": model.product,
-        "memory_slots": model.memory_slots,
-        "memory_mib": model.memory_mib,
-        "profiles": profiles_json(model),
-    }
-
-
-def _model_text(model: GpuModel) -> str:
-    if not model.mig_capable:
-        return f"{model.name} ({model.product}): {model.memory_mib} MiB, no MIG (fractions of the whole GPU only)"
-    lines = [f"{model.name} ({model.product}): {model.memory_slots} memory slots, {model.memory_mib} MiB"]
-    lines.append(f"  {'profile':<14}{'id':>4}{'slices':>8}{'MiB':>8}{'SM':>6}{'max':>5}  placements")
-    for p in model.profiles:
-        starts = ",".join(str(pl.start) for pl in p.placements)
-        lines.append(
-            f"  {p.name:<14}{p.id:>4}{p.slices:>8}{p.memory_mib:>8}{p.sm:>6}{p.max_instances:>5}"
-            f"  {{{starts}}}:{p.size}"
-        )
-    return "\n".join(lines)
-
-
 def cmd_catalog(args: argparse.Namespace) -> int:
     models = [get_model(args.model)] if args.model else [CATALOG[name] for name in sorted(CATALOG)]
     if args.json:
-        out = _model_json(models[0]) if args.model else [_model_json(m) for m in models]
+        out = model_json(models[0]) if args.model else [model_json(m) for m in models]
         print(json.dumps(out, indent=2))
     else:
-        print("\n\n".join(_model_text(m) for m in models))
+        print("\n\n".join(model_text(m) for m in models))
     return 0
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from .gpu.inventory import describe, render_text
+    from ..gpu.inventory import describe, render_text
 
     try:
         backend = _open_backend(args.backend, args.state_file)
@@ -168,7 +100,7 @@ def _gpu_count(text: str) -> int:
 
 
 def _open_backend(spec: str, state_file: str | None) -> GpuBackend:
-    from .gpu import open_backend
+    from ..gpu import open_backend
 
     try:
         return open_backend(spec, state_file=state_file)
@@ -187,13 +119,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(results))
         return 0
-    for r in results:
-        if "error" in r:
-            print(f"{r['id']}: refused: {r['error']}")
-            continue
-        reclaimed = "".join(f" (reclaim {x['profile']}@{x['start']} on gpu {x['gpu']})" for x in r["reclaimed"])
-        print(f"{r['id']}: {r['action']} {r['profile']} (id {r['profile_id']}) on gpu {r['gpu']} "
-              f"at {{{r['start']}}}:{r['size']}{reclaimed}")
+    for line in plan_lines(results):
+        print(line)
     return 0
 
 
@@ -221,9 +148,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace, events: list[TraceEvent], state: str, where: str) -> int:
     import time
 
-    from .core.planner import Unplaceable, choose_mig
-    from .gpu.inventory import describe, render_text
-    from .kube.agent.direct import planner_view, realise_decision
+    from ..core.planner import Unplaceable, choose_mig
+    from ..gpu.inventory import describe, render_text
+    from ..kube.agent.direct import planner_view, realise_decision
 
     backend = _open_backend(args.backend, state)
     if not any(gpu.mig_enabled for gpu in backend.gpus()):
@@ -267,11 +194,7 @@ def _demo(args: argparse.Namespace, events: list[TraceEvent], state: str, where:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """Every subcommand; a new one is one more ``sub.add_parser(...)`` with ``set_defaults(func=...)``."""
-    parser = Parser(prog="mig-operator", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-
+def add_offline_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("catalog", help="built-in MIG profile tables")
     p.add_argument("model", nargs="?", help=f"one of: {', '.join(sorted(CATALOG))}")
     p.add_argument("--json", action="store_true")
@@ -296,43 +219,3 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", default="examples/trace-h200.json", help="JSON list of alloc/free events")
     p.add_argument("--state-file", help="simulator state file (default: a new temporary file)")
     p.set_defaults(func=cmd_demo)
-    from .operator_cli import add_operator_commands
-
-    add_operator_commands(sub)
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        try:
-            code = args.func(args)
-        except (UsageError, CatalogError, TraceError, QuantityError) as exc:
-            print(f"mig-operator: {exc}", file=sys.stderr)
-            return EXIT_BAD_INPUT
-        except GpuError as exc:
-            # No driver, no permission, a GPU gone: NVML's words in one line, not a traceback.
-            print(f"mig-operator: {exc}", file=sys.stderr)
-            return EXIT_GPU_ERROR
-        # Flushed here, not at exit, so a reader that stopped early is met below.
-        sys.stdout.flush()
-        return code
-    except BrokenPipeError:
-        # `mig-operator catalog | head -1`: the reader has what it wanted; stop without a word.
-        _silence_stdout()
-        return 0
-
-
-def _silence_stdout() -> None:
-    """Point stdout at /dev/null, so the flush at exit does not fail on the closed pipe again."""
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
-    except (OSError, ValueError, AttributeError):
-        pass  # not a real file (a test's capture): nothing is flushed to a pipe at exit
-
-
-if __name__ == "__main__":
-    sys.exit(main())

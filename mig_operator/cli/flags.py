@@ -1,0 +1,156 @@
+"""The checks every command's flags share: each returns the value or raises one line naming the flag
+and the value as given, with a valid example (``main`` prints it, exit 2), before anything starts."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from types import FrameType
+
+from ..core.quantities import QuantityError
+from ..core.slice_spec import MAX_NODE_NAME_LENGTH, NODE_NAME
+
+EXIT_GPU_ERROR = 1
+EXIT_BAD_INPUT = 2
+
+
+class UsageError(Exception):
+    """Bad input from the user: printed as one line, exit status 2."""
+
+
+DURATION_EXAMPLE = "10m"
+_DURATION = re.compile(r"^(?P<number>[0-9]+(?:\.[0-9]+)?)(?P<unit>ms|s|m|h|d)?$")
+_UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
+_MAX_DURATION_S = 365 * 86400.0
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in ``30s``, ``10m``, ``1.5h``, ``2d`` or a plain number of seconds; positive, under a year."""
+    match = _DURATION.match(text.strip()) if isinstance(text, str) and len(text) <= 32 else None
+    if match is None:
+        clipped = text if len(str(text)) <= 40 else str(text)[:40] + "…"
+        raise QuantityError(f"duration {clipped!r} is not a duration; use e.g. {DURATION_EXAMPLE!r} or '30s'")
+    seconds = float(match["number"]) * _UNIT_SECONDS[match["unit"]]
+    if not 0 < seconds <= _MAX_DURATION_S:
+        raise QuantityError(f"duration {text!r} must be more than 0 and at most a year; use e.g. {DURATION_EXAMPLE!r}")
+    return seconds
+
+
+# Kubernetes' own name rules: a DNS-1123 label (namespaces), a DNS-1035 label (Services).
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+_SERVICE_NAME = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
+MAX_LABEL_LENGTH = 63
+MAX_PEERING_LIFETIME_S = 3600
+SERVICE_EXAMPLE = "mig-operator/mig-operator-webhook:443"
+
+
+def shown(text: str) -> str:
+    return repr(text if len(text) <= 60 else text[:60] + "…")
+
+
+def address(flag: str, text: str, example: str) -> str:
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        raise QuantityError(f"{flag} {shown(text)} is not HOST:PORT (a port from 1 to 65535); use e.g. "
+                            f"{flag} {example}")
+    return text
+
+
+def duration_flag(flag: str, text: str) -> float:
+    """A duration flag's value in seconds; an error names the flag and the value as given."""
+    if text.strip().startswith("-"):
+        raise QuantityError(f"{flag} {shown(text)} is negative; a duration is more than 0, "
+                            f"e.g. {flag} {DURATION_EXAMPLE}")
+    try:
+        return parse_duration(text)
+    except QuantityError as exc:
+        raise QuantityError(f"{flag}: {exc}") from None
+
+
+def dns_subdomain(flag: str, text: str, example: str, what: str) -> str:
+    """A name Kubernetes takes as a DNS subdomain (nodes, cluster-scoped objects such as the peering)."""
+    if len(text) > MAX_NODE_NAME_LENGTH or NODE_NAME.fullmatch(text) is None:
+        raise QuantityError(f"{flag} {shown(text)} is not a {what} (a lower-case DNS subdomain: a-z, 0-9, "
+                            f"'-' and '.', at most {MAX_NODE_NAME_LENGTH} characters); use e.g. {flag} {example}")
+    return text
+
+
+def dns_label(flag: str, text: str, example: str, what: str) -> str:
+    if len(text) > MAX_LABEL_LENGTH or _DNS_LABEL.fullmatch(text) is None:
+        raise QuantityError(f"{flag} {shown(text)} is not a {what} (a lower-case DNS label: a-z, 0-9 and '-', "
+                            f"at most {MAX_LABEL_LENGTH} characters); use e.g. {flag} {example}")
+    return text
+
+
+def webhook_service(text: str) -> str:
+    """``NAMESPACE/NAME[:PORT]``: a namespace, a Service name and a port the API server can call."""
+    namespace, slash, rest = text.partition("/")
+    name, colon, port = rest.partition(":")
+    valid = (bool(slash) and len(namespace) <= MAX_LABEL_LENGTH and _DNS_LABEL.fullmatch(namespace) is not None
+             and len(name) <= MAX_LABEL_LENGTH and _SERVICE_NAME.fullmatch(name) is not None
+             and (not colon or (re.fullmatch(r"[0-9]{1,5}", port, re.ASCII) is not None and 0 < int(port) < 65536)))
+    if not valid:
+        raise QuantityError(f"--webhook-service {shown(text)} is not NAMESPACE/NAME[:PORT] (a namespace, a Service "
+                            f"name and a port from 1 to 65535); use e.g. --webhook-service {SERVICE_EXAMPLE}")
+    return text
+
+
+def peering_lifetime(text: str) -> int:
+    if re.fullmatch(r"[0-9]{1,5}", text, re.ASCII) is None or not 1 <= int(text) <= MAX_PEERING_LIFETIME_S:
+        raise QuantityError(f"--peering-lifetime {shown(text)} must be a whole number of seconds from 1 to "
+                            f"{MAX_PEERING_LIFETIME_S}; use e.g. --peering-lifetime 10")
+    return int(text)
+
+
+def directory_flag(flag: str, text: str, example: str) -> str:
+    """An absolute directory path (it may not exist yet); refused when something else is there."""
+    if not text.startswith("/") or "\0" in text or "\n" in text or len(text) > 4000:
+        raise QuantityError(f"{flag} {shown(text)} is not an absolute directory path; use e.g. {flag} {example}")
+    if os.path.exists(text) and not os.path.isdir(text):
+        raise QuantityError(f"{flag} {shown(text)} exists and is not a directory; use e.g. {flag} {example}")
+    return text.rstrip("/") or "/"
+
+
+def file_flag(flag: str, text: str, example: str) -> str:
+    """An absolute file path (it may not exist: what it says then is reported, not refused)."""
+    if not text.startswith("/") or text.endswith("/") or "\0" in text or "\n" in text or len(text) > 4000:
+        raise QuantityError(f"{flag} {shown(text)} is not an absolute file path; use e.g. {flag} {example}")
+    if os.path.isdir(text):
+        raise QuantityError(f"{flag} {shown(text)} is a directory, not a file; use e.g. {flag} {example}")
+    return text
+
+
+def configure_logs(args: argparse.Namespace) -> None:
+    from ..kube.common.logs import configure
+
+    configure(args.log_format, args.log_level)
+
+
+def check_credentials(kubeconfig: str | None) -> None:
+    from ..kube.common.client import CredentialsError
+    from ..kube.common.client import check_credentials as check
+
+    try:
+        check(kubeconfig)
+    except CredentialsError as exc:
+        raise QuantityError(str(exc)) from None
+
+
+def exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
+    # SystemExit unwinds the ``with`` blocks, so temporary files go even when the process is stopped.
+    # kopf installs its own handler while it runs (it stops gracefully, and the blocks unwind then).
+    sys.exit(128 + signum)
+
+
+def part_flags() -> argparse.ArgumentParser:
+    """The flags of every long-running part (controller, webhook, agent), as an argparse parent."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster, then KUBECONFIG, ~/.kube/config)")
+    common.add_argument("--log-format", choices=("text", "json"), default="text",
+                        help="one JSON object per line with json")
+    common.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info",
+                        help="the least severe messages logged")
+    common.add_argument("--metrics-address", help="serve Prometheus metrics on HOST:PORT (e.g. :9090); off by default")
+    return common

@@ -1,0 +1,165 @@
+"""The long-running parts: ``mig-operator controller`` (cluster-wide, peered replicas) and
+``mig-operator agent`` (one per GPU node). Every flag is checked before kopf starts: inside kopf a bad
+one is a start-up handler that fails and is retried every 2 s for ever."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import signal
+
+from ..core.compute import parse_default_compute
+from ..core.quantities import QuantityError
+from ..core.runtime_trust import DEFAULT_CONFIG as TOOLKIT_CONFIG
+from .flags import (
+    MAX_PEERING_LIFETIME_S,
+    address,
+    check_credentials,
+    configure_logs,
+    directory_flag,
+    dns_subdomain,
+    duration_flag,
+    exit_on_sigterm,
+    file_flag,
+    peering_lifetime,
+    shown,
+)
+from .webhook import add_webhook_command, add_webhook_flags, listen, webhook_options
+
+
+def add_part_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser("controller", parents=[common], help="run the cluster-wide controller (binds GpuSlices)")
+    p.add_argument("--priority", type=int, help="peering priority of this replica (default: derived, distinct)")
+    p.add_argument("--peering", default="mig-operator", help="name of the ClusterKopfPeering the replicas share")
+    p.add_argument("--peering-lifetime", default="10",
+                   help=f"seconds before a silent active replica is replaced, 1 to {MAX_PEERING_LIFETIME_S}")
+    p.add_argument("--resync", default="30s", help="how often the full state is read again (driven by events)")
+    p.add_argument("--fair-hold", default="60s",
+                   help="how long a waiting slice may hold back its namespace's smaller ones (fair order)")
+    p.add_argument("--quota-required", action="store_true",
+                   help="a namespace without a GpuQuota gets no slice (reason NoQuota); default: no limit")
+    p.add_argument("--default-compute", default="shared", metavar="shared|proportional",
+                   help="the compute of a fraction without spec.compute: shared (time-sliced) or proportional "
+                        "(a share equal to its memory share of the GPU, served by MPS) (default: shared)")
+    add_webhook_flags(p, required=False)
+    p.set_defaults(func=cmd_controller)
+
+    add_webhook_command(sub, [common])
+
+    p = sub.add_parser("agent", parents=[common], help="run the node agent (realises slices bound to this node)")
+    p.add_argument("--node", required=True, help="the Kubernetes node this agent serves")
+    p.add_argument("--backend", default="nvml", help="nvml, or sim:MODEL[xN] such as sim:h100-80gbx2")
+    p.add_argument("--state-file", help="simulator state file; a restarted agent finds its instances there")
+    p.add_argument("--record-file", help="owner record (default: STATE_FILE.owners.json, or "
+                   "/var/lib/mig-operator/owners.json with nvml)")
+    p.add_argument("--idle-timeout", help="destroy idle instances after this long, e.g. 10m (default: keep them)")
+    p.add_argument("--sim-latency", type=float, default=0.0, help="simulator: seconds each create/destroy takes")
+    p.add_argument("--nvml-attempts", type=int, default=5, help="tries of a transiently failing GPU call")
+    p.add_argument("--kubelet-registry-dir", default="/var/lib/kubelet/plugins_registry",
+                   help="the kubelet's plugin registry: the DRA driver's registration socket goes there "
+                   "('' serves no kubelet plugin)")
+    p.add_argument("--kubelet-plugin-dir", default="/var/lib/kubelet/plugins/gpu.cdmo.io",
+                   help="directory of the DRA gRPC socket the kubelet calls (dra.sock)")
+    p.add_argument("--cdi-dir", default="/var/run/cdi", help="where the CDI specs of prepared slices are written")
+    p.add_argument("--shim-host-dir", default="/var/lib/mig-operator/shim",
+                   help="host directory holding libgpuslice.so, mounted read-only into fraction containers")
+    p.add_argument("--toolkit-config", default=TOOLKIT_CONFIG,
+                   help="the node's NVIDIA container toolkit config.toml, read for the GpuNode's RuntimeTrusted "
+                   "condition ('' publishes none)")
+    p.set_defaults(func=cmd_agent)
+
+
+def cmd_controller(args: argparse.Namespace) -> int:
+    from ..kube.common.operator import run_operator
+    from ..kube.controller.main import ControllerOptions, build_registry, default_priority
+
+    configure_logs(args)  # first: with json, even an error that stops it at start is a JSON line
+    check_credentials(args.kubeconfig)
+    if args.metrics_address:
+        address("--metrics-address", args.metrics_address, ":9090")
+    webhook = webhook_options(args)
+    dns_subdomain("--peering", args.peering, "mig-operator", "peering name")
+    lifetime = peering_lifetime(args.peering_lifetime)
+    resync = duration_flag("--resync", args.resync)
+    fair_hold = duration_flag("--fair-hold", args.fair_hold)
+    default_compute = parse_default_compute(args.default_compute)
+    options = ControllerOptions(
+        kubeconfig=args.kubeconfig, priority=args.priority, peering=args.peering,
+        peering_lifetime_s=lifetime, resync_s=resync, fair_hold_s=fair_hold, quota_required=args.quota_required,
+        default_compute=default_compute,
+    )
+    registry = build_registry(options)
+    signal.signal(signal.SIGTERM, exit_on_sigterm)
+    with contextlib.ExitStack() as stack:
+        listen(stack, registry, args.metrics_address, webhook if args.webhook else None, args.kubeconfig)
+        priority = options.priority if options.priority is not None else default_priority()
+        run_operator(registry, standalone=False, priority=priority, peering_name=options.peering)
+    return 0
+
+
+def cmd_agent(args: argparse.Namespace) -> int:
+    from ..gpu import open_backend
+    from ..gpu.mps import mps_for_backend
+    from ..kube.agent.agent import AgentSettings
+    from ..kube.agent.kubelet_plugin import MAX_SOCKET_PATH, PluginSettings, socket_paths_fit
+    from ..kube.agent.main import AgentOptions, node_exists, run_agent
+    from ..kube.agent.record import RecordError, RecordStore
+    from ..kube.common import metrics
+    from ..kube.common.listen import ListenError
+
+    configure_logs(args)  # first: with json, even an error that stops it at start is a JSON line
+    dns_subdomain("--node", args.node, "gpu-node-1", "node name")
+    check_credentials(args.kubeconfig)
+    if args.metrics_address:
+        address("--metrics-address", args.metrics_address, ":9090")
+    if not 1 <= args.nvml_attempts <= 100:
+        raise QuantityError(f"--nvml-attempts {args.nvml_attempts} must be 1..100; e.g. --nvml-attempts 5")
+    if not 0 <= args.sim_latency <= 600:
+        raise QuantityError(f"--sim-latency {args.sim_latency} must be 0..600 seconds; e.g. --sim-latency 1.5")
+    idle = duration_flag("--idle-timeout", args.idle_timeout) if args.idle_timeout is not None else None
+    registry_dir = (directory_flag("--kubelet-registry-dir", args.kubelet_registry_dir,
+                                    "/var/lib/kubelet/plugins_registry") if args.kubelet_registry_dir else "")
+    plugin = PluginSettings(
+        registry_dir=registry_dir,
+        plugin_dir=directory_flag("--kubelet-plugin-dir", args.kubelet_plugin_dir,
+                                   "/var/lib/kubelet/plugins/gpu.cdmo.io"),
+        cdi_dir=directory_flag("--cdi-dir", args.cdi_dir, "/var/run/cdi"),
+        shim_host_dir=directory_flag("--shim-host-dir", args.shim_host_dir, "/var/lib/mig-operator/shim"),
+    )
+    for path in socket_paths_fit(plugin):
+        flag = "--kubelet-plugin-dir" if path == plugin.dra_socket else "--kubelet-registry-dir"
+        raise QuantityError(f"{flag}: socket {shown(path)} is longer than a unix socket path may be "
+                            f"({MAX_SOCKET_PATH} bytes); use a shorter directory, e.g. {flag} "
+                            + ("/var/lib/kubelet/plugins/gpu.cdmo.io" if flag == "--kubelet-plugin-dir"
+                               else "/var/lib/kubelet/plugins_registry"))
+    toolkit_config = file_flag("--toolkit-config", args.toolkit_config, TOOLKIT_CONFIG) if args.toolkit_config else ""
+    record_file = args.record_file or (
+        f"{args.state_file}.owners.json" if args.state_file else "/var/lib/mig-operator/owners.json")
+    try:
+        RecordStore(record_file)  # refuse a bad record before anything starts
+    except RecordError as exc:
+        raise QuantityError(str(exc)) from None
+    try:
+        metrics_socket = metrics.bind(args.metrics_address) if args.metrics_address else None
+    except ListenError as exc:
+        raise QuantityError(str(exc)) from None
+    try:
+        backend = open_backend(args.backend, state_file=args.state_file,
+                               latency_s=args.sim_latency if args.sim_latency else None, host=args.node)
+    except ValueError as exc:
+        raise QuantityError(str(exc)) from None
+    # Last, after every local check: the one that asks the API server.
+    if node_exists(args.kubeconfig, args.node) is False:
+        backend.close()
+        # Started anyway, it would publish a GpuNode for a node that no pod can ever run on.
+        raise QuantityError(f"--node {args.node!r}: the API server has no such Node (kubectl get node "
+                            f"{args.node}); give this node's name, e.g. --node \"$(hostname)\" or from the "
+                            "downward API's spec.nodeName")
+    settings = AgentSettings(node=args.node, idle_timeout_s=idle, nvml_attempts=args.nvml_attempts,
+                             toolkit_config=toolkit_config)
+    # The simulator's MPS stand-ins keep their directories beside its state, as its GPUs do.
+    simulated = args.backend.startswith("sim:") and args.state_file
+    mps = mps_for_backend(args.backend, f"{args.state_file}.mps" if simulated else plugin.mps_host_dir)
+    run_agent(AgentOptions(settings, record_file, args.kubeconfig, args.metrics_address, metrics_socket, plugin,
+                           mps), backend)
+    return 0
