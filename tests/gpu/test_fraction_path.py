@@ -388,7 +388,8 @@ def test_agent_prepares_fraction_claims_and_torch_holds_each_limit(
     from mig_operator.core.cdi import spec_file_name
     from mig_operator.core.slice_claim import claim_path as resource_claim_path
     from mig_operator.gpu import open_backend
-    from mig_operator.kube.agent.agent import AgentSettings, NodeAgent
+    from mig_operator.kube.agent.agent import NodeAgent
+    from mig_operator.kube.agent.context import AgentSettings
     from mig_operator.kube.agent.kubelet_plugin import KubeletPlugin, PluginSettings
     from mig_operator.kube.agent.record import RecordStore
     from mig_operator.kube.agent.resource_slice import resource_slice_path
@@ -603,7 +604,8 @@ def test_a_whole_gpu_slice_gets_the_gpu_with_no_shim_and_torch_sees_all_of_it(
     from mig_operator.core.quantities import MIB
     from mig_operator.core.slice_claim import claim_path as resource_claim_path
     from mig_operator.gpu import open_backend
-    from mig_operator.kube.agent.agent import AgentSettings, NodeAgent
+    from mig_operator.kube.agent.agent import NodeAgent
+    from mig_operator.kube.agent.context import AgentSettings
     from mig_operator.kube.agent.kubelet_plugin import KubeletPlugin, PluginSettings
     from mig_operator.kube.agent.record import RecordStore
     from mig_operator.kube.common.client import slice_path

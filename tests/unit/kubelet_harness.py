@@ -15,7 +15,8 @@ import pytest
 from fake_kubelet import FakeKubelet
 
 from mig_operator.gpu.simulated import SimulatedBackend
-from mig_operator.kube.agent.agent import AgentSettings, NodeAgent
+from mig_operator.kube.agent.agent import NodeAgent
+from mig_operator.kube.agent.context import AgentSettings
 from mig_operator.kube.agent.kubelet_plugin import KubeletPlugin, PluginSettings
 from mig_operator.kube.agent.record import RecordStore
 from mig_operator.kube.common.client import ApiError

@@ -132,7 +132,7 @@ def test_api_error_flags_and_text() -> None:
 
 def _registries() -> list:
     from mig_operator.gpu.simulated import SimulatedBackend
-    from mig_operator.kube.agent.agent import AgentSettings
+    from mig_operator.kube.agent.context import AgentSettings
     from mig_operator.kube.agent.main import AgentOptions
     from mig_operator.kube.agent.main import build_registry as agent_registry
     from mig_operator.kube.controller.main import ControllerOptions

@@ -20,7 +20,8 @@ from mig_operator.core.profiles import get_model
 from mig_operator.core.request import slice_request
 from mig_operator.gpu.protocol import GpuInfo, MigInstance
 from mig_operator.gpu.simulated import SimulatedBackend
-from mig_operator.kube.agent.agent import AgentSettings, NodeAgent
+from mig_operator.kube.agent.agent import NodeAgent
+from mig_operator.kube.agent.context import AgentSettings
 from mig_operator.kube.agent.inventory import gpunode_status
 from mig_operator.kube.agent.record import RecordStore
 from mig_operator.kube.common.client import ApiError

@@ -7,7 +7,8 @@
 - ``node_watch.py``: this node's Node (MIG label, device plugin resources, runtime trust);
 - ``idle.py``: the idle time-out;
 - ``mps_keeper.py``: the MPS control daemon of each GPU that holds a compute share;
-- ``gpus.py``: the GPUs they share (measured NVML calls off the event loop, one lock per GPU).
+- ``gpus.py``: the GPUs they share (measured NVML calls off the event loop, one lock per GPU);
+- ``context.py``: the settings and the one instance of each collaborator every room takes.
 
 ``start`` adopts what exists (``core.lifecycle.adopt`` and ``settle_adoption``); ``handle`` routes each
 slice event (``core.lifecycle.agent_step``); whether a slice's device is offered (ResourceSlice,
@@ -20,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 from mig_operator.core.cluster import Binding, binding_from_status
 from mig_operator.core.lifecycle import (
@@ -41,6 +41,7 @@ from ..common import metrics, status
 from ..common.client import ApiError, KubeClient, resource_version, slices_path
 from ..common.events import EventPoster
 from ..common.names import AGENT_FINALIZER, slices_of_node
+from .context import AgentContext, AgentSettings
 from .gpus import Gpus
 from .idle import IdleReaper
 from .inventory import instance_state
@@ -52,24 +53,6 @@ from .record import RecordStore, boot_id
 from .release import Releaser
 
 log = logging.getLogger("mig_operator.agent")
-
-
-@dataclass(frozen=True)
-class AgentSettings:
-    node: str
-    idle_timeout_s: float | None = None  # None: idle instances stay until their space is needed
-    nvml_attempts: int = 5  # tries of a transiently failing GPU call before the slice fails
-    nvml_first_wait_s: float = 0.2
-    # Changes within this window go out in one GpuNode write. The controller never waits for it (its
-    # own bindings say what is taken), so it only bounds how stale `kubectl get gn` may look.
-    publish_delay_s: float = 1.0
-    heartbeat_s: float = 30.0  # GpuNode re-read and re-published at least this often
-    toolkit_config: str = ""  # the node's NVIDIA toolkit config.toml, read for RuntimeTrusted ("": not read)
-    # A deleted slice kept while its claim is in use is looked at again this often (and at once when
-    # the kubelet unprepares a claim on it): the pod's end frees the claim's reservation without an
-    # event the agent sees.
-    release_recheck_s: float = 2.0
-    release_recheck_max_s: float = 30.0  # the re-check's interval doubles up to this while nothing changes
 
 
 class NodeAgent:
@@ -85,11 +68,11 @@ class NodeAgent:
         self.gpus = Gpus(backend)
         self.mps = MpsKeeper(self.gpus, store, mps, status.now)
         self.node_watch = NodeWatch(settings.node, client, settings.toolkit_config)
-        self.publisher = Publisher(settings, self.gpus, store, client, events, self.node_watch,
-                                   lambda: self.realiser.offered_entries(), self.mps)
-        self.realiser = Realiser(settings, self.gpus, store, client, events, self.publisher, self.mps)
+        context = AgentContext(settings, self.gpus, store, client, events, self.mps)
+        self.publisher = Publisher(context, self.node_watch, lambda: self.realiser.offered_entries())
+        self.realiser = Realiser(context, self.publisher)
         self.mps.on_change = self.realiser.mps_changed
-        self.releaser = Releaser(settings, self.realiser)
+        self.releaser = Releaser(context, self.realiser)
         self.idle = (IdleReaper(settings.node, settings.idle_timeout_s, self.gpus, store, self.publisher.schedule)
                      if settings.idle_timeout_s is not None else None)
         self._tasks: list[asyncio.Task] = []

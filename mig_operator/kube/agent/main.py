@@ -22,7 +22,8 @@ from ..common.client import ApiError, KubeClient, Retry
 from ..common.events import EventPoster
 from ..common.names import AGENT_PREFIX, GROUP, SLICES, VERSION, slices_of_node
 from ..common.operator import on_event, register_login, run_operator, tune
-from .agent import AgentSettings, NodeAgent
+from .agent import NodeAgent
+from .context import AgentSettings
 from .kubelet_plugin import KubeletPlugin, PluginSettings
 from .record import RecordStore
 

@@ -11,25 +11,19 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from mig_operator.core.device_plugin import CONDITION_TYPE, DevicePluginCheck
 from mig_operator.core.lifecycle import OwnerEntry
 from mig_operator.gpu.protocol import GpuError
 
 from ..common import metrics, status
-from ..common.client import ApiError, KubeClient, gpunode_path, gpunodes_path
-from ..common.events import EventPoster
+from ..common.client import ApiError, gpunode_path, gpunodes_path
 from ..common.names import API_VERSION, NODE_KIND
-from .gpus import Gpus
+from .context import AgentContext
 from .inventory import gpunode_status
-from .mps_keeper import MpsKeeper
 from .node_watch import NodeWatch
-from .record import RecordStore
 from .resource_slice import ResourceSlicePublisher, device_info
-
-if TYPE_CHECKING:
-    from .agent import AgentSettings
 
 log = logging.getLogger("mig_operator.agent")
 
@@ -37,18 +31,16 @@ log = logging.getLogger("mig_operator.agent")
 class Publisher:
     """The node's GpuNode, ResourceSlice and gauges, written when something changes and on a heartbeat."""
 
-    def __init__(self, settings: AgentSettings, gpus: Gpus, store: RecordStore, client: KubeClient,
-                 events: EventPoster, node: NodeWatch, offered: Callable[[], list[OwnerEntry]],
-                 mps: MpsKeeper) -> None:
-        self.settings = settings
-        self.gpus = gpus
-        self.store = store
-        self.client = client
-        self.events = events
+    def __init__(self, context: AgentContext, node: NodeWatch, offered: Callable[[], list[OwnerEntry]]) -> None:
+        self.settings = context.settings
+        self.gpus = context.gpus
+        self.store = context.store
+        self.client = context.client
+        self.events = context.events
         self.node = node
         self.offered = offered  # the entries whose device the ResourceSlice lists
-        self.mps = mps
-        self.resource_slice = ResourceSlicePublisher(client, settings.node)
+        self.mps = context.mps
+        self.resource_slice = ResourceSlicePublisher(context.client, context.settings.node)
         self._pending: asyncio.Task | None = None
         self._again = False  # a change arrived while a publish was under way
         self._now = asyncio.Event()  # set: the next publish skips (or cuts short) its coalescing delay

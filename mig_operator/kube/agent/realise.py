@@ -23,7 +23,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import replace
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
 
@@ -53,17 +53,13 @@ from mig_operator.gpu.mps import MpsError
 from mig_operator.gpu.protocol import GpuError, GpuInfo, MigInstance
 
 from ..common import metrics, status
-from ..common.client import ApiError, KubeClient, resource_version, slice_path
-from ..common.events import EventPoster
+from ..common.client import ApiError, resource_version, slice_path
 from ..common.faults import crashpoint
-from .gpus import Gpus, describe_instance
+from .context import AgentContext
+from .gpus import describe_instance
 from .inventory import instance_state
-from .mps_keeper import SLICE_REASON, MpsKeeper
+from .mps_keeper import SLICE_REASON
 from .publish import Publisher
-from .record import RecordStore
-
-if TYPE_CHECKING:
-    from .agent import AgentSettings
 
 log = logging.getLogger("mig_operator.agent")
 T = TypeVar("T")
@@ -86,15 +82,14 @@ def _as_mig(gpu: int, inst: InstanceState) -> MigInstance:
 class Realiser:
     """Realises and releases this node's slices; knows which slices say Ready (their devices' offers)."""
 
-    def __init__(self, settings: AgentSettings, gpus: Gpus, store: RecordStore, client: KubeClient,
-                 events: EventPoster, publisher: Publisher, mps: MpsKeeper) -> None:
-        self.settings = settings
-        self.gpus = gpus
-        self.store = store
-        self.client = client
-        self.events = events
+    def __init__(self, context: AgentContext, publisher: Publisher) -> None:
+        self.settings = context.settings
+        self.gpus = context.gpus
+        self.store = context.store
+        self.client = context.client
+        self.events = context.events
         self.publisher = publisher
-        self.mps = mps
+        self.mps = context.mps
         # Slices whose status says Ready and that are not being deleted, as last seen or written here.
         self.shown_ready: set[str] = set()
         # Slices realised whose Ready write is under way: their device is published first, and their

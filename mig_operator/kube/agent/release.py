@@ -14,7 +14,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 from mig_operator.core.cluster import MODE_MIG, Binding, describe_binding
 from mig_operator.core.lifecycle import IN_USE, ClaimHold, OwnerEntry, claim_hold
@@ -26,10 +25,8 @@ from ..common.faults import crashpoint
 from ..common.finalizers import remove_finalizer
 from ..common.names import AGENT_FINALIZER
 from ..common.workqueue import KeyedLocks
+from .context import AgentContext
 from .realise import Realiser
-
-if TYPE_CHECKING:
-    from .agent import AgentSettings
 
 log = logging.getLogger("mig_operator.agent")
 
@@ -37,12 +34,12 @@ log = logging.getLogger("mig_operator.agent")
 class Releaser:
     """Releases this node's deleted slices, holding those whose claim is in use."""
 
-    def __init__(self, settings: AgentSettings, realiser: Realiser) -> None:
-        self.settings = settings
+    def __init__(self, context: AgentContext, realiser: Realiser) -> None:
+        self.settings = context.settings
         self.realiser = realiser
-        self.store = realiser.store
-        self.client = realiser.client
-        self.events = realiser.events
+        self.store = context.store
+        self.client = context.client
+        self.events = context.events
         # Deleted slices kept while their claim is in use: uid -> (the latest body seen, the Released
         # message last written); one release of a slice at a time (events, unprepare and the re-check).
         self.holding: dict[str, tuple[Mapping, str]] = {}
