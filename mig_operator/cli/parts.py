@@ -101,7 +101,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
     from ..gpu import open_backend
     from ..gpu.mps import mps_for_backend
     from ..kube.agent.context import AgentSettings
-    from ..kube.agent.kubelet_plugin import MAX_SOCKET_PATH, PluginSettings, socket_paths_fit
+    from ..kube.agent.kubelet.settings import MAX_SOCKET_PATH, PluginSettings, socket_paths_fit
     from ..kube.agent.main import AgentOptions, node_exists, run_agent
     from ..kube.agent.record import RecordError, RecordStore
     from ..kube.common import metrics

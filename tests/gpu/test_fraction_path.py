@@ -390,7 +390,8 @@ def test_agent_prepares_fraction_claims_and_torch_holds_each_limit(
     from mig_operator.gpu import open_backend
     from mig_operator.kube.agent.agent import NodeAgent
     from mig_operator.kube.agent.context import AgentSettings
-    from mig_operator.kube.agent.kubelet_plugin import KubeletPlugin, PluginSettings
+    from mig_operator.kube.agent.kubelet.settings import PluginSettings
+    from mig_operator.kube.agent.kubelet.transport import KubeletPlugin
     from mig_operator.kube.agent.record import RecordStore
     from mig_operator.kube.agent.resource_slice import resource_slice_path
     from mig_operator.kube.common.client import gpunode_path, slice_path
@@ -606,7 +607,8 @@ def test_a_whole_gpu_slice_gets_the_gpu_with_no_shim_and_torch_sees_all_of_it(
     from mig_operator.gpu import open_backend
     from mig_operator.kube.agent.agent import NodeAgent
     from mig_operator.kube.agent.context import AgentSettings
-    from mig_operator.kube.agent.kubelet_plugin import KubeletPlugin, PluginSettings
+    from mig_operator.kube.agent.kubelet.settings import PluginSettings
+    from mig_operator.kube.agent.kubelet.transport import KubeletPlugin
     from mig_operator.kube.agent.record import RecordStore
     from mig_operator.kube.common.client import slice_path
 

@@ -116,7 +116,8 @@ def test_compute_shares_split_the_gpu_through_the_agents_mps_daemon(
     from mig_operator.gpu.mps import mps_for_backend
     from mig_operator.kube.agent.agent import NodeAgent
     from mig_operator.kube.agent.context import AgentSettings
-    from mig_operator.kube.agent.kubelet_plugin import KubeletPlugin, PluginSettings
+    from mig_operator.kube.agent.kubelet.settings import PluginSettings
+    from mig_operator.kube.agent.kubelet.transport import KubeletPlugin
     from mig_operator.kube.agent.record import RecordStore
     from mig_operator.kube.common.client import gpunode_path, slice_path
 

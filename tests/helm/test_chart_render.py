@@ -324,7 +324,7 @@ def test_the_rendered_arguments_parse_and_agree_with_each_other(render: Any, nam
         {"name": "shim", "mountPath": "/host-shim"}]
     # The slices' ledger directories: the agent makes them where its kubelet plugin derives them from
     # --shim-host-dir, at the host's own path (the CDI specs name host paths).
-    from mig_operator.kube.agent.kubelet_plugin import PluginSettings
+    from mig_operator.kube.agent.kubelet.settings import PluginSettings
 
     ledgers = PluginSettings(shim_host_dir=agent.shim_host_dir).ledger_host_dir
     assert _volume(docs, "agent", "ledgers")["hostPath"] == {"path": ledgers, "type": "DirectoryOrCreate"}

@@ -17,7 +17,8 @@ from fake_kubelet import FakeKubelet
 from mig_operator.gpu.simulated import SimulatedBackend
 from mig_operator.kube.agent.agent import NodeAgent
 from mig_operator.kube.agent.context import AgentSettings
-from mig_operator.kube.agent.kubelet_plugin import KubeletPlugin, PluginSettings
+from mig_operator.kube.agent.kubelet.settings import PluginSettings
+from mig_operator.kube.agent.kubelet.transport import KubeletPlugin
 from mig_operator.kube.agent.record import RecordStore
 from mig_operator.kube.common.client import ApiError
 

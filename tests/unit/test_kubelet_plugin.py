@@ -28,7 +28,8 @@ from kubelet_harness import (
 
 from mig_operator.core.cdi import SliceDevice, slice_spec
 from mig_operator.gpu.device_files import device_nodes, simulated_cap_minor
-from mig_operator.kube.agent.kubelet_plugin import KubeletPlugin, PluginSettings
+from mig_operator.kube.agent.kubelet.settings import PluginSettings
+from mig_operator.kube.agent.kubelet.transport import KubeletPlugin
 
 
 def test_registration_prepare_unprepare_repeated(root: Path) -> None:
@@ -442,7 +443,7 @@ def test_bad_plugin_flags_are_refused_in_one_line(root: Path, flag: str, value: 
 
 
 def test_a_socket_path_of_107_bytes_fits() -> None:
-    from mig_operator.kube.agent.kubelet_plugin import socket_paths_fit
+    from mig_operator.kube.agent.kubelet.settings import socket_paths_fit
 
     plugin_dir = "/" + "p" * (107 - len("/dra.sock") - 1)
     assert len(plugin_dir + "/dra.sock") == 107

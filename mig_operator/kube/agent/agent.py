@@ -77,7 +77,7 @@ class NodeAgent:
                      if settings.idle_timeout_s is not None else None)
         self._tasks: list[asyncio.Task] = []
 
-    # ---- what the kubelet plugin asks (kubelet_plugin.SliceHolder) --------------------------------
+    # ---- what the kubelet plugin asks (kubelet.prepare.SliceHolder) --------------------------------
 
     @property
     def node(self) -> str:

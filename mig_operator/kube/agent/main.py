@@ -24,7 +24,8 @@ from ..common.names import AGENT_PREFIX, GROUP, SLICES, VERSION, slices_of_node
 from ..common.operator import on_event, register_login, run_operator, tune
 from .agent import NodeAgent
 from .context import AgentSettings
-from .kubelet_plugin import KubeletPlugin, PluginSettings
+from .kubelet.settings import PluginSettings
+from .kubelet.transport import KubeletPlugin
 from .record import RecordStore
 
 log = logging.getLogger("mig_operator.agent")

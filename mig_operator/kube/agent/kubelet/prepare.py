@@ -1,51 +1,22 @@
-"""The agent as the kubelet's DRA plugin for driver ``gpu.cdmo.io`` (Kubernetes 1.34, DRA v1 gRPC).
-
-Two unix sockets, as the kubelet's plugin manager expects:
-
-- ``<registry dir>/gpu.cdmo.io-reg.sock``: the plugin registration service. The kubelet finds the
-  socket, calls ``GetInfo`` (type ``DRAPlugin``, our name, the DRA socket, the service ``v1.DRAPlugin``)
-  and then ``NotifyRegistrationStatus``.
-- ``<plugin dir>/dra.sock``: ``NodePrepareResources`` / ``NodeUnprepareResources``.
-
-Prepare reads each ResourceClaim from the API server, checks that what the scheduler allocated from
-this driver is a device of this node's pool, a slice the agent holds Ready, and that the claim is that
-slice's own (``core.claim_owner``: a claim of another namespace may be allocated any device its
-selector matches, so the scheduler's word is not enough), writes the slice's CDI spec (for a fraction,
-after making the slice's ledger directory and writing its limit file and ld.so.preload, which the
-spec mounts) and answers its CDI device ID (plus the
-NVIDIA toolkit's ID for the same UUID where the node has
-that spec: the driver's user-space libraries come from it). The prepared claim is recorded before
-the answer, so that an agent restarted later still unprepares it and still holds the instance.
-Both calls are idempotent; a claim's failure is its own error string, which the kubelet shows in
-the pod's events.
-"""
+"""Preparing a claim for the kubelet: the claim checked against the slice this node holds Ready, the
+slice's files and CDI spec written, the prepared claim recorded before the answer; and the reverse."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import glob
 import json
 import logging
 import os
-import shutil
-import stat
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol
-
-import grpc
-import yaml
 
 from mig_operator.core.cdi import (
     DRIVER,
-    NVIDIA_CDI_KIND,
     SliceDevice,
     device_id,
     ledger_dir,
     limit_dir,
-    names_device,
-    nvidia_device_id,
     slice_spec,
     spec_file_name,
 )
@@ -58,61 +29,16 @@ from mig_operator.gpu.device_files import DeviceFileError, device_nodes
 from mig_operator.gpu.files import write_atomically
 from mig_operator.gpu.mps import MpsDirs
 
-from ..common.client import ApiError, KubeClient
-from ..common.names import SHIM_HOST_DIR
-from .kubeletapi import DRA_PLUGIN_SERVICE, DRA_PLUGIN_TYPE
-from .kubeletapi import dra_v1_pb2 as dra
-from .kubeletapi import dra_v1_pb2_grpc as dra_grpc
-from .kubeletapi import pluginregistration_v1_pb2 as reg
-from .kubeletapi import pluginregistration_v1_pb2_grpc as reg_grpc
-from .record import PreparedClaim, RecordStore
+from ...common.client import ApiError, KubeClient
+from ..kubeletapi import dra_v1_pb2 as dra
+from ..record import PreparedClaim, RecordStore
+from .files import find_nvidia_device, make_ledger_dir, remove_slice_dir, write_limit_dir
+from .settings import PluginSettings
 
 # How long a prepare waits for a slice being realised here to be Ready (a reuse or a fraction: a
 # record write and no GPU call, milliseconds).
 REALISE_WAIT_S = 10.0
 log = logging.getLogger("mig_operator.agent.kubelet")
-
-REGISTRATION_SOCKET = f"{DRIVER}-reg.sock"
-DRA_SOCKET = "dra.sock"
-DEFAULT_REGISTRY_DIR = "/var/lib/kubelet/plugins_registry"
-DEFAULT_PLUGIN_DIR = f"/var/lib/kubelet/plugins/{DRIVER}"
-DEFAULT_CDI_DIR = "/var/run/cdi"
-# Where the NVIDIA toolkit's spec may be (nvidia-ctk cdi generate; the GPU Operator with CDI on).
-NVIDIA_CDI_DIRS = ("/etc/cdi", "/var/run/cdi")
-MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes with the terminating NUL
-
-
-@dataclass(frozen=True)
-class PluginSettings:
-    registry_dir: str = DEFAULT_REGISTRY_DIR  # "" serves no plugin (no kubelet on this machine)
-    plugin_dir: str = DEFAULT_PLUGIN_DIR
-    cdi_dir: str = DEFAULT_CDI_DIR
-    shim_host_dir: str = SHIM_HOST_DIR
-    nvidia_cdi_dirs: tuple[str, ...] = NVIDIA_CDI_DIRS
-
-    @property
-    def ledger_host_dir(self) -> str:
-        """The slices' ledger directories live beside the shim's (``/var/lib/mig-operator/ledgers``)."""
-        return os.path.join(os.path.dirname(self.shim_host_dir.rstrip("/")) or "/", "ledgers")
-
-    @property
-    def limits_host_dir(self) -> str:
-        """The slices' limit files and ld.so.preload, one directory per slice beside the ledgers
-        (``/var/lib/mig-operator/limits``); no container mounts these directories, only their files."""
-        return os.path.join(os.path.dirname(self.shim_host_dir.rstrip("/")) or "/", "limits")
-
-    @property
-    def mps_host_dir(self) -> str:
-        """The GPUs' MPS control daemon directories, beside the ledgers (``/var/lib/mig-operator/mps``)."""
-        return os.path.join(os.path.dirname(self.shim_host_dir.rstrip("/")) or "/", "mps")
-
-    @property
-    def registration_socket(self) -> str:
-        return os.path.join(self.registry_dir, REGISTRATION_SOCKET)
-
-    @property
-    def dra_socket(self) -> str:
-        return os.path.join(self.plugin_dir, DRA_SOCKET)
 
 
 class SliceHolder(Protocol):
@@ -161,51 +87,6 @@ class PrepareRefused(Exception):
 
 def _claim_ref(claim: Any) -> str:
     return f"ResourceClaim {claim.namespace}/{claim.name} (uid {claim.uid})"
-
-
-def make_ledger_dir(path: str) -> None:
-    """The slice's ledger directory, kept if it exists (the kubelet prepares a claim again while its
-    pods run). Sticky and writable by all: a container's user, root or not, creates the ledger file
-    in it and none removes another's. Refused if something else than a directory is there."""
-    os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
-    with contextlib.suppress(FileExistsError):
-        os.mkdir(path, 0o700)
-    if not stat.S_ISDIR(os.lstat(path).st_mode):
-        raise OSError(f"{path} is not a directory: the slice's ledger cannot be made")
-    os.chmod(path, 0o1777)  # after mkdir: the umask would take bits off
-
-
-def remove_slice_dir(path: str) -> None:
-    shutil.rmtree(path, ignore_errors=True)
-
-
-def write_limit_dir(path: str, files: dict[str, str]) -> None:
-    """The slice's limit directory with ``files`` (``environment.shim_files``), each replaced whole by
-    a rename, so that a container being made never reads half a file; readable by all (a container's
-    user, root or not, loads what they name) and writable by the agent alone. Refused if something
-    else than a directory is there."""
-    os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
-    with contextlib.suppress(FileExistsError):
-        os.mkdir(path, 0o755)
-    if not stat.S_ISDIR(os.lstat(path).st_mode):
-        raise OSError(f"{path} is not a directory: the slice's limit cannot be written")
-    os.chmod(path, 0o755)
-    for name, content in files.items():
-        write_atomically(os.path.join(path, name), content, 0o644)
-
-
-def find_nvidia_device(dirs: Sequence[str], device_uuid: str) -> str | None:
-    """The NVIDIA toolkit's CDI device ID for ``device_uuid`` if a spec in ``dirs`` defines it."""
-    for directory in dirs:
-        for path in sorted(glob.glob(os.path.join(directory, "*.json")) + glob.glob(os.path.join(directory, "*.yaml"))):
-            try:
-                with open(path) as fh:
-                    spec = json.load(fh) if path.endswith(".json") else yaml.safe_load(fh)
-            except (OSError, ValueError, yaml.YAMLError):
-                continue  # not ours to judge; the runtime reports specs it cannot read
-            if names_device(spec, NVIDIA_CDI_KIND, device_uuid):
-                return nvidia_device_id(device_uuid)
-    return None
 
 
 class ClaimPreparer:
@@ -386,92 +267,3 @@ class ClaimPreparer:
                                     limit_dir(self.settings.limits_host_dir, prepared.slice_uid))
         log.info("unprepared %s (slice %s)", _claim_ref(claim), prepared.slice_uid)
         await self.holder.claim_released(prepared.slice_uid)
-
-
-class _Registration(reg_grpc.RegistrationServicer):
-    def __init__(self, holder: SliceHolder, settings: PluginSettings) -> None:
-        self.holder = holder
-        self.settings = settings
-        self.registered: asyncio.Event = asyncio.Event()
-
-    async def GetInfo(self, request: reg.InfoRequest, context: grpc.aio.ServicerContext) -> reg.PluginInfo:  # noqa: N802
-        return reg.PluginInfo(type=DRA_PLUGIN_TYPE, name=DRIVER, endpoint=self.settings.dra_socket,
-                              supported_versions=[DRA_PLUGIN_SERVICE])
-
-    async def NotifyRegistrationStatus(self, request: reg.RegistrationStatus,  # noqa: N802
-                                       context: grpc.aio.ServicerContext) -> reg.RegistrationStatusResponse:
-        if request.plugin_registered:
-            log.info("the kubelet registered DRA driver %s at %s", DRIVER, self.settings.dra_socket)
-            self.registered.set()
-            self.holder.kubelet_registered()
-        else:
-            log.error("the kubelet refused DRA driver %s: %s", DRIVER, request.error)
-        return reg.RegistrationStatusResponse()
-
-
-class _DraService(dra_grpc.DRAPluginServicer):
-    def __init__(self, preparer: ClaimPreparer) -> None:
-        self.preparer = preparer
-
-    async def NodePrepareResources(self, request: dra.NodePrepareResourcesRequest,  # noqa: N802
-                                   context: grpc.aio.ServicerContext) -> dra.NodePrepareResourcesResponse:
-        return await self.preparer.prepare(request.claims)
-
-    async def NodeUnprepareResources(self, request: dra.NodeUnprepareResourcesRequest,  # noqa: N802
-                                     context: grpc.aio.ServicerContext) -> dra.NodeUnprepareResourcesResponse:
-        return await self.preparer.unprepare(request.claims)
-
-
-class KubeletPlugin:
-    """Both gRPC servers on their unix sockets, in the running asyncio loop."""
-
-    def __init__(self, holder: SliceHolder, settings: PluginSettings) -> None:
-        self.settings = settings
-        self.preparer = ClaimPreparer(holder, settings)
-        self.registration = _Registration(holder, settings)
-        self._servers: list[grpc.aio.Server] = []
-
-    async def start(self) -> bool:
-        """Serve both sockets; False (and nothing served) when there is no kubelet registry here."""
-        if not self.settings.registry_dir:
-            return False
-        if not os.path.isdir(self.settings.registry_dir):
-            log.warning("no kubelet plugin registry at %s: the kubelet cannot find DRA driver %s on this "
-                        "node (mount the kubelet's plugins_registry there, or pass --kubelet-registry-dir)",
-                        self.settings.registry_dir, DRIVER)
-            return False
-        os.makedirs(self.settings.plugin_dir, exist_ok=True)
-        await self.preparer.resync()
-        dra_server = grpc.aio.server()
-        dra_grpc.add_DRAPluginServicer_to_server(_DraService(self.preparer), dra_server)
-        await self._serve(dra_server, self.settings.dra_socket)
-        # Registration last: the kubelet calls the DRA socket as soon as it has registered us.
-        reg_server = grpc.aio.server()
-        reg_grpc.add_RegistrationServicer_to_server(self.registration, reg_server)
-        await self._serve(reg_server, self.settings.registration_socket)
-        log.info("DRA driver %s: registration at %s, service %s at %s", DRIVER, self.settings.registration_socket,
-                 DRA_PLUGIN_SERVICE, self.settings.dra_socket)
-        return True
-
-    async def _serve(self, server: grpc.aio.Server, path: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)  # a socket left by an earlier agent
-        server.add_insecure_port(f"unix://{path}")
-        await server.start()
-        self._servers.append(server)
-
-    async def stop(self) -> None:
-        # The registration socket goes first: the kubelet deregisters the plugin when it disappears.
-        for server, path in zip(reversed(self._servers), (self.settings.registration_socket, self.settings.dra_socket),
-                                strict=False):
-            await server.stop(grace=1.0)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-        self._servers.clear()
-
-
-def socket_paths_fit(settings: PluginSettings) -> list[str]:
-    """The socket paths too long for a unix socket (empty when all fit)."""
-    paths = [settings.dra_socket] + ([settings.registration_socket] if settings.registry_dir else [])
-    return [p for p in paths if len(p.encode()) > MAX_SOCKET_PATH]
-
