@@ -89,7 +89,7 @@ clean:
 #  - a conftest empties core's caches before each test, so mutmut's record of which tests reach a
 #    function (it runs only those on that function's mutants) misses no test behind a cache hit, and
 #    sets hypothesis to keep no example database and not to shrink.
-# MUTANTS='mig_operator.core.planner.*' limits a run to one module's mutants (mutmut's name patterns).
+# MUTANTS='mig_operator.core.placement.planner.*' limits a run to one module's mutants (mutmut's name patterns).
 .PHONY: mutation
 MUTATION_DIR := build/mutation
 MUTATION_STAMP := $(VENV)/.mutation-installed
@@ -130,7 +130,7 @@ a failing example (a killed mutant needs no minimal example)."""
 import pytest
 from hypothesis import Phase, settings
 
-from mig_operator.core import cluster, planner
+from mig_operator.core.placement import cluster, planner
 
 settings.register_profile("mutation", database=None, deadline=None, phases=[Phase.explicit, Phase.generate])
 settings.load_profile("mutation")

@@ -17,7 +17,7 @@ The comparison is per round (beside/alone - 1 of that round's p99s): the median 
 distribution-free confidence interval for that median from the order statistics; also the p99 of
 all steps of each phase pooled over the rounds. Sections: MPS (its own control daemon through
 ``mig_operator.gpu.mps``, the latency process at 0.25 and the trainer at 0.75 with the variables of
-``core.environment.mps_environment``), and time-sliced (no MPS: today's ``shared``). In each, the
+``core.node.environment.mps_environment``), and time-sliced (no MPS: today's ``shared``). In each, the
 latency process first runs alone before the trainer exists (``solo``), which checks that an idle
 trainer changes nothing. The daemon is stopped at the end whatever happens (SIGTERM included).
 """
@@ -344,7 +344,7 @@ def compare(measured: Mapping[str, Any], raw: Mapping[str, list], rounds: int) -
 
 def bench(plan: Plan, root: Path, raw_file: str | None) -> dict[str, Any]:
     sys.path.insert(0, str(REPO))
-    from mig_operator.core.environment import mps_environment
+    from mig_operator.core.node.environment import mps_environment
     from mig_operator.gpu.mps import MpsDaemons
 
     query = subprocess.run(["nvidia-smi", "-i", "0", "--query-gpu=uuid,name,driver_version",

@@ -11,7 +11,7 @@ a phase start together), runs SECONDS and prints its result.
 
 This program runs workers as plain processes on the host, beside an MPS control daemon it starts
 through ``mig_operator.gpu.mps`` (its own directories under a temporary root) and always stops;
-each client gets what its CDI spec would give (``core.environment.mps_environment``), with the pipe
+each client gets what its CDI spec would give (``core.node.environment.mps_environment``), with the pipe
 directory's host path. ``tests/gpu/test_mps_share.py`` runs the same phases (``run_together``) in
 containers made from the agent's own CDI specs.
 """
@@ -212,7 +212,7 @@ def gpu_zero() -> tuple[str, str, str]:
 
 def bench(seconds: float, root: Path) -> dict[str, Any]:
     sys.path.insert(0, str(REPO))
-    from mig_operator.core.environment import mps_environment
+    from mig_operator.core.node.environment import mps_environment
     from mig_operator.gpu.mps import MpsDaemons
 
     uuid, name, driver = gpu_zero()
@@ -284,7 +284,7 @@ def bench(seconds: float, root: Path) -> dict[str, Any]:
 def extra(seconds: float, root: Path) -> dict[str, Any]:
     """A client running as another uid than the daemon's (uid 65534)."""
     sys.path.insert(0, str(REPO))
-    from mig_operator.core.environment import mps_environment
+    from mig_operator.core.node.environment import mps_environment
     from mig_operator.gpu.mps import MpsDaemons
 
     uuid, name, driver = gpu_zero()

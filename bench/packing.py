@@ -3,8 +3,8 @@ time of one decision at cluster scale.
 
     .venv/bin/python bench/packing.py [--seed 7] [--seeds 20] [--scale 64,1024,16384] [--json out.json]
 
-Policies (each replays the same traces through core.trace.replay):
-  planner        core.planner.choose_mig, lazy reclaim (idle instances kept and reused)
+Policies (each replays the same traces through core.placement.trace.replay):
+  planner        core.placement.planner.choose_mig, lazy reclaim (idle instances kept and reused)
   planner-eager  the same choices, but an instance is destroyed as soon as it is freed
   first-fit      each GPU's smallest profile, first GPU in index order, first free placement in
                  NVML order, destroyed when freed (NVIDIA's DRA driver, early InstaSlice)
@@ -46,7 +46,7 @@ from types import ModuleType
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from mig_operator.core.planner import (  # noqa: E402
+from mig_operator.core.placement.planner import (  # noqa: E402
     InstanceSlot,
     MigDecision,
     MigGpu,
@@ -54,11 +54,11 @@ from mig_operator.core.planner import (  # noqa: E402
     candidate_profiles,
     choose_mig,
 )
-from mig_operator.core.planning_index import PlanningIndex  # noqa: E402
-from mig_operator.core.profiles import GpuModel, get_model  # noqa: E402
-from mig_operator.core.quantities import MIB  # noqa: E402
-from mig_operator.core.request import SliceRequest, slice_request  # noqa: E402
-from mig_operator.core.trace import TraceEvent, replay  # noqa: E402
+from mig_operator.core.placement.planning_index import PlanningIndex  # noqa: E402
+from mig_operator.core.placement.profiles import GpuModel, get_model  # noqa: E402
+from mig_operator.core.placement.trace import TraceEvent, replay  # noqa: E402
+from mig_operator.core.requests.quantities import MIB  # noqa: E402
+from mig_operator.core.requests.request import SliceRequest, slice_request  # noqa: E402
 
 MODELS = ("h100-80gb", "a100-40gb", "h200-141gb")
 GPU_COUNTS = (1, 2, 4, 8)
@@ -520,15 +520,15 @@ def _stats(times: list[float]) -> dict[str, float]:
 
 
 def load_baseline(rev: str) -> ModuleType:
-    """core/planner.py as it was at git revision ``rev``, importable beside today's."""
-    source = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:mig_operator/core/planner.py"],
+    """core/placement/planner.py as it was at git revision ``rev``, importable beside today's."""
+    source = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:mig_operator/core/placement/planner.py"],
                             check=True, capture_output=True, text=True).stdout
     spec = importlib.util.spec_from_loader("mig_operator.core._planner_baseline", loader=None)
     assert spec is not None
     module = importlib.util.module_from_spec(spec)
     module.__package__ = "mig_operator.core"
     sys.modules[spec.name] = module
-    exec(compile(source, f"{rev}:mig_operator/core/planner.py", "exec"), module.__dict__)
+    exec(compile(source, f"{rev}:mig_operator/core/placement/planner.py", "exec"), module.__dict__)
     return module
 
 

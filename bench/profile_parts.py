@@ -22,7 +22,7 @@ IDLE_LEAVES = ("EpollSelector.select (selectors.py", "_worker (concurrent/future
 # Parts of the controller, by the frames that are theirs; the one nearest the leaf wins.
 PARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("binder", ("(mig_operator/kube/controller/binder.py", "(mig_operator/kube/controller/observe.py",
-                "(mig_operator/core/ledger.py")),
+                "(mig_operator/core/books/ledger.py")),
     ("claims", ("(mig_operator/kube/controller/claims.py",)),
     ("pods: slice made, ungating", ("(mig_operator/kube/controller/pods.py",)),
     ("quotas", ("(mig_operator/kube/controller/quotas.py",)),

@@ -1,5 +1,5 @@
 """The seed platforms' own request examples, verbatim, each under its source: the unit tests of
-core/compat.py and the end-to-end tests of the compat webhook entry use the same text."""
+core/requests/compat.py and the end-to-end tests of the compat webhook entry use the same text."""
 
 # https://github.com/NVIDIA/KAI-Scheduler/blob/main/docs/gpu-sharing/gpu-sharing.yaml
 KAI_GPU_SHARING = """

@@ -6,9 +6,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from mig_operator.core.quantities import clip_repr
-from mig_operator.core.request import RequestError
-from mig_operator.core.slice_spec import IMMUTABLE_FIELDS
+from mig_operator.core.requests.quantities import clip_repr
+from mig_operator.core.requests.request import RequestError
+from mig_operator.core.requests.slice_spec import IMMUTABLE_FIELDS
 
 
 def check_request_unchanged(old_spec: Mapping[str, Any], new_spec: Mapping[str, Any]) -> None:

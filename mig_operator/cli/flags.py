@@ -9,8 +9,8 @@ import re
 import sys
 from types import FrameType
 
-from ..core.quantities import QuantityError
-from ..core.slice_spec import MAX_NODE_NAME_LENGTH, NODE_NAME
+from ..core.requests.quantities import QuantityError
+from ..core.requests.slice_spec import MAX_NODE_NAME_LENGTH, NODE_NAME
 
 EXIT_GPU_ERROR = 1
 EXIT_BAD_INPUT = 2

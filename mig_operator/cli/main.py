@@ -9,9 +9,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from ..core.profiles import CatalogError
-from ..core.quantities import QuantityError, clip_text
-from ..core.trace import TraceError
+from ..core.placement.profiles import CatalogError
+from ..core.placement.trace import TraceError
+from ..core.requests.quantities import QuantityError, clip_text
 from ..gpu.protocol import GpuError
 from .flags import EXIT_BAD_INPUT, EXIT_GPU_ERROR, UsageError, part_flags
 from .offline import add_offline_commands

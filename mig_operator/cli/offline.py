@@ -10,9 +10,9 @@ import re
 import sys
 from typing import TYPE_CHECKING
 
-from ..core.profiles import CATALOG, get_model
-from ..core.quantities import clip_repr, clip_text
-from ..core.trace import TRACE_EXAMPLE, TraceEvent, parse_trace, replay
+from ..core.placement.profiles import CATALOG, get_model
+from ..core.placement.trace import TRACE_EXAMPLE, TraceEvent, parse_trace, replay
+from ..core.requests.quantities import clip_repr, clip_text
 from ..gpu.protocol import GpuError
 from .flags import EXIT_GPU_ERROR, UsageError
 from .views import model_json, model_text, placement_note, plan_lines
@@ -148,7 +148,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace, events: list[TraceEvent], state: str, where: str) -> int:
     import time
 
-    from ..core.planner import Unplaceable, choose_mig
+    from ..core.placement.planner import Unplaceable, choose_mig
     from ..gpu.inventory import describe, render_text
     from ..kube.agent.direct import planner_view, realise_decision
 

@@ -8,9 +8,9 @@ import argparse
 import contextlib
 import signal
 
-from ..core.compute import parse_default_compute
-from ..core.quantities import QuantityError
-from ..core.runtime_trust import DEFAULT_CONFIG as TOOLKIT_CONFIG
+from ..core.node.runtime_trust import DEFAULT_CONFIG as TOOLKIT_CONFIG
+from ..core.placement.compute import parse_default_compute
+from ..core.requests.quantities import QuantityError
 from .flags import (
     MAX_PEERING_LIFETIME_S,
     address,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..core.quantities import QuantityError
+from ..core.requests.quantities import QuantityError
 from .flags import check_credentials, parse_duration, shown
 
 DEFAULT_WATCH_S = 2
@@ -43,8 +43,8 @@ def cmd_top(args: argparse.Namespace) -> int:
     import json
     import time
 
-    from ..core.top_json import view_json
-    from ..core.top_view import render_text
+    from ..core.views.top_json import view_json
+    from ..core.views.top_view import render_text
     from ..kube.top import TopError, client_for, read_view
 
     interval = watch_seconds(args.watch) if args.watch is not None else None

@@ -3,7 +3,7 @@ note that explains a placement the first time a user meets one."""
 
 from __future__ import annotations
 
-from ..core.profiles import GpuModel
+from ..core.placement.profiles import GpuModel
 
 
 def placement_note(start: int, size: int, slots: int) -> str:

@@ -10,8 +10,8 @@ import signal
 import tempfile
 from typing import TYPE_CHECKING
 
-from ..core.compat import UnknownDialect, check_dialects
-from ..core.quantities import QuantityError
+from ..core.requests.compat import UnknownDialect, check_dialects
+from ..core.requests.quantities import QuantityError
 from .flags import (
     address,
     check_credentials,

@@ -9,8 +9,8 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-from mig_operator.core.profiles import CATALOG
-from mig_operator.core.quantities import clip_repr, clip_text
+from mig_operator.core.placement.profiles import CATALOG
+from mig_operator.core.requests.quantities import clip_repr, clip_text
 from mig_operator.gpu.protocol import GpuBackend, GpuError, GpuInfo, MigInstance
 
 __all__ = ["GpuBackend", "GpuError", "GpuInfo", "MigInstance", "open_backend"]

@@ -17,7 +17,7 @@ import os
 import re
 from collections.abc import Iterable
 
-from mig_operator.core.cdi import DeviceNode
+from mig_operator.core.node.cdi import DeviceNode
 from mig_operator.gpu.files import write_atomically
 
 CAPABILITIES_DIR = "proc/driver/nvidia/capabilities"

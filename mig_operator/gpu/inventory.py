@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mig_operator.core.profiles import GpuModel, model_for_product
+from mig_operator.core.placement.profiles import GpuModel, model_for_product
 from mig_operator.gpu.protocol import GpuBackend, MigInstance
 
 

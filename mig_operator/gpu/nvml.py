@@ -29,7 +29,7 @@ from typing import Any
 
 import pynvml
 
-from mig_operator.core.profiles import GpuModel, Profile, model_for_product
+from mig_operator.core.placement.profiles import GpuModel, Profile, model_for_product
 from mig_operator.gpu.nvml_query import (
     compute_instances,
     derived_profile_name,

@@ -13,7 +13,7 @@ from typing import Any
 
 import pynvml
 
-from mig_operator.core.profiles import Placement, Profile
+from mig_operator.core.placement.profiles import Placement, Profile
 from mig_operator.gpu.protocol import GpuError, MigInstance
 
 # Profile-info indices scanned: the binding's documented count, or more, for a driver newer than it.

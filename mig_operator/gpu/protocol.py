@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from mig_operator.core.profiles import GpuModel
+from mig_operator.core.placement.profiles import GpuModel
 
 # NVML's return codes (nvml.h ``nvmlReturn_t``). They are a stable ABI, so they are written out here
 # rather than read from pynvml, which only the real backend may import.

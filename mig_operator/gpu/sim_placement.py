@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import uuid
 
-from mig_operator.core.profiles import GpuModel, Profile
+from mig_operator.core.placement.profiles import GpuModel, Profile
 from mig_operator.gpu.protocol import GpuError
 from mig_operator.gpu.sim_state import SimGpu
 

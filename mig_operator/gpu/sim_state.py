@@ -13,8 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from mig_operator.core.profiles import CatalogError, GpuModel
-from mig_operator.core.quantities import clip_repr
+from mig_operator.core.placement.profiles import CatalogError, GpuModel
+from mig_operator.core.requests.quantities import clip_repr
 from mig_operator.gpu.files import write_atomically
 from mig_operator.gpu.protocol import NVML_ERROR_CODES, GpuError
 

@@ -1,4 +1,4 @@
-"""A MIG simulator that answers as NVML does, built from the catalog in ``core.profiles``.
+"""A MIG simulator that answers as NVML does, built from the catalog in ``core.placement.profiles``.
 
 What it reproduces, because the operator's logic depends on it:
 
@@ -37,8 +37,8 @@ import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from mig_operator.core.profiles import GpuModel, Profile, get_model
-from mig_operator.core.quantities import clip_repr
+from mig_operator.core.placement.profiles import GpuModel, Profile, get_model
+from mig_operator.core.requests.quantities import clip_repr
 from mig_operator.gpu.device_files import write_simulated_files
 from mig_operator.gpu.protocol import NVML_ERROR_CODES, GpuError, GpuInfo, MigInstance
 from mig_operator.gpu.sim_placement import check_room, gpu_uuid, legal_profile, mig_uuid

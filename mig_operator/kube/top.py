@@ -1,13 +1,13 @@
 """`mig-operator top`'s reads: the GpuNodes, the GpuSlices and the GpuQuotas, three list calls.
 
-Drawing them is core/top_view.py's; the command line (cli/top.py) loops for ``--watch``.
+Drawing them is core/views/top_view.py's; the command line (cli/top.py) loops for ``--watch``.
 """
 
 from __future__ import annotations
 
 import asyncio
 
-from mig_operator.core.top_view import QUOTAS_ABSENT, QUOTAS_LISTED, QUOTAS_UNREADABLE, TopView, build_view
+from mig_operator.core.views.top_view import QUOTAS_ABSENT, QUOTAS_LISTED, QUOTAS_UNREADABLE, TopView, build_view
 
 from .common.client import ApiError, KubeClient, Retry, gpunodes_path, slices_path
 from .common.names import API_VERSION

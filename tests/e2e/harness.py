@@ -25,7 +25,7 @@ import kubernetes
 import pytest
 from kubernetes.client.rest import ApiException
 
-from mig_operator.core.profiles import get_model
+from mig_operator.core.placement.profiles import get_model
 from mig_operator.gpu.simulated import SimulatedBackend
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -1,6 +1,6 @@
 """The GpuSlice and GpuNode CRDs on a real kube-apiserver (scripts/control-plane).
 
-The API server's schema and CEL rules must refuse exactly what mig_operator.core.slice_spec refuses:
+The API server's schema and CEL rules must refuse exactly what mig_operator.core.requests.slice_spec refuses:
 every spec of tests/corpus/gpuslice_specs.yaml, and a generated set of memory strings, is sent to the
 server (official Python client and kubectl) and the verdicts compared with core's.
 """
@@ -22,8 +22,8 @@ import pytest
 import yaml
 from slice_spec_reference import check_request_unchanged
 
-from mig_operator.core.quantities import QuantityError
-from mig_operator.core.slice_spec import request_from_spec
+from mig_operator.core.requests.quantities import QuantityError
+from mig_operator.core.requests.slice_spec import request_from_spec
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CRD_FILES = [REPO_ROOT / "crds" / "gpuslice.yaml", REPO_ROOT / "crds" / "gpunode.yaml"]
@@ -429,8 +429,8 @@ def _gpunode(api: Any) -> str:
 
 
 def test_a_mixed_nodes_status_as_the_agent_builds_it_is_stored_whole(api: Any, crds: None) -> None:
-    from mig_operator.core.lifecycle import OwnerRecord
-    from mig_operator.core.profiles import get_model
+    from mig_operator.core.node.lifecycle import OwnerRecord
+    from mig_operator.core.placement.profiles import get_model
     from mig_operator.gpu.protocol import GpuInfo
     from mig_operator.kube.agent.inventory import gpunode_status
 

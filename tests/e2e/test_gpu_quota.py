@@ -13,7 +13,7 @@ import yaml
 from harness import GROUP, REPO_ROOT, VERSION, OperatorHarness, wait_until
 from kubernetes.client.rest import ApiException
 
-from mig_operator.core.tenancy import SHARING_LABEL, SHARING_VALUE
+from mig_operator.core.placement.tenancy import SHARING_LABEL, SHARING_VALUE
 
 MIB = 2**20
 GIB = 2**30

@@ -32,7 +32,7 @@ TEMPLATES = ("serviceaccounts.yaml", "rbac.yaml", "agent-node-policy.yaml", "con
              "user-roles.yaml")
 NODE_KEY = "authentication.kubernetes.io/node-name"
 GATE = "cdmo.io/gpu-slice"
-AT = "2026-11-27T11:40:05Z"  # an allocation's timestamp (core/slice_claim.allocation)
+AT = "2026-11-27T11:40:05Z"  # an allocation's timestamp (core/books/slice_claim.allocation)
 
 
 @dataclass
@@ -307,8 +307,8 @@ def test_the_controllers_writes_are_narrowed_to_what_its_code_writes(
     unowned["metadata"].pop("ownerReferences")
     kube_cluster.custom_objects().create_namespaced_custom_object(*claims, unowned)
     refused(lambda: custom.delete_namespaced_custom_object(*claims, "users"))
-    # Its allocation: that slice's device in one node's pool, usable there only (core/slice_claim.py).
-    from mig_operator.core.slice_claim import allocation_patch, pod_consumer
+    # Its allocation: that slice's device in one node's pool, usable there only (core/books/slice_claim.py).
+    from mig_operator.core.books.slice_claim import allocation_patch, pod_consumer
 
     def allocate(name: str, body: dict[str, Any]) -> Any:
         return custom.patch_namespaced_custom_object_status(*claims, name, body)

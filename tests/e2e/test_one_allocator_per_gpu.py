@@ -18,7 +18,7 @@ from typing import Any
 from harness import OperatorHarness, SimNode, check_invariants, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
-from mig_operator.core.device_plugin import (
+from mig_operator.core.node.device_plugin import (
     CONDITION_TYPE,
     GPU_OPERATOR_PLUGIN_LABEL,
     REASON_CONFLICT,

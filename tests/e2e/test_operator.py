@@ -10,7 +10,7 @@ import time
 import pytest
 from harness import OperatorHarness, SimNode, check_invariants, wait_until
 
-from mig_operator.core.profiles import get_model
+from mig_operator.core.placement.profiles import get_model
 
 MIB = 2**20
 

@@ -21,8 +21,8 @@ from typing import Any
 import yaml
 from harness import GROUP, NODES, REPO_ROOT, VERSION, OperatorHarness, check_invariants, wait_until
 
-from mig_operator.core.runtime_trust import CONDITION_TYPE, TRUST_LABEL, TRUST_VALUE
-from mig_operator.core.tenancy import SHARING_LABEL, SHARING_VALUE
+from mig_operator.core.node.runtime_trust import CONDITION_TYPE, TRUST_LABEL, TRUST_VALUE
+from mig_operator.core.placement.tenancy import SHARING_LABEL, SHARING_VALUE
 
 L40S_MIB = 46068  # catalog: what one L40S holds
 GIB_MIB = 1024

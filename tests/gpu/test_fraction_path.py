@@ -385,8 +385,8 @@ def run_torch_in_container(oci: dict, limit: int, workdir: Path) -> dict[str, An
 
 def test_agent_prepares_fraction_claims_and_torch_holds_each_limit(
         gpu: str, cdi_validate: Path, container_tools: None, shim_library: Path, short_dir: Path) -> None:
-    from mig_operator.core.cdi import spec_file_name
-    from mig_operator.core.slice_claim import claim_path as resource_claim_path
+    from mig_operator.core.books.slice_claim import claim_path as resource_claim_path
+    from mig_operator.core.node.cdi import spec_file_name
     from mig_operator.gpu import open_backend
     from mig_operator.kube.agent.agent import NodeAgent
     from mig_operator.kube.agent.context import AgentSettings
@@ -601,9 +601,9 @@ def test_a_whole_gpu_slice_gets_the_gpu_with_no_shim_and_torch_sees_all_of_it(
     """Issue 17, item 2: nvidia.com/gpu on a GPU without MIG is a fraction of 1 (its grant is all of
     the GPU's memory). The agent's CDI spec then preloads no shim and sets no limit, and PyTorch,
     started with exactly that spec, sees the GPU's whole memory as NVML reports it."""
-    from mig_operator.core.cdi import spec_file_name
-    from mig_operator.core.quantities import MIB
-    from mig_operator.core.slice_claim import claim_path as resource_claim_path
+    from mig_operator.core.books.slice_claim import claim_path as resource_claim_path
+    from mig_operator.core.node.cdi import spec_file_name
+    from mig_operator.core.requests.quantities import MIB
     from mig_operator.gpu import open_backend
     from mig_operator.kube.agent.agent import NodeAgent
     from mig_operator.kube.agent.context import AgentSettings

@@ -110,8 +110,8 @@ def test_compute_shares_split_the_gpu_through_the_agents_mps_daemon(
     from mps_latency import Plan, compare, section
     from mps_share import host_launch, run_together, split
 
-    from mig_operator.core.cdi import spec_file_name
-    from mig_operator.core.slice_claim import claim_path as resource_claim_path
+    from mig_operator.core.books.slice_claim import claim_path as resource_claim_path
+    from mig_operator.core.node.cdi import spec_file_name
     from mig_operator.gpu import open_backend
     from mig_operator.gpu.mps import mps_for_backend
     from mig_operator.kube.agent.agent import NodeAgent

@@ -166,8 +166,8 @@ def test_d_two_pods_sharing_one_claim_share_one_limit(gpu: str, shim: Path, tmp_
     sys.path.insert(0, str(REPO))
     from test_fraction_path import placeholders
 
-    from mig_operator.core.cdi import DeviceNode, SliceDevice, ledger_dir, limit_dir, slice_spec
-    from mig_operator.core.environment import shim_files
+    from mig_operator.core.node.cdi import DeviceNode, SliceDevice, ledger_dir, limit_dir, slice_spec
+    from mig_operator.core.node.environment import shim_files
     from mig_operator.kube.agent.kubelet.files import make_ledger_dir, write_limit_dir
 
     uid = "d4c3b2a1-0000-4000-8000-000000000024"

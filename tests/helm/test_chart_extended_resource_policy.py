@@ -13,7 +13,7 @@ from typing import Any
 import kubernetes_validate
 from helm_chart import REPO_ROOT
 
-from mig_operator.core.request_forms import mig_resource_request, pod_devices
+from mig_operator.core.requests.request_forms import mig_resource_request, pod_devices
 from mig_operator.kube.common.names import DEVICE_CLASS
 
 SUFFIX = "-extended-resources.cdmo.io"

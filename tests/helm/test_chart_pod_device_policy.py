@@ -13,7 +13,7 @@ import pytest
 import yaml
 from helm_chart import CHART_DIR, REPO_ROOT
 
-from mig_operator.core.environment import SHIM_PATH_IN_CONTAINER, slice_environment
+from mig_operator.core.node.environment import SHIM_PATH_IN_CONTAINER, slice_environment
 
 SUFFIX = "-pod-devices.cdmo.io"
 NAME_LABEL = "kubernetes.io/metadata.name"
@@ -78,7 +78,7 @@ def test_it_refuses_exactly_the_device_variables_of_the_nvidia_runtime(render: A
 
 
 def test_the_slices_own_environment_is_all_refused(render: Any) -> None:
-    """Every variable the driver's CDI spec gives a slice (core/environment.py) is one a pod may not set."""
+    """Every variable the driver's CDI spec gives a slice (core/node/environment.py) is one a pod may not set."""
     policy, _ = pod_policy(render())
     refused = set(device_names(policy))
     for mode in ("mig", "fraction"):

@@ -14,7 +14,7 @@ from helm_chart import CHART_DIR, REPO_ROOT, container, find, workload
 
 from mig_operator.cli import build_parser
 from mig_operator.cli.flags import parse_duration
-from mig_operator.core.compat import check_dialects
+from mig_operator.core.requests.compat import check_dialects
 from mig_operator.kube.common.names import WEBHOOK_NAME
 from mig_operator.kube.webhook.server import WebhookOptions, webhook_configuration
 
@@ -697,7 +697,7 @@ def test_the_agent_node_policy_binds_the_releases_agent_to_its_node(render: Any,
 
 def test_the_controller_write_policy_names_the_releases_configuration_peering_and_claim_shape(
         render: Any) -> None:
-    from mig_operator.core.slice_claim import device_selector
+    from mig_operator.core.books.slice_claim import device_selector
     from mig_operator.kube.common.names import DEVICE_CLASS, DRA_DRIVER
 
     docs = render(*VARIANTS["everything else changed"], release="mo", namespace="gpu-system")
@@ -709,11 +709,11 @@ def test_the_controller_write_policy_names_the_releases_configuration_peering_an
     assert any('request.name == "gpu-peers"' in e for e in expressions)  # controller.peering
     # The claim it may write is the one claims.py writes: the class and the selector, up to the slice's UID.
     [claims] = [e for e in expressions if "'resourceclaims'" in e and "variables.status" not in e]
-    # The allocation it may write is the one core/slice_claim.py builds: the driver, the slice's device.
+    # The allocation it may write is the one core/books/slice_claim.py builds: the driver, the slice's device.
     [allocation] = [e for e in expressions if "'resourceclaims'" in e and "variables.status" in e
                     and "reservedFor" not in e]
     assert f"x.driver == '{DRA_DRIVER}'" in allocation and "x.device == r.uid" in allocation
-    # Its reservations: one pod, in the allocating write (core/slice_claim.py's pod_consumer), then only fewer.
+    # Its reservations: one pod, in the allocating write (core/books/slice_claim.py's pod_consumer), then only fewer.
     [reservations] = [e for e in expressions if "'resourceclaims'" in e and "reservedFor" in e]
     assert "reservedFor.size() == 1" in reservations and "c.resource == 'pods'" in reservations
     assert f"q.exactly.deviceClassName == '{DEVICE_CLASS}'" in claims
@@ -730,7 +730,7 @@ def test_the_controller_write_policy_names_the_releases_configuration_peering_an
 
 
 def test_only_the_releases_controller_allocates_claims_of_the_class(render: Any) -> None:
-    from mig_operator.core.slice_claim import DELETE_PROTECTION, DEVICE_CLASS
+    from mig_operator.core.books.slice_claim import DELETE_PROTECTION, DEVICE_CLASS
 
     docs = render(*VARIANTS["everything else changed"], release="mo", namespace="gpu-system")
     policy, _ = _policy(docs, "-claim-allocation.cdmo.io")

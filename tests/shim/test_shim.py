@@ -53,7 +53,7 @@ def test_library_exports_only_entry_points() -> None:
     assert "cuGetExportTable" not in names, "cuGetExportTable must reach the driver untouched"
 
 
-LEDGER_IN_CONTAINER = "/run/cdmo/ledger"  # core/cdi.py mounts the claim's ledger directory here
+LEDGER_IN_CONTAINER = "/run/cdmo/ledger"  # core/node/cdi.py mounts the claim's ledger directory here
 LIMIT_IN_CONTAINER = "/run/cdmo/limit"  # and the slice's limit file here, read-only
 
 
@@ -62,7 +62,7 @@ def test_the_ledger_and_the_limit_are_fixed_at_build_time() -> None:
     and the file the CDI spec mounts, and reads no variable that could point elsewhere or change how
     the context is counted."""
     _build()
-    from mig_operator.core.environment import LEDGER_PATH_IN_CONTAINER, LIMIT_PATH_IN_CONTAINER
+    from mig_operator.core.node.environment import LEDGER_PATH_IN_CONTAINER, LIMIT_PATH_IN_CONTAINER
 
     assert (LEDGER_PATH_IN_CONTAINER, LIMIT_PATH_IN_CONTAINER) == (LEDGER_IN_CONTAINER, LIMIT_IN_CONTAINER)
     data = (SHIM / "libgpuslice.so").read_bytes()

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from mig_operator.core.cluster_planner import ClusterPlanner
-from mig_operator.core.ledger import Ledger, SliceRecord
+from mig_operator.core.books.ledger import Ledger, SliceRecord
+from mig_operator.core.placement.cluster_planner import ClusterPlanner
 from mig_operator.kube.controller.observe import inventory, inventory_node, node_labels, slice_record
 
 

@@ -1,4 +1,4 @@
-"""The reference the incremental planner (core.cluster_planner.ClusterPlanner) is held equal to:
+"""The reference the incremental planner (core.placement.cluster_planner.ClusterPlanner) is held equal to:
 every GPU's view rebuilt from the inventories, labels and bindings for each decision (``build_view``),
 and one decision on it (``plan_binding``). Slow and obviously right: for tests only."""
 
@@ -7,12 +7,12 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
-from mig_operator.core.cluster import MODE_FRACTION, MODE_MIG, Binding, NodeInventory, gpu_role
-from mig_operator.core.cluster_planner import _block, _decide, _fraction_gpu, _mig_gpu, no_such_node
-from mig_operator.core.fraction_planner import FractionGpu
-from mig_operator.core.node_blocks import NodeBlock
-from mig_operator.core.planner import MigGpu, PlannerSettings, choose_mig
-from mig_operator.core.request import SliceRequest
+from mig_operator.core.placement.cluster import MODE_FRACTION, MODE_MIG, Binding, NodeInventory, gpu_role
+from mig_operator.core.placement.cluster_planner import _block, _decide, _fraction_gpu, _mig_gpu, no_such_node
+from mig_operator.core.placement.fraction_planner import FractionGpu
+from mig_operator.core.placement.node_blocks import NodeBlock
+from mig_operator.core.placement.planner import MigGpu, PlannerSettings, choose_mig
+from mig_operator.core.requests.request import SliceRequest
 
 
 @dataclass
@@ -23,7 +23,7 @@ class ClusterView:
     fraction: list[FractionGpu] = field(default_factory=list)
     uuids: dict[tuple[str, int], str] = field(default_factory=dict)
     nodes: set[str] = field(default_factory=set)  # nodes that have an inventory (a GpuNode)
-    # Nodes whose GPUs take no new slice (core.node_blocks) -> why.
+    # Nodes whose GPUs take no new slice (core.placement.node_blocks) -> why.
     blocked: dict[str, NodeBlock] = field(default_factory=dict)
 
 
@@ -68,7 +68,7 @@ def plan_binding(
     namespace: str = "",
 ) -> Binding:
     """Where ``request`` goes: a MIG GPU when one can take it (hardware isolation), else a fraction GPU
-    that no other namespace holds (``core.tenancy``).
+    that no other namespace holds (``core.placement.tenancy``).
 
     ``node`` pins the choice to one node (spec.nodeName). A request by profile name needs a MIG GPU.
     The returned binding has no uid and carries ``namespace`` (the slice's); raises Refusal with a code

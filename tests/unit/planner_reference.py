@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import math
 
-from mig_operator.core.planner import InstanceSlot, MigDecision, MigGpu, Reclaim, Unplaceable
-from mig_operator.core.profiles import GpuModel, Profile
-from mig_operator.core.request import SliceRequest
+from mig_operator.core.placement.planner import InstanceSlot, MigDecision, MigGpu, Reclaim, Unplaceable
+from mig_operator.core.placement.profiles import GpuModel, Profile
+from mig_operator.core.requests.request import SliceRequest
 
 _MIB = 2**20
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from mig_operator.core.request_forms import pod_devices
+from mig_operator.core.requests.request_forms import pod_devices
 
 
 def slice_spec_for(annotations: Mapping[str, str]) -> dict[str, Any] | None:

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 from prometheus_client import REGISTRY
 
-from mig_operator.core.profiles import get_model
+from mig_operator.core.placement.profiles import get_model
 from mig_operator.gpu.protocol import GpuError
 from mig_operator.gpu.simulated import SimulatedBackend
 from mig_operator.kube.agent.gpus import Gpus

@@ -13,8 +13,8 @@ from dataclasses import replace
 
 import pytest
 
-from mig_operator.core.cluster import MODE_FRACTION, MODE_MIG
-from mig_operator.core.lifecycle import COMPLETED, STARTED, OwnerEntry, OwnerRecord
+from mig_operator.core.node.lifecycle import COMPLETED, STARTED, OwnerEntry, OwnerRecord
+from mig_operator.core.placement.cluster import MODE_FRACTION, MODE_MIG
 from mig_operator.gpu import files as files_module
 from mig_operator.kube.agent import record as record_module
 from mig_operator.kube.agent.record import RecordError, RecordStore, boot_id

@@ -1,10 +1,10 @@
-"""core/cdi.py: the CDI spec of one slice, checked against specs written out by hand."""
+"""core/node/cdi.py: the CDI spec of one slice, checked against specs written out by hand."""
 
 from __future__ import annotations
 
 import pytest
 
-from mig_operator.core.cdi import (
+from mig_operator.core.node.cdi import (
     DeviceNode,
     SliceDevice,
     cdi_version,

@@ -1,10 +1,10 @@
-"""core/claim_owner.py: which ResourceClaim may have a slice's device prepared (issue 24)."""
+"""core/books/claim_owner.py: which ResourceClaim may have a slice's device prepared (issue 24)."""
 
 from __future__ import annotations
 
 import pytest
 
-from mig_operator.core.claim_owner import claim_refusal
+from mig_operator.core.books.claim_owner import claim_refusal
 
 SLICE = "team-a/nb"
 UID = "3f1c0a2e-0000-4000-8000-000000000001"

@@ -12,7 +12,7 @@ import pytest
 
 from mig_operator.cli import main
 from mig_operator.cli.offline import MAX_PLAN_GPUS
-from mig_operator.core.profiles import CATALOG
+from mig_operator.core.placement.profiles import CATALOG
 
 
 def cli(*argv: str, stdout: int | None = subprocess.PIPE) -> subprocess.CompletedProcess:

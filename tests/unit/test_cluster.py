@@ -1,4 +1,4 @@
-"""core.cluster: the controller's cluster view and the binding of one slice to a GPU.
+"""core.placement.cluster: the controller's cluster view and the binding of one slice to a GPU.
 
 Expected values are computed here from the catalog (placements, MiB figures), never read back from
 the code under test: slot masks are built slot by slot, bytes from MiB times 2**20.
@@ -15,7 +15,8 @@ from cluster_reference import build_view, plan_binding
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mig_operator.core.cluster import (
+from mig_operator.core.node.lifecycle import COMPLETED, OwnerEntry, OwnerRecord
+from mig_operator.core.placement.cluster import (
     MAX_MESSAGE,
     MODE_FRACTION,
     MODE_MIG,
@@ -34,9 +35,8 @@ from mig_operator.core.cluster import (
     inventory_from_status,
     model_of,
 )
-from mig_operator.core.lifecycle import COMPLETED, OwnerEntry, OwnerRecord
-from mig_operator.core.profiles import CATALOG, Placement, Profile, get_model
-from mig_operator.core.request import SliceRequest
+from mig_operator.core.placement.profiles import CATALOG, Placement, Profile, get_model
+from mig_operator.core.requests.request import SliceRequest
 from mig_operator.gpu.protocol import GpuInfo, MigInstance
 from mig_operator.kube.agent.inventory import gpunode_status
 

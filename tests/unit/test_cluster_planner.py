@@ -8,10 +8,10 @@ from cluster_reference import build_view, plan_binding
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from mig_operator.core.cluster import MODE_MIG, Binding, GpuState, InstanceState, NodeInventory, Refusal
-from mig_operator.core.cluster_planner import ClusterPlanner
-from mig_operator.core.profiles import get_model
-from mig_operator.core.request import slice_request
+from mig_operator.core.placement.cluster import MODE_MIG, Binding, GpuState, InstanceState, NodeInventory, Refusal
+from mig_operator.core.placement.cluster_planner import ClusterPlanner
+from mig_operator.core.placement.profiles import get_model
+from mig_operator.core.requests.request import slice_request
 
 MODELS = ["h100-80gb", "a100-40gb", "h200-141gb", "l40s-48gb"]
 NODES = ["n0", "n1", "n2"]

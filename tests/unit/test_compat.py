@@ -22,7 +22,7 @@ from seed_examples import (  # the seeds' examples, verbatim
     RUNAI_MULTI_FRACTIONAL,
 )
 
-from mig_operator.core.compat import (
+from mig_operator.core.requests.compat import (
     COMPAT_DIALECTS,
     DialectError,
     DialectRequest,
@@ -31,9 +31,9 @@ from mig_operator.core.compat import (
     dialect_match_expression,
     dialect_request,
 )
-from mig_operator.core.pod_admission import check_pod, check_pod_devices
-from mig_operator.core.request import SliceRequest
-from mig_operator.core.request_forms import RequestFormError, mig_resource_request
+from mig_operator.core.requests.pod_admission import check_pod, check_pod_devices
+from mig_operator.core.requests.request import SliceRequest
+from mig_operator.core.requests.request_forms import RequestFormError, mig_resource_request
 
 BOTH = ("runai", "clearml")
 MIB = 1024 * 1024

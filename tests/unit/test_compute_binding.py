@@ -10,9 +10,9 @@ import os
 
 import pytest
 
-from mig_operator.core.cluster import MODE_FRACTION, MODE_MIG, Binding, binding_from_status, describe_binding
-from mig_operator.core.lifecycle import COMPLETED, OwnerEntry
-from mig_operator.core.request import SliceRequest
+from mig_operator.core.node.lifecycle import COMPLETED, OwnerEntry
+from mig_operator.core.placement.cluster import MODE_FRACTION, MODE_MIG, Binding, binding_from_status, describe_binding
+from mig_operator.core.requests.request import SliceRequest
 from mig_operator.kube.agent import record as record_module
 from mig_operator.kube.agent.record import RecordError, RecordStore
 from mig_operator.kube.common import status

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import assume, example, given
 from hypothesis import strategies as st
 
-from mig_operator.core.cluster import (
+from mig_operator.core.placement.cluster import (
     MODE_FRACTION,
     NO_CAPACITY,
     NO_GPU,
@@ -26,8 +26,8 @@ from mig_operator.core.cluster import (
     Refusal,
     inventory_from_status,
 )
-from mig_operator.core.cluster_planner import ClusterPlanner
-from mig_operator.core.compute import (
+from mig_operator.core.placement.cluster_planner import ClusterPlanner
+from mig_operator.core.placement.compute import (
     PROPORTIONAL,
     SHARED,
     exact,
@@ -36,11 +36,11 @@ from mig_operator.core.compute import (
     parse_compute,
     proportional,
 )
-from mig_operator.core.fraction_compute import COMPUTE_MODE
-from mig_operator.core.planner import PlannerSettings
-from mig_operator.core.profiles import get_model
-from mig_operator.core.quantities import QuantityError
-from mig_operator.core.request import SliceRequest
+from mig_operator.core.placement.fraction_compute import COMPUTE_MODE
+from mig_operator.core.placement.planner import PlannerSettings
+from mig_operator.core.placement.profiles import get_model
+from mig_operator.core.requests.quantities import QuantityError
+from mig_operator.core.requests.request import SliceRequest
 
 GIB = 2**30
 H100_MIB = 81559  # an H100 80GB's memory as NVML reports it

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from test_top import GIB, gpunode, gpuslice
 
-from mig_operator.core.top_json import view_json
-from mig_operator.core.top_view import build_view, render_text
+from mig_operator.core.views.top_json import view_json
+from mig_operator.core.views.top_view import build_view, render_text
 
 
 def layout() -> tuple[list[dict], list[dict], list[dict]]:

@@ -1,4 +1,4 @@
-"""core.device_check: the controller hands a Ready slice's device on only when its node's GpuNode has it.
+"""core.books.device_check: the controller hands a Ready slice's device on only when its node's GpuNode has it.
 
 Each refusal is shown beside the one-field change that makes the same slice acceptable, so a check
 that refused everything (or nothing) fails here.
@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from mig_operator.core.cluster import MODE_FRACTION, MODE_MIG, Binding, GpuState, InstanceState, NodeInventory
-from mig_operator.core.device_check import (
+from mig_operator.core.books.device_check import (
     ACCEPT,
     DEVICE_MISMATCH,
     DEVICE_NOT_LISTED,
@@ -18,6 +17,7 @@ from mig_operator.core.device_check import (
     check_bound_device,
     check_ready_device,
 )
+from mig_operator.core.placement.cluster import MODE_FRACTION, MODE_MIG, Binding, GpuState, InstanceState, NodeInventory
 
 UID, OTHER_UID = "uid-of-the-slice", "uid-of-another-slice"
 MIG_DEVICE = "MIG-0b5f0c5e-aaaa-bbbb-cccc-000000000001"

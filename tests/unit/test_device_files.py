@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from mig_operator.core.cdi import DeviceNode
+from mig_operator.core.node.cdi import DeviceNode
 from mig_operator.gpu.device_files import (
     DeviceFileError,
     capability_path,

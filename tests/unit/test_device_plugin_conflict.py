@@ -1,8 +1,8 @@
 """One allocator per GPU (issue 17, item 5): a node where NVIDIA's device plugin also advertises GPUs
 takes no new slice until the plugin is off or an admin labels the node as shared deliberately.
 
-core.device_plugin decides from the Node's maps; the agent writes the answer as a GpuNode condition
-(kube/agent/inventory.gpunode_status); core.cluster reads it back and keeps such nodes out of new
+core.node.device_plugin decides from the Node's maps; the agent writes the answer as a GpuNode condition
+(kube/agent/inventory.gpunode_status); core.placement.cluster reads it back and keeps such nodes out of new
 placements, in plan_binding and in ClusterPlanner alike.
 """
 
@@ -11,21 +11,7 @@ from __future__ import annotations
 import pytest
 from cluster_reference import build_view, plan_binding
 
-from mig_operator.core.cluster import (
-    DEVICE_PLUGIN_CONFLICT,
-    MAX_MESSAGE,
-    MODE_FRACTION,
-    MODE_MIG,
-    NO_CAPACITY,
-    NO_GPU,
-    Binding,
-    GpuState,
-    NodeInventory,
-    Refusal,
-    inventory_from_status,
-)
-from mig_operator.core.cluster_planner import ClusterPlanner
-from mig_operator.core.device_plugin import (
+from mig_operator.core.node.device_plugin import (
     CONDITION_TYPE,
     GPU_OPERATOR_PLUGIN_LABEL,
     REASON_CONFLICT,
@@ -39,9 +25,23 @@ from mig_operator.core.device_plugin import (
     is_device_plugin_resource,
     shared_deliberately,
 )
-from mig_operator.core.lifecycle import OwnerRecord
-from mig_operator.core.profiles import get_model
-from mig_operator.core.request import slice_request
+from mig_operator.core.node.lifecycle import OwnerRecord
+from mig_operator.core.placement.cluster import (
+    DEVICE_PLUGIN_CONFLICT,
+    MAX_MESSAGE,
+    MODE_FRACTION,
+    MODE_MIG,
+    NO_CAPACITY,
+    NO_GPU,
+    Binding,
+    GpuState,
+    NodeInventory,
+    Refusal,
+    inventory_from_status,
+)
+from mig_operator.core.placement.cluster_planner import ClusterPlanner
+from mig_operator.core.placement.profiles import get_model
+from mig_operator.core.requests.request import slice_request
 from mig_operator.gpu.protocol import GpuInfo
 from mig_operator.kube.agent.inventory import gpunode_status
 

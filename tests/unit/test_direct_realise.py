@@ -1,7 +1,7 @@
 import pytest
 
-from mig_operator.core.planner import Unplaceable, choose_mig
-from mig_operator.core.request import slice_request
+from mig_operator.core.placement.planner import Unplaceable, choose_mig
+from mig_operator.core.requests.request import slice_request
 from mig_operator.gpu.protocol import GpuError
 from mig_operator.gpu.simulated import SimulatedBackend
 from mig_operator.kube.agent.direct import planner_view

@@ -14,7 +14,7 @@ from cluster_reference import build_view, plan_binding
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mig_operator.core.cluster import (
+from mig_operator.core.placement.cluster import (
     MODE_FRACTION,
     MODE_MIG,
     NO_CAPACITY,
@@ -27,10 +27,10 @@ from mig_operator.core.cluster import (
     Refusal,
     inventory_from_status,
 )
-from mig_operator.core.cluster_planner import ClusterPlanner
-from mig_operator.core.profiles import get_model
-from mig_operator.core.request import MIN_SLICE_BYTES, SliceRequest, slice_request
-from mig_operator.core.tenancy import SHARING_LABEL, SHARING_VALUE, shares_across_namespaces
+from mig_operator.core.placement.cluster_planner import ClusterPlanner
+from mig_operator.core.placement.profiles import get_model
+from mig_operator.core.placement.tenancy import SHARING_LABEL, SHARING_VALUE, shares_across_namespaces
+from mig_operator.core.requests.request import MIN_SLICE_BYTES, SliceRequest, slice_request
 
 GIB = 2**30
 MIB = 2**20

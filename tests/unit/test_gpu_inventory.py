@@ -16,7 +16,7 @@ import pytest
 
 pynvml = pytest.importorskip("pynvml")
 
-from mig_operator.core.profiles import get_model  # noqa: E402
+from mig_operator.core.placement.profiles import get_model  # noqa: E402
 from mig_operator.gpu import nvml as nvml_backend  # noqa: E402
 from mig_operator.gpu import nvml_query  # noqa: E402
 from mig_operator.gpu.inventory import describe, render_text  # noqa: E402

@@ -1,14 +1,14 @@
 """The GpuNode status publishes each GPU model's profile table once (``status.models``) and each GPU
 names its model: the agent's body (kube/agent/inventory.gpunode_status) against bodies written by hand,
-and the controller's reading of it (core.cluster.inventory_from_status) on nodes of several models."""
+and the controller's reading of it (core.placement.cluster.inventory_from_status) on nodes of several models."""
 
 from __future__ import annotations
 
 import json
 
-from mig_operator.core.cluster import inventory_from_status
-from mig_operator.core.lifecycle import OwnerRecord
-from mig_operator.core.profiles import GpuModel, Placement, Profile, get_model
+from mig_operator.core.node.lifecycle import OwnerRecord
+from mig_operator.core.placement.cluster import inventory_from_status
+from mig_operator.core.placement.profiles import GpuModel, Placement, Profile, get_model
 from mig_operator.gpu.protocol import GpuInfo, MigInstance
 from mig_operator.kube.agent.inventory import gpunode_status
 

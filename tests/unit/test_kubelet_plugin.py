@@ -26,7 +26,7 @@ from kubelet_harness import (
     root_fixture,  # noqa: F401 (the fixture ``root``)
 )
 
-from mig_operator.core.cdi import SliceDevice, slice_spec
+from mig_operator.core.node.cdi import SliceDevice, slice_spec
 from mig_operator.gpu.device_files import device_nodes, simulated_cap_minor
 from mig_operator.kube.agent.kubelet.settings import PluginSettings
 from mig_operator.kube.agent.kubelet.transport import KubeletPlugin

@@ -18,7 +18,7 @@ from kubelet_harness import (
     root_fixture,  # noqa: F401 (the fixture ``root``)
 )
 
-from mig_operator.core.lifecycle import idle_instances
+from mig_operator.core.node.lifecycle import idle_instances
 from mig_operator.kube.agent.inventory import instance_state
 
 

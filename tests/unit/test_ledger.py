@@ -10,12 +10,12 @@ from decimal import Decimal
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mig_operator.core.cluster import MODE_FRACTION, MODE_MIG, GpuState, NodeInventory
-from mig_operator.core.ledger import Ledger, NodeLabels, SliceRecord
-from mig_operator.core.profiles import get_model
-from mig_operator.core.quantities import MIB
-from mig_operator.core.quota import QUOTA_NAME, Usage
-from mig_operator.core.request import slice_request
+from mig_operator.core.books.ledger import Ledger, NodeLabels, SliceRecord
+from mig_operator.core.books.quota import QUOTA_NAME, Usage
+from mig_operator.core.placement.cluster import MODE_FRACTION, MODE_MIG, GpuState, NodeInventory
+from mig_operator.core.placement.profiles import get_model
+from mig_operator.core.requests.quantities import MIB
+from mig_operator.core.requests.request import slice_request
 
 REQUESTS = [slice_request(memory=m) for m in ("4G", "9Gi", "17Gi", "30Gi", "70Gi")] + [
     slice_request(fraction=f) for f in (0.25, 0.5, 1.0)] + [slice_request(profile=p) for p in ("1g.10gb", "3g.40gb")]

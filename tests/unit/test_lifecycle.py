@@ -1,4 +1,4 @@
-"""core.lifecycle: the agent's next step, plan_mig (which instance a binding gets) and adopt (on start).
+"""core.node.lifecycle: the agent's next step, plan_mig (which instance a binding gets) and adopt (on start).
 
 An instance belongs to the slice whose UID the owner record names; these tests build records and
 NVML instance lists by hand from the catalog and check that ownership is never crossed.
@@ -10,8 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mig_operator.core.cluster import MODE_FRACTION, MODE_MIG, Binding, InstanceState
-from mig_operator.core.lifecycle import (
+from mig_operator.core.node.lifecycle import (
     BOUND,
     COMPLETED,
     CREATING,
@@ -33,7 +32,8 @@ from mig_operator.core.lifecycle import (
     idle_instances,
     plan_mig,
 )
-from mig_operator.core.profiles import get_model
+from mig_operator.core.placement.cluster import MODE_FRACTION, MODE_MIG, Binding, InstanceState
+from mig_operator.core.placement.profiles import get_model
 
 MiB = 2**20
 H200 = get_model("h200-141gb")

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from mig_operator.core.cdi import DeviceNode, SliceDevice, slice_spec
-from mig_operator.core.environment import pinned_limit, thread_percentage
+from mig_operator.core.node.cdi import DeviceNode, SliceDevice, slice_spec
+from mig_operator.core.node.environment import pinned_limit, thread_percentage
 
 GIB = 2**30
 PIPE, SHM = "/var/lib/mig-operator/mps/GPU-aaaa/pipe", "/var/lib/mig-operator/mps/GPU-aaaa/shm"

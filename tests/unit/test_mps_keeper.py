@@ -7,7 +7,7 @@ import asyncio
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
-from mig_operator.core.lifecycle import COMPLETED, OwnerEntry, OwnerRecord
+from mig_operator.core.node.lifecycle import COMPLETED, OwnerEntry, OwnerRecord
 from mig_operator.gpu.mps import MpsDirs, MpsError
 from mig_operator.gpu.protocol import GpuInfo
 from mig_operator.kube.agent.mps_keeper import MpsKeeper

@@ -1,4 +1,4 @@
-"""core.cluster: what mutation testing found untested (docs/testing.md).
+"""core.placement.cluster: what mutation testing found untested (docs/testing.md).
 
 Expected values are written out by hand from the record formats (docs/api.md) and the catalog, never
 read back from the code under test.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from cluster_reference import build_view, plan_binding
 
-from mig_operator.core.cluster import (
+from mig_operator.core.placement.cluster import (
     MODE_FRACTION,
     MODE_MIG,
     NO_CAPACITY,
@@ -25,10 +25,10 @@ from mig_operator.core.cluster import (
     inventory_from_status,
     model_of,
 )
-from mig_operator.core.cluster_planner import ClusterPlanner
-from mig_operator.core.planner import PlannerSettings
-from mig_operator.core.profiles import Placement, Profile, get_model
-from mig_operator.core.request import SliceRequest, slice_request
+from mig_operator.core.placement.cluster_planner import ClusterPlanner
+from mig_operator.core.placement.planner import PlannerSettings
+from mig_operator.core.placement.profiles import Placement, Profile, get_model
+from mig_operator.core.requests.request import SliceRequest, slice_request
 
 MiB = 2**20
 GiB = 2**30

@@ -1,13 +1,12 @@
-"""core.lifecycle and core.environment: what mutation testing found untested (docs/testing.md).
+"""core.node.lifecycle and core.node.environment: what mutation testing found untested (docs/testing.md).
 
 Records, NVML instance lists and expected owner entries are written out by hand.
 """
 
 from __future__ import annotations
 
-from mig_operator.core.cluster import MODE_FRACTION, MODE_MIG, Binding, InstanceState
-from mig_operator.core.environment import gpu_mem_limit_gb, slice_environment
-from mig_operator.core.lifecycle import (
+from mig_operator.core.node.environment import gpu_mem_limit_gb, slice_environment
+from mig_operator.core.node.lifecycle import (
     COMPLETED,
     STARTED,
     Blocked,
@@ -17,6 +16,7 @@ from mig_operator.core.lifecycle import (
     adopt,
     plan_mig,
 )
+from mig_operator.core.placement.cluster import MODE_FRACTION, MODE_MIG, Binding, InstanceState
 
 MiB = 2**20
 BOOT = "boot-1"

@@ -1,4 +1,4 @@
-"""core.planner and core.planning_index: what mutation testing found untested (docs/testing.md).
+"""core.placement.planner and core.placement.planning_index: what mutation testing found untested (docs/testing.md).
 
 Expected values are worked out by hand from the catalog's numbers and the rule in
 docs/architecture.md.
@@ -11,9 +11,9 @@ import random
 import pytest
 from planner_reference import reference_candidates, reference_choose_mig
 
-from mig_operator.core.fraction_planner import FractionDecision, FractionGpu, choose_fraction, fraction_bytes
-from mig_operator.core.mig_refusals import RoomSummary, no_room_reason
-from mig_operator.core.planner import (
+from mig_operator.core.placement.fraction_planner import FractionDecision, FractionGpu, choose_fraction, fraction_bytes
+from mig_operator.core.placement.mig_refusals import RoomSummary, no_room_reason
+from mig_operator.core.placement.planner import (
     InstanceSlot,
     MigGpu,
     PlannerSettings,
@@ -24,9 +24,9 @@ from mig_operator.core.planner import (
     choose_placement,
     grant_levels,
 )
-from mig_operator.core.planning_index import IndexStats, PlanningIndex
-from mig_operator.core.profiles import CATALOG, GpuModel, Placement, Profile, get_model
-from mig_operator.core.request import SliceRequest
+from mig_operator.core.placement.planning_index import IndexStats, PlanningIndex
+from mig_operator.core.placement.profiles import CATALOG, GpuModel, Placement, Profile, get_model
+from mig_operator.core.requests.request import SliceRequest
 
 MiB = 2**20
 GiB = 2**30

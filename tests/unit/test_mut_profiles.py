@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from mig_operator.core.profiles import (
+from mig_operator.core.placement.profiles import (
     CATALOG,
     CatalogError,
     GpuModel,

@@ -1,10 +1,10 @@
-"""core.quantities and core.request: edges mutation testing found untested (docs/testing.md)."""
+"""core.requests.quantities and core.requests.request: edges mutation testing found untested (docs/testing.md)."""
 
 from __future__ import annotations
 
 import pytest
 
-from mig_operator.core.quantities import (
+from mig_operator.core.requests.quantities import (
     QuantityError,
     clip_repr,
     clip_text,
@@ -12,7 +12,7 @@ from mig_operator.core.quantities import (
     parse_fraction,
     parse_memory,
 )
-from mig_operator.core.request import RequestError, slice_request
+from mig_operator.core.requests.request import RequestError, slice_request
 
 
 def test_clip_text_keeps_text_up_to_the_limit_and_quotes_other_values() -> None:

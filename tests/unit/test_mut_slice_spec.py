@@ -1,4 +1,4 @@
-"""core.slice_spec: the exact refusals and the length limits' edges (mutation testing, docs/testing.md).
+"""core.requests.slice_spec: the exact refusals and the length limits' edges (mutation testing, docs/testing.md).
 
 A refusal names the value it refuses (docs/api.md); the limits are the CRD's maxLength values
 (crds/gpuslice.yaml): memory 64, migProfile 32, nodeName 253 characters.
@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 from slice_spec_reference import check_request_unchanged
 
-from mig_operator.core.quantities import QuantityError
-from mig_operator.core.request import RequestError, SliceRequest
-from mig_operator.core.slice_spec import check_node_name, request_from_annotations, request_from_spec
+from mig_operator.core.requests.quantities import QuantityError
+from mig_operator.core.requests.request import RequestError, SliceRequest
+from mig_operator.core.requests.slice_spec import check_node_name, request_from_annotations, request_from_spec
 
 GiB = 2**30
 

@@ -1,4 +1,4 @@
-"""core.trace: parsing and replaying a trace, as mutation testing showed untested (docs/testing.md).
+"""core.placement.trace: parsing and replaying a trace, as mutation testing showed untested (docs/testing.md).
 
 The expected decisions follow from the rule in docs/architecture.md on one H200: 7g.141gb has one
 placement (start 0); an idle instance of the asked profile is reused; a 1g on a GPU with nothing in
@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 
-from mig_operator.core.planner import InstanceSlot, MigGpu, PlannerSettings, choose_mig
-from mig_operator.core.profiles import GpuModel, Placement, Profile, get_model
-from mig_operator.core.request import SliceRequest
-from mig_operator.core.trace import TRACE_EXAMPLE, TraceError, TraceEvent, parse_trace, replay
+from mig_operator.core.placement.planner import InstanceSlot, MigGpu, PlannerSettings, choose_mig
+from mig_operator.core.placement.profiles import GpuModel, Placement, Profile, get_model
+from mig_operator.core.placement.trace import TRACE_EXAMPLE, TraceError, TraceEvent, parse_trace, replay
+from mig_operator.core.requests.request import SliceRequest
 
 H200 = get_model("h200-141gb")
 GiB = 2**30

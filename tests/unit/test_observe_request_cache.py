@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from mig_operator.core.quantities import QuantityError
-from mig_operator.core.slice_spec import request_from_spec
+from mig_operator.core.requests.quantities import QuantityError
+from mig_operator.core.requests.slice_spec import request_from_spec
 from mig_operator.kube.controller.observe import slice_record
 
 SPECS = [{"fraction": True}, {"fraction": 1}, {"fraction": 1.0}, {"fraction": 0.5}, {"memory": "4G"},

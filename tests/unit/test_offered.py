@@ -1,12 +1,11 @@
-"""core.lifecycle.offered (whether a slice's device is offered to the kubelet and listed in the
+"""core.node.lifecycle.offered (whether a slice's device is offered to the kubelet and listed in the
 ResourceSlice) and settle_adoption (the agent's record fix-ups after adopt, on start)."""
 
 from __future__ import annotations
 
 import pytest
 
-from mig_operator.core.cluster import MODE_FRACTION, MODE_MIG, Binding, InstanceState
-from mig_operator.core.lifecycle import (
+from mig_operator.core.node.lifecycle import (
     COMPLETED,
     STARTED,
     OwnerEntry,
@@ -16,6 +15,7 @@ from mig_operator.core.lifecycle import (
     offered_entries,
     settle_adoption,
 )
+from mig_operator.core.placement.cluster import MODE_FRACTION, MODE_MIG, Binding, InstanceState
 
 MIB = 2**20
 DONE = OwnerEntry("u", "ns/a", MODE_MIG, 0, COMPLETED, 16384 * MIB, 19, "1g.18gb", 3, 1, 7, 0, "MIG-7")

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mig_operator.cli.flags import parse_duration
-from mig_operator.core.quantities import QuantityError
+from mig_operator.core.requests.quantities import QuantityError
 from mig_operator.kube.common.client import ApiError, resource_version
 
 YEAR_S = 365 * 24 * 60 * 60

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from mig_operator.core.cluster import NO_CAPACITY, GpuState, NodeInventory, Refusal
-from mig_operator.core.cluster_planner import ClusterPlanner
-from mig_operator.core.profiles import get_model
-from mig_operator.core.request import SliceRequest
+from mig_operator.core.placement.cluster import NO_CAPACITY, GpuState, NodeInventory, Refusal
+from mig_operator.core.placement.cluster_planner import ClusterPlanner
+from mig_operator.core.placement.profiles import get_model
+from mig_operator.core.requests.request import SliceRequest
 
 H100 = get_model("h100-80gb")
 THREE_G = SliceRequest(profile="3g.40gb")
@@ -86,7 +86,7 @@ def test_a_request_no_gpu_can_take_is_refused_with_its_own_reason() -> None:
 def test_a_group_gathers_only_its_own_namespaces_slices() -> None:
     """The group annotations are a tenant's to write on slices it makes by hand: another namespace's
     slices of the same group name never join its group (nor are bound, held or given back with it)."""
-    from mig_operator.core.ledger import Ledger
+    from mig_operator.core.books.ledger import Ledger
     from mig_operator.kube.controller.observe import slice_record
 
     def body(ns: str, name: str, size: str = "2") -> dict:

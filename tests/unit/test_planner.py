@@ -5,9 +5,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mig_operator.core.fraction_planner import FractionGpu, choose_fraction
-from mig_operator.core.mig_refusals import STATUS_MESSAGE_LIMIT
-from mig_operator.core.planner import (
+from mig_operator.core.placement.fraction_planner import FractionGpu, choose_fraction
+from mig_operator.core.placement.mig_refusals import STATUS_MESSAGE_LIMIT
+from mig_operator.core.placement.planner import (
     InstanceSlot,
     MigGpu,
     PlannerSettings,
@@ -17,9 +17,9 @@ from mig_operator.core.planner import (
     choose_mig,
     choose_placement,
 )
-from mig_operator.core.planning_index import PlanningIndex
-from mig_operator.core.profiles import CATALOG, GpuModel, Placement, Profile, get_model
-from mig_operator.core.request import slice_request
+from mig_operator.core.placement.planning_index import PlanningIndex
+from mig_operator.core.placement.profiles import CATALOG, GpuModel, Placement, Profile, get_model
+from mig_operator.core.requests.request import slice_request
 
 H200 = get_model("h200-141gb")
 H100 = get_model("h100-80gb")

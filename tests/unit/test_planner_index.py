@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from planner_reference import reference_choose_mig
 
-from mig_operator.core.planner import (
+from mig_operator.core.placement.planner import (
     InstanceSlot,
     MigDecision,
     MigGpu,
@@ -14,9 +14,9 @@ from mig_operator.core.planner import (
     Unplaceable,
     choose_mig,
 )
-from mig_operator.core.planning_index import PlanningIndex
-from mig_operator.core.profiles import CATALOG, GpuModel, Placement, Profile, get_model
-from mig_operator.core.request import SliceRequest, slice_request
+from mig_operator.core.placement.planning_index import PlanningIndex
+from mig_operator.core.placement.profiles import CATALOG, GpuModel, Placement, Profile, get_model
+from mig_operator.core.requests.request import SliceRequest, slice_request
 
 H200 = get_model("h200-141gb")
 H100 = get_model("h100-80gb")

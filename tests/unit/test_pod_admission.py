@@ -19,14 +19,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pod_reference import slice_spec_for
 
-from mig_operator.core.cluster import MODE_FRACTION, MODE_MIG, Binding, GpuState, NodeInventory, Refusal
-from mig_operator.core.cluster_planner import ClusterPlanner
-from mig_operator.core.environment import SHIM_PATH_IN_CONTAINER, gpu_mem_limit_gb, shim_files, slice_environment
-from mig_operator.core.node_selection import constrains_nodes, node_allowed
-from mig_operator.core.pod_admission import PodRefused, check_pod
-from mig_operator.core.profiles import get_model
-from mig_operator.core.quantities import QuantityError
-from mig_operator.core.request import slice_request
+from mig_operator.core.node.environment import SHIM_PATH_IN_CONTAINER, gpu_mem_limit_gb, shim_files, slice_environment
+from mig_operator.core.placement.cluster import MODE_FRACTION, MODE_MIG, Binding, GpuState, NodeInventory, Refusal
+from mig_operator.core.placement.cluster_planner import ClusterPlanner
+from mig_operator.core.placement.node_selection import constrains_nodes, node_allowed
+from mig_operator.core.placement.profiles import get_model
+from mig_operator.core.requests.pod_admission import PodRefused, check_pod
+from mig_operator.core.requests.quantities import QuantityError
+from mig_operator.core.requests.request import slice_request
 from mig_operator.kube.controller.claims import SliceClaims
 from mig_operator.kube.controller.observe import slice_record as slice_info
 from mig_operator.kube.controller.pods import PodSlices, owned_by, ungate_ops

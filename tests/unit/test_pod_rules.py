@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from mig_operator.core.lifecycle import SLICE_TRIES, slice_retry_delay
-from mig_operator.core.node_selection import taints_tolerated
+from mig_operator.core.node.lifecycle import SLICE_TRIES, slice_retry_delay
+from mig_operator.core.placement.node_selection import taints_tolerated
 
 RESERVED = {"key": "team", "value": "a", "effect": "NoSchedule"}
 EVICT = {"key": "gpu", "value": "broken", "effect": "NoExecute"}

@@ -1,6 +1,6 @@
 import pytest
 
-from mig_operator.core.profiles import CATALOG, CatalogError, Profile, get_model, model_for_product
+from mig_operator.core.placement.profiles import CATALOG, CatalogError, Profile, get_model, model_for_product
 
 MIG_MODELS = sorted(name for name, model in CATALOG.items() if model.profiles)
 

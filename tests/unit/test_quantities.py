@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mig_operator.core.quantities import (
+from mig_operator.core.requests.quantities import (
     MAX_BYTES,
     QuantityError,
     clip_repr,

@@ -1,4 +1,4 @@
-"""core/quota.py: admission at the quota's edge, shares, the hold rule, and the fair order, each
+"""core/books/quota.py: admission at the quota's edge, shares, the hold rule, and the fair order, each
 checked against a computation written here (sums of bytes, a brute-force simulation of the order)."""
 
 from __future__ import annotations
@@ -9,18 +9,7 @@ from fractions import Fraction
 import pytest
 from cluster_reference import build_view, plan_binding
 
-from mig_operator.core.cluster import (
-    NO_CAPACITY,
-    NO_GPU,
-    NO_SUCH_PROFILE,
-    TOO_LARGE,
-    Binding,
-    Refusal,
-    inventory_from_status,
-)
-from mig_operator.core.cluster_planner import ClusterPlanner
-from mig_operator.core.quantities import QuantityError
-from mig_operator.core.quota import (
+from mig_operator.core.books.quota import (
     QUOTA_EXCEEDED,
     FairQueue,
     Quota,
@@ -32,7 +21,18 @@ from mig_operator.core.quota import (
     quota_from_spec,
     share,
 )
-from mig_operator.core.request import SliceRequest
+from mig_operator.core.placement.cluster import (
+    NO_CAPACITY,
+    NO_GPU,
+    NO_SUCH_PROFILE,
+    TOO_LARGE,
+    Binding,
+    Refusal,
+    inventory_from_status,
+)
+from mig_operator.core.placement.cluster_planner import ClusterPlanner
+from mig_operator.core.requests.quantities import QuantityError
+from mig_operator.core.requests.request import SliceRequest
 
 GIB = 2**30
 MIB = 2**20
@@ -277,7 +277,7 @@ def test_fair_order_matches_a_brute_force_simulation() -> None:
         assert got == expected
 
 
-# ---- the controller's bookkeeping (core/ledger.py) ------------------------------------
+# ---- the controller's bookkeeping (core/books/ledger.py) ------------------------------------
 
 def slice_body(uid: str, ns: str, phase: str | None, granted: int = 0, deleting: bool = False,
                version: int = 1) -> dict:

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from mig_operator.core.pod_admission import PodRefused, check_pod_devices
-from mig_operator.core.request import SliceRequest
-from mig_operator.core.request_forms import (
+from mig_operator.core.requests.pod_admission import PodRefused, check_pod_devices
+from mig_operator.core.requests.request import SliceRequest
+from mig_operator.core.requests.request_forms import (
     PodDevice,
     RequestFormError,
     device_slice_names,

@@ -7,7 +7,7 @@ import copy
 import uuid
 from typing import Any
 
-from mig_operator.core.lifecycle import COMPLETED, OwnerEntry
+from mig_operator.core.node.lifecycle import COMPLETED, OwnerEntry
 from mig_operator.kube.agent.resource_slice import (
     ResourceSlicePublisher,
     SliceDeviceInfo,

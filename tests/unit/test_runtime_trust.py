@@ -1,4 +1,4 @@
-"""core/runtime_trust.py and the agent's RuntimeWatch: the GpuNode's RuntimeTrusted condition from the
+"""core/node/runtime_trust.py and the agent's RuntimeWatch: the GpuNode's RuntimeTrusted condition from the
 node's NVIDIA container toolkit configuration (issue 24, "the runtime")."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from mig_operator.core.device_plugin import DevicePluginCheck
-from mig_operator.core.runtime_trust import check_toolkit_config
+from mig_operator.core.node.device_plugin import DevicePluginCheck
+from mig_operator.core.node.runtime_trust import check_toolkit_config
 from mig_operator.kube.agent.inventory import RuntimeWatch, gpunode_status
 
 PATH = "/etc/nvidia-container-runtime/config.toml"
@@ -96,6 +96,6 @@ def test_the_agent_reads_the_file_and_moves_the_transition_time_only_with_the_st
 
 
 def _empty_record():  # type: ignore[no-untyped-def]
-    from mig_operator.core.lifecycle import OwnerRecord
+    from mig_operator.core.node.lifecycle import OwnerRecord
 
     return OwnerRecord(boot_id="b")

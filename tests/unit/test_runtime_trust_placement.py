@@ -2,7 +2,7 @@
 the Node is labelled cdmo.io/runtime-trust=accepted; True and Unknown place as before; slices already
 bound stay and count. Decided by plan_binding on build_view and by ClusterPlanner alike.
 
-And "no quota, no GPU" (core.quota.quota_missing), the rule the binder applies before planning.
+And "no quota, no GPU" (core.books.quota.quota_missing), the rule the binder applies before planning.
 """
 
 from __future__ import annotations
@@ -10,7 +10,15 @@ from __future__ import annotations
 import pytest
 from cluster_reference import build_view, plan_binding
 
-from mig_operator.core.cluster import (
+from mig_operator.core.books.quota import NO_QUOTA, QUOTA_NAME, Quota, quota_missing
+from mig_operator.core.node.runtime_trust import (
+    CONDITION_TYPE,
+    TRUST_LABEL,
+    TRUST_VALUE,
+    accepted,
+    untrusted_from_conditions,
+)
+from mig_operator.core.placement.cluster import (
     DEVICE_PLUGIN_CONFLICT,
     MAX_MESSAGE,
     MODE_FRACTION,
@@ -21,17 +29,9 @@ from mig_operator.core.cluster import (
     Refusal,
     inventory_from_status,
 )
-from mig_operator.core.cluster_planner import ClusterPlanner
-from mig_operator.core.profiles import get_model
-from mig_operator.core.quota import NO_QUOTA, QUOTA_NAME, Quota, quota_missing
-from mig_operator.core.request import slice_request
-from mig_operator.core.runtime_trust import (
-    CONDITION_TYPE,
-    TRUST_LABEL,
-    TRUST_VALUE,
-    accepted,
-    untrusted_from_conditions,
-)
+from mig_operator.core.placement.cluster_planner import ClusterPlanner
+from mig_operator.core.placement.profiles import get_model
+from mig_operator.core.requests.request import slice_request
 
 H100 = get_model("h100-80gb")
 L40S = get_model("l40s-48gb")

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mig_operator.core.profiles import CATALOG, get_model
+from mig_operator.core.placement.profiles import CATALOG, get_model
 from mig_operator.gpu import open_backend, sim_state
 from mig_operator.gpu.inventory import describe
 from mig_operator.gpu.protocol import GpuBackend, GpuError

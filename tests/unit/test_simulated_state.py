@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from mig_operator.core.profiles import CATALOG, get_model
+from mig_operator.core.placement.profiles import CATALOG, get_model
 from mig_operator.gpu import open_backend
 from mig_operator.gpu.inventory import describe, render_text
 from mig_operator.gpu.protocol import GpuError

@@ -1,4 +1,4 @@
-"""core/slice_claim.py: the claim of a slice and the allocation the controller writes into it, by table,
+"""core/books/slice_claim.py: the claim of a slice and the allocation the controller writes into it, by table,
 against resource.k8s.io/v1 as kube-apiserver 1.34 validates it (pkg/apis/resource/validation: a result's
 request names a request of the spec, its driver is a DNS subdomain of at most 63 characters, its pool
 a '/'-separated path of DNS subdomains of at most 253, its device a DNS label; the node selector a
@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from mig_operator.core.slice_claim import (
+from mig_operator.core.books.slice_claim import (
     ELSEWHERE,
     PINNED,
     UNALLOCATED,

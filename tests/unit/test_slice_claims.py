@@ -253,7 +253,7 @@ def test_a_pods_slice_gets_its_claim_at_once_and_its_allocation_once_bound() -> 
     assert client.calls == [("POST", CLAIMS)] and "status" not in client.existing
     # Bound: allocated while the agent realises the slice. A fraction without a compute share on a GPU
     # its GpuNode lists takes no NVML call, so it is handed on at once (its pod need not wait for the
-    # Ready write; core/device_check.check_bound_device), with no write of the slice's status.
+    # Ready write; core/books/device_check.check_bound_device), with no write of the slice's status.
     _pods_slice(state, "Bound")
     assert asyncio.run(claims.ensure(state.slice_named("ns", "train"))) is True
     assert client.calls[1:] == [("MERGE", CLAIM_STATUS)]

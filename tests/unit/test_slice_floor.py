@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 from cluster_reference import build_view, plan_binding
 
-from mig_operator.core.cluster import MODE_FRACTION, Binding, GpuState, NodeInventory, Refusal
-from mig_operator.core.cluster_planner import ClusterPlanner
-from mig_operator.core.request import SliceRequest, slice_request
+from mig_operator.core.placement.cluster import MODE_FRACTION, Binding, GpuState, NodeInventory, Refusal
+from mig_operator.core.placement.cluster_planner import ClusterPlanner
+from mig_operator.core.requests.request import SliceRequest, slice_request
 
 MIB = 2**20
 

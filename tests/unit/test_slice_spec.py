@@ -1,4 +1,4 @@
-"""mig_operator.core.slice_spec: the GpuSlice request rules in Python, on the corpus the CRD shares."""
+"""mig_operator.core.requests.slice_spec: the GpuSlice request rules in Python, on the corpus the CRD shares."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from slice_spec_reference import check_request_unchanged
 
-from mig_operator.core.quantities import MAX_BYTES, QuantityError
-from mig_operator.core.request import MIN_FRACTION, MIN_SLICE_BYTES, RequestError, SliceRequest
-from mig_operator.core.slice_spec import (
+from mig_operator.core.requests.quantities import MAX_BYTES, QuantityError
+from mig_operator.core.requests.request import MIN_FRACTION, MIN_SLICE_BYTES, RequestError, SliceRequest
+from mig_operator.core.requests.slice_spec import (
     ANNOTATION_FRACTION,
     ANNOTATION_MEMORY,
     ANNOTATION_PROFILE,

@@ -8,9 +8,16 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from cluster_reference import build_view, plan_binding
 
-from mig_operator.core.cluster import MODE_FRACTION, MODE_MIG, Binding, NodeInventory, Refusal, binding_from_status
-from mig_operator.core.lifecycle import BOUND, CREATING, FAILED, PENDING, READY
-from mig_operator.core.request import SliceRequest
+from mig_operator.core.node.lifecycle import BOUND, CREATING, FAILED, PENDING, READY
+from mig_operator.core.placement.cluster import (
+    MODE_FRACTION,
+    MODE_MIG,
+    Binding,
+    NodeInventory,
+    Refusal,
+    binding_from_status,
+)
+from mig_operator.core.requests.request import SliceRequest
 from mig_operator.kube.common import status
 
 OLD = "2001-02-03T04:05:06.789Z"

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from mig_operator.cli import main
-from mig_operator.core.top_json import view_json
-from mig_operator.core.top_view import (
+from mig_operator.core.views.top_json import view_json
+from mig_operator.core.views.top_view import (
     BAR_WIDTH,
     QUOTAS_ABSENT,
     WIDTH,
@@ -279,8 +279,8 @@ def test_a_missing_kubeconfig_is_one_line(tmp_path: Any, capsys: pytest.CaptureF
 def _published_gpu() -> tuple[dict[str, Any], Any]:
     """One H200 as its agent publishes it: a slice's 2g.35gb on 0-1, an idle 1g.18gb on 2, a 1g.18gb a
     process uses on 3 (no slice), the rest free."""
-    from mig_operator.core.lifecycle import COMPLETED, OwnerEntry, OwnerRecord
-    from mig_operator.core.profiles import get_model
+    from mig_operator.core.node.lifecycle import COMPLETED, OwnerEntry, OwnerRecord
+    from mig_operator.core.placement.profiles import get_model
     from mig_operator.gpu.protocol import GpuInfo, MigInstance
     from mig_operator.kube.agent.inventory import gpunode_status
 

@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 from cluster_reference import build_view, plan_binding
 
-from mig_operator.core.cluster import GpuState, NodeInventory, Refusal
-from mig_operator.core.cluster_planner import ClusterPlanner
-from mig_operator.core.lifecycle import COMPLETED, OwnerEntry, OwnerRecord
-from mig_operator.core.profiles import get_model
-from mig_operator.core.request import slice_request
+from mig_operator.core.node.lifecycle import COMPLETED, OwnerEntry, OwnerRecord
+from mig_operator.core.placement.cluster import GpuState, NodeInventory, Refusal
+from mig_operator.core.placement.cluster_planner import ClusterPlanner
+from mig_operator.core.placement.profiles import get_model
+from mig_operator.core.requests.request import slice_request
 from mig_operator.gpu.protocol import GpuInfo, MigInstance
 from mig_operator.gpu.simulated import SimulatedBackend
 from mig_operator.kube.agent.agent import NodeAgent

@@ -10,9 +10,9 @@
 - ``gpus.py``: the GPUs they share (measured NVML calls off the event loop, one lock per GPU);
 - ``context.py``: the settings and the one instance of each collaborator every room takes.
 
-``start`` adopts what exists (``core.lifecycle.adopt`` and ``settle_adoption``); ``handle`` routes each
-slice event (``core.lifecycle.agent_step``); whether a slice's device is offered (ResourceSlice,
-kubelet prepare) is ``core.lifecycle.offered`` of its record entry, whether it was revoked, and
+``start`` adopts what exists (``core.node.lifecycle.adopt`` and ``settle_adoption``); ``handle`` routes each
+slice event (``core.node.lifecycle.agent_step``); whether a slice's device is offered (ResourceSlice,
+kubelet prepare) is ``core.node.lifecycle.offered`` of its record entry, whether it was revoked, and
 whether its status says Ready.
 """
 
@@ -22,8 +22,7 @@ import asyncio
 import logging
 from collections.abc import Mapping
 
-from mig_operator.core.cluster import Binding, binding_from_status
-from mig_operator.core.lifecycle import (
+from mig_operator.core.node.lifecycle import (
     FORGET,
     READY,
     REALISE,
@@ -34,6 +33,7 @@ from mig_operator.core.lifecycle import (
     agent_step,
     settle_adoption,
 )
+from mig_operator.core.placement.cluster import Binding, binding_from_status
 from mig_operator.gpu.mps import MpsControl, MpsDirs
 from mig_operator.gpu.protocol import GpuBackend, GpuError
 

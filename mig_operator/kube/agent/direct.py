@@ -1,7 +1,7 @@
 """A decision carried out straight on a GPU backend, with no API server: ``mig-operator demo``.
 
 The trace demo plans with the planner and realises each decision here, with the same rule the
-node agent follows (``core.lifecycle.plan_mig``): destroy what the placement overlaps, then reuse,
+node agent follows (``core.node.lifecycle.plan_mig``): destroy what the placement overlaps, then reuse,
 complete or create. Which instances the demo's own slices hold is the caller's ``bound`` set, as
 the owner record is for the agent.
 """
@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from mig_operator.core.cluster import MODE_MIG, Binding
-from mig_operator.core.lifecycle import Blocked, OwnerRecord, plan_mig
-from mig_operator.core.planner import InstanceSlot, MigDecision, MigGpu
+from mig_operator.core.node.lifecycle import Blocked, OwnerRecord, plan_mig
+from mig_operator.core.placement.cluster import MODE_MIG, Binding
+from mig_operator.core.placement.planner import InstanceSlot, MigDecision, MigGpu
 from mig_operator.gpu.protocol import GpuBackend, GpuError, MigInstance
 
 from .inventory import instance_state

@@ -9,9 +9,9 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from mig_operator.core.cluster import InstanceState
-from mig_operator.core.profiles import GpuModel
-from mig_operator.core.quantities import MIB
+from mig_operator.core.placement.cluster import InstanceState
+from mig_operator.core.placement.profiles import GpuModel
+from mig_operator.core.requests.quantities import MIB
 from mig_operator.gpu.protocol import GpuBackend, GpuError, GpuInfo, MigInstance
 
 from ..common import metrics

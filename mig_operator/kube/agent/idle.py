@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
-from mig_operator.core.lifecycle import idle_instances
+from mig_operator.core.node.lifecycle import idle_instances
 from mig_operator.gpu.protocol import GpuError
 
 from ..common.client import ApiError

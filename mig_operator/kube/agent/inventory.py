@@ -3,7 +3,7 @@
 Each GPU model's MIG profile table is published once, in ``models``; a GPU's ``model`` names its entry
 (``""`` for a GPU without MIG, which has none).
 
-The controller reads it back with ``core.cluster.inventory_from_status``; a unit test round-trips
+The controller reads it back with ``core.placement.cluster.inventory_from_status``; a unit test round-trips
 one through the other, so the two sides cannot drift apart.
 """
 
@@ -13,13 +13,13 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from mig_operator.core.cluster import MODE_FRACTION, MODE_MIG, GpuState, InstanceState, gpu_role
-from mig_operator.core.compute import gpu_compute
-from mig_operator.core.compute import mig_compute as mig_compute_label
-from mig_operator.core.device_plugin import DevicePluginCheck
-from mig_operator.core.lifecycle import OwnerRecord
-from mig_operator.core.profiles import GpuModel, Profile
-from mig_operator.core.runtime_trust import RuntimeCheck, check_toolkit_config
+from mig_operator.core.node.device_plugin import DevicePluginCheck
+from mig_operator.core.node.lifecycle import OwnerRecord
+from mig_operator.core.node.runtime_trust import RuntimeCheck, check_toolkit_config
+from mig_operator.core.placement.cluster import MODE_FRACTION, MODE_MIG, GpuState, InstanceState, gpu_role
+from mig_operator.core.placement.compute import gpu_compute
+from mig_operator.core.placement.compute import mig_compute as mig_compute_label
+from mig_operator.core.placement.profiles import GpuModel, Profile
 from mig_operator.gpu.protocol import GpuInfo, MigInstance
 
 log = logging.getLogger("mig_operator.agent")
@@ -108,7 +108,7 @@ def gpunode_status(
 ) -> dict[str, Any]:
     """The whole status of the node's GpuNode (written with one merge patch: lists are replaced).
     ``held``: the UIDs of deleted slices whose instances a prepared claim still holds.
-    ``device_plugin``: the check of the node's capacity (core.device_plugin), written as the
+    ``device_plugin``: the check of the node's capacity (core.node.device_plugin), written as the
     ``DevicePluginConflict`` condition (last changed at ``device_plugin_since``, else now).
     ``runtime``: the ``RuntimeTrusted`` condition (``RuntimeWatch.condition``), written beside it."""
     entries = []

@@ -8,7 +8,7 @@ started again and one no slice needs goes within a publish delay. A restarted ag
 daemon it left: one that answers is never restarted (``MpsControl.start``). The daemon holds, for
 each GPU, the largest share and memory of its slices (``MpsControl.hold``): no client of the GPU gets
 more than that, whatever its own environment says; each client's own share and limit come from its
-CDI spec (``core.environment.mps_environment``).
+CDI spec (``core.node.environment.mps_environment``).
 
 What the cluster sees: the GpuNode condition ``MPSReady`` (True while every GPU that needs a daemon
 has one answering; False, reason ``MPSDaemonFailed``, naming the GPU and the cause), and a slice
@@ -22,8 +22,8 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
-from mig_operator.core.cluster import MODE_FRACTION
-from mig_operator.core.environment import mps_ceilings
+from mig_operator.core.node.environment import mps_ceilings
+from mig_operator.core.placement.cluster import MODE_FRACTION
 from mig_operator.gpu.mps import MpsControl, MpsDirs, MpsError
 
 from .gpus import Gpus

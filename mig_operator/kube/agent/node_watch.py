@@ -8,7 +8,7 @@ import asyncio
 import logging
 from collections.abc import Mapping
 
-from mig_operator.core.device_plugin import DevicePluginCheck, check_node
+from mig_operator.core.node.device_plugin import DevicePluginCheck, check_node
 
 from ..common import status
 from ..common.client import ApiError, KubeClient

@@ -1,5 +1,5 @@
 """What the node agent tells the cluster: its GpuNode (GPUs, instances, who holds what, conditions),
-its ResourceSlice (one device per offered slice: ``core.lifecycle.offered``) and its metrics.
+its ResourceSlice (one device per offered slice: ``core.node.lifecycle.offered``) and its metrics.
 
 Changes within ``publish_delay_s`` share one GpuNode write; a heartbeat re-reads the GPUs, the Node
 and the runtime and publishes at least every ``heartbeat_s``.
@@ -13,8 +13,8 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from mig_operator.core.device_plugin import CONDITION_TYPE, DevicePluginCheck
-from mig_operator.core.lifecycle import OwnerEntry
+from mig_operator.core.node.device_plugin import CONDITION_TYPE, DevicePluginCheck
+from mig_operator.core.node.lifecycle import OwnerEntry
 from mig_operator.gpu.protocol import GpuError
 
 from ..common import metrics, status

@@ -1,6 +1,6 @@
 """Realising a slice bound to this node, and letting its instance go when it fails or is gone.
 
-Decisions come from ``core.lifecycle`` (what to do with a slice event, which instance to use); this
+Decisions come from ``core.node.lifecycle`` (what to do with a slice event, which instance to use); this
 module carries them out in this order, so that a crash anywhere leaves an intent to finish or an
 idle instance, never a leak or a device serving two slices:
 
@@ -27,16 +27,7 @@ from typing import TypeVar
 
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
 
-from mig_operator.core.cluster import (
-    MODE_FRACTION,
-    MODE_MIG,
-    Binding,
-    InstanceState,
-    binding_from_status,
-    describe_binding,
-)
-from mig_operator.core.compute import gpu_compute
-from mig_operator.core.lifecycle import (
+from mig_operator.core.node.lifecycle import (
     COMPLETED,
     CREATING,
     STARTED,
@@ -48,7 +39,16 @@ from mig_operator.core.lifecycle import (
     offered_entries,
     plan_mig,
 )
-from mig_operator.core.quantities import format_bytes
+from mig_operator.core.placement.cluster import (
+    MODE_FRACTION,
+    MODE_MIG,
+    Binding,
+    InstanceState,
+    binding_from_status,
+    describe_binding,
+)
+from mig_operator.core.placement.compute import gpu_compute
+from mig_operator.core.requests.quantities import format_bytes
 from mig_operator.gpu.mps import MpsError
 from mig_operator.gpu.protocol import GpuError, GpuInfo, MigInstance
 
@@ -225,7 +225,7 @@ class Realiser:
                 f"GPU {gpu.index} of {self.settings.node} has {format_bytes(gpu.memory_mib * 2**20 - others)} "
                 f"left for fractions, not {format_bytes(binding.granted_bytes)}", transient=False,
             )
-        # Compute as the controller planned it (core.compute): the shares fit, and shares (MPS) and
+        # Compute as the controller planned it (core.placement.compute): the shares fit, and shares (MPS) and
         # shared fractions do not meet on one GPU.
         compute = gpu_compute(e.compute for e in neighbours)
         if not compute.takes(binding.compute):

@@ -1,6 +1,6 @@
 """The agent's owner record on the node's disk: written atomically before and after each NVML step.
 
-The file is JSON (``core.lifecycle.OwnerRecord``): the boot id it was written in, each slice the
+The file is JSON (``core.node.lifecycle.OwnerRecord``): the boot id it was written in, each slice the
 agent has taken on by UID, and when each idle instance became idle; beside it, the ResourceClaims
 the kubelet has had prepared (claim UID -> slice UID) and the slices deleted while a claim on them
 was prepared (their instances stay held until the kubelet unprepares the claim). Every change is written to a
@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from typing import Any, TypeVar
 
-from mig_operator.core.lifecycle import OwnerEntry, OwnerRecord
+from mig_operator.core.node.lifecycle import OwnerEntry, OwnerRecord
 from mig_operator.gpu.files import write_atomically
 
 BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"

@@ -1,7 +1,7 @@
 """Releasing a slice: its instance becomes idle in the record, then the agent's finalizer goes.
 
 Nothing is released while in use: a deleted slice whose ResourceClaim is reserved for a pod or
-prepared here (``core.lifecycle.claim_hold``) keeps its finalizer, so its binding, its GPU room and
+prepared here (``core.node.lifecycle.claim_hold``) keeps its finalizer, so its binding, its GPU room and
 its quota charge stay, and says so (condition Released=False, reason InUse). It is looked at again
 when the kubelet unprepares a claim on it, and on a timer while it is held (``release_recheck_s``,
 doubling up to ``release_recheck_max_s`` while nothing changes): one GET of its claim each time, and
@@ -15,9 +15,9 @@ import logging
 import time
 from collections.abc import Mapping
 
-from mig_operator.core.cluster import MODE_MIG, Binding, describe_binding
-from mig_operator.core.lifecycle import IN_USE, ClaimHold, OwnerEntry, claim_hold
-from mig_operator.core.slice_claim import claim_path
+from mig_operator.core.books.slice_claim import claim_path
+from mig_operator.core.node.lifecycle import IN_USE, ClaimHold, OwnerEntry, claim_hold
+from mig_operator.core.placement.cluster import MODE_MIG, Binding, describe_binding
 
 from ..common import status
 from ..common.client import ApiError, slice_path

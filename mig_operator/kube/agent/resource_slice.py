@@ -22,10 +22,10 @@ from typing import Any
 
 from kubernetes.utils import parse_quantity
 
-from mig_operator.core.cdi import DRIVER
-from mig_operator.core.cluster import MODE_MIG
-from mig_operator.core.lifecycle import OwnerEntry
-from mig_operator.core.slice_claim import DRA_API as RESOURCE_API
+from mig_operator.core.books.slice_claim import DRA_API as RESOURCE_API
+from mig_operator.core.node.cdi import DRIVER
+from mig_operator.core.node.lifecycle import OwnerEntry
+from mig_operator.core.placement.cluster import MODE_MIG
 
 from ..common.client import ApiError, KubeClient
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from mig_operator.core.cdi import DRIVER
-from mig_operator.core.slice_claim import DEVICE_CLASS as DEVICE_CLASS  # re-exported: the claim's class
-from mig_operator.core.slice_claim import DRA_API as DRA_API
+from mig_operator.core.books.slice_claim import DEVICE_CLASS as DEVICE_CLASS  # re-exported: the claim's class
+from mig_operator.core.books.slice_claim import DRA_API as DRA_API
+from mig_operator.core.node.cdi import DRIVER
 
 GROUP = "cdmo.io"
 VERSION = "v1alpha1"
@@ -50,8 +50,8 @@ POD_CLAIM_ENTRY = "gpu-slice"
 
 # Dynamic Resource Allocation: the agents publish devices of this driver; each GpuSlice's
 # ResourceClaim (same name) asks for one device of this class.
-DRA_DRIVER = DRIVER  # core/cdi.py's: the CDI kind is named after it
-# DRA_API and DEVICE_CLASS come from core/slice_claim.py, where the claim body is built.
+DRA_DRIVER = DRIVER  # core/node/cdi.py's: the CDI kind is named after it
+# DRA_API and DEVICE_CLASS come from core/books/slice_claim.py, where the claim body is built.
 # The node's directory the agent installs the shim into; the CDI spec of a fraction mounts it, read-only.
 SHIM_HOST_DIR = "/var/lib/mig-operator/shim"
 # On a pod's GpuSlice: the GPU nodes (comma-separated) the pod's nodeSelector and required node

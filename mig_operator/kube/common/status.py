@@ -11,14 +11,14 @@ from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
-from mig_operator.core.cluster import MODE_MIG, Binding
-from mig_operator.core.compute import format_compute
-from mig_operator.core.lifecycle import BOUND, CREATING, FAILED, IN_USE, PENDING, READY
-from mig_operator.core.request import SliceRequest
+from mig_operator.core.node.lifecycle import BOUND, CREATING, FAILED, IN_USE, PENDING, READY
+from mig_operator.core.placement.cluster import MODE_MIG, Binding
+from mig_operator.core.placement.compute import format_compute
+from mig_operator.core.requests.request import SliceRequest
 
 BOUND_CONDITION = "Bound"
 READY_CONDITION = "Ready"
-# On a slice being deleted whose claim is still in use: False with reason InUse (core.lifecycle.claim_hold).
+# On a slice being deleted whose claim is still in use: False with reason InUse (core.node.lifecycle.claim_hold).
 RELEASED_CONDITION = "Released"
 
 
@@ -63,7 +63,7 @@ def pending(previous: Mapping | None, request: SliceRequest, reason: str, messag
 def bound(previous: Mapping | None, request: SliceRequest, binding: Binding, gpu_uuid: str,
           reclaim: list[dict], message: str, mig_compute: str = "") -> dict:
     """The controller's decision: phase Bound with the node, GPU, mode, profile and placement, and
-    ``compute`` (core.compute): a fraction's share or ``shared``, a MIG slice's ``mig_compute`` (``3/7``)."""
+    ``compute`` (core.placement.compute): a fraction's share or ``shared``, a MIG slice's ``mig_compute`` (``3/7``)."""
     when = now()
     body: dict[str, Any] = {
         "phase": BOUND, "reason": "Bound", "message": _message(message), "request": request.describe(),

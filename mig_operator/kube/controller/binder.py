@@ -1,7 +1,7 @@
 """The controller's binder: the reconciler that binds each GpuSlice to a node, GPU, mode, profile and
 placement.
 
-It observes (watch events and periodic full lists go into the ledger, ``core.ledger``), decides (the
+It observes (watch events and periodic full lists go into the ledger, ``core.books.ledger``), decides (the
 ledger plans a slice's group, admits it against its quota and reserves the bindings, or refuses it),
 acts (writes the binding or the refusal) and records (commits or rolls back in the ledger). The
 ledger is pure and synchronous, so a decision and its reservation happen with no await between them
@@ -11,11 +11,11 @@ A binding is one write: ``status`` (phase Bound and the decision, with the resou
 from as a precondition). The agents select their slices by ``status.node`` (a field selector), so
 that write is what hands a slice to its agent. A pod's slice carries the agent's finalizer from
 creation; a slice made by hand gets it in a second write (the status subresource takes no metadata),
-and its agent waits for it (``core.lifecycle.agent_step``); a controller that dies between the two
+and its agent waits for it (``core.node.lifecycle.agent_step``); a controller that dies between the two
 writes adds it on its next pass (``mark``). A slice deleted before it was bound never reaches an
 agent: the controller takes the finalizer off it (``_let_go_unbound``).
 
-Quotas and the fair order (``core.quota``): a binding that would take its namespace past its
+Quotas and the fair order (``core.books.quota``): a binding that would take its namespace past its
 GpuQuota is not made (the slice stays Pending, reason QuotaExceeded). While slices wait, a new slice
 joins the line instead of being bound at once, and each pass serves the line in fair order: the
 namespace holding the smallest share of its quota first, then its oldest slice.
@@ -30,7 +30,9 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from mig_operator.core.cluster import (
+from mig_operator.core.books.ledger import Decision, Ledger, SliceRecord
+from mig_operator.core.books.quota import DEFAULT_HOLD_S, FairQueue, held_behind, holds_back
+from mig_operator.core.placement.cluster import (
     MODE_MIG,
     Binding,
     GpuState,
@@ -39,9 +41,7 @@ from mig_operator.core.cluster import (
     binding_mig_compute,
     describe_binding,
 )
-from mig_operator.core.ledger import Decision, Ledger, SliceRecord
-from mig_operator.core.planner import PlannerSettings
-from mig_operator.core.quota import DEFAULT_HOLD_S, FairQueue, held_behind, holds_back
+from mig_operator.core.placement.planner import PlannerSettings
 
 from ..common import metrics, status
 from ..common.client import ApiError, KubeClient, gpunodes_path, resource_version, slice_path, slices_path
@@ -382,7 +382,7 @@ class Binder:
         self.queue.add("replan", self._serve_line, 0.05)
 
     async def _serve_line(self) -> None:
-        """One pass over the waiting slices in fair order (``core.quota.FairQueue``): the namespace with
+        """One pass over the waiting slices in fair order (``core.books.quota.FairQueue``): the namespace with
         the smallest share of its quota first, then its oldest slice. A slice refused for room that
         can free holds its namespace's younger slices back for its first ``hold_s`` seconds of waiting.
         Planning costs what ``ClusterPlanner`` costs (independent of the cluster's size) per distinct

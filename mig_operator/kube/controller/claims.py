@@ -1,10 +1,10 @@
 """Each Ready GpuSlice's ResourceClaim: how a device reaches a container (DESIGN "Handing a device").
 
-When a slice is Ready and its device is on its node's GpuNode (core/device_check), the controller
+When a slice is Ready and its device is on its node's GpuNode (core/books/device_check), the controller
 writes a ResourceClaim of the slice's name in its namespace, owned by the slice (deleting the slice
 deletes the claim), asking for one device of class ``gpuslice.cdmo.io`` whose ``slice`` attribute is
 the slice's UID, and then allocates it itself: the slice's device in the bound node's pool, usable on
-that node only (core/slice_claim, which says why). kube-scheduler only reserves the claim for a pod
+that node only (core/books/slice_claim, which says why). kube-scheduler only reserves the claim for a pod
 that names it, on that node, and the kubelet asks the agent to prepare it. A device that another
 node's agent publishes under the slice's UID is never allocated to the claim.
 
@@ -38,10 +38,9 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from mig_operator.core.device_check import ACCEPT, check_bound_device, check_ready_device
-from mig_operator.core.ledger import Ledger, SliceRecord
-from mig_operator.core.lifecycle import BOUND, READY
-from mig_operator.core.slice_claim import (
+from mig_operator.core.books.device_check import ACCEPT, check_bound_device, check_ready_device
+from mig_operator.core.books.ledger import Ledger, SliceRecord
+from mig_operator.core.books.slice_claim import (
     DELETE_PROTECTION,
     ELSEWHERE,
     PINNED,
@@ -51,7 +50,8 @@ from mig_operator.core.slice_claim import (
     claim_path,
     unreserve_patch,
 )
-from mig_operator.core.slice_claim import claim_body as slice_claim_body
+from mig_operator.core.books.slice_claim import claim_body as slice_claim_body
+from mig_operator.core.node.lifecycle import BOUND, READY
 
 from ..common.client import ApiError, KubeClient, slice_path
 from ..common.events import EventPoster
@@ -239,7 +239,7 @@ class SliceClaims:
     async def unreserve(self, info: SliceRecord) -> None:
         """Take the reservation for the slice's pod off its claim (written with the allocation), once:
         the caller knows the pod is still gated, so nothing ran on the device, and the slice goes.
-        Left on, it would hold the slice (``core.lifecycle.claim_hold``) until the pod goes."""
+        Left on, it would hold the slice (``core.node.lifecycle.claim_hold``) until the pod goes."""
         pod = owner_pod(info)
         if pod is None or info.binding is None or info.uid in self._unreserved:
             return  # an unbound slice's claim is not allocated, so not reserved either

@@ -14,9 +14,9 @@ from typing import Any
 
 import kopf
 
-from mig_operator.core.compute import SHARED
-from mig_operator.core.planner import PlannerSettings
-from mig_operator.core.quota import DEFAULT_HOLD_S
+from mig_operator.core.books.quota import DEFAULT_HOLD_S
+from mig_operator.core.placement.compute import SHARED
+from mig_operator.core.placement.planner import PlannerSettings
 
 from ..common.client import ApiError, KubeClient
 from ..common.events import EventPoster
@@ -49,7 +49,7 @@ class ControllerOptions:
     fair_hold_s: float = DEFAULT_HOLD_S
     # A namespace without a GpuQuota gets no slice (reason NoQuota).
     quota_required: bool = False
-    # The compute of a fraction without spec.compute (core.compute): shared or proportional.
+    # The compute of a fraction without spec.compute (core.placement.compute): shared or proportional.
     default_compute: str = SHARED
 
 

@@ -1,4 +1,4 @@
-"""What the controller reads of the API's objects, as the records its ledger (core.ledger) takes."""
+"""What the controller reads of the API's objects, as the records its ledger (core.books.ledger) takes."""
 
 from __future__ import annotations
 
@@ -6,14 +6,14 @@ from collections.abc import Mapping
 from functools import lru_cache
 from typing import Any
 
-from mig_operator.core.cluster import NodeInventory, binding_from_status, inventory_from_status
-from mig_operator.core.ledger import NodeLabels, SliceRecord
-from mig_operator.core.quantities import QuantityError
-from mig_operator.core.request import SliceRequest
-from mig_operator.core.request_forms import MAX_POD_DEVICES
-from mig_operator.core.runtime_trust import TRUST_LABEL, TRUST_VALUE, accepted
-from mig_operator.core.slice_spec import request_from_spec
-from mig_operator.core.tenancy import SHARING_LABEL, SHARING_VALUE, shares_across_namespaces
+from mig_operator.core.books.ledger import NodeLabels, SliceRecord
+from mig_operator.core.node.runtime_trust import TRUST_LABEL, TRUST_VALUE, accepted
+from mig_operator.core.placement.cluster import NodeInventory, binding_from_status, inventory_from_status
+from mig_operator.core.placement.tenancy import SHARING_LABEL, SHARING_VALUE, shares_across_namespaces
+from mig_operator.core.requests.quantities import QuantityError
+from mig_operator.core.requests.request import SliceRequest
+from mig_operator.core.requests.request_forms import MAX_POD_DEVICES
+from mig_operator.core.requests.slice_spec import request_from_spec
 
 from ..common.client import resource_version
 from ..common.names import (

@@ -9,7 +9,12 @@ import time
 from collections.abc import Collection, Mapping
 from typing import Any
 
-from mig_operator.core.node_selection import constrains_nodes, has_required_terms, node_allowed, taints_tolerated
+from mig_operator.core.placement.node_selection import (
+    constrains_nodes,
+    has_required_terms,
+    node_allowed,
+    taints_tolerated,
+)
 
 from ..common.client import KubeClient
 

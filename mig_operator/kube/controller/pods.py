@@ -28,13 +28,13 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-from mig_operator.core.device_check import ACCEPT, REFUSE, check_ready_device
-from mig_operator.core.ledger import Ledger, SliceRecord
-from mig_operator.core.lifecycle import BOUND, FAILED, READY, SLICE_TRIES, slice_retry_delay
-from mig_operator.core.pod_admission import PodRefused, check_pod_devices
-from mig_operator.core.quantities import QuantityError
-from mig_operator.core.request_forms import device_slice_names
-from mig_operator.core.slice_claim import claim_user
+from mig_operator.core.books.device_check import ACCEPT, REFUSE, check_ready_device
+from mig_operator.core.books.ledger import Ledger, SliceRecord
+from mig_operator.core.books.slice_claim import claim_user
+from mig_operator.core.node.lifecycle import BOUND, FAILED, READY, SLICE_TRIES, slice_retry_delay
+from mig_operator.core.requests.pod_admission import PodRefused, check_pod_devices
+from mig_operator.core.requests.quantities import QuantityError
+from mig_operator.core.requests.request_forms import device_slice_names
 
 from ..common.client import ApiError, KubeClient, core_path, resource_version, slice_path, slices_path
 from ..common.events import EventPoster
@@ -383,7 +383,7 @@ class PodSlices:
             self._retries.pop(key, None)
 
     async def _device_checked(self, pod: Mapping[str, Any], info: SliceRecord) -> bool:
-        """Whether the Ready slice's device is on its node's GpuNode (core/device_check); if not yet, the
+        """Whether the Ready slice's device is on its node's GpuNode (core/books/device_check); if not yet, the
         pod is looked at again when that GpuNode changes; a wrong device is never handed on. A slice
         still Bound passes only onto a device its agent takes without an NVML call; else its Ready
         event brings the pod here again."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 
-from mig_operator.core.quota import QUOTA_NAME
+from mig_operator.core.books.quota import QUOTA_NAME
 
 from ..common import metrics
 from ..common.client import ApiError, KubeClient

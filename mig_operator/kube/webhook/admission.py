@@ -1,6 +1,6 @@
 """What the admission webhook does to a pod that asks for a slice with an annotation.
 
-It checks the pod with ``core.pod_admission.check_pod`` (the controller checks it again before it
+It checks the pod with ``core.requests.pod_admission.check_pod`` (the controller checks it again before it
 makes the slice). Then it adds, at creation (the only time the API allows it): a scheduling gate,
 so the pod waits for its slice; a label naming the pod's slice, so the controller finds the pod
 with a server-side selector; and the slice's ResourceClaim (same name, written by the controller
@@ -16,15 +16,15 @@ import secrets
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import Any
 
-from mig_operator.core.compat import DialectRequest
-from mig_operator.core.request_forms import (
+from mig_operator.core.requests.compat import DialectRequest
+from mig_operator.core.requests.request_forms import (
     MigResourceRequest,
     PodDevice,
     device_slice_names,
     resource_form,
     without_resources,
 )
-from mig_operator.core.slice_spec import ANNOTATION_COMPAT_RECORD
+from mig_operator.core.requests.slice_spec import ANNOTATION_COMPAT_RECORD
 
 from ..common.names import POD_CLAIM_ENTRY, POD_SLICE_LABEL, SCHEDULING_GATE
 

@@ -22,10 +22,10 @@ from typing import Any
 
 import kopf
 
-from mig_operator.core.compat import dialect_match_expression, dialect_request
-from mig_operator.core.pod_admission import PodRefused, check_pod_devices
-from mig_operator.core.quantities import QuantityError
-from mig_operator.core.request_forms import (
+from mig_operator.core.requests.compat import dialect_match_expression, dialect_request
+from mig_operator.core.requests.pod_admission import PodRefused, check_pod_devices
+from mig_operator.core.requests.quantities import QuantityError
+from mig_operator.core.requests.request_forms import (
     MIG_REQUESTS_LABEL,
     MIG_REQUESTS_OFF,
     MIG_RESOURCE_PREFIX,
@@ -34,7 +34,7 @@ from mig_operator.core.request_forms import (
     WHOLE_GPUS_ON,
     mig_resource_request,
 )
-from mig_operator.core.slice_spec import ANNOTATION_PREFIX
+from mig_operator.core.requests.slice_spec import ANNOTATION_PREFIX
 
 from ..common.client import ApiError, KubeClient
 from ..common.listen import listen
@@ -55,13 +55,13 @@ log = logging.getLogger("mig_operator.webhook")
 
 HANDLER_ID = "gpu-slice"  # each handler is served at /<id> (review.ReviewServer)
 WEBHOOK_ENTRY = "pods.cdmo.io"
-# Any cdmo.io/* annotation, in any case, is sent (core.slice_spec.looks_like_request), so a misspelt or
+# Any cdmo.io/* annotation, in any case, is sent (core.requests.slice_spec.looks_like_request), so a misspelt or
 # guessed one is refused, not ignored.
 MATCH_EXPRESSION = (
     "has(object.metadata.annotations) && object.metadata.annotations.exists(k, "
     f"k.lowerAscii().startsWith('{ANNOTATION_PREFIX}'))"
 )
-# The second entry: pods whose containers ask for nvidia.com/mig-* devices (core/request_forms.py), in
+# The second entry: pods whose containers ask for nvidia.com/mig-* devices (core/requests/request_forms.py), in
 # the namespaces that did not opt out. It comes after the first, which sees the pod as it was created.
 MIG_HANDLER_ID = "mig-resources"
 MIG_WEBHOOK_ENTRY = "mig-requests.cdmo.io"
@@ -70,7 +70,7 @@ _ASKS_FOR_MIG = (
     f"k.startsWith('{MIG_RESOURCE_PREFIX}'))) || (has(c.resources.requests) && c.resources.requests.exists(k, "
     f"k.startsWith('{MIG_RESOURCE_PREFIX}'))))"
 )
-# The third, only with ``compat``: pods asking in a seed platform's form (core/compat.py), after the
+# The third, only with ``compat``: pods asking in a seed platform's form (core/requests/compat.py), after the
 # first two, so that a pod they served is not served twice.
 COMPAT_HANDLER_ID = "compat"
 COMPAT_WEBHOOK_ENTRY = "compat.cdmo.io"
@@ -106,7 +106,7 @@ class WebhookOptions:
     key_dir: str | None = None  # where a made certificate's files go; the caller removes it at exit
     # Namespaces whose nvidia.com/mig-* requests are served; empty: every one the webhook serves.
     mig_request_namespaces: tuple[str, ...] = ()
-    # The seed platforms' request forms served (core/compat.py): runai, clearml; none by default.
+    # The seed platforms' request forms served (core/requests/compat.py): runai, clearml; none by default.
     compat: tuple[str, ...] = ()
     # Whole GPUs (nvidia.com/gpu) in every namespace the webhook serves, not only those labelled
     # cdmo.io/whole-gpus=on.

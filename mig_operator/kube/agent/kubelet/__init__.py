@@ -9,7 +9,7 @@ Two unix sockets, as the kubelet's plugin manager expects:
 
 Prepare reads each ResourceClaim from the API server, checks that what the scheduler allocated from
 this driver is a device of this node's pool, a slice the agent holds Ready, and that the claim is that
-slice's own (``core.claim_owner``: a claim of another namespace may be allocated any device its
+slice's own (``core.books.claim_owner``: a claim of another namespace may be allocated any device its
 selector matches, so the scheduler's word is not enough), writes the slice's CDI spec (for a fraction,
 after making the slice's ledger directory and writing its limit file and ld.so.preload, which the
 spec mounts) and answers its CDI device ID (plus the

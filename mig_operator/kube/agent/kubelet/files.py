@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import yaml
 
-from mig_operator.core.cdi import NVIDIA_CDI_KIND, names_device, nvidia_device_id
+from mig_operator.core.node.cdi import NVIDIA_CDI_KIND, names_device, nvidia_device_id
 from mig_operator.gpu.files import write_atomically
 
 

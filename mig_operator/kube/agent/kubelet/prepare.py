@@ -11,7 +11,9 @@ import os
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from mig_operator.core.cdi import (
+from mig_operator.core.books.claim_owner import claim_refusal
+from mig_operator.core.books.slice_claim import claim_path
+from mig_operator.core.node.cdi import (
     DRIVER,
     SliceDevice,
     device_id,
@@ -20,11 +22,9 @@ from mig_operator.core.cdi import (
     slice_spec,
     spec_file_name,
 )
-from mig_operator.core.claim_owner import claim_refusal
-from mig_operator.core.cluster import MODE_FRACTION, MODE_MIG
-from mig_operator.core.environment import shim_files
-from mig_operator.core.lifecycle import OwnerEntry
-from mig_operator.core.slice_claim import claim_path
+from mig_operator.core.node.environment import shim_files
+from mig_operator.core.node.lifecycle import OwnerEntry
+from mig_operator.core.placement.cluster import MODE_FRACTION, MODE_MIG
 from mig_operator.gpu.device_files import DeviceFileError, device_nodes
 from mig_operator.gpu.files import write_atomically
 from mig_operator.gpu.mps import MpsDirs

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from mig_operator.core.cdi import DRIVER
+from mig_operator.core.node.cdi import DRIVER
 
 from ...common.names import SHIM_HOST_DIR
 

@@ -10,7 +10,7 @@ import os
 
 import grpc
 
-from mig_operator.core.cdi import (
+from mig_operator.core.node.cdi import (
     DRIVER,
 )
 

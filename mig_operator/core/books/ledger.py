@@ -1,0 +1,462 @@
+"""The controller's books: one owner for what it knows and what it has decided.
+
+The slices (``SliceRecord``), the GpuNode inventories and node labels placement reads, the bindings
+(written in a slice's status, or reserved while that write is in flight), each namespace's GpuQuota
+and charges (``core.books.charges``) and the waiting line (``core.books.waiting_line``). The planner's index
+(``core.placement.cluster.ClusterPlanner``) is its private part: inventories, labels and held bindings live
+there only. Its face: observe (``put_slice``, ``remove_slice``, ``put_inventory``,
+``remove_inventory``, ``set_node_labels``, ``put_quota``, ``remove_quota``, ``replace_all``);
+``decide(uid)`` for a slice's group (a slice alone is a group of one), quota admission included:
+bind (reserved), refuse (code, message, could it ever fit; the slices join the line) or skip; then
+``commit`` once the write is done or ``rollback`` once it failed (the books as before ``decide``).
+
+Rules kept here: a slice being deleted holds its binding and charge until it is gone; a device an
+agent still holds for a slice gone is charged from its GpuNode; a fraction GPU's occupancy counts
+what its agent holds and serves one namespace unless labelled (``core.placement.cluster``, ``core.placement.tenancy``);
+an untrusted runtime takes nothing new unless accepted (``core.placement.node_blocks``); ``quota_required``
+refuses a namespace without a GpuQuota (NoQuota). Pure and synchronous: no I/O, one caller at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from fractions import Fraction
+from typing import Any, Literal
+
+from ..placement.cluster import NO_CAPACITY, Binding, NodeInventory, Refusal
+from ..placement.cluster_planner import ClusterPlanner
+from ..placement.planner import PlannerSettings
+from ..requests.quantities import QuantityError
+from ..requests.request import SliceRequest
+from .charges import Charges
+from .quota import (
+    NO_QUOTA,
+    QUOTA_EXCEEDED,
+    QUOTA_NAME,
+    Quota,
+    Usage,
+    admit,
+    quota_from_spec,
+    quota_missing,
+    share,
+)
+from .waiting_line import WaitingLine
+
+
+@dataclass
+class SliceRecord:
+    """One GpuSlice as the controller needs it."""
+
+    uid: str
+    namespace: str
+    name: str
+    created: str
+    version: int
+    body: dict[str, Any]
+    request: SliceRequest | None
+    invalid: str  # why the spec cannot be served (an API server without CEL let it in), else ""
+    pinned: str | None
+    phase: str | None
+    binding: Binding | None
+    deleting: bool
+    marked: bool  # bound and carrying the agent's finalizer
+    eligible: tuple[str, ...] | None = None  # the only nodes it may go to (a pod's node selector), if set
+    group: str | None = None  # a pod's group of slices placed together (GROUP_ANNOTATION), if any
+    group_size: int = 1
+
+    @property
+    def ref(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+    @property
+    def order(self) -> tuple[str, str, str]:
+        """Oldest first: Pending slices are planned again in this order."""
+        return (self.created, self.namespace, self.name)
+
+
+@dataclass(frozen=True)
+class NodeLabels:
+    """What placement reads of a Node's labels: the MIG label, fraction sharing across namespaces
+    (core.placement.tenancy), runtime trust accepted (core.node.runtime_trust)."""
+
+    mig: bool = False
+    sharing: bool = False
+    accepted: bool = False
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What ``decide`` came to for a slice's group.
+
+    bind: ``bindings`` (reserved in the books) are to be written for ``todo``, in order, with ``uuids``
+    (binding uid -> GPU UUID). refuse: ``refusal`` is to be written to each of ``todo`` (now in the
+    waiting line), and ``give_back`` (members already bound) deleted; ``could_fit`` is False when its
+    quota cannot hold it even alone. skip: nothing to plan (gone, bound, reserved, incomplete group)."""
+
+    kind: Literal["bind", "refuse", "skip"]
+    todo: tuple[SliceRecord, ...] = ()
+    bindings: tuple[Binding, ...] = ()
+    uuids: Mapping[str, str] = field(default_factory=dict)
+    refusal: Refusal | None = None
+    could_fit: bool = True
+    give_back: tuple[SliceRecord, ...] = ()
+
+
+SKIP = Decision("skip")
+
+
+class Ledger:
+    def __init__(self, settings: PlannerSettings | None = None, quota_required: bool = False) -> None:
+        self.settings = settings or PlannerSettings()
+        self.quota_required = quota_required  # a namespace without a GpuQuota gets nothing (NoQuota)
+        self._index = ClusterPlanner()  # inventories, labels and held bindings: the only copy
+        self.slices: dict[str, SliceRecord] = {}
+        self._names: dict[tuple[str, str], str] = {}  # (namespace, name) -> uid
+        self._groups: dict[tuple[str, str], set[str]] = {}  # (namespace, group) -> uids
+        # Bindings decided but not yet seen in a slice's status, with the slice's waiting entry before.
+        self._reserved: dict[str, tuple[Binding, tuple[str, str] | None]] = {}
+        self.quotas: dict[str, Quota] = {}
+        self.quota_errors: dict[str, str] = {}  # namespace -> why its GpuQuota is ignored
+        self._charges = Charges()
+        self.line = WaitingLine()
+        self._writing: set[str] = set()  # decided, write not yet committed or rolled back
+        # Slices seen deleted since the last full list: uid -> the deletion's resourceVersion.
+        self._gone: dict[str, int] = {}
+
+    # ---- reading -------------------------------------------------------------------------------
+
+    @property
+    def inventories(self) -> Mapping[str, NodeInventory]:
+        return self._index.inventories
+
+    def uuid(self, node: str, gpu: int) -> str:
+        return self._index.uuids.get((node, gpu), "")
+
+    def bindings(self) -> list[Binding]:
+        """Every binding that holds GPU room: written ones (until the slice is gone) and reserved."""
+        return list(self._index.bindings.values())
+
+    def reserved(self, uid: str) -> Binding | None:
+        entry = self._reserved.get(uid)
+        return entry[0] if entry is not None else None
+
+    @property
+    def usage(self) -> Mapping[str, Usage]:
+        return self._charges.usage
+
+    @property
+    def cluster_bytes(self) -> int:
+        return self._charges.cluster_bytes
+
+    def used(self, namespace: str) -> Usage:
+        return self._charges.usage.get(namespace, Usage())
+
+    def charges(self) -> Mapping[str, tuple[str, int]]:
+        return self._charges.charged
+
+    def share(self, namespace: str) -> Fraction:
+        """The namespace's place in the fair order: the share of its quota (or of the cluster) it holds."""
+        return share(self.quotas.get(namespace), self.used(namespace), self.cluster_bytes)
+
+    def slice_named(self, namespace: str, name: str) -> SliceRecord | None:
+        uid = self._names.get((namespace, name))
+        return self.slices.get(uid) if uid is not None else None
+
+    def group_members(self, info: SliceRecord) -> list[SliceRecord]:
+        """The slices of ``info``'s group (itself included) not being deleted, by name."""
+        if info.group is None:
+            return [info]
+        members = (self.slices[u] for u in self._groups.get((info.namespace, info.group), ()) if u in self.slices)
+        return sorted((m for m in members if not m.deleting), key=lambda m: m.name)
+
+    def pending(self) -> list[SliceRecord]:
+        """Slices waiting for a binding, oldest first."""
+        waiting = [
+            s for s in self.slices.values()
+            if s.binding is None and s.uid not in self._reserved and not s.deleting and s.phase in (None, "Pending")
+            and s.request is not None
+        ]
+        return sorted(waiting, key=lambda s: s.order)
+
+    def counts(self) -> dict[tuple[str, str], int]:
+        """Slices by (phase, mode), for the metrics."""
+        out: dict[tuple[str, str], int] = {}
+        for s in self.slices.values():
+            key = (s.phase or "New", str((s.body.get("status") or {}).get("mode", "")))
+            out[key] = out.get(key, 0) + 1
+        return out
+
+    @property
+    def waiting(self) -> Mapping[str, tuple[str, str]]:
+        """The waiting line: uid -> (namespace, refusal code)."""
+        return self.line.waiting
+
+    # ---- deciding ------------------------------------------------------------------------------
+
+    def decide(self, uid: str, refused: dict | None = None) -> Decision:
+        """Plan the slice ``uid`` with its group (every member on one node, or none), admit it against its
+        namespace's quota, and reserve the bindings or put the slices in the waiting line.
+
+        ``refused`` (one pass of the line) remembers refusals: within a pass room only shrinks, so an
+        equal request (or the same group) is refused without planning again."""
+        info = self.slices.get(uid)
+        if info is None or info.binding is not None or uid in self._reserved or info.request is None:
+            return SKIP
+        key: Any = ("group", info.namespace, info.group)
+        if info.group is not None and refused is not None and key in refused:
+            cached: Decision = refused[key]
+            return replace(cached, todo=(), give_back=())  # its members were refused with it
+        members = self.group_members(info)
+        if info.group is not None and len(members) != info.group_size:
+            return SKIP  # the pod's controller is still making the others (or one is being replaced)
+        held = [m for m in members if m.binding is not None or m.uid in self._reserved]
+        todo = [m for m in members if m not in held]
+        if not todo or any(m.request is None or m.phase not in (None, "Pending") for m in todo):
+            return SKIP
+        decision = self._decide(info, held, todo, refused)
+        if decision.kind == "refuse":
+            assert decision.refusal is not None
+            for member in todo:
+                self.line.set(member.uid, (member.namespace, decision.refusal.code))
+            if info.group is not None and refused is not None:
+                refused[key] = decision
+        else:
+            for member, binding in zip(todo, decision.bindings, strict=True):
+                self._reserved[member.uid] = (binding, self.waiting.get(member.uid))
+                self._writing.add(member.uid)
+                self.line.set(member.uid, None)
+                self._held(member.uid)
+        return decision
+
+    def _decide(self, info: SliceRecord, held: list[SliceRecord], todo: list[SliceRecord],
+                refused: dict | None) -> Decision:
+        quota = self.quotas.get(info.namespace)
+        used = self.used(info.namespace)
+        shape = (info.request, info.pinned, info.eligible)
+        held_nodes = {self._binding_of(m).node for m in held}
+        try:
+            missing = quota_missing(info.namespace, quota, self.quota_required, self.quota_errors.get(info.namespace))
+            if missing is not None:
+                raise Refusal(NO_QUOTA, missing)
+            if info.group is None:
+                assert info.request is not None
+                if refused is not None and shape in refused:
+                    raise refused[shape]
+                planned = self._index.plan(info.request, info.pinned, self.settings, nodes=info.eligible,
+                                           namespace=info.namespace)
+                bindings = [replace(planned, uid=info.uid)]
+            else:
+                what = f"the group {info.group} of namespace {info.namespace}"
+                if len(held_nodes) > 1:
+                    raise Refusal(NO_CAPACITY, f"{what} is bound on several nodes ({', '.join(sorted(held_nodes))})")
+                node = next(iter(held_nodes)) if len(held_nodes) == 1 else info.pinned
+                requests = [(m.uid, m.request) for m in todo if m.request is not None]
+                bindings = self._index.plan_group(requests, node, self.settings, nodes=info.eligible, what=what,
+                                                  namespace=info.namespace)
+        except Refusal as refusal:
+            if refusal.code == NO_CAPACITY:
+                if info.group is None and refused is not None:
+                    refused[shape] = refusal
+                # No placement, so no grant: the requests' bytes are the least they would add.
+                least = sum(m.request.memory_bytes or 0 for m in todo if m.request is not None)
+                verdict = admit(quota, used, least, at_least=True, slices=len(todo))
+                if not verdict.allowed:
+                    refusal = Refusal(QUOTA_EXCEEDED, verdict.message)
+                    return Decision("refuse", tuple(todo), refusal=refusal, could_fit=verdict.could_fit,
+                                    give_back=tuple(held))
+            return Decision("refuse", tuple(todo), refusal=refusal, give_back=tuple(held))
+        verdict = admit(quota, used, sum(b.granted_bytes for b in bindings), slices=len(bindings))
+        if not verdict.allowed:
+            for b in bindings:
+                self._held(b.uid)  # plan_group left its tentative bindings in the index
+            return Decision("refuse", tuple(todo), refusal=Refusal(QUOTA_EXCEEDED, verdict.message),
+                            could_fit=verdict.could_fit, give_back=tuple(held))
+        uuids = {b.uid: self.uuid(b.node, b.gpu) for b in bindings}
+        return Decision("bind", tuple(todo), tuple(bindings), uuids)
+
+    def probe(self, uid: str) -> Refusal | None:
+        """How slice ``uid`` alone would be planned now, holding nothing: its refusal, or None (it fits)."""
+        info = self.slices[uid]
+        assert info.request is not None
+        try:
+            self._index.plan(info.request, info.pinned, self.settings, nodes=info.eligible, namespace=info.namespace)
+        except Refusal as refusal:
+            return refusal
+        return None
+
+    def writing(self, uid: str) -> bool:
+        """Whether the binding ``decide`` made for ``uid`` is still being written (not yet committed or
+        rolled back): its own write's watch event may arrive before the write returns."""
+        return uid in self._writing
+
+    def commit(self, uid: str) -> None:
+        """The binding write is done (the written status was observed with ``put_slice``)."""
+        self._writing.discard(uid)
+
+    def rollback(self, uid: str) -> None:
+        """The binding write failed: the books are as before ``decide`` for this slice."""
+        self._writing.discard(uid)
+        entry = self._reserved.pop(uid, None)
+        info = self.slices.get(uid)
+        if entry is not None and (info is None or info.binding is None):
+            self.line.set(uid, entry[1])
+        self._held(uid)
+
+    def _binding_of(self, info: SliceRecord) -> Binding:
+        return info.binding or self._reserved[info.uid][0]
+
+    # ---- charges -------------------------------------------------------------------------------
+
+    def _held(self, uid: str) -> None:
+        """Put in the index the room slice ``uid`` holds now (its written binding, else its reserved
+        one, else none), and charge its namespace's quota the same way. A slice being deleted holds
+        both until it is gone; a slice gone whose device an agent still holds is charged from that
+        agent's GpuNode."""
+        info = self.slices.get(uid)
+        binding = info.binding if info is not None and info.binding is not None else self.reserved(uid)
+        if binding is None:
+            self._index.drop_binding(uid)
+        else:
+            self._index.put_binding(binding)
+        charge = None
+        if binding is not None and info is not None:
+            charge = (info.namespace, binding.granted_bytes)
+        elif info is None:
+            charge = self._charges.agent_charge(uid)
+        self._charges.set(uid, charge)
+
+    # ---- observing: quotas and labels ----------------------------------------------------------
+
+    def put_quota(self, body: Mapping) -> bool:
+        """Take a GpuQuota event; False when it is not the namespace's quota (another name: the CRD
+        refuses those, an API server without CEL may not) or its spec is not valid (then ignored)."""
+        meta = body["metadata"]
+        namespace, name = meta["namespace"], meta["name"]
+        if name != QUOTA_NAME:
+            return False
+        try:
+            self.quotas[namespace] = quota_from_spec(namespace, body.get("spec"), name)
+        except QuantityError as exc:
+            self.quotas.pop(namespace, None)
+            self.quota_errors[namespace] = str(exc)
+            return False
+        self.quota_errors.pop(namespace, None)
+        return True
+
+    def remove_quota(self, body: Mapping) -> None:
+        meta = body["metadata"]
+        if meta["name"] == QUOTA_NAME:
+            self.quotas.pop(meta["namespace"], None)
+            self.quota_errors.pop(meta["namespace"], None)
+
+    def replace_quotas(self, bodies: Iterable[Mapping]) -> None:
+        self.quotas, self.quota_errors = {}, {}
+        for body in bodies:
+            self.put_quota(body)
+
+    def set_node_labels(self, node: str, flags: NodeLabels) -> bool:
+        """Take a Node's placement labels (all False: unlabelled or gone); False when none changed."""
+        if flags == NodeLabels(*self._index.labels_of(node)):
+            return False
+        self._index.set_labelled(node, flags.mig)
+        self._index.set_fraction_sharing(node, flags.sharing)
+        self._index.set_runtime_accepted(node, flags.accepted)
+        return True
+
+    # ---- observing: slices ---------------------------------------------------------------------
+
+    def put_slice(self, info: SliceRecord) -> SliceRecord | None:
+        """Take a slice event; None when it is older than what is known (ignored)."""
+        known = self.slices.get(info.uid)
+        if known is not None and info.version and known.version > info.version:
+            return None
+        if known is not None and known.group != info.group:
+            self._ungroup(known)
+        self.slices[info.uid] = info
+        self._names[(info.namespace, info.name)] = info.uid
+        if info.group is not None:
+            self._groups.setdefault((info.namespace, info.group), set()).add(info.uid)
+        if info.binding is not None:
+            self._reserved.pop(info.uid, None)
+        self._held(info.uid)
+        return info
+
+    def remove_slice(self, uid: str, version: int = 0) -> SliceRecord | None:
+        """Take a slice's deletion; ``version``: the deletion's resourceVersion (0: unknown), so that
+        a full list read before it does not bring the slice back."""
+        if version:
+            self._gone[uid] = max(version, self._gone.get(uid, 0))
+        self._reserved.pop(uid, None)
+        self.line.set(uid, None)
+        gone = self.slices.pop(uid, None)
+        if gone is not None and self._names.get((gone.namespace, gone.name)) == uid:
+            del self._names[(gone.namespace, gone.name)]
+        if gone is not None:
+            self._ungroup(gone)
+        self._held(uid)
+        return gone
+
+    def _ungroup(self, info: SliceRecord) -> None:
+        if info.group is None:
+            return
+        members = self._groups.get((info.namespace, info.group), set())
+        members.discard(info.uid)
+        if not members:
+            self._groups.pop((info.namespace, info.group), None)
+
+    # ---- observing: inventories ----------------------------------------------------------------
+
+    def put_inventory(self, inventory: NodeInventory) -> set[str]:
+        """Take a GpuNode's inventory; returns the namespaces whose quota use changed."""
+        self._index.set_inventory(inventory)
+        return self._agent_holds(inventory.node, inventory)
+
+    def remove_inventory(self, node: str) -> set[str]:
+        self._index.remove_inventory(node)
+        return self._agent_holds(node, None)
+
+    def _agent_holds(self, node: str, inventory: NodeInventory | None) -> set[str]:
+        """Take what ``node``'s agent holds now; charges change only for slices the controller does not know."""
+        changed: set[str] = set()
+        for uid in self._charges.take_inventory(node, inventory):
+            if uid in self.slices:
+                continue
+            before = self._charges.charged.get(uid)
+            self._held(uid)
+            changed.update(c[0] for c in (before, self._charges.charged.get(uid)) if c is not None)
+        return changed
+
+    def replace_all(self, slices: Iterable[SliceRecord], inventories: Iterable[NodeInventory],
+                    labels: Mapping[str, NodeLabels], listed_at: int | None = None) -> None:
+        """A fresh full list: what is not in it is gone (events may have been missed while paused).
+        ``labels``: at least every node carrying a label placement reads. ``listed_at``: the list's
+        resourceVersion. The watch runs on while the list is read, so what it showed after that
+        version stands: a slice made (or changed) since is kept though the list lacks it, and a
+        slice deleted since is not brought back, so neither its room nor another's binding is lost."""
+        fresh = {}
+        for info in slices:
+            if listed_at is not None and self._gone.get(info.uid, 0) > listed_at:
+                continue
+            known = self.slices.get(info.uid)
+            fresh[info.uid] = known if known is not None and known.version > info.version else info
+        if listed_at is not None:
+            fresh.update({uid: s for uid, s in self.slices.items() if uid not in fresh and s.version > listed_at})
+        self._gone = {uid: v for uid, v in self._gone.items() if listed_at is not None and v > listed_at}
+        self.slices = fresh
+        self._names = {(s.namespace, s.name): uid for uid, s in fresh.items()}
+        self._groups = {}
+        for uid, s in fresh.items():
+            if s.group is not None:
+                self._groups.setdefault((s.namespace, s.group), set()).add(uid)
+        self._reserved = {uid: r for uid, r in self._reserved.items() if uid in fresh}
+        for uid in [uid for uid in self.waiting if uid not in fresh]:
+            self.line.set(uid, None)
+        held = {uid: s.binding for uid, s in fresh.items() if s.binding is not None}
+        held.update({uid: r[0] for uid, r in self._reserved.items()})
+        inventories = list(inventories)
+        self._index.reset(inventories, [n for n, f in labels.items() if f.mig], held.values(),
+                          sharing=[n for n, f in labels.items() if f.sharing],
+                          accepted=[n for n, f in labels.items() if f.accepted])
+        for uid in {*self.slices, *self._charges.reset(inventories)}:
+            self._held(uid)

@@ -1,0 +1,1 @@
+"""What `mig-operator top` shows, as text and as JSON."""
