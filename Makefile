@@ -150,7 +150,7 @@ mutation: $(MUTATION_STAMP)
 	cp -r mig_operator examples pyproject.toml $(MUTATION_DIR)/
 	cp -r tests/unit tests/corpus $(MUTATION_DIR)/tests/
 	cp tests/seed_examples.py tests/slice_spec_reference.py $(MUTATION_DIR)/tests/
-	$(BIN)/python -c "$$UNDECORATE" $(MUTATION_DIR)/mig_operator/core/*.py
+	$(BIN)/python -c "$$UNDECORATE" $(MUTATION_DIR)/mig_operator/core/*/*.py
 	printf '%s\n' "$$COLD_CACHES" > $(MUTATION_DIR)/tests/conftest.py
 	cd $(MUTATION_DIR) && start=$$(date +%s) && nice -n 19 $(CURDIR)/$(BIN)/mutmut run $(MUTANTS); \
 		code=$$?; echo "==> mutmut run: $$(( $$(date +%s) - start )) s"; exit $$code
