@@ -66,6 +66,10 @@ class BindOutcome:
     could_fit: bool = True
 
 
+# Listing events (type None) that follow each other closer than this belong to one listing of a watch.
+LISTING_GAP_S = 2.0
+
+
 def _created_s(created: str) -> float | None:
     """A creationTimestamp (RFC 3339) as seconds since the epoch; None when absent or not one."""
     try:
@@ -87,6 +91,9 @@ class Binder:
         self._lock = asyncio.Lock()  # one full list at a time
         self._last_resync = 0.0
         self._counted = 0.0
+        # False from the start of a watch's listing until a full read after it: nothing is bound meanwhile.
+        self.synced = True
+        self._listing_seen = 0.0
         self.on_resync: list[Callable[[], Awaitable[None]]] = []
         self.on_slice_changed: list[Callable[[SliceRecord], Awaitable[None]]] = []
         # Told a slice that is being deleted, or that the binder is about to delete (a group's part given back).
@@ -109,6 +116,7 @@ class Binder:
                                     listed_at or None)
             self.ledger.replace_quotas(quotas)
             self._last_resync = time.monotonic()
+            self.synced = True
         self._announce()
         for namespace in {s.namespace for s in self.ledger.slices.values()} | set(self.ledger.quotas):
             self._namespace_changed(namespace)
@@ -129,6 +137,18 @@ class Binder:
                 raise
             log.warning("GpuQuotas cannot be listed (is crds/gpuquota.yaml applied?): no namespace is limited")
             return []
+
+    def listing_event(self) -> None:
+        """An object seen in a watch's listing: at start, when a standby replica becomes the active one, or
+        after a watch was lost. What another replica wrote meanwhile reaches the books one object at a
+        time, in no order, so a slice planned now could be placed on an instance whose binding is still
+        on its way. The first event of a listing stops binding until the books are read afresh."""
+        now = time.monotonic()
+        first = now - self._listing_seen > LISTING_GAP_S
+        self._listing_seen = now
+        if first:
+            self.synced = False
+            self.queue.add("resync", lambda: self._guard(self.resync()))
 
     def maybe_resync(self) -> None:
         """Resync when the last one is older than ``resync_s``; driven by events, so a paused
@@ -232,6 +252,8 @@ class Binder:
         of a group bound, and the next pass completes it on that node or gives it back. ``refused`` (one
         pass of the line): see ``Ledger.decide``. None when there was nothing to plan (the slice is
         gone, bound or being written) or a single slice's write failed."""
+        if not self.synced:
+            return None  # the resync under way plans every waiting slice once the books are whole
         started = time.perf_counter()
         decision = self.ledger.decide(uid, refused)
         self._announce()

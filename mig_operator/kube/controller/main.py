@@ -99,12 +99,16 @@ def build_registry(options: ControllerOptions) -> kopf.OperatorRegistry:
 
     async def slice_event(body: dict[str, Any], type: str | None) -> None:
         binder: Binder = state["binder"]
+        if type is None:
+            binder.listing_event()
         await binder.slice_event(body, deleted=type == "DELETED")
         binder.publish_counts()
         if type == "DELETED":
             await state["pods"].slice_deleted(body)
 
     async def gpunode_event(body: dict[str, Any], type: str | None) -> None:
+        if type is None:
+            state["binder"].listing_event()
         state["binder"].inventory_event(body, deleted=type == "DELETED")
         # A device a Ready slice names may have just been published: its claim and pod are looked at again.
         node = (body.get("spec") or {}).get("nodeName") or body["metadata"]["name"]
