@@ -194,7 +194,10 @@ class Binder:
 
     def node_event(self, name: str, labels: Mapping[str, str] | None) -> None:
         """A Node's labels changed (None: it is gone): the MIG label, fraction sharing, runtime trust."""
-        if self.ledger.set_node_labels(name, node_labels(labels)):
+        changed = self.ledger.set_node_labels(name, node_labels(labels))
+        if changed is not None:
+            for namespace in changed:  # fraction sharing changes what its fractions are charged
+                self._namespace_changed(namespace)
             self.request_replan()
 
     def quota_event(self, body: dict, deleted: bool) -> None:
