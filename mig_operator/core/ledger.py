@@ -28,8 +28,7 @@ from .charges import Charge, Charges, GpuKey, fraction_charge, own_charge
 from .cluster import MODE_FRACTION, NO_CAPACITY, Binding, NodeInventory, Refusal
 from .cluster_planner import ClusterPlanner
 from .planner import PlannerSettings
-from .quantities import MIB
-from .quantities import QuantityError
+from .quantities import MIB, QuantityError
 from .quota import (
     NO_QUOTA,
     QUOTA_EXCEEDED,

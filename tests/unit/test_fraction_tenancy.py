@@ -236,9 +236,9 @@ def test_no_fraction_gpu_ever_holds_two_namespaces_unless_labelled(steps) -> Non
         need = _need(request)
         # A GPU it holds already adds nothing to its charge, a sharing node's adds the grant, any other
         # the GPU's whole memory: least added charge first, then best fit.
-        def added(g: tuple[str, int]) -> int:
-            return need if g[0] in sharing else 0 if namespace in {b.namespace for b in on[g]} else L40S_BYTES
-        fits = sorted((added(g), free[g] - need, g) for g in allowed if free[g] >= need)
+        added = {g: need if g[0] in sharing else 0 if namespace in {b.namespace for b in on[g]} else L40S_BYTES
+                 for g in gpus}
+        fits = sorted((added[g], free[g] - need, g) for g in allowed if free[g] >= need)
         elsewhere = [g for g in gpus if g not in allowed and free[g] >= need]
         view = build_view(inventories, [], bindings.values(), sharing)
         try:

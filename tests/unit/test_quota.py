@@ -423,7 +423,8 @@ def test_a_device_an_agent_holds_for_a_slice_that_is_gone_stays_charged(sharing:
     assert state.put_inventory(gpunode_holding("n1", [])) == {"a"}
     assert state.used("a") == Usage()
     # A full list sees the same: a held device of a slice no longer listed is charged.
-    state.replace_all([], [gpunode_holding("n1", [("u9", "c/z", GIB)])], [{"metadata": {"name": "n1", "labels": labels}}])
+    node = {"metadata": {"name": "n1", "labels": labels}}
+    state.replace_all([], [gpunode_holding("n1", [("u9", "c/z", GIB)])], [node])
     assert state.used("c") == (Usage(GIB, 1) if sharing else Usage(23034 * MIB, 1, 1))
     assert state.remove_inventory(gpunode_holding("n1")) == {"c"} and state.used("c") == Usage()
 
