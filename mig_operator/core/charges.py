@@ -67,20 +67,24 @@ class Charges:
             self._add(charge, 1)
 
     def _add(self, charge: Charge, sign: int) -> None:
+        """Add (``sign`` 1) or take away (-1) one slice's charge: a GPU held whole is charged while any
+        fraction of the namespace is there, at the size its latest charge says."""
         namespace = charge.namespace
-        memory = charge.granted_bytes
-        whole = 0
+        memory, whole = sign * charge.granted_bytes, 0
         if charge.whole is not None:
             held = self.whole.setdefault(namespace, {})
-            entry = held.setdefault(charge.whole, [0, charge.whole_bytes])
-            memory = entry[1] if (entry[0] == 0 and sign > 0) or (entry[0] == 1 and sign < 0) else 0
-            whole = 1 if memory else 0
+            entry = held.setdefault(charge.whole, [0, 0])  # [its fractions there, the memory charged]
+            count_before, bytes_before = entry[0], entry[1]
             entry[0] += sign
+            if sign > 0:
+                entry[1] = charge.whole_bytes
+            memory = (entry[1] if entry[0] else 0) - (bytes_before if count_before else 0)
+            whole = (entry[0] > 0) - (count_before > 0)
             if not entry[0]:
                 del held[charge.whole]
                 if not held:
                     del self.whole[namespace]
-        used = self.usage.get(namespace, Usage()).plus(sign * memory, sign, sign * whole)
+        used = self.usage.get(namespace, Usage()).plus(memory, sign, whole)
         if used.slices:
             self.usage[namespace] = used
         else:

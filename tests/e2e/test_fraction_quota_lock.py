@@ -61,28 +61,37 @@ def test_a_quota_that_holds_one_gpu_holds_one_and_the_rest_stay_open(operator: O
     operator.start_operator(node)
     wait_quota_crd(operator)
     team_a, team_b = operator.namespace(), operator.namespace()
-    put_quota(operator, team_b, "50Gi", 3)  # one L40S's 46068 MiB, not two
-    names = tenant_slices(operator, team_b, forms(node.name)["compute"], 3)
-    held = operator.wait_phase(team_b, names[0], "Ready")["status"]["gpu"]
-    for name in names[1:]:
-        st = operator.wait_phase(team_b, name, "Pending", reason="QuotaExceeded")["status"]
-        assert RULE in st["message"] and f"holds {46068}Mi of its 50Gi" in st["message"], st["message"]
-    status = wait_quota_status(operator, team_b, L40S, 1, 2, whole=1)
-    assert status["heldWhole"] == [{"node": node.name, "gpu": held, "memory": str(L40S)}]
+    put_quota(operator, team_b, "50Gi", 4)  # one L40S's 46068 MiB, not two
+    # Three pinned fractions: the first takes a GPU alone, the others join it (the GPU it holds first),
+    # charged once.
+    names = tenant_slices(operator, team_b, forms(node.name)["nodeName"], 3)
+    held = {operator.wait_phase(team_b, name, "Ready")["status"]["gpu"] for name in names}
+    assert len(held) == 1, held
+    (held_gpu,) = held
+    wait_quota_status(operator, team_b, L40S, 3, 0, whole=1)
+    # A compute share of 1 cannot join shared fractions: it would take a second GPU whole, past 50Gi.
+    tenant = kubernetes.client.CustomObjectsApi(edit_tenant(operator.cluster, team_b))
+    tenant.create_namespaced_custom_object(GROUP, VERSION, team_b, "gpuslices", {
+        "apiVersion": f"{GROUP}/{VERSION}", "kind": "GpuSlice", "metadata": {"name": "alone"},
+        "spec": forms(node.name)["compute"]})
+    st = operator.wait_phase(team_b, "alone", "Pending", reason="QuotaExceeded")["status"]
+    assert RULE in st["message"] and "holds 46068Mi of its 50Gi" in st["message"], st["message"]
+    status = wait_quota_status(operator, team_b, L40S, 3, 1, whole=1)
+    assert status["heldWhole"] == [{"node": node.name, "gpu": held_gpu, "memory": str(L40S)}]
     shown = operator.cluster.kubectl("get", "gq", "-n", team_b).stdout.splitlines()
     columns = shown[0].split()
     assert shown[1].split()[columns.index("WHOLE-GPUS")] == "1", shown
     # team-a takes the two other GPUs; its third slice waits for team-b's GPU without learning whose it is.
     for i in range(2):
         operator.create_slice(team_a, f"work-{i}", {"memory": "40Gi"})
-        assert operator.wait_phase(team_a, f"work-{i}", "Ready")["status"]["gpu"] != held
+        assert operator.wait_phase(team_a, f"work-{i}", "Ready")["status"]["gpu"] != held_gpu
     operator.create_slice(team_a, "third", {"memory": "40Gi"})
     st = operator.wait_phase(team_a, "third", "Pending", reason="OtherNamespace")["status"]
     assert "held by another namespace" in st["message"], st["message"]
-    for secret in (team_b, node.name, f"GPU {held}"):
+    for secret in (team_b, node.name, f"GPU {held_gpu}"):
         assert secret not in st["message"], st["message"]
-    # team-b lets its slices go (the waiting ones first, else one of them would take the GPU next):
-    # team-a's slice is served there.
-    for name in reversed(names):
+    # team-b lets its slices go (the waiting one first, else it would take the GPU next): team-a's
+    # slice is served there.
+    for name in ["alone", *names]:
         operator.delete_slice(team_b, name)
-    assert operator.wait_phase(team_a, "third", "Ready")["status"]["gpu"] == held
+    assert operator.wait_phase(team_a, "third", "Ready")["status"]["gpu"] == held_gpu

@@ -165,3 +165,21 @@ def test_removing_the_mig_label_shows_in_the_gpunode_at_once(operator: OperatorH
                    lambda s=serves: f"GpuNode serving {s} after the label change\n{operator.logs()}")
         print(f"label {'added' if labelled else 'removed'}: GpuNode says {serves} after "
               f"{time.monotonic() - changed:.2f} s")
+
+
+def test_an_annotated_pod_as_large_as_the_api_server_takes_is_served_by_the_webhook(
+        operator: OperatorHarness) -> None:
+    """The API server takes a request body of up to 3 MiB; the webhook reads the review it sends for
+    such a pod (past the 1 MiB its HTTP server would take by default) and serves it. A dry run, so the
+    pod need not fit etcd's own limit."""
+    operator.start_operator(operator.add_node("h100-80gb"), webhook=True)
+    ns = operator.namespace()
+    user = kubernetes.client.CoreV1Api(edit_tenant(operator.cluster, ns, "large-pod-user"))
+    padding = "x" * (2 * 2**20 + 512 * 1024)  # 2.5 MiB of one container's environment
+    pod = {"apiVersion": "v1", "kind": "Pod",
+           "metadata": {"name": "large", "annotations": {"cdmo.io/gpu-memory": "4G"}},
+           "spec": {"tolerations": [{"key": "kwok.x-k8s.io/node", "operator": "Exists"}],
+                    "containers": [{"name": "main", "image": "busybox", "env": [{"name": "PAD", "value": padding}]}]}}
+    made = user.create_namespaced_pod(ns, pod, dry_run="All")
+    assert [c.name for c in made.spec.resource_claims or []] == ["gpu-slice"], made.spec.resource_claims
+    assert not log_lines(operator, "controller", "ERROR"), operator.logs()

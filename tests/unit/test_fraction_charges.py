@@ -138,3 +138,28 @@ def test_a_refusal_for_tenancy_names_nothing_of_the_other_namespace() -> None:
     assert "held by another namespace" in message
     for secret in ("team-b", "n1", "GPU 0"):
         assert secret not in message, message
+
+
+def test_fractions_bound_before_their_gpu_is_known_are_charged_its_size_once_it_is() -> None:
+    from books import BodyLedger
+
+    def bound(uid: str, gpu: int) -> dict:
+        return {"metadata": {"uid": uid, "namespace": "team-b", "name": uid, "resourceVersion": "1",
+                             "creationTimestamp": "2026-11-27T00:00:00Z"},
+                "spec": {"memory": "4Gi"},
+                "status": {"phase": "Ready", "node": "n1", "gpu": gpu, "mode": "fraction", "grantedBytes": 4 * GIB}}
+
+    state = BodyLedger()
+    for uid in ("x", "y"):
+        state.put_slice(bound(uid, 0))
+    state.put_slice(bound("z", 1))
+    # No GpuNode yet: each GPU charged the largest grant there, once.
+    assert state.used("team-b") == Usage(2 * 4 * GIB, 3, 2)
+    gpus = [{"index": i, "uuid": f"GPU-{i}", "memoryMiB": L40S_MIB} for i in range(2)]
+    assert state.put_inventory({"metadata": {"name": "n1"}, "spec": {"nodeName": "n1"},
+                                "status": {"gpus": gpus}}) == {"team-b"}
+    assert state.used("team-b") == Usage(2 * L40S, 3, 2)
+    state.remove_slice("x")
+    assert state.used("team-b") == Usage(2 * L40S, 2, 2)
+    state.remove_slice("y")
+    assert state.used("team-b") == Usage(L40S, 1, 1)
