@@ -11,7 +11,8 @@ bind (reserved), refuse (code, message, could it ever fit; the slices join the l
 ``commit`` once the write is done or ``rollback`` once it failed (the books as before ``decide``).
 
 Rules kept here: a slice being deleted holds its binding and charge until it is gone; a device an
-agent still holds for a slice gone is charged from its GpuNode; a fraction GPU's occupancy counts
+agent still holds for a slice gone is charged from its GpuNode; a fraction on a GPU its namespace
+holds alone is charged that GPU's whole memory, once (``core.charges``); a fraction GPU's occupancy counts
 what its agent holds and serves one namespace unless labelled (``core.cluster``, ``core.tenancy``);
 an untrusted runtime takes nothing new unless accepted (``core.node_blocks``); ``quota_required``
 refuses a namespace without a GpuQuota (NoQuota). Pure and synchronous: no I/O, one caller at a time.
@@ -452,8 +453,9 @@ class Ledger:
         return changed
 
     def remove_inventory(self, node: str) -> set[str]:
+        # Slices still bound there keep the charge they have: a GPU held whole stays charged its size.
         self._index.remove_inventory(node)
-        return self._agent_holds(node, None) | self._recharge(node)
+        return self._agent_holds(node, None)
 
     def _agent_holds(self, node: str, inventory: NodeInventory | None) -> set[str]:
         """Take what ``node``'s agent holds now; charges change only for slices the controller does not know."""

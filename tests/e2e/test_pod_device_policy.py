@@ -5,9 +5,11 @@ of this module's own, with a unique name, and bound only to namespaces carrying 
 (``podDevicePolicy.namespaceLabels``), so the session's other tests never meet it; both are deleted at
 the end. Every refusal is checked for its message: the container (or annotation) and what it sets.
 
-Every pod is written as the tenant: a user holding only the built-in ``edit`` role in the namespaces
+Every pod is written as the tenant: a user holding the built-in ``edit`` role in the namespaces
 (tests/e2e/tenants.py), so what is refused is refused to the user the policy is for, and what is let
-through is let through to it; the namespaces and the pod made before labelling are the admin's.
+through is let through to it; the namespaces and the pod made before labelling are the admin's. ``edit``
+does not add ephemeral containers (``kubectl debug``); the tenant also holds a Role that does, as an admin
+grants for debugging, so that the policy, not RBAC, is what refuses them.
 
 Namespaces, made in this order (the policy's namespace informer sees them in order, so once the policy
 is in force in the last one, the earlier ones' labels are known to it too):
@@ -127,8 +129,15 @@ def policy(kube_cluster: KubeCluster, tmp_path_factory: pytest.TempPathFactory) 
         core.create_namespaced_pod(names["old"], pod("before", [var("NVIDIA_VISIBLE_DEVICES")]))
         core.patch_namespace(names["old"], {"metadata": {"labels": labelled}})
         core.create_namespace({"metadata": {"name": names["checked"], "labels": labelled}})
+        rbac = kubernetes.client.RbacAuthorizationV1Api(kube_cluster.api_client)
         for namespace in names.values():
             grant(kube_cluster, namespace, TENANT)
+            rbac.create_namespaced_role(namespace, {"metadata": {"name": "debug"}, "rules": [
+                {"apiGroups": [""], "resources": ["pods/ephemeralcontainers"], "verbs": ["update", "patch"]}]})
+            rbac.create_namespaced_role_binding(namespace, {
+                "metadata": {"name": "tenant-debug"},
+                "subjects": [{"kind": "User", "name": TENANT, "apiGroup": "rbac.authorization.k8s.io"}],
+                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "debug"}})
         kube_cluster.kubectl("apply", "-f", "-", input=rendered.stdout)
         probe = pod("probe", [var("NVIDIA_VISIBLE_DEVICES")])
         for namespace in (names["checked"], names["old"]):
