@@ -6,6 +6,7 @@ docs/architecture.md.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -427,12 +428,17 @@ def test_at_most_twelve_profiles_are_named() -> None:
 
 
 def test_a_refusal_is_cut_to_4096_characters() -> None:
+    # Padded by the model's name (a refusal names no node or GPU, so a long node name cannot pad it).
     request = SliceRequest(profile="7g.141gb")
-    base = len(refusal(request, [full("x")])) - 1
-    exact = refusal(request, [full("x" * (4096 - base))])
-    assert len(exact) == 4096 and exact.endswith("gpu 0")
-    whole = exact.replace("x" * (4096 - base), "x" * (4097 - base))  # what it would say uncut: 4097 characters
-    assert refusal(request, [full("x" * (4097 - base))]) == whole[:4093] + "..."
+
+    def named(length: int) -> list[MigGpu]:
+        return [full("x", dataclasses.replace(H200, name="m" * length))]
+
+    base = len(refusal(request, named(1))) - 1
+    exact = refusal(request, named(4096 - base))
+    assert len(exact) == 4096 and exact.endswith("on one GPU")
+    whole = exact.replace("m" * (4096 - base), "m" * (4097 - base))  # what it would say uncut: 4097 characters
+    assert refusal(request, named(4097 - base)) == whole[:4093] + "..."
 
 
 def test_no_room_reason_without_a_summary() -> None:
