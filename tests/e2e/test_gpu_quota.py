@@ -4,14 +4,15 @@ not from the code under test."""
 
 from __future__ import annotations
 
-import subprocess
 import time
 from typing import Any
 
+import kubernetes
 import pytest
 import yaml
-from harness import GROUP, REPO_ROOT, VERSION, OperatorHarness, wait_until
+from harness import GROUP, VERSION, OperatorHarness, wait_until
 from kubernetes.client.rest import ApiException
+from tenants import forbidden, grant, impersonating, user_roles
 
 from mig_operator.core.placement.tenancy import SHARING_LABEL, SHARING_VALUE
 
@@ -40,8 +41,8 @@ def quota_status(op: OperatorHarness, ns: str) -> dict:
     return op.custom.get_namespaced_custom_object(GROUP, VERSION, ns, QUOTAS, "quota").get("status") or {}
 
 
-def wait_quota_status(op: OperatorHarness, ns: str, memory: int, slices: int, waiting: int) -> dict:
-    wanted = {"memory": str(memory), "slices": slices}
+def wait_quota_status(op: OperatorHarness, ns: str, memory: int, slices: int, waiting: int, whole: int = 0) -> dict:
+    wanted = {"memory": str(memory), "slices": slices, "wholeGpus": whole}
     return wait_until(
         lambda: (st := quota_status(op, ns)).get("used") == wanted and st.get("waiting") == waiting and st,
         20, lambda: f"GpuQuota {ns}/quota status used={wanted} waiting={waiting}: {quota_status(op, ns)}\n{op.logs()}")
@@ -76,7 +77,8 @@ def test_one_quota_per_namespace_and_its_spec_is_checked_at_admission(operator: 
     assert operator.cluster.kubectl("apply", "-f", "-", input=negative, check=False).returncode != 0
     # The one that exists is unchanged, and kubectl shows used and hard side by side.
     shown = operator.cluster.kubectl("get", "gq", "-n", ns).stdout.splitlines()
-    assert shown[0].split()[:6] == ["NAME", "MEMORY-USED", "MEMORY-HARD", "SLICES-USED", "SLICES-HARD", "WAITING"]
+    assert shown[0].split()[:7] == ["NAME", "MEMORY-USED", "MEMORY-HARD", "SLICES-USED", "SLICES-HARD", "WHOLE-GPUS",
+                                    "WAITING"]
     assert shown[1].split()[0] == "quota" and "40Gi" in shown[1].split() and "4" in shown[1].split()
 
 
@@ -254,6 +256,18 @@ def test_the_hold_ends_sixty_seconds_after_the_large_request_began_waiting(opera
     wait_quota_status(operator, ns, 3 * H200_1G, 3, 1)
 
 
+def test_deleting_the_waiting_slice_serves_those_behind_it_at_once(operator: OperatorHarness) -> None:
+    ns = held_namespace(operator)
+    big = operator.get_slice(ns, "big")
+    began = time.mktime(time.strptime(big["metadata"]["creationTimestamp"], "%Y-%m-%dT%H:%M:%SZ")) - time.timezone
+    operator.delete_slice(ns, "big")
+    small = operator.wait_phase(ns, "small", "Ready", timeout=45)["status"]
+    bound = time.mktime(time.strptime(small["phaseTimes"]["Bound"][:19], "%Y-%m-%dT%H:%M:%S")) - time.timezone
+    # Not at the hold's end (60 s after big began waiting): when big went.
+    assert bound < began + 59, (big["metadata"]["creationTimestamp"], small["phaseTimes"])
+    wait_quota_status(operator, ns, 3 * H200_1G, 3, 0)
+
+
 def test_quota_metrics_follow_use_hard_and_waiting(operator: OperatorHarness) -> None:
     from test_metrics import free_port, scrape, value
 
@@ -302,42 +316,51 @@ def test_quota_metrics_follow_use_hard_and_waiting(operator: OperatorHarness) ->
 
 
 def test_view_edit_and_admin_read_quotas_and_only_cluster_admin_writes_them(operator: OperatorHarness) -> None:
+    """Each user, holding only the built-in role in the namespace, tries the writes: the quota and any
+    slice's status are refused by RBAC, the editor's GpuSlice is made."""
     wait_quota_crd(operator)
     ns = operator.namespace()
     put_quota(operator, ns, "40Gi")
-    release = "quota-roles"
-    rendered = subprocess.run(
-        [str(operator.cluster.bin_dir / "helm"), "template", release, str(REPO_ROOT / "helm" / "mig-operator"),
-         "--show-only", "templates/user-roles.yaml"], capture_output=True, text=True, timeout=120, check=True).stdout
-    operator.cluster.kubectl("apply", "-f", "-", input=rendered)
-    users = {"viewer": "view", "editor": "edit", "owner": "admin"}
-    try:
-        for user, role in users.items():
-            operator.cluster.kubectl("create", "rolebinding", f"{user}-{role}", f"--clusterrole={role}",
-                                     f"--user={user}", "-n", ns)
+    operator.create_slice(ns, "theirs", {"memory": "1Gi"})
+    user_roles(operator.cluster)
+    apis = {}
+    for user, role in {"viewer": "view", "editor": "edit", "owner": "admin"}.items():
+        grant(operator.cluster, ns, user, role)
+        apis[user] = kubernetes.client.CustomObjectsApi(impersonating(operator.cluster, user))
 
-        def can(user: str, verb: str, resource: str) -> bool:
-            # "kind/status" is the status subresource (kubectl reads TYPE/NAME, so it is passed apart).
-            kind, _, sub = resource.partition("/")
-            answer = operator.cluster.kubectl("auth", "can-i", verb, kind, "-n", ns, f"--as={user}",
-                                              *([f"--subresource={sub}"] if sub else []), check=False)
-            return answer.stdout.strip() == "yes"
+    def listed(api: Any) -> bool:
+        try:
+            return bool(api.list_namespaced_custom_object(GROUP, VERSION, ns, QUOTAS)["items"])
+        except ApiException as exc:
+            if exc.status == 403:
+                return False
+            raise
 
-        # kube-controller-manager aggregates the chart's roles into view, edit and admin.
-        wait_until(lambda: all(can(u, "get", "gpuquotas.cdmo.io") for u in users), 30,
-                   "the chart's user roles aggregated into view, edit and admin")
-        for user in users:
-            assert can(user, "list", "gpuquotas.cdmo.io") and can(user, "watch", "gpuquotas.cdmo.io")
-            for verb in ("create", "update", "patch", "delete", "deletecollection"):
-                assert not can(user, verb, "gpuquotas.cdmo.io"), (user, verb)
-            assert not can(user, "patch", "gpuquotas.cdmo.io/status"), user
-        # The edit role still writes its GpuSlices: the quota is what it cannot raise.
-        assert can("editor", "create", "gpuslices.cdmo.io") and not can("viewer", "create", "gpuslices.cdmo.io")
+    # kube-controller-manager aggregates the chart's roles into view, edit and admin.
+    wait_until(lambda: all(listed(api) for api in apis.values()), 30,
+               "the chart's user roles aggregated into view, edit and admin")
+    quota = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "GpuQuota", "metadata": {"name": "quota"},
+             "spec": {"memory": "1Ti"}}
+    for api in apis.values():
+        assert api.get_namespaced_custom_object(GROUP, VERSION, ns, QUOTAS, "quota")["spec"]["memory"] == "40Gi"
+        forbidden(lambda a=api: a.create_namespaced_custom_object(GROUP, VERSION, ns, QUOTAS, quota))
+        forbidden(lambda a=api: a.patch_namespaced_custom_object(GROUP, VERSION, ns, QUOTAS, "quota",
+                                                                 {"spec": {"memory": "1Ti"}}))
+        forbidden(lambda a=api: a.replace_namespaced_custom_object(GROUP, VERSION, ns, QUOTAS, "quota", quota))
+        forbidden(lambda a=api: a.delete_namespaced_custom_object(GROUP, VERSION, ns, QUOTAS, "quota"))
+        forbidden(lambda a=api: a.delete_collection_namespaced_custom_object(GROUP, VERSION, ns, QUOTAS))
+        forbidden(lambda a=api: a.patch_namespaced_custom_object_status(GROUP, VERSION, ns, QUOTAS, "quota", {
+            "status": {"used": {"memory": "0", "slices": 0}}}))
         # Nor any slice's status: status.node is what hands a slice to a node's agent (its field
         # selector), and the binding in the status says which GPU and placement it gets.
-        for user in users:
-            assert can(user, "get", "gpuslices.cdmo.io/status"), user  # the question reaches the subresource
-            for verb in ("update", "patch"):
-                assert not can(user, verb, "gpuslices.cdmo.io/status"), (user, verb)
-    finally:
-        operator.cluster.kubectl("delete", "-f", "-", "--ignore-not-found", input=rendered, check=False)
+        assert api.get_namespaced_custom_object_status(GROUP, VERSION, ns, "gpuslices", "theirs")
+        forbidden(lambda a=api: a.patch_namespaced_custom_object_status(GROUP, VERSION, ns, "gpuslices", "theirs", {
+            "status": {"phase": "Bound", "node": "anywhere", "gpu": 0, "mode": "fraction"}}))
+    assert put_quota(operator, ns, "40Gi")["spec"]["memory"] == "40Gi"  # unchanged
+    # The edit role still writes its GpuSlices: the quota is what it cannot raise.
+    slice_body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "GpuSlice", "metadata": {"name": "mine"},
+                  "spec": {"memory": "1Gi"}}
+    made = apis["editor"].create_namespaced_custom_object(GROUP, VERSION, ns, "gpuslices", slice_body)
+    assert made["metadata"]["name"] == "mine"
+    slice_body["metadata"]["name"] = "viewers"
+    forbidden(lambda: apis["viewer"].create_namespaced_custom_object(GROUP, VERSION, ns, "gpuslices", slice_body))

@@ -5,6 +5,12 @@ of this module's own, with a unique name, and bound only to namespaces carrying 
 (``podDevicePolicy.namespaceLabels``), so the session's other tests never meet it; both are deleted at
 the end. Every refusal is checked for its message: the container (or annotation) and what it sets.
 
+Every pod is written as the tenant: a user holding the built-in ``edit`` role in the namespaces
+(tests/e2e/tenants.py), so what is refused is refused to the user the policy is for, and what is let
+through is let through to it; the namespaces and the pod made before labelling are the admin's. ``edit``
+does not add ephemeral containers (``kubectl debug``); the tenant also holds a Role that does, as an admin
+grants for debugging, so that the policy, not RBAC, is what refuses them.
+
 Namespaces, made in this order (the policy's namespace informer sees them in order, so once the policy
 is in force in the last one, the earlier ones' labels are known to it too):
   release   the release's namespace: never checked, labelled or not
@@ -22,10 +28,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import kubernetes
 import pytest
 import yaml
 from harness import wait_until
 from kubernetes.client.rest import ApiException
+from tenants import grant, impersonating
 
 # Also run on the oldest supported Kubernetes release (make compat).
 pytestmark = pytest.mark.compat
@@ -47,6 +55,11 @@ DEVICE_VARIABLES = ["NVIDIA_VISIBLE_DEVICES", "NVIDIA_MIG_CONFIG_DEVICES", "NVID
                     "NVIDIA_IMEX_CHANNELS", "NVIDIA_GDS", "NVIDIA_MOFED", "NVIDIA_NVSWITCH", "NVIDIA_GDRCOPY",
                     "DOCKER_RESOURCE_GPU", "CUDA_VISIBLE_DEVICES"]
 SHIM_PATH = "/usr/local/lib/cdmo/libgpuslice.so"
+TENANT = "pod-device-tenant"  # holds edit in this module's namespaces, nothing else
+
+
+def tenant(cluster: KubeCluster) -> kubernetes.client.CoreV1Api:
+    return kubernetes.client.CoreV1Api(impersonating(cluster, TENANT))
 
 
 @dataclass
@@ -88,7 +101,8 @@ def refusal(call: Any) -> str:
 
 
 def dry_create(cluster: KubeCluster, namespace: str, body: dict[str, Any]) -> Any:
-    return cluster.core_v1().create_namespaced_pod(namespace, body, dry_run="All")
+    """Create the pod as the tenant, a dry run (admission and RBAC run; nothing is stored)."""
+    return tenant(cluster).create_namespaced_pod(namespace, body, dry_run="All")
 
 
 @pytest.fixture(scope="module")
@@ -115,6 +129,15 @@ def policy(kube_cluster: KubeCluster, tmp_path_factory: pytest.TempPathFactory) 
         core.create_namespaced_pod(names["old"], pod("before", [var("NVIDIA_VISIBLE_DEVICES")]))
         core.patch_namespace(names["old"], {"metadata": {"labels": labelled}})
         core.create_namespace({"metadata": {"name": names["checked"], "labels": labelled}})
+        rbac = kubernetes.client.RbacAuthorizationV1Api(kube_cluster.api_client)
+        for namespace in names.values():
+            grant(kube_cluster, namespace, TENANT)
+            rbac.create_namespaced_role(namespace, {"metadata": {"name": "debug"}, "rules": [
+                {"apiGroups": [""], "resources": ["pods/ephemeralcontainers"], "verbs": ["update", "patch"]}]})
+            rbac.create_namespaced_role_binding(namespace, {
+                "metadata": {"name": "tenant-debug"},
+                "subjects": [{"kind": "User", "name": TENANT, "apiGroup": "rbac.authorization.k8s.io"}],
+                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "debug"}})
         kube_cluster.kubectl("apply", "-f", "-", input=rendered.stdout)
         probe = pod("probe", [var("NVIDIA_VISIBLE_DEVICES")])
         for namespace in (names["checked"], names["old"]):
@@ -251,7 +274,7 @@ def test_a_large_pod_stays_within_the_cel_cost_limits(kube_cluster: KubeCluster,
 
 def test_an_ephemeral_container_added_later_is_checked_and_the_pods_own_updates_refused_only_for_what_they_add(
         kube_cluster: KubeCluster, policy: Policy) -> None:
-    core, ns = kube_cluster.core_v1(), policy.checked
+    core, ns = tenant(kube_cluster), policy.checked
     core.create_namespaced_pod(ns, pod("debugged", env=[var("HOME", "/")]))
 
     def with_ephemeral(name: str, env: list[dict[str, str]]) -> dict[str, Any]:
@@ -281,7 +304,7 @@ def test_an_ephemeral_container_added_later_is_checked_and_the_pods_own_updates_
 
 def test_a_pod_made_before_its_namespace_was_checked_stays_updatable(kube_cluster: KubeCluster,
                                                                      policy: Policy) -> None:
-    core, ns = kube_cluster.core_v1(), policy.old
+    core, ns = tenant(kube_cluster), policy.old
     core.patch_namespaced_pod(policy.old_pod, ns, {"metadata": {"labels": {"still": "updatable"},
                                                                 "finalizers": ["example.com/keep"]}})
     core.patch_namespaced_pod(policy.old_pod, ns, {"metadata": {"finalizers": None}})

@@ -139,7 +139,7 @@ def test_a_tenant_deleting_its_running_pods_slice_keeps_the_quota_charge_until_t
     assert [g.name for g in operator.core.read_namespaced_pod("second", ns).spec.scheduling_gates or []] == [GATE]
     assert (operator.get_slice(ns, second) or {})["status"]["phase"] == "Pending"
     assert operator.get_slice(ns, first) is not None
-    wait_until(lambda: quota_used(operator, ns) == {"memory": str(H200_1G), "slices": 1}, 10,
+    wait_until(lambda: quota_used(operator, ns) == {"memory": str(H200_1G), "slices": 1, "wholeGpus": 0}, 10,
                lambda: f"the quota still charged for {first}: {quota_used(operator, ns)}")
     # The agent still holds the instance for the deleted slice: not idle, not offered.
     gpu = operator.gpunode(node)["status"]["gpus"][0]
@@ -197,7 +197,7 @@ def test_a_slice_is_released_once_its_pod_ends_and_a_slice_no_pod_uses_at_once(
     name = slice_name(operator, ns, "done")
     operator.core.delete_namespaced_pod("done", ns, grace_period_seconds=0)
     operator.wait_gone(ns, name, timeout=30)
-    wait_until(lambda: quota_used(operator, ns) == {"memory": "0", "slices": 0}, 10,
+    wait_until(lambda: quota_used(operator, ns) == {"memory": "0", "slices": 0, "wholeGpus": 0}, 10,
                lambda: f"the quota freed: {quota_used(operator, ns)}")
     wait_until(lambda: all(not i["sliceUID"] for i in operator.gpunode(node)["status"]["gpus"][0]["instances"]), 10,
                lambda: f"the instance idle on the GpuNode: {operator.gpunode(node)['status']['gpus'][0]['instances']}")

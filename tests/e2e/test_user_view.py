@@ -1,6 +1,9 @@
 """What a user sees, end to end: why a slice waits (`kubectl get gs` REASON, a node that does not
 exist), the GpuNode's figures against the slices' own statuses and the simulated GPUs, one INFO line
-per decision in the parts' logs, refused pods at INFO, and the MIG label reflected at once."""
+per decision in the parts' logs, refused pods at INFO, and the MIG label reflected at once.
+
+Where a user acts (makes a slice or a pod, reads `kubectl get gs`), the user is played: a user holding
+only the built-in ``edit`` role in its namespace (tests/e2e/tenants.py), through the API server's RBAC."""
 
 from __future__ import annotations
 
@@ -8,9 +11,11 @@ import json
 import re
 import time
 
+import kubernetes
 import pytest
-from harness import OperatorHarness, SimNode, unique, wait_until
+from harness import GROUP, VERSION, OperatorHarness, SimNode, unique, wait_until
 from kubernetes.client.rest import ApiException
+from tenants import edit_tenant
 
 SUMMARY = ("inUseInstances", "idleInstances", "usedSlots", "idleSlots", "freeSlots")
 
@@ -58,11 +63,15 @@ def test_a_slice_pinned_to_a_missing_node_says_so_and_binds_when_the_node_comes(
     operator.controller()
     ns = operator.namespace()
     late = unique("late")
-    operator.create_slice(ns, "pinned", {"memory": "20Gi", "nodeName": late})
-    st = operator.wait_phase(ns, "pinned", "Pending", reason="NoSuchNode")["status"]
+    user = kubernetes.client.CustomObjectsApi(edit_tenant(operator.cluster, ns, "viewing-user"))
+    user.create_namespaced_custom_object(GROUP, VERSION, ns, "gpuslices", {
+        "apiVersion": f"{GROUP}/{VERSION}", "kind": "GpuSlice", "metadata": {"name": "pinned"},
+        "spec": {"memory": "20Gi", "nodeName": late}})
+    operator.wait_phase(ns, "pinned", "Pending", reason="NoSuchNode")
+    st = user.get_namespaced_custom_object(GROUP, VERSION, ns, "gpuslices", "pinned")["status"]
     assert st["message"] == (f"node {late} does not exist or runs no mig-operator agent (there is no GpuNode "
                              f"{late}): memory 20Gi waits for it")
-    rows = table(operator.cluster.kubectl("get", "gs", "-n", ns).stdout)
+    rows = table(operator.cluster.kubectl("get", "gs", "-n", ns, "--as=viewing-user").stdout)
     assert rows[0][:4] == ["NAME", "REQUEST", "PHASE", "REASON"]
     assert rows[1][:4] == ["pinned", "memory 20Gi", "Pending", "NoSuchNode"]
     assert len(log_lines(operator, "controller", f"slice {ns}/pinned waits (NoSuchNode)")) == 1
@@ -129,12 +138,13 @@ def test_gpunode_figures_agree_with_the_slices_and_every_decision_is_logged_once
 def test_a_refused_pod_is_an_info_line_not_an_error(operator: OperatorHarness) -> None:
     operator.start_operator(operator.add_node("h100-80gb"), webhook=True)
     ns = operator.namespace()
+    user = kubernetes.client.CoreV1Api(edit_tenant(operator.cluster, ns, "pod-user"))
     pod = {"apiVersion": "v1", "kind": "Pod",
            "metadata": {"name": "bad", "annotations": {"cdmo.io/gpu-memory": "4X"}},
            "spec": {"tolerations": [{"key": "kwok.x-k8s.io/node", "operator": "Exists"}],
                     "containers": [{"name": "main", "image": "busybox"}]}}
     with pytest.raises(ApiException) as refused:
-        operator.core.create_namespaced_pod(ns, pod)
+        user.create_namespaced_pod(ns, pod)
     assert refused.value.status == 400 and "'4X'" in json.loads(refused.value.body)["message"]
     needle = f"INFO mig_operator.webhook: pod {ns}/bad refused at admission: "
     wait_until(lambda: log_lines(operator, "controller", needle), 5, lambda: f"{needle!r} in\n{operator.logs()}")
@@ -155,3 +165,21 @@ def test_removing_the_mig_label_shows_in_the_gpunode_at_once(operator: OperatorH
                    lambda s=serves: f"GpuNode serving {s} after the label change\n{operator.logs()}")
         print(f"label {'added' if labelled else 'removed'}: GpuNode says {serves} after "
               f"{time.monotonic() - changed:.2f} s")
+
+
+def test_an_annotated_pod_as_large_as_the_api_server_takes_is_served_by_the_webhook(
+        operator: OperatorHarness) -> None:
+    """The API server takes a request body of up to 3 MiB; the webhook reads the review it sends for
+    such a pod (past the 1 MiB its HTTP server would take by default) and serves it. A dry run, so the
+    pod need not fit etcd's own limit."""
+    operator.start_operator(operator.add_node("h100-80gb"), webhook=True)
+    ns = operator.namespace()
+    user = kubernetes.client.CoreV1Api(edit_tenant(operator.cluster, ns, "large-pod-user"))
+    padding = "x" * (2 * 2**20 + 512 * 1024)  # 2.5 MiB of one container's environment
+    pod = {"apiVersion": "v1", "kind": "Pod",
+           "metadata": {"name": "large", "annotations": {"cdmo.io/gpu-memory": "4G"}},
+           "spec": {"tolerations": [{"key": "kwok.x-k8s.io/node", "operator": "Exists"}],
+                    "containers": [{"name": "main", "image": "busybox", "env": [{"name": "PAD", "value": padding}]}]}}
+    made = user.create_namespaced_pod(ns, pod, dry_run="All")
+    assert [c.name for c in made.spec.resource_claims or []] == ["gpu-slice"], made.spec.resource_claims
+    assert not log_lines(operator, "controller", "ERROR"), operator.logs()

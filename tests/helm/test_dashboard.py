@@ -123,7 +123,7 @@ def test_the_dashboard_has_the_panels_issue_18_asks_for() -> None:
     # Slots per GPU model, creates and reuses, bind and Ready latency, pending by reason, quota use.
     assert {"mig_operator_slots", "mig_operator_realise_seconds_count", "mig_operator_bind_seconds_bucket",
             "mig_operator_realise_seconds_bucket", "mig_operator_pending_slices", "mig_operator_quota_used_bytes",
-            "mig_operator_quota_hard_bytes"} <= used
+            "mig_operator_quota_hard_bytes", "mig_operator_quota_whole_gpus"} <= used
     exprs = " ".join(expr for _, expr in dashboard_queries())
     assert "sum by (model, state) (mig_operator_slots)" in exprs
     assert "by (reason)" in exprs and "by (le, action)" in exprs

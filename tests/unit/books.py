@@ -25,7 +25,7 @@ class BodyLedger(Ledger):
         return super().remove_inventory(inventory_node(body))
 
     def set_node_labels(self, node: str, labels: Mapping[str, str] | None) -> bool:  # type: ignore[override]
-        return super().set_node_labels(node, node_labels(labels))
+        return super().set_node_labels(node, node_labels(labels)) is not None
 
     def replace_all(self, slices: Iterable[Mapping], inventories: Iterable[Mapping],  # type: ignore[override]
                     nodes: Iterable[Mapping], listed_at: int | None = None) -> None:

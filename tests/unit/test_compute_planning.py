@@ -106,13 +106,15 @@ def test_two_halves_fill_a_gpu_and_a_third_share_goes_to_the_next() -> None:
     assert place(cp, "c", asking(0.5)).gpu == 1
 
 
-def test_a_full_gpu_refuses_even_the_smallest_share_naming_the_gpu_and_what_is_left() -> None:
+def test_a_full_gpu_refuses_even_the_smallest_share_saying_what_is_left() -> None:
     cp = one_gpu()
     place(cp, "a", asking(0.5))
     place(cp, "b", asking(0.5))
     refusal = refused(cp, asking(0.0001))
     assert refusal.code == NO_CAPACITY
-    assert "GPU 0 of node node-a" in refusal.message and "compute 0 of 1 left, not 0.0001" in refusal.message
+    # The same words go to every namespace: the GPU, held, is not named.
+    assert "one GPU has" in refusal.message and "compute 0 of 1 left, not 0.0001" in refusal.message
+    assert "node-a" not in refusal.message
 
 
 @pytest.mark.parametrize("shares", [("0.34", "0.56", "0.1"), ("0.33", "0.56", "0.11"), ("0.1",) * 10,

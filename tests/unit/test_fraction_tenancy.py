@@ -111,12 +111,14 @@ def test_fraction_tenancy(case, inventories, bindings, sharing, namespace, asked
         assert got.mode == MODE_FRACTION and got.namespace == namespace
 
 
-def test_the_refusal_names_the_gpu_the_namespace_holding_it_and_the_label() -> None:
+def test_the_refusal_names_the_rule_and_the_label_but_not_the_other_namespace_its_node_or_gpu() -> None:
     got = decide(ONE, slice_request(memory="10Gi"), "team-b", [frac("x", "a", 0, 10, "team-a")])
     assert isinstance(got, Refusal) and got.code == OTHER_NAMESPACE
-    for part in ("GPU 0 of node a", "namespace team-a", "team-b", "MIG",
-                 f"kubectl label node a {SHARING_LABEL}={SHARING_VALUE}"):
+    for part in ("every fraction GPU with room", "held by another namespace", "team-b", "MIG",
+                 f"{SHARING_LABEL}={SHARING_VALUE}"):
         assert part in got.message, got.message
+    for secret in ("team-a", "node a", "GPU 0"):
+        assert secret not in got.message, got.message
 
 
 def test_a_no_capacity_refusal_is_the_same_for_every_namespace() -> None:
@@ -138,7 +140,7 @@ def test_a_fraction_the_agent_still_reports_holds_the_gpu_for_its_namespace() ->
     # No binding left (the slice is gone from the controller's books), but the agent still has it there.
     reported = [NodeInventory("a", (l40s(0, (FractionState("u1", "team-a/nb", 10 * GIB),)),))]
     got = decide(reported, slice_request(memory="10Gi"), "team-b")
-    assert isinstance(got, Refusal) and got.code == OTHER_NAMESPACE and "team-a" in got.message
+    assert isinstance(got, Refusal) and got.code == OTHER_NAMESPACE and "team-a" not in got.message
     assert isinstance(decide(reported, slice_request(memory="10Gi"), "team-a"), Binding)
 
 
@@ -232,7 +234,11 @@ def test_no_fraction_gpu_ever_holds_two_namespaces_unless_labelled(steps) -> Non
         free = {g: L40S_BYTES - sum(b.granted_bytes for b in on[g]) for g in gpus}
         allowed = [g for g in gpus if g[0] in sharing or {b.namespace for b in on[g]} <= {namespace}]
         need = _need(request)
-        fits = sorted((free[g] - need, g) for g in allowed if free[g] >= need)
+        # A GPU it holds already adds nothing to its charge, a sharing node's adds the grant, any other
+        # the GPU's whole memory: least added charge first, then best fit.
+        added = {g: need if g[0] in sharing else 0 if namespace in {b.namespace for b in on[g]} else L40S_BYTES
+                 for g in gpus}
+        fits = sorted((added[g], free[g] - need, g) for g in allowed if free[g] >= need)
         elsewhere = [g for g in gpus if g not in allowed and free[g] >= need]
         view = build_view(inventories, [], bindings.values(), sharing)
         try:
@@ -245,7 +251,7 @@ def test_no_fraction_gpu_ever_holds_two_namespaces_unless_labelled(steps) -> Non
             got = refusal.code
         assert got == reference
         if fits:
-            assert isinstance(got, Binding) and (got.node, got.gpu) == fits[0][1], (got, fits)
+            assert isinstance(got, Binding) and (got.node, got.gpu) == fits[0][2], (got, fits)
         elif elsewhere:
             assert got == OTHER_NAMESPACE
         else:

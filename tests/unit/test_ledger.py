@@ -50,7 +50,7 @@ def record(uid: str, namespace: str, request: int, group: str | None = None, siz
                        phase=None, binding=None, deleting=False, marked=False, group=group, group_size=size)
 
 
-def check_invariants(ledger: Ledger) -> None:
+def check_invariants(ledger: Ledger, sharing: set[str] = frozenset()) -> None:
     by_gpu: dict[tuple[str, int], list] = {}
     for b in ledger.bindings():
         by_gpu.setdefault((b.node, b.gpu), []).append(b)
@@ -66,13 +66,32 @@ def check_invariants(ledger: Ledger) -> None:
             shares = [b.compute for b in bound]
             assert all(c is None for c in shares) or all(c is not None for c in shares), f"mixed on {where}"
             assert sum(Decimal(repr(c)) for c in shares if c is not None) <= 1, f"compute over 1 on {where}"
-    # Usage from first principles: every known slice holding a binding (written, or reserved) is charged.
-    expected: dict[str, Usage] = {}
+    # Usage from first principles: every known slice holding a binding (written, or reserved) is charged,
+    # a MIG slice or a fraction on a sharing node its grant, a fraction elsewhere its GPU's memory once per
+    # namespace and GPU.
+    expected_usage(ledger, sharing)
+
+
+def expected_usage(ledger: Ledger, sharing: set[str]) -> None:
+    memory: dict[str, int] = {}
+    slices: dict[str, int] = {}
+    whole: dict[str, set[tuple[str, int]]] = {}
     for info in ledger.slices.values():
         held = info.binding or ledger.reserved(info.uid)
-        if held is not None:
-            expected[info.namespace] = expected.get(info.namespace, Usage()).plus(held.granted_bytes)
+        if held is None:
+            continue
+        slices[info.namespace] = slices.get(info.namespace, 0) + 1
+        if held.mode == MODE_FRACTION and held.node not in sharing:
+            whole.setdefault(info.namespace, set()).add((held.node, held.gpu))
+        else:
+            memory[info.namespace] = memory.get(info.namespace, 0) + held.granted_bytes
+    expected = {
+        ns: Usage(memory.get(ns, 0) + sum(MEMORY[g] for g in whole.get(ns, ())), n, len(whole.get(ns, ())))
+        for ns, n in slices.items()
+    }
     assert ledger.usage == expected
+    for ns in NAMESPACES:
+        assert ledger.held_whole(ns) == {g: MEMORY[g] for g in sorted(whole.get(ns, ()))}
 
 
 step = st.one_of(
@@ -82,6 +101,7 @@ step = st.one_of(
     st.tuples(st.just("quota"), st.sampled_from(NAMESPACES), st.sampled_from([None, "10Gi", "40Gi", "200Gi"])),
     st.tuples(st.just("delete"), st.integers(0, 40)),
     st.tuples(st.just("remove"), st.integers(0, 40)),
+    st.tuples(st.just("share"), st.booleans()),
 )
 
 
@@ -93,6 +113,7 @@ def test_the_books_keep_their_invariants(steps, quota_required) -> None:
     for inv in INVENTORIES:
         ledger.put_inventory(inv)
     made: list[str] = []
+    sharing: set[str] = set()
     for op in steps:
         if op[0] == "new":
             _, namespace, request, size = op
@@ -112,6 +133,10 @@ def test_the_books_keep_their_invariants(steps, quota_required) -> None:
                 assert after[0] == before[0] and after[1:3] == before[1:3] and after[4] == before[4]
                 assert all(ledger.waiting[m.uid][1] == decision.refusal.code for m in decision.todo)
             elif write_ok:
+                quota = ledger.quotas.get(decision.todo[0].namespace)
+                if quota is not None:  # the charge admitted, computed by hand, stays within the quota
+                    expected_usage(ledger, sharing)
+                    assert ledger.used(quota.namespace).memory_bytes <= quota.memory_bytes
                 for member, binding in zip(decision.todo, decision.bindings, strict=True):
                     ledger.put_slice(replace(member, version=2, phase="Bound", binding=binding))
                     ledger.commit(member.uid)
@@ -129,7 +154,10 @@ def test_the_books_keep_their_invariants(steps, quota_required) -> None:
                 ledger.put_slice(replace(known, version=known.version + 1, deleting=True))
         elif op[0] == "remove" and made:
             ledger.remove_slice(made[op[1] % len(made)])
-        check_invariants(ledger)
+        elif op[0] == "share":
+            (sharing.add if op[1] else sharing.discard)("n1")
+            ledger.set_node_labels("n1", NodeLabels(sharing=op[1]))
+        check_invariants(ledger, sharing)
 
 
 def test_a_deleting_slice_keeps_its_binding_and_charge_until_it_is_gone() -> None:

@@ -6,6 +6,7 @@ docs/architecture.md.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -281,7 +282,7 @@ def test_the_index_stays_right_through_many_decisions_and_releases() -> None:
     assert index.release("a", 0, 0) == MigGpu("a", 0, H200)  # nothing there: nothing changes
 
 
-def test_a_refusal_from_the_index_names_the_roomiest_gpu_as_choose_mig_does() -> None:
+def test_a_refusal_from_the_index_says_the_most_room_as_choose_mig_does() -> None:
     three_g = InstanceSlot(9, 0, 4, in_use=True)  # a/0: slots 0..3 in use
     ones = (InstanceSlot(19, 2, 1, in_use=True), InstanceSlot(19, 5, 1, in_use=True))  # b/0: two slots in use
     gpus = [MigGpu("a", 0, H200, (three_g,)), MigGpu("b", 0, H200, ones)]
@@ -292,7 +293,7 @@ def test_a_refusal_from_the_index_names_the_roomiest_gpu_as_choose_mig_does() ->
         choose_mig(request, gpus)
     assert indexed.value.reason == listed.value.reason
     assert "h200-141gb: 2 GPU(s), 4/8 slots in use on 1 GPU, 2/8 slots in use on 1 GPU" in indexed.value.reason
-    assert indexed.value.reason.endswith("most room: 6/8 slots not in use on b/gpu 0")
+    assert indexed.value.reason.endswith("most room: 6/8 slots not in use on one GPU")
 
 
 @pytest.mark.parametrize(("nodes", "message"), [
@@ -368,13 +369,13 @@ def refusal(request: SliceRequest, gpus: list[MigGpu]) -> str:
     return listed.value.reason
 
 
-def test_no_room_names_each_model_and_the_roomiest_gpu() -> None:
+def test_no_room_names_each_model_and_the_most_room() -> None:
     a100 = get_model("a100-40gb")
     reason = refusal(SliceRequest(profile="7g.141gb"), [full("", H200), full("b", a100)])
     assert reason == (
         "every GPU is held by slices in use: no room for profile 7g.141gb even after reclaiming every idle "
         "instance (a100-40gb: 1 GPU(s), 8/8 slots in use on 1 GPU; h200-141gb: 1 GPU(s), 8/8 slots in use on 1 GPU); "
-        "most room: 0/8 slots not in use on gpu 0")
+        "most room: 0/8 slots not in use on one GPU")
 
 
 def test_no_room_counts_gpus_without_mig_and_never_names_one_as_roomiest() -> None:
@@ -383,14 +384,14 @@ def test_no_room_counts_gpus_without_mig_and_never_names_one_as_roomiest() -> No
     reason = refusal(SliceRequest(memory_bytes=GiB), gpus)
     assert "(a10-24gb: 1 GPU(s) without MIG profiles; h200-141gb: 1 GPU(s), 8/8 slots in use on 1 GPU; " \
            "l4-24gb: 1 GPU(s) without MIG profiles)" in reason
-    assert reason.endswith("most room: 0/8 slots not in use on b/gpu 0")
+    assert reason.endswith("most room: 0/8 slots not in use on one GPU")
 
 
 def test_no_room_on_a_one_slot_board() -> None:
     one = _ones(1, (0,), 0, 10240, "1g.10gb")
     tiny = GpuModel("tiny", "Board", 1, 10240, (one,))
     reason = refusal(SliceRequest(memory_bytes=GiB), [MigGpu("a", 0, tiny, (InstanceSlot(0, 0, 1, True),))])
-    assert "(tiny: 1 GPU(s), 1/1 slots in use on 1 GPU); most room: 0/1 slots not in use on a/gpu 0" in reason
+    assert "(tiny: 1 GPU(s), 1/1 slots in use on 1 GPU); most room: 0/1 slots not in use on one GPU" in reason
 
 
 def boards(count: int) -> list[MigGpu]:
@@ -427,12 +428,17 @@ def test_at_most_twelve_profiles_are_named() -> None:
 
 
 def test_a_refusal_is_cut_to_4096_characters() -> None:
+    # Padded by the model's name (a refusal names no node or GPU, so a long node name cannot pad it).
     request = SliceRequest(profile="7g.141gb")
-    base = len(refusal(request, [full("x")])) - 1
-    exact = refusal(request, [full("x" * (4096 - base))])
-    assert len(exact) == 4096 and exact.endswith("gpu 0")
-    whole = exact.replace("x" * (4096 - base), "x" * (4097 - base))  # what it would say uncut: 4097 characters
-    assert refusal(request, [full("x" * (4097 - base))]) == whole[:4093] + "..."
+
+    def named(length: int) -> list[MigGpu]:
+        return [full("x", dataclasses.replace(H200, name="m" * length))]
+
+    base = len(refusal(request, named(1))) - 1
+    exact = refusal(request, named(4096 - base))
+    assert len(exact) == 4096 and exact.endswith("on one GPU")
+    whole = exact.replace("m" * (4096 - base), "m" * (4097 - base))  # what it would say uncut: 4097 characters
+    assert refusal(request, named(4097 - base)) == whole[:4093] + "..."
 
 
 def test_no_room_reason_without_a_summary() -> None:

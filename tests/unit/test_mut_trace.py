@@ -40,7 +40,7 @@ def one_g(ident: str, reclaimed: list[dict]) -> dict:
 def check_refusal(result: dict) -> None:
     assert set(result) == {"id", "error"} and result["id"] == "a2"
     assert result["error"].startswith("every GPU is held by slices in use: no room for memory 1Gi")
-    assert result["error"].endswith("most room: 0/8 slots not in use on gpu 0")
+    assert result["error"].endswith("most room: 0/8 slots not in use on one GPU")
 
 
 @pytest.mark.parametrize("choose", [None, choose_mig])

@@ -31,6 +31,7 @@ from mig_operator.core.placement.cluster import (
     inventory_from_status,
 )
 from mig_operator.core.placement.cluster_planner import ClusterPlanner
+from mig_operator.core.placement.tenancy import SHARING_LABEL, SHARING_VALUE
 from mig_operator.core.requests.quantities import QuantityError
 from mig_operator.core.requests.request import SliceRequest
 
@@ -295,6 +296,9 @@ def test_the_controller_counts_grants_from_bound_on_until_the_slice_is_gone() ->
     from books import BodyLedger
 
     state = BodyLedger()
+    # A sharing node: each fraction is charged its grant (a GPU held whole is test_fraction_charges.py's).
+    sharing = {SHARING_LABEL: SHARING_VALUE}
+    state.set_node_labels("n1", sharing)
     state.put_slice(slice_body("p", "a", "Pending"))
     state.put_slice(slice_body("f", "a", "Failed"))
     for uid, phase in (("b", "Bound"), ("c", "Creating"), ("r", "Ready")):
@@ -313,7 +317,7 @@ def test_the_controller_counts_grants_from_bound_on_until_the_slice_is_gone() ->
     assert state.used("a") == Usage() and "a" not in state.usage
     # A full list recomputes from scratch: the same sums as a sum written here.
     bodies = [slice_body(f"s{i}", f"n{i % 3}", "Ready", granted=(i + 1) * GIB) for i in range(9)]
-    state.replace_all(bodies, [], [])
+    state.replace_all(bodies, [], [{"metadata": {"name": "n1", "labels": sharing}}])
     for ns in ("n0", "n1", "n2"):
         mine = [(i + 1) * GIB for i in range(9) if f"n{i % 3}" == ns]
         assert state.used(ns) == Usage(sum(mine), len(mine))
@@ -350,7 +354,8 @@ def test_a_namespace_without_a_quota_is_ranked_by_its_share_of_every_gpu() -> No
     state.put_inventory(gpunode("n1", 81559))  # a GPU fewer
     assert state.cluster_bytes == (81559 + 23034) * MIB
     state.put_slice(slice_body("x", "a", "Ready", granted=23034 * MIB))
-    assert state.share("a") == Fraction(23034, 81559 + 23034)
+    # A fraction on GPU 0 of n1, which does not share: charged that GPU's whole memory.
+    assert state.share("a") == Fraction(81559, 81559 + 23034)
     state.remove_inventory(gpunode("n2"))
     assert state.cluster_bytes == 81559 * MIB
 
@@ -398,22 +403,29 @@ def test_what_an_agent_holds_by_slice(what: str, fractions: list, instances: lis
     assert agent_holdings(inventory_from_status("n1", node["status"])) == expected, what
 
 
-def test_a_device_an_agent_holds_for_a_slice_that_is_gone_stays_charged() -> None:
+@pytest.mark.parametrize("sharing", [False, True])
+def test_a_device_an_agent_holds_for_a_slice_that_is_gone_stays_charged(sharing: bool) -> None:
     """Its finalizer removed by hand while its claim is prepared: the slice is gone, its agent still holds
-    its device (the GpuNode says so), and its namespace is charged for it until the agent lets it go."""
+    its device (the GpuNode says so), and its namespace is charged for it until the agent lets it go: the
+    L4's whole memory (23034 MiB) where the node does not share its fraction GPUs, else the grant."""
     from books import BodyLedger
 
     state = BodyLedger()
+    labels = {SHARING_LABEL: SHARING_VALUE} if sharing else {}
+    state.set_node_labels("n1", labels)
+    held = Usage(5 * GIB, 1) if sharing else Usage(23034 * MIB, 1, 1)
     state.put_slice(slice_body("u1", "a", "Ready", granted=5 * GIB))
-    assert state.put_inventory(gpunode_holding("n1", [("u1", "a/u1", 5 * GIB)])) == set()  # its own charge
-    assert state.used("a") == Usage(5 * GIB, 1)
+    # Once the GPU's memory is known, a GPU held whole is charged it.
+    assert state.put_inventory(gpunode_holding("n1", [("u1", "a/u1", 5 * GIB)])) == (set() if sharing else {"a"})
+    assert state.used("a") == held
     state.remove_slice("u1")
-    assert state.used("a") == Usage(5 * GIB, 1)  # the agent still holds it
+    assert state.used("a") == held  # the agent still holds it
     assert state.put_inventory(gpunode_holding("n1", [])) == {"a"}
     assert state.used("a") == Usage()
     # A full list sees the same: a held device of a slice no longer listed is charged.
-    state.replace_all([], [gpunode_holding("n1", [("u9", "c/z", GIB)])], [])
-    assert state.used("c") == Usage(GIB, 1)
+    node = {"metadata": {"name": "n1", "labels": labels}}
+    state.replace_all([], [gpunode_holding("n1", [("u9", "c/z", GIB)])], [node])
+    assert state.used("c") == (Usage(GIB, 1) if sharing else Usage(23034 * MIB, 1, 1))
     assert state.remove_inventory(gpunode_holding("n1")) == {"c"} and state.used("c") == Usage()
 
 

@@ -90,7 +90,7 @@ def layout() -> tuple[list[dict], list[dict], list[dict]]:
         {"metadata": {"namespace": "team-b", "name": "gpus"}, "spec": {"memory": "20Gi"},
          "status": {"used": {"memory": "9984Mi", "slices": 1}, "waiting": 0}},
         {"metadata": {"namespace": "team-a", "name": "gpus"}, "spec": {"memory": "40Gi", "slices": 4},
-         "status": {"used": {"memory": "40448Mi", "slices": 1}, "waiting": 1}},
+         "status": {"used": {"memory": "40448Mi", "slices": 1, "wholeGpus": 1}, "waiting": 1}},
     ]
     return nodes, slices, quotas
 
@@ -122,10 +122,10 @@ node l4-a  (observed 2026-11-24T15:00:01.000Z)
       B  4 GiB   18%  shared  creating  team-c/dev
 
 pending slices: 3 (NoCapacity 2, QuotaExceeded 1)
-quotas (GpuQuota; memory counts what each slice was granted)
-  namespace  memory used / hard    %  slices used / hard  waiting
-  team-a     39.5 GiB / 40 GiB   99%  1 / 4               1
-  team-b     9.8 GiB / 20 GiB    49%  1 / -               0
+quotas (GpuQuota; memory counts each slice's grant, and a fraction GPU held alone whole)
+  namespace  memory used / hard    %  slices used / hard  waiting  whole GPUs
+  team-a     39.5 GiB / 40 GiB   99%  1 / 4                     1  1
+  team-b     9.8 GiB / 20 GiB    49%  1 / -                     0  0
 """
 
 
@@ -175,9 +175,9 @@ def test_json_has_the_documented_shape() -> None:
     assert out["quotas"]["state"] == "listed"
     assert out["quotas"]["items"] == [
         {"namespace": "team-a", "name": "gpus", "usedBytes": 40448 * MIB, "hardBytes": 40 * GIB, "usedSlices": 1,
-         "hardSlices": 4, "waiting": 1},
+         "hardSlices": 4, "waiting": 1, "wholeGpus": 1},
         {"namespace": "team-b", "name": "gpus", "usedBytes": 9984 * MIB, "hardBytes": 20 * GIB, "usedSlices": 1,
-         "hardSlices": None, "waiting": 0}]
+         "hardSlices": None, "waiting": 0, "wholeGpus": 0}]
 
 
 def test_without_the_quota_crd_the_table_is_one_line_and_the_rest_is_drawn() -> None:

@@ -166,3 +166,55 @@ def test_a_server_that_cannot_start_says_so_and_serves_once_it_can(tmp_path: Any
     caplog.set_level(logging.ERROR, logger="mig_operator.webhook")
     assert asyncio.run(scenario()) == 200
     assert any("the webhook cannot serve on" in r.getMessage() for r in caplog.records)
+
+
+def test_a_review_as_large_as_the_api_server_sends_is_served_and_a_larger_one_refused_saying_why(
+        tmp_path: Any) -> None:
+    bundle = make_certificate(["127.0.0.1"])
+    cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
+    cert.write_bytes(bundle.cert_pem + bundle.ca_pem)
+    key.write_bytes(bundle.key_pem)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    port = sock.getsockname()[1]
+    server = ReviewServer(sock, str(cert), str(key), pod_handlers(WebhookOptions(listen="x:1", namespace="ops")))
+
+    def review(uid: str, padding: int) -> bytes:
+        pod = annotated_pod()
+        pod["spec"]["containers"][0]["env"] = [{"name": "PAD", "value": "x" * padding}]
+        return json.dumps({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+                           "request": {"uid": uid, "operation": "CREATE", "object": pod}}).encode()
+
+    # 3 MiB: what the API server takes in a request, past aiohttp's default limit (1 MiB); 13 MiB: past
+    # the webhook's own (12 MiB).
+    big, huge = review("big", 3 * 2**20), review("huge", 13 * 2**20)
+
+    async def scenario() -> list[dict]:
+        task = asyncio.create_task(server.run())
+        context = ssl.create_default_context(cadata=bundle.ca_pem.decode())
+        answers = []
+        try:
+            async with aiohttp.ClientSession() as session:
+                for body in (big, huge):
+                    for _ in range(50):  # until it listens
+                        try:
+                            async with session.post(f"https://127.0.0.1:{port}/{HANDLER_ID}", ssl=context, data=body,
+                                                    headers={"Content-Type": "application/json"}) as got:
+                                assert got.status == 200, await got.text()
+                                answers.append(await got.json())
+                            break
+                        except aiohttp.ClientConnectionError:
+                            await asyncio.sleep(0.05)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            sock.close()
+        return answers
+
+    served, refused = (a["response"] for a in asyncio.run(scenario()))
+    assert served["uid"] == "big" and served["allowed"] is True
+    assert "cdmo.io/gpu-slice" in base64.b64decode(served["patch"]).decode()
+    assert refused["uid"] == "huge" and refused["allowed"] is False and refused["status"]["code"] == 413
+    message = refused["status"]["message"]
+    assert "too large" in message and str(len(huge)) in message and str(12 * 2**20) in message, message

@@ -11,7 +11,8 @@ bind (reserved), refuse (code, message, could it ever fit; the slices join the l
 ``commit`` once the write is done or ``rollback`` once it failed (the books as before ``decide``).
 
 Rules kept here: a slice being deleted holds its binding and charge until it is gone; a device an
-agent still holds for a slice gone is charged from its GpuNode; a fraction GPU's occupancy counts
+agent still holds for a slice gone is charged from its GpuNode; a fraction on a GPU its namespace
+holds alone is charged that GPU's whole memory, once (``core.books.charges``); a fraction GPU's occupancy counts
 what its agent holds and serves one namespace unless labelled (``core.placement.cluster``, ``core.placement.tenancy``);
 an untrusted runtime takes nothing new unless accepted (``core.placement.node_blocks``); ``quota_required``
 refuses a namespace without a GpuQuota (NoQuota). Pure and synchronous: no I/O, one caller at a time.
@@ -24,12 +25,13 @@ from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from typing import Any, Literal
 
-from ..placement.cluster import NO_CAPACITY, Binding, NodeInventory, Refusal
+from ..placement.cluster import MODE_FRACTION, NO_CAPACITY, Binding, NodeInventory, Refusal
 from ..placement.cluster_planner import ClusterPlanner
 from ..placement.planner import PlannerSettings
-from ..requests.quantities import QuantityError
+from ..placement.tenancy import whole_gpu_note
+from ..requests.quantities import MIB, QuantityError
 from ..requests.request import SliceRequest
-from .charges import Charges
+from .charges import Charge, Charges, GpuKey, fraction_charge, own_charge
 from .quota import (
     NO_QUOTA,
     QUOTA_EXCEEDED,
@@ -152,8 +154,12 @@ class Ledger:
     def used(self, namespace: str) -> Usage:
         return self._charges.usage.get(namespace, Usage())
 
-    def charges(self) -> Mapping[str, tuple[str, int]]:
+    def charges(self) -> Mapping[str, Charge]:
         return self._charges.charged
+
+    def held_whole(self, namespace: str) -> dict[GpuKey, int]:
+        """The fraction GPUs ``namespace`` holds alone, charged whole (``core.books.charges``), with their memory."""
+        return self._charges.held_whole(namespace)
 
     def share(self, namespace: str) -> Fraction:
         """The namespace's place in the fair order: the share of its quota (or of the cluster) it holds."""
@@ -266,7 +272,8 @@ class Ledger:
                     return Decision("refuse", tuple(todo), refusal=refusal, could_fit=verdict.could_fit,
                                     give_back=tuple(held))
             return Decision("refuse", tuple(todo), refusal=refusal, give_back=tuple(held))
-        verdict = admit(quota, used, sum(b.granted_bytes for b in bindings), slices=len(bindings))
+        added, taken = self._charges.added(info.namespace, [self._charge(info.namespace, b) for b in bindings])
+        verdict = admit(quota, used, added, slices=len(bindings), note=whole_gpu_note(taken))
         if not verdict.allowed:
             for b in bindings:
                 self._held(b.uid)  # plan_group left its tentative bindings in the index
@@ -321,10 +328,37 @@ class Ledger:
             self._index.put_binding(binding)
         charge = None
         if binding is not None and info is not None:
-            charge = (info.namespace, binding.granted_bytes)
+            charge = self._charge(info.namespace, binding)
         elif info is None:
             charge = self._charges.agent_charge(uid)
+            if charge is not None and charge.whole is not None and self._index.labels_of(charge.whole[0])[1]:
+                charge = own_charge(charge)
         self._charges.set(uid, charge)
+
+    def _charge(self, namespace: str, binding: Binding) -> Charge:
+        """What ``binding`` costs its namespace (``core.books.charges.fraction_charge``): a fraction on a node
+        that does not share is charged its GPU's whole memory."""
+        shared = self._index.labels_of(binding.node)[1]
+        gpu_bytes = None
+        if binding.mode == MODE_FRACTION and not shared:
+            inventory = self._index.inventories.get(binding.node)
+            gpu = next((g for g in inventory.gpus if g.index == binding.gpu), None) if inventory else None
+            gpu_bytes = gpu.memory_mib * MIB if gpu is not None else None
+        return fraction_charge(namespace, binding, shared, gpu_bytes)
+
+    def _recharge(self, node: str) -> set[str]:
+        """Charge again every slice held on ``node`` (its sharing label or its GPUs changed); returns
+        the namespaces whose use changed."""
+        changed: set[str] = set()
+        uids = {b.uid for b in self._index.bindings.values() if b.node == node}
+        uids |= {uid for uid, c in self._charges.charged.items() if c.whole is not None and c.whole[0] == node}
+        for uid in uids:
+            before = self._charges.charged.get(uid)
+            self._held(uid)
+            after = self._charges.charged.get(uid)
+            if before != after:
+                changed.update(c.namespace for c in (before, after) if c is not None)
+        return changed
 
     # ---- observing: quotas and labels ----------------------------------------------------------
 
@@ -355,14 +389,16 @@ class Ledger:
         for body in bodies:
             self.put_quota(body)
 
-    def set_node_labels(self, node: str, flags: NodeLabels) -> bool:
-        """Take a Node's placement labels (all False: unlabelled or gone); False when none changed."""
-        if flags == NodeLabels(*self._index.labels_of(node)):
-            return False
+    def set_node_labels(self, node: str, flags: NodeLabels) -> set[str] | None:
+        """Take a Node's placement labels (all False: unlabelled or gone); None when none changed, else
+        the namespaces whose quota use changed (fraction sharing changes what its fractions are charged)."""
+        before = NodeLabels(*self._index.labels_of(node))
+        if flags == before:
+            return None
         self._index.set_labelled(node, flags.mig)
         self._index.set_fraction_sharing(node, flags.sharing)
         self._index.set_runtime_accepted(node, flags.accepted)
-        return True
+        return self._recharge(node) if flags.sharing != before.sharing else set()
 
     # ---- observing: slices ---------------------------------------------------------------------
 
@@ -409,10 +445,15 @@ class Ledger:
 
     def put_inventory(self, inventory: NodeInventory) -> set[str]:
         """Take a GpuNode's inventory; returns the namespaces whose quota use changed."""
+        old = self._index.inventories.get(inventory.node)
         self._index.set_inventory(inventory)
-        return self._agent_holds(inventory.node, inventory)
+        changed = self._agent_holds(inventory.node, inventory)
+        if old is None or _gpu_memory(old) != _gpu_memory(inventory):
+            changed |= self._recharge(inventory.node)  # a fraction GPU's whole memory is what it charges
+        return changed
 
     def remove_inventory(self, node: str) -> set[str]:
+        # Slices still bound there keep the charge they have: a GPU held whole stays charged its size.
         self._index.remove_inventory(node)
         return self._agent_holds(node, None)
 
@@ -424,7 +465,7 @@ class Ledger:
                 continue
             before = self._charges.charged.get(uid)
             self._held(uid)
-            changed.update(c[0] for c in (before, self._charges.charged.get(uid)) if c is not None)
+            changed.update(c.namespace for c in (before, self._charges.charged.get(uid)) if c is not None)
         return changed
 
     def replace_all(self, slices: Iterable[SliceRecord], inventories: Iterable[NodeInventory],
@@ -460,3 +501,7 @@ class Ledger:
                           accepted=[n for n, f in labels.items() if f.accepted])
         for uid in {*self.slices, *self._charges.reset(inventories)}:
             self._held(uid)
+
+
+def _gpu_memory(inventory: NodeInventory) -> dict[int, int]:
+    return {g.index: g.memory_mib for g in inventory.gpus}

@@ -1,8 +1,9 @@
 """Per-namespace GPU quotas and the fair order of waiting slices (pure: no I/O).
 
-A namespace's ``GpuQuota`` caps the GPU memory its slices hold, counted by what each was granted
-(a ``1g.18gb`` for a ``10G`` request counts 16384 MiB), and optionally how many slices it holds. A
-slice holds its grant from Bound on (Bound, Creating, Ready) until it is gone: a slice being deleted
+A namespace's ``GpuQuota`` caps the GPU memory its slices hold, counted by what each is charged
+(``core.books.charges``: a MIG slice its grant, so a ``1g.18gb`` for a ``10G`` request counts 16384 MiB; a
+fraction on a GPU its namespace holds alone that GPU's whole memory, once), and optionally how many
+slices it holds. A slice holds its charge from Bound on (Bound, Creating, Ready) until it is gone: a slice being deleted
 still holds it (its agent keeps it while its claim is in use), and a device an agent still holds for
 a slice that is gone (``agent_holdings``) is charged to that slice's namespace; Pending and Failed
 slices hold nothing. ``admit`` says whether one more binding keeps the namespace within its quota.
@@ -52,13 +53,15 @@ class Quota:
 
 @dataclass(frozen=True)
 class Usage:
-    """What a namespace's slices hold: granted bytes and the number of slices."""
+    """What a namespace's slices hold: the bytes charged (``core.books.charges``), the number of slices, and
+    how many fraction GPUs it holds whole (each charged its whole memory, once)."""
 
     memory_bytes: int = 0
     slices: int = 0
+    whole_gpus: int = 0
 
-    def plus(self, granted_bytes: int, slices: int = 1) -> Usage:
-        return Usage(self.memory_bytes + granted_bytes, self.slices + slices)
+    def plus(self, charged_bytes: int, slices: int = 1, whole_gpus: int = 0) -> Usage:
+        return Usage(self.memory_bytes + charged_bytes, self.slices + slices, self.whole_gpus + whole_gpus)
 
 
 def agent_holdings(inventory: NodeInventory) -> dict[str, tuple[str, int]]:
@@ -102,12 +105,14 @@ class Admission:
     could_fit: bool = True
 
 
-def admit(quota: Quota | None, used: Usage, granted_bytes: int, at_least: bool = False, slices: int = 1) -> Admission:
-    """Would bindings granting ``granted_bytes`` in all to ``slices`` slices (a pod's devices are bound
-    together) take the namespace past its quota?
+def admit(quota: Quota | None, used: Usage, granted_bytes: int, at_least: bool = False, slices: int = 1,
+          note: str = "") -> Admission:
+    """Would bindings charging ``granted_bytes`` in all (``core.books.charges``) to ``slices`` slices (a pod's
+    devices are bound together) take the namespace past its quota?
 
-    No quota: no limit. ``at_least``: the grant is not known (no placement was found), so
-    ``granted_bytes`` is a lower bound (the request's bytes) and the message says so.
+    No quota: no limit. ``at_least``: the charge is not known (no placement was found), so
+    ``granted_bytes`` is a lower bound (the request's bytes) and the message says so. ``note`` says
+    why the charge is what it is (a fraction GPU held whole, ``core.placement.tenancy.whole_gpu_note``).
     """
     if quota is None:
         return Admission(True)
@@ -123,7 +128,7 @@ def admit(quota: Quota | None, used: Usage, granted_bytes: int, at_least: bool =
     over = " and ".join(part for part, yes in (("memory", over_memory), ("slices", over_slices)) if yes)
     message = (
         f"GpuQuota {quota.ref}: namespace {quota.namespace} holds {held}; "
-        f"{'this slice' if slices == 1 else 'this group'} would add {add} "
+        f"{'this slice' if slices == 1 else 'this group'} would add {add}{note} "
         f"and {slices} slice{'s' if slices != 1 else ''}, past the quota's {over}: it waits until the namespace "
         "releases slices or the quota is raised"
     )

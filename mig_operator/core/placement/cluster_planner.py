@@ -35,7 +35,6 @@ from .cluster import (
     gpu_role,
     model_of,
 )
-from .compute import resolve_compute
 from .fraction_compute import COMPUTE_MODE, COMPUTE_ONLY_FRACTIONS, compute_mode_message
 from .fraction_planner import FractionGpu, choose_fraction, fraction_bytes
 from .node_blocks import NodeBlock, blocked_code, blocked_note, blocked_text, node_block
@@ -152,7 +151,7 @@ def _decide(
         held = _held_by_others(request, namespace, [g for g in fraction if not g.may_take(namespace)], default)
         if held is not None:
             raise Refusal(OTHER_NAMESPACE, clip_message("; ".join([held, *reasons])))
-        other_kind = compute_mode_message(request, [g for g in fraction if g.may_take(namespace)], default)
+        other_kind = compute_mode_message(request, [g for g in fraction if g.may_take(namespace)], default, namespace)
         if other_kind is not None:
             raise Refusal(COMPUTE_MODE, clip_message("; ".join([other_kind, *reasons])))
         # No GPU fits it, whoever holds them: the reason is the same for every namespace (a pass of the
@@ -167,24 +166,15 @@ def _decide(
     raise Refusal(code, clip_message(f"{request.describe()} fits nowhere {where}: " + "; ".join(reasons)))
 
 
-def _fits(request: SliceRequest, gpu: FractionGpu, default_compute: str) -> bool:
-    need = fraction_bytes(request, gpu.memory_bytes)
-    share = resolve_compute(request.compute, need, gpu.memory_bytes, default_compute)
-    return (need <= gpu.free_bytes and (request.fraction is None or need >= MIN_SLICE_BYTES)
-            and gpu.compute.takes(share))
-
-
 def _held_by_others(request: SliceRequest, namespace: str, others: list[FractionGpu],
                     default_compute: str) -> str | None:
-    """When a GPU that other namespaces hold has room for the request, why it waits (naming the GPU
-    best fit would have chosen); None when tenancy is not what keeps it waiting."""
+    """When a GPU that other namespaces hold has room for the request, why it waits (naming none of
+    them); None when tenancy is not what keeps it waiting."""
     try:
         share = choose_fraction(request, others, default_compute=default_compute)
     except Unplaceable:
         return None
-    chosen = next(g for g in others if (g.node, g.index) == (share.node, share.gpu))
-    with_room = sum(1 for g in others if _fits(request, g, default_compute))
-    return other_namespace_message(request, namespace, chosen, share.granted_bytes, with_room)
+    return other_namespace_message(request, namespace, share.granted_bytes)
 
 
 def _refusal_code(request: SliceRequest, models: list[GpuModel], fraction: list[FractionGpu]) -> str:

@@ -26,9 +26,11 @@ COMPUTE_MODE = "ComputeMode"
 COMPUTE_ONLY_FRACTIONS = " (a compute share is served to fractions only: a MIG slice's compute is its profile's)"
 
 
-def compute_mode_message(request: SliceRequest, gpus: list[FractionGpu], default_compute: str) -> str | None:
+def compute_mode_message(request: SliceRequest, gpus: list[FractionGpu], default_compute: str,
+                         namespace: str | None = None) -> str | None:
     """When a GPU ``gpus`` holds would have room for the request but serves the other kind of compute,
-    why it waits, naming that GPU (the one best fit would have chosen); None otherwise."""
+    why it waits, naming that GPU (the one best fit would have chosen) where no other namespace than
+    ``namespace`` holds it (``FractionGpu.named_for``); None otherwise."""
     try:
         chosen = choose_fraction(request, gpus, default_compute=default_compute, compute_kind=False)
     except Unplaceable:
@@ -39,7 +41,7 @@ def compute_mode_message(request: SliceRequest, gpus: list[FractionGpu], default
     if not gpu.compute.conflicts(share):
         return None
     return (
-        f"{request.describe()} waits: GPU {gpu.index} of node {gpu.node} has room for it but "
+        f"{request.describe()} waits: {gpu.named_for(namespace)} has room for it but "
         f"{gpu.compute.why_not(share)}. It binds when a GPU serving its kind has room or a GPU is free; "
         f"a GPU serves compute shares or shared fractions, whichever came first, until its last fraction goes"
     )

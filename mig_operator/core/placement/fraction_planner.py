@@ -35,6 +35,24 @@ class FractionGpu:
         tenants = self.tenants
         return not tenants or self.shared or (len(tenants) == 1 and namespace in tenants)
 
+    def added_charge(self, namespace: str, need: int) -> int:
+        """What a fraction of ``need`` bytes here adds to ``namespace``'s quota charge (core.books.charges):
+        nothing on a GPU it holds alone already, the GPU's whole memory on one it would take alone, its
+        own bytes on a node that shares across namespaces."""
+        if self.shared:
+            return need
+        return 0 if namespace in self.tenants else self.memory_bytes
+
+    def named_for(self, namespace: str | None) -> str:
+        """The GPU as a refusal to ``namespace`` may name it: by node and index when no other namespace
+        holds fractions there, else without naming it (core.placement.tenancy). None: words the same for every
+        namespace, naming only a GPU nobody holds."""
+        if self.tenants and namespace is None:
+            return "one GPU"
+        if self.tenants - {namespace}:
+            return "a GPU that serves another namespace"
+        return f"GPU {self.index} of node {self.node}"
+
 
 @dataclass(frozen=True)
 class FractionDecision:
@@ -56,8 +74,10 @@ def fraction_bytes(request: SliceRequest, gpu_memory_bytes: int) -> int:
 
 def choose_fraction(request: SliceRequest, gpus: list[FractionGpu], namespace: str | None = None,
                     default_compute: str = SHARED, compute_kind: bool = True) -> FractionDecision:
-    """Memory bin-packing: the GPU with the least free memory that still fits (best fit), then the
-    least compute left; with ``namespace``, among the GPUs it may take (``FractionGpu.may_take``).
+    """Memory bin-packing: with ``namespace``, among the GPUs it may take (``FractionGpu.may_take``),
+    the one that adds least to its quota charge first (``FractionGpu.added_charge``: a GPU it holds
+    already before one it would take whole); then the GPU with the least free memory that still fits
+    (best fit), then the least compute left.
     The request's compute share on each GPU is ``core.placement.compute.resolve_compute`` with
     ``default_compute``; a GPU must have room for it, and, with ``compute_kind``, serve its kind
     (shares or shared).
@@ -85,12 +105,13 @@ def choose_fraction(request: SliceRequest, gpus: list[FractionGpu], namespace: s
                 short = (gpu, share)
             continue
         # Then the least compute left (the same order as what would be left after it, for one share).
-        key = (gpu.free_bytes - need, gpu.compute.left_approx if share is not None else 0.0, gpu.node, gpu.index)
+        added = gpu.added_charge(namespace, need) if namespace is not None else 0
+        key = (added, gpu.free_bytes - need, gpu.compute.left_approx if share is not None else 0.0, gpu.node, gpu.index)
         if best is None or key < best[0]:
             best = (key, gpu, need, share)
     if best is None and short is not None:
         gpu, share = short
-        raise Unplaceable(f"GPU {gpu.index} of node {gpu.node} has {format_bytes(gpu.free_bytes)} free for "
+        raise Unplaceable(f"{gpu.named_for(namespace)} has {format_bytes(gpu.free_bytes)} free for "
                           f"{request.describe()}, but {gpu.compute.why_not(share)}")
     if best is None:
         largest = max(gpus, key=lambda g: g.memory_bytes)

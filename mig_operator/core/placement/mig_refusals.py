@@ -62,7 +62,8 @@ def _shown(items: list[str], limit: int) -> str:
 
 def no_room_reason(request: SliceRequest, levels: tuple[GrantLevel, ...], summary: RoomSummary) -> str:
     """Why no GPU can take the request: the profiles tried, and the GPUs summarised by model and by
-    slots in use (never one line per GPU: the message must fit a status on any cluster)."""
+    slots in use (never one line per GPU: the message must fit a status on any cluster). It names no
+    node or GPU: the GPUs hold other namespaces' slices, and the same words go to every namespace."""
     names = sorted({p.name for level in levels for _, p in level.options})
     profiles = "" if request.profile is not None else f" (profiles {_shown(names, _PROFILES_SHOWN)})"
     parts = []
@@ -79,8 +80,8 @@ def no_room_reason(request: SliceRequest, levels: tuple[GrantLevel, ...], summar
         parts.append(f"and {len(summary.by_model) - _MODELS_SHOWN} more models")
     room = ""
     if summary.roomiest is not None:
-        free, node, index, slots = summary.roomiest
-        room = f"; most room: {free}/{slots} slots not in use on {node + '/' if node else ''}gpu {index}"
+        free, _node, _index, slots = summary.roomiest
+        room = f"; most room: {free}/{slots} slots not in use on one GPU"
     reason = (
         f"every GPU is held by slices in use: no room for {request.describe()}{profiles} "
         f"even after reclaiming every idle instance ({'; '.join(parts)}){room}"

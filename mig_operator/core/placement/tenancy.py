@@ -11,17 +11,19 @@ whose teams trust each other. MIG instances are isolated in hardware and not con
 A GPU's tenants are the namespaces of every fraction binding the planner holds on it (a slice being
 released while in use still holds its binding) and of every fraction its agent still reports there.
 
-Pure: ``FractionGpu`` carries its tenants and whether its node shares; the planner filters with
-``FractionGpu.may_take`` while packing, so best fit is chosen among the GPUs a namespace may use.
+Pure: ``FractionGpu`` (core.placement.fraction_planner) carries its tenants and whether its node shares; the
+planner filters with ``FractionGpu.may_take`` while packing, so best fit is chosen among the GPUs a
+namespace may use, those it holds already first (``FractionGpu.added_charge``). A namespace pays for
+what it denies others: its GpuQuota is charged a GPU it holds alone whole (``core.books.charges``). Refusals
+name no other namespace, nor its node or GPU.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from ..requests.quantities import format_bytes
 from ..requests.request import SliceRequest
-from .fraction_planner import FractionGpu
 
 SHARING_LABEL = "cdmo.io/fraction-sharing"
 SHARING_VALUE = "cross-namespace"
@@ -41,19 +43,28 @@ def namespace_of(slice_ref: str) -> str | None:
     return namespace if sep and namespace and name else None
 
 
-def other_namespace_message(request: SliceRequest, namespace: str, gpu: FractionGpu, need: int,
-                            held_elsewhere: int) -> str:
-    """Why a fraction waits for tenancy: the GPU that has room, who holds it, and the admin's way out.
-
-    ``gpu`` is the one best fit would have chosen; ``held_elsewhere`` how many GPUs with room were
-    left out for the same cause."""
-    holders = ", ".join(sorted(gpu.tenants)[:3]) + (" ..." if len(gpu.tenants) > 3 else "")
-    others = f" (and {held_elsewhere - 1} more GPU(s) like it)" if held_elsewhere > 1 else ""
+def other_namespace_message(request: SliceRequest, namespace: str, need: int) -> str:
+    """Why a fraction waits for tenancy, and the ways out. It names no other namespace, node or GPU:
+    a namespace's refusals tell it nothing of what another holds."""
     return (
-        f"{request.describe()} of namespace {namespace} waits: GPU {gpu.index} of node {gpu.node} has "
-        f"{format_bytes(gpu.free_bytes)} free for its {format_bytes(need)}, but serves fractions of namespace "
-        f"{holders}{others}, and a GPU serving fractions serves one namespace at a time (a fraction's memory "
-        f"limit is not isolation). It binds when a GPU frees up or a GPU of its own namespace has room; use a "
-        f"MIG slice for isolation, or, if the namespaces trust each other, "
-        f"kubectl label node {gpu.node} {SHARING_LABEL}={SHARING_VALUE}"
+        f"{request.describe()} of namespace {namespace} waits: every fraction GPU with room for its "
+        f"{format_bytes(need)} is held by another namespace, and a GPU serving fractions serves one namespace "
+        f"at a time (a fraction's memory limit is not isolation). It binds when a GPU frees up or a GPU of "
+        f"its own namespace has room; use a MIG slice for isolation, or, if the namespaces trust each other, "
+        f"an admin labels nodes {SHARING_LABEL}={SHARING_VALUE}"
+    )
+
+
+def whole_gpu_note(taken: Sequence[tuple[tuple[str, int], int]]) -> str:
+    """Why a charge is a GPU's whole memory (``core.books.charges``): the GPUs of its own namespace a binding
+    would hold whole, named, and the rule."""
+    if not taken:
+        return ""
+    (node, index), memory = taken[0]
+    more = f" and {len(taken) - 1} more GPU(s)" if len(taken) > 1 else ""
+    return (
+        f" (GPU {index} of node {node}{more} would serve this namespace's fractions alone, by the fraction "
+        f"tenancy rule of one namespace per fraction GPU, so the namespace is charged its whole memory, "
+        f"{format_bytes(memory)}, once however many of its fractions are there; a MIG slice, or a fraction on a "
+        f"node labelled {SHARING_LABEL}={SHARING_VALUE}, is charged its grant alone)"
     )

@@ -35,6 +35,7 @@ def view_json(view: TopView) -> dict[str, Any]:
             "items": [{
                 "namespace": q.namespace, "name": q.name, "usedBytes": q.used_bytes, "hardBytes": q.hard_bytes,
                 "usedSlices": q.used_slices, "hardSlices": q.hard_slices, "waiting": q.waiting,
+                "wholeGpus": q.whole_gpus,
             } for q in view.quotas],
         },
     }

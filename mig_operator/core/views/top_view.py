@@ -121,6 +121,7 @@ class QuotaRow:
     used_slices: int
     hard_slices: int | None
     waiting: int
+    whole_gpus: int = 0  # fraction GPUs the namespace holds alone, each charged its whole memory
 
 
 @dataclass(frozen=True)
@@ -260,7 +261,7 @@ def quota_row(body: Mapping[str, Any]) -> QuotaRow:
         used_bytes=_bytes(used.get("memory")) or 0, hard_bytes=_bytes(spec.get("memory")),
         used_slices=_int(used.get("slices")),
         hard_slices=hard_slices if isinstance(hard_slices, int) and not isinstance(hard_slices, bool) else None,
-        waiting=_int(st.get("waiting")),
+        waiting=_int(st.get("waiting")), whole_gpus=_int(used.get("wholeGpus")),
     )
 
 
@@ -403,16 +404,17 @@ def _quota_lines(view: TopView) -> list[str]:
         return [_clip(f"quotas: {view.quota_note}", WIDTH)]
     if not view.quotas:
         return ["quotas: none (no GpuQuota: every namespace may take any free GPU memory)"]
-    rows = [["namespace", "memory used / hard", "%", "slices used / hard", "waiting"]]
+    rows = [["namespace", "memory used / hard", "%", "slices used / hard", "waiting", "whole GPUs"]]
     for q in view.quotas:
         hard = gib(q.hard_bytes) if q.hard_bytes is not None else "-"
         share = _percent(q.used_bytes, q.hard_bytes) if q.hard_bytes else "-"
         slices = f"{q.used_slices} / {q.hard_slices if q.hard_slices is not None else '-'}"
-        rows.append([q.namespace, f"{gib(q.used_bytes)} / {hard}", share, slices, str(q.waiting)])
+        rows.append([q.namespace, f"{gib(q.used_bytes)} / {hard}", share, slices, str(q.waiting), str(q.whole_gpus)])
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["quotas (GpuQuota; memory counts what each slice was granted)"]
+    lines = ["quotas (GpuQuota; memory counts each slice's grant, and a fraction GPU held alone whole)"]
     for r in rows:
-        cells = [r[0].ljust(widths[0]), r[1].ljust(widths[1]), r[2].rjust(widths[2]), r[3].ljust(widths[3]), r[4]]
+        cells = [r[0].ljust(widths[0]), r[1].ljust(widths[1]), r[2].rjust(widths[2]), r[3].ljust(widths[3]),
+                 r[4].rjust(widths[4]), r[5]]
         lines.append(_clip(("  " + "  ".join(cells)).rstrip(), WIDTH))
     return lines
 

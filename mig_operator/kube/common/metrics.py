@@ -43,8 +43,11 @@ DEVICE_PLUGIN_CONFLICT = Gauge("mig_operator_device_plugin_conflict",
                                ["node"])
 PENDING_SLICES = Gauge("mig_operator_pending_slices", "Pending GpuSlices, by reason (NoCapacity, QuotaExceeded, ...)",
                        ["reason"])
-QUOTA_USED_BYTES = Gauge("mig_operator_quota_used_bytes", "GPU memory a namespace's slices hold (granted)",
+QUOTA_USED_BYTES = Gauge("mig_operator_quota_used_bytes",
+                         "GPU memory a namespace's slices are charged (a fraction GPU held alone: its whole memory)",
                          ["namespace"])
+QUOTA_WHOLE_GPUS = Gauge("mig_operator_quota_whole_gpus",
+                         "Fraction GPUs a namespace holds alone, each charged its whole memory", ["namespace"])
 QUOTA_HARD_BYTES = Gauge("mig_operator_quota_hard_bytes", "A namespace's GpuQuota spec.memory", ["namespace"])
 QUOTA_USED_SLICES = Gauge("mig_operator_quota_used_slices", "Slices a namespace holds", ["namespace"])
 QUOTA_WAITING_SLICES = Gauge("mig_operator_quota_waiting_slices", "A namespace's slices Pending for its quota",

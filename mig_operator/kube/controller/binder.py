@@ -168,12 +168,16 @@ class Binder:
 
     async def slice_event(self, body: dict, deleted: bool) -> None:
         if deleted:
-            gone = self.ledger.remove_slice(body["metadata"]["uid"], resource_version(body["metadata"]))
-            self.events.forget(body["metadata"]["uid"])
+            uid = body["metadata"]["uid"]
+            waited = uid in self.ledger.waiting
+            gone = self.ledger.remove_slice(uid, resource_version(body["metadata"]))
+            self.events.forget(uid)
             self._announce()
             self._namespace_changed(body["metadata"]["namespace"])
-            if gone is not None and gone.binding is not None:
-                self.request_replan()  # its room and its quota charge are free (or idle) now
+            if gone is not None and (gone.binding is not None or waited):
+                # Its room and its quota charge are free (or idle) now; or it waited, and younger slices
+                # of its namespace may wait behind it: either way the line is served again at once.
+                self.request_replan()
             return
         info = self.ledger.put_slice(slice_record(body))
         if info is None:
@@ -214,7 +218,10 @@ class Binder:
 
     def node_event(self, name: str, labels: Mapping[str, str] | None) -> None:
         """A Node's labels changed (None: it is gone): the MIG label, fraction sharing, runtime trust."""
-        if self.ledger.set_node_labels(name, node_labels(labels)):
+        changed = self.ledger.set_node_labels(name, node_labels(labels))
+        if changed is not None:
+            for namespace in changed:  # fraction sharing changes what its fractions are charged
+                self._namespace_changed(namespace)
             self.request_replan()
 
     def quota_event(self, body: dict, deleted: bool) -> None:

@@ -2,7 +2,9 @@
 
 The binder says which namespaces changed (``changed``); their status is written at most every
 ``interval_s`` (a burst of bindings makes one write per quota), and only when it differs from what
-was last written: ``used.memory`` (granted bytes, as a quantity string of bytes), ``used.slices``,
+was last written: ``used.memory`` (the bytes charged, ``core.books.charges``, as a quantity string of bytes),
+``used.slices``, ``used.wholeGpus`` and ``heldWhole`` (the fraction GPUs the namespace holds alone,
+each charged its whole memory; its own GPUs, so naming them tells it nothing of another namespace),
 ``waiting`` (Pending slices the quota holds back) and ``observedGeneration``.
 """
 
@@ -58,8 +60,10 @@ class QuotaStatus:
 
     def status_of(self, namespace: str) -> dict:
         used = self.binder.ledger.used(namespace)
+        whole = self.binder.ledger.held_whole(namespace)
         return {
-            "used": {"memory": str(used.memory_bytes), "slices": used.slices},
+            "used": {"memory": str(used.memory_bytes), "slices": used.slices, "wholeGpus": used.whole_gpus},
+            "heldWhole": [{"node": node, "gpu": gpu, "memory": str(memory)} for (node, gpu), memory in whole.items()],
             "waiting": self.binder.quota_waiting(namespace),
             "observedGeneration": self._generations.get(namespace, 0),
         }
@@ -71,8 +75,8 @@ class QuotaStatus:
         if quota is None and not used.slices:
             if namespace in self._shown:
                 self._shown.discard(namespace)
-                for gauge in (metrics.QUOTA_USED_BYTES, metrics.QUOTA_USED_SLICES, metrics.QUOTA_HARD_BYTES,
-                              metrics.QUOTA_WAITING_SLICES):
+                for gauge in (metrics.QUOTA_USED_BYTES, metrics.QUOTA_USED_SLICES, metrics.QUOTA_WHOLE_GPUS,
+                              metrics.QUOTA_HARD_BYTES, metrics.QUOTA_WAITING_SLICES):
                     try:
                         gauge.remove(namespace)
                     except KeyError:
@@ -81,6 +85,7 @@ class QuotaStatus:
         self._shown.add(namespace)
         metrics.QUOTA_USED_BYTES.labels(namespace).set(used.memory_bytes)
         metrics.QUOTA_USED_SLICES.labels(namespace).set(used.slices)
+        metrics.QUOTA_WHOLE_GPUS.labels(namespace).set(used.whole_gpus)
         if quota is not None:
             metrics.QUOTA_HARD_BYTES.labels(namespace).set(quota.memory_bytes)
             metrics.QUOTA_WAITING_SLICES.labels(namespace).set(self.binder.quota_waiting(namespace))

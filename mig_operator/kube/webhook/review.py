@@ -14,6 +14,7 @@ import base64
 import copy
 import logging
 import os
+import re
 import socket
 import ssl
 from collections.abc import Callable, Mapping
@@ -24,6 +25,15 @@ import aiohttp.web
 from ..common import wire
 
 log = logging.getLogger("mig_operator.webhook")
+
+# The API server takes a request body of up to 3 MiB; the review it sends holds the object encoded
+# again as JSON with its defaults added (and Go's encoder writes <, > and & as six bytes each), so the
+# webhook reads reviews of up to four times that, and answers a larger one with a refusal saying why.
+API_SERVER_BODY_BYTES = 3 * 2**20
+MAX_REVIEW_BYTES = 4 * API_SERVER_BODY_BYTES
+_HEAD_BYTES = 64 * 1024  # what is kept of a review too large to read: its uid comes first
+_REVIEW_UID = re.compile(rb'"request"\s*:\s*\{\s*"uid"\s*:\s*"([^"\\]{1,128})"')
+_CHUNK = 256 * 1024
 
 # What a handler returns for a pod it serves: the change, made to a copy of the pod.
 Mutation = Callable[[dict[str, Any]], None]
@@ -100,6 +110,23 @@ def review_response(review: Mapping[str, Any], handler: Handler | None) -> dict[
             "kind": review.get("kind", "AdmissionReview"), "response": response}
 
 
+def too_large_response(head: bytes, size: int) -> dict[str, Any] | None:
+    """The answer to a review of ``size`` bytes, more than MAX_REVIEW_BYTES, of which ``head`` was kept:
+    the pod refused with a message that says why; None when ``head`` holds no review uid to answer."""
+    found = _REVIEW_UID.search(head)
+    if found is None:
+        return None
+    message = (
+        f"the pod is too large for mig-operator's webhook: the API server sent it for admission as "
+        f"{size} bytes, and the webhook reads at most {MAX_REVIEW_BYTES} ({MAX_REVIEW_BYTES // 2**20} MiB, four "
+        f"times the {API_SERVER_BODY_BYTES // 2**20} MiB the API server takes in a request); make the pod smaller, "
+        f"e.g. move large annotations, environment values or command lines into a ConfigMap"
+    )
+    return {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+            "response": {"uid": found.group(1).decode("ascii", "replace"), "allowed": False,
+                         "status": {"code": 413, "message": message}}}
+
+
 class ReviewServer:
     """HTTPS on a socket bound beforehand (``server.bind``: a taken port is a start-up error, and a
     second process never shares it), POST /<handler id> per review. The server starts again with the
@@ -114,8 +141,24 @@ class ReviewServer:
         self.retry_s = retry_s
 
     async def _serve(self, request: aiohttp.web.Request) -> aiohttp.web.Response:
+        # Read here, not by request.read(), whose limit (aiohttp's client_max_size, 1 MiB) would answer
+        # HTTP 413, which the API server reports to the pod's creator as an unexplained internal error.
+        chunks: list[bytes] = []
+        size = 0
+        while chunk := await request.content.read(_CHUNK):
+            size += len(chunk)
+            if size <= MAX_REVIEW_BYTES:  # beyond, only the head (the first chunks) is needed
+                chunks.append(chunk)
+        body = b"".join(chunks)
+        if size > MAX_REVIEW_BYTES:
+            log.info("an admission review of %d bytes refused: more than %d", size, MAX_REVIEW_BYTES)
+            answer = too_large_response(body[:_HEAD_BYTES], size)
+            if answer is None:
+                return aiohttp.web.Response(status=413, text=f"an admission review of at most {MAX_REVIEW_BYTES} "
+                                                             f"bytes is read; this one has {size}")
+            return aiohttp.web.Response(body=wire.dumps(answer), content_type="application/json")
         try:
-            review = wire.loads(await request.read())
+            review = wire.loads(body)
         except ValueError as exc:
             return aiohttp.web.Response(status=400, text=f"not an AdmissionReview in JSON: {exc}")
         if not isinstance(review, dict):
