@@ -9,6 +9,16 @@ from collections.abc import Callable
 from typing import IO, Any
 
 Content = str | bytes | Callable[[IO[Any]], None]
+BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
+
+
+def host_boot_id(path: str = BOOT_ID_PATH) -> str:
+    """This machine's boot id (the kernel's); "unknown" where it cannot be read."""
+    try:
+        with open(path) as fh:
+            return fh.read().strip() or "unknown"
+    except OSError:
+        return "unknown"
 
 
 def write_atomically(path: str, content: Content, mode: int | None = None, *, prefix: str = ".tmp-",

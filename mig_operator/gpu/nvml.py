@@ -30,6 +30,7 @@ from typing import Any
 import pynvml
 
 from mig_operator.core.placement.profiles import GpuModel, Profile, model_for_product
+from mig_operator.gpu.files import host_boot_id
 from mig_operator.gpu.nvml_query import (
     compute_instances,
     derived_profile_name,
@@ -237,6 +238,9 @@ class NvmlBackend:
 
     def device_root(self) -> str:
         return "/"
+
+    def boot_id(self) -> str:
+        return host_boot_id()
 
     def close(self) -> None:
         if not self._closed:

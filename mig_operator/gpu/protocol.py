@@ -177,6 +177,11 @@ class GpuBackend(Protocol):
         node; the simulator lays out the files of its GPUs and instances there first."""
         ...
 
+    def boot_id(self) -> str:
+        """The id of the machine's current boot: MIG instances do not outlive it, so an owner record
+        written in another boot names instances that are gone."""
+        ...
+
     def close(self) -> None:
         """Release the backend's resources (NVML session, file locks)."""
         ...

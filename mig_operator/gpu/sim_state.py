@@ -55,7 +55,8 @@ class StateCorrupt(Exception):
     """A state file whose content is not this simulator's state; the message says what is wrong."""
 
 Faults = dict[str, list[list[Any]]]  # operation -> [[NVML error name, times left], ...]
-State = tuple[list[SimGpu], Faults, dict[str, float]]
+# GPUs, faults, latencies, and the simulated machine's boot id ("": the host's).
+State = tuple[list[SimGpu], Faults, dict[str, float], str]
 
 
 def gpu_instance_id(model: GpuModel, start: int, size: int) -> int:
@@ -165,7 +166,9 @@ def _decode(data: object, model: GpuModel, count: int, path: str) -> State:
         table = latency_table(latency)
     except ValueError as exc:
         raise StateCorrupt(f"latency_s: {exc}") from None
-    return decoded, checked, table
+    boot = data.get("bootId", "")
+    _need(isinstance(boot, str) and len(boot) <= 64, "'bootId' is not a string of at most 64 characters")
+    return decoded, checked, table, boot
 
 def _decode_gpu(i: int, g: object, model: GpuModel) -> SimGpu:
     where = f"gpus[{i}]"
@@ -205,7 +208,8 @@ def _decode_gpu(i: int, g: object, model: GpuModel) -> SimGpu:
         instances[inst.gi_id] = inst
     return SimGpu(mig_enabled=enabled, instances=instances, generation=generation)
 
-def snapshot(model: GpuModel, gpus: list[SimGpu], faults: Faults, latency: dict[str, float]) -> dict[str, Any]:
+def snapshot(model: GpuModel, gpus: list[SimGpu], faults: Faults, latency: dict[str, float],
+             boot: str = "") -> dict[str, Any]:
     """The state as the file holds it, sharing nothing mutable with the state. The dicts are built
     here, fields in ``_INSTANCE_FIELDS`` order, as ``asdict`` would at several times the cost."""
     return {
@@ -225,6 +229,7 @@ def snapshot(model: GpuModel, gpus: list[SimGpu], faults: Faults, latency: dict[
         ],
         "faults": {op: [list(entry) for entry in queue] for op, queue in sorted(faults.items()) if queue},
         "latency_s": dict(sorted(latency.items())),
+        **({"bootId": boot} if boot else {}),
     }
 
 

@@ -34,12 +34,14 @@ import fcntl
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 from mig_operator.core.placement.profiles import GpuModel, Profile, get_model
 from mig_operator.core.requests.quantities import clip_repr
 from mig_operator.gpu.device_files import write_simulated_files
+from mig_operator.gpu.files import host_boot_id
 from mig_operator.gpu.protocol import NVML_ERROR_CODES, GpuError, GpuInfo, MigInstance
 from mig_operator.gpu.sim_placement import check_room, gpu_uuid, legal_profile, mig_uuid
 from mig_operator.gpu.sim_state import (
@@ -84,6 +86,7 @@ class SimulatedBackend:
         self._gpu_locks = [threading.Lock() for _ in range(count)]
         self._faults: dict[str, list[list[Any]]] = {}
         self._latency: dict[str, float] = {}
+        self._boot = ""  # the simulated machine's boot id; "" until a simulated reboot: the host's
         self._latency_override = latency_table(latency_s) if latency_s is not None else None
         # The state file's bytes that the in-memory state holds, and its snapshot (see ``_state``).
         self._cache: tuple[bytes, dict[str, Any]] | None = None
@@ -149,6 +152,14 @@ class SimulatedBackend:
                     "process can run on it",
                 )
             inst.in_use = in_use
+
+    def reboot(self) -> None:
+        """The machine restarts: every GPU and compute instance is gone (MIG mode stays, as NVIDIA's
+        persistent setting does) and the boot id is a new one."""
+        with self._state():
+            for gpu in self._gpus:
+                gpu.instances.clear()
+            self._boot = f"sim-{uuid.uuid4()}"
 
     def create_half_instance(self, index: int, profile_id: int, start: int) -> MigInstance:
         """A GPU instance without a compute instance, as another tool or a failed rollback leaves one."""
@@ -305,6 +316,10 @@ class SimulatedBackend:
             write_simulated_files(self._device_root, range(self._count), instances)
             return self._device_root
 
+    def boot_id(self) -> str:
+        with self._state():
+            return self._boot or host_boot_id()
+
     def close(self) -> None:
         # Nothing is held between calls: the state file is locked only inside each operation.
         return None
@@ -438,11 +453,11 @@ class SimulatedBackend:
         state = parse_state(raw, self._state_file, self._model, self._count) if raw is not None else None
         if state is None:
             return False
-        self._gpus, self._faults, self._latency = state
+        self._gpus, self._faults, self._latency, self._boot = state
         return True
 
     def _snapshot(self) -> dict[str, Any]:
-        return snapshot(self._model, self._gpus, self._faults, self._latency)
+        return snapshot(self._model, self._gpus, self._faults, self._latency, self._boot)
 
     def _write_back(self, raw: bytes | None, before: dict[str, Any], force: bool) -> None:
         """Save the state when it differs from ``before`` (or ``force``); then cache the file's bytes."""

@@ -17,7 +17,7 @@ from mig_operator.core.node.lifecycle import COMPLETED, STARTED, OwnerEntry, Own
 from mig_operator.core.placement.cluster import MODE_FRACTION, MODE_MIG
 from mig_operator.gpu import files as files_module
 from mig_operator.kube.agent import record as record_module
-from mig_operator.kube.agent.record import RecordError, RecordStore, boot_id
+from mig_operator.kube.agent.record import RecordError, RecordStore
 
 MIG_ENTRY = OwnerEntry("uid-a", "ns/a", MODE_MIG, 1, COMPLETED, 16384 * 2**20, 19, "1g.18gb", 3, 1, 7, 0, "MIG-7",
                        reused=True)
@@ -333,13 +333,6 @@ def test_put_clears_the_idle_time_of_the_device_it_takes(path) -> None:
     store.put(MIG_ENTRY)
     assert store.record.idle_since == {"MIG-8": "t1"}
     assert RecordStore(path).record.idle_since == {"MIG-8": "t1"}
-
-
-def test_boot_id_reads_the_file_and_falls_back_when_missing(tmp_path) -> None:
-    f = tmp_path / "boot_id"
-    f.write_text("abc-123\n")
-    assert boot_id(str(f)) == "abc-123"
-    assert boot_id(str(tmp_path / "missing")) == "unknown"
 
 
 # --- versions: a record of the previous commit, and of a newer agent ------------------------------------

@@ -457,3 +457,40 @@ def test_a_long_backend_spec_is_quoted_short() -> None:
         with pytest.raises(ValueError) as bad:
             open_backend(spec)
         assert len(str(bad.value)) < 400 and "sim:h200-141gbx2" in str(bad.value)
+
+
+def test_a_simulated_reboot_loses_every_instance_keeps_mig_mode_and_changes_the_boot_id(tmp_path: Path) -> None:
+    from mig_operator.gpu.files import host_boot_id
+
+    state = str(tmp_path / "state.json")
+    sim = SimulatedBackend("h100-80gb", count=2, state_file=state)
+    assert sim.boot_id() == host_boot_id()  # never rebooted: the host's boot
+    sim.create_instance(0, 19, 0)
+    sim.create_instance(1, 9, 4)
+    sim.reboot()
+    again = SimulatedBackend("h100-80gb", count=2, state_file=state)  # another process reads the file
+    assert [again.instances(i) for i in (0, 1)] == [[], []]
+    assert all(g.mig_enabled for g in again.gpus())
+    first = again.boot_id()
+    assert first != host_boot_id() and first == sim.boot_id()
+    again.reboot()
+    assert sim.boot_id() not in (first, host_boot_id())
+
+
+def test_the_host_boot_id_is_read_from_the_kernel_file_and_unknown_without_it(tmp_path: Path) -> None:
+    from mig_operator.gpu.files import host_boot_id
+
+    f = tmp_path / "boot_id"
+    f.write_text("abc-123\n")
+    assert host_boot_id(str(f)) == "abc-123"
+    assert host_boot_id(str(tmp_path / "missing")) == "unknown"
+
+
+def test_a_state_file_with_a_boot_id_that_is_not_a_string_is_refused(tmp_path: Path) -> None:
+    state = tmp_path / "state.json"
+    SimulatedBackend("h100-80gb", state_file=str(state)).reboot()
+    data = json.loads(state.read_text())
+    data["bootId"] = 7
+    state.write_text(json.dumps(data))
+    with pytest.raises(GpuError, match="bootId"):
+        SimulatedBackend("h100-80gb", state_file=str(state))

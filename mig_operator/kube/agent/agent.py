@@ -49,7 +49,7 @@ from .mps_keeper import MpsKeeper
 from .node_watch import NodeWatch
 from .publish import Publisher
 from .realise import Realiser
-from .record import RecordStore, boot_id
+from .record import RecordStore
 from .release import Releaser
 
 log = logging.getLogger("mig_operator.agent")
@@ -129,7 +129,8 @@ class NodeAgent:
             if binding is not None and binding.node == self.settings.node:
                 bindings[body["metadata"]["uid"]] = binding
         found = {gpu.index: [instance_state(i) for i in await self.gpus.instances(gpu)] for gpu in self.gpus.all}
-        adoption = adopt(self.store.record, boot_id(), found, bindings)
+        boot = await self.gpus.call("boot_id", self.backend.boot_id)
+        adoption = adopt(self.store.record, boot, found, bindings)
         names = {b["metadata"]["uid"]: f"{b['metadata']['namespace']}/{b['metadata']['name']}" for b in slices}
         held = {c.slice_uid for c in self.store.prepared.values()}
         record, revoke = settle_adoption(adoption, self.store.record, names, held, bindings, found, status.now())

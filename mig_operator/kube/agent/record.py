@@ -32,7 +32,6 @@ from typing import Any, TypeVar
 from mig_operator.core.node.lifecycle import OwnerEntry, OwnerRecord
 from mig_operator.gpu.files import write_atomically
 
-BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
 VERSION = 2  # what this code writes
 
 
@@ -112,15 +111,6 @@ def _prepared(claim_uid: str, raw: object) -> PreparedClaim:
     if not isinstance(raw, dict) or not all(isinstance(raw.get(k), str) for k in ("namespace", "name", "sliceUID")):
         raise TypeError(f"prepared claim {claim_uid!r} is {raw!r}, not {{namespace, name, sliceUID}}")
     return PreparedClaim(str(claim_uid), raw["namespace"], raw["name"], raw["sliceUID"])
-
-
-def boot_id(path: str = BOOT_ID_PATH) -> str:
-    """This boot's id: MIG instances do not survive a reboot, so a record from another boot is stale."""
-    try:
-        with open(path) as fh:
-            return fh.read().strip()
-    except OSError:
-        return "unknown"
 
 
 class RecordStore:
