@@ -27,6 +27,7 @@ from mig_operator.core.pod_admission import PodRefused, check_pod
 from mig_operator.core.profiles import get_model
 from mig_operator.core.quantities import QuantityError
 from mig_operator.core.request import slice_request
+from mig_operator.kube.common.workqueue import WorkQueue
 from mig_operator.kube.controller.claims import SliceClaims
 from mig_operator.kube.controller.observe import slice_record as slice_info
 from mig_operator.kube.controller.pods import PodSlices, owned_by, ungate_ops
@@ -576,8 +577,9 @@ def _pod_slices(owner_uid: str, client: _Client | None = None) -> tuple[PodSlice
     state.put_inventory({"metadata": {"name": "n"}, "spec": {"nodeName": "n"},
                          "status": {"gpus": [{"index": 0, "uuid": "GPU-1", "memoryMiB": 81559}]}})
     client, events = client or _Client(), _Events()
-    claims = SliceClaims(client, events, state)  # type: ignore[arg-type]
-    return PodSlices(client, events, state, claims), client, events  # type: ignore[arg-type]
+    queue = WorkQueue()
+    claims = SliceClaims(client, events, state, queue)  # type: ignore[arg-type]
+    return PodSlices(client, events, state, claims, queue), client, events  # type: ignore[arg-type]
 
 
 def _pod(phase: str, gated: bool = False) -> dict:
@@ -707,7 +709,8 @@ def test_node_taints_come_from_the_node_watch_between_lists() -> None:
         state.put_inventory({"metadata": {"name": name}, "spec": {"nodeName": name},
                              "status": {"gpus": [{"index": 0, "uuid": f"GPU-{name}", "memoryMiB": 81559}]}})
     client, events = _NodesClient([_node("a"), _node("b")]), _Events()
-    pods = PodSlices(client, events, state, SliceClaims(client, events, state))  # type: ignore[arg-type]
+    queue = WorkQueue()
+    pods = PodSlices(client, events, state, SliceClaims(client, events, state, queue), queue)  # type: ignore[arg-type]
     pod = {"metadata": {"name": "p", "namespace": "ns"}, "spec": {"containers": [{"name": "c"}]}}
     assert asyncio.run(pods.nodes.eligible(pod, state.inventories)) is None  # every GPU node
     pods.nodes.changed("b", _node("b", [{"key": "gpu", "value": "x", "effect": "NoSchedule"}]))

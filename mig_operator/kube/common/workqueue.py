@@ -109,6 +109,10 @@ class WorkQueue:
         if work is not None:
             self.add(key, work)
 
+    def __len__(self) -> int:
+        """Keys that wait to run or run."""
+        return len(self._wanted.keys() | self._running.keys())
+
     def failures(self, key: Hashable) -> int:
         """How many times in a row the key's work failed (0 once it succeeds)."""
         return self._failures.get(key, 0)
