@@ -15,6 +15,11 @@ and its agent waits for it (``core.lifecycle.agent_step``); a controller that di
 writes adds it on its next pass (``mark``). A slice deleted before it was bound never reaches an
 agent: the controller takes the finalizer off it (``_let_go_unbound``).
 
+Every write runs as a key on the controller's work queue (``kube.common.workqueue``): a slice's bind
+``("bind", namespace, uid)``, its finalizer ``("mark", ...)``, the line's pass ``"replan"``. A write
+that fails, refused as a conflict included, raises, and its key comes back after its back-off; the
+pass serves the rest of the line first.
+
 Quotas and the fair order (``core.quota``): a binding that would take its namespace past its
 GpuQuota is not made (the slice stays Pending, reason QuotaExceeded). While slices wait, a new slice
 joins the line instead of being bound at once, and each pass serves the line in fair order: the
