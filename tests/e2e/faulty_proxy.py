@@ -25,9 +25,8 @@ import yaml
 from aiohttp import web
 
 WRITES = frozenset({"POST", "PUT", "PATCH", "DELETE"})
-# Hop-by-hop and length headers aiohttp sets itself on either side.
-_SKIP = frozenset({"host", "content-length", "transfer-encoding", "connection", "keep-alive", "accept-encoding",
-                   "content-encoding"})
+# Hop-by-hop and length headers aiohttp sets itself on either side (a body's encoding passes through as is).
+_SKIP = frozenset({"host", "content-length", "transfer-encoding", "connection", "keep-alive"})
 
 
 def status_body(code: int, method: str, path: str) -> dict[str, Any]:
@@ -103,7 +102,7 @@ class FaultyProxy:
                                               auto_decompress=False)
         app = web.Application(client_max_size=64 * 2**20)
         app.router.add_route("*", "/{tail:.*}", self._handle)
-        self._runner = web.AppRunner(app, access_log=None)
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
         await self._runner.setup()
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
@@ -145,6 +144,7 @@ class FaultyProxy:
             return response
 
     def close(self) -> None:
+        """Stop serving (stop its clients first: a watch still open is cut after a second)."""
         async def stop() -> None:
             if self._runner is not None:
                 await self._runner.cleanup()

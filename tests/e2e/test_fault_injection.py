@@ -29,6 +29,7 @@ from test_metrics import free_port
 SLICES = int(os.environ.get("MIG_OPERATOR_FAULT_SLICES", "200"))
 WINDOW_S = float(os.environ.get("MIG_OPERATOR_FAULT_WINDOW_S", "60"))
 PER_GPU = 7  # 1g.10gb instances an H100-80GB holds
+GPUS_PER_NODE = 16  # the most a GpuNode lists
 
 
 def _retries(port: int) -> dict[str, float]:
@@ -44,17 +45,21 @@ def _claims(operator: OperatorHarness, namespace: str) -> list[dict[str, Any]]:
 
 def test_a_burst_through_failing_writes_ends_with_every_slice_ready_once(operator: OperatorHarness,
                                                                          tmp_path: Path) -> None:
-    node = operator.add_node("h100-80gb", count=math.ceil(SLICES / PER_GPU))
-    operator.agent(node)
-    operator.wait_gpunode(node, timeout=60)
+    nodes = [operator.add_node("h100-80gb", count=GPUS_PER_NODE)
+             for _ in range(math.ceil(SLICES / (PER_GPU * GPUS_PER_NODE)))]
+    for node in nodes:
+        operator.agent(node)
+    for node in nodes:
+        operator.wait_gpunode(node, timeout=60)
     admin = yaml.safe_load(operator.cluster.kubeconfig.read_text())["clusters"][0]["cluster"]
     own = yaml.safe_load(operator.kubeconfigs.get("controller", operator.cluster.kubeconfig).read_text())
     proxy = FaultyProxy(admin["server"], admin["certificate-authority"], rate=0.3)
+    controller = None
     try:
         operator.kubeconfigs["controller"] = proxy.kubeconfig(tmp_path / "proxy.kubeconfig",
                                                               own["users"][0]["user"]["token"])
         port = free_port()
-        operator.controller(None, "--metrics-address", f"127.0.0.1:{port}")
+        controller = operator.controller(None, "--metrics-address", f"127.0.0.1:{port}")
         ns = operator.namespace()
         names = [f"s{i:03d}" for i in range(SLICES)]
         before, during, after = names[:SLICES // 4], names[SLICES // 4:3 * SLICES // 4], names[3 * SLICES // 4:]
@@ -118,4 +123,6 @@ def test_a_burst_through_failing_writes_ends_with_every_slice_ready_once(operato
         retries = _retries(port)
         assert sum(retries.values()) > 0, (retries, injected)
     finally:
+        if controller is not None:
+            operator.stop(controller)
         proxy.close()
