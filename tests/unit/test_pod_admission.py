@@ -9,6 +9,8 @@ import dataclasses
 import datetime
 import ipaddress
 import re
+from collections.abc import Coroutine
+from typing import Any
 
 import jsonpatch
 import pytest
@@ -582,6 +584,16 @@ def _pod_slices(owner_uid: str, client: _Client | None = None) -> tuple[PodSlice
     return PodSlices(client, events, state, claims, queue), client, events  # type: ignore[arg-type]
 
 
+def _settle(pods: PodSlices, call: Coroutine[Any, Any, None]) -> None:
+    """Run an event's handling, then the work it queued, to the end."""
+    async def main() -> None:
+        await call
+        while len(pods.queue):
+            await asyncio.sleep(0.005)
+
+    asyncio.run(main())
+
+
 def _pod(phase: str, gated: bool = False) -> dict:
     spec = {"containers": [{"name": "c"}], **({"schedulingGates": [{"name": GATE}]} if gated else {})}
     return {"metadata": {"name": "p", "namespace": "ns", "uid": "pod-uid", "labels": {"cdmo.io/gpu-slice": "p-gs-1"}},
@@ -591,24 +603,24 @@ def _pod(phase: str, gated: bool = False) -> dict:
 @pytest.mark.parametrize("phase", ["Succeeded", "Failed"])
 def test_a_finished_pod_has_its_slice_deleted(phase: str) -> None:
     pods, client, _ = _pod_slices("pod-uid")
-    asyncio.run(pods.pod_event(_pod(phase), deleted=False))
+    _settle(pods, pods.pod_event(_pod(phase), deleted=False))
     assert client.calls == [("DELETE", "/apis/cdmo.io/v1alpha1/namespaces/ns/gpuslices/p-gs-1")]
 
 
 @pytest.mark.parametrize("phase", ["Running", "Pending"])
 def test_a_running_pod_keeps_its_slice(phase: str) -> None:
     pods, client, _ = _pod_slices("pod-uid")
-    asyncio.run(pods.pod_event(_pod(phase), deleted=False))
+    _settle(pods, pods.pod_event(_pod(phase), deleted=False))
     assert client.calls == []
 
 
 def test_another_pods_slice_is_neither_released_nor_handed_over() -> None:
     pods, client, events = _pod_slices("someone-else")
-    asyncio.run(pods.pod_event(_pod("Succeeded"), deleted=False))
-    asyncio.run(pods.pod_event(_pod("Pending", gated=True), deleted=False))
+    _settle(pods, pods.pod_event(_pod("Succeeded"), deleted=False))
+    _settle(pods, pods.pod_event(_pod("Pending", gated=True), deleted=False))
     assert client.calls == [] and events.posted == ["SliceNotOwned"]
     mine, client, _ = _pod_slices("pod-uid")
-    asyncio.run(mine.pod_event(_pod("Pending", gated=True), deleted=False))
+    _settle(mine, mine.pod_event(_pod("Pending", gated=True), deleted=False))
     assert [c[0] for c in client.calls] == ["POST", "MERGE", "MERGE", "PATCH"], \
         "its own Ready slice: claim, its allocation, status, ungate"
     assert client.calls[0][1] == "/apis/resource.k8s.io/v1/namespaces/ns/resourceclaims"
@@ -633,11 +645,11 @@ def test_a_pod_found_ready_twice_at_once_is_ungated_with_one_patch() -> None:
     assert info is not None
 
     async def both() -> None:
-        await asyncio.gather(pods.slice_changed(info), pods.slice_changed(info))
+        await asyncio.gather(pods._slice_changed(info), pods._slice_changed(info))
 
     asyncio.run(both())
     assert [c[0] for c in client.calls].count("PATCH") == 1
-    asyncio.run(pods.slice_changed(info))
+    _settle(pods, pods.slice_changed(info))
     assert [c[0] for c in client.calls].count("PATCH") == 1, "ungated: nothing more to do"
 
 
@@ -673,16 +685,16 @@ def test_an_event_older_than_the_ungates_answer_sends_no_second_patch() -> None:
     state = pods.state
     older = _pod("Pending", gated=True)
     older["metadata"]["resourceVersion"] = "10"
-    asyncio.run(pods.pod_event(older, deleted=False))
+    _settle(pods, pods.pod_event(older, deleted=False))
     assert [c[0] for c in client.calls].count("PATCH") == 1
-    asyncio.run(pods.pod_event(older, deleted=False))  # the same old copy, late
+    _settle(pods, pods.pod_event(older, deleted=False))  # the same old copy, late
     info = state.slice_named("ns", "p-gs-1")
     assert info is not None
-    asyncio.run(pods.slice_changed(info))
+    _settle(pods, pods.slice_changed(info))
     assert [c[0] for c in client.calls].count("PATCH") == 1
     newer = _pod("Running")
     newer["metadata"]["resourceVersion"] = "30"
-    asyncio.run(pods.pod_event(newer, deleted=False))
+    _settle(pods, pods.pod_event(newer, deleted=False))
     assert pods.pods[("ns", "p-gs-1")]["metadata"]["resourceVersion"] == "30"
 
 

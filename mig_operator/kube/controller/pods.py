@@ -179,9 +179,7 @@ class PodSlices:
         if not _gated(pod):
             return
         names = await self._create_slices(pod, name)
-        info = self.state.slice_named(meta["namespace"], names[0] if names else name)
-        if info is not None:
-            await self.slice_changed(info)
+        self.look(meta["namespace"], names[0] if names else name)
 
     async def slice_deleted(self, body: Mapping[str, Any]) -> None:
         """A slice is gone: if its pod still waits, gated, make it again (a group's part the binder gave
@@ -303,8 +301,22 @@ class PodSlices:
         return names
 
     async def slice_changed(self, info: SliceRecord) -> None:
-        """A slice changed: if a gated pod waits for it, move the pod on (or tell it why not). A pod
-        with several devices moves on once every one of its slices is Ready, all on one node."""
+        """A slice changed: its pod is looked at on the work queue (``look``)."""
+        self.look(info.namespace, info.name)
+
+    def look(self, namespace: str, name: str) -> None:
+        """Look at slice ``namespace/name``'s pod on the work queue, key ``("pod-slice", namespace, name)``:
+        a write that fails (the ungate, a new slice) comes back after its back-off."""
+        self.queue.add(("pod-slice", namespace, name), lambda: self._look(namespace, name))
+
+    async def _look(self, namespace: str, name: str) -> None:
+        info = self.state.slice_named(namespace, name)
+        if info is not None:
+            await self._slice_changed(info)
+
+    async def _slice_changed(self, info: SliceRecord) -> None:
+        """If a gated pod waits for the slice, move the pod on (or tell it why not). A pod with several
+        devices moves on once every one of its slices is Ready, all on one node."""
         pod = self.pods.get((info.namespace, group_of(info)))
         if pod is None or info.deleting:
             return
@@ -426,10 +438,8 @@ class PodSlices:
 
     async def inventory_changed(self, node: str) -> None:
         """A GpuNode changed: look again at the pods whose slice's device it did not list."""
-        for key in self._device_waits.take(node):
-            info = self.state.slice_named(*key)
-            if info is not None:
-                await self.slice_changed(info)
+        for namespace, name in self._device_waits.take(node):
+            self.look(namespace, name)
 
     async def _release_gate(self, pod: dict[str, Any], info: SliceRecord) -> None:
         key = (info.namespace, group_of(info))
