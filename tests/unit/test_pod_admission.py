@@ -9,6 +9,8 @@ import dataclasses
 import datetime
 import ipaddress
 import re
+from collections.abc import Coroutine
+from typing import Any
 
 import jsonpatch
 import pytest
@@ -27,6 +29,7 @@ from mig_operator.core.placement.profiles import get_model
 from mig_operator.core.requests.pod_admission import PodRefused, check_pod
 from mig_operator.core.requests.quantities import QuantityError
 from mig_operator.core.requests.request import slice_request
+from mig_operator.kube.common.workqueue import WorkQueue
 from mig_operator.kube.controller.claims import SliceClaims
 from mig_operator.kube.controller.observe import slice_record as slice_info
 from mig_operator.kube.controller.pods import PodSlices, owned_by, ungate_ops
@@ -576,8 +579,19 @@ def _pod_slices(owner_uid: str, client: _Client | None = None) -> tuple[PodSlice
     state.put_inventory({"metadata": {"name": "n"}, "spec": {"nodeName": "n"},
                          "status": {"gpus": [{"index": 0, "uuid": "GPU-1", "memoryMiB": 81559}]}})
     client, events = client or _Client(), _Events()
-    claims = SliceClaims(client, events, state)  # type: ignore[arg-type]
-    return PodSlices(client, events, state, claims), client, events  # type: ignore[arg-type]
+    queue = WorkQueue()
+    claims = SliceClaims(client, events, state, queue)  # type: ignore[arg-type]
+    return PodSlices(client, events, state, claims, queue), client, events  # type: ignore[arg-type]
+
+
+def _settle(pods: PodSlices, call: Coroutine[Any, Any, None]) -> None:
+    """Run an event's handling, then the work it queued, to the end."""
+    async def main() -> None:
+        await call
+        while len(pods.queue):
+            await asyncio.sleep(0.005)
+
+    asyncio.run(main())
 
 
 def _pod(phase: str, gated: bool = False) -> dict:
@@ -589,24 +603,24 @@ def _pod(phase: str, gated: bool = False) -> dict:
 @pytest.mark.parametrize("phase", ["Succeeded", "Failed"])
 def test_a_finished_pod_has_its_slice_deleted(phase: str) -> None:
     pods, client, _ = _pod_slices("pod-uid")
-    asyncio.run(pods.pod_event(_pod(phase), deleted=False))
+    _settle(pods, pods.pod_event(_pod(phase), deleted=False))
     assert client.calls == [("DELETE", "/apis/cdmo.io/v1alpha1/namespaces/ns/gpuslices/p-gs-1")]
 
 
 @pytest.mark.parametrize("phase", ["Running", "Pending"])
 def test_a_running_pod_keeps_its_slice(phase: str) -> None:
     pods, client, _ = _pod_slices("pod-uid")
-    asyncio.run(pods.pod_event(_pod(phase), deleted=False))
+    _settle(pods, pods.pod_event(_pod(phase), deleted=False))
     assert client.calls == []
 
 
 def test_another_pods_slice_is_neither_released_nor_handed_over() -> None:
     pods, client, events = _pod_slices("someone-else")
-    asyncio.run(pods.pod_event(_pod("Succeeded"), deleted=False))
-    asyncio.run(pods.pod_event(_pod("Pending", gated=True), deleted=False))
+    _settle(pods, pods.pod_event(_pod("Succeeded"), deleted=False))
+    _settle(pods, pods.pod_event(_pod("Pending", gated=True), deleted=False))
     assert client.calls == [] and events.posted == ["SliceNotOwned"]
     mine, client, _ = _pod_slices("pod-uid")
-    asyncio.run(mine.pod_event(_pod("Pending", gated=True), deleted=False))
+    _settle(mine, mine.pod_event(_pod("Pending", gated=True), deleted=False))
     assert [c[0] for c in client.calls] == ["POST", "MERGE", "MERGE", "PATCH"], \
         "its own Ready slice: claim, its allocation, status, ungate"
     assert client.calls[0][1] == "/apis/resource.k8s.io/v1/namespaces/ns/resourceclaims"
@@ -631,11 +645,11 @@ def test_a_pod_found_ready_twice_at_once_is_ungated_with_one_patch() -> None:
     assert info is not None
 
     async def both() -> None:
-        await asyncio.gather(pods.slice_changed(info), pods.slice_changed(info))
+        await asyncio.gather(pods._slice_changed(info), pods._slice_changed(info))
 
     asyncio.run(both())
     assert [c[0] for c in client.calls].count("PATCH") == 1
-    asyncio.run(pods.slice_changed(info))
+    _settle(pods, pods.slice_changed(info))
     assert [c[0] for c in client.calls].count("PATCH") == 1, "ungated: nothing more to do"
 
 
@@ -671,16 +685,16 @@ def test_an_event_older_than_the_ungates_answer_sends_no_second_patch() -> None:
     state = pods.state
     older = _pod("Pending", gated=True)
     older["metadata"]["resourceVersion"] = "10"
-    asyncio.run(pods.pod_event(older, deleted=False))
+    _settle(pods, pods.pod_event(older, deleted=False))
     assert [c[0] for c in client.calls].count("PATCH") == 1
-    asyncio.run(pods.pod_event(older, deleted=False))  # the same old copy, late
+    _settle(pods, pods.pod_event(older, deleted=False))  # the same old copy, late
     info = state.slice_named("ns", "p-gs-1")
     assert info is not None
-    asyncio.run(pods.slice_changed(info))
+    _settle(pods, pods.slice_changed(info))
     assert [c[0] for c in client.calls].count("PATCH") == 1
     newer = _pod("Running")
     newer["metadata"]["resourceVersion"] = "30"
-    asyncio.run(pods.pod_event(newer, deleted=False))
+    _settle(pods, pods.pod_event(newer, deleted=False))
     assert pods.pods[("ns", "p-gs-1")]["metadata"]["resourceVersion"] == "30"
 
 
@@ -707,7 +721,8 @@ def test_node_taints_come_from_the_node_watch_between_lists() -> None:
         state.put_inventory({"metadata": {"name": name}, "spec": {"nodeName": name},
                              "status": {"gpus": [{"index": 0, "uuid": f"GPU-{name}", "memoryMiB": 81559}]}})
     client, events = _NodesClient([_node("a"), _node("b")]), _Events()
-    pods = PodSlices(client, events, state, SliceClaims(client, events, state))  # type: ignore[arg-type]
+    queue = WorkQueue()
+    pods = PodSlices(client, events, state, SliceClaims(client, events, state, queue), queue)  # type: ignore[arg-type]
     pod = {"metadata": {"name": "p", "namespace": "ns"}, "spec": {"containers": [{"name": "c"}]}}
     assert asyncio.run(pods.nodes.eligible(pod, state.inventories)) is None  # every GPU node
     pods.nodes.changed("b", _node("b", [{"key": "gpu", "value": "x", "effect": "NoSchedule"}]))

@@ -13,6 +13,7 @@ from books import BodyLedger
 
 from mig_operator.kube.common.client import ApiError
 from mig_operator.kube.common.names import POD_SLICE_LABEL, SCHEDULING_GATE
+from mig_operator.kube.common.workqueue import WorkQueue
 from mig_operator.kube.controller import claims as claims_module
 from mig_operator.kube.controller.claims import SliceClaims, claim_body, slice_owner
 from mig_operator.kube.controller.pods import PodSlices
@@ -83,6 +84,9 @@ class _Client:
     async def delete(self, path: str) -> dict:
         self.calls.append(("DELETE", path))
         self.deleted = True
+        if self.existing is not None:  # kept by its finalizer a while: going
+            meta = {**self.existing.get("metadata", {}), "deletionTimestamp": "2026-01-01T00:00:00Z"}
+            self.existing = {**self.existing, "metadata": meta}
         return {}
 
     async def merge_patch(self, path: str, body: dict) -> dict:
@@ -140,7 +144,7 @@ def _claims(client: _Client, phase: str = "Ready", inventory: bool = True,
         state.put_inventory({"metadata": {"name": "n"}, "spec": {"nodeName": "n"},
                              "status": {"gpus": [{"index": 0, "uuid": "GPU-1", "memoryMiB": 81559}]}})
     events = _Events()
-    return SliceClaims(client, events, state), state, events  # type: ignore[arg-type]
+    return SliceClaims(client, events, state, WorkQueue()), state, events  # type: ignore[arg-type]
 
 
 def test_a_ready_slice_gets_its_claim_once_and_its_status_names_it() -> None:
@@ -193,7 +197,13 @@ def test_a_device_its_gpunode_does_not_list_yet_gets_its_claim_when_the_gpunode_
     assert client.calls == [] and claims.waiting == {"n": {("ns", "train")}}
     state.put_inventory({"metadata": {"name": "n"}, "spec": {"nodeName": "n"},
                          "status": {"gpus": [{"index": 0, "uuid": "GPU-1", "memoryMiB": 81559}]}})
-    asyncio.run(claims.inventory_changed("n"))
+
+    async def changed() -> None:
+        await claims.inventory_changed("n")
+        while len(claims.queue):
+            await asyncio.sleep(0.01)
+
+    asyncio.run(changed())
     assert client.calls == [("POST", CLAIMS), ("MERGE", CLAIM_STATUS), ("MERGE", SLICE_STATUS)]
 
 
@@ -223,15 +233,22 @@ def test_this_slices_own_claim_is_taken_as_written() -> None:
 
 
 def test_an_earlier_slices_claim_is_deleted_and_this_ones_written_once_it_is_gone(monkeypatch) -> None:
-    async def no_wait(_: float) -> None:
-        return None
-
-    monkeypatch.setattr(claims_module.asyncio, "sleep", no_wait)
+    monkeypatch.setattr(claims_module, "STALE_CLAIM_RECHECK_S", (0.01, 0.01))
     client = _Client(existing=claim_body("ns", "train", "an-earlier-uid"), gone_after=2)
     claims, state, _ = _claims(client)
-    assert asyncio.run(claims.ensure(state.slice_named("ns", "train"))) is True
-    assert [c[0] for c in client.calls] == ["POST", "GET", "DELETE", "GET", "GET", "GET", "POST", "MERGE", "MERGE"]
-    assert slice_owner(client.existing) == UID
+
+    async def main() -> bool:
+        written = await claims.ensure(state.slice_named("ns", "train"))
+        assert claims.queue.pending(("claim", "ns", "train"))  # looked at again later, not waited for
+        while len(claims.queue):
+            await asyncio.sleep(0.01)
+        return written
+
+    assert asyncio.run(main()) is False
+    # Deleted once, then looked at until it is gone (two looks find it going), then written and allocated.
+    assert [c[0] for c in client.calls] == ["POST", "GET", "DELETE", "POST", "GET", "POST", "GET", "POST", "GET",
+                                            "POST", "MERGE", "MERGE"]
+    assert slice_owner(client.existing) == UID and claims.allocated[("ns", "train")] == UID
 
 
 def _pods_slice(state: BodyLedger, phase: str) -> None:
@@ -292,7 +309,7 @@ def test_a_slice_whose_owner_reference_alone_names_a_pod_is_reserved_for_no_pod(
 
 def test_a_pod_is_the_consumer_only_of_its_own_gated_slice_whose_claim_it_names() -> None:
     state = BodyLedger()
-    pods = PodSlices(None, None, state, None)  # type: ignore[arg-type]
+    pods = PodSlices(None, None, state, None, WorkQueue())  # type: ignore[arg-type]
     _pods_slice(state, "Bound")
     info = state.slice_named("ns", "train")
     made = {"metadata": {"name": "p", "uid": "pod-uid", "namespace": "ns", "labels": {POD_SLICE_LABEL: "train"}},

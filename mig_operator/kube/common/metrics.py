@@ -52,6 +52,10 @@ QUOTA_HARD_BYTES = Gauge("mig_operator_quota_hard_bytes", "A namespace's GpuQuot
 QUOTA_USED_SLICES = Gauge("mig_operator_quota_used_slices", "Slices a namespace holds", ["namespace"])
 QUOTA_WAITING_SLICES = Gauge("mig_operator_quota_waiting_slices", "A namespace's slices Pending for its quota",
                              ["namespace"])
+WORKQUEUE_RETRIES = Counter(
+    "mig_operator_workqueue_retries_total", "Work queue keys tried again after their work failed, by kind", ["kind"]
+)
+WORKQUEUE_DEPTH = Gauge("mig_operator_workqueue_depth", "Work queue keys due and waiting for a worker")
 RECONCILE_ERRORS = Counter(
     "mig_operator_reconcile_errors_total", "Handler runs that ended in an error, by part and kind", ["part", "kind"]
 )

@@ -1,8 +1,25 @@
-"""The controller's one work queue: coalescing, de-duplicating, by key.
+"""The controller's one work queue: coalescing, rate-limited, serving namespaces in turn.
 
-``add(key, work, after_s)`` asks for ``work`` to run once ``after_s`` has passed: a key already due
-keeps its earlier time (a burst of requests coalesces into one run), and a key added while its work
-runs is run once more afterwards. Different keys run concurrently; one key never runs twice at once.
+``add(key, work, after_s)`` asks for ``work`` to run once ``after_s`` has passed. A key already
+waiting keeps its earlier time and takes the latest work (a burst of requests coalesces into one
+run); a key added while its work runs runs once more afterwards, at the time asked. One key never
+runs twice at once.
+
+What work says when it ends (as controller-runtime's reconcile result does):
+
+* it returns (anything but ``Requeue``): done; the key's failure count is forgotten;
+* it returns ``Requeue(after_s)``: "not yet", run it again after ``after_s`` (failures forgotten);
+* it raises: it runs again after a per-key exponential back-off, ``base_delay_s`` doubling with each
+  failure in a row up to ``max_delay_s`` (5 ms to 60 s by default), and
+  ``mig_operator_workqueue_retries_total`` counts the retry by the key's kind. Work never fails
+  silently: a key is dropped only when its work ends without raising.
+
+Keys are strings (cluster-wide work, the string is its kind) or tuples ``(kind, namespace, ...)``.
+Due keys wait for one of ``workers`` workers; each free worker takes the next due key of the next
+namespace in turn (round robin; cluster-wide keys count as one namespace, ""), so one namespace's
+thousands of keys delay another namespace's key by at most one key each, never by all of them.
+``mig_operator_workqueue_depth`` is the number of due keys waiting for a worker.
+
 ``NodeWaits`` keeps what waits for a node's GpuNode to change (a device not yet listed there).
 ``KeyedLocks`` lets one holder at a time work on a key (a slice's claim, a slice's release).
 """
@@ -11,57 +28,171 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Hashable
+from dataclasses import dataclass
+
+from . import metrics
 
 log = logging.getLogger("mig_operator.workqueue")
 
-Work = Callable[[], Awaitable[None] | None]
+Work = Callable[[], Awaitable[object] | object]
+DEFAULT_WORKERS = 16
+BASE_DELAY_S = 0.005
+MAX_DELAY_S = 60.0
+
+
+@dataclass(frozen=True)
+class Requeue:
+    """What work returns to be run again after ``after_s`` seconds (it is not done yet)."""
+
+    after_s: float
+
+
+def key_kind(key: Hashable) -> str:
+    """A key's kind: the string itself, or a tuple's first element."""
+    return str(key[0]) if isinstance(key, tuple) and key else str(key)
+
+
+def key_namespace(key: Hashable) -> str:
+    """A key's namespace: a tuple's second element when it is a string, else "" (cluster-wide)."""
+    if isinstance(key, tuple) and len(key) > 1 and isinstance(key[1], str):
+        return key[1]
+    return ""
+
+
+def backoff_s(failures: int, base_s: float = BASE_DELAY_S, max_s: float = MAX_DELAY_S) -> float:
+    """The wait before a key's next try after ``failures`` failures in a row (1 for the first)."""
+    return min(max_s, base_s * 2 ** min(max(0, failures - 1), 64))
 
 
 class WorkQueue:
-    def __init__(self) -> None:
-        self._due: dict[Hashable, tuple[float, Work]] = {}  # key -> (loop time due, its work)
+    def __init__(self, workers: int = DEFAULT_WORKERS, base_delay_s: float = BASE_DELAY_S,
+                 max_delay_s: float = MAX_DELAY_S) -> None:
+        if workers < 1:
+            raise ValueError(f"workers must be at least 1, got {workers} (e.g. 16)")
+        self.workers = workers
+        self.base_delay_s = base_delay_s
+        self.max_delay_s = max_delay_s
+        self._wanted: dict[Hashable, tuple[float, Work]] = {}  # key -> (loop time due, its work), not started
         self._timers: dict[Hashable, asyncio.TimerHandle] = {}
-        self._running: set[Hashable] = set()
+        self._ready: dict[str, deque[Hashable]] = {}  # namespace -> its due keys, oldest first
+        self._turns: deque[str] = deque()  # namespaces with due keys, in the order they are served
+        self._due: set[Hashable] = set()  # keys in ``_ready``
+        self._running: dict[Hashable, Work] = {}
+        self._failures: dict[Hashable, int] = {}
+        self._tasks: set[asyncio.Task] = set()
+
+    # ---- asking ------------------------------------------------------------------------------
 
     def add(self, key: Hashable, work: Work, after_s: float = 0.0) -> None:
         loop = asyncio.get_running_loop()
         due = loop.time() + max(0.0, after_s)
-        known = self._due.get(key)
+        known = self._wanted.get(key)
         if known is not None and known[0] <= due:
-            self._due[key] = (known[0], work)
+            self._wanted[key] = (known[0], work)
             return
-        self._due[key] = (due, work)
-        if key not in self._running:
+        self._wanted[key] = (due, work)
+        if key not in self._running and key not in self._due:
             self._arm(key)
 
     def pending(self, key: Hashable) -> bool:
-        return key in self._due or key in self._running
+        """Whether the key waits to run or runs."""
+        return key in self._wanted or key in self._running
+
+    def wake(self, key: Hashable) -> None:
+        """Run a key that waits (or runs: once more) now rather than at its time; nothing if neither."""
+        entry = self._wanted.get(key)
+        work = entry[1] if entry is not None else self._running.get(key)
+        if work is not None:
+            self.add(key, work)
+
+    def __len__(self) -> int:
+        """Keys that wait to run or run."""
+        return len(self._wanted.keys() | self._running.keys())
+
+    def failures(self, key: Hashable) -> int:
+        """How many times in a row the key's work failed (0 once it succeeds)."""
+        return self._failures.get(key, 0)
+
+    # ---- running -----------------------------------------------------------------------------
 
     def _arm(self, key: Hashable) -> None:
         old = self._timers.pop(key, None)
         if old is not None:
             old.cancel()
         loop = asyncio.get_running_loop()
-        self._timers[key] = loop.call_at(self._due[key][0], lambda: loop.create_task(self._run(key)))
+        due = self._wanted[key][0]
+        if due <= loop.time():
+            self._make_due(key)
+        else:
+            self._timers[key] = loop.call_at(due, self._make_due, key)
 
-    async def _run(self, key: Hashable) -> None:
+    def _make_due(self, key: Hashable) -> None:
         self._timers.pop(key, None)
-        entry = self._due.pop(key, None)
-        if entry is None:
+        if key not in self._wanted or key in self._running or key in self._due:
             return
-        self._running.add(key)
+        namespace = key_namespace(key)
+        if namespace not in self._ready:
+            self._ready[namespace] = deque()
+            self._turns.append(namespace)
+        self._ready[namespace].append(key)
+        self._due.add(key)
+        self._pump()
+
+    def _pump(self) -> None:
+        """Start due keys while a worker is free: the next namespace's oldest due key each time."""
+        while len(self._running) < self.workers and self._turns:
+            namespace = self._turns.popleft()
+            keys = self._ready[namespace]
+            key = keys.popleft()
+            if keys:
+                self._turns.append(namespace)
+            else:
+                del self._ready[namespace]
+            self._due.discard(key)
+            _, work = self._wanted.pop(key)
+            self._running[key] = work
+            task = asyncio.get_running_loop().create_task(self._run(key, work))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        metrics.WORKQUEUE_DEPTH.set(len(self._due))
+
+    async def _run(self, key: Hashable, work: Work) -> None:
         try:
-            result = entry[1]()
-            if result is not None:
-                await result
-        except Exception:  # one key's failure never stops the others
-            log.exception("work %r failed", key)
-        finally:
-            self._running.discard(key)
-            if key in self._due:
-                self._arm(key)
+            result = work()
+            if inspect.isawaitable(result):
+                result = await result
+        except (asyncio.CancelledError, GeneratorExit):  # the loop stops: nothing more starts
+            self._running.pop(key, None)
+            raise
+        except Exception as exc:  # one key's failure never stops the others: it is tried again later
+            failures = self._failures.get(key, 0) + 1
+            self._failures[key] = failures
+            delay = backoff_s(failures, self.base_delay_s, self.max_delay_s)
+            metrics.WORKQUEUE_RETRIES.labels(key_kind(key)).inc()
+            log.warning("work %r failed (%d in a row), tried again in %.3g s: %s", key, failures, delay, exc,
+                        exc_info=failures == 1)
+            self._again(key, work, delay)
+        else:
+            self._failures.pop(key, None)
+            if isinstance(result, Requeue):
+                self._again(key, work, result.after_s)
+        del self._running[key]
+        if key in self._wanted:
+            self._arm(key)
+        self._pump()
+
+    def _again(self, key: Hashable, work: Work, after_s: float) -> None:
+        """Run the key again after ``after_s``; work added while it ran is newer and wins, at the
+        earlier of the two times."""
+        known = self._wanted.get(key)
+        if known is None:
+            self.add(key, work, after_s)
+        else:
+            self.add(key, known[1], after_s)
 
 
 class NodeWaits(dict[str, set[tuple[str, str]]]):

@@ -15,6 +15,11 @@ and its agent waits for it (``core.node.lifecycle.agent_step``); a controller th
 writes adds it on its next pass (``mark``). A slice deleted before it was bound never reaches an
 agent: the controller takes the finalizer off it (``_let_go_unbound``).
 
+Every write runs as a key on the controller's work queue (``kube.common.workqueue``): a slice's bind
+``("bind", namespace, uid)``, its finalizer ``("mark", ...)``, the line's pass ``"replan"``. A write
+that fails, refused as a conflict included, raises, and its key comes back after its back-off; the
+pass serves the rest of the line first.
+
 Quotas and the fair order (``core.books.quota``): a binding that would take its namespace past its
 GpuQuota is not made (the slice stays Pending, reason QuotaExceeded). While slices wait, a new slice
 joins the line instead of being bound at once, and each pass serves the line in fair order: the
@@ -121,8 +126,8 @@ class Binder:
         for namespace in {s.namespace for s in self.ledger.slices.values()} | set(self.ledger.quotas):
             self._namespace_changed(namespace)
         for info in list(self.ledger.slices.values()):
-            if info.binding is not None and not info.marked and not info.deleting and not self.ledger.writing(info.uid):
-                await self._guard(self.mark(info))
+            if info.binding is not None and not info.marked and not info.deleting:
+                self._queue_mark(info)
         for extra in self.on_resync:
             await self._guard(extra())
         self.request_replan()
@@ -148,21 +153,21 @@ class Binder:
         self._listing_seen = now
         if first:
             self.synced = False
-            self.queue.add("resync", lambda: self._guard(self.resync()))
+            self.queue.add("resync", self.resync)
 
     def maybe_resync(self) -> None:
         """Resync when the last one is older than ``resync_s``; driven by events, so a paused
         (standby) replica, which gets none, does nothing."""
         if time.monotonic() - self._last_resync > self.resync_s:
             self._last_resync = time.monotonic()
-            self.queue.add("resync", lambda: self._guard(self.resync()))
+            self.queue.add("resync", self.resync)  # a failed list comes back after its back-off
 
     async def _guard(self, work: object) -> None:
         try:
             await work  # type: ignore[misc]
         except ApiError as exc:
             metrics.RECONCILE_ERRORS.labels("controller", "api").inc()
-            log.warning("controller pass failed, the next event retries: %s", exc)
+            log.warning("controller pass failed, the next resync retries: %s", exc)
 
     # ---- observing -----------------------------------------------------------------------------
 
@@ -190,7 +195,7 @@ class Binder:
             # A bound slice keeps its room and its quota charge until it is gone: its agent releases
             # it, at once or once its claim is no longer in use.
             if info.binding is None and AGENT_FINALIZER in (info.body["metadata"].get("finalizers") or ()):
-                await self._let_go_unbound(info)
+                self.queue.add(("let-go", info.namespace, info.uid), lambda: self._let_go_unbound(info))
             for callback in self.on_slice_going:
                 await callback(info)
             return
@@ -199,11 +204,11 @@ class Binder:
             self.events.post(info.body, "Warning", "InvalidSpec", info.invalid)
         elif info.binding is None and info.phase in (None, "Pending"):
             if not self.ledger.line.in_line(info.namespace):
-                await self.bind(info.uid)
+                self.queue.add(("bind", info.namespace, info.uid), lambda: self._bind_now(info.uid))
             elif info.phase is None:
                 self.request_replan()  # slices wait: a new one joins the line rather than jump it
-        elif info.binding is not None and not info.marked and not self.ledger.writing(info.uid):
-            await self.mark(info)
+        elif info.binding is not None and not info.marked:
+            self._queue_mark(info)
         for callback in self.on_slice_changed:
             await callback(self.ledger.slices.get(info.uid, info))
         self.maybe_resync()
@@ -250,6 +255,22 @@ class Binder:
 
     # ---- deciding and acting -------------------------------------------------------------------
 
+    async def _bind_now(self, uid: str) -> None:
+        """A slice's key on the queue: bind it unless its namespace has slices in line (the line's next
+        pass serves it then); a failed write raises, so the key comes back after its back-off. Once
+        bound, the other parts are told at once (its claim, its pod), not at its watch event."""
+        info = self.ledger.slices.get(uid)
+        if info is None or info.binding is not None or info.deleting or info.invalid or (
+                info.phase not in (None, "Pending")):
+            return
+        if self.ledger.line.in_line(info.namespace):
+            self.request_replan()
+            return
+        outcome = await self.bind(uid)
+        if outcome is not None and outcome.bound:
+            for callback in self.on_slice_changed:
+                await callback(self.ledger.slices.get(uid, info))
+
     async def bind(self, uid: str, refused: dict | None = None) -> BindOutcome | None:
         """Decide for slice ``uid`` (with its group) and write the bindings, or the refusal (Pending
         with a reason and an Event) and give back the group's bound part (its slices are deleted;
@@ -289,16 +310,14 @@ class Binder:
                 self.ledger.rollback(member.uid)
                 self._announce()
                 self._namespace_changed(namespace)
-                if alone and exc.conflict:
-                    return None  # the slice changed since it was read; its newer event plans it again
+                if alone:
+                    if exc.not_found:
+                        return None  # deleted meanwhile
+                    raise  # its key comes back after its back-off (a conflict: once its newer event is in)
                 if not (exc.conflict or exc.not_found):
                     metrics.RECONCILE_ERRORS.labels("controller", "api").inc()
                     log.warning("binding %s failed: %s", member.ref, exc)
-                    self.request_replan()  # a group's rest is completed (or given back) next pass
-                elif not alone:
-                    self.request_replan()
-                if alone:
-                    return None
+                self.request_replan()  # a group's rest is completed (or given back) next pass
                 continue
             self.ledger.commit(member.uid)
             metrics.BINDS.labels(binding.mode).inc()
@@ -345,7 +364,16 @@ class Binder:
         log.info("slice %s (%s) %s%s", info.ref, info.request.describe(), message,
                  f", reclaiming {len(reclaim)} idle instance(s)" if reclaim else "")
         if updated.binding is not None and not updated.marked:  # (not if its agent wrote Failed meanwhile)
-            await self.mark(updated)
+            self._queue_mark(updated)
+
+    def _queue_mark(self, info: SliceRecord) -> None:
+        self.queue.add(("mark", info.namespace, info.uid), lambda: self._mark_now(info.uid))
+
+    async def _mark_now(self, uid: str) -> None:
+        info = self.ledger.slices.get(uid)
+        if info is None or info.binding is None or info.marked or info.deleting or self.ledger.writing(uid):
+            return  # (a binding being written queues its mark once written)
+        await self.mark(info)
 
     async def mark(self, info: SliceRecord) -> None:
         """Add the agent's finalizer to a bound slice made by hand (a pod's slice has it from creation)."""
@@ -421,14 +449,15 @@ class Binder:
         line: FairQueue[str] = FairQueue(((s.namespace, s.order, s.uid) for s in pending), shares)
         refused: dict = {}
         now = time.time()
+        failed: ApiError | None = None
         while (step := line.next()) is not None:
             namespace, uid = step
             try:
                 outcome = await self.bind(uid, refused)
             except ApiError as exc:
                 metrics.RECONCILE_ERRORS.labels("controller", "api").inc()
-                log.warning("controller pass failed, the next event retries: %s", exc)
-                outcome = None
+                log.debug("slice %s: planning failed, the pass comes back after its back-off: %s", uid, exc)
+                failed, outcome = exc, None
             head = self.ledger.slices.get(uid)
             created = _created_s(head.created) if head is not None else None
             hold = (outcome is not None and not outcome.bound and head is not None and created is not None
@@ -439,7 +468,12 @@ class Binder:
                 self._replan_when_hold_ends(created + self.hold_s)
             for other in held:
                 assert head is not None and outcome is not None and created is not None
-                await self._guard(self._hold(other, head, outcome.code, created + self.hold_s))
+                try:
+                    await self._hold(other, head, outcome.code, created + self.hold_s)
+                except ApiError as exc:
+                    failed = exc
+        if failed is not None:
+            raise failed  # the rest of the line was served; the pass comes back after its back-off
 
     def _replan_when_hold_ends(self, until_s: float) -> None:
         """Nothing else may happen when a hold ends (no release, no new slice): plan again then."""

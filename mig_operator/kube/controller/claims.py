@@ -28,14 +28,19 @@ A claim of that name left from an earlier slice of the same name (a pod's next t
 again) is deleted and written anew; a claim of that name the operator did not write is never
 touched: the slice's status says so. A claim of the slice's that is allocated otherwise (another
 pool or device) is deleted, with a Warning Event, and written anew.
+
+Each slice's claim is a key on the controller's work queue, ``("claim", namespace, name)``: a slice's
+event, its GpuNode's change and a resync add it, a failed write brings it back after its back-off, and
+an earlier slice's claim still going (kept by its pods) has the key looked at again later
+(``STALE_CLAIM_RECHECK_S``), never waited for while the key's lock is held.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Callable, Mapping
+from datetime import datetime
 from typing import Any
 
 from mig_operator.core.books.device_check import ACCEPT, check_bound_device, check_ready_device
@@ -57,14 +62,15 @@ from ..common.client import ApiError, KubeClient, slice_path
 from ..common.events import EventPoster
 from ..common.names import API_VERSION, SLICE_KIND
 from ..common.status import seconds_now
-from ..common.workqueue import KeyedLocks, NodeWaits
+from ..common.workqueue import KeyedLocks, NodeWaits, WorkQueue
 
 log = logging.getLogger("mig_operator.controller.claims")
 CLAIM_TAKEN = "ClaimNameTaken"
 ALLOCATED_ELSEWHERE = "ClaimAllocatedElsewhere"
 NOT_ALLOCATED = "ClaimNotAllocated"
-# How long an earlier slice's claim may take to go once deleted before the new one is written.
-STALE_CLAIM_WAIT_S = 30.0
+# When an earlier slice's claim, deleted, is looked at again: a fifth of how long it has been going,
+# within these bounds (it goes once its pods let it go, which may take a pod's lifetime).
+STALE_CLAIM_RECHECK_S = (0.2, 5.0)
 
 
 def claim_body(namespace: str, name: str, slice_uid: str) -> dict[str, Any]:
@@ -81,6 +87,14 @@ def slice_owner(claim: Mapping[str, Any]) -> str | None:
     return None
 
 
+def _seconds_since(timestamp: str | None) -> float:
+    """Seconds since an RFC 3339 time (0 when absent or not one)."""
+    try:
+        return max(0.0, time.time() - datetime.fromisoformat(str(timestamp).replace("Z", "+00:00")).timestamp())
+    except ValueError:
+        return 0.0
+
+
 def owner_pod(info: SliceRecord) -> Mapping[str, Any] | None:
     """The ownerReference of the pod the slice was made for; None for a slice made directly."""
     refs = (info.body.get("metadata") or {}).get("ownerReferences") or []
@@ -95,10 +109,11 @@ def early(info: SliceRecord) -> bool:
 class SliceClaims:
     """Writes and allocates the ResourceClaim of every Ready slice whose device its node's GpuNode lists."""
 
-    def __init__(self, client: KubeClient, events: EventPoster, state: Ledger) -> None:
+    def __init__(self, client: KubeClient, events: EventPoster, state: Ledger, queue: WorkQueue) -> None:
         self.client = client
         self.events = events
         self.state = state
+        self.queue = queue
         self.written: dict[tuple[str, str], str] = {}  # (namespace, name) -> slice UID of the claim there
         self.allocated: dict[tuple[str, str], str] = {}  # likewise, once the controller allocated it
         # Ready slices whose device their node's GpuNode did not list yet: tried again when it changes.
@@ -111,13 +126,11 @@ class SliceClaims:
         self.consumer: Callable[[SliceRecord], Mapping[str, str] | None] = lambda _info: None
 
     async def slice_changed(self, info: SliceRecord) -> None:
-        await self.ensure(info)
+        self.look(info.namespace, info.name)
 
     async def inventory_changed(self, node: str) -> None:
-        for key in self.waiting.take(node):
-            info = self.state.slice_named(*key)
-            if info is not None:
-                await self.ensure(info)
+        for namespace, name in self.waiting.take(node):
+            self.look(namespace, name)
 
     async def resync(self) -> None:
         """After a full list: forget the slices that are gone, write what is missing."""
@@ -125,10 +138,16 @@ class SliceClaims:
         self.allocated = {key: uid for key, uid in self.allocated.items() if uid in self.state.slices}
         self._unreserved &= set(self.state.slices)
         for info in list(self.state.slices.values()):
-            try:
-                await self.ensure(info)
-            except ApiError as exc:
-                log.warning("slice %s: its ResourceClaim: %s", info.ref, exc)
+            self.look(info.namespace, info.name)
+
+    def look(self, namespace: str, name: str, after_s: float = 0.0) -> None:
+        """Look at slice ``namespace/name``'s claim on the work queue (``ensure``)."""
+        self.queue.add(("claim", namespace, name), lambda: self._look(namespace, name), after_s)
+
+    async def _look(self, namespace: str, name: str) -> None:
+        info = self.state.slice_named(namespace, name)
+        if info is not None:
+            await self.ensure(info)
 
     def ready(self, info: SliceRecord) -> bool:
         """Whether the slice's device may be handed on now (not being deleted): Ready with its device
@@ -273,8 +292,15 @@ class SliceClaims:
 
     async def _take_over(self, info: SliceRecord) -> Mapping[str, Any] | None:
         """A claim of the slice's name exists: this slice's is returned; an earlier slice's is deleted
-        and this one's written once it is gone; a claim not the operator's is left alone (None)."""
-        existing = await self.client.get(claim_path(info.namespace, info.name))
+        and this one's written once it is gone (its key is looked at again); a claim not the operator's
+        is left alone. None when it is not this slice's (yet)."""
+        try:
+            existing = await self.client.get(claim_path(info.namespace, info.name))
+        except ApiError as exc:
+            if not exc.not_found:
+                raise
+            self.look(info.namespace, info.name)  # gone since the create was refused: written at the next look
+            return None
         owner = slice_owner(existing)
         if owner == info.uid:
             return existing
@@ -284,26 +310,18 @@ class SliceClaims:
             self.events.post(info.body, "Warning", CLAIM_TAKEN, message)
             log.info("slice %s: %s", info.ref, message)
             return None
-        path = claim_path(info.namespace, info.name)
-        if not (existing.get("metadata") or {}).get("deletionTimestamp"):
+        going = (existing.get("metadata") or {}).get("deletionTimestamp")
+        if not going:
             try:
-                await self.client.delete(path)
+                await self.client.delete(claim_path(info.namespace, info.name))
             except ApiError as exc:
                 if not exc.not_found:
                     raise
         # Gone once its pods let it go (kube-scheduler's finalizer on a claim it allocated): then this
-        # slice's is written.
-        deadline = time.monotonic() + STALE_CLAIM_WAIT_S
-        while time.monotonic() < deadline:
-            try:
-                await self.client.get(path)
-            except ApiError as exc:
-                if not exc.not_found:
-                    raise
-                return await self.client.create(claim_path(info.namespace),
-                                                claim_body(info.namespace, info.name, info.uid))
-            await asyncio.sleep(0.2)
-        log.info("slice %s: the ResourceClaim of an earlier slice of its name is still in use", info.ref)
+        # slice's is written, at a later look of its key.
+        low, high = STALE_CLAIM_RECHECK_S
+        self.look(info.namespace, info.name, min(high, max(low, _seconds_since(going) / 5)))
+        log.debug("slice %s: the ResourceClaim of an earlier slice of its name is still going", info.ref)
         return None
 
     async def _record(self, info: SliceRecord) -> None:

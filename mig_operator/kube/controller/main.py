@@ -85,8 +85,8 @@ def build_registry(options: ControllerOptions) -> kopf.OperatorRegistry:
         events = EventPoster(client, "mig-operator-controller", os.uname().nodename)
         binder = Binder(client, events, PlannerSettings(default_compute=options.default_compute),
                         resync_s=options.resync_s, hold_s=options.fair_hold_s, quota_required=options.quota_required)
-        claims = SliceClaims(client, events, binder.ledger)
-        pods = PodSlices(client, events, binder.ledger, claims)
+        claims = SliceClaims(client, events, binder.ledger, binder.queue)
+        pods = PodSlices(client, events, binder.ledger, claims, binder.queue)
         claims.consumer = pods.consumer  # a claim is reserved only for a pod the controller made its slice for
         quotas = QuotaStatus(client, binder)
         # Claims first: a pod is released once its slice's claim exists.

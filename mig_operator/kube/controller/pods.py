@@ -18,11 +18,15 @@ with a ``nodeSelector`` or required node affinity gets a slice pinned to the one
 (``spec.nodeName``) or limited to those they allow (annotation ``cdmo.io/eligible-nodes``); a pod
 they allow no GPU node waits, gated, with an Event, and is looked at again at every resync. A slice
 is handed only to the pod its owner reference names.
+
+A pod's slice that failed is replaced on the controller's work queue, key ``("slice-retry", namespace,
+slice name)``: added with the back-off (``core.node.lifecycle.slice_retry_delay``), it deletes the failed
+slice, is woken by that slice's deletion, then makes the next one; a failed write brings it back after
+the queue's own back-off. While the key waits, nothing else makes a slice of that name.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -48,7 +52,7 @@ from ..common.names import (
     SCHEDULING_GATE,
     SLICE_KIND,
 )
-from ..common.workqueue import NodeWaits
+from ..common.workqueue import NodeWaits, Requeue, WorkQueue
 from .claims import SliceClaims
 from .pod_nodes import HOSTNAME_LABEL, NodeView
 
@@ -59,6 +63,8 @@ SLICE_TRY_ANNOTATION = "cdmo.io/slice-try"
 # A Ready slice's device not yet on its GpuNode gets the pod an Event after this long (a new instance
 # waits for the GpuNode publish that follows its Ready, a tenth of a second: no Event for that).
 DEVICE_WAIT_EVENT_S = 2.0
+# A failed slice being deleted is looked at again this often should its deletion's event not come.
+FAILED_SLICE_RECHECK_S = 5.0
 
 
 def group_of(info: SliceRecord) -> str:
@@ -118,6 +124,11 @@ def ungate_ops(pod: Mapping[str, Any], node: str, hostname: str | None = None) -
     return ops
 
 
+def _retry_key(namespace: str, name: str) -> tuple[str, str, str]:
+    """The work queue's key of a failed slice's replacement."""
+    return ("slice-retry", namespace, name)
+
+
 def _gated(pod: Mapping[str, Any]) -> bool:
     return any(g.get("name") == SCHEDULING_GATE for g in (pod.get("spec") or {}).get("schedulingGates") or [])
 
@@ -125,15 +136,15 @@ def _gated(pod: Mapping[str, Any]) -> bool:
 class PodSlices:
     """Keeps each annotated pod's GpuSlice and gate in step with its slice."""
 
-    def __init__(self, client: KubeClient, events: EventPoster, state: Ledger, claims: SliceClaims) -> None:
+    def __init__(self, client: KubeClient, events: EventPoster, state: Ledger, claims: SliceClaims,
+                 queue: WorkQueue) -> None:
         self.client = client
         self.events = events
         self.state = state
         self.claims = claims
+        self.queue = queue
         self.pods: dict[tuple[str, str], dict[str, Any]] = {}  # (namespace, pod group) -> pod
         self.nodes = NodeView(client)  # labels and taints, for where a pod may go
-        # Failed slices waiting out their back-off, by (namespace, slice name, pod group).
-        self._retries: dict[tuple[str, str, str], asyncio.Task] = {}
         # Pods whose Ready slice's device the node's GpuNode did not list (yet), by node.
         self._device_waits = NodeWaits()
         self._device_wait_since: dict[str, float] = {}  # slice UID -> when its device was first not listed
@@ -165,25 +176,24 @@ class PodSlices:
                 and resource_version(known["metadata"]) > resource_version(meta)):
             return  # older than the pod as the controller last wrote it (its ungate's answer): nothing new
         self.pods[key] = pod
-        if not _gated(pod) or self._retrying(key):
-            return  # a pod waiting out a failed slice's back-off gets its next slice from that task
+        if not _gated(pod):
+            return
         names = await self._create_slices(pod, name)
-        info = self.state.slice_named(meta["namespace"], names[0] if names else name)
-        if info is not None:
-            await self.slice_changed(info)
-
-    def _retrying(self, group: tuple[str, str]) -> bool:
-        return any((ns, g) == group for ns, _name, g in self._retries)
+        self.look(meta["namespace"], names[0] if names else name)
 
     async def slice_deleted(self, body: Mapping[str, Any]) -> None:
         """A slice is gone: if its pod still waits, gated, make it again (a group's part the binder gave
-        back, or a slice deleted by hand); a failed slice's replacement is its retry task's."""
+        back, or a slice deleted by hand); a failed slice's replacement is its retry key's, woken now."""
         meta = body["metadata"]
         self._device_wait_since.pop(meta["uid"], None)
+        retry = _retry_key(meta["namespace"], meta["name"])
+        if self.queue.pending(retry):
+            self.queue.wake(retry)
+            return
         annotations = meta.get("annotations") or {}
         group = annotations.get(GROUP_ANNOTATION) or meta["name"]
         pod = self.pods.get((meta["namespace"], group))
-        if pod is None or not _gated(pod) or self._retrying((meta["namespace"], group)) or not owned_by(body, pod):
+        if pod is None or not _gated(pod) or not owned_by(body, pod):
             return
         await self._create_slices(pod, group)
 
@@ -245,8 +255,10 @@ class PodSlices:
         if not devices:
             return ()  # labelled by hand, asking for nothing: not the operator's pod
         names = device_slice_names(group, len(devices))
+        # A name whose failed slice waits for its retry key is that key's to make (``tries`` names it).
         missing = [(name, device) for name, device in zip(names, devices, strict=True)
-                   if self.state.slice_named(meta["namespace"], name) is None]
+                   if self.state.slice_named(meta["namespace"], name) is None
+                   and (name in (tries or {}) or not self.queue.pending(_retry_key(meta["namespace"], name)))]
         if not missing:
             return names
         annotations: dict[str, str] = {}
@@ -289,8 +301,22 @@ class PodSlices:
         return names
 
     async def slice_changed(self, info: SliceRecord) -> None:
-        """A slice changed: if a gated pod waits for it, move the pod on (or tell it why not). A pod
-        with several devices moves on once every one of its slices is Ready, all on one node."""
+        """A slice changed: its pod is looked at on the work queue (``look``)."""
+        self.look(info.namespace, info.name)
+
+    def look(self, namespace: str, name: str) -> None:
+        """Look at slice ``namespace/name``'s pod on the work queue, key ``("pod-slice", namespace, name)``:
+        a write that fails (the ungate, a new slice) comes back after its back-off."""
+        self.queue.add(("pod-slice", namespace, name), lambda: self._look(namespace, name))
+
+    async def _look(self, namespace: str, name: str) -> None:
+        info = self.state.slice_named(namespace, name)
+        if info is not None:
+            await self._slice_changed(info)
+
+    async def _slice_changed(self, info: SliceRecord) -> None:
+        """If a gated pod waits for the slice, move the pod on (or tell it why not). A pod with several
+        devices moves on once every one of its slices is Ready, all on one node."""
         pod = self.pods.get((info.namespace, group_of(info)))
         if pod is None or info.deleting:
             return
@@ -338,8 +364,8 @@ class PodSlices:
     def _slice_failed(self, pod: Mapping[str, Any], info: SliceRecord) -> None:
         """A pod's slice Failed: a new slice of the same name after a back-off (core's
         ``slice_retry_delay``), an Event each time; after SLICE_TRIES the pod waits for its owner."""
-        key = (info.namespace, info.name, group_of(info))
-        if key in self._retries:
+        key = _retry_key(info.namespace, info.name)
+        if self.queue.pending(key):
             return
         st = info.body.get("status") or {}
         try:
@@ -357,30 +383,29 @@ class PodSlices:
         self.events.post(pod, "Warning", st.get("reason") or "Failed",
                          f"{failed}; a new slice in {delay:g} s (try {tries + 1} of {SLICE_TRIES})")
         log.info("slice %s failed (try %d of %d); a new one in %g s", info.ref, tries, SLICE_TRIES, delay)
-        self._retries[key] = asyncio.create_task(self._replace_failed(key, tries, delay))
+        namespace, name, group, uid = info.namespace, info.name, group_of(info), info.uid
+        self.queue.add(key, lambda: self._replace_failed(namespace, name, group, uid, tries), delay)
 
-    async def _replace_failed(self, key: tuple[str, str, str], tries: int, delay: float) -> None:
+    async def _replace_failed(self, namespace: str, name: str, group: str, failed_uid: str,
+                              tries: int) -> Requeue | None:
         """Delete the failed slice and, once it is gone, make the pod's next one (same name: the pod's
-        claim names it)."""
-        namespace, name, group = key
-        try:
-            await asyncio.sleep(delay)
-            try:
-                await self.client.delete(slice_path(namespace, name))
-            except ApiError as exc:
-                if not exc.not_found:
-                    raise
-            deadline = time.monotonic() + 60
-            while self.state.slice_named(namespace, name) is not None and time.monotonic() < deadline:
-                await asyncio.sleep(0.2)
-            pod = self.pods.get((namespace, group))
-            if pod is None or not _gated(pod) or self.state.slice_named(namespace, name) is not None:
-                return
-            await self._create_slices(pod, group, {name: tries + 1})
-        except ApiError as exc:
-            log.warning("slice %s/%s: a new slice after a failure: %s", key[0], key[1], exc)
-        finally:
-            self._retries.pop(key, None)
+        claim names it). The slice's deletion wakes the key (``slice_deleted``)."""
+        pod = self.pods.get((namespace, group))
+        if pod is None or not _gated(pod):
+            return None
+        current = self.state.slice_named(namespace, name)
+        if current is not None:
+            if current.uid != failed_uid:
+                return None  # another slice of the name: not this retry's
+            if not current.deleting:
+                try:
+                    await self.client.delete(slice_path(namespace, name))
+                except ApiError as exc:
+                    if not exc.not_found:
+                        raise
+            return Requeue(FAILED_SLICE_RECHECK_S)
+        await self._create_slices(pod, group, {name: tries + 1})
+        return None
 
     async def _device_checked(self, pod: Mapping[str, Any], info: SliceRecord) -> bool:
         """Whether the Ready slice's device is on its node's GpuNode (core/books/device_check); if not yet, the
@@ -413,10 +438,8 @@ class PodSlices:
 
     async def inventory_changed(self, node: str) -> None:
         """A GpuNode changed: look again at the pods whose slice's device it did not list."""
-        for key in self._device_waits.take(node):
-            info = self.state.slice_named(*key)
-            if info is not None:
-                await self.slice_changed(info)
+        for namespace, name in self._device_waits.take(node):
+            self.look(namespace, name)
 
     async def _release_gate(self, pod: dict[str, Any], info: SliceRecord) -> None:
         key = (info.namespace, group_of(info))
