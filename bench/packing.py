@@ -20,20 +20,17 @@ Part 2, ``--seeds`` seeds from ``--seed`` on: per family and seed, the planner's
 against first-fit's (summed over the family's models and GPU counts), and lazy creates on churn.
 
 Part 3, ``--scale``: one decision on N h200-141gb GPUs in random partly used states, 200 memory
-requests, for ``choose_mig`` (one pass over the GPUs) and ``PlanningIndex.choose``; also a refusal,
-and the index's memory (tracemalloc). ``--baseline-rev REV`` also times ``choose_mig`` as it was
-at that git revision (read with ``git show``), for the "before" column.
+requests through ``PlanningIndex.choose`` (the one MIG planner); also a refusal, the index's build
+time and its memory (tracemalloc).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import importlib.util
 import json
 import random
 import statistics
-import subprocess
 import sys
 import time
 import tracemalloc
@@ -41,7 +38,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -52,9 +48,8 @@ from mig_operator.core.placement.planner import (  # noqa: E402
     MigGpu,
     Unplaceable,
     candidate_profiles,
-    choose_mig,
 )
-from mig_operator.core.placement.planning_index import PlanningIndex  # noqa: E402
+from mig_operator.core.placement.planning_index import PlanningIndex, choose_mig  # noqa: E402
 from mig_operator.core.placement.profiles import GpuModel, get_model  # noqa: E402
 from mig_operator.core.placement.trace import TraceEvent, replay  # noqa: E402
 from mig_operator.core.requests.quantities import MIB  # noqa: E402
@@ -519,22 +514,8 @@ def _stats(times: list[float]) -> dict[str, float]:
     return {"mean_us": statistics.fmean(times) * 1e6, "p99_us": p99 * 1e6}
 
 
-def load_baseline(rev: str) -> ModuleType:
-    """core/placement/planner.py as it was at git revision ``rev``, importable beside today's."""
-    source = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:mig_operator/core/placement/planner.py"],
-                            check=True, capture_output=True, text=True).stdout
-    spec = importlib.util.spec_from_loader("mig_operator.core._planner_baseline", loader=None)
-    assert spec is not None
-    module = importlib.util.module_from_spec(spec)
-    module.__package__ = "mig_operator.core"
-    sys.modules[spec.name] = module
-    exec(compile(source, f"{rev}:mig_operator/core/placement/planner.py", "exec"), module.__dict__)
-    return module
-
-
-def decision_times(count: int, seed: int, samples: int = 200, baseline: ModuleType | None = None,
-                   scan_samples: int | None = None, kind: str = "planned") -> dict[str, dict[str, float]]:
-    """One decision on ``count`` H200 GPUs: choose_mig (and the baseline) against PlanningIndex.choose."""
+def decision_times(count: int, seed: int, samples: int = 200, kind: str = "planned") -> dict[str, dict[str, float]]:
+    """One decision on ``count`` H200 GPUs through PlanningIndex.choose."""
     model = get_model("h200-141gb")
     rng = random.Random(f"{seed}/scale/{kind}/{count}")
     gpus = random_pool(count, rng, model, kind)
@@ -551,29 +532,19 @@ def decision_times(count: int, seed: int, samples: int = 200, baseline: ModuleTy
     out["index"] = {"build_ms": build * 1e3, "memory_mb": index_bytes / 1e6, "states": float(index.state_count())}
 
     timed = {"index": lambda r: index.choose(r)}
-    if scan_samples != 0:
-        timed["choose_mig"] = lambda r: choose_mig(r, gpus)
-        if baseline is not None:
-            baseline_gpus = [baseline.MigGpu(g.node, g.index, g.model, tuple(
-                baseline.InstanceSlot(i.profile_id, i.start, i.size, i.in_use) for i in g.instances)) for g in gpus]
-            timed["baseline"] = lambda r: baseline.choose_mig(r, baseline_gpus)
     for label, fn in timed.items():
-        n = samples if label == "index" or scan_samples is None else scan_samples
+        n = samples
         # Warm the caches every request kind fills once (candidate lists, per-state plans): the
         # figures are for a running controller, not its first decision of each kind.
         for req in set(requests[:n]):
             _outcome(fn, req)
-        times, agree = [], 0
+        times = []
         with _no_gc():
             for req in requests[:n]:
                 t0 = _clock()
-                got = _outcome(fn, req)
+                _outcome(fn, req)
                 times.append(_clock() - t0)
-                if label == "choose_mig":
-                    agree += int(_same(got, _outcome(index.choose, req)))
         out.setdefault(label, {}).update(_stats(times))
-        if label == "choose_mig":
-            assert agree == n, f"PlanningIndex and choose_mig disagree on {n - agree} of {n} requests"
 
     # Keeping the index current: apply a decision (then put the GPU back, untimed).
     updates = []
@@ -595,12 +566,6 @@ def decision_times(count: int, seed: int, samples: int = 200, baseline: ModuleTy
     full = [MigGpu(g.node, g.index, model, (InstanceSlot(0, 0, 8, True),)) for g in gpus]
     full_index = PlanningIndex(full)
     refusals: dict[str, Callable[[SliceRequest], object]] = {"index": full_index.choose}
-    if scan_samples != 0:
-        refusals["choose_mig"] = lambda r: choose_mig(r, full)
-        if baseline is not None:
-            baseline_full = [baseline.MigGpu(g.node, g.index, model, (baseline.InstanceSlot(0, 0, 8, True),))
-                             for g in full]
-            refusals["baseline"] = lambda r: baseline.choose_mig(r, baseline_full)
     request = slice_request(memory="10G")
     for label, fn in refusals.items():
         times = []
@@ -643,21 +608,12 @@ def _outcome(fn: Callable[[SliceRequest], object], request: SliceRequest) -> obj
         return type(exc).__name__
 
 
-def _same(a: object, b: object) -> bool:
-    if isinstance(a, str) or isinstance(b, str):
-        return a == b
-    assert isinstance(a, MigDecision) and isinstance(b, MigDecision)
-    return (a.node, a.gpu, a.profile, a.start, a.action, a.reclaim) == (b.node, b.gpu, b.profile, b.start, b.action,
-                                                                         b.reclaim)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--seeds", type=int, default=20, help="seeds in the sweep (0 to skip it)")
     parser.add_argument("--scale", default="64,1024,16384", help="GPU counts to time a decision on ('' to skip)")
     parser.add_argument("--samples", type=int, default=200, help="requests timed per GPU count")
-    parser.add_argument("--baseline-rev", help="also time choose_mig from this git revision, e.g. HEAD~1")
     parser.add_argument("--only-scale", action="store_true", help="skip parts 1 and 2")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="part 3: wall time, or this thread's CPU time (leaves out waiting for a core)")
@@ -674,10 +630,9 @@ def main() -> int:
         print_sweep(sweep)
 
     scale: dict[str, dict[int, dict]] = {"planned": {}, "arbitrary": {}}
-    baseline = load_baseline(args.baseline_rev) if args.baseline_rev else None
     for kind, by_count in scale.items():
         for count in (int(c) for c in args.scale.split(",") if c):
-            by_count[count] = decision_times(count, args.seed, args.samples, baseline, kind=kind)
+            by_count[count] = decision_times(count, args.seed, args.samples, kind=kind)
             print(f"# scale {kind} {count} done", file=sys.stderr)
     for kind, by_count in scale.items():
         if not by_count:
@@ -686,9 +641,7 @@ def main() -> int:
                 else "arbitrary legal layouts of any profiles, in use or idle")
         print(f"\nOne decision on N h200-141gb GPUs in random partly used states, {what} ({args.samples} memory "
               f"requests per N, caches warm, {args.clock} clock; µs, mean / p99):\n")
-        columns = [("PlanningIndex.choose", "index"), ("choose_mig", "choose_mig")]
-        if baseline is not None:
-            columns.append((f"choose_mig at {args.baseline_rev}", "baseline"))
+        columns = [("PlanningIndex.choose", "index")]
         print("| GPUs | states | " + " | ".join(c for c, _ in columns) + " | index apply | refusal: "
               + " / ".join(c for c, _ in columns) + " | refusal length | index memory | index build |")
         print("|---:" * (5 + len(columns)) + "|---:|---:|")

@@ -148,7 +148,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace, events: list[TraceEvent], state: str, where: str) -> int:
     import time
 
-    from ..core.placement.planner import Unplaceable, choose_mig
+    from ..core.placement.planner import Unplaceable
+    from ..core.placement.planning_index import choose_mig
     from ..gpu.inventory import describe, render_text
     from ..kube.agent.direct import planner_view, realise_decision
 

@@ -11,7 +11,8 @@ from mig_operator.core.placement.cluster import MODE_FRACTION, MODE_MIG, Binding
 from mig_operator.core.placement.cluster_planner import _block, _decide, _fraction_gpu, _mig_gpu, no_such_node
 from mig_operator.core.placement.fraction_planner import FractionGpu
 from mig_operator.core.placement.node_blocks import NodeBlock
-from mig_operator.core.placement.planner import MigGpu, PlannerSettings, choose_mig
+from mig_operator.core.placement.planner import MigGpu, PlannerSettings
+from mig_operator.core.placement.planning_index import choose_mig
 from mig_operator.core.requests.request import SliceRequest
 
 

@@ -1,6 +1,7 @@
 import pytest
 
-from mig_operator.core.placement.planner import Unplaceable, choose_mig
+from mig_operator.core.placement.planner import Unplaceable
+from mig_operator.core.placement.planning_index import choose_mig
 from mig_operator.core.requests.request import slice_request
 from mig_operator.gpu.protocol import GpuError
 from mig_operator.gpu.simulated import SimulatedBackend

@@ -21,11 +21,10 @@ from mig_operator.core.placement.planner import (
     Reclaim,
     Unplaceable,
     candidate_profiles,
-    choose_mig,
     choose_placement,
     grant_levels,
 )
-from mig_operator.core.placement.planning_index import IndexStats, PlanningIndex
+from mig_operator.core.placement.planning_index import IndexStats, PlanningIndex, choose_mig
 from mig_operator.core.placement.profiles import CATALOG, GpuModel, Placement, Profile, get_model
 from mig_operator.core.requests.request import SliceRequest
 

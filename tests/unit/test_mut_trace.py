@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from mig_operator.core.placement.planner import InstanceSlot, MigGpu, PlannerSettings, choose_mig
+from mig_operator.core.placement.planner import InstanceSlot, MigGpu, PlannerSettings
+from mig_operator.core.placement.planning_index import choose_mig
 from mig_operator.core.placement.profiles import GpuModel, Placement, Profile, get_model
 from mig_operator.core.placement.trace import TRACE_EXAMPLE, TraceError, TraceEvent, parse_trace, replay
 from mig_operator.core.requests.request import SliceRequest

@@ -14,10 +14,9 @@ from mig_operator.core.placement.planner import (
     Unplaceable,
     candidate_profiles,
     capacity_score,
-    choose_mig,
     choose_placement,
 )
-from mig_operator.core.placement.planning_index import PlanningIndex
+from mig_operator.core.placement.planning_index import PlanningIndex, choose_mig
 from mig_operator.core.placement.profiles import CATALOG, GpuModel, Placement, Profile, get_model
 from mig_operator.core.requests.request import slice_request
 

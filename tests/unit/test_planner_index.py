@@ -6,15 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from planner_reference import reference_choose_mig
 
-from mig_operator.core.placement.planner import (
-    InstanceSlot,
-    MigDecision,
-    MigGpu,
-    PlannerSettings,
-    Unplaceable,
-    choose_mig,
-)
-from mig_operator.core.placement.planning_index import PlanningIndex
+from mig_operator.core.placement.planner import InstanceSlot, MigDecision, MigGpu, PlannerSettings, Unplaceable
+from mig_operator.core.placement.planning_index import PlanningIndex, choose_mig
 from mig_operator.core.placement.profiles import CATALOG, GpuModel, Placement, Profile, get_model
 from mig_operator.core.requests.request import SliceRequest, slice_request
 

@@ -1,6 +1,6 @@
 """Where a slice goes: the profile, the GPU and the placement, as pure functions.
 
-MIG (``choose_mig``). Candidates are *grants*: a profile of some GPU model, ranked across all models
+MIG. Candidates are *grants*: a profile of some GPU model, ranked across all models
 by memory (NVML MiB), then compute slices (``grant_levels``), so a 4Gi request takes an A100
 ``1g.5gb`` before an H200 ``1g.18gb``. For the smallest grant some GPU can take, every option on every
 GPU that offers it (reuse an idle instance, create at a free placement, reclaim idle instances) is
@@ -10,22 +10,21 @@ GPU can take the smallest grant, even by reclaiming, is the next larger one trie
 (``PlannerSettings.allow_larger_profile``). Fractions (``core.placement.fraction_planner``) are memory bin-packing
 on GPUs without MIG; refusals are worded by ``core.placement.mig_refusals``.
 
-``choose_mig`` is the rule written plainly, one pass over the GPUs: it is the reference that
-``planning_index.PlanningIndex`` (the same decisions, at a cost independent of the number of GPUs)
-is tested against. Slots are bit masks (bit i = memory slot i).
+This module holds the rule's parts: grants, one GPU's options and their keys. The one MIG planner
+that applies them across GPUs is ``planning_index.PlanningIndex`` (its cost independent of the number
+of GPUs); ``tests/unit/planner_reference.py`` writes the same rule out plainly and the property tests
+hold the index to it. Slots are bit masks (bit i = memory slot i).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from ..requests.quantities import mib_ceil
 from ..requests.request import SliceRequest
 from .compute import SHARED
-from .mig_refusals import model_order, no_room_reason, room_summary, too_large_reason
 from .profiles import GpuModel, Profile
 
 
@@ -396,44 +395,6 @@ def option_decision(node: str, index: int, model: GpuModel, profile: Profile, op
     )
     action = "reuse" if option.tier == TIER_REUSE else "create"
     return MigDecision(node, index, profile, option.start, option.size, action, reclaim)
-
-
-# --- many GPUs --------------------------------------------------------------------------------
-
-
-def choose_mig(
-    request: SliceRequest, gpus: Sequence[MigGpu], settings: PlannerSettings = PlannerSettings()
-) -> MigDecision:
-    """The placement for ``request`` among ``gpus``; raises Unplaceable with the reason.
-
-    Grant sizes smallest first (``grant_levels``); for the first size some GPU can take, the option
-    with the smallest ``PlacementOption.key``, then the lowest (node, index), then the profile's
-    place in the candidate order. This is the rule written plainly, one pass over the GPUs per grant
-    size, and the reference ``PlanningIndex`` is tested against; keep a ``PlanningIndex`` where the
-    GPUs are many and decisions frequent.
-    """
-    if not gpus:
-        raise Unplaceable("no MIG-enabled GPU is available")
-    by_model: dict[GpuModel, list[MigGpu]] = {}
-    for gpu in gpus:
-        by_model.setdefault(gpu.model, []).append(gpu)
-    levels = grant_levels(tuple(sorted(by_model, key=model_order)), request, settings.allow_larger_profile)
-    if not levels:
-        raise Unplaceable(too_large_reason(request, by_model))
-    for level in levels:
-        best: tuple[tuple, MigGpu, Profile, PlacementOption] | None = None
-        for rank, (model, profile) in enumerate(level.options):
-            for gpu in by_model[model]:
-                option = gpu_option(gpu, profile)
-                if option is None:
-                    continue
-                key = (option.key, gpu.node, gpu.index, rank)
-                if best is None or key < best[0]:
-                    best = (key, gpu, profile, option)
-        if best is not None:
-            _, gpu, profile, option = best
-            return option_decision(gpu.node, gpu.index, gpu.model, profile, option)
-    raise Unplaceable(no_room_reason(request, levels, room_summary(gpus)))
 
 
 # --- refusals ---------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ A GPU's planning state is its model and its instances (where, which profile, in 
 small and repeats: thousands of GPUs share a few hundred states. Every term of the planner's rule
 (``planner.PlacementOption.key``) depends only on the state, so ``PlanningIndex`` computes each
 state's best option per profile once, files the state under that key, and chooses among states;
-within the best key, the GPU with the lowest (node, index) wins, as in ``planner.choose_mig``.
+within the best key, the GPU with the lowest (node, index) wins.
 
 Structure (all pure, no I/O):
 
@@ -37,7 +37,6 @@ from .planner import (
     PlannerSettings,
     Profile,
     Unplaceable,
-    choose_mig,
     grant_levels,
     instances_after,
     instances_released,
@@ -178,17 +177,17 @@ class IndexStats:
 
 
 class PlanningIndex:
-    """The MIG GPUs of a cluster, kept indexed for ``choose``; decides exactly as ``choose_mig``.
+    """The MIG GPUs of a cluster, kept indexed for ``choose``: the one MIG planner.
 
     Feed it every GPU's state as inventories arrive (``put``, which replaces, and ``remove``), and
     tell it what was decided and released (``apply``, ``release``) so it stays current between
-    inventories. ``choose`` returns the decision ``choose_mig`` would return on the same GPUs: the
-    same profile, placement and reclaims on the same GPU (the lowest (node, index) among equally
-    ranked ones). Its cost does not grow with the number of GPUs, except with ``nodes``, which
-    restricts the choice to GPUs on those nodes (``spec.nodeName``) and visits just those GPUs.
+    inventories. ``choose`` returns the profile, placement and reclaims the rule ranks first (the
+    lowest (node, index) among equally ranked GPUs). Its cost does not grow with the number of GPUs,
+    except with ``nodes``, which restricts the choice to GPUs on those nodes (``spec.nodeName``) and
+    indexes just those GPUs.
 
-    A GPU whose model has no MIG profile (L4, T4, 0 memory slots) is accepted and never chosen, as in
-    ``choose_mig``. Pure: no I/O, no clock, no threads; one caller at a time.
+    A GPU whose model has no MIG profile (L4, T4, 0 memory slots) is accepted and never chosen.
+    Pure: no I/O, no clock, no threads; one caller at a time.
     """
 
     def __init__(self, gpus: Iterable[MigGpu] = ()) -> None:
@@ -272,7 +271,7 @@ class PlanningIndex:
         settings: PlannerSettings = DEFAULT_SETTINGS,
         nodes: Collection[str] | None = None,
     ) -> MigDecision:
-        """The decision ``choose_mig(request, gpus, settings)`` gives on the indexed GPUs (on
+        """The decision for ``request`` on the indexed GPUs (on
         ``nodes`` only, if given); raises Unplaceable with the reason. Changes nothing: call
         ``apply`` once the decision is bound."""
         if nodes is not None:
@@ -283,7 +282,7 @@ class PlanningIndex:
             if not pinned:
                 shown = ", ".join(sorted(nodes)[:5]) + (" ..." if len(nodes) > 5 else "")
                 raise Unplaceable(f"no MIG-enabled GPU on node {shown}" if shown else "no node given")
-            return choose_mig(request, pinned, settings)
+            return PlanningIndex(pinned).choose(request, settings)
         if not self._count:
             raise Unplaceable("no MIG-enabled GPU is available")
         levels = grant_levels(self._present_models(), request, settings.allow_larger_profile)
@@ -388,7 +387,7 @@ class PlanningIndex:
         for (model, used), gpus in sorted(self._used.items(), key=lambda item: (model_order(item[0][0]), item[0][1])):
             summary.count(model, used, gpus)
         # The room ladder's smallest key is (-(slots not in use), slots); its bucket's lowest GPU is
-        # the one choose_mig's summary names. Keys with equal room but other slot counts tie on room.
+        # the one a summary of every GPU names. Keys with equal room but other slot counts tie on room.
         roomiest = self._roomiest()
         if roomiest is not None:
             summary.roomiest = roomiest
@@ -400,7 +399,7 @@ class PlanningIndex:
             return None
         (negative_room, _), _, _ = found
         # Models with other slot counts can have the same room (an A30 and an H200 with 4 free
-        # slots each): the lowest GPU among all of them is the one named, as in choose_mig.
+        # slots each): the lowest GPU among all of them is the one named.
         best: tuple[GpuId, int] | None = None
         for (room_key, slots), bucket in self._room.buckets.items():
             if room_key == negative_room and bucket.states:
@@ -410,3 +409,11 @@ class PlanningIndex:
         assert best is not None
         (node, index), slots = best
         return (-negative_room, node, index, slots)
+
+
+def choose_mig(request: SliceRequest, gpus: Iterable[MigGpu], settings: PlannerSettings = DEFAULT_SETTINGS
+               ) -> MigDecision:
+    """The decision for ``request`` among ``gpus``, through an index made for them: for a one-off
+    decision on a list of GPUs (a trace's replay, the demo, a node's GPUs); keep a ``PlanningIndex``
+    where decisions repeat. Raises Unplaceable with the reason."""
+    return PlanningIndex(gpus).choose(request, settings)
