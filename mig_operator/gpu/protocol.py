@@ -49,7 +49,7 @@ NVML_ERROR_CODES: dict[str, int] = {
 }
 _NAMES_BY_CODE = {code: name for name, code in NVML_ERROR_CODES.items()}
 
-# Errors worth retrying with backoff (DESIGN: "Transient NVML ... errors are retried"):
+# Errors worth retrying with backoff (the GPU is busy or briefly unavailable, not refusing):
 # - IN_USE: a process (or DCGM holding MIG handles, DCGM #276) still uses the instance; it may let go.
 # - TIMEOUT, NOT_READY: the driver was busy, e.g. right after a MIG reconfiguration.
 # - MEMORY: host memory pressure inside the driver call.

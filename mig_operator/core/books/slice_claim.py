@@ -1,4 +1,4 @@
-"""A GpuSlice's ResourceClaim and the allocation the controller writes into it (DESIGN "Handing a device").
+"""A GpuSlice's ResourceClaim and the allocation the controller writes into it (docs/architecture.md, section 8).
 
 The claim asks for one device of class ``gpuslice.cdmo.io`` whose ``slice`` attribute is the slice's
 UID. That selector alone would let kube-scheduler take the device from any pool, and an agent

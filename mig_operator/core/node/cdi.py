@@ -1,4 +1,4 @@
-"""The CDI spec that hands one slice's device to a container (DESIGN "Handing a device to a container").
+"""The CDI spec that hands one slice's device to a container (docs/architecture.md, section 9).
 
 The kubelet passes the CDI device ID this spec defines (``gpu.cdmo.io/slice=<slice UID>``) to the
 container runtime, which applies the spec's edits: the device nodes of the GPU (and, for MIG, the

@@ -1,4 +1,4 @@
-"""The environment a sliced container gets (DESIGN "The contracts"), as one pure function.
+"""The environment a sliced container gets (docs/architecture.md, section 9), as one pure function.
 
 The agent's CDI spec (core/node/cdi.py) gives it to the container; the real-GPU test starts processes
 with exactly what that spec gives. The device itself reaches the container only as the spec's device

@@ -159,7 +159,7 @@ class MigDecision:
 
 
 def candidate_profiles(model: GpuModel, request: SliceRequest) -> list[Profile]:
-    """Profiles of ``model`` that cover the request, smallest first (DESIGN "Which profile is smallest").
+    """Profiles of ``model`` that cover the request, smallest first (docs/architecture.md, "How the planner decides").
 
     Memory is NVML's ``memorySizeMB``; ties go to fewer compute slices, then fewer SMs; ``+me`` and
     other engine variants only when asked for by name. A fraction is that share of the GPU's memory
@@ -192,7 +192,7 @@ def _candidates(model: GpuModel, request: SliceRequest) -> tuple[Profile, ...]:
 
 
 def grant_key(profile: Profile) -> tuple[int, int]:
-    """How large a grant is, across models: NVML MiB, then compute slices (DESIGN: the smallest wins)."""
+    """How large a grant is, across models: NVML MiB, then compute slices (the smallest wins)."""
     return (profile.memory_mib, profile.slices)
 
 
@@ -284,7 +284,7 @@ class PlacementOption:
        seven 1g slices fill one GPU (DRA #932), and an option that breaks a place where a larger
        profile fits loses to one that keeps it.
     2. ``tier``: reuse an idle instance (no NVML call), else create at a free placement, else
-       reclaim idle instances (DESIGN's order), among options that cost the same.
+       reclaim idle instances (in that order), among options that cost the same.
     3. Best fit: the GPU with the most slots in use, then the fewest idle instances destroyed (and
        their slots), then the fewest free slots; then the most capacity left around every instance;
        then the lower start, NVML's order.

@@ -1,4 +1,4 @@
-r"""Memory requests and fractions, parsed exactly as DESIGN's "Memory quantities" says.
+r"""Memory requests and fractions, parsed as Kubernetes quantities, plus the GB/GiB/MB/MiB aliases.
 
 A memory request follows Kubernetes quantity rules (``4G`` = 4*10^9 bytes, ``4Gi`` = 4*2^30 bytes,
 ``1e9`` = 10^9 bytes, a plain integer is bytes), and also accepts the spellings ``GB``, ``GiB``,

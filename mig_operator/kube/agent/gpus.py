@@ -34,7 +34,7 @@ class Gpus:
     async def read_all(self) -> tuple[dict[int, GpuModel | None], dict[int, list[MigInstance]]]:
         """Every GPU's model (None without MIG) and MIG instances (none with MIG off), as last listed,
         read in one worker thread: a publish needs them all, and a thread hop per GPU cost more than
-        the reads themselves (docs/benchmarks.md). Each read is measured as ``call`` measures it."""
+        the reads themselves (bench/results/benchmark-history.md). Each read is measured as ``call`` measures it."""
         def read() -> tuple[dict[int, GpuModel | None], dict[int, list[MigInstance]]]:
             models: dict[int, GpuModel | None] = {}
             instances: dict[int, list[MigInstance]] = {}

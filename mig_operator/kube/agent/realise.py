@@ -188,7 +188,7 @@ class Realiser:
         # The device goes into the ResourceSlice as the slice says Ready, both writes at once: the
         # controller allocates the claim itself (kube-scheduler never looks for the device), and the
         # kubelet's prepare asks this agent, so neither waits for the other (one write less on every
-        # pod's path: docs/benchmarks.md).
+        # pod's path: bench/results/benchmark-history.md).
         self.announcing.add(uid)
         self._realised(uid)  # offered from here: a prepare that waits for it goes on
         if action == "create":
@@ -209,7 +209,7 @@ class Realiser:
         metrics.REALISE_SECONDS.labels(action).observe(time.perf_counter() - started)
         # A reused instance (listed idle) and a fraction's GPU are listed already, so their change joins
         # the next coalesced publish (a GpuNode write costs kube-apiserver about ten times a slice's
-        # status write: docs/benchmarks.md).
+        # status write: bench/results/benchmark-history.md).
         if action != "create":
             self.publisher.schedule()
 

@@ -294,7 +294,7 @@ class RecordStore:
         }
         try:
             # One line: json.dumps encodes it in C, where indenting (or json.dump) takes the pure-Python
-            # encoder, the larger part of a write's CPU in a burst (docs/benchmarks.md).
+            # encoder, the larger part of a write's CPU in a burst (bench/results/benchmark-history.md).
             write_atomically(self.path, json.dumps(data), prefix=".owners-")
         except OSError as exc:
             raise RecordError(f"cannot write owner record {self.path!r}: {exc.strerror}") from None

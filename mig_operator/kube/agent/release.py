@@ -53,7 +53,7 @@ class Releaser:
 
     async def claim_released(self, slice_uid: str) -> None:
         """The kubelet unprepared a claim on the slice: a slice deleted meanwhile lets its instance go
-        now that no claim holds it (DESIGN: never reused while a claim on it is prepared)."""
+        now that no claim holds it (an instance is never reused while a claim on it is prepared)."""
         held = self.holding.get(slice_uid)
         if held is not None:
             self._due.pop(slice_uid, None)  # its next re-checks come soon again

@@ -151,7 +151,7 @@ class KubeClient:
         if self._session is None or self._session.closed:
             # Few connections, kept open between bursts: each new one costs a TLS handshake, and
             # opening 64 of them at the start of every burst took a tenth of the controller's CPU
-            # (docs/benchmarks.md); 16 requests in flight keep one core busy.
+            # (bench/results/benchmark-history.md); 16 requests in flight keep one core busy.
             connector = aiohttp.TCPConnector(ssl=self._ssl(), limit=self._connections,
                                              keepalive_timeout=KEEPALIVE_S)
             self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout)

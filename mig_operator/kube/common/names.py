@@ -32,7 +32,8 @@ def slices_of_node(node: str) -> str:
 # The agent holds each slice it realises with this finalizer (removed when its instance is idle). A
 # pod's slice carries it from creation; the controller adds it to a slice made by hand when it binds
 # it, and removes it from a slice deleted before it was bound (no agent ever sees that one).
-# Each part also has its own kopf storage prefix; kopf's own finalizer is named after it (kopf-notes).
+# Each part also has its own kopf storage prefix; kopf's own finalizer is named after it (kopf
+# removes its finalizer from objects no handler of its needs, so it must not be the agent's).
 AGENT_FINALIZER = "cdmo.io/agent"
 CONTROLLER_PREFIX = "controller.cdmo.io"
 WEBHOOK_PREFIX = "webhook.cdmo.io"  # kopf's own annotations and finalizer: the webhook process writes none

@@ -1,7 +1,7 @@
 """JSON as it travels to and from the API server, on the hot path of every pod.
 
 orjson decodes a watch event or an answer three to four times faster than the standard library
-(docs/benchmarks.md), and in a burst of pods the controller spends a sixth of its CPU decoding. It is
+(bench/results/benchmark-history.md), and in a burst of pods the controller spends a sixth of its CPU decoding. It is
 strict where the standard library is lenient (a lone surrogate, NaN): kube-apiserver writes neither,
 but a line it refuses is decoded by the standard library rather than failing, so nothing a client
 could write into an object ever stops a watch.

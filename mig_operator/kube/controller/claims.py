@@ -1,4 +1,4 @@
-"""Each Ready GpuSlice's ResourceClaim: how a device reaches a container (DESIGN "Handing a device").
+"""Each Ready GpuSlice's ResourceClaim: how a device reaches a container (docs/architecture.md, section 8).
 
 When a slice is Ready and its device is on its node's GpuNode (core/books/device_check), the controller
 writes a ResourceClaim of the slice's name in its namespace, owned by the slice (deleting the slice

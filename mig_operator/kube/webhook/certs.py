@@ -1,7 +1,7 @@
 """The webhook's TLS certificate: a small CA and a serving certificate, made with ``cryptography``.
 
 kopf's own self-signed certificates need certbuilder/oscrypto, which fail to load with OpenSSL
-3.0.10 and later (kopf-notes), so the controller makes its own. The API server trusts the CA
+3.0.10 and later, so the controller makes its own. The API server trusts the CA
 through the webhook configuration's caBundle.
 """
 
