@@ -168,7 +168,8 @@ def test_no_diff_base_keeps_nothing_of_the_body() -> None:
 # --- on_event: a kopf.on.event handler that hands on what the kind's transform keeps -----------------
 
 
-def test_on_event_is_kopfs_event_handler_and_hands_on_the_kept_body() -> None:
+def test_on_event_is_kopfs_event_handler_and_hands_on_the_kept_body_in_order(
+        caplog: pytest.LogCaptureFixture) -> None:
     import asyncio
 
     import kopf
@@ -176,17 +177,39 @@ def test_on_event_is_kopfs_event_handler_and_hands_on_the_kept_body() -> None:
     from mig_operator.kube.common.operator import on_event
 
     seen: list = []
+    release = asyncio.Event()
 
     async def pods(body: dict, type: str | None) -> None:
-        seen.append((body, type))
+        if body["name"] == "slow":
+            await release.wait()
+        seen.append((body["name"], body["n"], type))
+        if body["n"] == 1:
+            raise RuntimeError("handler broke")
 
     registry = kopf.OperatorRegistry()
-    on_event(registry, "", "v1", "pods", pods, lambda body: {"name": body["metadata"]["name"]})
+    events = on_event(registry, "", "v1", "pods", pods,
+                      lambda body: {"metadata": {"name": body["metadata"]["name"], "namespace": "ns"},
+                                    "name": body["metadata"]["name"], "n": body["metadata"]["n"]})
     handlers = registry._watching.get_all_handlers()
     assert len(handlers) == 1
-    raw = {"metadata": {"name": "p", "annotations": {"big": "x" * 1000}}}
-    asyncio.run(handlers[0].fn(body=kopf.Body(raw), type="MODIFIED"))
-    assert seen == [({"name": "p"}, "MODIFIED")]
+
+    def raw(name: str, n: int) -> kopf.Body:
+        return kopf.Body({"metadata": {"name": name, "uid": name, "n": n, "annotations": {"big": "x" * 1000}}})
+
+    async def run() -> None:
+        for n in range(3):  # kopf's handler returns at once: the slow object's events wait, in order
+            await handlers[0].fn(body=raw("slow", n), type="MODIFIED")
+        await handlers[0].fn(body=raw("fast", 0), type=None)
+        await asyncio.sleep(0.01)
+        assert seen == [("fast", 0, None)], "another object is not held up by a slow one"
+        release.set()
+        while events.tasks:
+            await asyncio.sleep(0.01)
+
+    asyncio.run(run())
+    assert seen == [("fast", 0, None), ("slow", 0, "MODIFIED"), ("slow", 1, "MODIFIED"), ("slow", 2, "MODIFIED")]
+    assert "pods ns/slow: the event handler failed" in caplog.text and "handler broke" in caplog.text
+    assert not events.waiting
 
 
 def test_the_controller_watches_each_kind_through_kopf() -> None:
@@ -205,7 +228,7 @@ def test_kopf_lists_in_pages_and_lets_idle_workers_go() -> None:
 
     settings = kopf.OperatorSettings()
     tune(settings, "x.cdmo.io")
-    assert settings.watching.chunk_size == 100
+    assert settings.watching.chunk_size == 50
     assert settings.queueing.idle_timeout < kopf.OperatorSettings().queueing.idle_timeout
 
 

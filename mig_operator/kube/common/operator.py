@@ -11,6 +11,7 @@ import asyncio
 import logging
 import os
 import socket
+from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -26,7 +27,7 @@ EventFn = Callable[[dict[str, Any], str | None], Awaitable[None]]
 # A kind's transform (kube/common/trim.py): what is kept of an object.
 Keep = Callable[[Mapping[str, Any]], dict[str, Any]]
 # How long kopf keeps an object's worker, and with it the object's last event, after its last event.
-WORKER_IDLE_S = 0.5
+WORKER_IDLE_S = 0.1
 
 
 def register_login(registry: kopf.OperatorRegistry, kubeconfig: str | None) -> None:
@@ -88,16 +89,58 @@ def tune(settings: kopf.OperatorSettings, prefix: str) -> None:
     settings.queueing.idle_timeout = WORKER_IDLE_S
 
 
+class KeptEvents:
+    """Each object's kept events, handed to ``fn`` in order, one call at a time per object, objects
+    concurrently. kopf runs an object's event handler while it holds the event's whole body; queued
+    here, the kept body is all that waits for ``fn``, however far behind ``fn`` is (a flood of big
+    objects, or the initial list of every object at a start)."""
+
+    def __init__(self, fn: EventFn, what: str) -> None:
+        self.fn = fn
+        self.what = what
+        self.waiting: dict[str, deque[tuple[dict[str, Any], str | None]]] = {}
+        self.tasks: set[asyncio.Task] = set()
+
+    def put(self, key: str, body: dict[str, Any], type: str | None) -> None:
+        queue = self.waiting.get(key)
+        if queue is not None:
+            queue.append((body, type))  # its task takes it after the events before it
+            return
+        self.waiting[key] = deque(((body, type),))
+        task = asyncio.create_task(self._drain(key))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _drain(self, key: str) -> None:
+        queue = self.waiting[key]
+        try:
+            while queue:
+                body, type = queue.popleft()
+                try:
+                    await self.fn(body, type)
+                except Exception:  # as kopf does for an on.event handler: logged, the next event comes anyway
+                    meta = body.get("metadata") or {}
+                    log.exception("%s %s/%s: the event handler failed", self.what, meta.get("namespace", ""),
+                                  meta.get("name", ""))
+        finally:
+            del self.waiting[key]  # no await since the queue was found empty: nothing was added since
+
+
 def on_event(registry: kopf.OperatorRegistry, group: str, version: str, plural: str, fn: EventFn,
-             keep: Keep) -> None:
+             keep: Keep) -> KeptEvents:
     """Call ``fn`` with every watch event of a resource (``group`` "" for the core group) through
-    ``kopf.on.event``: one object's events in order, objects concurrently, paused with kopf's peering.
-    ``fn`` gets ``keep(body)``, the fields its decisions read, never kopf's whole body."""
+    ``kopf.on.event`` (kopf lists, watches and pauses with its peering): ``keep(body)``, the fields its
+    decisions read, never kopf's whole body; one object's events in order, objects concurrently
+    (``KeptEvents``: kopf's handler returns as soon as the kept body is queued)."""
+    events = KeptEvents(fn, plural)
+
     async def handler(body: kopf.Body, type: str | None, **_: Any) -> None:
-        await fn(keep(body), type)
+        meta = body.get("metadata") or {}
+        events.put(meta.get("uid") or f"{meta.get('namespace')}/{meta.get('name')}", keep(body), type)
 
     where = (group, version, plural) if group else (version, plural)  # "" is the core group
     kopf.on.event(*where, registry=registry)(handler)
+    return events
 
 
 def run_operator(registry: kopf.OperatorRegistry, *, standalone: bool, priority: int = 0,
