@@ -228,7 +228,7 @@ def test_kopf_lists_in_pages_and_lets_idle_workers_go() -> None:
 
     settings = kopf.OperatorSettings()
     tune(settings, "x.cdmo.io")
-    assert settings.watching.chunk_size == 50
+    assert settings.watching.chunk_size == 25
     assert settings.queueing.idle_timeout < kopf.OperatorSettings().queueing.idle_timeout
 
 
