@@ -1,7 +1,7 @@
 """Operator scale: 20 nodes x 8 simulated H100-80GB, 500 slices at once, then a minute of churn.
 
     .venv/bin/python bench/operator_scale.py [--latency 0] [--nodes 20] [--slices 500] [--churn 60]
-                                             [--json out.json]
+                                             [--flood 0] [--json out.json]
 
 Everything runs for real on this machine: the local control plane (scripts/control-plane, reused
 when MIG_OPERATOR_RUN points at a running one), one controller and one agent process per kwok node,
@@ -16,7 +16,12 @@ Measured:
 - API writes per slice, counted by kube-apiserver itself (apiserver_request_total, non-GET verbs
   on gpuslices and their status, minus the benchmark's own creates and deletes); GpuNode and Event
   writes are reported apart;
-- CPU time (user + system) and peak RSS (VmHWM) of the controller and of the agents (total, max).
+- CPU time (user + system) and peak RSS (VmHWM) of the controller and of the agents (total, max);
+- the controller's peak RSS again for a new controller process started once all is settled, which
+  lists everything as it starts (``controller_restart``).
+
+``--flood N`` first makes N slices in a namespace of their own, each with a 200 kB annotation and pinned
+to a node that does not exist (Pending for good), as a tenant flooding the API would.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ CONTROL_PLANE = REPO / "scripts" / "control-plane"
 GROUP, VERSION, SLICES = "cdmo.io", "v1alpha1", "gpuslices"
 # The burst's mix (memory asked -> the H100 profile it gets): 1g.10gb, 1g.20gb, 3g.40gb.
 SIZES = [("5Gi", 0.6), ("15Gi", 0.25), ("30Gi", 0.15)]
+FLOOD_BLOB = 200_000  # bytes of annotation on each flood slice
 
 
 def stamp(text: str) -> float:
@@ -155,6 +161,35 @@ class Cluster:
                    if line.startswith("VmHWM:"))
         return cpu, hwm
 
+    def wait_idle(self, name: str, timeout: float = 300) -> None:
+        """Until the process used under a tenth of a core over two seconds (it has handled what came)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            before = self.usage(name)[0]
+            time.sleep(2)
+            if self.usage(name)[0] - before < 0.2:
+                return
+
+    def restart_controller(self, namespace: str) -> tuple[float, int]:
+        """Stop the controller, start a new one and let it list everything: its CPU and peak RSS. A
+        probe slice made before the start (pinned to no node: Pending with a reason once handled)
+        shows the new one has finished its start and reached the watch's initial list."""
+        proc = self.procs["controller"]
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+        probe = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "GpuSlice", "metadata": {"name": "restart-probe"},
+                 "spec": {"memory": "1Gi", "nodeName": "no-such-node"}}
+        self.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, SLICES, probe)
+        self.spawn("controller", "controller", "--peering", f"bench-{os.getpid()}")
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            body = self.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, SLICES, "restart-probe")
+            if (body.get("status") or {}).get("reason"):
+                break
+            time.sleep(1)
+        self.wait_idle("controller")
+        return self.usage("controller")
+
     def stop(self) -> None:
         for name in self.procs:
             if self.procs[name].poll() is None:
@@ -212,6 +247,29 @@ def run(args: argparse.Namespace) -> dict:
     def slices() -> list[dict]:
         return loop.run_until_complete(fast.list(slices_path(ns)))
 
+    if args.flood:
+        flood_ns = f"flood-{os.getpid()}"
+        cluster.core.create_namespace({"metadata": {"name": flood_ns}})
+        blob = {"tenant.example.com/blob": "x" * FLOOD_BLOB}
+
+        async def flood() -> None:
+            gate = asyncio.Semaphore(16)
+
+            async def one(i: int) -> None:
+                async with gate:
+                    await fast.create(slices_path(flood_ns), {
+                        "apiVersion": f"{GROUP}/{VERSION}", "kind": "GpuSlice",
+                        "metadata": {"name": f"f-{i:05d}", "annotations": blob},
+                        "spec": {"migProfile": "7g.80gb", "nodeName": "no-such-node"}})
+
+            await asyncio.gather(*(one(i) for i in range(args.flood)))
+
+        started = time.monotonic()
+        loop.run_until_complete(flood())
+        print(f"flood: {args.flood} slices of {FLOOD_BLOB} bytes made in {time.monotonic() - started:.0f} s",
+              flush=True)
+        cluster.wait_idle("controller")
+
     before = plane.apiserver_writes()
     print(f"burst: {args.slices} slices on {args.nodes} nodes x 8 H100, NVML latency {args.latency} s", flush=True)
     create_many([(f"s-{i:04d}", m) for i, m in enumerate(sizes(args.slices))])
@@ -253,10 +311,14 @@ def run(args: argparse.Namespace) -> dict:
             break
         time.sleep(0.5)
     items = slices()
+    after = plane.apiserver_writes()
+    cluster.wait_idle("controller")
+    first_controller = cluster.usage("controller")
+    restarted = cluster.restart_controller(ns)
     loop.run_until_complete(fast.close())
     loop.close()
-    after = plane.apiserver_writes()
     cluster.stop()
+    cluster.stats["controller"] = first_controller
     plane_dir = plane.dir
     cluster.core.delete_namespace(ns)
 
@@ -278,6 +340,7 @@ def run(args: argparse.Namespace) -> dict:
     agents = [v for k, v in cluster.stats.items() if k.startswith("agent-")]
     result = {
         "nodes": args.nodes, "gpus": args.nodes * 8, "slices": args.slices, "churned": churned,
+        "flood_slices": args.flood, "flood_annotation_bytes": FLOOD_BLOB if args.flood else 0,
         "latency_s": args.latency,
         "burst_all_new": {"n": len(burst_latency), "p50_ms": 1000 * pct(burst_latency, 0.5),
                           "p99_ms": 1000 * pct(burst_latency, 0.99)},
@@ -290,6 +353,7 @@ def run(args: argparse.Namespace) -> dict:
         "event_writes": delta.get("events", 0),
         "not_ready": left,
         "controller": {"cpu_s": cluster.stats["controller"][0], "peak_rss_mib": cluster.stats["controller"][1] / 2**20},
+        "controller_restart": {"cpu_s": restarted[0], "peak_rss_mib": restarted[1] / 2**20},
         "agents": {"cpu_s_total": sum(a[0] for a in agents), "cpu_s_max": max(a[0] for a in agents),
                    "peak_rss_mib_max": max(a[1] for a in agents) / 2**20},
         "logs": str(plane_dir),
@@ -305,6 +369,7 @@ def main() -> int:
     parser.add_argument("--slices", type=int, default=500)
     parser.add_argument("--churn", type=float, default=60.0, help="seconds of churn after the burst")
     parser.add_argument("--churn-gap", type=float, default=0.2, help="seconds between churn replacements")
+    parser.add_argument("--flood", type=int, default=0, help="Pending slices with a 200 kB annotation, made first")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--json", help="write the result here too")
     parser.add_argument("--log-level", default="info", help="of the controller and agents (logs kept with --keep)")

@@ -165,108 +165,71 @@ def test_no_diff_base_keeps_nothing_of_the_body() -> None:
     assert settings.persistence.diffbase_storage.fetch(body=body) is None
 
 
-# --- on_event: watch events handed to the handler past kopf's per-event processing ------------------
+# --- on_event: a kopf.on.event handler that hands on what the kind's transform keeps -----------------
 
 
-def _direct_registry(seen: list, fail: bool = False):  # type: ignore[no-untyped-def]
+def test_on_event_is_kopfs_event_handler_and_hands_on_the_kept_body_in_order(
+        caplog: pytest.LogCaptureFixture) -> None:
+    import asyncio
+
     import kopf
 
     from mig_operator.kube.common.operator import on_event
 
+    seen: list = []
+    release = asyncio.Event()
+
     async def pods(body: dict, type: str | None) -> None:
-        seen.append((body, type))
-        if fail:
+        if body["name"] == "slow":
+            await release.wait()
+        seen.append((body["name"], body["n"], type))
+        if body["n"] == 1:
             raise RuntimeError("handler broke")
 
     registry = kopf.OperatorRegistry()
-    on_event(registry, "", "v1", "pods", pods)
-    return registry
-
-
-def _watch_through(registry, resource, events, monkeypatch, processor=None):  # type: ignore[no-untyped-def]
-    """Run the watcher kopf's orchestration calls (``queueing.watcher``, as direct_watch installs it)
-    on ``events`` instead of a real stream."""
-    import asyncio
-    import functools
-
-    import kopf
-    from kopf._cogs.clients import watching
-    from kopf._core.reactor import processing, queueing
-
-    from mig_operator.kube.common import direct_watch
-
-    async def stream(**_: object):  # type: ignore[no-untyped-def]
-        for event in events:
-            yield event
-
-    monkeypatch.setattr(watching, "infinite_watch", stream)
-    assert direct_watch.install() and direct_watch.install(), "installed once, and found installed again"
-    processor = processor or functools.partial(
-        functools.partial(processing.process_resource_event, registry=registry), resource=resource)
-
-    async def run() -> None:
-        await queueing.watcher(settings=kopf.OperatorSettings(), resource=resource, namespace=None,
-                               processor=processor)
-
-    asyncio.run(run())
-
-
-def test_on_event_resources_go_from_kopfs_watch_straight_to_their_handler(
-        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    from kopf._cogs.clients import watching
-    from kopf._cogs.structs.references import Resource
-
-    seen: list = []
-    registry = _direct_registry(seen, fail=True)
-    body = {"metadata": {"name": "p", "namespace": "ns", "uid": "u"}, "spec": {}}
-    events = [{"type": None, "object": body}, watching.Bookmark.LISTED, {"type": "ADDED", "object": body},
-              {"type": "BOOKMARK", "object": {"metadata": {"resourceVersion": "9"}}},
-              {"type": "DELETED", "object": body}]
-    _watch_through(registry, Resource("", "v1", "pods"), events, monkeypatch)
-    # In order, bookmarks left out; each handler call failed and the next event came anyway.
-    assert seen == [(body, None), (body, "ADDED"), (body, "DELETED")]
-    assert seen[0][0] is body, "the body as the watch parsed it: no copy, no kopf wrapper"
-    assert caplog.text.count("pods ns/p: the event handler failed") == 3 and "handler broke" in caplog.text
-
-
-def test_other_resources_still_go_through_kopfs_own_watcher(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kopf._cogs.structs.references import Resource
-
-    seen: list = []
-    registry = _direct_registry(seen)
-    processed: list = []
-
-    async def kopf_processor(*, raw_event: dict, **_: object) -> None:  # what kopf's workers call
-        processed.append(raw_event["type"])
-
-    node = {"metadata": {"name": "n", "uid": "n-uid"}}
-    _watch_through(registry, Resource("", "v1", "nodes"), [{"type": "ADDED", "object": node}], monkeypatch,
-                   processor=kopf_processor)
-    assert processed == ["ADDED"] and seen == []
-
-
-def test_on_event_is_also_an_ordinary_kopf_handler() -> None:
-    """Where the direct path cannot be installed, kopf calls the same function through on.event."""
-    import asyncio
-
-    import kopf
-
-    seen: list = []
-    registry = _direct_registry(seen)
+    events = on_event(registry, "", "v1", "pods", pods,
+                      lambda body: {"metadata": {"name": body["metadata"]["name"], "namespace": "ns"},
+                                    "name": body["metadata"]["name"], "n": body["metadata"]["n"]})
     handlers = registry._watching.get_all_handlers()
     assert len(handlers) == 1
-    asyncio.run(handlers[0].fn(body=kopf.Body({"metadata": {"name": "p"}}), type="MODIFIED"))
-    assert seen == [({"metadata": {"name": "p"}}, "MODIFIED")] and type(seen[0][0]) is dict
+
+    def raw(name: str, n: int) -> kopf.Body:
+        return kopf.Body({"metadata": {"name": name, "uid": name, "n": n, "annotations": {"big": "x" * 1000}}})
+
+    async def run() -> None:
+        for n in range(3):  # kopf's handler returns at once: the slow object's events wait, in order
+            await handlers[0].fn(body=raw("slow", n), type="MODIFIED")
+        await handlers[0].fn(body=raw("fast", 0), type=None)
+        await asyncio.sleep(0.01)
+        assert seen == [("fast", 0, None)], "another object is not held up by a slow one"
+        release.set()
+        while events.tasks:
+            await asyncio.sleep(0.01)
+
+    asyncio.run(run())
+    assert seen == [("fast", 0, None), ("slow", 0, "MODIFIED"), ("slow", 1, "MODIFIED"), ("slow", 2, "MODIFIED")]
+    assert "pods ns/slow: the event handler failed" in caplog.text and "handler broke" in caplog.text
+    assert not events.waiting
 
 
-def test_the_controller_takes_every_watched_resource_directly() -> None:
+def test_the_controller_watches_each_kind_through_kopf() -> None:
     from mig_operator.kube.controller.main import ControllerOptions, build_registry
 
     registry = build_registry(ControllerOptions())
-    direct = registry._mig_operator_direct
     watched = {(h.selector.group, h.selector.any_name) for h in registry._watching.get_all_handlers()}
-    assert set(direct) == watched == {("cdmo.io", "gpuslices"), ("cdmo.io", "gpunodes"), ("cdmo.io", "gpuquotas"),
-                                      ("", "nodes"), ("", "pods")}
+    assert watched == {("cdmo.io", "gpuslices"), ("cdmo.io", "gpunodes"), ("cdmo.io", "gpuquotas"),
+                       ("", "nodes"), ("", "pods")}
+
+
+def test_kopf_lists_in_pages_and_lets_idle_workers_go() -> None:
+    import kopf
+
+    from mig_operator.kube.common.operator import tune
+
+    settings = kopf.OperatorSettings()
+    tune(settings, "x.cdmo.io")
+    assert settings.watching.chunk_size == 25
+    assert settings.queueing.idle_timeout < kopf.OperatorSettings().queueing.idle_timeout
 
 
 def test_the_client_reads_its_token_at_most_once_a_second(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -703,7 +703,7 @@ class _NodesClient(_Client):
         super().__init__()
         self.nodes = nodes
 
-    async def list(self, path: str, **_: str) -> list[dict]:
+    async def list(self, path: str, **_: object) -> list[dict]:
         self.calls.append(("LIST", path))
         return self.nodes
 

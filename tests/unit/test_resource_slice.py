@@ -84,7 +84,8 @@ class Api:
         self.writes.append((method, path))
         self.after_write.append(copy.deepcopy({p: o for p, o in self.objects.items() if p.startswith(SLICES_PATH)}))
 
-    async def list(self, path: str, label_selector: str | None = None, field_selector: str | None = None) -> list:
+    async def list(self, path: str, label_selector: str | None = None, field_selector: str | None = None,
+                   keep: object = None) -> list:
         assert path == SLICES_PATH and field_selector == "spec.nodeName=node-a"
         return [copy.deepcopy(o) for p, o in self.objects.items()
                 if p.startswith(f"{path}/") and o["spec"].get("nodeName") == "node-a"]

@@ -119,7 +119,8 @@ class RecordingClient:
     async def get(self, path: str, params: Any = None) -> dict:
         raise ApiError(404, "NotFound", path)
 
-    async def list(self, path: str, label_selector: str | None = None, field_selector: str | None = None) -> list:
+    async def list(self, path: str, label_selector: str | None = None, field_selector: str | None = None,
+                   keep: object = None) -> list:
         # The ResourceSlices the agent publishes beside its GpuNode: none yet (it then creates them).
         return []
 

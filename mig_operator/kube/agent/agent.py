@@ -41,6 +41,7 @@ from ..common import metrics, status
 from ..common.client import ApiError, KubeClient, resource_version, slices_path
 from ..common.events import EventPoster
 from ..common.names import AGENT_FINALIZER, slices_of_node
+from ..common.trim import slice_body
 from .context import AgentContext, AgentSettings
 from .gpus import Gpus
 from .idle import IdleReaper
@@ -122,7 +123,8 @@ class NodeAgent:
         """
         await self.gpus.refresh()
         await self.node_watch.read()
-        slices = await self.client.list(slices_path(), field_selector=slices_of_node(self.settings.node))
+        slices = await self.client.list(slices_path(), field_selector=slices_of_node(self.settings.node),
+                                        keep=slice_body)
         bindings: dict[str, Binding] = {}
         for body in slices:
             binding = binding_from_status(body["metadata"]["uid"], body.get("status"))

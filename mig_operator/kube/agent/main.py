@@ -22,6 +22,7 @@ from ..common.client import ApiError, KubeClient, Retry
 from ..common.events import EventPoster
 from ..common.names import AGENT_PREFIX, GROUP, SLICES, VERSION, slices_of_node
 from ..common.operator import on_event, register_login, run_operator, tune
+from ..common.trim import node_body, slice_body
 from .agent import NodeAgent
 from .context import AgentSettings
 from .kubelet.settings import PluginSettings
@@ -80,9 +81,9 @@ def build_registry(options: AgentOptions, backend: GpuBackend) -> kopf.OperatorR
         else:
             state["agent"].node_changed(body)
 
-    # Straight from kopf's watch to the handlers (operator.on_event): a slice's events in order.
-    on_event(registry, GROUP, VERSION, SLICES, slice_event)
-    on_event(registry, "", "v1", "nodes", own_node_event)
+    # A slice's events in order (operator.on_event), each as its kind's transform keeps it (kube/common/trim.py).
+    on_event(registry, GROUP, VERSION, SLICES, slice_event, slice_body)
+    on_event(registry, "", "v1", "nodes", own_node_event, node_body)
 
     @kopf.on.cleanup(registry=registry)
     async def cleanup(**_: Any) -> None:

@@ -17,7 +17,7 @@ import json
 import logging
 import ssl
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
@@ -37,6 +37,9 @@ JSON_PATCH = "application/json-patch+json"
 STRATEGIC_MERGE_PATCH = "application/strategic-merge-patch+json"  # built-in kinds only, not CRDs
 _TRANSIENT_STATUS = frozenset({429, 500, 502, 503, 504})
 TOKEN_TTL_S = 1.0
+# Items per page of a list (the client's and kopf's, ``operator.tune``): a page of whole objects is
+# what a list holds at once before its transform keeps what is read.
+LIST_PAGE = 25
 # How long an idle connection to the API server is kept: aiohttp's default is 15 s; kube-apiserver
 # closes one idle for 90 s, and a connection it closed first costs a failed request and a retry.
 KEEPALIVE_S = 60.0
@@ -221,16 +224,19 @@ class KubeClient:
     async def get(self, path: str, params: Mapping[str, str] | None = None) -> dict:
         return await self.request("GET", path, params=params)
 
-    async def list(self, path: str, label_selector: str | None = None, field_selector: str | None = None) -> list[dict]:
-        """Every item at a collection path, following continue tokens."""
-        return (await self.list_at(path, label_selector, field_selector))[0]
+    async def list(self, path: str, label_selector: str | None = None, field_selector: str | None = None,
+                   keep: Callable[[dict], dict] | None = None) -> list[dict]:
+        """Every item at a collection path, following continue tokens (``keep``: see ``list_at``)."""
+        return (await self.list_at(path, label_selector, field_selector, keep))[0]
 
-    async def list_at(self, path: str, label_selector: str | None = None,
-                      field_selector: str | None = None) -> tuple[list[dict], int]:
+    async def list_at(self, path: str, label_selector: str | None = None, field_selector: str | None = None,
+                      keep: Callable[[dict], dict] | None = None) -> tuple[list[dict], int]:
         """Every item at a collection path, and the resourceVersion it was read at (every page of one
-        list comes from the first page's snapshot): what is not in it was made after that version."""
+        list comes from the first page's snapshot): what is not in it was made after that version.
+        Read in pages of LIST_PAGE items; ``keep`` (``trim``'s transforms) is applied to each page's
+        items before the next page is read, so at most one page of whole objects is held."""
         version = 0
-        params: dict[str, str] = {"limit": "500"}
+        params: dict[str, str] = {"limit": str(LIST_PAGE)}
         if label_selector:
             params["labelSelector"] = label_selector
         if field_selector:
@@ -238,12 +244,14 @@ class KubeClient:
         items: list[dict] = []
         while True:
             page = await self.get(path, params)
-            items.extend(page.get("items") or [])
+            got = page.get("items") or []
+            items.extend(got if keep is None else map(keep, got))
             version = version or resource_version(page.get("metadata") or {})
             token = (page.get("metadata") or {}).get("continue")
             if not token:
                 return items, version
             params["continue"] = token
+            del page, got
 
     async def merge_patch(self, path: str, body: Mapping) -> dict:
         return await self.request("PATCH", path, body=body, content_type=MERGE_PATCH)

@@ -62,4 +62,6 @@ ELIGIBLE_NODES_ANNOTATION = "cdmo.io/eligible-nodes"
 # many slices it has; the binder places a group's slices on one node together or not at all.
 GROUP_ANNOTATION = "cdmo.io/group"
 GROUP_SIZE_ANNOTATION = "cdmo.io/group-size"
+# On a pod's GpuSlice: how many slices the pod has had, this one included (absent: the first).
+SLICE_TRY_ANNOTATION = "cdmo.io/slice-try"
 WEBHOOK_NAME = "mig-operator"

@@ -8,21 +8,26 @@ credentials as ``KubeClient``, so a part never talks to the API server as two id
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import socket
-from collections.abc import Callable
-from types import SimpleNamespace
+from collections import deque
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import kopf
 
-from . import direct_watch, wire
-from .client import bearer_token, load_configuration
-from .direct_watch import EventFn
+from .client import LIST_PAGE, bearer_token, load_configuration
 
 log = logging.getLogger("mig_operator.events")
+
+# A watch event handler: the object as its kind's transform kept it (a plain dict) and the event's
+# type (None when the object was seen in the initial list, else ADDED, MODIFIED or DELETED).
+EventFn = Callable[[dict[str, Any], str | None], Awaitable[None]]
+# A kind's transform (kube/common/trim.py): what is kept of an object.
+Keep = Callable[[Mapping[str, Any]], dict[str, Any]]
+# How long kopf keeps an object's worker, and with it the object's last event, after its last event.
+WORKER_IDLE_S = 0.1
 
 
 def register_login(registry: kopf.OperatorRegistry, kubeconfig: str | None) -> None:
@@ -78,54 +83,70 @@ def tune(settings: kopf.OperatorSettings, prefix: str) -> None:
     # CRDs and namespaces for changes at run time, so no grant to list them either.
     settings.scanning.disabled = True
     settings.watching.client_timeout = 330
+    # Memory: the initial list in pages (kopf holds one page of whole objects at a time), and an idle
+    # object's worker (which holds its last event's whole body) gone soon after the event.
+    settings.watching.chunk_size = LIST_PAGE
+    settings.queueing.idle_timeout = WORKER_IDLE_S
 
 
-def on_event(registry: kopf.OperatorRegistry, group: str, version: str, plural: str, fn: EventFn) -> None:
-    """Call ``fn`` with every watch event of a resource (``group`` "" for the core group), as
-    ``kopf.on.event`` does, for a handler that needs nothing of kopf's per-event work: kopf still
-    watches and pauses with its peering, but ``direct_watch.watcher`` hands each event to ``fn``
-    (one object's events in order), without kopf's per-object workers, cause detection, progress
-    storage and handler bookkeeping (a fifth and then a sixth of the controller's CPU in a burst of
-    pods: docs/benchmarks.md). Where kopf's internals are not as expected, ``fn`` runs as an ordinary
-    ``kopf.on.event`` handler."""
+class KeptEvents:
+    """Each object's kept events, handed to ``fn`` in order, one call at a time per object, objects
+    concurrently. kopf runs an object's event handler while it holds the event's whole body; queued
+    here, the kept body is all that waits for ``fn``, however far behind ``fn`` is (a flood of big
+    objects, or the initial list of every object at a start)."""
+
+    def __init__(self, fn: EventFn, what: str) -> None:
+        self.fn = fn
+        self.what = what
+        self.waiting: dict[str, deque[tuple[dict[str, Any], str | None]]] = {}
+        self.tasks: set[asyncio.Task] = set()
+
+    def put(self, key: str, body: dict[str, Any], type: str | None) -> None:
+        queue = self.waiting.get(key)
+        if queue is not None:
+            queue.append((body, type))  # its task takes it after the events before it
+            return
+        self.waiting[key] = deque(((body, type),))
+        task = asyncio.create_task(self._drain(key))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _drain(self, key: str) -> None:
+        queue = self.waiting[key]
+        try:
+            while queue:
+                body, type = queue.popleft()
+                try:
+                    await self.fn(body, type)
+                except Exception:  # as kopf does for an on.event handler: logged, the next event comes anyway
+                    meta = body.get("metadata") or {}
+                    log.exception("%s %s/%s: the event handler failed", self.what, meta.get("namespace", ""),
+                                  meta.get("name", ""))
+        finally:
+            del self.waiting[key]  # no await since the queue was found empty: nothing was added since
+
+
+def on_event(registry: kopf.OperatorRegistry, group: str, version: str, plural: str, fn: EventFn,
+             keep: Keep) -> KeptEvents:
+    """Call ``fn`` with every watch event of a resource (``group`` "" for the core group) through
+    ``kopf.on.event`` (kopf lists, watches and pauses with its peering): ``keep(body)``, the fields its
+    decisions read, never kopf's whole body; one object's events in order, objects concurrently
+    (``KeptEvents``: kopf's handler returns as soon as the kept body is queued)."""
+    events = KeptEvents(fn, plural)
+
     async def handler(body: kopf.Body, type: str | None, **_: Any) -> None:
-        await fn(dict(body), type)
+        meta = body.get("metadata") or {}
+        events.put(meta.get("uid") or f"{meta.get('namespace')}/{meta.get('name')}", keep(body), type)
 
     where = (group, version, plural) if group else (version, plural)  # "" is the core group
     kopf.on.event(*where, registry=registry)(handler)
-
-    handlers = getattr(registry, direct_watch.HANDLERS, None)
-    if handlers is None:
-        handlers = {}
-        setattr(registry, direct_watch.HANDLERS, handlers)
-    handlers[(group, plural)] = fn
-
-
-def _fast_watch_decoding() -> bool:
-    """Decode kopf's watch events with ``wire.loads`` (a sixth of the controller's CPU in a burst went
-    to decoding them: docs/benchmarks.md); False where kopf's stream is not the expected one (kopf
-    1.45 decodes each line with its module's ``json.loads``), which then decodes as before."""
-    try:
-        from kopf._cogs.clients import api
-    except ImportError:
-        return False
-    decoder = getattr(api, "json", None)
-    if decoder is None or not hasattr(decoder, "loads"):
-        return False
-    if decoder is not json:
-        return True  # done already (a second operator in this process)
-    api.json = SimpleNamespace(loads=wire.loads, dumps=json.dumps)  # type: ignore[attr-defined]
-    return True
+    return events
 
 
 def run_operator(registry: kopf.OperatorRegistry, *, standalone: bool, priority: int = 0,
                  peering_name: str | None = None) -> None:
     """Run kopf in this thread until it stops (SIGTERM/SIGINT) or fails."""
     logging.getLogger("kopf.activities.startup").setLevel(logging.WARNING)
-    if getattr(registry, direct_watch.HANDLERS, None) and not direct_watch.install():
-        log.info("kopf's watcher is not the expected one: events go through kopf's handlers")
-    if not _fast_watch_decoding():
-        log.info("kopf's watch stream is not the expected one: its events are decoded by kopf")
     with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
         runner.run(kopf.operator(
             registry=registry, standalone=standalone, priority=priority, peering_name=peering_name,

@@ -54,6 +54,7 @@ from ..common.events import EventPoster
 from ..common.faults import crashpoint
 from ..common.finalizers import remove_finalizer
 from ..common.names import AGENT_FINALIZER
+from ..common.trim import node_body, owned_body, slice_body
 from ..common.workqueue import WorkQueue
 from .observe import PLACEMENT_LABELS, inventory, inventory_node, node_labels, slice_record
 
@@ -113,8 +114,10 @@ class Binder:
         (and whatever else registered in ``on_resync``, e.g. the pods)."""
         async with self._lock:
             (slices, listed_at), inventories, quotas, *labelled = await asyncio.gather(
-                self.client.list_at(slices_path()), self.client.list(gpunodes_path()), self._list_quotas(),
-                *(self.client.list("/api/v1/nodes", label_selector=f"{k}={v}") for k, v in PLACEMENT_LABELS),
+                self.client.list_at(slices_path(), keep=slice_body), self.client.list(gpunodes_path(), keep=owned_body),
+                self._list_quotas(),
+                *(self.client.list("/api/v1/nodes", label_selector=f"{k}={v}", keep=node_body)
+                  for k, v in PLACEMENT_LABELS),
             )
             nodes = {n["metadata"]["name"]: node_labels(n["metadata"].get("labels")) for ls in labelled for n in ls}
             self.ledger.replace_all([slice_record(b) for b in slices], [inventory(b) for b in inventories], nodes,
@@ -136,7 +139,7 @@ class Binder:
         """Every GpuQuota; none when the CRD is not installed (an upgrade that skipped
         ``kubectl apply -f crds/``): then no namespace has a limit, as before quotas existed."""
         try:
-            return await self.client.list(QUOTAS_PATH)
+            return await self.client.list(QUOTAS_PATH, keep=owned_body)
         except ApiError as exc:
             if not exc.not_found:
                 raise

@@ -30,6 +30,7 @@ from ..common.names import (
     VERSION,
 )
 from ..common.operator import on_event, register_login, tune
+from ..common.trim import node_body, owned_body, pod_body, slice_body
 from .binder import Binder
 from .claims import SliceClaims
 from .pods import PodSlices
@@ -129,9 +130,11 @@ def build_registry(options: ControllerOptions) -> kopf.OperatorRegistry:
     async def pod_event(body: dict[str, Any], type: str | None) -> None:
         await state["pods"].pod_event(body, deleted=type == "DELETED")
 
-    for group, plural, fn in ((GROUP, SLICES, slice_event), (GROUP, NODES, gpunode_event),
-                              (GROUP, QUOTAS, gpuquota_event), ("", "nodes", node_event), ("", "pods", pod_event)):
-        on_event(registry, group, VERSION if group else "v1", plural, fn)
+    # Each kind's transform (kube/common/trim.py) keeps what the handlers and the books read.
+    for group, plural, fn, keep in ((GROUP, SLICES, slice_event, slice_body), (GROUP, NODES, gpunode_event, owned_body),
+                                    (GROUP, QUOTAS, gpuquota_event, owned_body), ("", "nodes", node_event, node_body),
+                                    ("", "pods", pod_event, pod_body)):
+        on_event(registry, group, VERSION if group else "v1", plural, fn, keep)
 
     @kopf.on.cleanup(registry=registry)
     async def cleanup(**_: Any) -> None:

@@ -1,4 +1,5 @@
-"""What the controller reads of the API's objects, as the records its ledger (core.books.ledger) takes."""
+"""What the controller reads of the API's objects, as the records its ledger (core.books.ledger) takes. A
+slice's record keeps its body as ``trim.slice_body`` keeps it, never the whole object."""
 
 from __future__ import annotations
 
@@ -24,12 +25,14 @@ from ..common.names import (
     MIG_NODE_LABEL,
     MIG_NODE_VALUE,
 )
+from ..common.trim import slice_body
 
 # The Node labels placement reads (key, value): one list each at a resync finds every node that has one.
 PLACEMENT_LABELS = ((MIG_NODE_LABEL, MIG_NODE_VALUE), (SHARING_LABEL, SHARING_VALUE), (TRUST_LABEL, TRUST_VALUE))
 
 
 def slice_record(body: Mapping) -> SliceRecord:
+    body = slice_body(body)
     meta = body["metadata"]
     spec = body.get("spec") or {}
     status = body.get("status") or {}
@@ -38,7 +41,7 @@ def slice_record(body: Mapping) -> SliceRecord:
     marked = binding is not None and AGENT_FINALIZER in (meta.get("finalizers") or ())
     return SliceRecord(
         uid=meta["uid"], namespace=meta["namespace"], name=meta["name"], created=meta.get("creationTimestamp", ""),
-        version=resource_version(meta), body=dict(body), request=request, invalid=invalid,
+        version=resource_version(meta), body=body, request=request, invalid=invalid,
         pinned=spec.get("nodeName"), phase=status.get("phase"), binding=binding,
         deleting=bool(meta.get("deletionTimestamp")), marked=marked,
         eligible=_eligible_nodes(meta), **_group(meta),

@@ -17,6 +17,7 @@ from mig_operator.core.placement.node_selection import (
 )
 
 from ..common.client import KubeClient
+from ..common.trim import node_body
 
 HOSTNAME_LABEL = "kubernetes.io/hostname"
 NODE_LABELS_TTL_S = 30.0
@@ -46,7 +47,7 @@ class NodeView:
         ``changed`` in between."""
         async with self._lock:
             if time.monotonic() - self._listed_at > NODE_LABELS_TTL_S:
-                nodes = await self.client.list("/api/v1/nodes")
+                nodes = await self.client.list("/api/v1/nodes", keep=node_body)
                 self._labels = {n["metadata"]["name"]: dict(n["metadata"].get("labels") or {}) for n in nodes}
                 self._taints = {n["metadata"]["name"]: list((n.get("spec") or {}).get("taints") or []) for n in nodes}
                 self._listed_at = time.monotonic()

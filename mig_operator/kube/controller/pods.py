@@ -51,15 +51,15 @@ from ..common.names import (
     POD_SLICE_LABEL,
     SCHEDULING_GATE,
     SLICE_KIND,
+    SLICE_TRY_ANNOTATION,
 )
+from ..common.trim import pod_body
 from ..common.workqueue import NodeWaits, Requeue, WorkQueue
 from .claims import SliceClaims
 from .pod_nodes import HOSTNAME_LABEL, NodeView
 
 log = logging.getLogger("mig_operator.controller.pods")
 FINISHED_PHASES = ("Succeeded", "Failed")
-# On a pod's GpuSlice: how many slices the pod has had, this one included (absent: the first).
-SLICE_TRY_ANNOTATION = "cdmo.io/slice-try"
 # A Ready slice's device not yet on its GpuNode gets the pod an Event after this long (a new instance
 # waits for the GpuNode publish that follows its Ready, a tenth of a second: no Event for that).
 DEVICE_WAIT_EVENT_S = 2.0
@@ -155,6 +155,7 @@ class PodSlices:
         self._ungating: set[tuple[str, str]] = set()
 
     async def pod_event(self, pod: dict[str, Any], deleted: bool) -> None:
+        pod = pod_body(pod)  # what is kept of it (a watch event's pod is kept already)
         meta = pod["metadata"]
         name = (meta.get("labels") or {}).get(POD_SLICE_LABEL)
         if not name:
@@ -469,12 +470,12 @@ class PodSlices:
             if not _gated(fresh):
                 return
             answer = await self.client.json_patch(path, ungate_ops(fresh, node, await self.nodes.hostname(fresh, node)))
-        self.pods[(info.namespace, group_of(info))] = answer
+        self.pods[(info.namespace, group_of(info))] = pod_body(answer)
         log.debug("pod %s/%s ungated onto %s", info.namespace, meta["name"], node)
 
     async def resync(self) -> None:
         """Every labelled pod again (after a restart or failover): none is left gated without cause."""
-        for pod in await self.client.list("/api/v1/pods", label_selector=POD_SLICE_LABEL):
+        for pod in await self.client.list("/api/v1/pods", label_selector=POD_SLICE_LABEL, keep=pod_body):
             try:
                 await self.pod_event(pod, deleted=False)
             except ApiError as exc:
