@@ -38,7 +38,7 @@ import stat
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -99,10 +99,13 @@ class ApiDouble:
             raise self._missing(path)
         return copy.deepcopy(self.objects[path])
 
-    async def list(self, path: str, label_selector: str | None = None, field_selector: str | None = None) -> list:
+    async def list(self, path: str, label_selector: str | None = None, field_selector: str | None = None,
+                   keep: Callable[[dict], dict] | None = None) -> list:
         if path.endswith("/resourceslices"):  # one node here: the field selector holds for all of them
-            return [copy.deepcopy(o) for p, o in self.objects.items() if p.startswith(f"{path}/")]
-        return [copy.deepcopy(o) for p, o in self.objects.items() if "/gpuslices/" in p]
+            found = [copy.deepcopy(o) for p, o in self.objects.items() if p.startswith(f"{path}/")]
+        else:
+            found = [copy.deepcopy(o) for p, o in self.objects.items() if "/gpuslices/" in p]
+        return found if keep is None else [keep(o) for o in found]
 
     async def merge_patch(self, path: str, body: dict) -> dict:
         target = path.removesuffix("/status")
