@@ -21,12 +21,24 @@ def device_healthy(operator: OperatorHarness, ns: str, name: str) -> dict:
     return next((c for c in status.get("conditions") or () if c["type"] == "DeviceHealthy"), {})
 
 
+def device_taints(operator: OperatorHarness, node: Any, uid: str) -> list[tuple[str, str, str]]:
+    """The taints (key, value, effect) of a slice's device in the node's ResourceSlices."""
+    listed = operator.custom.list_cluster_custom_object("resource.k8s.io", "v1", "resourceslices",
+                                                         field_selector=f"spec.nodeName={node.name}")["items"]
+    for item in listed:
+        for device in (item.get("spec") or {}).get("devices") or ():
+            if device["name"] == uid:
+                return [(t["key"], t.get("value", ""), t["effect"]) for t in device.get("taints") or ()]
+    return []
+
+
 def test_a_failing_gpu_is_published_shunned_and_healthy_again_after_a_reset(operator: OperatorHarness) -> None:
     node = operator.add_node("h100-80gb", count=2)
     operator.start_operator(node)
     ns = operator.namespace()
     operator.create_slice(ns, "held", {"migProfile": "1g.10gb"})
-    held = operator.wait_phase(ns, "held", "Ready")["status"]
+    held_body = operator.wait_phase(ns, "held", "Ready")
+    held, held_uid = held_body["status"], held_body["metadata"]["uid"]
     sick, other = held["gpu"], 1 - held["gpu"]
     assert gpu_health(operator, node, sick)["status"] == "True"
 
@@ -39,6 +51,11 @@ def test_a_failing_gpu_is_published_shunned_and_healthy_again_after_a_reset(oper
                             lambda: f"DeviceHealthy=False on held: {operator.get_slice(ns, 'held')}")
     assert slice_cond["reason"] == "Xid79"
     assert operator.get_slice(ns, "held")["status"]["phase"] == "Ready"  # its workload decides, not us
+    # Device taints are GA in 1.37; an older API server drops the field, and the device stays untainted.
+    if operator.cluster.minor >= 37:
+        taint = ("gpu.cdmo.io/unhealthy", "Xid79", "NoSchedule")
+        wait_until(lambda: device_taints(operator, node, held_uid) == [taint], 20,
+                   lambda: f"the device of held tainted: {device_taints(operator, node, held_uid)}")
 
     def events() -> list[Any]:
         listed = operator.core.list_namespaced_event("default", field_selector=f"involvedObject.name={node.name}")
@@ -71,5 +88,7 @@ def test_a_failing_gpu_is_published_shunned_and_healthy_again_after_a_reset(oper
         wait_until(lambda n=name: device_healthy(operator, ns, n).get("status") == "True", 20,
                    lambda n=name: f"DeviceHealthy=True on {n}: {operator.get_slice(ns, n)}")
     operator.wait_phase(ns, "waits", "Ready")
+    wait_until(lambda: device_taints(operator, node, held_uid) == [], 20,
+               lambda: f"the taint gone: {device_taints(operator, node, held_uid)}")
     wait_until(lambda: [e for e in events() if e.reason == "GpuHealthy"], 20, lambda: f"GpuHealthy: {events()}")
     check_invariants(operator)

@@ -172,7 +172,9 @@ class Publisher:
         """The node's ResourceSlice: one device per offered slice (written only when that changes;
         ``verify``: read back even if unchanged here, since the kubelet may have deleted it)."""
         async with self._devices_lock:
-            devices = [device_info(e) for e in self.offered()]
+            effect = self.settings.device_taint_effect
+            devices = [device_info(e, "" if (h := self.health.of(e.gpu)).healthy else h.reason, effect)
+                       for e in self.offered()]
             try:
                 await self.resource_slice.publish(devices, self.node.uid, verify=verify)
             except ApiError as exc:
