@@ -56,7 +56,8 @@ def add_part_commands(sub: argparse._SubParsersAction, common: argparse.Argument
     p.add_argument("--sim-latency", type=float, default=0.0, help="simulator: seconds each create/destroy takes")
     p.add_argument("--nvml-attempts", type=int, default=5, help="tries of a transiently failing GPU call")
     p.add_argument("--device-taint-effect", default="NoSchedule",
-                   help="effect of the taint on an unhealthy GPU's devices: NoSchedule or NoExecute (default: %(default)s)")
+                   help="effect of the taint on an unhealthy GPU's devices: NoSchedule or NoExecute "
+                   "(default: %(default)s)")
     p.add_argument("--kubelet-registry-dir", default="/var/lib/kubelet/plugins_registry",
                    help="the kubelet's plugin registry: the DRA driver's registration socket goes there "
                    "('' serves no kubelet plugin)")
