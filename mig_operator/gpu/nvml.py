@@ -93,7 +93,8 @@ class NvmlBackend:
         self._models: dict[int, GpuModel] = {}
         self._gpu_locks: dict[int, threading.Lock] = {}
         self._locks_lock = threading.Lock()
-        self._events: Any = None  # NVML's event set for critical Xids, made at the first ``health``
+        # NVML's event set for critical Xids, made at the first ``health``; False: NVML would not make one.
+        self._events: Any = None
         self._events_lock = threading.Lock()
         self._xids: dict[str, int] = {}  # GPU UUID -> its last critical Xid
 
@@ -268,7 +269,7 @@ class NvmlBackend:
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            if self._events is not None:
+            if self._events is not None and self._events is not False:
                 with contextlib.suppress(pynvml.NVMLError):
                     pynvml.nvmlEventSetFree(self._events)
                 self._events = None
@@ -277,11 +278,16 @@ class NvmlBackend:
     def _drain_events(self) -> None:
         """Every critical Xid event NVML holds, without waiting; the event set is made (and every GPU
         registered) on the first call. A GPU that cannot report Xid events is left out."""
+        if self._events is False:
+            return
         if self._events is None:
-            with translate("create an NVML event set"):
+            try:
                 self._events = pynvml.nvmlEventSetCreate()
-            with translate("count GPUs"):
                 count = pynvml.nvmlDeviceGetCount()
+            except pynvml.NVMLError as exc:
+                log.warning("no NVML event set (%s): GPU health is read from NVML's answers only, without Xids", exc)
+                self._events = False
+                return
             for index in range(count):
                 try:
                     handle = pynvml.nvmlDeviceGetHandleByIndex(index)

@@ -6,7 +6,10 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import pytest
+
 from mig_operator.core.node.lifecycle import COMPLETED, OwnerEntry
+from mig_operator.gpu.protocol import GpuError
 from mig_operator.gpu.simulated import SimulatedBackend
 from mig_operator.kube.agent.gpus import Gpus
 from mig_operator.kube.agent.health import HealthWatch
@@ -54,3 +57,32 @@ def test_a_critical_xid_marks_the_slices_on_its_gpu_once_and_a_reset_takes_it_ba
     assert (uid, back.healthy) == ("u1", True)
     health.saw_slice("u1", {"status": {"conditions": [{"type": "DeviceHealthy", "status": "True"}]}})
     assert health.slices_to_mark({"u0", "u1"}) == []
+
+
+class LosingBackend(SimulatedBackend):
+    """NVML's answers for a GPU fallen off the bus: every call on GPU 1 fails with GPU_IS_LOST once lost."""
+
+    lost = False
+
+    def instances(self, index: int):  # type: ignore[no-untyped-def]
+        if self.lost and index == 1:
+            raise GpuError("GPU_IS_LOST", f"list instances on GPU {index}")
+        return super().instances(index)
+
+
+def test_a_lost_gpu_keeps_its_last_reading_and_the_others_are_read() -> None:
+    sim = LosingBackend("h100-80gb", count=2)
+    sim.create_instance(0, 19, 0)
+    sim.create_instance(1, 19, 0)
+    gpus = Gpus(sim)
+    asyncio.run(gpus.refresh())
+    _models, before = asyncio.run(gpus.read_all())
+    sim.lost = True
+    sim.create_instance(0, 19, 1)
+    _models, after = asyncio.run(gpus.read_all())
+    assert len(after[0]) == 2  # GPU 0 read afresh
+    assert after[1] == before[1] and len(after[1]) == 1  # GPU 1: what it last said
+    fresh = Gpus(sim)  # nothing read before the loss: the error is the caller's
+    asyncio.run(fresh.refresh())
+    with pytest.raises(GpuError):
+        asyncio.run(fresh.read_all())
