@@ -7,7 +7,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from harness import OperatorHarness, check_invariants, wait_until
+
+# Also run on the oldest supported Kubernetes release (make compat): there the API server drops device
+# taints, and the devices stay untainted while everything else holds.
+pytestmark = pytest.mark.compat
 
 
 def gpu_health(operator: OperatorHarness, node: Any, index: int) -> dict:
