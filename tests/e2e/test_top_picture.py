@@ -202,11 +202,12 @@ def test_top_shows_a_namespaces_quota_and_its_use(operator: OperatorHarness) -> 
 
     quota = wait_until(item, 20, "the quota's use in top --json")
     assert quota == {"namespace": ns, "name": "quota", "usedBytes": 9984 * MIB, "hardBytes": 40 * 2**30,
-                     "usedSlices": 1, "hardSlices": 3, "waiting": 0}
+                     "usedSlices": 1, "hardSlices": 3, "waiting": 0, "wholeGpus": 0}
     text = top(operator).stdout
     [row] = [line for line in text.splitlines() if line.startswith(f"  {ns} ")]
     # 9984 MiB is 9.75 GiB (9.8 at one decimal), 24 % of 40 GiB.
-    assert row.split() == [ns, "9.8", "GiB", "/", "40", "GiB", "24%", "1", "/", "3", "0"], row
+    # A MIG slice holds no fraction GPU whole: the last column is 0.
+    assert row.split() == [ns, "9.8", "GiB", "/", "40", "GiB", "24%", "1", "/", "3", "0", "0"], row
 
 
 def test_watch_draws_again_until_ctrl_c(operator: OperatorHarness) -> None:
