@@ -47,7 +47,7 @@ from test_release_in_use import tenant_namespace, tenant_roles  # noqa: F401 (a 
 pytestmark = pytest.mark.compat
 
 CLAIMS = ("resource.k8s.io", "v1", "resourceclaims")
-FREED = {"memory": "0", "slices": 0}
+FREED = {"memory": "0", "slices": 0, "wholeGpus": 0}
 # Bounded waits: what the garbage collector, kube-controller-manager and the agent take on a busy
 # two-core machine, with room to spare (each usually takes a second or two).
 SETTLE_S = 60
