@@ -63,7 +63,9 @@ def handed_device(op: OperatorHarness, pod: Any) -> dict[str, str]:
         assert not container.env_from
         assert not [e for e in container.env or [] if e.name.startswith(("CDMO_", "NVIDIA_"))]
         assert not [m for m in container.volume_mounts or [] if "cdmo" in m.name]
-    sl = op.get_slice(ns, name)
+    # The pod may run before the slice's status names its claim (the claim is the slice's by name).
+    sl = wait_until(lambda: (found := op.get_slice(ns, name)) and (found.get("status") or {}).get("claim") and found,
+                    30, f"slice {ns}/{name} naming its claim")
     assert sl["status"]["claim"] == name
     claim = op.custom.get_namespaced_custom_object("resource.k8s.io", "v1", ns, "resourceclaims", name)
     owners = [(r["kind"], r["uid"]) for r in claim["metadata"]["ownerReferences"]]
