@@ -92,7 +92,9 @@ def test_a_pod_asking_for_nothing_passes_unchanged_and_a_bad_one_is_refused_with
     assert "'4X'" in response["status"]["message"] and "patch" not in response
 
 
-def test_the_server_answers_a_review_over_tls_and_refuses_what_is_not_one(tmp_path: Any) -> None:
+def tls_review_server(tmp_path: Any) -> tuple[ReviewServer, socket.socket, int, str]:
+    """The pod webhook's review server on a free loopback port with a certificate made here: the server,
+    its socket, its port and the CA (PEM) that signed the certificate."""
     bundle = make_certificate(["127.0.0.1"])
     cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
     cert.write_bytes(bundle.cert_pem + bundle.ca_pem)
@@ -100,12 +102,16 @@ def test_the_server_answers_a_review_over_tls_and_refuses_what_is_not_one(tmp_pa
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     sock.listen()
-    port = sock.getsockname()[1]
     server = ReviewServer(sock, str(cert), str(key), pod_handlers(WebhookOptions(listen="x:1", namespace="ops")))
+    return server, sock, sock.getsockname()[1], bundle.ca_pem.decode()
+
+
+def test_the_server_answers_a_review_over_tls_and_refuses_what_is_not_one(tmp_path: Any) -> None:
+    server, sock, port, ca = tls_review_server(tmp_path)
 
     async def scenario() -> tuple[dict, int]:
         task = asyncio.create_task(server.run())
-        context = ssl.create_default_context(cadata=bundle.ca_pem.decode())
+        context = ssl.create_default_context(cadata=ca)
         try:
             async with aiohttp.ClientSession() as session:
                 for _ in range(50):  # until it listens
@@ -170,15 +176,7 @@ def test_a_server_that_cannot_start_says_so_and_serves_once_it_can(tmp_path: Any
 
 def test_a_review_as_large_as_the_api_server_sends_is_served_and_a_larger_one_refused_saying_why(
         tmp_path: Any) -> None:
-    bundle = make_certificate(["127.0.0.1"])
-    cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
-    cert.write_bytes(bundle.cert_pem + bundle.ca_pem)
-    key.write_bytes(bundle.key_pem)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen()
-    port = sock.getsockname()[1]
-    server = ReviewServer(sock, str(cert), str(key), pod_handlers(WebhookOptions(listen="x:1", namespace="ops")))
+    server, sock, port, ca = tls_review_server(tmp_path)
 
     def review(uid: str, padding: int) -> bytes:
         pod = annotated_pod()
@@ -192,7 +190,7 @@ def test_a_review_as_large_as_the_api_server_sends_is_served_and_a_larger_one_re
 
     async def scenario() -> list[dict]:
         task = asyncio.create_task(server.run())
-        context = ssl.create_default_context(cadata=bundle.ca_pem.decode())
+        context = ssl.create_default_context(cadata=ca)
         answers = []
         try:
             async with aiohttp.ClientSession() as session:
