@@ -16,29 +16,28 @@ from mig_operator.kube.agent.health import HealthWatch
 from mig_operator.kube.agent.record import RecordStore
 
 
-def watch(tmp_path: Path) -> tuple[SimulatedBackend, HealthWatch, list[int]]:
+def watch(tmp_path: Path) -> tuple[SimulatedBackend, HealthWatch]:
     sim = SimulatedBackend("h100-80gb", count=2)
     store = RecordStore(str(tmp_path / "owners.json"))
     store.put(OwnerEntry("u0", "team/on0", "mig", 0, COMPLETED, 1, 19, "1g.10gb", 0, 1, 9, 0, "MIG-a"))
     store.put(OwnerEntry("u1", "team/on1", "fraction", 1, COMPLETED, 1, device_uuid="GPU-1"))
     gpus = Gpus(sim)
-    changes: list[int] = []
-    health = HealthWatch(gpus, store, None, lambda: changes.append(1))  # type: ignore[arg-type]
+    health = HealthWatch(gpus, store, None)  # type: ignore[arg-type]
     asyncio.run(gpus.refresh())
-    return sim, health, changes
+    return sim, health
 
 
 def test_healthy_gpus_are_no_news_and_mark_no_slice(tmp_path: Path) -> None:
-    _sim, health, changes = watch(tmp_path)
+    _sim, health = watch(tmp_path)
     assert asyncio.run(health.poll())  # the first reading is recorded
     assert health.events == []
     assert health.slices_to_mark({"u0", "u1"}) == []
-    assert not asyncio.run(health.poll()) and len(changes) == 1
+    assert not asyncio.run(health.poll())  # nothing changed: nothing to publish
     assert [c[0]["status"] for c in health.conditions().values()] == ["True", "True"]
 
 
 def test_a_critical_xid_marks_the_slices_on_its_gpu_once_and_a_reset_takes_it_back(tmp_path: Path) -> None:
-    sim, health, _changes = watch(tmp_path)
+    sim, health = watch(tmp_path)
     asyncio.run(health.poll())
     sim.inject_xid(1, 94)
     assert asyncio.run(health.poll())

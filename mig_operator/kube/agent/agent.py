@@ -71,7 +71,7 @@ class NodeAgent:
         self.mps = MpsKeeper(self.gpus, store, mps, status.now)
         self.node_watch = NodeWatch(settings.node, client, settings.toolkit_config)
         context = AgentContext(settings, self.gpus, store, client, events, self.mps)
-        self.health = HealthWatch(self.gpus, store, client, lambda: self.schedule_publish(at_once=True))
+        self.health = HealthWatch(self.gpus, store, client)
         self.publisher = Publisher(context, self.node_watch, lambda: self.realiser.offered_entries(), self.health)
         self.realiser = Realiser(context, self.publisher)
         self.mps.on_change = self.realiser.mps_changed
@@ -179,8 +179,10 @@ class NodeAgent:
                 log.warning("GPU health check failed: %s", exc)
 
     async def check_health(self) -> None:
-        """Read each GPU's health once, and write ``DeviceHealthy`` on the Ready slices whose GPU changed."""
-        await self.health.poll()
+        """Read each GPU's health once: a change is published at once, and ``DeviceHealthy`` written on the
+        Ready slices whose GPU changed."""
+        if await self.health.poll():
+            self.schedule_publish(at_once=True)
         for uid, ref, health in self.health.slices_to_mark(self.realiser.shown_ready):
             await self.health.mark(uid, ref, health, self.realiser.write_status)
 

@@ -27,11 +27,10 @@ class HealthWatch:
     """The node's GPUs' health, the Events still to post about it, and the ``DeviceHealthy`` status each
     Ready slice shows (as its last event or this agent's last write says)."""
 
-    def __init__(self, gpus: Gpus, store: RecordStore, client: KubeClient, on_change: Callable[[], None]) -> None:
+    def __init__(self, gpus: Gpus, store: RecordStore, client: KubeClient) -> None:
         self.gpus = gpus
         self.store = store
         self.client = client
-        self.on_change = on_change  # the GpuNode is published again at once
         self.health: dict[int, GpuHealth] = {}
         self.since: dict[int, str] = {}  # when each GPU's Healthy status last changed
         self.events: list[tuple[str, str, str]] = []  # (type, reason, message) to post on the GpuNode
@@ -56,8 +55,10 @@ class HealthWatch:
             self.shown[uid] = found.get("status") == "True"
 
     async def poll(self) -> bool:
-        """Read every GPU's health once; True when one changed (the GpuNode is published again, an Event
-        waits for that write)."""
+        """Read every GPU's health once; True when one changed: the caller publishes the GpuNode again (an
+        Event waits for that write). Nothing is published from here: during the agent's start a publish
+        would run before the node's label and the slices were read (``serves: none``, Ready slices unknown
+        to the MPS keeper)."""
         changed = False
         for gpu in self.gpus.all:
             try:
@@ -80,8 +81,6 @@ class HealthWatch:
             else:
                 log.warning("GPU %s is unhealthy: %s", gpu.index, now.message)
                 self.events.append(("Warning", UNHEALTHY_EVENT, f"{now.message} ({gpu.uuid})"))
-        if changed:
-            self.on_change()
         return changed
 
     def slices_to_mark(self, ready: set[str]) -> list[tuple[str, str, GpuHealth]]:
