@@ -260,6 +260,15 @@ class NvmlBackend:
         xid = self._xids.get(uuid)
         return xid_health(index, xid) if xid is not None else HEALTHY
 
+    def clear_xid(self, index: int) -> None:
+        try:
+            uuid = text(pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(index)))
+        except pynvml.NVMLError as exc:
+            raise GpuError(nvml_code(exc), f"clear the Xid of GPU {index}: {exc}") from exc
+        with self._events_lock:
+            self._drain_events()  # an Xid NVML still holds is from before the clear
+            self._xids.pop(uuid, None)
+
     def device_root(self) -> str:
         return "/"
 

@@ -188,6 +188,11 @@ class GpuBackend(Protocol):
         the GPU lost. Never blocks and never raises for the GPU's own failure: that is what it reports."""
         ...
 
+    def clear_xid(self, index: int) -> None:
+        """Forget the critical Xid kept for the GPU (an admin dealt with it): ``health`` reports it healthy
+        until another is reported. A lost GPU stays lost: that is NVML's answer now, not a kept event."""
+        ...
+
     def close(self) -> None:
         """Release the backend's resources (NVML session, file locks)."""
         ...

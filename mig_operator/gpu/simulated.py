@@ -18,7 +18,8 @@ What it reproduces, because the operator's logic depends on it:
   completes one. Faults (``inject_fault``) and ``create_half_instance`` make such states on purpose;
 - a GPU's health (``health``): ``inject_xid`` reports an Xid on it (a critical one, ``core.node.health``,
   makes it unhealthy), ``lose_gpu`` makes it fall off the bus, and ``reset_gpu`` (or ``reboot``) makes
-  it healthy again, as a GPU reset does. Only ``health`` reports a lost GPU; its other calls go on.
+  it healthy again, as a GPU reset does; ``clear_xid`` forgets the Xid only (an admin's clear mark).
+  Only ``health`` reports a lost GPU; its other calls go on.
 
 State lives in memory, or in a JSON file when ``state_file`` is given: it is read under an ``fcntl``
 lock before every operation (decoded only when its bytes changed) and written atomically (temp file
@@ -167,8 +168,9 @@ class SimulatedBackend:
             self._boot = f"sim-{uuid.uuid4()}"
 
     def inject_xid(self, index: int, xid: int) -> None:
-        """GPU ``index`` reports Xid ``xid``: a critical one makes it unhealthy until ``reset_gpu``; an
-        application's (``core.node.health.APPLICATION_XIDS``) changes nothing, as on hardware."""
+        """GPU ``index`` reports Xid ``xid``: a critical one makes it unhealthy until ``reset_gpu`` (or
+        ``clear_xid``); an application's (``core.node.health.APPLICATION_XIDS``) changes nothing, as on
+        hardware."""
         if not is_int(xid) or xid < 1:
             raise ValueError(f"Xid {clip_repr(xid)} is not a positive number; e.g. 79")
         with self._state():
@@ -180,6 +182,10 @@ class SimulatedBackend:
         """GPU ``index`` falls off the bus: ``health`` reports it lost until ``reset_gpu``."""
         with self._state():
             self._gpu(index, "lose the GPU").lost = True
+
+    def clear_xid(self, index: int) -> None:
+        with self._state():
+            self._gpu(index, "clear the GPU's Xid").xid = 0
 
     def reset_gpu(self, index: int) -> None:
         """GPU ``index`` is reset (``nvidia-smi -r``): its Xid and loss are cleared; its instances stay."""

@@ -1,10 +1,11 @@
 """A GPU that fails under a Ready slice (the simulator's injected Xid, then a GPU lost): the GpuNode says
 so per GPU with an Event, the slice's DeviceHealthy turns False, a new slice goes to the healthy GPU and,
 with none left, waits naming the GPUs and why; after a reset every condition is healthy again and the
-waiting slice binds."""
+waiting slice binds; a later Xid is cleared by the admin's mark on the Node."""
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -96,4 +97,17 @@ def test_a_failing_gpu_is_published_shunned_and_healthy_again_after_a_reset(oper
     wait_until(lambda: device_taints(operator, node, held_uid) == [], 20,
                lambda: f"the taint gone: {device_taints(operator, node, held_uid)}")
     wait_until(lambda: [e for e in events() if e.reason == "GpuHealthy"], 20, lambda: f"GpuHealthy: {events()}")
+
+    # Another Xid, not followed by a reset: the admin's clear mark on the Node (docs/operations.md) makes
+    # the agent forget it; the GPU and the slice on it are healthy again.
+    node.backend().inject_xid(sick, 48)
+    wait_until(lambda: device_healthy(operator, ns, "held").get("reason") == "Xid48", 20,
+               lambda: f"DeviceHealthy Xid48 on held: {operator.get_slice(ns, 'held')}\n{operator.logs()}")
+    mark = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    operator.core.patch_node(node.name, {"metadata": {"annotations": {"cdmo.io/gpu-health-cleared": mark}}})
+    wait_until(lambda: gpu_health(operator, node, sick).get("status") == "True", 20,
+               lambda: f"GPU {sick} cleared: {operator.gpunode(node)}\n{operator.logs()}")
+    wait_until(lambda: device_healthy(operator, ns, "held").get("status") == "True", 20,
+               lambda: f"DeviceHealthy=True on held after the mark: {operator.get_slice(ns, 'held')}")
+    assert node.backend().health(sick).healthy  # forgotten by the backend, not only hidden
     check_invariants(operator)

@@ -4,6 +4,7 @@ their DeviceHealthy written (each slice once per change, none on a GPU that was 
 from __future__ import annotations
 
 import asyncio
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -56,6 +57,27 @@ def test_a_critical_xid_marks_the_slices_on_its_gpu_once_and_a_reset_takes_it_ba
     assert (uid, back.healthy) == ("u1", True)
     health.saw_slice("u1", {"status": {"conditions": [{"type": "DeviceHealthy", "status": "True"}]}})
     assert health.slices_to_mark({"u0", "u1"}) == []
+
+
+def test_a_clear_mark_after_the_xid_makes_the_gpu_healthy_and_one_before_it_changes_nothing(
+        tmp_path: Path) -> None:
+    sim, health = watch(tmp_path)
+    asyncio.run(health.poll())
+    sim.inject_xid(1, 79)
+    sim.inject_xid(0, 48)
+    sim.lose_gpu(0)
+    asyncio.run(health.poll())
+    health.events.clear()
+    seen = datetime.fromisoformat(health.seen[1])
+    assert not asyncio.run(health.poll(seen - timedelta(seconds=1)))  # a mark older than the Xid
+    assert not health.of(1).healthy and sim.health(1).reason == "Xid79"
+    assert asyncio.run(health.poll(datetime.now(UTC)))
+    assert health.of(1).healthy and sim.health(1).healthy
+    assert health.of(0).reason == "GpuLost"  # a lost GPU stays lost: NVML says so now
+    assert [(kind, reason) for kind, reason, _ in health.events] == [("Normal", "GpuHealthy")]
+    sim.inject_xid(1, 94)  # reported after the mark: kept although the mark stays
+    assert asyncio.run(health.poll(datetime.now(UTC) - timedelta(seconds=5)))
+    assert health.of(1).reason == "Xid94"
 
 
 class LosingBackend(SimulatedBackend):

@@ -4,6 +4,7 @@ conditions read back from a GpuNode."""
 from __future__ import annotations
 
 import json
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -12,10 +13,13 @@ from mig_operator.core.node.health import (
     GPU_LOST,
     HEALTHY,
     GpuHealth,
+    cleared_at,
     condition,
     health_from_conditions,
     unhealthy_note,
     xid_critical,
+    xid_health,
+    xids_to_clear,
 )
 from mig_operator.gpu.protocol import GpuError
 from mig_operator.gpu.simulated import SimulatedBackend
@@ -105,3 +109,42 @@ def test_the_note_names_each_unhealthy_gpu_and_caps_the_list() -> None:
     many = unhealthy_note({(f"n{i}", 0): GpuHealth(False, GPU_LOST) for i in range(7)})
     assert many.startswith("7 GPUs are unhealthy") and many.endswith("and 2 more")
     assert many.count("GpuLost") == 5
+
+
+@pytest.mark.parametrize(("value", "expected"), [
+    ("2026-11-27T18:00:00Z", datetime(2026, 11, 27, 18, 0, 0, tzinfo=UTC)),
+    ("2026-11-27T19:30:05+01:30", datetime(2026, 11, 27, 18, 0, 5, tzinfo=UTC)),
+    (" 2026-11-27T18:00:00.250Z", datetime(2026, 11, 27, 18, 0, 0, 250000, tzinfo=UTC)),
+])
+def test_a_clear_mark_is_an_rfc3339_time(value: str, expected: datetime) -> None:
+    assert cleared_at(value) == expected
+
+
+@pytest.mark.parametrize("value", ["yesterday", "2026-11-27T18:00:00", "", "1764266400"])
+def test_a_clear_mark_that_is_no_time_with_a_zone_is_refused_with_an_example(value: str) -> None:
+    with pytest.raises(ValueError, match=r"e\.g\. 2026-11-27T18:00:00Z"):
+        cleared_at(value)
+
+
+def test_a_clear_mark_forgets_the_xids_seen_until_its_time_and_never_a_lost_gpu() -> None:
+    health = {0: xid_health(0, 79), 1: xid_health(1, 48), 2: GpuHealth(False, GPU_LOST, "lost"), 3: HEALTHY}
+    seen = {0: "2026-11-27T17:59:59Z", 1: "2026-11-27T18:00:01Z", 2: "2026-11-27T17:00:00Z",
+            3: "2026-11-27T17:00:00Z"}
+    mark = datetime(2026, 11, 27, 18, 0, 0, tzinfo=UTC)
+    assert xids_to_clear(health, seen, mark) == [0]  # GPU 1's Xid came after the mark
+    assert xids_to_clear(health, {**seen, 0: "2026-11-27T18:00:00Z"}, mark) == [0]  # the same second counts
+    assert xids_to_clear(health, seen, datetime(2026, 11, 27, 18, 0, 1, tzinfo=UTC)) == [0, 1]
+    assert xids_to_clear(health, {1: seen[1]}, mark) == []  # a GPU never seen is not cleared
+
+
+def test_the_simulator_clears_an_xid_and_keeps_a_lost_gpu_lost() -> None:
+    sim = SimulatedBackend("h100-80gb", count=2)
+    sim.inject_xid(0, 79)
+    sim.inject_xid(1, 79)
+    sim.lose_gpu(1)
+    sim.clear_xid(0)
+    sim.clear_xid(1)
+    assert sim.health(0) == HEALTHY
+    assert sim.health(1).reason == GPU_LOST
+    sim.reset_gpu(1)
+    assert sim.health(1) == HEALTHY  # the cleared Xid does not come back after the loss ends

@@ -5,6 +5,10 @@ off the bus as ``GPU_IS_LOST`` on any call. Most Xids an application causes (an 
 graphics exception) say nothing about the GPU: NVIDIA's device plugin skips 13, 31, 43, 45, 68 and 109
 by default, and so does ``xid_critical``; every other Xid marks the GPU unhealthy until it is reset.
 
+An admin who dealt with a GPU's error (reset it) clears the Xid the agent keeps with a time on the Node
+(``cleared_at``): every Xid the agent saw at or before it is forgotten (``xids_to_clear``); a GPU NVML
+still reports lost stays unhealthy.
+
 An unhealthy GPU takes no new slice and its idle instances are not reused (``core.placement``); its
 GpuNode entry carries the ``Healthy`` condition, and each slice realised on it ``DeviceHealthy``.
 Pure: the inputs are what NVML reported or what a GpuNode's status says.
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import UTC, datetime
 
 # The condition on each GPU of a GpuNode (status.gpus[].conditions) and on each slice realised there.
 HEALTHY_CONDITION = "Healthy"
@@ -100,3 +105,23 @@ def unhealthy_note(unhealthy: Mapping[tuple[str, int], GpuHealth]) -> str:
     if len(unhealthy) == 1:
         return f"{named} is unhealthy and takes no new slice"
     return f"{len(unhealthy)} GPUs are unhealthy and take no new slice: {named}{more}"
+
+
+def cleared_at(value: str) -> datetime:
+    """The time in an admin's clear mark (RFC 3339, as ``date -u +%Y-%m-%dT%H:%M:%SZ`` writes it);
+    ValueError naming the value and a valid example otherwise."""
+    try:
+        when = datetime.fromisoformat(value.strip())
+    except ValueError:
+        when = None
+    if when is None or when.tzinfo is None:
+        raise ValueError(f"{value[:64]!r} is not an RFC 3339 time with its zone; e.g. 2026-11-27T18:00:00Z")
+    return when.astimezone(UTC)
+
+
+def xids_to_clear(health: Mapping[int, GpuHealth], seen: Mapping[int, str], cleared: datetime) -> list[int]:
+    """The GPUs whose critical Xid an admin's clear mark at ``cleared`` forgets: unhealthy by an Xid
+    (``Xid<N>``, not ``GpuLost``) first seen (``seen``, RFC 3339) at or before that time."""
+    return sorted(index for index, h in health.items()
+                  if not h.healthy and h.reason.startswith("Xid") and index in seen
+                  and datetime.fromisoformat(seen[index]) <= cleared)

@@ -181,7 +181,7 @@ class NodeAgent:
     async def check_health(self) -> None:
         """Read each GPU's health once: a change is published at once, and ``DeviceHealthy`` written on the
         Ready slices whose GPU changed."""
-        if await self.health.poll():
+        if await self.health.poll(self.node_watch.health_cleared):
             self.schedule_publish(at_once=True)
         for uid, ref, health in self.health.slices_to_mark(self.realiser.shown_ready):
             await self.health.mark(uid, ref, health, self.realiser.write_status)

@@ -1,15 +1,24 @@
 """Each GPU's health as the agent watches it (``core.node.health``): read from the backend every
 ``health_poll_s`` (NVML's Xid events drained without waiting, and whether the GPU answers), published on
 the GpuNode (``gpus[].conditions``, type ``Healthy``) with an Event when it changes, and on each Ready
-slice realised on the GPU (condition ``DeviceHealthy``).
+slice realised on the GPU (condition ``DeviceHealthy``). An admin's clear mark on the Node (``NodeWatch``)
+makes the backend forget the Xids seen until its time (``core.node.health.xids_to_clear``).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable, Mapping
+from datetime import datetime
 
-from mig_operator.core.node.health import DEVICE_HEALTHY_CONDITION, HEALTHY, HEALTHY_CONDITION, GpuHealth, condition
+from mig_operator.core.node.health import (
+    DEVICE_HEALTHY_CONDITION,
+    HEALTHY,
+    HEALTHY_CONDITION,
+    GpuHealth,
+    condition,
+    xids_to_clear,
+)
 from mig_operator.gpu.protocol import GpuError
 
 from ..common import status
@@ -33,6 +42,7 @@ class HealthWatch:
         self.client = client
         self.health: dict[int, GpuHealth] = {}
         self.since: dict[int, str] = {}  # when each GPU's Healthy status last changed
+        self.seen: dict[int, str] = {}  # when each GPU's current reading (its reason) was first seen
         self.events: list[tuple[str, str, str]] = []  # (type, reason, message) to post on the GpuNode
         self.shown: dict[str, bool] = {}  # slice UID -> the DeviceHealthy status its status carries
 
@@ -54,11 +64,13 @@ class HealthWatch:
         else:
             self.shown[uid] = found.get("status") == "True"
 
-    async def poll(self) -> bool:
+    async def poll(self, cleared: datetime | None = None) -> bool:
         """Read every GPU's health once; True when one changed: the caller publishes the GpuNode again (an
         Event waits for that write). Nothing is published from here: during the agent's start a publish
         would run before the node's label and the slices were read (``serves: none``, Ready slices unknown
-        to the MPS keeper)."""
+        to the MPS keeper). ``cleared``: the admin's clear mark; the Xids seen until then are forgotten first."""
+        if cleared is not None:
+            await self._clear(cleared)
         changed = False
         for gpu in self.gpus.all:
             try:
@@ -70,6 +82,7 @@ class HealthWatch:
             if now == before:
                 continue
             self.health[gpu.index] = now
+            self.seen[gpu.index] = status.seconds_now()
             changed = True
             if before is None or before.healthy != now.healthy:
                 self.since[gpu.index] = status.seconds_now()
@@ -82,6 +95,16 @@ class HealthWatch:
                 log.warning("GPU %s is unhealthy: %s", gpu.index, now.message)
                 self.events.append(("Warning", UNHEALTHY_EVENT, f"{now.message} ({gpu.uuid})"))
         return changed
+
+    async def _clear(self, cleared: datetime) -> None:
+        for index in xids_to_clear(self.health, self.seen, cleared):
+            try:
+                await self.gpus.call("clear_xid", self.gpus.backend.clear_xid, index)
+            except GpuError as exc:
+                log.warning("cannot clear the Xid of GPU %s: %s", index, exc)
+                continue
+            log.info("GPU %s: %s cleared by the node's clear mark (%s)", index, self.of(index).reason,
+                     cleared.isoformat())
 
     def slices_to_mark(self, ready: set[str]) -> list[tuple[str, str, GpuHealth]]:
         """The Ready slices whose ``DeviceHealthy`` must be written: (UID, namespace/name, health) for each
