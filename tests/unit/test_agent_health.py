@@ -107,3 +107,25 @@ def test_a_lost_gpu_keeps_its_last_reading_and_the_others_are_read() -> None:
     asyncio.run(fresh.refresh())
     with pytest.raises(GpuError):
         asyncio.run(fresh.read_all())
+
+
+def test_the_node_watch_reads_the_clear_mark_and_ignores_one_that_is_no_time(
+        caplog: pytest.LogCaptureFixture) -> None:
+    from mig_operator.kube.agent.node_watch import NodeWatch
+
+    node = NodeWatch("gpu-1", None, "")  # type: ignore[arg-type]
+
+    def event(mark: str | None) -> None:
+        annotations = {} if mark is None else {"cdmo.io/gpu-health-cleared": mark}
+        node.changed({"metadata": {"name": "gpu-1", "uid": "n1", "annotations": annotations}})
+
+    event("2026-11-27T18:00:00Z")
+    assert node.health_cleared == datetime(2026, 11, 27, 18, tzinfo=UTC)
+    event("yesterday")
+    assert node.health_cleared is None
+    assert "'yesterday' is not an RFC 3339 time" in caplog.text and "2026-11-27T18:00:00Z" in caplog.text
+    caplog.clear()
+    event("yesterday")
+    assert caplog.text == ""  # said once per value
+    event(None)
+    assert node.health_cleared is None
