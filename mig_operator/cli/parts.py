@@ -55,6 +55,9 @@ def add_part_commands(sub: argparse._SubParsersAction, common: argparse.Argument
     p.add_argument("--idle-timeout", help="destroy idle instances after this long, e.g. 10m (default: keep them)")
     p.add_argument("--sim-latency", type=float, default=0.0, help="simulator: seconds each create/destroy takes")
     p.add_argument("--nvml-attempts", type=int, default=5, help="tries of a transiently failing GPU call")
+    p.add_argument("--device-taint-effect", default="NoSchedule",
+                   help="effect of the taint on an unhealthy GPU's devices: NoSchedule or NoExecute "
+                   "(default: %(default)s)")
     p.add_argument("--kubelet-registry-dir", default="/var/lib/kubelet/plugins_registry",
                    help="the kubelet's plugin registry: the DRA driver's registration socket goes there "
                    "('' serves no kubelet plugin)")
@@ -104,6 +107,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
     from ..kube.agent.kubelet.settings import MAX_SOCKET_PATH, PluginSettings, socket_paths_fit
     from ..kube.agent.main import AgentOptions, node_exists, run_agent
     from ..kube.agent.record import RecordError, RecordStore
+    from ..kube.agent.resource_slice import TAINT_EFFECTS
     from ..kube.common import metrics
     from ..kube.common.listen import ListenError
 
@@ -116,6 +120,9 @@ def cmd_agent(args: argparse.Namespace) -> int:
         raise QuantityError(f"--nvml-attempts {args.nvml_attempts} must be 1..100; e.g. --nvml-attempts 5")
     if not 0 <= args.sim_latency <= 600:
         raise QuantityError(f"--sim-latency {args.sim_latency} must be 0..600 seconds; e.g. --sim-latency 1.5")
+    if args.device_taint_effect not in TAINT_EFFECTS:
+        raise QuantityError(f"--device-taint-effect {args.device_taint_effect!r} is not one of "
+                            f"{', '.join(TAINT_EFFECTS)}; e.g. --device-taint-effect NoExecute")
     idle = duration_flag("--idle-timeout", args.idle_timeout) if args.idle_timeout is not None else None
     registry_dir = (directory_flag("--kubelet-registry-dir", args.kubelet_registry_dir,
                                     "/var/lib/kubelet/plugins_registry") if args.kubelet_registry_dir else "")
@@ -156,7 +163,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
                             f"{args.node}); give this node's name, e.g. --node \"$(hostname)\" or from the "
                             "downward API's spec.nodeName")
     settings = AgentSettings(node=args.node, idle_timeout_s=idle, nvml_attempts=args.nvml_attempts,
-                             toolkit_config=toolkit_config)
+                             toolkit_config=toolkit_config, device_taint_effect=args.device_taint_effect)
     # The simulator's MPS stand-ins keep their directories beside its state, as its GPUs do.
     simulated = args.backend.startswith("sim:") and args.state_file
     mps = mps_for_backend(args.backend, f"{args.state_file}.mps" if simulated else plugin.mps_host_dir)

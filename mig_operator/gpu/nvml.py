@@ -16,6 +16,10 @@ Choices that matter on hardware:
 - MIG device UUIDs come from walking ``nvmlDeviceGetMigDeviceHandleByIndex`` and matching GI/CI ids,
   because the ``device`` field of the GI/CI info structs is documented as the *parent* device.
 - Every ``pynvml.NVMLError`` becomes a :class:`GpuError` that keeps NVML's code.
+- Health (``health``) drains NVML's event set for critical Xid events without waiting (timeout 0), keeps
+  each GPU's last critical Xid (``core.node.health.xid_critical`` classifies them) for as long as the
+  backend lives (NVML does not replay events: an agent started after a reset sees the GPU healthy), and
+  reads the GPU's memory info to see whether it answers ``GPU_IS_LOST``, which a reset ends.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from typing import Any
 
 import pynvml
 
+from mig_operator.core.node.health import HEALTHY, GpuHealth, lost_health, xid_critical, xid_health
 from mig_operator.core.placement.profiles import GpuModel, Profile, model_for_product
 from mig_operator.gpu.files import host_boot_id
 from mig_operator.gpu.nvml_query import (
@@ -39,6 +44,7 @@ from mig_operator.gpu.nvml_query import (
     gpu_instances,
     mig_devices,
     mig_mode,
+    nvml_code,
     read_profiles,
     slug,
     text,
@@ -87,6 +93,10 @@ class NvmlBackend:
         self._models: dict[int, GpuModel] = {}
         self._gpu_locks: dict[int, threading.Lock] = {}
         self._locks_lock = threading.Lock()
+        # NVML's event set for critical Xids, made at the first ``health``; False: NVML would not make one.
+        self._events: Any = None
+        self._events_lock = threading.Lock()
+        self._xids: dict[str, int] = {}  # GPU UUID -> its last critical Xid
 
     # ---- GpuBackend ------------------------------------------------------------------------------
 
@@ -236,6 +246,29 @@ class NvmlBackend:
             raise GpuError(int(status), f"{op}: activation failed")
         self._models.pop(index, None)
 
+    def health(self, index: int) -> GpuHealth:
+        with self._events_lock:
+            self._drain_events()
+        try:
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            uuid = text(pynvml.nvmlDeviceGetUUID(handle))
+            pynvml.nvmlDeviceGetMemoryInfo(handle)  # reaches the GPU: a lost one answers GPU_IS_LOST
+        except pynvml.NVMLError as exc:
+            if nvml_code(exc) == pynvml.NVML_ERROR_GPU_IS_LOST:
+                return lost_health(index)
+            raise GpuError(nvml_code(exc), f"read the health of GPU {index}: {exc}") from exc
+        xid = self._xids.get(uuid)
+        return xid_health(index, xid) if xid is not None else HEALTHY
+
+    def clear_xid(self, index: int) -> None:
+        try:
+            uuid = text(pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(index)))
+        except pynvml.NVMLError as exc:
+            raise GpuError(nvml_code(exc), f"clear the Xid of GPU {index}: {exc}") from exc
+        with self._events_lock:
+            self._drain_events()  # an Xid NVML still holds is from before the clear
+            self._xids.pop(uuid, None)
+
     def device_root(self) -> str:
         return "/"
 
@@ -245,7 +278,49 @@ class NvmlBackend:
     def close(self) -> None:
         if not self._closed:
             self._closed = True
+            if self._events is not None and self._events is not False:
+                with contextlib.suppress(pynvml.NVMLError):
+                    pynvml.nvmlEventSetFree(self._events)
+                self._events = None
             _release_session()
+
+    def _drain_events(self) -> None:
+        """Every critical Xid event NVML holds, without waiting; the event set is made (and every GPU
+        registered) on the first call. A GPU that cannot report Xid events is left out."""
+        if self._events is False:
+            return
+        if self._events is None:
+            try:
+                self._events = pynvml.nvmlEventSetCreate()
+                count = pynvml.nvmlDeviceGetCount()
+            except pynvml.NVMLError as exc:
+                log.warning("no NVML event set (%s): GPU health is read from NVML's answers only, without Xids", exc)
+                self._events = False
+                return
+            for index in range(count):
+                try:
+                    handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+                    pynvml.nvmlDeviceRegisterEvents(handle, pynvml.nvmlEventTypeXidCriticalError, self._events)
+                except pynvml.NVMLError as exc:
+                    log.warning("GPU %s cannot report Xid events, its health is read from NVML's answers "
+                                "only: %s", index, exc)
+        while True:
+            try:
+                event = pynvml.nvmlEventSetWait_v2(self._events, 0)
+            except pynvml.NVMLError as exc:
+                if nvml_code(exc) != pynvml.NVML_ERROR_TIMEOUT:
+                    log.warning("reading NVML's Xid events failed: %s", exc)
+                return
+            xid = int(event.eventData)
+            if event.eventType != pynvml.nvmlEventTypeXidCriticalError or not xid_critical(xid):
+                continue
+            try:
+                uuid = text(pynvml.nvmlDeviceGetUUID(event.device))
+            except pynvml.NVMLError as exc:
+                log.warning("Xid %s on a GPU whose UUID cannot be read: %s", xid, exc)
+                continue
+            log.warning("GPU %s reported critical Xid %s", uuid, xid)
+            self._xids[uuid] = xid
 
     # ---- internals -------------------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+from mig_operator.core.node.health import GpuHealth
 from mig_operator.core.placement.profiles import GpuModel
 
 # NVML's return codes (nvml.h ``nvmlReturn_t``). They are a stable ABI, so they are written out here
@@ -180,6 +181,16 @@ class GpuBackend(Protocol):
     def boot_id(self) -> str:
         """The id of the machine's current boot: MIG instances do not outlive it, so an owner record
         written in another boot names instances that are gone."""
+        ...
+
+    def health(self, index: int) -> GpuHealth:
+        """The GPU's health now (``core.node.health``): a critical Xid reported since it was last reset, or
+        the GPU lost. Never blocks and never raises for the GPU's own failure: that is what it reports."""
+        ...
+
+    def clear_xid(self, index: int) -> None:
+        """Forget the critical Xid kept for the GPU (an admin dealt with it): ``health`` reports it healthy
+        until another is reported. A lost GPU stays lost: that is NVML's answer now, not a kept event."""
         ...
 
     def close(self) -> None:

@@ -49,6 +49,8 @@ class SimGpu:
     instances: dict[int, SimInstance] = field(default_factory=dict)
     # Counts creations on this GPU; part of each MIG UUID so a recreated instance gets a new one.
     generation: int = 0
+    xid: int = 0  # the critical Xid reported since the last reset; 0: none
+    lost: bool = False  # fallen off the bus: NVML would answer GPU_IS_LOST
 
 
 class StateCorrupt(Exception):
@@ -179,6 +181,10 @@ def _decode_gpu(i: int, g: object, model: GpuModel) -> SimGpu:
     _need(is_int(generation) and generation >= 0, f"{where}.generation is not a count")
     _need(isinstance(raw_instances, list), f"{where}.instances is not a list")
     assert isinstance(raw_instances, list) and isinstance(generation, int)
+    xid, lost = g.get("xid", 0), g.get("lost", False)
+    _need(is_int(xid) and xid >= 0, f"{where}.xid is not an Xid number")
+    _need(isinstance(lost, bool), f"{where}.lost is not true or false")
+    assert isinstance(xid, int)
     _need(model.mig_capable or (not enabled and not raw_instances),
           f"{where} has MIG state, but {model.name} has no MIG")
     instances: dict[int, SimInstance] = {}
@@ -206,7 +212,7 @@ def _decode_gpu(i: int, g: object, model: GpuModel) -> SimGpu:
             _need(not ((1 << other.size) - 1) << other.start & mask,
                   f"{at} overlaps GPU instance {other.gi_id}")
         instances[inst.gi_id] = inst
-    return SimGpu(mig_enabled=enabled, instances=instances, generation=generation)
+    return SimGpu(mig_enabled=enabled, instances=instances, generation=generation, xid=xid, lost=lost)
 
 def snapshot(model: GpuModel, gpus: list[SimGpu], faults: Faults, latency: dict[str, float],
              boot: str = "") -> dict[str, Any]:
@@ -224,6 +230,8 @@ def snapshot(model: GpuModel, gpus: list[SimGpu], faults: Faults, latency: dict[
                      "ci_id": i.ci_id, "generation": i.generation, "in_use": i.in_use}
                     for i in sorted(g.instances.values(), key=lambda i: i.gi_id)
                 ],
+                **({"xid": g.xid} if g.xid else {}),
+                **({"lost": True} if g.lost else {}),
             }
             for g in gpus
         ],

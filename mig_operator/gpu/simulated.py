@@ -15,7 +15,11 @@ What it reproduces, because the operator's logic depends on it:
   because real hardware does that and the agent must not trust a recorded UUID after a recreate;
 - a GPU instance can be left without its compute instance (``ci_id`` -1, no device UUID), as on a
   real GPU when a create's rollback or a destroy stops half-way; ``create_compute_instance``
-  completes one. Faults (``inject_fault``) and ``create_half_instance`` make such states on purpose.
+  completes one. Faults (``inject_fault``) and ``create_half_instance`` make such states on purpose;
+- a GPU's health (``health``): ``inject_xid`` reports an Xid on it (a critical one, ``core.node.health``,
+  makes it unhealthy), ``lose_gpu`` makes it fall off the bus, and ``reset_gpu`` (or ``reboot``) makes
+  it healthy again, as a GPU reset does; ``clear_xid`` forgets the Xid only (an admin's clear mark).
+  Only ``health`` reports a lost GPU; its other calls go on.
 
 State lives in memory, or in a JSON file when ``state_file`` is given: it is read under an ``fcntl``
 lock before every operation (decoded only when its bytes changed) and written atomically (temp file
@@ -38,6 +42,7 @@ import uuid
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from mig_operator.core.node.health import HEALTHY, GpuHealth, lost_health, xid_critical, xid_health
 from mig_operator.core.placement.profiles import GpuModel, Profile, get_model
 from mig_operator.core.requests.quantities import clip_repr
 from mig_operator.gpu.device_files import write_simulated_files
@@ -159,7 +164,34 @@ class SimulatedBackend:
         with self._state():
             for gpu in self._gpus:
                 gpu.instances.clear()
+                gpu.xid, gpu.lost = 0, False
             self._boot = f"sim-{uuid.uuid4()}"
+
+    def inject_xid(self, index: int, xid: int) -> None:
+        """GPU ``index`` reports Xid ``xid``: a critical one makes it unhealthy until ``reset_gpu`` (or
+        ``clear_xid``); an application's (``core.node.health.APPLICATION_XIDS``) changes nothing, as on
+        hardware."""
+        if not is_int(xid) or xid < 1:
+            raise ValueError(f"Xid {clip_repr(xid)} is not a positive number; e.g. 79")
+        with self._state():
+            gpu = self._gpu(index, "inject an Xid")
+            if xid_critical(xid):
+                gpu.xid = xid
+
+    def lose_gpu(self, index: int) -> None:
+        """GPU ``index`` falls off the bus: ``health`` reports it lost until ``reset_gpu``."""
+        with self._state():
+            self._gpu(index, "lose the GPU").lost = True
+
+    def clear_xid(self, index: int) -> None:
+        with self._state():
+            self._gpu(index, "clear the GPU's Xid").xid = 0
+
+    def reset_gpu(self, index: int) -> None:
+        """GPU ``index`` is reset (``nvidia-smi -r``): its Xid and loss are cleared; its instances stay."""
+        with self._state():
+            gpu = self._gpu(index, "reset the GPU")
+            gpu.xid, gpu.lost = 0, False
 
     def create_half_instance(self, index: int, profile_id: int, start: int) -> MigInstance:
         """A GPU instance without a compute instance, as another tool or a failed rollback leaves one."""
@@ -315,6 +347,13 @@ class SimulatedBackend:
                          for inst in gpu.instances.values()]
             write_simulated_files(self._device_root, range(self._count), instances)
             return self._device_root
+
+    def health(self, index: int) -> GpuHealth:
+        with self._state():
+            gpu = self._gpu(index, "read the GPU's health")
+            if gpu.lost:
+                return lost_health(index)
+            return xid_health(index, gpu.xid) if gpu.xid else HEALTHY
 
     def boot_id(self) -> str:
         with self._state():

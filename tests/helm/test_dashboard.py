@@ -129,6 +129,12 @@ def test_the_dashboard_has_the_panels_issue_18_asks_for() -> None:
     assert "by (reason)" in exprs and "by (le, action)" in exprs
 
 
+def test_the_dashboard_shows_the_unhealthy_gpus() -> None:
+    health = [expr for _, expr in dashboard_queries() if "mig_operator_gpu_healthy" in metric_names(expr)]
+    assert any("by (node, gpu)" in expr for expr in health), health  # which GPU, not only how many
+    assert any("== 0" in expr for expr in health), health  # 0 is unhealthy (kube/common/metrics.py)
+
+
 def test_the_dashboard_is_one_grafana_dashboard_with_a_prometheus_datasource_variable() -> None:
     dashboard = json.loads(DASHBOARD.read_text())
     assert dashboard["uid"] and len(dashboard["uid"]) <= 40 and dashboard["title"]

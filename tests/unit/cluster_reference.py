@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
+from mig_operator.core.node.health import GpuHealth
 from mig_operator.core.placement.cluster import MODE_FRACTION, MODE_MIG, Binding, NodeInventory, gpu_role
 from mig_operator.core.placement.cluster_planner import _block, _decide, _fraction_gpu, _mig_gpu, no_such_node
 from mig_operator.core.placement.fraction_planner import FractionGpu
@@ -26,6 +27,8 @@ class ClusterView:
     nodes: set[str] = field(default_factory=set)  # nodes that have an inventory (a GpuNode)
     # Nodes whose GPUs take no new slice (core.placement.node_blocks) -> why.
     blocked: dict[str, NodeBlock] = field(default_factory=dict)
+    # GPUs of unblocked nodes that take no new slice for their health (core.node.health).
+    unhealthy: dict[tuple[str, int], GpuHealth] = field(default_factory=dict)
 
 
 def build_view(
@@ -52,6 +55,9 @@ def build_view(
             view.uuids[(inventory.node, gpu.index)] = gpu.uuid
             if block is not None:
                 continue  # another allocator, or an untrusted runtime: no new slice here
+            if not gpu.health.healthy:
+                view.unhealthy[(inventory.node, gpu.index)] = gpu.health
+                continue
             role, _why = gpu_role(labelled, gpu)
             bound = by_gpu.get((inventory.node, gpu.index), [])
             if role == MODE_MIG and gpu.profiles:
@@ -80,6 +86,7 @@ def plan_binding(
     mig = [g for g in view.mig if node is None or g.node == node]
     fraction = [g for g in view.fraction if node is None or g.node == node]
     blocked = {n: r for n, r in view.blocked.items() if node is None or n == node}
+    unhealthy = {k: h for k, h in view.unhealthy.items() if node is None or k[0] == node}
     return _decide(request, node, settings or PlannerSettings(), bool(mig),
                    lambda s: choose_mig(request, mig, s), lambda: {g.model for g in mig}, fraction,
-                   blocked=blocked, namespace=namespace)
+                   blocked=blocked, namespace=namespace, unhealthy=unhealthy)

@@ -4,10 +4,13 @@ sharing, runtime trust accepted), bindings of several namespaces and releases.""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from cluster_reference import build_view, plan_binding
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
+from mig_operator.core.node.health import xid_health
 from mig_operator.core.placement.cluster import MODE_MIG, Binding, GpuState, InstanceState, NodeInventory, Refusal
 from mig_operator.core.placement.cluster_planner import ClusterPlanner
 from mig_operator.core.placement.profiles import get_model
@@ -48,7 +51,10 @@ def inventory(draw: st.DrawFn, node: str) -> NodeInventory:
                         instances.append(InstanceState(gi, 0, profile.id, profile.name, pl.start, pl.size,
                                                        f"MIG-{node}-{i}-{gi}", in_use=draw(st.booleans())))
                         break
-        gpus.append(gpu(model, i, mig, tuple(instances)))
+        made = gpu(model, i, mig, tuple(instances))
+        if draw(st.integers(0, 5)) == 0:  # now and then a GPU with a critical Xid: no new slice there
+            made = replace(made, health=xid_health(i, 79))
+        gpus.append(made)
     return NodeInventory(node, tuple(gpus), runtime_untrusted=draw(st.sampled_from([None, None, "untrusted"])))
 
 
@@ -126,3 +132,4 @@ def test_the_incremental_planner_decides_as_plan_binding_on_a_fresh_view(steps, 
                 planner.put_binding(bound)
                 assert bound.mode != MODE_MIG or labelled.issuperset({bound.node})
                 assert inventories[bound.node].runtime_untrusted is None or bound.node in accepted
+                assert next(g for g in inventories[bound.node].gpus if g.index == bound.gpu).health.healthy

@@ -258,3 +258,55 @@ def test_a_pool_left_half_written_is_completed_at_the_next_generation() -> None:
         assert scheduler_view(api.objects) == (sorted(d.uid for d in devices[:10]), True)
 
     asyncio.run(scenario())
+
+
+SICK = SliceDeviceInfo("b-uid", "team", "train", "mig", "1g.10gb", "MIG-1", 10 * 2**30, "Xid79", "NoExecute")
+
+
+def test_a_device_of_an_unhealthy_gpu_is_tainted_with_its_reason_and_effect() -> None:
+    [device] = slice_spec("node-a", [SICK], 1)["devices"]
+    assert device["taints"] == [{"key": "gpu.cdmo.io/unhealthy", "value": "Xid79", "effect": "NoExecute"}]
+    [healthy] = slice_spec("node-a", [MIG], 1)["devices"]
+    assert "taints" not in healthy
+
+
+class DroppingApi(Api):
+    """An API server that does not serve device taints: it drops the field, as a disabled feature does."""
+
+    def _drop(self, body: dict) -> dict:
+        body = copy.deepcopy(body)
+        for device in body["spec"]["devices"]:
+            device.pop("taints", None)
+        return body
+
+    async def create(self, path: str, body: dict) -> dict:
+        return await super().create(path, self._drop(body))
+
+    async def request(self, method: str, path: str, body: Any = None) -> dict:
+        return await super().request(method, path, self._drop(body))
+
+
+def test_taints_are_written_where_served_and_given_up_where_dropped() -> None:
+    async def scenario(api: Api) -> ResourceSlicePublisher:
+        publisher = ResourceSlicePublisher(api, "node-a")  # type: ignore[arg-type]
+        assert await publisher.publish([MIG], "node-uid")
+        assert await publisher.publish([SICK], "node-uid")  # the GPU turned unhealthy: a new generation
+        return publisher
+
+    served = Api()
+    publisher = asyncio.run(scenario(served))
+    assert publisher.taints_served is True
+    [device] = served.objects[resource_slice_path("node-a")]["spec"]["devices"]
+    assert device["taints"][0]["value"] == "Xid79"
+
+    dropped = DroppingApi()
+    publisher = asyncio.run(scenario(dropped))
+    assert publisher.taints_served is False
+    writes = len(dropped.writes)
+
+    async def again() -> bool:
+        # Read back, the untainted devices are what is wanted now: nothing more is written.
+        return await publisher.publish([SICK], "node-uid", verify=True)
+
+    assert not asyncio.run(again())
+    assert len(dropped.writes) == writes

@@ -154,7 +154,9 @@ def test_json_has_the_documented_shape() -> None:
     assert [n["name"] for n in out["nodes"]] == ["gpu-a", "l4-a"]
     gpu0 = out["nodes"][0]["gpus"][0]
     assert set(gpu0) == {"index", "product", "model", "memoryBytes", "mode", "serves", "servesReason", "slots",
-                         "slotStates", "slotCounts", "grantedBytes", "compute", "instances", "fractions"}
+                         "slotStates", "slotCounts", "grantedBytes", "compute", "instances", "fractions",
+                         "healthy", "unhealthyReason"}
+    assert (gpu0["healthy"], gpu0["unhealthyReason"]) == (True, "")
     assert (gpu0["mode"], gpu0["slots"], gpu0["memoryBytes"]) == ("mig", 8, 81559 * MIB)
     assert gpu0["slotCounts"] == {"in_use": 4, "creating": 1, "idle": 2, "free": 1}
     assert gpu0["instances"][0] == {"label": "A", "start": 0, "size": 4, "profile": "3g.40gb", "state": "in_use",
@@ -210,6 +212,19 @@ def test_an_empty_mig_gpu_is_all_free_and_a_gpu_taking_no_new_slices_says_why() 
         "      no instances",
         "      takes no new slices: MIG mode is enabled but the node is not labelled",
     ]
+
+
+def test_an_unhealthy_gpu_says_so_with_its_reason() -> None:
+    sick = [{"type": "Healthy", "status": "False", "reason": "Xid79", "message": "GPU 1 reported Xid 79"}]
+    gpus = [h100(0, []) | {"conditions": [{"type": "Healthy", "status": "True", "reason": "Healthy"}]},
+            h100(1, []) | {"index": 1, "conditions": sick}]
+    view = build_view([gpunode("n", "t", gpus)], [], [])
+    lines = render_text(view).splitlines()
+    assert lines.count("      UNHEALTHY (Xid79), takes no new slices: GPU 1 reported Xid 79") == 1
+    assert lines.index("      UNHEALTHY (Xid79), takes no new slices: GPU 1 reported Xid 79") > lines.index(
+        "  GPU 1  NVIDIA H100 80GB HBM3 (h100-80gb)  MIG, 8 slots: 0 in use, 0 creating, 0 idle, 8 free")
+    out = [(g["healthy"], g["unhealthyReason"]) for g in view_json(view)["nodes"][0]["gpus"]]
+    assert out == [(True, ""), (False, "Xid79")]
 
 
 def test_a_whole_gpu_instance_fills_the_map_to_the_last_column() -> None:

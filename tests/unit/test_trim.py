@@ -132,7 +132,7 @@ def test_every_pod_decision_is_the_same_on_the_kept_pod(pod: dict[str, Any]) -> 
     assert pod_body(kept) == kept
 
 
-def test_a_node_keeps_labels_taints_and_the_device_plugin_status_only() -> None:
+def test_a_node_keeps_labels_taints_the_device_plugin_status_and_the_health_clear_mark_only() -> None:
     from mig_operator.core.node.device_plugin import check_node
 
     node = {"apiVersion": "v1", "kind": "Node",
@@ -145,6 +145,9 @@ def test_a_node_keeps_labels_taints_and_the_device_plugin_status_only() -> None:
     assert check_node("gpu-1", kept) == check_node("gpu-1", node)
     assert kept["metadata"] == {"name": "gpu-1", "uid": "n1", "labels": {"a": "b"}}
     assert kept["spec"] == {"taints": node["spec"]["taints"]} and "images" not in kept["status"]
+    # Of the annotations, only the admin's GPU health clear mark, which the agent reads.
+    node["metadata"]["annotations"]["cdmo.io/gpu-health-cleared"] = "2026-11-27T18:00:00Z"
+    assert node_body(node)["metadata"]["annotations"] == {"cdmo.io/gpu-health-cleared": "2026-11-27T18:00:00Z"}
 
 
 def test_an_owned_object_keeps_spec_and_status_without_annotations() -> None:

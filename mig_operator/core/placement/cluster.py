@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from ..node.device_plugin import conflict_from_conditions
+from ..node.health import GPU_UNHEALTHY as GPU_UNHEALTHY  # re-exported: a refusal code
+from ..node.health import HEALTHY, GpuHealth, health_from_conditions
 from ..node.runtime_trust import untrusted_from_conditions
 from ..requests.quantities import format_bytes
 from .compute import GpuCompute, compute_from_status, format_compute, gpu_compute, mig_compute
@@ -38,7 +40,8 @@ TOO_SMALL = "TooSmall"
 NO_SUCH_NODE = "NoSuchNode"
 # Also refusal codes, defined beside their rules and imported above: DEVICE_PLUGIN_CONFLICT and
 # RUNTIME_UNTRUSTED (core.placement.node_blocks: every node the slice may use takes no new slice), OTHER_NAMESPACE
-# (core.placement.tenancy: the fraction GPUs with room serve another namespace).
+# (core.placement.tenancy: the fraction GPUs with room serve another namespace), GPU_UNHEALTHY
+# (core.node.health: every GPU the slice may use is unhealthy).
 
 # Kubernetes caps status.message at 4096 characters; a refusal must fit however many GPUs there are.
 MAX_MESSAGE = 4096
@@ -94,6 +97,9 @@ class GpuState:
     profiles: tuple[Profile, ...] = ()
     instances: tuple[InstanceState, ...] = ()
     fractions: tuple[FractionState, ...] = ()
+    # Its ``Healthy`` condition (core.node.health): an unhealthy GPU takes no new slice and its idle
+    # instances are not reused; the slices bound there stay.
+    health: GpuHealth = HEALTHY
 
 
 @dataclass(frozen=True)
@@ -287,6 +293,7 @@ def inventory_from_status(node: str, status: Mapping | None) -> NodeInventory:
                     fractions=tuple(FractionState(str(f["sliceUID"]), str(f.get("slice", "")), int(f.get("bytes", 0)),
                                                   _share(f.get("compute")))
                                     for f in raw.get("fractions") or () if f.get("sliceUID")),
+                    health=health_from_conditions(raw.get("conditions")),
                 )
             )
         except (KeyError, TypeError, ValueError, AttributeError):

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import replace
 
+from ..node.health import GPU_UNHEALTHY, GpuHealth, unhealthy_note
 from ..requests.quantities import MIB, mib_ceil
 from ..requests.request import MIN_SLICE_BYTES, SliceRequest
 from .cluster import (
@@ -105,6 +106,7 @@ def _decide(
     where: str | None = None,
     blocked: Mapping[str, NodeBlock] | None = None,
     namespace: str = "",
+    unhealthy: Mapping[tuple[str, int], GpuHealth] | None = None,
 ) -> Binding:
     """The one rule, whether the MIG GPUs come as a list or as a PlanningIndex.
 
@@ -113,6 +115,8 @@ def _decide(
     ``namespace`` may use (``core.placement.tenancy``); when only GPUs of other namespaces have room, the code is
     OtherNamespace. A request with compute goes only to fraction GPUs (a MIG slice's compute is its
     profile's); when only GPUs serving the other kind of compute have room, the code is ComputeMode.
+    ``unhealthy``: the GPUs within reach left out for their health (``core.node.health``), named in a
+    refusal; when nothing else was within reach the code is GpuUnhealthy.
     """
     if request.profile is not None:
         fraction = []
@@ -121,9 +125,13 @@ def _decide(
     if where is None:
         where = f"on node {node}" if node is not None else "in the cluster"
     blocked = blocked or {}
+    unhealthy = unhealthy or {}
     if not has_mig and not fraction:
         if blocked:
-            raise Refusal(blocked_code(blocked), clip_message(blocked_text(request, blocked)))
+            text = blocked_text(request, blocked) + (f"; {unhealthy_note(unhealthy)}" if unhealthy else "")
+            raise Refusal(blocked_code(blocked), clip_message(text))
+        if unhealthy:
+            raise Refusal(GPU_UNHEALTHY, clip_message(f"{request.describe()} waits: {unhealthy_note(unhealthy)}"))
         kind = "MIG GPU" if request.profile is not None else "GPU serving fractions" if request.compute else "GPU"
         raise Refusal(NO_GPU, clip_message(f"no {kind} {where} can take slices: {request.describe()} waits for one"
                                            + (COMPUTE_ONLY_FRACTIONS if request.compute is not None else "")))
@@ -163,6 +171,8 @@ def _decide(
     code = _refusal_code(request, list(models()) if has_mig else [], fraction)
     if blocked:
         reasons.append(blocked_note(blocked))
+    if unhealthy:
+        reasons.append(unhealthy_note(unhealthy))
     raise Refusal(code, clip_message(f"{request.describe()} fits nowhere {where}: " + "; ".join(reasons)))
 
 
@@ -219,6 +229,7 @@ class ClusterPlanner:
         self._fraction: dict[tuple[str, int], FractionGpu] = {}
         self._shown: dict[str, set[int]] = {}  # node -> GPU indices currently in the index or fractions
         self._blocked: dict[str, NodeBlock] = {}  # node -> why it takes no new slice
+        self._unhealthy: dict[tuple[str, int], GpuHealth] = {}  # GPUs left out for their health
         self.uuids: dict[tuple[str, int], str] = {}
 
     # ---- inputs ---------------------------------------------------------------------------------
@@ -343,8 +354,11 @@ class ClusterPlanner:
         fraction.sort(key=lambda g: (g.node, g.index))
         models = (lambda: index.models()) if pinned is None else (lambda: {g.model for g in index.gpus(pinned)})
         blocked = self._blocked if pinned is None else {n: self._blocked[n] for n in pinned if n in self._blocked}
+        allowed_nodes = None if pinned is None else set(pinned)
+        unhealthy = {k: h for k, h in self._unhealthy.items() if allowed_nodes is None or k[0] in allowed_nodes}
         return _decide(request, node, settings or PlannerSettings(), has_mig,
-                       lambda s: index.choose(request, s, nodes=pinned), models, fraction, where, blocked, namespace)
+                       lambda s: index.choose(request, s, nodes=pinned), models, fraction, where, blocked, namespace,
+                       unhealthy)
 
     def plan_group(self, members: Sequence[tuple[str, SliceRequest]], node: str | None = None,
                    settings: PlannerSettings | None = None, nodes: Collection[str] | None = None,
@@ -404,6 +418,7 @@ class ClusterPlanner:
     def _recompute(self, node: str, index: int) -> None:
         self._index.remove(node, index)
         self._fraction.pop((node, index), None)
+        self._unhealthy.pop((node, index), None)
         shown = self._shown.setdefault(node, set())
         shown.discard(index)
         inventory = self._inventories.get(node)
@@ -414,6 +429,9 @@ class ClusterPlanner:
         self.uuids[(node, index)] = gpu.uuid
         if node in self._blocked:
             return  # a device plugin hands these GPUs out too: in neither the index nor the fractions
+        if not gpu.health.healthy:
+            self._unhealthy[(node, index)] = gpu.health
+            return  # nothing new on it, its idle instances not reused: in neither the index nor the fractions
         bound = list(self._by_gpu.get((node, index), {}).values())
         role, _why = gpu_role(node in self._labelled, gpu)
         if role == MODE_MIG and gpu.profiles:

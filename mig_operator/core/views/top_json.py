@@ -18,6 +18,7 @@ def view_json(view: TopView) -> dict[str, Any]:
                 "mode": "mig" if g.mig else "fraction", "serves": g.serves, "servesReason": g.serves_reason,
                 "slots": g.slots, "slotStates": list(g.slot_states), "slotCounts": g.slot_counts() if g.mig else {},
                 "grantedBytes": g.granted_bytes, "compute": g.compute,
+                "healthy": not g.unhealthy, "unhealthyReason": g.unhealthy,
                 "instances": [{
                     "label": s.label, "start": s.start, "size": s.size, "profile": s.profile, "state": s.state,
                     "slice": s.slice, "sliceUID": s.slice_uid, "deviceUUID": s.device_uuid, "drawn": s.drawn,

@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..node.health import health_from_conditions
 from ..placement.cluster import published_profiles
 from ..placement.compute import SHARED, compute_from_status, format_compute, gpu_compute, mig_compute
 from ..requests.quantities import QuantityError, parse_memory
@@ -100,6 +101,8 @@ class GpuView:
     spans: tuple[Span, ...] = ()
     shares: tuple[Share, ...] = ()
     compute: str = ""  # shares given out (0.75), shared, or the MIG instances' (4/7); "" when none
+    unhealthy: str = ""  # while its Healthy condition is False: the reason (Xid79, GpuLost); "" when healthy
+    health_message: str = ""
 
     def slot_counts(self) -> dict[str, int]:
         return {state: self.slot_states.count(state) for state in (IN_USE, CREATING, IDLE, FREE)}
@@ -287,11 +290,13 @@ def build_view(gpunodes: Sequence[Mapping[str, Any]], slices: Sequence[Mapping[s
             granted = _int(gpu.get("grantedBytes")) if mig else sum(s.bytes for s in shares)
             compute = (str(gpu.get("compute") or "") if mig
                        else gpu_compute(s.compute for s in shares).describe())
+            health = health_from_conditions(gpu.get("conditions"))
             gpus.append(GpuView(
                 node=name, index=_int(gpu.get("index")), product=str(gpu.get("product", "")),
                 model=str(gpu.get("model", "")), memory_bytes=_int(gpu.get("memoryMiB")) * 2**20, mig=mig,
                 serves=str(gpu.get("serves", "")), serves_reason=str(gpu.get("servesReason", "")), slots=slots,
                 slot_states=states, granted_bytes=granted, spans=spans, shares=shares, compute=compute,
+                unhealthy="" if health.healthy else health.reason, health_message=health.message,
             ))
         nodes.append(NodeView(name, str(st.get("observedAt", "")), tuple(gpus)))
     pending: dict[str, int] = {}
@@ -394,7 +399,9 @@ def _gpu_lines(gpu: GpuView) -> list[str]:
             text = (f"      {s.label}  {gib(s.bytes).rjust(size)}  {_percent(s.bytes, gpu.memory_bytes):>4}  "
                     f"{format_compute(s.compute).ljust(shares)}  {STATE_WORDS[s.state]:<8}  ")
             lines.append(_clip(text + (s.slice or "-"), WIDTH))
-    if gpu.serves == "none":
+    if gpu.unhealthy:
+        lines.append(_clip(f"      UNHEALTHY ({gpu.unhealthy}), takes no new slices: {gpu.health_message}", WIDTH))
+    elif gpu.serves == "none":
         lines.append(_clip(f"      takes no new slices: {gpu.serves_reason}", WIDTH))
     return lines
 

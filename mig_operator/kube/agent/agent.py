@@ -44,6 +44,7 @@ from ..common.names import AGENT_FINALIZER, slices_of_node
 from ..common.trim import slice_body
 from .context import AgentContext, AgentSettings
 from .gpus import Gpus
+from .health import HealthWatch
 from .idle import IdleReaper
 from .inventory import instance_state
 from .mps_keeper import MpsKeeper
@@ -70,7 +71,8 @@ class NodeAgent:
         self.mps = MpsKeeper(self.gpus, store, mps, status.now)
         self.node_watch = NodeWatch(settings.node, client, settings.toolkit_config)
         context = AgentContext(settings, self.gpus, store, client, events, self.mps)
-        self.publisher = Publisher(context, self.node_watch, lambda: self.realiser.offered_entries())
+        self.health = HealthWatch(self.gpus, store, client)
+        self.publisher = Publisher(context, self.node_watch, lambda: self.realiser.offered_entries(), self.health)
         self.realiser = Realiser(context, self.publisher)
         self.mps.on_change = self.realiser.mps_changed
         self.releaser = Releaser(context, self.realiser)
@@ -122,11 +124,13 @@ class NodeAgent:
         slice's binding becomes idle, to be reused or reclaimed later.
         """
         await self.gpus.refresh()
+        await self.health.poll()
         await self.node_watch.read()
         slices = await self.client.list(slices_path(), field_selector=slices_of_node(self.settings.node),
                                         keep=slice_body)
         bindings: dict[str, Binding] = {}
         for body in slices:
+            self.health.saw_slice(body["metadata"]["uid"], body)
             binding = binding_from_status(body["metadata"]["uid"], body.get("status"))
             if binding is not None and binding.node == self.settings.node:
                 bindings[body["metadata"]["uid"]] = binding
@@ -155,6 +159,7 @@ class NodeAgent:
         await self.node_watch.read_runtime()
         await self.publish()
         self._tasks.append(asyncio.create_task(self.publisher.heartbeat(), name="gpunode-heartbeat"))
+        self._tasks.append(asyncio.create_task(self._watch_health(), name="gpu-health"))
         if self.idle is not None:
             self._tasks.append(asyncio.create_task(self.idle.run(), name="idle-reaper"))
 
@@ -162,6 +167,24 @@ class NodeAgent:
         for task in [*self._tasks, *self.releaser.tasks(), *self.publisher.cancel()]:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    # ---- health ------------------------------------------------------------------------------------
+
+    async def _watch_health(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.health_poll_s)
+            try:
+                await self.check_health()
+            except (GpuError, ApiError) as exc:
+                log.warning("GPU health check failed: %s", exc)
+
+    async def check_health(self) -> None:
+        """Read each GPU's health once: a change is published at once, and ``DeviceHealthy`` written on the
+        Ready slices whose GPU changed."""
+        if await self.health.poll(self.node_watch.health_cleared):
+            self.schedule_publish(at_once=True)
+        for uid, ref, health in self.health.slices_to_mark(self.realiser.shown_ready):
+            await self.health.mark(uid, ref, health, self.realiser.write_status)
 
     # ---- the Node ----------------------------------------------------------------------------------
 
@@ -204,6 +227,7 @@ class NodeAgent:
         uid = meta["uid"]
         if resource_version(meta) < self.realiser.written.get(uid, 0):
             return
+        self.health.saw_slice(uid, body)
         entry = self.store.record.owners.get(uid)
         was_offered = self.realiser.offers(uid)
         self.realiser.saw(uid, (body.get("status") or {}).get("phase") == READY and not meta.get("deletionTimestamp"))

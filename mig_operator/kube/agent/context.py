@@ -23,6 +23,8 @@ class AgentSettings:
     # own bindings say what is taken), so it only bounds how stale `kubectl get gn` may look.
     publish_delay_s: float = 1.0
     heartbeat_s: float = 30.0  # GpuNode re-read and re-published at least this often
+    health_poll_s: float = 2.0  # each GPU's health (Xid events, GPU lost) is read this often
+    device_taint_effect: str = "NoSchedule"  # of the taint on an unhealthy GPU's devices (NoExecute evicts)
     toolkit_config: str = ""  # the node's NVIDIA toolkit config.toml, read for RuntimeTrusted ("": not read)
     # A deleted slice kept while its claim is in use is looked at again this often (and at once when
     # the kubelet unprepares a claim on it): the pod's end frees the claim's reservation without an

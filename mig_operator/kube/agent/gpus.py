@@ -26,6 +26,7 @@ class Gpus:
         self.backend = backend
         self.all: list[GpuInfo] = []  # as last read (on start and at each heartbeat)
         self._locks: dict[int, asyncio.Lock] = {}
+        self._read: dict[int, tuple[GpuModel | None, list[MigInstance]]] = {}  # each GPU's last reading
 
     async def call(self, call: str, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` in a worker thread, timed and its NVML errors counted under ``call``."""
@@ -39,10 +40,18 @@ class Gpus:
             models: dict[int, GpuModel | None] = {}
             instances: dict[int, list[MigInstance]] = {}
             for gpu in self.all:
-                models[gpu.index] = (_measured("model", self.backend.model, gpu.index)
-                                     if gpu.mig_capable else None)
-                instances[gpu.index] = (_measured("instances", self.backend.instances, gpu.index)
-                                        if gpu.mig_enabled else [])
+                try:
+                    models[gpu.index] = (_measured("model", self.backend.model, gpu.index)
+                                         if gpu.mig_capable else None)
+                    instances[gpu.index] = (_measured("instances", self.backend.instances, gpu.index)
+                                            if gpu.mig_enabled else [])
+                except GpuError as exc:
+                    if exc.name != "GPU_IS_LOST" or gpu.index not in self._read:
+                        raise
+                    # A GPU fallen off the bus answers nothing: the node's other GPUs, and this GPU's
+                    # health (Healthy=False, GpuLost), are still published, with what it last said.
+                    models[gpu.index], instances[gpu.index] = self._read[gpu.index]
+                self._read[gpu.index] = (models[gpu.index], instances[gpu.index])
             return models, instances
 
         return await asyncio.to_thread(read)

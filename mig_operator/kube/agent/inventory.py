@@ -105,12 +105,14 @@ def gpunode_status(
     device_plugin: DevicePluginCheck | None = None,
     device_plugin_since: str | None = None,
     runtime: Mapping[str, str] | None = None,
+    health: Mapping[int, list[dict[str, str]]] | None = None,
 ) -> dict[str, Any]:
     """The whole status of the node's GpuNode (written with one merge patch: lists are replaced).
     ``held``: the UIDs of deleted slices whose instances a prepared claim still holds.
     ``device_plugin``: the check of the node's capacity (core.node.device_plugin), written as the
     ``DevicePluginConflict`` condition (last changed at ``device_plugin_since``, else now).
-    ``runtime``: the ``RuntimeTrusted`` condition (``RuntimeWatch.condition``), written beside it."""
+    ``runtime``: the ``RuntimeTrusted`` condition (``RuntimeWatch.condition``), written beside it.
+    ``health``: each GPU's conditions (its ``Healthy`` condition, ``core.node.health``), by index."""
     entries = []
     model_names, model_list = model_entries(gpus, models)
     free_slots = used_slots = idle_slots = idle = in_use = 0
@@ -151,6 +153,7 @@ def gpunode_status(
             "migCapable": info.mig_capable, "migEnabled": info.mig_enabled, "serves": role, "servesReason": why,
             "instances": body, "fractions": fractions, "grantedBytes": granted,
             **({"compute": compute} if compute else {}),
+            **({"conditions": list(health[info.index])} if health and info.index in health else {}),
         })
     extra: dict[str, Any] = {}
     if device_plugin is not None:

@@ -1,18 +1,20 @@
 """What the agent takes from its own Node: the MIG label, the Node's UID (its GpuNode's owner), NVIDIA's
-device plugin resources (the GpuNode's DevicePluginConflict condition) and, from the node's disk, the
-container runtime's trust (RuntimeTrusted)."""
+device plugin resources (the GpuNode's DevicePluginConflict condition), the admin's GPU health clear mark
+(``HEALTH_CLEARED_ANNOTATION``) and, from the node's disk, the container runtime's trust (RuntimeTrusted)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 from collections.abc import Mapping
+from datetime import datetime
 
 from mig_operator.core.node.device_plugin import DevicePluginCheck, check_node
+from mig_operator.core.node.health import cleared_at
 
 from ..common import status
 from ..common.client import ApiError, KubeClient
-from ..common.names import MIG_NODE_LABEL, MIG_NODE_VALUE
+from ..common.names import HEALTH_CLEARED_ANNOTATION, MIG_NODE_LABEL, MIG_NODE_VALUE
 from .inventory import RuntimeWatch
 
 log = logging.getLogger("mig_operator.agent")
@@ -31,6 +33,8 @@ class NodeWatch:
         self.device_plugin = DevicePluginCheck(node)
         self.device_plugin_since: str | None = None
         self.runtime = RuntimeWatch(node, toolkit_config) if toolkit_config else None
+        self.health_cleared: datetime | None = None  # the admin's clear mark; None: none (or not a time)
+        self._cleared_value = ""
 
     async def read(self) -> None:
         try:
@@ -51,9 +55,26 @@ class NodeWatch:
         """Note the node's MIG label, UID and device plugin resources; True when the label or what the
         GpuNode says about the device plugin changed."""
         labelled = (body["metadata"].get("labels") or {}).get(MIG_NODE_LABEL) == MIG_NODE_VALUE
+        self._take_cleared((body["metadata"].get("annotations") or {}).get(HEALTH_CLEARED_ANNOTATION, ""))
         changed = labelled != self.labelled
         self.labelled, self.uid = labelled, body["metadata"]["uid"]
         return self._take_device_plugin(check_node(self.node, body)) or changed
+
+    def _take_cleared(self, value: str) -> None:
+        """Note the admin's GPU health clear mark (the health watch applies it); a value that is no time
+        is logged once and ignored."""
+        if value == self._cleared_value:
+            return
+        self._cleared_value, self.health_cleared = value, None
+        if not value:
+            return
+        try:
+            self.health_cleared = cleared_at(value)
+        except ValueError as exc:
+            log.warning("node %s annotation %s: %s", self.node, HEALTH_CLEARED_ANNOTATION, exc)
+            return
+        log.info("node %s: GPU health cleared at %s: the critical Xids seen until then are forgotten", self.node,
+                 value)
 
     def _take_device_plugin(self, check: DevicePluginCheck) -> bool:
         """Note the device plugin check of the Node; True when it changed (the GpuNode says so at once)."""

@@ -21,6 +21,7 @@ from ..common import metrics, status
 from ..common.client import ApiError, gpunode_path, gpunodes_path
 from ..common.names import API_VERSION, NODE_KIND
 from .context import AgentContext
+from .health import HealthWatch
 from .inventory import gpunode_status
 from .node_watch import NodeWatch
 from .resource_slice import ResourceSlicePublisher, device_info
@@ -31,7 +32,8 @@ log = logging.getLogger("mig_operator.agent")
 class Publisher:
     """The node's GpuNode, ResourceSlice and gauges, written when something changes and on a heartbeat."""
 
-    def __init__(self, context: AgentContext, node: NodeWatch, offered: Callable[[], list[OwnerEntry]]) -> None:
+    def __init__(self, context: AgentContext, node: NodeWatch, offered: Callable[[], list[OwnerEntry]],
+                 health: HealthWatch) -> None:
         self.settings = context.settings
         self.gpus = context.gpus
         self.store = context.store
@@ -40,6 +42,7 @@ class Publisher:
         self.node = node
         self.offered = offered  # the entries whose device the ResourceSlice lists
         self.mps = context.mps
+        self.health = health
         self.resource_slice = ResourceSlicePublisher(context.client, context.settings.node)
         self._pending: asyncio.Task | None = None
         self._again = False  # a change arrived while a publish was under way
@@ -95,7 +98,8 @@ class Publisher:
         check = node.device_plugin
         body = gpunode_status(self.gpus.all, models, instances, self.store.record, node.labelled, status.now(),
                               self.store.revoked, check, node.device_plugin_since,
-                              node.runtime.condition() if node.runtime is not None else None)
+                              node.runtime.condition() if node.runtime is not None else None,
+                              self.health.conditions())
         mps = self.mps.condition()
         if mps is not None:
             body["conditions"] = [*body.get("conditions", []), mps]
@@ -107,6 +111,8 @@ class Publisher:
             for state, count in states.items():
                 metrics.INSTANCES.labels(self.settings.node, str(gpu["index"]), state).set(count)
             metrics.GRANTED_BYTES.labels(self.settings.node, str(gpu["index"])).set(gpu["grantedBytes"])
+            metrics.GPU_HEALTHY.labels(self.settings.node, str(gpu["index"])).set(
+                1 if self.health.of(gpu["index"]).healthy else 0)
             self.publish_slots(gpu, models.get(gpu["index"]))
         # Devices first: the GpuNode is what the controller checks a device against before it ungates a
         # pod, and the ResourceSlice then lists it already.
@@ -125,6 +131,15 @@ class Publisher:
             await self._create_gpunode()
             written = await self.client.merge_patch(path, {"status": body})
         self._post_device_plugin_event(written, check)
+        self._post_health_events(written)
+
+    def _post_health_events(self, gpunode: Mapping | None) -> None:
+        """The Events of GPUs turned unhealthy or healthy again, on the GpuNode just written."""
+        if not isinstance(gpunode, Mapping) or not (gpunode.get("metadata") or {}).get("uid"):
+            return
+        for kind, reason, message in self.health.events:
+            self.events.post(gpunode, kind, reason, message)
+        self.health.events.clear()
 
     def _post_device_plugin_event(self, gpunode: Mapping | None, check: DevicePluginCheck) -> None:
         """An Event on the GpuNode when a device plugin conflict appears, changes or is resolved (the
@@ -157,7 +172,9 @@ class Publisher:
         """The node's ResourceSlice: one device per offered slice (written only when that changes;
         ``verify``: read back even if unchanged here, since the kubelet may have deleted it)."""
         async with self._devices_lock:
-            devices = [device_info(e) for e in self.offered()]
+            effect = self.settings.device_taint_effect
+            devices = [device_info(e, "" if (h := self.health.of(e.gpu)).healthy else h.reason, effect)
+                       for e in self.offered()]
             try:
                 await self.resource_slice.publish(devices, self.node.uid, verify=verify)
             except ApiError as exc:

@@ -11,13 +11,19 @@ rewrites each of them with the pool's next generation and the new ``resourceSlic
 deletes the surplus ones: kube-scheduler uses only the slices of a pool's highest generation (and
 knows the pool is complete when it has ``resourceSliceCount`` of them), so it never combines devices
 of two generations.
+
+A device whose GPU is unhealthy (``core.node.health``) carries the taint ``gpu.cdmo.io/unhealthy`` (value
+its reason, e.g. ``Xid79``; effect ``NoSchedule``, or ``NoExecute`` with ``--device-taint-effect``), so
+kube-scheduler allocates it to no new claim and, with NoExecute, kube-controller-manager evicts the pods
+using it. An API server that does not serve device taints (before 1.37 unless its feature gate is on)
+drops the field: the first write that loses it turns taints off for this publisher.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kubernetes.utils import parse_quantity
@@ -34,6 +40,8 @@ log = logging.getLogger("mig_operator.agent")
 RESOURCE_SLICES_PATH = f"/apis/{RESOURCE_API}/resourceslices"
 MAX_DEVICES = 128  # resource.k8s.io/v1 ResourceSliceMaxDevices
 MAX_ATTRIBUTE_STRING = 64  # resource.k8s.io/v1 DeviceAttributeMaxValueLength
+UNHEALTHY_TAINT = f"{DRIVER}/unhealthy"
+TAINT_EFFECTS = ("NoSchedule", "NoExecute")
 
 
 def resource_slice_name(node: str, index: int = 0) -> str:
@@ -61,12 +69,14 @@ class SliceDeviceInfo:
     profile: str
     device_uuid: str
     granted_bytes: int
+    unhealthy: str = ""  # its GPU's health reason while the GPU is unhealthy (Xid79, GpuLost); "": healthy
+    taint_effect: str = "NoSchedule"
 
 
-def device_info(entry: OwnerEntry) -> SliceDeviceInfo:
+def device_info(entry: OwnerEntry, unhealthy: str = "", taint_effect: str = "NoSchedule") -> SliceDeviceInfo:
     namespace, _, name = entry.slice.partition("/")
     return SliceDeviceInfo(entry.uid, namespace, name, entry.mode, entry.profile if entry.mode == MODE_MIG else "",
-                           entry.device_uuid, entry.granted_bytes)
+                           entry.device_uuid, entry.granted_bytes, unhealthy, taint_effect)
 
 
 def _attribute(value: str) -> dict[str, str] | None:
@@ -80,11 +90,14 @@ def device(info: SliceDeviceInfo) -> dict[str, Any]:
         "sliceNamespace": _attribute(info.namespace), "mode": _attribute(info.mode),
         "profile": _attribute(info.profile), "uuid": _attribute(info.device_uuid),
     }
-    return {
+    body: dict[str, Any] = {
         "name": info.uid,
         "attributes": {f"{DRIVER}/{key}": value for key, value in attributes.items() if value is not None},
         "capacity": {f"{DRIVER}/memory": {"value": str(info.granted_bytes)}},
     }
+    if info.unhealthy:
+        body["taints"] = [{"key": UNHEALTHY_TAINT, "value": info.unhealthy[:63], "effect": info.taint_effect}]
+    return body
 
 
 def pool_specs(node: str, devices: Iterable[SliceDeviceInfo], generation: int) -> list[dict[str, Any]]:
@@ -106,6 +119,7 @@ class ResourceSlicePublisher:
         self._published: list[dict[str, Any]] | None = None  # the devices last written, in order
         self._published_for = ""  # the Node UID those ResourceSlices are owned by
         self._current: dict[str, dict[str, Any]] | None = None  # name -> ResourceSlice as last written or read
+        self.taints_served: bool | None = None  # whether the API server keeps device taints; None: not seen yet
 
     async def publish(self, devices: Iterable[SliceDeviceInfo], node_uid: str, verify: bool = False) -> bool:
         """Make the node's ResourceSlices list ``devices``; True when they were written. Nothing is
@@ -115,6 +129,8 @@ class ResourceSlicePublisher:
         if not node_uid:
             return False
         devices = list(devices)
+        if self.taints_served is False:
+            devices = [replace(d, unhealthy="") for d in devices]
         wanted = [d for spec in pool_specs(self.node, devices, 0) for d in spec["devices"]]
         if not verify and wanted == self._published and node_uid == self._published_for:
             return False
@@ -173,11 +189,22 @@ class ResourceSlicePublisher:
                     "metadata": {"name": name, "ownerReferences": [
                         {"apiVersion": "v1", "kind": "Node", "name": self.node, "uid": node_uid}]},
                     "spec": spec})
+            self._saw_taints(spec, written[name])
         for name in sorted(set(known) - set(written)):
             await self._delete(name)
         self._current = written
         log.info("ResourceSlices of node %s: %d device(s) in %d slice(s), pool generation %d", self.node,
                  len(devices), len(specs), generation)
+
+    def _saw_taints(self, spec: Mapping[str, Any], answer: Mapping[str, Any]) -> None:
+        """The first write of a tainted device tells whether the API server keeps device taints."""
+        if self.taints_served is not None or not any(d.get("taints") for d in spec["devices"]):
+            return
+        kept = ((answer.get("spec") or {}).get("devices") or [])
+        self.taints_served = any(d.get("taints") for d in kept)
+        if not self.taints_served:
+            log.info("the API server does not keep device taints (DRADeviceTaints): unhealthy GPUs' devices are "
+                     "published untainted; the GpuNode and the slices' DeviceHealthy still say so")
 
     async def _delete(self, name: str) -> None:
         try:
@@ -216,8 +243,10 @@ def _same_pool(current: Mapping[str, Mapping], wanted: Mapping[str, Mapping]) ->
 
 def _comparable(devices: Iterable[Mapping]) -> list[tuple]:
     # The API server writes quantities in canonical form (10737418240 -> 10Gi): compare their values.
+    # A taint's timeAdded is the API server's: compare key, value and effect.
     return [(d.get("name"), d.get("attributes") or {},
-             {k: parse_quantity(v.get("value", "0")) for k, v in (d.get("capacity") or {}).items()})
+             {k: parse_quantity(v.get("value", "0")) for k, v in (d.get("capacity") or {}).items()},
+             [(t.get("key"), t.get("value"), t.get("effect")) for t in d.get("taints") or ()])
             for d in devices]
 
 

@@ -41,6 +41,9 @@ SLOTS = Gauge("mig_operator_slots", "Memory slots of a MIG GPU, by state (in_use
 DEVICE_PLUGIN_CONFLICT = Gauge("mig_operator_device_plugin_conflict",
                                "1 while a device plugin also hands out the node's GPUs (no new slices there)",
                                ["node"])
+# 0 while a GPU's GpuNode condition Healthy is False (a critical Xid, or the GPU lost): no new slice there.
+GPU_HEALTHY = Gauge("mig_operator_gpu_healthy", "1 while a GPU is healthy, 0 after a critical Xid or once it is lost",
+                    ["node", "gpu"])
 PENDING_SLICES = Gauge("mig_operator_pending_slices", "Pending GpuSlices, by reason (NoCapacity, QuotaExceeded, ...)",
                        ["reason"])
 QUOTA_USED_BYTES = Gauge("mig_operator_quota_used_bytes",

@@ -65,3 +65,6 @@ GROUP_SIZE_ANNOTATION = "cdmo.io/group-size"
 # On a pod's GpuSlice: how many slices the pod has had, this one included (absent: the first).
 SLICE_TRY_ANNOTATION = "cdmo.io/slice-try"
 WEBHOOK_NAME = "mig-operator"
+# On a Node, set by an admin to the time now once its GPUs' errors are dealt with (reset): the agent
+# forgets each critical Xid it saw at or before that time (core/node/health.py, xids_to_clear).
+HEALTH_CLEARED_ANNOTATION = "cdmo.io/gpu-health-cleared"

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
+from mig_operator.core.node.health import DEVICE_HEALTHY_CONDITION, GpuHealth
 from mig_operator.core.node.lifecycle import BOUND, CREATING, FAILED, IN_USE, PENDING, READY
 from mig_operator.core.placement.cluster import MODE_MIG, Binding
 from mig_operator.core.placement.compute import format_compute
@@ -143,6 +144,15 @@ def serving(previous: Mapping | None, ok: bool, reason: str, message: str) -> di
     kept = [c for c in (previous or {}).get("conditions") or () if c.get("type") != READY_CONDITION]
     return {"reason": reason if not ok else "Ready", "message": _message(message),
             "conditions": [*kept, _condition(previous, READY_CONDITION, ok, reason, message, now())]}
+
+
+def device_healthy(previous: Mapping | None, health: GpuHealth) -> dict:
+    """A Ready slice whose GPU turns unhealthy, or healthy again: its ``DeviceHealthy`` condition says so
+    (reason ``Healthy``, ``Xid<N>`` or ``GpuLost``); the phase and the other conditions stay as they are."""
+    kept = [c for c in (previous or {}).get("conditions") or () if c.get("type") != DEVICE_HEALTHY_CONDITION]
+    message = health.message or "the GPU reports no critical error"
+    return {"conditions": [*kept, _condition(previous, DEVICE_HEALTHY_CONDITION, health.healthy, health.reason,
+                                             message, now())]}
 
 
 def released_condition(current: Mapping | None) -> Mapping | None:

@@ -22,6 +22,7 @@ from .names import (
     ELIGIBLE_NODES_ANNOTATION,
     GROUP_ANNOTATION,
     GROUP_SIZE_ANNOTATION,
+    HEALTH_CLEARED_ANNOTATION,
     POD_SLICE_LABEL,
     SLICE_TRY_ANNOTATION,
 )
@@ -123,8 +124,9 @@ def pod_body(body: Mapping[str, Any]) -> dict[str, Any]:
 
 def node_body(body: Mapping[str, Any]) -> dict[str, Any]:
     """A Node: its labels (placement may read any), taints, and the status the agent's device-plugin
-    check reads (capacity, allocatable, conditions); not its images, addresses or annotations."""
-    kept = _head(body, _metadata(body.get("metadata") or {}, labels=None))
+    check reads (capacity, allocatable, conditions); not its images or addresses, and of its annotations
+    only the admin's GPU health clear mark (the agent reads it)."""
+    kept = _head(body, _metadata(body.get("metadata") or {}, labels=None, annotations=(HEALTH_CLEARED_ANNOTATION,)))
     taints = (body.get("spec") or {}).get("taints")
     if taints:
         kept["spec"] = {"taints": taints}
