@@ -31,7 +31,10 @@ from mig_operator.core.requests.quantities import QuantityError
 from mig_operator.core.requests.request import slice_request
 from mig_operator.kube.common.workqueue import WorkQueue
 from mig_operator.kube.controller.claims import SliceClaims
+from mig_operator.kube.controller.observe import node_record
 from mig_operator.kube.controller.observe import slice_record as slice_info
+from mig_operator.kube.controller.pod_nodes import eligible as eligible_nodes
+from mig_operator.kube.controller.pod_nodes import hostname
 from mig_operator.kube.controller.pods import PodSlices, owned_by, ungate_ops
 from mig_operator.kube.webhook.admission import mutate_pod, slice_name_for
 from mig_operator.kube.webhook.certs import make_certificate
@@ -698,36 +701,32 @@ def test_an_event_older_than_the_ungates_answer_sends_no_second_patch() -> None:
     assert pods.pods[("ns", "p-gs-1")]["metadata"]["resourceVersion"] == "30"
 
 
-class _NodesClient(_Client):
-    def __init__(self, nodes: list[dict]) -> None:
-        super().__init__()
-        self.nodes = nodes
-
-    async def list(self, path: str, **_: object) -> list[dict]:
-        self.calls.append(("LIST", path))
-        return self.nodes
-
-
-def _node(name: str, taints: list[dict] | None = None) -> dict:
-    return {"metadata": {"name": name, "labels": {"kubernetes.io/hostname": name}},
+def _node(name: str, taints: list[dict] | None = None, **labels: str) -> dict:
+    return {"metadata": {"name": name, "labels": {"kubernetes.io/hostname": f"host-{name}", **labels}},
             "spec": {"taints": taints or []}}
 
 
-def test_node_taints_come_from_the_node_watch_between_lists() -> None:
-    """A burst of pods costs no list of every node: the first pod lists them, the controller's watch
-    on nodes keeps labels and taints current after that."""
+def test_where_a_pod_may_go_is_read_from_the_ledgers_one_node_cache() -> None:
+    """The controller keeps one Node cache, the ledger's, fed by the Node watch: a Node event changes
+    where a pod may go and what its hostname term says at once, with no list of nodes."""
     state = BodyLedger()
     for name in ("a", "b"):
         state.put_inventory({"metadata": {"name": name}, "spec": {"nodeName": name},
                              "status": {"gpus": [{"index": 0, "uuid": f"GPU-{name}", "memoryMiB": 81559}]}})
-    client, events = _NodesClient([_node("a"), _node("b")]), _Events()
-    queue = WorkQueue()
-    pods = PodSlices(client, events, state, SliceClaims(client, events, state, queue), queue)  # type: ignore[arg-type]
+        state.put_node(name, node_record(_node(name)))
     pod = {"metadata": {"name": "p", "namespace": "ns"}, "spec": {"containers": [{"name": "c"}]}}
-    assert asyncio.run(pods.nodes.eligible(pod, state.inventories)) is None  # every GPU node
-    pods.nodes.changed("b", _node("b", [{"key": "gpu", "value": "x", "effect": "NoSchedule"}]))
-    assert asyncio.run(pods.nodes.eligible(pod, state.inventories)) == ["a"], "b's new taint, seen without a list"
-    pods.nodes.changed("b", None)  # b is gone
-    pods.nodes.changed("c", _node("c"))
-    assert asyncio.run(pods.nodes.labels()).keys() == {"a", "c"}
-    assert [c for c in client.calls if c[0] == "LIST"] == [("LIST", "/api/v1/nodes")]
+    assert eligible_nodes(pod, state.inventories, state.nodes) is None  # every GPU node
+    assert state.put_node("b", node_record(_node("b", [{"key": "gpu", "value": "x", "effect": "NoSchedule"}]))) is None
+    assert eligible_nodes(pod, state.inventories, state.nodes) == ["a"], "b's new taint, seen from its event"
+    picky = {"metadata": {"name": "q", "namespace": "ns"},
+             "spec": {"containers": [{"name": "c"}], "nodeSelector": {"zone": "z1"}}}
+    assert eligible_nodes(picky, state.inventories, state.nodes) == []
+    assert state.put_node("a", node_record(_node("a", zone="z1"))) is None  # no label placement reads changed
+    assert eligible_nodes(picky, state.inventories, state.nodes) == ["a"], "a's new label, seen from its event"
+    assert hostname({"spec": {"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+        "nodeSelectorTerms": [{"matchExpressions": [{"key": "zone", "operator": "In", "values": ["z1"]}]}]}}}}},
+        "a", state.nodes) == "host-a"
+    state.put_node("b", None)  # b is gone
+    state.put_node("c", node_record(_node("c")))
+    assert state.nodes.keys() == {"a", "c"}
+    assert eligible_nodes(picky, state.inventories, state.nodes) == ["a"]

@@ -194,12 +194,14 @@ def test_a_device_its_gpunode_does_not_list_yet_gets_its_claim_when_the_gpunode_
     client = _Client()
     claims, state, _ = _claims(client, inventory=False)
     assert asyncio.run(claims.ensure(state.slice_named("ns", "train"))) is False
-    assert client.calls == [] and claims.waiting == {"n": {("ns", "train")}}
+    assert client.calls == []
     state.put_inventory({"metadata": {"name": "n"}, "spec": {"nodeName": "n"},
                          "status": {"gpus": [{"index": 0, "uuid": "GPU-1", "memoryMiB": 81559}]}})
 
     async def changed() -> None:
-        await claims.inventory_changed("n")
+        assert state.take_device_waits("n") == [("ns", "train")]  # one wait, as main.py reads it
+        assert state.take_device_waits("n") == []  # taken once
+        claims.look("ns", "train")
         while len(claims.queue):
             await asyncio.sleep(0.01)
 

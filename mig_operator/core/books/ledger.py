@@ -1,14 +1,17 @@
 """The controller's books: one owner for what it knows and what it has decided.
 
-The slices (``SliceRecord``), the GpuNode inventories and node labels placement reads, the bindings
-(written in a slice's status, or reserved while that write is in flight), each namespace's GpuQuota
-and charges (``core.books.charges``) and the waiting line (``core.books.waiting_line``). The planner's index
+The slices (``SliceRecord``), the GpuNode inventories, every Node (``NodeRecord``: the controller's one
+Node cache, labels and taints), the bindings (written in a slice's status, or reserved while that write
+is in flight), each namespace's GpuQuota and charges (``core.books.charges``), the waiting line
+(``core.books.waiting_line``) and the slices whose device check waits for their node's GpuNode. The planner's index
 (``core.placement.cluster.ClusterPlanner``) is its private part: inventories, labels and held bindings live
 there only. Its face: observe (``put_slice``, ``remove_slice``, ``put_inventory``,
-``remove_inventory``, ``set_node_labels``, ``put_quota``, ``remove_quota``, ``replace_all``);
+``remove_inventory``, ``put_node``, ``put_quota``, ``remove_quota``, ``replace_all``);
 ``decide(uid)`` for a slice's group (a slice alone is a group of one), quota admission included:
 bind (reserved), refuse (code, message, could it ever fit; the slices join the line) or skip; then
-``commit`` once the write is done or ``rollback`` once it failed (the books as before ``decide``).
+``commit`` once the write is done or ``rollback`` once it failed (the books as before ``decide``);
+``check_device(uid)``, the one device check (``core.books.device_check``), and ``take_device_waits``.
+Nothing outside this module changes its fields.
 
 Rules kept here: a slice being deleted holds its binding and charge until it is gone; a device an
 agent still holds for a slice gone is charged from its GpuNode; a fraction on a GPU its namespace
@@ -32,6 +35,7 @@ from ..placement.tenancy import whole_gpu_note
 from ..requests.quantities import MIB, QuantityError
 from ..requests.request import SliceRequest
 from .charges import Charge, Charges, GpuKey, fraction_charge, own_charge
+from .device_check import ACCEPT, DeviceVerdict, check_slice_device
 from .quota import (
     NO_QUOTA,
     QUOTA_EXCEEDED,
@@ -66,6 +70,7 @@ class SliceRecord:
     eligible: tuple[str, ...] | None = None  # the only nodes it may go to (a pod's node selector), if set
     group: str | None = None  # a pod's group of slices placed together (GROUP_ANNOTATION), if any
     group_size: int = 1
+    pod_owner: str | None = None  # the UID of the pod the slice was made for (its Pod owner reference), if any
 
     @property
     def ref(self) -> str:
@@ -85,6 +90,16 @@ class NodeLabels:
     mig: bool = False
     sharing: bool = False
     accepted: bool = False
+
+
+@dataclass(frozen=True)
+class NodeRecord:
+    """A Node as the controller reads it: its labels and taints (where a pod may go,
+    ``core.placement.node_selection``) and what placement reads of its labels (``flags``)."""
+
+    labels: Mapping[str, str] = field(default_factory=dict)
+    taints: tuple[Mapping[str, Any], ...] = ()
+    flags: NodeLabels = NodeLabels()
 
 
 @dataclass(frozen=True)
@@ -123,6 +138,11 @@ class Ledger:
         self._charges = Charges()
         self.line = WaitingLine()
         self._writing: set[str] = set()  # decided, write not yet committed or rolled back
+        self.nodes: dict[str, NodeRecord] = {}  # every Node: the controller's one Node cache
+        # Slices (namespace, name) whose device their node's GpuNode did not list (yet), by node, and
+        # when each was first found waiting (slice uid -> the caller's clock).
+        self._device_waits: dict[str, set[tuple[str, str]]] = {}
+        self._device_wait_since: dict[str, float] = {}
         # Slices seen deleted since the last full list: uid -> the deletion's resourceVersion.
         self._gone: dict[str, int] = {}
 
@@ -197,6 +217,36 @@ class Ledger:
     def waiting(self) -> Mapping[str, tuple[str, str]]:
         """The waiting line: uid -> (namespace, refusal code)."""
         return self.line.waiting
+
+    def touched_namespaces(self) -> set[str]:
+        """The namespaces whose waiting slices changed since the last call (their GpuQuota status)."""
+        return self.line.drain_touched()
+
+    # ---- the device check ------------------------------------------------------------------------
+
+    def check_device(self, uid: str, now: float) -> tuple[DeviceVerdict, float]:
+        """Whether slice ``uid``'s device may be handed on (``core.books.device_check.check_slice_device``
+        against its node's GpuNode), and for how long (by ``now``, the caller's clock) it has waited.
+        A slice not accepted waits for its node's GpuNode to change (``take_device_waits``)."""
+        info = self.slices.get(uid)
+        if info is None or info.binding is None or info.deleting:
+            return DeviceVerdict("wait"), 0.0
+        status = info.body.get("status") or {}
+        verdict = check_slice_device(uid, info.phase, str(status.get("deviceUUID") or ""), info.binding,
+                                     self.inventories.get(info.binding.node), early=info.pod_owner is not None)
+        key = (info.namespace, info.name)
+        if verdict.action == ACCEPT:
+            self._device_waits.get(info.binding.node, set()).discard(key)
+            self._device_wait_since.pop(uid, None)
+            return verdict, 0.0
+        self._device_waits.setdefault(info.binding.node, set()).add(key)
+        since = self._device_wait_since.setdefault(uid, now)
+        return verdict, now - since
+
+    def take_device_waits(self, node: str) -> list[tuple[str, str]]:
+        """The slices (namespace, name) whose device ``node``'s GpuNode did not list, in order; they wait
+        no more (a GpuNode changed: each is checked again)."""
+        return sorted(self._device_waits.pop(node, set()))
 
     # ---- deciding ------------------------------------------------------------------------------
 
@@ -291,6 +341,12 @@ class Ledger:
         except Refusal as refusal:
             return refusal
         return None
+
+    def wait_in_line(self, uid: str, code: str) -> None:
+        """Slice ``uid`` waits, refused with ``code`` outside ``decide`` (held behind an older slice)."""
+        info = self.slices.get(uid)
+        if info is not None and info.binding is None and uid not in self._reserved:
+            self.line.set(uid, (info.namespace, code))
 
     def writing(self, uid: str) -> bool:
         """Whether the binding ``decide`` made for ``uid`` is still being written (not yet committed or
@@ -389,9 +445,14 @@ class Ledger:
         for body in bodies:
             self.put_quota(body)
 
-    def set_node_labels(self, node: str, flags: NodeLabels) -> set[str] | None:
-        """Take a Node's placement labels (all False: unlabelled or gone); None when none changed, else
+    def put_node(self, node: str, record: NodeRecord | None) -> set[str] | None:
+        """Take a Node (None: it is gone); None when nothing placement reads of its labels changed, else
         the namespaces whose quota use changed (fraction sharing changes what its fractions are charged)."""
+        if record is None:
+            self.nodes.pop(node, None)
+        else:
+            self.nodes[node] = record
+        flags = record.flags if record is not None else NodeLabels()
         before = NodeLabels(*self._index.labels_of(node))
         if flags == before:
             return None
@@ -415,6 +476,8 @@ class Ledger:
             self._groups.setdefault((info.namespace, info.group), set()).add(info.uid)
         if info.binding is not None:
             self._reserved.pop(info.uid, None)
+        if info.binding is not None or info.deleting or info.phase not in (None, "Pending"):
+            self.line.set(info.uid, None)  # bound, going or past planning: it waits no more
         self._held(info.uid)
         return info
 
@@ -425,6 +488,7 @@ class Ledger:
             self._gone[uid] = max(version, self._gone.get(uid, 0))
         self._reserved.pop(uid, None)
         self.line.set(uid, None)
+        self._device_wait_since.pop(uid, None)
         gone = self.slices.pop(uid, None)
         if gone is not None and self._names.get((gone.namespace, gone.name)) == uid:
             del self._names[(gone.namespace, gone.name)]
@@ -469,9 +533,9 @@ class Ledger:
         return changed
 
     def replace_all(self, slices: Iterable[SliceRecord], inventories: Iterable[NodeInventory],
-                    labels: Mapping[str, NodeLabels], listed_at: int | None = None) -> None:
+                    nodes: Mapping[str, NodeRecord], listed_at: int | None = None) -> None:
         """A fresh full list: what is not in it is gone (events may have been missed while paused).
-        ``labels``: at least every node carrying a label placement reads. ``listed_at``: the list's
+        ``nodes``: every Node. ``listed_at``: the list's
         resourceVersion. The watch runs on while the list is read, so what it showed after that
         version stands: a slice made (or changed) since is kept though the list lacks it, and a
         slice deleted since is not brought back, so neither its room nor another's binding is lost."""
@@ -493,6 +557,9 @@ class Ledger:
         self._reserved = {uid: r for uid, r in self._reserved.items() if uid in fresh}
         for uid in [uid for uid in self.waiting if uid not in fresh]:
             self.line.set(uid, None)
+        self._device_wait_since = {uid: t for uid, t in self._device_wait_since.items() if uid in fresh}
+        self.nodes = dict(nodes)
+        labels = {name: record.flags for name, record in self.nodes.items()}
         held = {uid: s.binding for uid, s in fresh.items() if s.binding is not None}
         held.update({uid: r[0] for uid, r in self._reserved.items()})
         inventories = list(inventories)

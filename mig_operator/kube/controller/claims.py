@@ -43,7 +43,7 @@ from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import Any
 
-from mig_operator.core.books.device_check import ACCEPT, check_bound_device, check_ready_device
+from mig_operator.core.books.device_check import ACCEPT
 from mig_operator.core.books.ledger import Ledger, SliceRecord
 from mig_operator.core.books.slice_claim import (
     DELETE_PROTECTION,
@@ -56,13 +56,13 @@ from mig_operator.core.books.slice_claim import (
     unreserve_patch,
 )
 from mig_operator.core.books.slice_claim import claim_body as slice_claim_body
-from mig_operator.core.node.lifecycle import BOUND, READY
+from mig_operator.core.node.lifecycle import READY
 
 from ..common.client import ApiError, KubeClient, slice_path
 from ..common.events import EventPoster
 from ..common.names import API_VERSION, SLICE_KIND
 from ..common.status import seconds_now
-from ..common.workqueue import KeyedLocks, NodeWaits, WorkQueue
+from ..common.workqueue import KeyedLocks, WorkQueue
 
 log = logging.getLogger("mig_operator.controller.claims")
 CLAIM_TAKEN = "ClaimNameTaken"
@@ -95,15 +95,9 @@ def _seconds_since(timestamp: str | None) -> float:
         return 0.0
 
 
-def owner_pod(info: SliceRecord) -> Mapping[str, Any] | None:
-    """The ownerReference of the pod the slice was made for; None for a slice made directly."""
-    refs = (info.body.get("metadata") or {}).get("ownerReferences") or []
-    return next((ref for ref in refs if ref.get("kind") == "Pod" and ref.get("apiVersion") == "v1"), None)
-
-
 def early(info: SliceRecord) -> bool:
     """Whether the slice's claim is written before it is Ready: a pod's slice (see the module's doc)."""
-    return not info.deleting and owner_pod(info) is not None
+    return not info.deleting and info.pod_owner is not None
 
 
 class SliceClaims:
@@ -116,8 +110,6 @@ class SliceClaims:
         self.queue = queue
         self.written: dict[tuple[str, str], str] = {}  # (namespace, name) -> slice UID of the claim there
         self.allocated: dict[tuple[str, str], str] = {}  # likewise, once the controller allocated it
-        # Ready slices whose device their node's GpuNode did not list yet: tried again when it changes.
-        self.waiting = NodeWaits()
         # One write of a claim at a time: a slice's own watch event may come while the write its creation
         # started is under way, and a second create would only be refused (409), at kube-apiserver's cost.
         self._writing = KeyedLocks()
@@ -127,10 +119,6 @@ class SliceClaims:
 
     async def slice_changed(self, info: SliceRecord) -> None:
         self.look(info.namespace, info.name)
-
-    async def inventory_changed(self, node: str) -> None:
-        for namespace, name in self.waiting.take(node):
-            self.look(namespace, name)
 
     async def resync(self) -> None:
         """After a full list: forget the slices that are gone, write what is missing."""
@@ -150,17 +138,11 @@ class SliceClaims:
             await self.ensure(info)
 
     def ready(self, info: SliceRecord) -> bool:
-        """Whether the slice's device may be handed on now (not being deleted): Ready with its device
-        checked against its GpuNode, or, a pod's slice, bound onto a device its agent takes without an
-        NVML call (``check_bound_device``: its pod need not wait for the Ready write)."""
-        st = info.body.get("status") or {}
-        if info.binding is None or info.deleting:
-            return False
-        inventory = self.state.inventories.get(info.binding.node)
-        if st.get("phase") == READY:
-            return check_ready_device(info.uid, st.get("deviceUUID", ""), info.binding, inventory).action == ACCEPT
-        return (st.get("phase") == BOUND and early(info)
-                and check_bound_device(info.uid, info.binding, inventory).action == ACCEPT)
+        """Whether the slice's device may be handed on now (``Ledger.check_device``: not being deleted,
+        Ready with its device checked against its GpuNode, or, a pod's slice, bound onto a device its
+        agent takes without an NVML call, so its pod need not wait for the Ready write). A slice not
+        ready is looked at again when its node's GpuNode changes."""
+        return self.state.check_device(info.uid, time.monotonic())[0].action == ACCEPT
 
     async def ensure(self, info: SliceRecord) -> bool:
         """Write the claim of a ready slice (``ready``), or of a pod's slice (``early``), when it is not
@@ -179,7 +161,6 @@ class SliceClaims:
         claim: Mapping[str, Any] | None = None
         if self.written.get(key) != info.uid:
             if not ready and not early(info):
-                self._wait_for_device(info, key)
                 return False
             claim = await self._create(info)
             if claim is None:
@@ -188,7 +169,6 @@ class SliceClaims:
             # Debug: every pod's slice has one, and the binding's info line says where the slice went.
             log.debug("slice %s: ResourceClaim %s written", info.ref, info.name)
         if not ready and (info.binding is None or not early(info)):
-            self._wait_for_device(info, key)
             return False
         allocated = await self._allocate(info, claim)
         if allocated is None:
@@ -198,16 +178,10 @@ class SliceClaims:
         if DELETE_PROTECTION not in ((allocated.get("metadata") or {}).get("finalizers") or []):
             self.allocated[key] = info.uid
         if not ready:
-            self._wait_for_device(info, key)
             return False
         if (info.body.get("status") or {}).get("phase") == READY:
             await self._record(info)  # an early claim: the agent names it in its Ready write
         return True
-
-    def _wait_for_device(self, info: SliceRecord, key: tuple[str, str]) -> None:
-        """A Ready slice whose device its GpuNode does not list yet: looked at again when it changes."""
-        if (info.body.get("status") or {}).get("phase") == "Ready" and info.binding is not None:
-            self.waiting.wait(info.binding.node, key)
 
     async def _create(self, info: SliceRecord) -> Mapping[str, Any] | None:
         """The slice's claim, created now or found (``_take_over``); None when it cannot be had yet."""
@@ -259,13 +233,13 @@ class SliceClaims:
         """Take the reservation for the slice's pod off its claim (written with the allocation), once:
         the caller knows the pod is still gated, so nothing ran on the device, and the slice goes.
         Left on, it would hold the slice (``core.node.lifecycle.claim_hold``) until the pod goes."""
-        pod = owner_pod(info)
+        pod = info.pod_owner
         if pod is None or info.binding is None or info.uid in self._unreserved:
             return  # an unbound slice's claim is not allocated, so not reserved either
         self._unreserved.add(info.uid)
         try:
             await self.client.strategic_patch(f"{claim_path(info.namespace, info.name)}/status",
-                                              unreserve_patch(str(pod.get("uid", ""))))
+                                              unreserve_patch(pod))
         except ApiError as exc:
             if not exc.not_found:
                 self._unreserved.discard(info.uid)

@@ -78,8 +78,8 @@ def build_registry(options: ControllerOptions) -> kopf.OperatorRegistry:
     async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
         tune(settings, CONTROLLER_PREFIX)
         settings.peering.lifetime = options.peering_lifetime_s
-        # Nodes are watched whole: placement reads several labels (observe.PLACEMENT_LABELS), and a server-side
-        # selector takes only one; an event whose labels change nothing placement reads costs a comparison.
+        # Nodes are watched whole: the ledger keeps every Node's labels and taints (where a pod may go, and the
+        # labels placement reads); an event whose labels change nothing placement reads costs a comparison.
         settings.watching.label_selectors["v1", "pods"] = POD_SLICE_LABEL  # only pods the webhook marked
         client = KubeClient.from_environment(options.kubeconfig)
         await ensure_peering(client, options.peering)
@@ -111,10 +111,11 @@ def build_registry(options: ControllerOptions) -> kopf.OperatorRegistry:
         if type is None:
             state["binder"].listing_event()
         state["binder"].inventory_event(body, deleted=type == "DELETED")
-        # A device a Ready slice names may have just been published: its claim and pod are looked at again.
+        # A device a slice names may have just been published: its claim and pod are looked at again.
         node = (body.get("spec") or {}).get("nodeName") or body["metadata"]["name"]
-        await state["claims"].inventory_changed(node)
-        await state["pods"].inventory_changed(node)
+        for namespace, name in state["binder"].ledger.take_device_waits(node):
+            state["claims"].look(namespace, name)
+            state["pods"].look(namespace, name)
 
     async def gpuquota_event(body: dict[str, Any], type: str | None) -> None:
         # A quota raised, lowered, made or removed: waiting slices are planned again (no restart).
@@ -123,9 +124,7 @@ def build_registry(options: ControllerOptions) -> kopf.OperatorRegistry:
         state["quotas"].quota_event(body, deleted=deleted)
 
     async def node_event(body: dict[str, Any], type: str | None) -> None:
-        labels = None if type == "DELETED" else body.get("metadata", {}).get("labels") or {}
-        state["binder"].node_event(body["metadata"]["name"], labels)
-        state["pods"].nodes.changed(body["metadata"]["name"], None if type == "DELETED" else body)
+        state["binder"].node_event(body["metadata"]["name"], None if type == "DELETED" else body)
 
     async def pod_event(body: dict[str, Any], type: str | None) -> None:
         await state["pods"].pod_event(body, deleted=type == "DELETED")

@@ -7,10 +7,10 @@ from collections.abc import Mapping
 from functools import lru_cache
 from typing import Any
 
-from mig_operator.core.books.ledger import NodeLabels, SliceRecord
-from mig_operator.core.node.runtime_trust import TRUST_LABEL, TRUST_VALUE, accepted
+from mig_operator.core.books.ledger import NodeLabels, NodeRecord, SliceRecord
+from mig_operator.core.node.runtime_trust import accepted
 from mig_operator.core.placement.cluster import NodeInventory, binding_from_status, inventory_from_status
-from mig_operator.core.placement.tenancy import SHARING_LABEL, SHARING_VALUE, shares_across_namespaces
+from mig_operator.core.placement.tenancy import shares_across_namespaces
 from mig_operator.core.requests.quantities import QuantityError
 from mig_operator.core.requests.request import SliceRequest
 from mig_operator.core.requests.request_forms import MAX_POD_DEVICES
@@ -27,9 +27,6 @@ from ..common.names import (
 )
 from ..common.trim import slice_body
 
-# The Node labels placement reads (key, value): one list each at a resync finds every node that has one.
-PLACEMENT_LABELS = ((MIG_NODE_LABEL, MIG_NODE_VALUE), (SHARING_LABEL, SHARING_VALUE), (TRUST_LABEL, TRUST_VALUE))
-
 
 def slice_record(body: Mapping) -> SliceRecord:
     body = slice_body(body)
@@ -44,8 +41,16 @@ def slice_record(body: Mapping) -> SliceRecord:
         version=resource_version(meta), body=body, request=request, invalid=invalid,
         pinned=spec.get("nodeName"), phase=status.get("phase"), binding=binding,
         deleting=bool(meta.get("deletionTimestamp")), marked=marked,
-        eligible=_eligible_nodes(meta), **_group(meta),
+        eligible=_eligible_nodes(meta), pod_owner=_pod_owner(meta), **_group(meta),
     )
+
+
+def _pod_owner(meta: Mapping) -> str | None:
+    """The UID of the pod the slice was made for (its v1 Pod owner reference); None for a slice made directly."""
+    for ref in meta.get("ownerReferences") or ():
+        if ref.get("kind") == "Pod" and ref.get("apiVersion") == "v1":
+            return str(ref.get("uid") or "")
+    return None
 
 
 def _request(spec: Mapping) -> tuple[SliceRequest | None, str]:
@@ -93,6 +98,13 @@ def _eligible_nodes(meta: Mapping) -> tuple[str, ...] | None:
 def node_labels(labels: Mapping[str, str] | None) -> NodeLabels:
     labels = labels or {}
     return NodeLabels(labels.get(MIG_NODE_LABEL) == MIG_NODE_VALUE, shares_across_namespaces(labels), accepted(labels))
+
+
+def node_record(body: Mapping) -> NodeRecord:
+    """A Node as the ledger keeps it: its labels, its taints and what placement reads of them."""
+    labels = dict((body.get("metadata") or {}).get("labels") or {})
+    taints = tuple((body.get("spec") or {}).get("taints") or ())
+    return NodeRecord(labels, taints, node_labels(labels))
 
 
 def inventory(body: Mapping) -> NodeInventory:

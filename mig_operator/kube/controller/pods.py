@@ -19,6 +19,11 @@ with a ``nodeSelector`` or required node affinity gets a slice pinned to the one
 they allow no GPU node waits, gated, with an Event, and is looked at again at every resync. A slice
 is handed only to the pod its owner reference names.
 
+A watch event only observes the pod and adds keys to the controller's work queue: its slices are made
+by ``("pod-slices", namespace, pod group)``, a finished pod's slices deleted by ``("pod-finished", ...)``,
+a deleted gated pod's claim reservations taken off by ``("pod-gone", ...)``, its gate removed by
+``("pod-slice", namespace, slice name)``; a write that fails comes back after the queue's back-off.
+
 A pod's slice that failed is replaced on the controller's work queue, key ``("slice-retry", namespace,
 slice name)``: added with the back-off (``core.node.lifecycle.slice_retry_delay``), it deletes the failed
 slice, is woken by that slice's deletion, then makes the next one; a failed write brings it back after
@@ -32,7 +37,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-from mig_operator.core.books.device_check import ACCEPT, REFUSE, check_ready_device
+from mig_operator.core.books.device_check import ACCEPT, REFUSE
 from mig_operator.core.books.ledger import Ledger, SliceRecord
 from mig_operator.core.books.slice_claim import claim_user
 from mig_operator.core.node.lifecycle import BOUND, FAILED, READY, SLICE_TRIES, slice_retry_delay
@@ -54,9 +59,9 @@ from ..common.names import (
     SLICE_TRY_ANNOTATION,
 )
 from ..common.trim import pod_body
-from ..common.workqueue import NodeWaits, Requeue, WorkQueue
+from ..common.workqueue import Requeue, WorkQueue
 from .claims import SliceClaims
-from .pod_nodes import HOSTNAME_LABEL, NodeView
+from .pod_nodes import HOSTNAME_LABEL, eligible, hostname
 
 log = logging.getLogger("mig_operator.controller.pods")
 FINISHED_PHASES = ("Succeeded", "Failed")
@@ -144,10 +149,6 @@ class PodSlices:
         self.claims = claims
         self.queue = queue
         self.pods: dict[tuple[str, str], dict[str, Any]] = {}  # (namespace, pod group) -> pod
-        self.nodes = NodeView(client)  # labels and taints, for where a pod may go
-        # Pods whose Ready slice's device the node's GpuNode did not list (yet), by node.
-        self._device_waits = NodeWaits()
-        self._device_wait_since: dict[str, float] = {}  # slice UID -> when its device was first not listed
         # Told each slice made, as the API returned it (its own watch event follows and is then old).
         self.on_created: list[Callable[[dict[str, Any]], Awaitable[None]]] = []
         # Pods (namespace, pod group) whose gate is being removed: the pod's own event and its slice's
@@ -165,28 +166,35 @@ class PodSlices:
             self.pods.pop(key, None)
             self.events.forget(meta["uid"])
             if _gated(pod):  # never ran: its claims' reservations go now, not once its slices are collected
-                for info in self._own_slices(pod, key):
-                    await self.claims.unreserve(info)
+                self.queue.add(("pod-gone", *key), lambda: self._unreserve_gone(pod, key))
             return
         if (pod.get("status") or {}).get("phase") in FINISHED_PHASES:
             self.pods.pop(key, None)
-            await self._release(pod, key)
+            self.queue.add(("pod-finished", *key), lambda: self._release(pod, key))
             return
         known = self.pods.get(key)
         if (known is not None and known["metadata"].get("uid") == meta["uid"]
                 and resource_version(known["metadata"]) > resource_version(meta)):
             return  # older than the pod as the controller last wrote it (its ungate's answer): nothing new
         self.pods[key] = pod
-        if not _gated(pod):
+        if _gated(pod):
+            self.make_slices(*key)
+
+    def make_slices(self, namespace: str, group: str) -> None:
+        """Make the gated pod's missing slices on the work queue, key ``("pod-slices", namespace, group)``."""
+        self.queue.add(("pod-slices", namespace, group), lambda: self._make_slices(namespace, group))
+
+    async def _make_slices(self, namespace: str, group: str) -> None:
+        pod = self.pods.get((namespace, group))
+        if pod is None or not _gated(pod):
             return
-        names = await self._create_slices(pod, name)
-        self.look(meta["namespace"], names[0] if names else name)
+        names = await self._create_slices(pod, group)
+        self.look(namespace, names[0] if names else group)
 
     async def slice_deleted(self, body: Mapping[str, Any]) -> None:
         """A slice is gone: if its pod still waits, gated, make it again (a group's part the binder gave
         back, or a slice deleted by hand); a failed slice's replacement is its retry key's, woken now."""
         meta = body["metadata"]
-        self._device_wait_since.pop(meta["uid"], None)
         retry = _retry_key(meta["namespace"], meta["name"])
         if self.queue.pending(retry):
             self.queue.wake(retry)
@@ -196,7 +204,7 @@ class PodSlices:
         pod = self.pods.get((meta["namespace"], group))
         if pod is None or not _gated(pod) or not owned_by(body, pod):
             return
-        await self._create_slices(pod, group)
+        self.make_slices(meta["namespace"], group)
 
     def _own_slices(self, pod: Mapping[str, Any], key: tuple[str, str]) -> list[SliceRecord]:
         """The pod's slices (``key``: namespace, pod group) that it owns."""
@@ -225,6 +233,11 @@ class PodSlices:
         if pod is None or not _gated(pod) or not owned_by(info.body, pod):
             return None
         return claim_user(pod, info.name)
+
+    async def _unreserve_gone(self, pod: Mapping[str, Any], key: tuple[str, str]) -> None:
+        """A gated pod is deleted: its slices' claims are no longer reserved for it (``claims.unreserve``)."""
+        for info in self._own_slices(pod, key):
+            await self.claims.unreserve(info)
 
     async def _release(self, pod: Mapping[str, Any], key: tuple[str, str]) -> None:
         """Delete a finished pod's slices (its own only): the agent then releases the instances."""
@@ -264,19 +277,19 @@ class PodSlices:
             return names
         annotations: dict[str, str] = {}
         node_name: str | None = None
-        eligible = await self.nodes.eligible(pod, self.state.inventories)
-        if eligible is not None:
-            if not eligible:
+        allowed = eligible(pod, self.state.inventories, self.state.nodes)
+        if allowed is not None:
+            if not allowed:
                 known = len(self.state.inventories)
                 self.events.post(pod, "Warning", "NoEligibleNode", (
                     f"none of the {known} GPU nodes matches the pod's nodeSelector and required node affinity "
                     "and has only taints it tolerates; it waits, gated, for one that does (the operator places "
                     "the pod on its slice's node)"))
                 return ()
-            if len(eligible) == 1:
-                node_name = eligible[0]  # the pod can only go there: so must its slices
+            if len(allowed) == 1:
+                node_name = allowed[0]  # the pod can only go there: so must its slices
             else:
-                annotations[ELIGIBLE_NODES_ANNOTATION] = ",".join(eligible)
+                annotations[ELIGIBLE_NODES_ANNOTATION] = ",".join(allowed)
         if len(names) > 1:
             annotations.update({GROUP_ANNOTATION: group, GROUP_SIZE_ANNOTATION: str(len(names))})
         for name, device in missing:
@@ -347,7 +360,7 @@ class PodSlices:
         if len({m.binding.node for m in members if m.binding is not None}) != 1:
             return  # never: a group is bound on one node (the binder gives back a split one)
         for member in members:
-            if not await self._device_checked(pod, member) or not await self.claims.ensure(member):
+            if not self._device_checked(pod, member) or not await self.claims.ensure(member):
                 return
         await self._release_gate(pod, info)
 
@@ -408,23 +421,16 @@ class PodSlices:
         await self._create_slices(pod, group, {name: tries + 1})
         return None
 
-    async def _device_checked(self, pod: Mapping[str, Any], info: SliceRecord) -> bool:
-        """Whether the Ready slice's device is on its node's GpuNode (core/books/device_check); if not yet, the
-        pod is looked at again when that GpuNode changes; a wrong device is never handed on. A slice
-        still Bound passes only onto a device its agent takes without an NVML call; else its Ready
-        event brings the pod here again."""
-        assert info.binding is not None
-        node = info.binding.node
-        if info.phase == BOUND:
-            return self.claims.ready(info)  # handed on at its binding only where that check says so
-        verdict = check_ready_device(info.uid, (info.body.get("status") or {}).get("deviceUUID", ""), info.binding,
-                                     self.state.inventories.get(node))
-        key = (info.namespace, info.name)
+    def _device_checked(self, pod: Mapping[str, Any], info: SliceRecord) -> bool:
+        """Whether the slice's device may be handed on (``Ledger.check_device``: Ready with its device on
+        its node's GpuNode, or still Bound onto a device its agent takes without an NVML call); if not
+        yet, the pod is looked at again when that GpuNode changes, or at the slice's Ready. A wrong
+        device is never handed on."""
+        verdict, waited = self.state.check_device(info.uid, time.monotonic())
         if verdict.action == ACCEPT:
-            self._device_waits.done(node, key)
-            self._device_wait_since.pop(info.uid, None)
             return True
-        self._device_waits.wait(node, key)
+        if info.phase != READY:
+            return False  # its Ready event brings the pod here again
         if verdict.action == REFUSE:
             log.warning("slice %s: device refused: %s", info.ref, verdict.message)
             self.events.post(pod, "Warning", verdict.reason,
@@ -432,15 +438,9 @@ class PodSlices:
             return False
         # Usually the moment between a new instance's Ready and its GpuNode publish: an Event only once
         # the wait is long (seen again at the GpuNode's next publish, at least every heartbeat).
-        since = self._device_wait_since.setdefault(info.uid, time.monotonic())
-        if time.monotonic() - since >= DEVICE_WAIT_EVENT_S:
+        if waited >= DEVICE_WAIT_EVENT_S:
             self.events.post(pod, "Normal", verdict.reason, f"GpuSlice {info.ref}: {verdict.message}; waiting")
         return False
-
-    async def inventory_changed(self, node: str) -> None:
-        """A GpuNode changed: look again at the pods whose slice's device it did not list."""
-        for namespace, name in self._device_waits.take(node):
-            self.look(namespace, name)
 
     async def _release_gate(self, pod: dict[str, Any], info: SliceRecord) -> None:
         key = (info.namespace, group_of(info))
@@ -460,7 +460,7 @@ class PodSlices:
         path = core_path("pods", info.namespace, meta["name"])
         node = info.binding.node
         try:
-            answer = await self.client.json_patch(path, ungate_ops(pod, node, await self.nodes.hostname(pod, node)))
+            answer = await self.client.json_patch(path, ungate_ops(pod, node, hostname(pod, node, self.state.nodes)))
         except ApiError as exc:
             if exc.not_found:
                 return
@@ -469,7 +469,8 @@ class PodSlices:
             fresh = await self.client.get(path)  # changed meanwhile: try again on what it is now
             if not _gated(fresh):
                 return
-            answer = await self.client.json_patch(path, ungate_ops(fresh, node, await self.nodes.hostname(fresh, node)))
+            ops = ungate_ops(fresh, node, hostname(fresh, node, self.state.nodes))
+            answer = await self.client.json_patch(path, ops)
         self.pods[(info.namespace, group_of(info))] = pod_body(answer)
         log.debug("pod %s/%s ungated onto %s", info.namespace, meta["name"], node)
 
