@@ -31,7 +31,7 @@ from mig_operator.core.requests.quantities import QuantityError
 from mig_operator.core.requests.request import slice_request
 from mig_operator.kube.common.workqueue import WorkQueue
 from mig_operator.kube.controller.claims import SliceClaims
-from mig_operator.kube.controller.observe import node_record
+from mig_operator.kube.controller.observe import node_record, pod_record
 from mig_operator.kube.controller.observe import slice_record as slice_info
 from mig_operator.kube.controller.pod_nodes import eligible as eligible_nodes
 from mig_operator.kube.controller.pod_nodes import hostname
@@ -643,7 +643,7 @@ def test_a_pod_found_ready_twice_at_once_is_ungated_with_one_patch() -> None:
     is on its way: a second patch would only be refused (and counted by the API server)."""
     pods, client, _ = _pod_slices("pod-uid", _SlowPatchClient())
     state = pods.state
-    pods.pods[("ns", "p-gs-1")] = _pod("Pending", gated=True)
+    pods.pods[("ns", "p-gs-1")] = pod_record(_pod("Pending", gated=True))
     info = state.slice_named("ns", "p-gs-1")
     assert info is not None
 
@@ -661,12 +661,13 @@ def test_a_pass_that_awaited_while_the_pod_was_ungated_sends_no_second_patch() -
     pod (the watch's view is now ungated): the late pass must not patch the pod as it read it."""
     pods, client, _ = _pod_slices("pod-uid")
     gated = _pod("Pending", gated=True)
-    pods.pods[("ns", "p-gs-1")] = {**gated, "spec": {"containers": [{"name": "c"}]}}  # as the watch sees it now
+    now = {**gated, "spec": {"containers": [{"name": "c"}]}}  # as the watch sees it now
+    pods.pods[("ns", "p-gs-1")] = pod_record(now)
     info = pods.state.slice_named("ns", "p-gs-1")
     assert info is not None
     asyncio.run(pods._release_gate(gated, info))
     assert [c for c in client.calls if c[0] == "PATCH"] == []
-    pods.pods[("ns", "p-gs-1")] = gated
+    pods.pods[("ns", "p-gs-1")] = pod_record(gated)
     asyncio.run(pods._release_gate(gated, info))
     assert [c for c in client.calls if c[0] == "PATCH"] == [("PATCH", "/api/v1/namespaces/ns/pods/p")]
 
@@ -698,7 +699,7 @@ def test_an_event_older_than_the_ungates_answer_sends_no_second_patch() -> None:
     newer = _pod("Running")
     newer["metadata"]["resourceVersion"] = "30"
     _settle(pods, pods.pod_event(newer, deleted=False))
-    assert pods.pods[("ns", "p-gs-1")]["metadata"]["resourceVersion"] == "30"
+    assert pods.pods[("ns", "p-gs-1")].body["metadata"]["resourceVersion"] == "30"
 
 
 def _node(name: str, taints: list[dict] | None = None, **labels: str) -> dict:
@@ -730,3 +731,36 @@ def test_where_a_pod_may_go_is_read_from_the_ledgers_one_node_cache() -> None:
     state.put_node("c", node_record(_node("c")))
     assert state.nodes.keys() == {"a", "c"}
     assert eligible_nodes(picky, state.inventories, state.nodes) == ["a"]
+
+
+def test_a_pods_request_is_read_once_per_change_of_what_it_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The controller reads a pod's request as it observes the pod and keeps it in the pod's record:
+    events that change only its status read nothing again, and making its slice reads nothing."""
+    from mig_operator.kube.controller import observe
+
+    reads: list[str] = []
+
+    def counted(pod: dict) -> object:
+        reads.append(pod["metadata"].get("resourceVersion", ""))
+        return observe_ask(pod)
+
+    observe_ask = observe.pod_ask
+    monkeypatch.setattr(observe, "pod_ask", counted)
+    state, client, events, queue = BodyLedger(), _Client(), _Events(), WorkQueue()
+    pods = PodSlices(client, events, state, SliceClaims(client, events, state, queue), queue)  # type: ignore[arg-type]
+    asked = _pod("Pending", gated=True)
+    asked["metadata"].update(annotations={"cdmo.io/gpu-memory": "lots"}, resourceVersion="1")
+    _settle(pods, pods.pod_event(asked, deleted=False))
+    first = pods.pods[("ns", "p-gs-1")].ask
+    assert (first.reason, reads) == ("InvalidAnnotation", ["1"])
+    assert events.posted.count("InvalidAnnotation") == 1
+    later = copy.deepcopy(asked)
+    later["metadata"]["resourceVersion"] = "2"
+    later["status"] = {"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "False"}]}
+    _settle(pods, pods.pod_event(later, deleted=False))
+    assert reads == ["1"] and pods.pods[("ns", "p-gs-1")].ask is first
+    fixed = copy.deepcopy(later)
+    fixed["metadata"].update(annotations={"cdmo.io/gpu-memory": "4Gi"}, resourceVersion="3")
+    _settle(pods, pods.pod_event(fixed, deleted=False))
+    assert reads == ["1", "3"]
+    assert [d.request.memory_bytes for d in pods.pods[("ns", "p-gs-1")].ask.devices] == [4 * 2**30]

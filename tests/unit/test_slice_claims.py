@@ -16,6 +16,7 @@ from mig_operator.kube.common.names import POD_SLICE_LABEL, SCHEDULING_GATE
 from mig_operator.kube.common.workqueue import WorkQueue
 from mig_operator.kube.controller import claims as claims_module
 from mig_operator.kube.controller.claims import SliceClaims, claim_body, slice_owner
+from mig_operator.kube.controller.observe import pod_record
 from mig_operator.kube.controller.pods import PodSlices
 
 UID = "0b9e6a8c-2f43-4d7a-9c1e-5a6b7c8d9e0f"
@@ -318,18 +319,18 @@ def test_a_pod_is_the_consumer_only_of_its_own_gated_slice_whose_claim_it_names(
             "spec": {"schedulingGates": [{"name": SCHEDULING_GATE}],
                      "resourceClaims": [{"name": "gpu-slice", "resourceClaimName": "train"}]}}
     assert pods.consumer(info) is None  # no pod seen
-    pods.pods[("ns", "train")] = made
+    pods.pods[("ns", "train")] = pod_record(made)
     assert pods.consumer(info) == POD_P
     # Another pod of that name and label (another UID), one not naming the claim, one no longer gated:
     # none of them is the pod the slice was made for while gated.
-    pods.pods[("ns", "train")] = {**made, "metadata": {**made["metadata"], "uid": "other-uid"}}
+    pods.pods[("ns", "train")] = pod_record({**made, "metadata": {**made["metadata"], "uid": "other-uid"}})
     assert pods.consumer(info) is None
-    pods.pods[("ns", "train")] = {**made, "spec": {**made["spec"], "resourceClaims": []}}
+    pods.pods[("ns", "train")] = pod_record({**made, "spec": {**made["spec"], "resourceClaims": []}})
     assert pods.consumer(info) is None
-    pods.pods[("ns", "train")] = {**made, "spec": {**made["spec"], "schedulingGates": []}}
+    pods.pods[("ns", "train")] = pod_record({**made, "spec": {**made["spec"], "schedulingGates": []}})
     assert pods.consumer(info) is None
     # Another namespace's pod of the slice's name is never looked at.
-    pods.pods = {("other", "train"): {**made, "metadata": {**made["metadata"], "namespace": "other"}}}
+    pods.pods = {("other", "train"): pod_record({**made, "metadata": {**made["metadata"], "namespace": "other"}})}
     assert pods.consumer(info) is None
 
 

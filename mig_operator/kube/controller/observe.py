@@ -4,6 +4,7 @@ slice's record keeps its body as ``trim.slice_body`` keeps it, never the whole o
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
@@ -11,6 +12,7 @@ from mig_operator.core.books.ledger import NodeLabels, NodeRecord, SliceRecord
 from mig_operator.core.node.runtime_trust import accepted
 from mig_operator.core.placement.cluster import NodeInventory, binding_from_status, inventory_from_status
 from mig_operator.core.placement.tenancy import shares_across_namespaces
+from mig_operator.core.requests.pod_admission import PodAsk, pod_ask, pod_ask_inputs
 from mig_operator.core.requests.quantities import QuantityError
 from mig_operator.core.requests.request import SliceRequest
 from mig_operator.core.requests.request_forms import MAX_POD_DEVICES
@@ -25,7 +27,7 @@ from ..common.names import (
     MIG_NODE_LABEL,
     MIG_NODE_VALUE,
 )
-from ..common.trim import slice_body
+from ..common.trim import pod_body, slice_body
 
 
 def slice_record(body: Mapping) -> SliceRecord:
@@ -93,6 +95,24 @@ def _eligible_nodes(meta: Mapping) -> tuple[str, ...] | None:
     if text is None:
         return None
     return tuple(sorted({name.strip() for name in str(text).split(",") if name.strip()}))
+
+
+@dataclass(frozen=True)
+class PodRecord:
+    """A labelled pod as the controller keeps it: its body as ``trim.pod_body`` keeps it, and its
+    request, read once (``core.requests.pod_admission.pod_ask``)."""
+
+    body: dict[str, Any]
+    ask: PodAsk
+
+
+def pod_record(body: Mapping, known: PodRecord | None = None) -> PodRecord:
+    """The pod's record; its request is read again only when what it reads changed since ``known``
+    (a pod's events mostly change its status)."""
+    body = pod_body(body)
+    if known is not None and pod_ask_inputs(known.body) == pod_ask_inputs(body):
+        return PodRecord(body, known.ask)
+    return PodRecord(body, pod_ask(body))
 
 
 def node_labels(labels: Mapping[str, str] | None) -> NodeLabels:

@@ -41,8 +41,6 @@ from mig_operator.core.books.device_check import ACCEPT, REFUSE
 from mig_operator.core.books.ledger import Ledger, SliceRecord
 from mig_operator.core.books.slice_claim import claim_user
 from mig_operator.core.node.lifecycle import BOUND, FAILED, READY, SLICE_TRIES, slice_retry_delay
-from mig_operator.core.requests.pod_admission import PodRefused, check_pod_devices
-from mig_operator.core.requests.quantities import QuantityError
 from mig_operator.core.requests.request_forms import device_slice_names
 
 from ..common.client import ApiError, KubeClient, core_path, resource_version, slice_path, slices_path
@@ -61,6 +59,7 @@ from ..common.names import (
 from ..common.trim import pod_body
 from ..common.workqueue import Requeue, WorkQueue
 from .claims import SliceClaims
+from .observe import PodRecord, pod_record
 from .pod_nodes import HOSTNAME_LABEL, eligible, hostname
 
 log = logging.getLogger("mig_operator.controller.pods")
@@ -148,12 +147,17 @@ class PodSlices:
         self.state = state
         self.claims = claims
         self.queue = queue
-        self.pods: dict[tuple[str, str], dict[str, Any]] = {}  # (namespace, pod group) -> pod
+        self.pods: dict[tuple[str, str], PodRecord] = {}  # (namespace, pod group) -> pod
         # Told each slice made, as the API returned it (its own watch event follows and is then old).
         self.on_created: list[Callable[[dict[str, Any]], Awaitable[None]]] = []
         # Pods (namespace, pod group) whose gate is being removed: the pod's own event and its slice's
         # may both find it ready at once, and a second patch would only be refused (422) and read the pod.
         self._ungating: set[tuple[str, str]] = set()
+
+    def pod(self, key: tuple[str, str]) -> dict[str, Any] | None:
+        """The pod of ``key`` (namespace, pod group) as last seen, None when none is."""
+        record = self.pods.get(key)
+        return record.body if record is not None else None
 
     async def pod_event(self, pod: dict[str, Any], deleted: bool) -> None:
         pod = pod_body(pod)  # what is kept of it (a watch event's pod is kept already)
@@ -173,10 +177,11 @@ class PodSlices:
             self.queue.add(("pod-finished", *key), lambda: self._release(pod, key))
             return
         known = self.pods.get(key)
-        if (known is not None and known["metadata"].get("uid") == meta["uid"]
-                and resource_version(known["metadata"]) > resource_version(meta)):
+        if known is not None and known.body["metadata"].get("uid") != meta["uid"]:
+            known = None
+        if known is not None and resource_version(known.body["metadata"]) > resource_version(meta):
             return  # older than the pod as the controller last wrote it (its ungate's answer): nothing new
-        self.pods[key] = pod
+        self.pods[key] = pod_record(pod, known)
         if _gated(pod):
             self.make_slices(*key)
 
@@ -185,10 +190,10 @@ class PodSlices:
         self.queue.add(("pod-slices", namespace, group), lambda: self._make_slices(namespace, group))
 
     async def _make_slices(self, namespace: str, group: str) -> None:
-        pod = self.pods.get((namespace, group))
-        if pod is None or not _gated(pod):
+        record = self.pods.get((namespace, group))
+        if record is None or not _gated(record.body):
             return
-        names = await self._create_slices(pod, group)
+        names = await self._create_slices(record, group)
         self.look(namespace, names[0] if names else group)
 
     async def slice_deleted(self, body: Mapping[str, Any]) -> None:
@@ -201,7 +206,7 @@ class PodSlices:
             return
         annotations = meta.get("annotations") or {}
         group = annotations.get(GROUP_ANNOTATION) or meta["name"]
-        pod = self.pods.get((meta["namespace"], group))
+        pod = self.pod((meta["namespace"], group))
         if pod is None or not _gated(pod) or not owned_by(body, pod):
             return
         self.make_slices(meta["namespace"], group)
@@ -220,7 +225,7 @@ class PodSlices:
         slice at once rather than hold it as in use until the pod goes. (A Failed slice holds no
         instance, so its agent releases it whatever its claim says.)"""
         key = (info.namespace, group_of(info))
-        pod = self.pods.get(key)
+        pod = self.pod(key)
         if pod is None or key in self._ungating or not _gated(pod) or not owned_by(info.body, pod):
             return
         await self.claims.unreserve(info)
@@ -229,7 +234,7 @@ class PodSlices:
         """Whom the claim of slice ``info`` is reserved for as it is allocated (claims.py): the gated pod
         seen here that owns the slice and names its claim, so a pod the controller made it for; None
         for any other (an owner reference alone is the tenant's to write)."""
-        pod = self.pods.get((info.namespace, group_of(info)))
+        pod = self.pod((info.namespace, group_of(info)))
         if pod is None or not _gated(pod) or not owned_by(info.body, pod):
             return None
         return claim_user(pod, info.name)
@@ -251,21 +256,21 @@ class PodSlices:
                     raise
             log.debug("pod %s/%s finished: its slice %s released", key[0], pod["metadata"]["name"], info.ref)
 
-    async def _create_slices(self, pod: Mapping[str, Any], group: str,
+    async def _create_slices(self, record: PodRecord, group: str,
                              tries: Mapping[str, int] | None = None) -> tuple[str, ...]:
         """Make the pod's slices that do not exist yet, one per device (``device_slice_names``): a
         pod's several devices carry its group, so the binder places them together or not at all.
         Returns the slices' names (none when the pod is refused or waits for an eligible node)."""
+        pod, ask = record.body, record.ask
         meta = pod["metadata"]
-        try:
-            # Again, not only at admission: a pod made with the label and gate but no annotation never
-            # reached the webhook, and its annotations may be added or changed later.
-            devices = check_pod_devices(pod)
-        except (QuantityError, PodRefused) as exc:
-            self.events.post(pod, "Warning", "InvalidAnnotation" if isinstance(exc, QuantityError) else "Refused",
-                             f"{exc}; the pod stays gated: delete it and create it again")
-            log.info("pod %s/%s: no slice made: %s", meta["namespace"], meta["name"], exc)
+        # Read as the pod was observed, not only at admission: a pod made with the label and gate but no
+        # annotation never reached the webhook, and its annotations may be added or changed later.
+        if ask.reason:
+            self.events.post(pod, "Warning", ask.reason, f"{ask.message}; the pod stays gated: delete it and "
+                             "create it again")
+            log.info("pod %s/%s: no slice made: %s", meta["namespace"], meta["name"], ask.message)
             return ()
+        devices = ask.devices
         if not devices:
             return ()  # labelled by hand, asking for nothing: not the operator's pod
         names = device_slice_names(group, len(devices))
@@ -331,7 +336,7 @@ class PodSlices:
     async def _slice_changed(self, info: SliceRecord) -> None:
         """If a gated pod waits for the slice, move the pod on (or tell it why not). A pod with several
         devices moves on once every one of its slices is Ready, all on one node."""
-        pod = self.pods.get((info.namespace, group_of(info)))
+        pod = self.pod((info.namespace, group_of(info)))
         if pod is None or info.deleting:
             return
         if not _gated(pod):
@@ -404,8 +409,8 @@ class PodSlices:
                               tries: int) -> Requeue | None:
         """Delete the failed slice and, once it is gone, make the pod's next one (same name: the pod's
         claim names it). The slice's deletion wakes the key (``slice_deleted``)."""
-        pod = self.pods.get((namespace, group))
-        if pod is None or not _gated(pod):
+        record = self.pods.get((namespace, group))
+        if record is None or not _gated(record.body):
             return None
         current = self.state.slice_named(namespace, name)
         if current is not None:
@@ -418,7 +423,7 @@ class PodSlices:
                     if not exc.not_found:
                         raise
             return Requeue(FAILED_SLICE_RECHECK_S)
-        await self._create_slices(pod, group, {name: tries + 1})
+        await self._create_slices(record, group, {name: tries + 1})
         return None
 
     def _device_checked(self, pod: Mapping[str, Any], info: SliceRecord) -> bool:
@@ -444,7 +449,7 @@ class PodSlices:
 
     async def _release_gate(self, pod: dict[str, Any], info: SliceRecord) -> None:
         key = (info.namespace, group_of(info))
-        current = self.pods.get(key)
+        current = self.pod(key)
         if key in self._ungating or current is None or not _gated(current) or (
                 current["metadata"].get("uid") != pod["metadata"].get("uid")):
             return  # being ungated, or ungated while this pass awaited the claim: nothing left to do
@@ -471,7 +476,8 @@ class PodSlices:
                 return
             ops = ungate_ops(fresh, node, hostname(fresh, node, self.state.nodes))
             answer = await self.client.json_patch(path, ops)
-        self.pods[(info.namespace, group_of(info))] = pod_body(answer)
+        key = (info.namespace, group_of(info))
+        self.pods[key] = pod_record(answer, self.pods.get(key))
         log.debug("pod %s/%s ungated onto %s", info.namespace, meta["name"], node)
 
     async def resync(self) -> None:
