@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from books import BodyLedger
 
+from mig_operator.core.books.ledger import CLAIM_ALLOCATED, CLAIM_NONE
 from mig_operator.kube.common.client import ApiError
 from mig_operator.kube.common.names import POD_SLICE_LABEL, SCHEDULING_GATE
 from mig_operator.kube.common.workqueue import WorkQueue
@@ -251,7 +252,7 @@ def test_an_earlier_slices_claim_is_deleted_and_this_ones_written_once_it_is_gon
     # Deleted once, then looked at until it is gone (two looks find it going), then written and allocated.
     assert [c[0] for c in client.calls] == ["POST", "GET", "DELETE", "POST", "GET", "POST", "GET", "POST", "GET",
                                             "POST", "MERGE", "MERGE"]
-    assert slice_owner(client.existing) == UID and claims.allocated[("ns", "train")] == UID
+    assert slice_owner(client.existing) == UID and state.claim_state(UID) == CLAIM_ALLOCATED
 
 
 def _pods_slice(state: BodyLedger, phase: str) -> None:
@@ -393,7 +394,7 @@ def test_a_claim_allocated_in_another_pool_is_deleted_with_a_warning_and_never_h
     assert client.calls == [("POST", CLAIMS), ("GET", f"{CLAIMS}/train"), ("DELETE", f"{CLAIMS}/train")]
     [(reason, message)] = events.posted
     assert reason == "ClaimAllocatedElsewhere" and "gpu.cdmo.io/thief/" + UID in message
-    assert claims.written == {} and claims.allocated == {}  # written anew at the next event
+    assert state.claim_state(UID) == CLAIM_NONE  # written anew at the next event
 
 
 def test_an_allocation_refused_for_another_reason_is_reported_and_the_claim_kept() -> None:
@@ -448,10 +449,23 @@ def test_a_claim_kube_scheduler_allocated_before_is_allocated_again_at_each_look
     claims, state, _ = _claims(client)
     info = state.slice_named("ns", "train")
     assert asyncio.run(claims.ensure(info)) is True
-    assert claims.allocated == {}
+    assert state.claim_state(UID) != CLAIM_ALLOCATED
     client.existing = {**claim_body("ns", "train", UID), "status": {}}  # deallocated, finalizer gone
     assert asyncio.run(claims.ensure(info)) is True
     assert client.calls == [("POST", CLAIMS), ("GET", f"{CLAIMS}/train"), ("MERGE", SLICE_STATUS),
                             ("MERGE", CLAIM_STATUS), ("MERGE", SLICE_STATUS)]
     assert client.existing["status"]["allocation"] == PINNED
-    assert claims.allocated == {("ns", "train"): UID}
+    assert state.claim_state(UID) == CLAIM_ALLOCATED
+
+
+def test_the_ledger_forgets_a_claims_state_with_its_slice() -> None:
+    """The claim's state is the ledger's, kept only while its slice is known: a slice gone (or missing
+    from a full list) leaves nothing behind, and a late write's answer for it records nothing."""
+    client = _Client()
+    claims, state, _ = _claims(client)
+    assert asyncio.run(claims.ensure(state.slice_named("ns", "train"))) is True
+    assert state.claim_state(UID) == CLAIM_ALLOCATED
+    state.replace_all([], [], {})
+    assert state.claim_state(UID) == CLAIM_NONE
+    state.set_claim_state(UID, CLAIM_ALLOCATED)  # the slice is gone: nothing is kept for it
+    assert state.claim_state(UID) == CLAIM_NONE and not state.unreserving(UID)

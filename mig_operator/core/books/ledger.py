@@ -10,7 +10,8 @@ there only. Its face: observe (``put_slice``, ``remove_slice``, ``put_inventory`
 ``decide(uid)`` for a slice's group (a slice alone is a group of one), quota admission included:
 bind (reserved), refuse (code, message, could it ever fit; the slices join the line) or skip; then
 ``commit`` once the write is done or ``rollback`` once it failed (the books as before ``decide``);
-``check_device(uid)``, the one device check (``core.books.device_check``), and ``take_device_waits``.
+``check_device(uid)``, the one device check (``core.books.device_check``), and ``take_device_waits``;
+how far each slice's ResourceClaim is written (``claim_state``, ``unreserving``).
 Nothing outside this module changes its fields.
 
 Rules kept here: a slice being deleted holds its binding and charge until it is gone; a device an
@@ -122,6 +123,11 @@ class Decision:
 
 SKIP = Decision("skip")
 
+# How far the controller has taken a slice's ResourceClaim (``claim_state``).
+CLAIM_NONE = ""
+CLAIM_WRITTEN = "written"
+CLAIM_ALLOCATED = "allocated"
+
 
 class Ledger:
     def __init__(self, settings: PlannerSettings | None = None, quota_required: bool = False) -> None:
@@ -143,6 +149,10 @@ class Ledger:
         # when each was first found waiting (slice uid -> the caller's clock).
         self._device_waits: dict[str, set[tuple[str, str]]] = {}
         self._device_wait_since: dict[str, float] = {}
+        # Slice uid -> how far its claim is written (CLAIM_WRITTEN, CLAIM_ALLOCATED), and the slices
+        # whose claim's reservation for their gated pod was taken off.
+        self._claims: dict[str, str] = {}
+        self._unreserved: set[str] = set()
         # Slices seen deleted since the last full list: uid -> the deletion's resourceVersion.
         self._gone: dict[str, int] = {}
 
@@ -242,6 +252,31 @@ class Ledger:
         self._device_waits.setdefault(info.binding.node, set()).add(key)
         since = self._device_wait_since.setdefault(uid, now)
         return verdict, now - since
+
+    # ---- the slices' claims ----------------------------------------------------------------------
+
+    def claim_state(self, uid: str) -> str:
+        """How far the controller has taken slice ``uid``'s ResourceClaim: CLAIM_NONE, CLAIM_WRITTEN
+        (this slice's claim exists) or CLAIM_ALLOCATED (and allocated to its device)."""
+        return self._claims.get(uid, CLAIM_NONE)
+
+    def set_claim_state(self, uid: str, state: str) -> None:
+        """Slice ``uid``'s claim was written, allocated, or found gone or wrong (CLAIM_NONE: written anew)."""
+        if state == CLAIM_NONE or uid not in self.slices:
+            self._claims.pop(uid, None)
+        else:
+            self._claims[uid] = state
+
+    def unreserving(self, uid: str) -> bool:
+        """Slice ``uid``'s claim's reservation for its gated pod is to be taken off: True the first time
+        (``unreserve_failed`` makes it the first again)."""
+        if uid in self._unreserved or uid not in self.slices:
+            return False
+        self._unreserved.add(uid)
+        return True
+
+    def unreserve_failed(self, uid: str) -> None:
+        self._unreserved.discard(uid)
 
     def take_device_waits(self, node: str) -> list[tuple[str, str]]:
         """The slices (namespace, name) whose device ``node``'s GpuNode did not list, in order; they wait
@@ -489,6 +524,8 @@ class Ledger:
         self._reserved.pop(uid, None)
         self.line.set(uid, None)
         self._device_wait_since.pop(uid, None)
+        self._claims.pop(uid, None)
+        self._unreserved.discard(uid)
         gone = self.slices.pop(uid, None)
         if gone is not None and self._names.get((gone.namespace, gone.name)) == uid:
             del self._names[(gone.namespace, gone.name)]
@@ -558,6 +595,8 @@ class Ledger:
         for uid in [uid for uid in self.waiting if uid not in fresh]:
             self.line.set(uid, None)
         self._device_wait_since = {uid: t for uid, t in self._device_wait_since.items() if uid in fresh}
+        self._claims = {uid: c for uid, c in self._claims.items() if uid in fresh}
+        self._unreserved &= fresh.keys()
         self.nodes = dict(nodes)
         labels = {name: record.flags for name, record in self.nodes.items()}
         held = {uid: s.binding for uid, s in fresh.items() if s.binding is not None}

@@ -44,7 +44,7 @@ from datetime import datetime
 from typing import Any
 
 from mig_operator.core.books.device_check import ACCEPT
-from mig_operator.core.books.ledger import Ledger, SliceRecord
+from mig_operator.core.books.ledger import CLAIM_ALLOCATED, CLAIM_NONE, CLAIM_WRITTEN, Ledger, SliceRecord
 from mig_operator.core.books.slice_claim import (
     DELETE_PROTECTION,
     ELSEWHERE,
@@ -108,12 +108,9 @@ class SliceClaims:
         self.events = events
         self.state = state
         self.queue = queue
-        self.written: dict[tuple[str, str], str] = {}  # (namespace, name) -> slice UID of the claim there
-        self.allocated: dict[tuple[str, str], str] = {}  # likewise, once the controller allocated it
         # One write of a claim at a time: a slice's own watch event may come while the write its creation
         # started is under way, and a second create would only be refused (409), at kube-apiserver's cost.
         self._writing = KeyedLocks()
-        self._unreserved: set[str] = set()  # slices whose pod's reservation was taken away (``unreserve``)
         # Whom a pod's slice's claim is reserved for as it is allocated (a ``pod_consumer``; None: nobody).
         self.consumer: Callable[[SliceRecord], Mapping[str, str] | None] = lambda _info: None
 
@@ -121,10 +118,7 @@ class SliceClaims:
         self.look(info.namespace, info.name)
 
     async def resync(self) -> None:
-        """After a full list: forget the slices that are gone, write what is missing."""
-        self.written = {key: uid for key, uid in self.written.items() if uid in self.state.slices}
-        self.allocated = {key: uid for key, uid in self.allocated.items() if uid in self.state.slices}
-        self._unreserved &= set(self.state.slices)
+        """After a full list: look at every slice's claim again (the ledger forgot those of slices gone)."""
         for info in list(self.state.slices.values()):
             self.look(info.namespace, info.name)
 
@@ -149,23 +143,23 @@ class SliceClaims:
         there yet, and allocate it once the slice is ready; True when the slice's claim is allocated
         and the slice is ready."""
         key = (info.namespace, info.name)
-        if self.allocated.get(key) == info.uid:
+        if self.state.claim_state(info.uid) == CLAIM_ALLOCATED:
             return self.ready(info)
         async with self._writing.hold(key):
             return await self._ensure(info, key)
 
     async def _ensure(self, info: SliceRecord, key: tuple[str, str]) -> bool:
         ready = self.ready(info)
-        if self.allocated.get(key) == info.uid:
+        if self.state.claim_state(info.uid) == CLAIM_ALLOCATED:
             return ready
         claim: Mapping[str, Any] | None = None
-        if self.written.get(key) != info.uid:
+        if self.state.claim_state(info.uid) == CLAIM_NONE:
             if not ready and not early(info):
                 return False
             claim = await self._create(info)
             if claim is None:
                 return False
-            self.written[key] = info.uid
+            self.state.set_claim_state(info.uid, CLAIM_WRITTEN)
             # Debug: every pod's slice has one, and the binding's info line says where the slice went.
             log.debug("slice %s: ResourceClaim %s written", info.ref, info.name)
         if not ready and (info.binding is None or not early(info)):
@@ -176,7 +170,7 @@ class SliceClaims:
         # A claim kube-scheduler allocated (an earlier version) keeps its finalizer, and
         # kube-controller-manager clears its allocation once no pod uses it: allocated again at a resync.
         if DELETE_PROTECTION not in ((allocated.get("metadata") or {}).get("finalizers") or []):
-            self.allocated[key] = info.uid
+            self.state.set_claim_state(info.uid, CLAIM_ALLOCATED)
         if not ready:
             return False
         if (info.body.get("status") or {}).get("phase") == READY:
@@ -211,7 +205,7 @@ class SliceClaims:
                                                       allocation_patch(node, info.uid, seconds_now(), reserved_for))
         except ApiError as exc:
             if exc.not_found:  # deleted meanwhile: written anew at the slice's next event
-                self.written.pop((info.namespace, info.name), None)
+                self.state.set_claim_state(info.uid, CLAIM_NONE)
                 return None
             if exc.status != 422:
                 raise
@@ -234,15 +228,14 @@ class SliceClaims:
         the caller knows the pod is still gated, so nothing ran on the device, and the slice goes.
         Left on, it would hold the slice (``core.node.lifecycle.claim_hold``) until the pod goes."""
         pod = info.pod_owner
-        if pod is None or info.binding is None or info.uid in self._unreserved:
+        if pod is None or info.binding is None or not self.state.unreserving(info.uid):
             return  # an unbound slice's claim is not allocated, so not reserved either
-        self._unreserved.add(info.uid)
         try:
             await self.client.strategic_patch(f"{claim_path(info.namespace, info.name)}/status",
                                               unreserve_patch(pod))
         except ApiError as exc:
             if not exc.not_found:
-                self._unreserved.discard(info.uid)
+                self.state.unreserve_failed(info.uid)
                 raise
         log.debug("slice %s: its ResourceClaim is no longer reserved for its gated pod", info.ref)
 
@@ -256,7 +249,7 @@ class SliceClaims:
                    f"not this slice's device in node {info.binding.node}'s pool; it is deleted and written anew")
         self.events.post(info.body, "Warning", ALLOCATED_ELSEWHERE, message)
         log.warning("slice %s: %s", info.ref, message)
-        self.written.pop((info.namespace, info.name), None)
+        self.state.set_claim_state(info.uid, CLAIM_NONE)
         try:
             await self.client.delete(claim_path(info.namespace, info.name))
         except ApiError as exc:
