@@ -141,6 +141,10 @@ class Ledger:
         self._reserved: dict[str, tuple[Binding, tuple[str, str] | None]] = {}
         self.quotas: dict[str, Quota] = {}
         self.quota_errors: dict[str, str] = {}  # namespace -> why its GpuQuota is ignored
+        # Namespace -> its GpuQuota object's metadata.generation, and the status last written to it (as
+        # read from the object, then as the controller wrote it): written again only when it differs.
+        self._quota_generations: dict[str, int] = {}
+        self._quota_written: dict[str, dict] = {}
         self._charges = Charges()
         self.line = WaitingLine()
         self._writing: set[str] = set()  # decided, write not yet committed or rolled back
@@ -460,6 +464,9 @@ class Ledger:
         namespace, name = meta["namespace"], meta["name"]
         if name != QUOTA_NAME:
             return False
+        self._quota_generations[namespace] = int(meta.get("generation") or 0)
+        if body.get("status") is not None and namespace not in self._quota_written:
+            self._quota_written[namespace] = dict(body["status"])  # e.g. after a restart: no write when equal
         try:
             self.quotas[namespace] = quota_from_spec(namespace, body.get("spec"), name)
         except QuantityError as exc:
@@ -474,11 +481,32 @@ class Ledger:
         if meta["name"] == QUOTA_NAME:
             self.quotas.pop(meta["namespace"], None)
             self.quota_errors.pop(meta["namespace"], None)
+            self._quota_generations.pop(meta["namespace"], None)
+            self._quota_written.pop(meta["namespace"], None)
 
     def replace_quotas(self, bodies: Iterable[Mapping]) -> None:
-        self.quotas, self.quota_errors = {}, {}
+        """Every GpuQuota afresh (a full list); what was written to each is as the list read it."""
+        self.quotas, self.quota_errors, self._quota_generations, self._quota_written = {}, {}, {}, {}
         for body in bodies:
             self.put_quota(body)
+
+    def quota_generation(self, namespace: str) -> int | None:
+        """The namespace's GpuQuota object's generation; None when it has none (nothing to write to)."""
+        return self._quota_generations.get(namespace)
+
+    @property
+    def quota_objects(self) -> Iterable[str]:
+        """The namespaces with a GpuQuota object (valid or not)."""
+        return self._quota_generations.keys()
+
+    def quota_status_written(self, namespace: str) -> Mapping | None:
+        """The status last written to (or read from) the namespace's GpuQuota."""
+        return self._quota_written.get(namespace)
+
+    def quota_status_wrote(self, namespace: str, status: Mapping) -> None:
+        """The namespace's GpuQuota status was written (kept only while the object is known)."""
+        if namespace in self._quota_generations:
+            self._quota_written[namespace] = dict(status)
 
     def put_node(self, node: str, record: NodeRecord | None) -> set[str] | None:
         """Take a Node (None: it is gone); None when nothing placement reads of its labels changed, else

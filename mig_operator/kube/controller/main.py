@@ -119,9 +119,7 @@ def build_registry(options: ControllerOptions) -> kopf.OperatorRegistry:
 
     async def gpuquota_event(body: dict[str, Any], type: str | None) -> None:
         # A quota raised, lowered, made or removed: waiting slices are planned again (no restart).
-        deleted = type == "DELETED"
-        state["binder"].quota_event(body, deleted=deleted)
-        state["quotas"].quota_event(body, deleted=deleted)
+        state["binder"].quota_event(body, deleted=type == "DELETED")  # its namespace's status is written again
 
     async def node_event(body: dict[str, Any], type: str | None) -> None:
         state["binder"].node_event(body["metadata"]["name"], None if type == "DELETED" else body)
