@@ -643,7 +643,7 @@ def test_a_pod_found_ready_twice_at_once_is_ungated_with_one_patch() -> None:
     is on its way: a second patch would only be refused (and counted by the API server)."""
     pods, client, _ = _pod_slices("pod-uid", _SlowPatchClient())
     state = pods.state
-    pods.pods[("ns", "p-gs-1")] = pod_record(_pod("Pending", gated=True))
+    pods.state.put_pod("ns", "p-gs-1", pod_record(_pod("Pending", gated=True)))
     info = state.slice_named("ns", "p-gs-1")
     assert info is not None
 
@@ -662,12 +662,12 @@ def test_a_pass_that_awaited_while_the_pod_was_ungated_sends_no_second_patch() -
     pods, client, _ = _pod_slices("pod-uid")
     gated = _pod("Pending", gated=True)
     now = {**gated, "spec": {"containers": [{"name": "c"}]}}  # as the watch sees it now
-    pods.pods[("ns", "p-gs-1")] = pod_record(now)
+    pods.state.put_pod("ns", "p-gs-1", pod_record(now))
     info = pods.state.slice_named("ns", "p-gs-1")
     assert info is not None
     asyncio.run(pods._release_gate(gated, info))
     assert [c for c in client.calls if c[0] == "PATCH"] == []
-    pods.pods[("ns", "p-gs-1")] = pod_record(gated)
+    pods.state.put_pod("ns", "p-gs-1", pod_record(gated))
     asyncio.run(pods._release_gate(gated, info))
     assert [c for c in client.calls if c[0] == "PATCH"] == [("PATCH", "/api/v1/namespaces/ns/pods/p")]
 
@@ -699,7 +699,7 @@ def test_an_event_older_than_the_ungates_answer_sends_no_second_patch() -> None:
     newer = _pod("Running")
     newer["metadata"]["resourceVersion"] = "30"
     _settle(pods, pods.pod_event(newer, deleted=False))
-    assert pods.pods[("ns", "p-gs-1")].body["metadata"]["resourceVersion"] == "30"
+    assert pods.state.pod("ns", "p-gs-1").body["metadata"]["resourceVersion"] == "30"
 
 
 def _node(name: str, taints: list[dict] | None = None, **labels: str) -> dict:
@@ -751,16 +751,16 @@ def test_a_pods_request_is_read_once_per_change_of_what_it_reads(monkeypatch: py
     asked = _pod("Pending", gated=True)
     asked["metadata"].update(annotations={"cdmo.io/gpu-memory": "lots"}, resourceVersion="1")
     _settle(pods, pods.pod_event(asked, deleted=False))
-    first = pods.pods[("ns", "p-gs-1")].ask
+    first = pods.state.pod("ns", "p-gs-1").ask
     assert (first.reason, reads) == ("InvalidAnnotation", ["1"])
     assert events.posted.count("InvalidAnnotation") == 1
     later = copy.deepcopy(asked)
     later["metadata"]["resourceVersion"] = "2"
     later["status"] = {"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "False"}]}
     _settle(pods, pods.pod_event(later, deleted=False))
-    assert reads == ["1"] and pods.pods[("ns", "p-gs-1")].ask is first
+    assert reads == ["1"] and pods.state.pod("ns", "p-gs-1").ask is first
     fixed = copy.deepcopy(later)
     fixed["metadata"].update(annotations={"cdmo.io/gpu-memory": "4Gi"}, resourceVersion="3")
     _settle(pods, pods.pod_event(fixed, deleted=False))
     assert reads == ["1", "3"]
-    assert [d.request.memory_bytes for d in pods.pods[("ns", "p-gs-1")].ask.devices] == [4 * 2**30]
+    assert [d.request.memory_bytes for d in pods.state.pod("ns", "p-gs-1").ask.devices] == [4 * 2**30]

@@ -320,18 +320,19 @@ def test_a_pod_is_the_consumer_only_of_its_own_gated_slice_whose_claim_it_names(
             "spec": {"schedulingGates": [{"name": SCHEDULING_GATE}],
                      "resourceClaims": [{"name": "gpu-slice", "resourceClaimName": "train"}]}}
     assert pods.consumer(info) is None  # no pod seen
-    pods.pods[("ns", "train")] = pod_record(made)
+    pods.state.put_pod("ns", "train", pod_record(made))
     assert pods.consumer(info) == POD_P
     # Another pod of that name and label (another UID), one not naming the claim, one no longer gated:
     # none of them is the pod the slice was made for while gated.
-    pods.pods[("ns", "train")] = pod_record({**made, "metadata": {**made["metadata"], "uid": "other-uid"}})
+    pods.state.put_pod("ns", "train", pod_record({**made, "metadata": {**made["metadata"], "uid": "other-uid"}}))
     assert pods.consumer(info) is None
-    pods.pods[("ns", "train")] = pod_record({**made, "spec": {**made["spec"], "resourceClaims": []}})
+    pods.state.put_pod("ns", "train", pod_record({**made, "spec": {**made["spec"], "resourceClaims": []}}))
     assert pods.consumer(info) is None
-    pods.pods[("ns", "train")] = pod_record({**made, "spec": {**made["spec"], "schedulingGates": []}})
+    pods.state.put_pod("ns", "train", pod_record({**made, "spec": {**made["spec"], "schedulingGates": []}}))
     assert pods.consumer(info) is None
     # Another namespace's pod of the slice's name is never looked at.
-    pods.pods = {("other", "train"): pod_record({**made, "metadata": {**made["metadata"], "namespace": "other"}})}
+    pods.state.remove_pod("ns", "train")
+    pods.state.put_pod("other", "train", pod_record({**made, "metadata": {**made["metadata"], "namespace": "other"}}))
     assert pods.consumer(info) is None
 
 

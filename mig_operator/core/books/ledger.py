@@ -1,12 +1,14 @@
 """The controller's books: one owner for what it knows and what it has decided.
 
-The slices (``SliceRecord``), the GpuNode inventories, every Node (``NodeRecord``: the controller's one
-Node cache, labels and taints), the bindings (written in a slice's status, or reserved while that write
-is in flight), each namespace's GpuQuota and charges (``core.books.charges``), the waiting line
-(``core.books.waiting_line``) and the slices whose device check waits for their node's GpuNode. The planner's index
-(``core.placement.cluster.ClusterPlanner``) is its private part: inventories, labels and held bindings live
-there only. Its face: observe (``put_slice``, ``remove_slice``, ``put_inventory``,
-``remove_inventory``, ``put_node``, ``put_quota``, ``remove_quota``, ``replace_all``);
+The slices (``SliceRecord``), the pods that ask for them (``PodRecord``), the GpuNode inventories,
+every Node (``NodeRecord``: the controller's one Node cache, labels and taints), the bindings (written
+in a slice's status, or reserved while that write is in flight), each namespace's GpuQuota (its
+object's generation and status last written too) and charges (``core.books.charges``), the waiting line
+(``core.books.waiting_line``) and the slices whose device check waits for their node's GpuNode. The
+planner's index (``core.placement.cluster.ClusterPlanner``) is its private part: inventories, labels and
+held bindings live there only. Its face: observe (``put_slice``, ``remove_slice``, ``put_pod``,
+``remove_pod``, ``put_inventory``, ``remove_inventory``, ``put_node``, ``put_quota``, ``remove_quota``,
+``replace_all``);
 ``decide(uid)`` for a slice's group (a slice alone is a group of one), quota admission included:
 bind (reserved), refuse (code, message, could it ever fit; the slices join the line) or skip; then
 ``commit`` once the write is done or ``rollback`` once it failed (the books as before ``decide``);
@@ -33,6 +35,7 @@ from ..placement.cluster import MODE_FRACTION, NO_CAPACITY, Binding, NodeInvento
 from ..placement.cluster_planner import ClusterPlanner
 from ..placement.planner import PlannerSettings
 from ..placement.tenancy import whole_gpu_note
+from ..requests.pod_admission import PodAsk
 from ..requests.quantities import MIB, QuantityError
 from ..requests.request import SliceRequest
 from .charges import Charge, Charges, GpuKey, fraction_charge, own_charge
@@ -94,6 +97,17 @@ class NodeLabels:
 
 
 @dataclass(frozen=True)
+class PodRecord:
+    """A pod that asks for slices (labelled with its group) as the controller keeps it: its body as
+    the watch's transform keeps it, its uid and resourceVersion, and its request, read once."""
+
+    body: dict[str, Any]
+    uid: str
+    version: int
+    ask: PodAsk
+
+
+@dataclass(frozen=True)
 class NodeRecord:
     """A Node as the controller reads it: its labels and taints (where a pod may go,
     ``core.placement.node_selection``) and what placement reads of its labels (``flags``)."""
@@ -149,6 +163,7 @@ class Ledger:
         self.line = WaitingLine()
         self._writing: set[str] = set()  # decided, write not yet committed or rolled back
         self.nodes: dict[str, NodeRecord] = {}  # every Node: the controller's one Node cache
+        self._pods: dict[tuple[str, str], PodRecord] = {}  # (namespace, pod group) -> its pod
         # Slices (namespace, name) whose device their node's GpuNode did not list (yet), by node, and
         # when each was first found waiting (slice uid -> the caller's clock).
         self._device_waits: dict[str, set[tuple[str, str]]] = {}
@@ -523,6 +538,25 @@ class Ledger:
         self._index.set_fraction_sharing(node, flags.sharing)
         self._index.set_runtime_accepted(node, flags.accepted)
         return self._recharge(node) if flags.sharing != before.sharing else set()
+
+    # ---- observing: pods -----------------------------------------------------------------------
+
+    def pod(self, namespace: str, group: str) -> PodRecord | None:
+        """The pod of ``group`` (its label's value) in ``namespace``, as last seen."""
+        return self._pods.get((namespace, group))
+
+    def put_pod(self, namespace: str, group: str, record: PodRecord) -> bool:
+        """Take a pod event; False when it is older than what is known of that pod (ignored: e.g. a
+        watch event that comes after the controller's own write's answer)."""
+        known = self._pods.get((namespace, group))
+        if known is not None and known.uid == record.uid and known.version > record.version:
+            return False
+        self._pods[(namespace, group)] = record
+        return True
+
+    def remove_pod(self, namespace: str, group: str) -> None:
+        """The pod is gone, going or finished: nothing waits for it."""
+        self._pods.pop((namespace, group), None)
 
     # ---- observing: slices ---------------------------------------------------------------------
 

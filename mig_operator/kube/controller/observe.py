@@ -4,15 +4,14 @@ slice's record keeps its body as ``trim.slice_body`` keeps it, never the whole o
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from mig_operator.core.books.ledger import NodeLabels, NodeRecord, SliceRecord
+from mig_operator.core.books.ledger import NodeLabels, NodeRecord, PodRecord, SliceRecord
 from mig_operator.core.node.runtime_trust import accepted
 from mig_operator.core.placement.cluster import NodeInventory, binding_from_status, inventory_from_status
 from mig_operator.core.placement.tenancy import shares_across_namespaces
-from mig_operator.core.requests.pod_admission import PodAsk, pod_ask, pod_ask_inputs
+from mig_operator.core.requests.pod_admission import pod_ask, pod_ask_inputs
 from mig_operator.core.requests.quantities import QuantityError
 from mig_operator.core.requests.request import SliceRequest
 from mig_operator.core.requests.request_forms import MAX_POD_DEVICES
@@ -97,22 +96,16 @@ def _eligible_nodes(meta: Mapping) -> tuple[str, ...] | None:
     return tuple(sorted({name.strip() for name in str(text).split(",") if name.strip()}))
 
 
-@dataclass(frozen=True)
-class PodRecord:
-    """A labelled pod as the controller keeps it: its body as ``trim.pod_body`` keeps it, and its
-    request, read once (``core.requests.pod_admission.pod_ask``)."""
-
-    body: dict[str, Any]
-    ask: PodAsk
-
-
 def pod_record(body: Mapping, known: PodRecord | None = None) -> PodRecord:
-    """The pod's record; its request is read again only when what it reads changed since ``known``
-    (a pod's events mostly change its status)."""
+    """The pod's record (``body`` kept as ``trim.pod_body`` keeps it); its request is read again only
+    when what it reads changed since ``known`` (a pod's events mostly change its status)."""
     body = pod_body(body)
+    meta = body["metadata"]
     if known is not None and pod_ask_inputs(known.body) == pod_ask_inputs(body):
-        return PodRecord(body, known.ask)
-    return PodRecord(body, pod_ask(body))
+        ask = known.ask
+    else:
+        ask = pod_ask(body)
+    return PodRecord(body, str(meta.get("uid") or ""), resource_version(meta), ask)
 
 
 def node_labels(labels: Mapping[str, str] | None) -> NodeLabels:

@@ -38,12 +38,12 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from mig_operator.core.books.device_check import ACCEPT, REFUSE
-from mig_operator.core.books.ledger import Ledger, SliceRecord
+from mig_operator.core.books.ledger import Ledger, PodRecord, SliceRecord
 from mig_operator.core.books.slice_claim import claim_user
 from mig_operator.core.node.lifecycle import BOUND, FAILED, READY, SLICE_TRIES, slice_retry_delay
 from mig_operator.core.requests.request_forms import device_slice_names
 
-from ..common.client import ApiError, KubeClient, core_path, resource_version, slice_path, slices_path
+from ..common.client import ApiError, KubeClient, core_path, slice_path, slices_path
 from ..common.events import EventPoster
 from ..common.names import (
     AGENT_FINALIZER,
@@ -59,7 +59,7 @@ from ..common.names import (
 from ..common.trim import pod_body
 from ..common.workqueue import Requeue, WorkQueue
 from .claims import SliceClaims
-from .observe import PodRecord, pod_record
+from .observe import pod_record
 from .pod_nodes import HOSTNAME_LABEL, eligible, hostname
 
 log = logging.getLogger("mig_operator.controller.pods")
@@ -147,7 +147,6 @@ class PodSlices:
         self.state = state
         self.claims = claims
         self.queue = queue
-        self.pods: dict[tuple[str, str], PodRecord] = {}  # (namespace, pod group) -> pod
         # Told each slice made, as the API returned it (its own watch event follows and is then old).
         self.on_created: list[Callable[[dict[str, Any]], Awaitable[None]]] = []
         # Pods (namespace, pod group) whose gate is being removed: the pod's own event and its slice's
@@ -156,7 +155,7 @@ class PodSlices:
 
     def pod(self, key: tuple[str, str]) -> dict[str, Any] | None:
         """The pod of ``key`` (namespace, pod group) as last seen, None when none is."""
-        record = self.pods.get(key)
+        record = self.state.pod(*key)
         return record.body if record is not None else None
 
     async def pod_event(self, pod: dict[str, Any], deleted: bool) -> None:
@@ -167,21 +166,19 @@ class PodSlices:
             return
         key = (meta["namespace"], name)
         if deleted or meta.get("deletionTimestamp"):
-            self.pods.pop(key, None)
+            self.state.remove_pod(*key)
             self.events.forget(meta["uid"])
             if _gated(pod):  # never ran: its claims' reservations go now, not once its slices are collected
                 self.queue.add(("pod-gone", *key), lambda: self._unreserve_gone(pod, key))
             return
         if (pod.get("status") or {}).get("phase") in FINISHED_PHASES:
-            self.pods.pop(key, None)
+            self.state.remove_pod(*key)
             self.queue.add(("pod-finished", *key), lambda: self._release(pod, key))
             return
-        known = self.pods.get(key)
-        if known is not None and known.body["metadata"].get("uid") != meta["uid"]:
-            known = None
-        if known is not None and resource_version(known.body["metadata"]) > resource_version(meta):
+        known = self.state.pod(*key)
+        if not self.state.put_pod(*key, pod_record(pod, known if known is not None and known.uid == meta["uid"]
+                                                   else None)):
             return  # older than the pod as the controller last wrote it (its ungate's answer): nothing new
-        self.pods[key] = pod_record(pod, known)
         if _gated(pod):
             self.make_slices(*key)
 
@@ -190,7 +187,7 @@ class PodSlices:
         self.queue.add(("pod-slices", namespace, group), lambda: self._make_slices(namespace, group))
 
     async def _make_slices(self, namespace: str, group: str) -> None:
-        record = self.pods.get((namespace, group))
+        record = self.state.pod(namespace, group)
         if record is None or not _gated(record.body):
             return
         names = await self._create_slices(record, group)
@@ -409,7 +406,7 @@ class PodSlices:
                               tries: int) -> Requeue | None:
         """Delete the failed slice and, once it is gone, make the pod's next one (same name: the pod's
         claim names it). The slice's deletion wakes the key (``slice_deleted``)."""
-        record = self.pods.get((namespace, group))
+        record = self.state.pod(namespace, group)
         if record is None or not _gated(record.body):
             return None
         current = self.state.slice_named(namespace, name)
@@ -477,7 +474,7 @@ class PodSlices:
             ops = ungate_ops(fresh, node, hostname(fresh, node, self.state.nodes))
             answer = await self.client.json_patch(path, ops)
         key = (info.namespace, group_of(info))
-        self.pods[key] = pod_record(answer, self.pods.get(key))
+        self.state.put_pod(*key, pod_record(answer, self.state.pod(*key)))
         log.debug("pod %s/%s ungated onto %s", info.namespace, meta["name"], node)
 
     async def resync(self) -> None:
