@@ -18,7 +18,6 @@ from mig_operator.kube.common.workqueue import WorkQueue
 from mig_operator.kube.controller import claims as claims_module
 from mig_operator.kube.controller.claims import SliceClaims, claim_body, slice_owner
 from mig_operator.kube.controller.observe import pod_record
-from mig_operator.kube.controller.pods import PodSlices
 
 UID = "0b9e6a8c-2f43-4d7a-9c1e-5a6b7c8d9e0f"
 CLAIMS = "/apis/resource.k8s.io/v1/namespaces/ns/resourceclaims"
@@ -313,27 +312,27 @@ def test_a_slice_whose_owner_reference_alone_names_a_pod_is_reserved_for_no_pod(
 
 def test_a_pod_is_the_consumer_only_of_its_own_gated_slice_whose_claim_it_names() -> None:
     state = BodyLedger()
-    pods = PodSlices(None, None, state, None, WorkQueue())  # type: ignore[arg-type]
+    claims = SliceClaims(None, None, state, WorkQueue())  # type: ignore[arg-type]
     _pods_slice(state, "Bound")
     info = state.slice_named("ns", "train")
     made = {"metadata": {"name": "p", "uid": "pod-uid", "namespace": "ns", "labels": {POD_SLICE_LABEL: "train"}},
             "spec": {"schedulingGates": [{"name": SCHEDULING_GATE}],
                      "resourceClaims": [{"name": "gpu-slice", "resourceClaimName": "train"}]}}
-    assert pods.consumer(info) is None  # no pod seen
-    pods.state.put_pod("ns", "train", pod_record(made))
-    assert pods.consumer(info) == POD_P
+    assert claims.consumer(info) is None  # no pod seen
+    state.put_pod("ns", "train", pod_record(made))
+    assert claims.consumer(info) == POD_P
     # Another pod of that name and label (another UID), one not naming the claim, one no longer gated:
     # none of them is the pod the slice was made for while gated.
-    pods.state.put_pod("ns", "train", pod_record({**made, "metadata": {**made["metadata"], "uid": "other-uid"}}))
-    assert pods.consumer(info) is None
-    pods.state.put_pod("ns", "train", pod_record({**made, "spec": {**made["spec"], "resourceClaims": []}}))
-    assert pods.consumer(info) is None
-    pods.state.put_pod("ns", "train", pod_record({**made, "spec": {**made["spec"], "schedulingGates": []}}))
-    assert pods.consumer(info) is None
+    state.put_pod("ns", "train", pod_record({**made, "metadata": {**made["metadata"], "uid": "other-uid"}}))
+    assert claims.consumer(info) is None
+    state.put_pod("ns", "train", pod_record({**made, "spec": {**made["spec"], "resourceClaims": []}}))
+    assert claims.consumer(info) is None
+    state.put_pod("ns", "train", pod_record({**made, "spec": {**made["spec"], "schedulingGates": []}}))
+    assert claims.consumer(info) is None
     # Another namespace's pod of the slice's name is never looked at.
-    pods.state.remove_pod("ns", "train")
-    pods.state.put_pod("other", "train", pod_record({**made, "metadata": {**made["metadata"], "namespace": "other"}}))
-    assert pods.consumer(info) is None
+    state.remove_pod("ns", "train")
+    state.put_pod("other", "train", pod_record({**made, "metadata": {**made["metadata"], "namespace": "other"}}))
+    assert claims.consumer(info) is None
 
 
 def test_a_slice_made_directly_is_reserved_for_no_pod() -> None:

@@ -103,7 +103,6 @@ class Binder:
         self.synced = True
         self._listing_seen = 0.0
         self.on_resync: list[Callable[[], Awaitable[None]]] = []
-        self.on_slice_changed: list[Callable[[SliceRecord], Awaitable[None]]] = []
         # Told a slice that is being deleted, or that the binder is about to delete (a group's part given back).
         self.on_slice_going: list[Callable[[SliceRecord], Awaitable[None]]] = []
         # Told the namespace whose quota use or waiting slices may have changed (the GpuQuota status).
@@ -174,7 +173,9 @@ class Binder:
 
     # ---- observing -----------------------------------------------------------------------------
 
-    async def slice_event(self, body: dict, deleted: bool) -> None:
+    async def slice_event(self, body: dict, deleted: bool) -> SliceRecord | None:
+        """Take a slice's watch event into the ledger and add its keys; the slice as the ledger now has
+        it when its claim and its pod are to be looked at (not gone, not being deleted, not an old event)."""
         if deleted:
             uid = body["metadata"]["uid"]
             waited = uid in self.ledger.waiting
@@ -186,10 +187,10 @@ class Binder:
                 # Its room and its quota charge are free (or idle) now; or it waited, and younger slices
                 # of its namespace may wait behind it: either way the line is served again at once.
                 self.request_replan()
-            return
+            return None
         info = self.ledger.put_slice(slice_record(body))
         if info is None:
-            return
+            return None
         self._namespace_changed(info.namespace)
         self._announce()
         if info.deleting:
@@ -199,7 +200,7 @@ class Binder:
                 self.queue.add(("let-go", info.namespace, info.uid), lambda: self._let_go_unbound(info))
             if self.on_slice_going:
                 self.queue.add(("going", info.namespace, info.uid), lambda: self._going(info.uid))
-            return
+            return None
         if info.invalid and info.phase != "Failed":
             self.queue.add(("invalid", info.namespace, info.uid), lambda: self._fail_invalid(info.uid))
         elif info.binding is None and info.phase in (None, "Pending"):
@@ -209,9 +210,8 @@ class Binder:
                 self.request_replan()  # slices wait: a new one joins the line rather than jump it
         elif info.binding is not None and not info.marked:
             self._queue_mark(info)
-        for callback in self.on_slice_changed:
-            await callback(self.ledger.slices.get(info.uid, info))
         self.maybe_resync()
+        return info
 
     async def _going(self, uid: str) -> None:
         """A slice's key once it is being deleted: the other parts let it go (``on_slice_going``)."""
@@ -275,8 +275,7 @@ class Binder:
 
     async def _bind_now(self, uid: str) -> None:
         """A slice's key on the queue: bind it unless its namespace has slices in line (the line's next
-        pass serves it then); a failed write raises, so the key comes back after its back-off. Once
-        bound, the other parts are told at once (its claim, its pod), not at its watch event."""
+        pass serves it then); a failed write raises, so the key comes back after its back-off."""
         info = self.ledger.slices.get(uid)
         if info is None or info.binding is not None or info.deleting or info.invalid or (
                 info.phase not in (None, "Pending")):
@@ -284,10 +283,7 @@ class Binder:
         if self.ledger.line.in_line(info.namespace):
             self.request_replan()
             return
-        outcome = await self.bind(uid)
-        if outcome is not None and outcome.bound:
-            for callback in self.on_slice_changed:
-                await callback(self.ledger.slices.get(uid, info))
+        await self.bind(uid)  # the binding's watch event has its claim and its pod looked at
 
     async def bind(self, uid: str, refused: dict | None = None) -> BindOutcome | None:
         """Decide for slice ``uid`` (with its group) and write the bindings, or the refusal (Pending

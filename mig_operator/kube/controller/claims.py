@@ -9,8 +9,8 @@ that names it, on that node, and the kubelet asks the agent to prepare it. A dev
 node's agent publishes under the slice's UID is never allocated to the claim.
 
 A pod's slice's claim is reserved for that pod in the write that allocates it, so kube-scheduler
-writes nothing to it; only for the gated pod the controller made the slice for (``consumer``,
-pods.py), never for whatever pod a slice's owner reference names: a tenant writes those. The
+writes nothing to it; only for the gated pod the controller made the slice for (``consumer``, read
+from the pods the ledger keeps), never for whatever pod a slice's owner reference names: a tenant writes those. The
 reservation holds the slice while the pod lives (the agent releases no slice whose claim is
 reserved), so before a slice of a pod still gated goes (a group's part given back, a slice or its
 pod deleted) the controller takes it away (``unreserve``).
@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
@@ -53,6 +53,7 @@ from mig_operator.core.books.slice_claim import (
     allocation_patch,
     allocation_state,
     claim_path,
+    claim_user,
     unreserve_patch,
 )
 from mig_operator.core.books.slice_claim import claim_body as slice_claim_body
@@ -63,6 +64,7 @@ from ..common.events import EventPoster
 from ..common.names import API_VERSION, SLICE_KIND
 from ..common.status import seconds_now
 from ..common.workqueue import KeyedLocks, WorkQueue
+from .observe import gated, group_of, owned_by
 
 log = logging.getLogger("mig_operator.controller.claims")
 CLAIM_TAKEN = "ClaimNameTaken"
@@ -111,11 +113,15 @@ class SliceClaims:
         # One write of a claim at a time: a slice's own watch event may come while the write its creation
         # started is under way, and a second create would only be refused (409), at kube-apiserver's cost.
         self._writing = KeyedLocks()
-        # Whom a pod's slice's claim is reserved for as it is allocated (a ``pod_consumer``; None: nobody).
-        self.consumer: Callable[[SliceRecord], Mapping[str, str] | None] = lambda _info: None
 
-    async def slice_changed(self, info: SliceRecord) -> None:
-        self.look(info.namespace, info.name)
+    def consumer(self, info: SliceRecord) -> Mapping[str, str] | None:
+        """Whom the claim of slice ``info`` is reserved for as it is allocated: the gated pod the ledger
+        keeps that owns the slice and names its claim, so a pod the controller made it for; None for
+        any other (an owner reference alone is the tenant's to write)."""
+        record = self.state.pod(info.namespace, group_of(info))
+        if record is None or not gated(record.body) or not owned_by(info.body, record.body):
+            return None
+        return claim_user(record.body, info.name)
 
     async def resync(self) -> None:
         """After a full list: look at every slice's claim again (the ledger forgot those of slices gone)."""

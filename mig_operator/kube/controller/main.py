@@ -88,12 +88,8 @@ def build_registry(options: ControllerOptions) -> kopf.OperatorRegistry:
                         resync_s=options.resync_s, hold_s=options.fair_hold_s, quota_required=options.quota_required)
         claims = SliceClaims(client, events, binder.ledger, binder.queue)
         pods = PodSlices(client, events, binder.ledger, claims, binder.queue)
-        claims.consumer = pods.consumer  # a claim is reserved only for a pod the controller made its slice for
         quotas = QuotaStatus(client, binder)
-        # Claims first: a pod is released once its slice's claim exists.
-        binder.on_slice_changed.extend([claims.slice_changed, pods.slice_changed])
         binder.on_slice_going.append(pods.slice_going)
-        pods.on_created.append(lambda body: binder.slice_event(body, deleted=False))
         binder.on_resync.extend([claims.resync, pods.resync, quotas.resync])
         await binder.resync()
         state.update(client=client, binder=binder, pods=pods, claims=claims, quotas=quotas)
@@ -102,10 +98,13 @@ def build_registry(options: ControllerOptions) -> kopf.OperatorRegistry:
         binder: Binder = state["binder"]
         if type is None:
             binder.listing_event()
-        await binder.slice_event(body, deleted=type == "DELETED")
+        info = await binder.slice_event(body, deleted=type == "DELETED")
         binder.publish_counts()
         if type == "DELETED":
             await state["pods"].slice_deleted(body)
+        elif info is not None:  # its claim, then its pod (a pod is let go once its slice's claim exists)
+            state["claims"].look(info.namespace, info.name)
+            state["pods"].look(info.namespace, info.name)
 
     async def gpunode_event(body: dict[str, Any], type: str | None) -> None:
         if type is None:

@@ -25,6 +25,7 @@ from ..common.names import (
     GROUP_SIZE_ANNOTATION,
     MIG_NODE_LABEL,
     MIG_NODE_VALUE,
+    SCHEDULING_GATE,
 )
 from ..common.trim import pod_body, slice_body
 
@@ -106,6 +107,23 @@ def pod_record(body: Mapping, known: PodRecord | None = None) -> PodRecord:
     else:
         ask = pod_ask(body)
     return PodRecord(body, str(meta.get("uid") or ""), resource_version(meta), ask)
+
+
+def group_of(info: SliceRecord) -> str:
+    """The pod group a slice belongs to: the pod's cdmo.io/gpu-slice label value."""
+    return info.group or info.name
+
+
+def owned_by(body: Mapping[str, Any], pod: Mapping[str, Any]) -> bool:
+    """Whether the object (a GpuSlice) is the pod's own: its owner references name the pod's UID."""
+    uid = pod["metadata"].get("uid")
+    return any(ref.get("kind") == "Pod" and ref.get("uid") == uid
+               for ref in (body.get("metadata") or {}).get("ownerReferences") or [])
+
+
+def gated(pod: Mapping[str, Any]) -> bool:
+    """Whether the pod still carries the operator's scheduling gate."""
+    return any(g.get("name") == SCHEDULING_GATE for g in (pod.get("spec") or {}).get("schedulingGates") or [])
 
 
 def node_labels(labels: Mapping[str, str] | None) -> NodeLabels:

@@ -34,12 +34,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from mig_operator.core.books.device_check import ACCEPT, REFUSE
 from mig_operator.core.books.ledger import Ledger, PodRecord, SliceRecord
-from mig_operator.core.books.slice_claim import claim_user
 from mig_operator.core.node.lifecycle import BOUND, FAILED, READY, SLICE_TRIES, slice_retry_delay
 from mig_operator.core.requests.request_forms import device_slice_names
 
@@ -59,7 +58,7 @@ from ..common.names import (
 from ..common.trim import pod_body
 from ..common.workqueue import Requeue, WorkQueue
 from .claims import SliceClaims
-from .observe import pod_record
+from .observe import gated, group_of, owned_by, pod_record
 from .pod_nodes import HOSTNAME_LABEL, eligible, hostname
 
 log = logging.getLogger("mig_operator.controller.pods")
@@ -71,21 +70,9 @@ DEVICE_WAIT_EVENT_S = 2.0
 FAILED_SLICE_RECHECK_S = 5.0
 
 
-def group_of(info: SliceRecord) -> str:
-    """The pod group a slice belongs to: the pod's cdmo.io/gpu-slice label value."""
-    return info.group or info.name
-
-
 def _owner(pod: Mapping[str, Any]) -> list[dict[str, Any]]:
     meta = pod["metadata"]
     return [{"apiVersion": "v1", "kind": "Pod", "name": meta["name"], "uid": meta["uid"], "controller": True}]
-
-
-def owned_by(body: Mapping[str, Any], pod: Mapping[str, Any]) -> bool:
-    """Whether the object (a GpuSlice) is the pod's own: its owner references name the pod's UID."""
-    uid = pod["metadata"].get("uid")
-    return any(ref.get("kind") == "Pod" and ref.get("uid") == uid
-               for ref in (body.get("metadata") or {}).get("ownerReferences") or [])
 
 
 def ungate_ops(pod: Mapping[str, Any], node: str, hostname: str | None = None) -> list[dict[str, Any]]:
@@ -133,10 +120,6 @@ def _retry_key(namespace: str, name: str) -> tuple[str, str, str]:
     return ("slice-retry", namespace, name)
 
 
-def _gated(pod: Mapping[str, Any]) -> bool:
-    return any(g.get("name") == SCHEDULING_GATE for g in (pod.get("spec") or {}).get("schedulingGates") or [])
-
-
 class PodSlices:
     """Keeps each annotated pod's GpuSlice and gate in step with its slice."""
 
@@ -147,8 +130,6 @@ class PodSlices:
         self.state = state
         self.claims = claims
         self.queue = queue
-        # Told each slice made, as the API returned it (its own watch event follows and is then old).
-        self.on_created: list[Callable[[dict[str, Any]], Awaitable[None]]] = []
         # Pods (namespace, pod group) whose gate is being removed: the pod's own event and its slice's
         # may both find it ready at once, and a second patch would only be refused (422) and read the pod.
         self._ungating: set[tuple[str, str]] = set()
@@ -168,7 +149,7 @@ class PodSlices:
         if deleted or meta.get("deletionTimestamp"):
             self.state.remove_pod(*key)
             self.events.forget(meta["uid"])
-            if _gated(pod):  # never ran: its claims' reservations go now, not once its slices are collected
+            if gated(pod):  # never ran: its claims' reservations go now, not once its slices are collected
                 self.queue.add(("pod-gone", *key), lambda: self._unreserve_gone(pod, key))
             return
         if (pod.get("status") or {}).get("phase") in FINISHED_PHASES:
@@ -179,7 +160,7 @@ class PodSlices:
         if not self.state.put_pod(*key, pod_record(pod, known if known is not None and known.uid == meta["uid"]
                                                    else None)):
             return  # older than the pod as the controller last wrote it (its ungate's answer): nothing new
-        if _gated(pod):
+        if gated(pod):
             self.make_slices(*key)
 
     def make_slices(self, namespace: str, group: str) -> None:
@@ -188,7 +169,7 @@ class PodSlices:
 
     async def _make_slices(self, namespace: str, group: str) -> None:
         record = self.state.pod(namespace, group)
-        if record is None or not _gated(record.body):
+        if record is None or not gated(record.body):
             return
         names = await self._create_slices(record, group)
         self.look(namespace, names[0] if names else group)
@@ -204,7 +185,7 @@ class PodSlices:
         annotations = meta.get("annotations") or {}
         group = annotations.get(GROUP_ANNOTATION) or meta["name"]
         pod = self.pod((meta["namespace"], group))
-        if pod is None or not _gated(pod) or not owned_by(body, pod):
+        if pod is None or not gated(pod) or not owned_by(body, pod):
             return
         self.make_slices(meta["namespace"], group)
 
@@ -223,18 +204,9 @@ class PodSlices:
         instance, so its agent releases it whatever its claim says.)"""
         key = (info.namespace, group_of(info))
         pod = self.pod(key)
-        if pod is None or key in self._ungating or not _gated(pod) or not owned_by(info.body, pod):
+        if pod is None or key in self._ungating or not gated(pod) or not owned_by(info.body, pod):
             return
         await self.claims.unreserve(info)
-
-    def consumer(self, info: SliceRecord) -> dict[str, str] | None:
-        """Whom the claim of slice ``info`` is reserved for as it is allocated (claims.py): the gated pod
-        seen here that owns the slice and names its claim, so a pod the controller made it for; None
-        for any other (an owner reference alone is the tenant's to write)."""
-        pod = self.pod((info.namespace, group_of(info)))
-        if pod is None or not _gated(pod) or not owned_by(info.body, pod):
-            return None
-        return claim_user(pod, info.name)
 
     async def _unreserve_gone(self, pod: Mapping[str, Any], key: tuple[str, str]) -> None:
         """A gated pod is deleted: its slices' claims are no longer reserved for it (``claims.unreserve``)."""
@@ -307,18 +279,14 @@ class PodSlices:
                                  **({"annotations": extra} if extra else {})},
                     "spec": spec}
             try:
-                made = await self.client.create(slices_path(meta["namespace"]), body)
+                await self.client.create(slices_path(meta["namespace"]), body)
             except ApiError as exc:
                 if not exc.conflict:
                     raise
                 continue
-            for callback in self.on_created:
-                await callback(made)  # the binder plans it now, not a watch event later
+            # Its watch event puts it in the ledger and has the binder plan it.
+            log.debug("pod %s/%s: GpuSlice %s made", meta["namespace"], meta["name"], name)
         return names
-
-    async def slice_changed(self, info: SliceRecord) -> None:
-        """A slice changed: its pod is looked at on the work queue (``look``)."""
-        self.look(info.namespace, info.name)
 
     def look(self, namespace: str, name: str) -> None:
         """Look at slice ``namespace/name``'s pod on the work queue, key ``("pod-slice", namespace, name)``:
@@ -336,7 +304,7 @@ class PodSlices:
         pod = self.pod((info.namespace, group_of(info)))
         if pod is None or info.deleting:
             return
-        if not _gated(pod):
+        if not gated(pod):
             self._failed_after_ungate(pod, info)
             return
         if not owned_by(info.body, pod):
@@ -407,7 +375,7 @@ class PodSlices:
         """Delete the failed slice and, once it is gone, make the pod's next one (same name: the pod's
         claim names it). The slice's deletion wakes the key (``slice_deleted``)."""
         record = self.state.pod(namespace, group)
-        if record is None or not _gated(record.body):
+        if record is None or not gated(record.body):
             return None
         current = self.state.slice_named(namespace, name)
         if current is not None:
@@ -447,7 +415,7 @@ class PodSlices:
     async def _release_gate(self, pod: dict[str, Any], info: SliceRecord) -> None:
         key = (info.namespace, group_of(info))
         current = self.pod(key)
-        if key in self._ungating or current is None or not _gated(current) or (
+        if key in self._ungating or current is None or not gated(current) or (
                 current["metadata"].get("uid") != pod["metadata"].get("uid")):
             return  # being ungated, or ungated while this pass awaited the claim: nothing left to do
         self._ungating.add(key)
@@ -469,7 +437,7 @@ class PodSlices:
             if exc.status not in (409, 422):
                 raise
             fresh = await self.client.get(path)  # changed meanwhile: try again on what it is now
-            if not _gated(fresh):
+            if not gated(fresh):
                 return
             ops = ungate_ops(fresh, node, hostname(fresh, node, self.state.nodes))
             answer = await self.client.json_patch(path, ops)
