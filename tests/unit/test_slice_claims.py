@@ -469,3 +469,23 @@ def test_the_ledger_forgets_a_claims_state_with_its_slice() -> None:
     assert state.claim_state(UID) == CLAIM_NONE
     state.set_claim_state(UID, CLAIM_ALLOCATED)  # the slice is gone: nothing is kept for it
     assert state.claim_state(UID) == CLAIM_NONE and not state.unreserving(UID)
+
+
+def test_a_going_slices_reservation_is_taken_off_only_for_its_gated_pod_not_being_ungated() -> None:
+    """``slice_going`` reads the pod from the ledger: the reservation goes for a gated pod that owns the
+    slice, and stays for a pod being ungated (it is about to run on the device) or one let go already."""
+    made = {"metadata": {"name": "p", "uid": "pod-uid", "namespace": "ns", "labels": {POD_SLICE_LABEL: "train"}},
+            "spec": {"schedulingGates": [{"name": SCHEDULING_GATE}],
+                     "resourceClaims": [{"name": "gpu-slice", "resourceClaimName": "train"}]}}
+    for pod, ungating, unreserved in ((None, False, False), (made, True, False),
+                                      ({**made, "spec": {**made["spec"], "schedulingGates": []}}, False, False),
+                                      (made, False, True)):
+        client = _Client(existing={**claim_body("ns", "train", UID),
+                                   "status": {"allocation": PINNED, "reservedFor": [POD_P]}})
+        claims, state, _ = _claims(client)
+        _pods_slice(state, "Ready")
+        if pod is not None:
+            state.put_pod("ns", "train", pod_record(pod))
+        state.set_ungating("ns", "train", ungating)
+        asyncio.run(claims.slice_going(state.slice_named("ns", "train")))
+        assert (client.calls == [("STRATEGIC", CLAIM_STATUS)]) is unreserved, (pod is not None, ungating)

@@ -164,6 +164,9 @@ class Ledger:
         self._writing: set[str] = set()  # decided, write not yet committed or rolled back
         self.nodes: dict[str, NodeRecord] = {}  # every Node: the controller's one Node cache
         self._pods: dict[tuple[str, str], PodRecord] = {}  # (namespace, pod group) -> its pod
+        # Pods (namespace, pod group) whose gate is being removed: the pod's own event and its slice's may
+        # both find it ready at once, and a second patch would only be refused (422) and read the pod.
+        self._ungating: set[tuple[str, str]] = set()
         # Slices (namespace, name) whose device their node's GpuNode did not list (yet), by node, and
         # when each was first found waiting (slice uid -> the caller's clock).
         self._device_waits: dict[str, set[tuple[str, str]]] = {}
@@ -557,6 +560,16 @@ class Ledger:
     def remove_pod(self, namespace: str, group: str) -> None:
         """The pod is gone, going or finished: nothing waits for it."""
         self._pods.pop((namespace, group), None)
+
+    def ungating(self, namespace: str, group: str) -> bool:
+        """Whether the pod's gate is being removed (its write is under way)."""
+        return (namespace, group) in self._ungating
+
+    def set_ungating(self, namespace: str, group: str, on: bool) -> None:
+        if on:
+            self._ungating.add((namespace, group))
+        else:
+            self._ungating.discard((namespace, group))
 
     # ---- observing: slices ---------------------------------------------------------------------
 

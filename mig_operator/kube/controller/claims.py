@@ -128,6 +128,19 @@ class SliceClaims:
         for info in list(self.state.slices.values()):
             self.look(info.namespace, info.name)
 
+    async def slice_going(self, info: SliceRecord) -> None:
+        """A pod's slice is being deleted, or the binder is about to delete it (a group's part given
+        back). While the pod is still gated nothing ran on the device, so the reservation for the pod
+        that the claim got with its allocation goes first: the agent then releases the slice at once
+        rather than hold it as in use until the pod goes. (A Failed slice holds no instance, so its
+        agent releases it whatever its claim says.)"""
+        group = group_of(info)
+        record = self.state.pod(info.namespace, group)
+        if (record is None or self.state.ungating(info.namespace, group) or not gated(record.body)
+                or not owned_by(info.body, record.body)):
+            return
+        await self.unreserve(info)
+
     def look(self, namespace: str, name: str, after_s: float = 0.0) -> None:
         """Look at slice ``namespace/name``'s claim on the work queue (``ensure``)."""
         self.queue.add(("claim", namespace, name), lambda: self._look(namespace, name), after_s)

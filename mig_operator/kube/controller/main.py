@@ -89,7 +89,7 @@ def build_registry(options: ControllerOptions) -> kopf.OperatorRegistry:
         claims = SliceClaims(client, events, binder.ledger, binder.queue)
         pods = PodSlices(client, events, binder.ledger, claims, binder.queue)
         quotas = QuotaStatus(client, binder)
-        binder.on_slice_going.append(pods.slice_going)
+        binder.on_slice_going.append(claims.slice_going)
         binder.on_resync.extend([claims.resync, pods.resync, quotas.resync])
         await binder.resync()
         state.update(client=client, binder=binder, pods=pods, claims=claims, quotas=quotas)

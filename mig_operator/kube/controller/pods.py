@@ -130,9 +130,6 @@ class PodSlices:
         self.state = state
         self.claims = claims
         self.queue = queue
-        # Pods (namespace, pod group) whose gate is being removed: the pod's own event and its slice's
-        # may both find it ready at once, and a second patch would only be refused (422) and read the pod.
-        self._ungating: set[tuple[str, str]] = set()
 
     def pod(self, key: tuple[str, str]) -> dict[str, Any] | None:
         """The pod of ``key`` (namespace, pod group) as last seen, None when none is."""
@@ -195,18 +192,6 @@ class PodSlices:
         if first is None:
             return []
         return [info for info in self.state.group_members(first) if owned_by(info.body, pod)]
-
-    async def slice_going(self, info: SliceRecord) -> None:
-        """A pod's slice is being deleted, or the binder is about to delete it (a group's part given
-        back). While the pod is still gated nothing ran on the device, so the reservation for the pod
-        that the claim got with its allocation (claims.py) goes first: the agent then releases the
-        slice at once rather than hold it as in use until the pod goes. (A Failed slice holds no
-        instance, so its agent releases it whatever its claim says.)"""
-        key = (info.namespace, group_of(info))
-        pod = self.pod(key)
-        if pod is None or key in self._ungating or not gated(pod) or not owned_by(info.body, pod):
-            return
-        await self.claims.unreserve(info)
 
     async def _unreserve_gone(self, pod: Mapping[str, Any], key: tuple[str, str]) -> None:
         """A gated pod is deleted: its slices' claims are no longer reserved for it (``claims.unreserve``)."""
@@ -415,14 +400,14 @@ class PodSlices:
     async def _release_gate(self, pod: dict[str, Any], info: SliceRecord) -> None:
         key = (info.namespace, group_of(info))
         current = self.pod(key)
-        if key in self._ungating or current is None or not gated(current) or (
+        if self.state.ungating(*key) or current is None or not gated(current) or (
                 current["metadata"].get("uid") != pod["metadata"].get("uid")):
             return  # being ungated, or ungated while this pass awaited the claim: nothing left to do
-        self._ungating.add(key)
+        self.state.set_ungating(*key, True)
         try:
             await self._ungate(current, info)
         finally:
-            self._ungating.discard(key)
+            self.state.set_ungating(*key, False)
 
     async def _ungate(self, pod: dict[str, Any], info: SliceRecord) -> None:
         assert info.binding is not None
