@@ -31,6 +31,7 @@ from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from typing import Any, Literal
 
+from ..node.lifecycle import READY
 from ..placement.cluster import MODE_FRACTION, NO_CAPACITY, Binding, NodeInventory, Refusal
 from ..placement.cluster_planner import ClusterPlanner
 from ..placement.planner import PlannerSettings
@@ -259,7 +260,7 @@ class Ledger:
     def check_device(self, uid: str, now: float) -> tuple[DeviceVerdict, float]:
         """Whether slice ``uid``'s device may be handed on (``core.books.device_check.check_slice_device``
         against its node's GpuNode), and for how long (by ``now``, the caller's clock) it has waited.
-        A slice not accepted waits for its node's GpuNode to change (``take_device_waits``)."""
+        A Ready slice not accepted waits for its node's GpuNode to change (``take_device_waits``)."""
         info = self.slices.get(uid)
         if info is None or info.binding is None or info.deleting:
             return DeviceVerdict("wait"), 0.0
@@ -267,7 +268,7 @@ class Ledger:
         verdict = check_slice_device(uid, info.phase, str(status.get("deviceUUID") or ""), info.binding,
                                      self.inventories.get(info.binding.node), early=info.pod_owner is not None)
         key = (info.namespace, info.name)
-        if verdict.action == ACCEPT:
+        if verdict.action == ACCEPT or info.phase != READY:  # a slice not Ready yet: its Ready event comes
             self._device_waits.get(info.binding.node, set()).discard(key)
             self._device_wait_since.pop(uid, None)
             return verdict, 0.0
