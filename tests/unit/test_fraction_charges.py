@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from mig_operator.core.books.ledger import Ledger, NodeLabels, SliceRecord
+from mig_operator.core.books.ledger import Ledger, NodeLabels, NodeRecord, SliceRecord
 from mig_operator.core.books.quota import QUOTA_EXCEEDED, QUOTA_NAME, Usage
 from mig_operator.core.placement.cluster import MODE_FRACTION, GpuState, NodeInventory
 from mig_operator.core.placement.profiles import get_model
@@ -31,7 +31,7 @@ def ledger_with(gpus: int = 3, sharing: bool = False) -> Ledger:
     ledger = Ledger()
     ledger.put_inventory(NodeInventory("n1", tuple(l40s(i) for i in range(gpus))))
     if sharing:
-        ledger.set_node_labels("n1", NodeLabels(sharing=True))
+        ledger.put_node("n1", NodeRecord(flags=NodeLabels(sharing=True)))
     return ledger
 
 
@@ -125,7 +125,7 @@ def test_a_change_of_the_sharing_label_charges_the_node_s_fractions_again(to_sha
     ledger = ledger_with(2, sharing=not to_sharing)
     for i in range(3):
         ask(ledger, f"b{i}", "team-b", ONE_GIB)
-    changed = ledger.set_node_labels("n1", NodeLabels(sharing=to_sharing))
+    changed = ledger.put_node("n1", NodeRecord(flags=NodeLabels(sharing=to_sharing)))
     assert changed == {"team-b"}
     assert ledger.used("team-b") == (Usage(3 * GIB, 3, 0) if to_sharing else Usage(L40S, 3, 1))
 

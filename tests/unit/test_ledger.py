@@ -10,7 +10,7 @@ from decimal import Decimal
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mig_operator.core.books.ledger import Ledger, NodeLabels, SliceRecord
+from mig_operator.core.books.ledger import Ledger, NodeLabels, NodeRecord, SliceRecord
 from mig_operator.core.books.quota import QUOTA_NAME, Usage
 from mig_operator.core.placement.cluster import MODE_FRACTION, MODE_MIG, GpuState, NodeInventory
 from mig_operator.core.placement.profiles import get_model
@@ -109,7 +109,7 @@ step = st.one_of(
 @given(st.lists(step, min_size=1, max_size=40), st.booleans())
 def test_the_books_keep_their_invariants(steps, quota_required) -> None:
     ledger = Ledger(quota_required=quota_required)
-    ledger.set_node_labels("n0", NodeLabels(mig=True))
+    ledger.put_node("n0", NodeRecord(flags=NodeLabels(mig=True)))
     for inv in INVENTORIES:
         ledger.put_inventory(inv)
     made: list[str] = []
@@ -156,7 +156,7 @@ def test_the_books_keep_their_invariants(steps, quota_required) -> None:
             ledger.remove_slice(made[op[1] % len(made)])
         elif op[0] == "share":
             (sharing.add if op[1] else sharing.discard)("n1")
-            ledger.set_node_labels("n1", NodeLabels(sharing=op[1]))
+            ledger.put_node("n1", NodeRecord(flags=NodeLabels(sharing=op[1])))
         check_invariants(ledger, sharing)
 
 
@@ -181,7 +181,7 @@ def quota(namespace: str, memory: str) -> dict:
 
 def test_a_group_its_quota_refuses_holds_nothing() -> None:
     ledger = Ledger()
-    ledger.set_node_labels("n0", NodeLabels(mig=True))
+    ledger.put_node("n0", NodeRecord(flags=NodeLabels(mig=True)))
     ledger.put_inventory(INVENTORIES[0])
     ledger.put_quota(quota("team-a", "10Gi"))
     for i in range(2):
@@ -197,7 +197,7 @@ def test_a_group_its_quota_refuses_holds_nothing() -> None:
 
 def test_a_rollback_puts_a_waiting_slice_back_in_line() -> None:
     ledger = Ledger()
-    ledger.set_node_labels("n0", NodeLabels(mig=True))
+    ledger.put_node("n0", NodeRecord(flags=NodeLabels(mig=True)))
     ledger.put_inventory(INVENTORIES[0])
     ledger.put_quota(quota("team-a", "10Gi"))
     ledger.put_slice(record("x", "team-a", 2))  # 17Gi
@@ -232,7 +232,7 @@ def test_a_full_list_keeps_the_slices_the_watch_showed_after_it() -> None:
     # after the list's snapshot (resourceVersion 100) is not in it. Dropping it freed its placement,
     # and the next slice was bound to the same instance (its agent refused it: Conflict).
     ledger = Ledger()
-    ledger.set_node_labels("n0", NodeLabels(mig=True))
+    ledger.put_node("n0", NodeRecord(flags=NodeLabels(mig=True)))
     ledger.put_inventory(INVENTORIES[0])
     written: dict = {}
     ledger.put_slice(replace(record("early", "team-a", 1), version=10))
@@ -241,7 +241,7 @@ def test_a_full_list_keeps_the_slices_the_watch_showed_after_it() -> None:
     ledger.put_slice(replace(record("late", "team-a", 1), version=101))
     _bound(ledger, "late", 102, written)
     ledger.put_slice(replace(record("missed", "team-a", 1), version=60))  # deleted before the list
-    ledger.replace_all(listed, INVENTORIES[:1], {"n0": NodeLabels(mig=True)}, listed_at=100)
+    ledger.replace_all(listed, INVENTORIES[:1], {"n0": NodeRecord(flags=NodeLabels(mig=True))}, listed_at=100)
     for i in range(13):  # two H100s hold 14 1g.10gb instances: 12 more fit
         ledger.put_slice(replace(record(f"next-{i:02d}", "team-a", 1), version=103 + 2 * i))
         _bound(ledger, f"next-{i:02d}", 104 + 2 * i, written)
@@ -252,7 +252,7 @@ def test_a_full_list_keeps_the_slices_the_watch_showed_after_it() -> None:
 
 def test_a_full_list_does_not_bring_back_a_slice_deleted_after_it() -> None:
     ledger = Ledger()
-    ledger.set_node_labels("n0", NodeLabels(mig=True))
+    ledger.put_node("n0", NodeRecord(flags=NodeLabels(mig=True)))
     ledger.put_inventory(INVENTORIES[0])
     written: dict = {}
     ledger.put_slice(replace(record("old", "team-a", 1), version=50))
@@ -260,8 +260,8 @@ def test_a_full_list_does_not_bring_back_a_slice_deleted_after_it() -> None:
     listed = [ledger.slices["old"]]  # read at 100; the slice is gone at 105
     assert ledger.remove_slice("old", 105) is not None
     del written["old"]
-    ledger.replace_all(listed, INVENTORIES[:1], {"n0": NodeLabels(mig=True)}, listed_at=100)
+    ledger.replace_all(listed, INVENTORIES[:1], {"n0": NodeRecord(flags=NodeLabels(mig=True))}, listed_at=100)
     assert "old" not in ledger.slices and ledger.bindings() == [] and ledger.used("team-a") == Usage()
     # A later list that no longer has it settles it: nothing is remembered past it.
-    ledger.replace_all([], INVENTORIES[:1], {"n0": NodeLabels(mig=True)}, listed_at=110)
+    ledger.replace_all([], INVENTORIES[:1], {"n0": NodeRecord(flags=NodeLabels(mig=True))}, listed_at=110)
     assert ledger.slices == {} and ledger._gone == {}

@@ -31,8 +31,11 @@ from mig_operator.core.requests.quantities import QuantityError
 from mig_operator.core.requests.request import slice_request
 from mig_operator.kube.common.workqueue import WorkQueue
 from mig_operator.kube.controller.claims import SliceClaims
+from mig_operator.kube.controller.observe import node_record, owned_by, pod_record
 from mig_operator.kube.controller.observe import slice_record as slice_info
-from mig_operator.kube.controller.pods import PodSlices, owned_by, ungate_ops
+from mig_operator.kube.controller.pod_nodes import eligible as eligible_nodes
+from mig_operator.kube.controller.pod_nodes import hostname
+from mig_operator.kube.controller.pods import PodSlices, ungate_ops
 from mig_operator.kube.webhook.admission import mutate_pod, slice_name_for
 from mig_operator.kube.webhook.certs import make_certificate
 from mig_operator.kube.webhook.server import MATCH_EXPRESSION, WebhookOptions, webhook_configuration
@@ -594,6 +597,11 @@ def _settle(pods: PodSlices, call: Coroutine[Any, Any, None]) -> None:
     asyncio.run(main())
 
 
+async def _look(pods: PodSlices, info: Any) -> None:
+    """The slice's watch event, as the controller's handler takes it: its pod's key is added."""
+    pods.look(info.namespace, info.name)
+
+
 def _pod(phase: str, gated: bool = False) -> dict:
     spec = {"containers": [{"name": "c"}], **({"schedulingGates": [{"name": GATE}]} if gated else {})}
     return {"metadata": {"name": "p", "namespace": "ns", "uid": "pod-uid", "labels": {"cdmo.io/gpu-slice": "p-gs-1"}},
@@ -640,7 +648,7 @@ def test_a_pod_found_ready_twice_at_once_is_ungated_with_one_patch() -> None:
     is on its way: a second patch would only be refused (and counted by the API server)."""
     pods, client, _ = _pod_slices("pod-uid", _SlowPatchClient())
     state = pods.state
-    pods.pods[("ns", "p-gs-1")] = _pod("Pending", gated=True)
+    pods.state.put_pod("ns", "p-gs-1", pod_record(_pod("Pending", gated=True)))
     info = state.slice_named("ns", "p-gs-1")
     assert info is not None
 
@@ -649,7 +657,7 @@ def test_a_pod_found_ready_twice_at_once_is_ungated_with_one_patch() -> None:
 
     asyncio.run(both())
     assert [c[0] for c in client.calls].count("PATCH") == 1
-    _settle(pods, pods.slice_changed(info))
+    _settle(pods, _look(pods, info))
     assert [c[0] for c in client.calls].count("PATCH") == 1, "ungated: nothing more to do"
 
 
@@ -658,12 +666,13 @@ def test_a_pass_that_awaited_while_the_pod_was_ungated_sends_no_second_patch() -
     pod (the watch's view is now ungated): the late pass must not patch the pod as it read it."""
     pods, client, _ = _pod_slices("pod-uid")
     gated = _pod("Pending", gated=True)
-    pods.pods[("ns", "p-gs-1")] = {**gated, "spec": {"containers": [{"name": "c"}]}}  # as the watch sees it now
+    now = {**gated, "spec": {"containers": [{"name": "c"}]}}  # as the watch sees it now
+    pods.state.put_pod("ns", "p-gs-1", pod_record(now))
     info = pods.state.slice_named("ns", "p-gs-1")
     assert info is not None
     asyncio.run(pods._release_gate(gated, info))
     assert [c for c in client.calls if c[0] == "PATCH"] == []
-    pods.pods[("ns", "p-gs-1")] = gated
+    pods.state.put_pod("ns", "p-gs-1", pod_record(gated))
     asyncio.run(pods._release_gate(gated, info))
     assert [c for c in client.calls if c[0] == "PATCH"] == [("PATCH", "/api/v1/namespaces/ns/pods/p")]
 
@@ -690,44 +699,73 @@ def test_an_event_older_than_the_ungates_answer_sends_no_second_patch() -> None:
     _settle(pods, pods.pod_event(older, deleted=False))  # the same old copy, late
     info = state.slice_named("ns", "p-gs-1")
     assert info is not None
-    _settle(pods, pods.slice_changed(info))
+    _settle(pods, _look(pods, info))
     assert [c[0] for c in client.calls].count("PATCH") == 1
     newer = _pod("Running")
     newer["metadata"]["resourceVersion"] = "30"
     _settle(pods, pods.pod_event(newer, deleted=False))
-    assert pods.pods[("ns", "p-gs-1")]["metadata"]["resourceVersion"] == "30"
+    assert pods.state.pod("ns", "p-gs-1").body["metadata"]["resourceVersion"] == "30"
 
 
-class _NodesClient(_Client):
-    def __init__(self, nodes: list[dict]) -> None:
-        super().__init__()
-        self.nodes = nodes
-
-    async def list(self, path: str, **_: object) -> list[dict]:
-        self.calls.append(("LIST", path))
-        return self.nodes
-
-
-def _node(name: str, taints: list[dict] | None = None) -> dict:
-    return {"metadata": {"name": name, "labels": {"kubernetes.io/hostname": name}},
+def _node(name: str, taints: list[dict] | None = None, **labels: str) -> dict:
+    return {"metadata": {"name": name, "labels": {"kubernetes.io/hostname": f"host-{name}", **labels}},
             "spec": {"taints": taints or []}}
 
 
-def test_node_taints_come_from_the_node_watch_between_lists() -> None:
-    """A burst of pods costs no list of every node: the first pod lists them, the controller's watch
-    on nodes keeps labels and taints current after that."""
+def test_where_a_pod_may_go_is_read_from_the_ledgers_one_node_cache() -> None:
+    """The controller keeps one Node cache, the ledger's, fed by the Node watch: a Node event changes
+    where a pod may go and what its hostname term says at once, with no list of nodes."""
     state = BodyLedger()
     for name in ("a", "b"):
         state.put_inventory({"metadata": {"name": name}, "spec": {"nodeName": name},
                              "status": {"gpus": [{"index": 0, "uuid": f"GPU-{name}", "memoryMiB": 81559}]}})
-    client, events = _NodesClient([_node("a"), _node("b")]), _Events()
-    queue = WorkQueue()
-    pods = PodSlices(client, events, state, SliceClaims(client, events, state, queue), queue)  # type: ignore[arg-type]
+        state.put_node(name, node_record(_node(name)))
     pod = {"metadata": {"name": "p", "namespace": "ns"}, "spec": {"containers": [{"name": "c"}]}}
-    assert asyncio.run(pods.nodes.eligible(pod, state.inventories)) is None  # every GPU node
-    pods.nodes.changed("b", _node("b", [{"key": "gpu", "value": "x", "effect": "NoSchedule"}]))
-    assert asyncio.run(pods.nodes.eligible(pod, state.inventories)) == ["a"], "b's new taint, seen without a list"
-    pods.nodes.changed("b", None)  # b is gone
-    pods.nodes.changed("c", _node("c"))
-    assert asyncio.run(pods.nodes.labels()).keys() == {"a", "c"}
-    assert [c for c in client.calls if c[0] == "LIST"] == [("LIST", "/api/v1/nodes")]
+    assert eligible_nodes(pod, state.inventories, state.nodes) is None  # every GPU node
+    assert state.put_node("b", node_record(_node("b", [{"key": "gpu", "value": "x", "effect": "NoSchedule"}]))) is None
+    assert eligible_nodes(pod, state.inventories, state.nodes) == ["a"], "b's new taint, seen from its event"
+    picky = {"metadata": {"name": "q", "namespace": "ns"},
+             "spec": {"containers": [{"name": "c"}], "nodeSelector": {"zone": "z1"}}}
+    assert eligible_nodes(picky, state.inventories, state.nodes) == []
+    assert state.put_node("a", node_record(_node("a", zone="z1"))) is None  # no label placement reads changed
+    assert eligible_nodes(picky, state.inventories, state.nodes) == ["a"], "a's new label, seen from its event"
+    assert hostname({"spec": {"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+        "nodeSelectorTerms": [{"matchExpressions": [{"key": "zone", "operator": "In", "values": ["z1"]}]}]}}}}},
+        "a", state.nodes) == "host-a"
+    state.put_node("b", None)  # b is gone
+    state.put_node("c", node_record(_node("c")))
+    assert state.nodes.keys() == {"a", "c"}
+    assert eligible_nodes(picky, state.inventories, state.nodes) == ["a"]
+
+
+def test_a_pods_request_is_read_once_per_change_of_what_it_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The controller reads a pod's request as it observes the pod and keeps it in the pod's record:
+    events that change only its status read nothing again, and making its slice reads nothing."""
+    from mig_operator.kube.controller import observe
+
+    reads: list[str] = []
+
+    def counted(pod: dict) -> object:
+        reads.append(pod["metadata"].get("resourceVersion", ""))
+        return observe_ask(pod)
+
+    observe_ask = observe.pod_ask
+    monkeypatch.setattr(observe, "pod_ask", counted)
+    state, client, events, queue = BodyLedger(), _Client(), _Events(), WorkQueue()
+    pods = PodSlices(client, events, state, SliceClaims(client, events, state, queue), queue)  # type: ignore[arg-type]
+    asked = _pod("Pending", gated=True)
+    asked["metadata"].update(annotations={"cdmo.io/gpu-memory": "lots"}, resourceVersion="1")
+    _settle(pods, pods.pod_event(asked, deleted=False))
+    first = pods.state.pod("ns", "p-gs-1").ask
+    assert (first.reason, reads) == ("InvalidAnnotation", ["1"])
+    assert events.posted.count("InvalidAnnotation") == 1
+    later = copy.deepcopy(asked)
+    later["metadata"]["resourceVersion"] = "2"
+    later["status"] = {"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "False"}]}
+    _settle(pods, pods.pod_event(later, deleted=False))
+    assert reads == ["1"] and pods.state.pod("ns", "p-gs-1").ask is first
+    fixed = copy.deepcopy(later)
+    fixed["metadata"].update(annotations={"cdmo.io/gpu-memory": "4Gi"}, resourceVersion="3")
+    _settle(pods, pods.pod_event(fixed, deleted=False))
+    assert reads == ["1", "3"]
+    assert [d.request.memory_bytes for d in pods.state.pod("ns", "p-gs-1").ask.devices] == [4 * 2**30]

@@ -9,8 +9,10 @@ from fractions import Fraction
 import pytest
 from cluster_reference import build_view, plan_binding
 
+from mig_operator.core.books.ledger import Ledger
 from mig_operator.core.books.quota import (
     QUOTA_EXCEEDED,
+    QUOTA_NAME,
     FairQueue,
     Quota,
     Usage,
@@ -448,3 +450,23 @@ def test_a_fraction_gpu_is_occupied_by_what_its_agent_holds_not_only_by_bindings
     # A binding of the held slice itself does not count twice.
     planner.put_binding(Binding("gone", "n1", 0, "fraction", l4 // 2, namespace="a"))
     assert planner.plan(half, namespace="a").granted_bytes == l4 // 2
+
+
+def test_the_ledger_keeps_what_was_written_to_each_gpuquotas_status_while_the_object_is_known() -> None:
+    """The GpuQuota status book is the ledger's: the status read from the object (after a restart: no
+    write when equal), then as written; a quota with an invalid spec still has its object's generation
+    (its status is written); a removed quota, or one never seen, keeps nothing."""
+    ledger = Ledger()
+    written = {"used": {"memory": "0", "slices": 0, "wholeGpus": 0}, "waiting": 0, "observedGeneration": 3}
+    assert ledger.put_quota({"metadata": {"namespace": "a", "name": QUOTA_NAME, "generation": 3},
+                             "spec": {"memory": "8Gi"}, "status": written})
+    assert ledger.quota_generation("a") == 3 and ledger.quota_status_written("a") == written
+    assert not ledger.put_quota({"metadata": {"namespace": "b", "name": QUOTA_NAME, "generation": 1},
+                                 "spec": {"memory": "lots"}})
+    assert ledger.quota_generation("b") == 1 and "b" in ledger.quota_errors and set(ledger.quota_objects) == {"a", "b"}
+    ledger.quota_status_wrote("b", {"waiting": 0})
+    assert ledger.quota_status_written("b") == {"waiting": 0}
+    ledger.remove_quota({"metadata": {"namespace": "a", "name": QUOTA_NAME}})
+    assert ledger.quota_generation("a") is None and ledger.quota_status_written("a") is None
+    ledger.quota_status_wrote("c", {"waiting": 0})  # no GpuQuota object in c
+    assert ledger.quota_status_written("c") is None and set(ledger.quota_objects) == {"b"}

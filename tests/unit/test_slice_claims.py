@@ -11,12 +11,13 @@ from typing import Any
 import pytest
 from books import BodyLedger
 
+from mig_operator.core.books.ledger import CLAIM_ALLOCATED, CLAIM_NONE
 from mig_operator.kube.common.client import ApiError
 from mig_operator.kube.common.names import POD_SLICE_LABEL, SCHEDULING_GATE
 from mig_operator.kube.common.workqueue import WorkQueue
 from mig_operator.kube.controller import claims as claims_module
 from mig_operator.kube.controller.claims import SliceClaims, claim_body, slice_owner
-from mig_operator.kube.controller.pods import PodSlices
+from mig_operator.kube.controller.observe import pod_record
 
 UID = "0b9e6a8c-2f43-4d7a-9c1e-5a6b7c8d9e0f"
 CLAIMS = "/apis/resource.k8s.io/v1/namespaces/ns/resourceclaims"
@@ -194,12 +195,14 @@ def test_a_device_its_gpunode_does_not_list_yet_gets_its_claim_when_the_gpunode_
     client = _Client()
     claims, state, _ = _claims(client, inventory=False)
     assert asyncio.run(claims.ensure(state.slice_named("ns", "train"))) is False
-    assert client.calls == [] and claims.waiting == {"n": {("ns", "train")}}
+    assert client.calls == []
     state.put_inventory({"metadata": {"name": "n"}, "spec": {"nodeName": "n"},
                          "status": {"gpus": [{"index": 0, "uuid": "GPU-1", "memoryMiB": 81559}]}})
 
     async def changed() -> None:
-        await claims.inventory_changed("n")
+        assert state.take_device_waits("n") == [("ns", "train")]  # one wait, as main.py reads it
+        assert state.take_device_waits("n") == []  # taken once
+        claims.look("ns", "train")
         while len(claims.queue):
             await asyncio.sleep(0.01)
 
@@ -248,7 +251,7 @@ def test_an_earlier_slices_claim_is_deleted_and_this_ones_written_once_it_is_gon
     # Deleted once, then looked at until it is gone (two looks find it going), then written and allocated.
     assert [c[0] for c in client.calls] == ["POST", "GET", "DELETE", "POST", "GET", "POST", "GET", "POST", "GET",
                                             "POST", "MERGE", "MERGE"]
-    assert slice_owner(client.existing) == UID and claims.allocated[("ns", "train")] == UID
+    assert slice_owner(client.existing) == UID and state.claim_state(UID) == CLAIM_ALLOCATED
 
 
 def _pods_slice(state: BodyLedger, phase: str) -> None:
@@ -309,26 +312,27 @@ def test_a_slice_whose_owner_reference_alone_names_a_pod_is_reserved_for_no_pod(
 
 def test_a_pod_is_the_consumer_only_of_its_own_gated_slice_whose_claim_it_names() -> None:
     state = BodyLedger()
-    pods = PodSlices(None, None, state, None, WorkQueue())  # type: ignore[arg-type]
+    claims = SliceClaims(None, None, state, WorkQueue())  # type: ignore[arg-type]
     _pods_slice(state, "Bound")
     info = state.slice_named("ns", "train")
     made = {"metadata": {"name": "p", "uid": "pod-uid", "namespace": "ns", "labels": {POD_SLICE_LABEL: "train"}},
             "spec": {"schedulingGates": [{"name": SCHEDULING_GATE}],
                      "resourceClaims": [{"name": "gpu-slice", "resourceClaimName": "train"}]}}
-    assert pods.consumer(info) is None  # no pod seen
-    pods.pods[("ns", "train")] = made
-    assert pods.consumer(info) == POD_P
+    assert claims.consumer(info) is None  # no pod seen
+    state.put_pod("ns", "train", pod_record(made))
+    assert claims.consumer(info) == POD_P
     # Another pod of that name and label (another UID), one not naming the claim, one no longer gated:
     # none of them is the pod the slice was made for while gated.
-    pods.pods[("ns", "train")] = {**made, "metadata": {**made["metadata"], "uid": "other-uid"}}
-    assert pods.consumer(info) is None
-    pods.pods[("ns", "train")] = {**made, "spec": {**made["spec"], "resourceClaims": []}}
-    assert pods.consumer(info) is None
-    pods.pods[("ns", "train")] = {**made, "spec": {**made["spec"], "schedulingGates": []}}
-    assert pods.consumer(info) is None
+    state.put_pod("ns", "train", pod_record({**made, "metadata": {**made["metadata"], "uid": "other-uid"}}))
+    assert claims.consumer(info) is None
+    state.put_pod("ns", "train", pod_record({**made, "spec": {**made["spec"], "resourceClaims": []}}))
+    assert claims.consumer(info) is None
+    state.put_pod("ns", "train", pod_record({**made, "spec": {**made["spec"], "schedulingGates": []}}))
+    assert claims.consumer(info) is None
     # Another namespace's pod of the slice's name is never looked at.
-    pods.pods = {("other", "train"): {**made, "metadata": {**made["metadata"], "namespace": "other"}}}
-    assert pods.consumer(info) is None
+    state.remove_pod("ns", "train")
+    state.put_pod("other", "train", pod_record({**made, "metadata": {**made["metadata"], "namespace": "other"}}))
+    assert claims.consumer(info) is None
 
 
 def test_a_slice_made_directly_is_reserved_for_no_pod() -> None:
@@ -390,7 +394,7 @@ def test_a_claim_allocated_in_another_pool_is_deleted_with_a_warning_and_never_h
     assert client.calls == [("POST", CLAIMS), ("GET", f"{CLAIMS}/train"), ("DELETE", f"{CLAIMS}/train")]
     [(reason, message)] = events.posted
     assert reason == "ClaimAllocatedElsewhere" and "gpu.cdmo.io/thief/" + UID in message
-    assert claims.written == {} and claims.allocated == {}  # written anew at the next event
+    assert state.claim_state(UID) == CLAIM_NONE  # written anew at the next event
 
 
 def test_an_allocation_refused_for_another_reason_is_reported_and_the_claim_kept() -> None:
@@ -445,10 +449,43 @@ def test_a_claim_kube_scheduler_allocated_before_is_allocated_again_at_each_look
     claims, state, _ = _claims(client)
     info = state.slice_named("ns", "train")
     assert asyncio.run(claims.ensure(info)) is True
-    assert claims.allocated == {}
+    assert state.claim_state(UID) != CLAIM_ALLOCATED
     client.existing = {**claim_body("ns", "train", UID), "status": {}}  # deallocated, finalizer gone
     assert asyncio.run(claims.ensure(info)) is True
     assert client.calls == [("POST", CLAIMS), ("GET", f"{CLAIMS}/train"), ("MERGE", SLICE_STATUS),
                             ("MERGE", CLAIM_STATUS), ("MERGE", SLICE_STATUS)]
     assert client.existing["status"]["allocation"] == PINNED
-    assert claims.allocated == {("ns", "train"): UID}
+    assert state.claim_state(UID) == CLAIM_ALLOCATED
+
+
+def test_the_ledger_forgets_a_claims_state_with_its_slice() -> None:
+    """The claim's state is the ledger's, kept only while its slice is known: a slice gone (or missing
+    from a full list) leaves nothing behind, and a late write's answer for it records nothing."""
+    client = _Client()
+    claims, state, _ = _claims(client)
+    assert asyncio.run(claims.ensure(state.slice_named("ns", "train"))) is True
+    assert state.claim_state(UID) == CLAIM_ALLOCATED
+    state.replace_all([], [], {})
+    assert state.claim_state(UID) == CLAIM_NONE
+    state.set_claim_state(UID, CLAIM_ALLOCATED)  # the slice is gone: nothing is kept for it
+    assert state.claim_state(UID) == CLAIM_NONE and not state.unreserving(UID)
+
+
+def test_a_going_slices_reservation_is_taken_off_only_for_its_gated_pod_not_being_ungated() -> None:
+    """``slice_going`` reads the pod from the ledger: the reservation goes for a gated pod that owns the
+    slice, and stays for a pod being ungated (it is about to run on the device) or one let go already."""
+    made = {"metadata": {"name": "p", "uid": "pod-uid", "namespace": "ns", "labels": {POD_SLICE_LABEL: "train"}},
+            "spec": {"schedulingGates": [{"name": SCHEDULING_GATE}],
+                     "resourceClaims": [{"name": "gpu-slice", "resourceClaimName": "train"}]}}
+    for pod, ungating, unreserved in ((None, False, False), (made, True, False),
+                                      ({**made, "spec": {**made["spec"], "schedulingGates": []}}, False, False),
+                                      (made, False, True)):
+        client = _Client(existing={**claim_body("ns", "train", UID),
+                                   "status": {"allocation": PINNED, "reservedFor": [POD_P]}})
+        claims, state, _ = _claims(client)
+        _pods_slice(state, "Ready")
+        if pod is not None:
+            state.put_pod("ns", "train", pod_record(pod))
+        state.set_ungating("ns", "train", ungating)
+        asyncio.run(claims.slice_going(state.slice_named("ns", "train")))
+        assert (client.calls == [("STRATEGIC", CLAIM_STATUS)]) is unreserved, (pod is not None, ungating)

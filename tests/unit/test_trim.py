@@ -19,8 +19,8 @@ from mig_operator.core.placement.node_selection import (
 from mig_operator.core.requests.pod_admission import PodRefused, check_pod_devices
 from mig_operator.core.requests.quantities import QuantityError
 from mig_operator.kube.common.trim import node_body, owned_body, pod_body, slice_body
-from mig_operator.kube.controller.observe import slice_record
-from mig_operator.kube.controller.pods import _gated, owned_by, ungate_ops
+from mig_operator.kube.controller.observe import gated, owned_by, slice_record
+from mig_operator.kube.controller.pods import ungate_ops
 
 BIG = "x" * 200_000
 MANAGED = [{"manager": "kubectl", "operation": "Update", "fieldsV1": {"f:metadata": {"f:annotations": {}}}}]
@@ -121,8 +121,8 @@ def test_every_pod_decision_is_the_same_on_the_kept_pod(pod: dict[str, Any]) -> 
     assert node_allowed(kept_spec, "gpu-1", labels) == node_allowed(spec, "gpu-1", labels)
     assert taints_tolerated(kept_spec, taints) == taints_tolerated(spec, taints)
     assert claim_user(kept, "p") == claim_user(pod, "p")
-    assert _gated(kept) == _gated(pod)
-    if _gated(pod):
+    assert gated(kept) == gated(pod)
+    if gated(pod):
         assert ungate_ops(kept, "gpu-1", "gpu-1") == ungate_ops(pod, "gpu-1", "gpu-1")
     assert owned_by(_slice(), kept) == owned_by(_slice(), pod)
     assert kept["status"] == {"phase": "Pending"}

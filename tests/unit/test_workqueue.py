@@ -1,11 +1,11 @@
 """The controller's work queue: a burst coalesces into one run, a key added while it runs runs once
-more afterwards, distinct keys run side by side; NodeWaits gives each waiting key back once."""
+more afterwards, distinct keys run side by side."""
 
 from __future__ import annotations
 
 import asyncio
 
-from mig_operator.kube.common.workqueue import NodeWaits, WorkQueue
+from mig_operator.kube.common.workqueue import WorkQueue
 
 
 def test_a_burst_of_adds_is_one_run_and_an_add_while_running_is_one_more() -> None:
@@ -52,13 +52,3 @@ def test_the_earlier_due_time_wins_and_a_failure_stops_nothing() -> None:
 
     asyncio.run(main())
     assert runs == ["late-soon", "soon-latest"]
-
-
-def test_node_waits_gives_each_key_back_once_in_order() -> None:
-    waits = NodeWaits()
-    waits.wait("n", ("ns", "b"))
-    waits.wait("n", ("ns", "a"))
-    waits.wait("m", ("ns", "c"))
-    waits.done("n", ("ns", "b"))
-    assert waits == {"n": {("ns", "a")}, "m": {("ns", "c")}}
-    assert waits.take("n") == [("ns", "a")] and waits.take("n") == []

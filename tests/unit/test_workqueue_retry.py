@@ -8,12 +8,15 @@ doubling, capped), not read from the queue."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Hashable
 
 import pytest
 from prometheus_client import REGISTRY
 
+from mig_operator.kube.common.client import ApiError
 from mig_operator.kube.common.workqueue import Requeue, WorkQueue, key_kind, key_namespace
+from mig_operator.kube.controller.binder import Binder
 
 BASE, CAP = 0.05, 0.2
 EARLY = 0.003  # a timer may fire up to the clock's resolution early
@@ -217,3 +220,57 @@ def test_keys_kind_and_namespace() -> None:
     assert key_namespace(("hold-ends", 12.5)) == ""
     with pytest.raises(ValueError, match="workers must be at least 1, got 0"):
         WorkQueue(workers=0)
+
+
+class _FlakyStatusClient:
+    """Answers the first ``fail`` status writes with HTTP 500, then writes them (the answer is the slice)."""
+
+    def __init__(self, body: dict, fail: int) -> None:
+        self.body, self.fail, self.writes = body, fail, 0
+
+    async def merge_patch(self, path: str, patch: dict) -> dict:
+        self.writes += 1
+        if self.fail:
+            self.fail -= 1
+            raise ApiError(500, "InternalError", "injected")
+        version = int(self.body["metadata"]["resourceVersion"]) + 1
+        self.body = {**self.body, "metadata": {**self.body["metadata"], "resourceVersion": str(version)},
+                     "status": patch["status"]}
+        return self.body
+
+
+class _Events:
+    def __init__(self) -> None:
+        self.posted: list[str] = []
+
+    def post(self, obj: dict, kind: str, reason: str, message: str) -> None:
+        self.posted.append(reason)
+
+    def forget(self, uid: str) -> None:
+        pass
+
+
+def test_an_invalid_specs_failed_status_write_is_retried_on_its_key_until_written() -> None:
+    """The watch handler only queues the InvalidSpec write: a write refused twice comes back on its key,
+    after its back-off, and the slice ends Failed with one Event (not one per try)."""
+    body = {"apiVersion": "cdmo.io/v1alpha1", "kind": "GpuSlice",
+            "metadata": {"name": "bad", "namespace": "ns", "uid": "u-bad", "resourceVersion": "7",
+                         "creationTimestamp": "2026-11-27T10:00:00Z"},
+            "spec": {"memory": "lots"}}
+    client, events = _FlakyStatusClient(body, fail=2), _Events()
+    before = _retries("invalid")
+
+    async def main() -> None:
+        binder = Binder(client, events, resync_s=3600, queue=WorkQueue(base_delay_s=0.01, max_delay_s=0.05))  # type: ignore[arg-type]
+        binder._last_resync = time.monotonic()  # no full list in this test: the client answers status writes only
+        await binder.slice_event(body, deleted=False)
+        assert client.writes == 0, "the watch handler writes nothing itself"
+        await _until(lambda: binder.ledger.slices["u-bad"].phase == "Failed")
+        await _until(lambda: not len(binder.queue))
+        assert not len(binder.queue)
+
+    asyncio.run(main())
+    assert client.writes == 3
+    assert client.body["status"]["reason"] == "InvalidSpec"
+    assert events.posted == ["InvalidSpec"]
+    assert _retries("invalid") - before == 2

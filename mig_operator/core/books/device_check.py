@@ -11,12 +11,16 @@ A pod's slice bound where its device needs no NVML call (an idle instance at exa
 or a fraction without a compute share on a GPU not in MIG mode) is handed on before its Ready
 (``check_bound_device``): the node's GpuNode lists the device already, and the agent's kubelet plugin
 waits for the slice's realisation, which records it and takes no GPU call, before it prepares the claim.
+
+``check_slice_device`` is the one check the controller makes (through ``Ledger.check_device``), for
+the slice's claim and for its pod alike.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..node.lifecycle import BOUND, READY
 from ..placement.cluster import MODE_FRACTION, Binding, NodeInventory
 
 ACCEPT = "accept"
@@ -92,3 +96,15 @@ def check_bound_device(uid: str, binding: Binding, inventory: NodeInventory | No
     idle = any((i.profile_id, i.start, i.size) == (binding.profile_id, binding.start, binding.size)
                and i.device_uuid and i.slice_uid in ("", uid) and not i.in_use for i in gpu.instances)
     return DeviceVerdict(ACCEPT if idle else WAIT)
+
+
+def check_slice_device(uid: str, phase: str | None, device_uuid: str, binding: Binding,
+                       inventory: NodeInventory | None, early: bool) -> DeviceVerdict:
+    """Whether slice ``uid``, in ``phase`` with ``binding``, may have its device handed on: Ready with
+    ``device_uuid`` checked (``check_ready_device``), or, a pod's slice (``early``), Bound onto a device
+    its agent takes without an NVML call (``check_bound_device``); ``WAIT`` in any other phase."""
+    if phase == READY:
+        return check_ready_device(uid, device_uuid, binding, inventory)
+    if phase == BOUND and early:
+        return check_bound_device(uid, binding, inventory)
+    return DeviceVerdict(WAIT)

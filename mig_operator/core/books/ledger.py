@@ -1,14 +1,20 @@
 """The controller's books: one owner for what it knows and what it has decided.
 
-The slices (``SliceRecord``), the GpuNode inventories and node labels placement reads, the bindings
-(written in a slice's status, or reserved while that write is in flight), each namespace's GpuQuota
-and charges (``core.books.charges``) and the waiting line (``core.books.waiting_line``). The planner's index
-(``core.placement.cluster.ClusterPlanner``) is its private part: inventories, labels and held bindings live
-there only. Its face: observe (``put_slice``, ``remove_slice``, ``put_inventory``,
-``remove_inventory``, ``set_node_labels``, ``put_quota``, ``remove_quota``, ``replace_all``);
+The slices (``SliceRecord``), the pods that ask for them (``PodRecord``), the GpuNode inventories,
+every Node (``NodeRecord``: the controller's one Node cache, labels and taints), the bindings (written
+in a slice's status, or reserved while that write is in flight), each namespace's GpuQuota (its
+object's generation and status last written too) and charges (``core.books.charges``), the waiting line
+(``core.books.waiting_line``) and the slices whose device check waits for their node's GpuNode. The
+planner's index (``core.placement.cluster.ClusterPlanner``) is its private part: inventories, labels and
+held bindings live there only. Its face: observe (``put_slice``, ``remove_slice``, ``put_pod``,
+``remove_pod``, ``put_inventory``, ``remove_inventory``, ``put_node``, ``put_quota``, ``remove_quota``,
+``replace_all``);
 ``decide(uid)`` for a slice's group (a slice alone is a group of one), quota admission included:
 bind (reserved), refuse (code, message, could it ever fit; the slices join the line) or skip; then
-``commit`` once the write is done or ``rollback`` once it failed (the books as before ``decide``).
+``commit`` once the write is done or ``rollback`` once it failed (the books as before ``decide``);
+``check_device(uid)``, the one device check (``core.books.device_check``), and ``take_device_waits``;
+how far each slice's ResourceClaim is written (``claim_state``, ``unreserving``).
+Nothing outside this module changes its fields.
 
 Rules kept here: a slice being deleted holds its binding and charge until it is gone; a device an
 agent still holds for a slice gone is charged from its GpuNode; a fraction on a GPU its namespace
@@ -25,13 +31,16 @@ from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from typing import Any, Literal
 
+from ..node.lifecycle import READY
 from ..placement.cluster import MODE_FRACTION, NO_CAPACITY, Binding, NodeInventory, Refusal
 from ..placement.cluster_planner import ClusterPlanner
 from ..placement.planner import PlannerSettings
 from ..placement.tenancy import whole_gpu_note
+from ..requests.pod_admission import PodAsk
 from ..requests.quantities import MIB, QuantityError
 from ..requests.request import SliceRequest
 from .charges import Charge, Charges, GpuKey, fraction_charge, own_charge
+from .device_check import ACCEPT, DeviceVerdict, check_slice_device
 from .quota import (
     NO_QUOTA,
     QUOTA_EXCEEDED,
@@ -66,6 +75,7 @@ class SliceRecord:
     eligible: tuple[str, ...] | None = None  # the only nodes it may go to (a pod's node selector), if set
     group: str | None = None  # a pod's group of slices placed together (GROUP_ANNOTATION), if any
     group_size: int = 1
+    pod_owner: str | None = None  # the UID of the pod the slice was made for (its Pod owner reference), if any
 
     @property
     def ref(self) -> str:
@@ -88,6 +98,27 @@ class NodeLabels:
 
 
 @dataclass(frozen=True)
+class PodRecord:
+    """A pod that asks for slices (labelled with its group) as the controller keeps it: its body as
+    the watch's transform keeps it, its uid and resourceVersion, and its request, read once."""
+
+    body: dict[str, Any]
+    uid: str
+    version: int
+    ask: PodAsk
+
+
+@dataclass(frozen=True)
+class NodeRecord:
+    """A Node as the controller reads it: its labels and taints (where a pod may go,
+    ``core.placement.node_selection``) and what placement reads of its labels (``flags``)."""
+
+    labels: Mapping[str, str] = field(default_factory=dict)
+    taints: tuple[Mapping[str, Any], ...] = ()
+    flags: NodeLabels = NodeLabels()
+
+
+@dataclass(frozen=True)
 class Decision:
     """What ``decide`` came to for a slice's group.
 
@@ -107,6 +138,11 @@ class Decision:
 
 SKIP = Decision("skip")
 
+# How far the controller has taken a slice's ResourceClaim (``claim_state``).
+CLAIM_NONE = ""
+CLAIM_WRITTEN = "written"
+CLAIM_ALLOCATED = "allocated"
+
 
 class Ledger:
     def __init__(self, settings: PlannerSettings | None = None, quota_required: bool = False) -> None:
@@ -120,9 +156,26 @@ class Ledger:
         self._reserved: dict[str, tuple[Binding, tuple[str, str] | None]] = {}
         self.quotas: dict[str, Quota] = {}
         self.quota_errors: dict[str, str] = {}  # namespace -> why its GpuQuota is ignored
+        # Namespace -> its GpuQuota object's metadata.generation, and the status last written to it (as
+        # read from the object, then as the controller wrote it): written again only when it differs.
+        self._quota_generations: dict[str, int] = {}
+        self._quota_written: dict[str, dict] = {}
         self._charges = Charges()
         self.line = WaitingLine()
         self._writing: set[str] = set()  # decided, write not yet committed or rolled back
+        self.nodes: dict[str, NodeRecord] = {}  # every Node: the controller's one Node cache
+        self._pods: dict[tuple[str, str], PodRecord] = {}  # (namespace, pod group) -> its pod
+        # Pods (namespace, pod group) whose gate is being removed: the pod's own event and its slice's may
+        # both find it ready at once, and a second patch would only be refused (422) and read the pod.
+        self._ungating: set[tuple[str, str]] = set()
+        # Slices (namespace, name) whose device their node's GpuNode did not list (yet), by node, and
+        # when each was first found waiting (slice uid -> the caller's clock).
+        self._device_waits: dict[str, set[tuple[str, str]]] = {}
+        self._device_wait_since: dict[str, float] = {}
+        # Slice uid -> how far its claim is written (CLAIM_WRITTEN, CLAIM_ALLOCATED), and the slices
+        # whose claim's reservation for their gated pod was taken off.
+        self._claims: dict[str, str] = {}
+        self._unreserved: set[str] = set()
         # Slices seen deleted since the last full list: uid -> the deletion's resourceVersion.
         self._gone: dict[str, int] = {}
 
@@ -197,6 +250,61 @@ class Ledger:
     def waiting(self) -> Mapping[str, tuple[str, str]]:
         """The waiting line: uid -> (namespace, refusal code)."""
         return self.line.waiting
+
+    def touched_namespaces(self) -> set[str]:
+        """The namespaces whose waiting slices changed since the last call (their GpuQuota status)."""
+        return self.line.drain_touched()
+
+    # ---- the device check ------------------------------------------------------------------------
+
+    def check_device(self, uid: str, now: float) -> tuple[DeviceVerdict, float]:
+        """Whether slice ``uid``'s device may be handed on (``core.books.device_check.check_slice_device``
+        against its node's GpuNode), and for how long (by ``now``, the caller's clock) it has waited.
+        A Ready slice not accepted waits for its node's GpuNode to change (``take_device_waits``)."""
+        info = self.slices.get(uid)
+        if info is None or info.binding is None or info.deleting:
+            return DeviceVerdict("wait"), 0.0
+        status = info.body.get("status") or {}
+        verdict = check_slice_device(uid, info.phase, str(status.get("deviceUUID") or ""), info.binding,
+                                     self.inventories.get(info.binding.node), early=info.pod_owner is not None)
+        key = (info.namespace, info.name)
+        if verdict.action == ACCEPT or info.phase != READY:  # a slice not Ready yet: its Ready event comes
+            self._device_waits.get(info.binding.node, set()).discard(key)
+            self._device_wait_since.pop(uid, None)
+            return verdict, 0.0
+        self._device_waits.setdefault(info.binding.node, set()).add(key)
+        since = self._device_wait_since.setdefault(uid, now)
+        return verdict, now - since
+
+    # ---- the slices' claims ----------------------------------------------------------------------
+
+    def claim_state(self, uid: str) -> str:
+        """How far the controller has taken slice ``uid``'s ResourceClaim: CLAIM_NONE, CLAIM_WRITTEN
+        (this slice's claim exists) or CLAIM_ALLOCATED (and allocated to its device)."""
+        return self._claims.get(uid, CLAIM_NONE)
+
+    def set_claim_state(self, uid: str, state: str) -> None:
+        """Slice ``uid``'s claim was written, allocated, or found gone or wrong (CLAIM_NONE: written anew)."""
+        if state == CLAIM_NONE or uid not in self.slices:
+            self._claims.pop(uid, None)
+        else:
+            self._claims[uid] = state
+
+    def unreserving(self, uid: str) -> bool:
+        """Slice ``uid``'s claim's reservation for its gated pod is to be taken off: True the first time
+        (``unreserve_failed`` makes it the first again)."""
+        if uid in self._unreserved or uid not in self.slices:
+            return False
+        self._unreserved.add(uid)
+        return True
+
+    def unreserve_failed(self, uid: str) -> None:
+        self._unreserved.discard(uid)
+
+    def take_device_waits(self, node: str) -> list[tuple[str, str]]:
+        """The slices (namespace, name) whose device ``node``'s GpuNode did not list, in order; they wait
+        no more (a GpuNode changed: each is checked again)."""
+        return sorted(self._device_waits.pop(node, set()))
 
     # ---- deciding ------------------------------------------------------------------------------
 
@@ -292,6 +400,12 @@ class Ledger:
             return refusal
         return None
 
+    def wait_in_line(self, uid: str, code: str) -> None:
+        """Slice ``uid`` waits, refused with ``code`` outside ``decide`` (held behind an older slice)."""
+        info = self.slices.get(uid)
+        if info is not None and info.binding is None and uid not in self._reserved:
+            self.line.set(uid, (info.namespace, code))
+
     def writing(self, uid: str) -> bool:
         """Whether the binding ``decide`` made for ``uid`` is still being written (not yet committed or
         rolled back): its own write's watch event may arrive before the write returns."""
@@ -369,6 +483,9 @@ class Ledger:
         namespace, name = meta["namespace"], meta["name"]
         if name != QUOTA_NAME:
             return False
+        self._quota_generations[namespace] = int(meta.get("generation") or 0)
+        if body.get("status") is not None and namespace not in self._quota_written:
+            self._quota_written[namespace] = dict(body["status"])  # e.g. after a restart: no write when equal
         try:
             self.quotas[namespace] = quota_from_spec(namespace, body.get("spec"), name)
         except QuantityError as exc:
@@ -383,15 +500,41 @@ class Ledger:
         if meta["name"] == QUOTA_NAME:
             self.quotas.pop(meta["namespace"], None)
             self.quota_errors.pop(meta["namespace"], None)
+            self._quota_generations.pop(meta["namespace"], None)
+            self._quota_written.pop(meta["namespace"], None)
 
     def replace_quotas(self, bodies: Iterable[Mapping]) -> None:
-        self.quotas, self.quota_errors = {}, {}
+        """Every GpuQuota afresh (a full list); what was written to each is as the list read it."""
+        self.quotas, self.quota_errors, self._quota_generations, self._quota_written = {}, {}, {}, {}
         for body in bodies:
             self.put_quota(body)
 
-    def set_node_labels(self, node: str, flags: NodeLabels) -> set[str] | None:
-        """Take a Node's placement labels (all False: unlabelled or gone); None when none changed, else
+    def quota_generation(self, namespace: str) -> int | None:
+        """The namespace's GpuQuota object's generation; None when it has none (nothing to write to)."""
+        return self._quota_generations.get(namespace)
+
+    @property
+    def quota_objects(self) -> Iterable[str]:
+        """The namespaces with a GpuQuota object (valid or not)."""
+        return self._quota_generations.keys()
+
+    def quota_status_written(self, namespace: str) -> Mapping | None:
+        """The status last written to (or read from) the namespace's GpuQuota."""
+        return self._quota_written.get(namespace)
+
+    def quota_status_wrote(self, namespace: str, status: Mapping) -> None:
+        """The namespace's GpuQuota status was written (kept only while the object is known)."""
+        if namespace in self._quota_generations:
+            self._quota_written[namespace] = dict(status)
+
+    def put_node(self, node: str, record: NodeRecord | None) -> set[str] | None:
+        """Take a Node (None: it is gone); None when nothing placement reads of its labels changed, else
         the namespaces whose quota use changed (fraction sharing changes what its fractions are charged)."""
+        if record is None:
+            self.nodes.pop(node, None)
+        else:
+            self.nodes[node] = record
+        flags = record.flags if record is not None else NodeLabels()
         before = NodeLabels(*self._index.labels_of(node))
         if flags == before:
             return None
@@ -399,6 +542,35 @@ class Ledger:
         self._index.set_fraction_sharing(node, flags.sharing)
         self._index.set_runtime_accepted(node, flags.accepted)
         return self._recharge(node) if flags.sharing != before.sharing else set()
+
+    # ---- observing: pods -----------------------------------------------------------------------
+
+    def pod(self, namespace: str, group: str) -> PodRecord | None:
+        """The pod of ``group`` (its label's value) in ``namespace``, as last seen."""
+        return self._pods.get((namespace, group))
+
+    def put_pod(self, namespace: str, group: str, record: PodRecord) -> bool:
+        """Take a pod event; False when it is older than what is known of that pod (ignored: e.g. a
+        watch event that comes after the controller's own write's answer)."""
+        known = self._pods.get((namespace, group))
+        if known is not None and known.uid == record.uid and known.version > record.version:
+            return False
+        self._pods[(namespace, group)] = record
+        return True
+
+    def remove_pod(self, namespace: str, group: str) -> None:
+        """The pod is gone, going or finished: nothing waits for it."""
+        self._pods.pop((namespace, group), None)
+
+    def ungating(self, namespace: str, group: str) -> bool:
+        """Whether the pod's gate is being removed (its write is under way)."""
+        return (namespace, group) in self._ungating
+
+    def set_ungating(self, namespace: str, group: str, on: bool) -> None:
+        if on:
+            self._ungating.add((namespace, group))
+        else:
+            self._ungating.discard((namespace, group))
 
     # ---- observing: slices ---------------------------------------------------------------------
 
@@ -415,6 +587,8 @@ class Ledger:
             self._groups.setdefault((info.namespace, info.group), set()).add(info.uid)
         if info.binding is not None:
             self._reserved.pop(info.uid, None)
+        if info.binding is not None or info.deleting or info.phase not in (None, "Pending"):
+            self.line.set(info.uid, None)  # bound, going or past planning: it waits no more
         self._held(info.uid)
         return info
 
@@ -425,6 +599,9 @@ class Ledger:
             self._gone[uid] = max(version, self._gone.get(uid, 0))
         self._reserved.pop(uid, None)
         self.line.set(uid, None)
+        self._device_wait_since.pop(uid, None)
+        self._claims.pop(uid, None)
+        self._unreserved.discard(uid)
         gone = self.slices.pop(uid, None)
         if gone is not None and self._names.get((gone.namespace, gone.name)) == uid:
             del self._names[(gone.namespace, gone.name)]
@@ -469,9 +646,9 @@ class Ledger:
         return changed
 
     def replace_all(self, slices: Iterable[SliceRecord], inventories: Iterable[NodeInventory],
-                    labels: Mapping[str, NodeLabels], listed_at: int | None = None) -> None:
+                    nodes: Mapping[str, NodeRecord], listed_at: int | None = None) -> None:
         """A fresh full list: what is not in it is gone (events may have been missed while paused).
-        ``labels``: at least every node carrying a label placement reads. ``listed_at``: the list's
+        ``nodes``: every Node. ``listed_at``: the list's
         resourceVersion. The watch runs on while the list is read, so what it showed after that
         version stands: a slice made (or changed) since is kept though the list lacks it, and a
         slice deleted since is not brought back, so neither its room nor another's binding is lost."""
@@ -493,6 +670,11 @@ class Ledger:
         self._reserved = {uid: r for uid, r in self._reserved.items() if uid in fresh}
         for uid in [uid for uid in self.waiting if uid not in fresh]:
             self.line.set(uid, None)
+        self._device_wait_since = {uid: t for uid, t in self._device_wait_since.items() if uid in fresh}
+        self._claims = {uid: c for uid, c in self._claims.items() if uid in fresh}
+        self._unreserved &= fresh.keys()
+        self.nodes = dict(nodes)
+        labels = {name: record.flags for name, record in self.nodes.items()}
         held = {uid: s.binding for uid, s in fresh.items() if s.binding is not None}
         held.update({uid: r[0] for uid, r in self._reserved.items()})
         inventories = list(inventories)

@@ -11,10 +11,11 @@ devices through the device plugin as well, sets ``spec.nodeName``, or when a con
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from ..node.environment import DEVICES_VARIABLE, LIMIT_VARIABLE, PRELOAD_VARIABLE, SLICE_VARIABLE
-from .quantities import MEMORY_EXAMPLE, clip_repr
+from .quantities import MEMORY_EXAMPLE, QuantityError, clip_repr
 from .request import PROFILE_EXAMPLE, SliceRequest
 from .request_forms import PodDevice, pod_devices
 from .slice_spec import ANNOTATION_MEMORY, ANNOTATION_PROFILE, ANNOTATION_REQUESTED, REQUEST_ANNOTATIONS
@@ -55,6 +56,33 @@ def check_pod(pod: Mapping[str, Any]) -> SliceRequest | None:
     """The request of the pod's (first) device, None when it asks for none (``check_pod_devices``)."""
     devices = check_pod_devices(pod)
     return devices[0].request if devices else None
+
+
+@dataclass(frozen=True)
+class PodAsk:
+    """What a pod asks for, read once as the pod is observed (``pod_ask``): its devices (none: it asks
+    for nothing), or why it gets none (``reason``: InvalidAnnotation or Refused, and ``message``)."""
+
+    devices: tuple[PodDevice, ...] = ()
+    reason: str = ""
+    message: str = ""
+
+
+def pod_ask_inputs(pod: Mapping[str, Any]) -> tuple[Any, ...]:
+    """What ``pod_ask`` reads of the pod: an equal tuple gives an equal ask."""
+    spec = pod.get("spec") or {}
+    return ((pod.get("metadata") or {}).get("annotations") or {}, spec.get("nodeName"),
+            spec.get("containers"), spec.get("initContainers"))
+
+
+def pod_ask(pod: Mapping[str, Any]) -> PodAsk:
+    """``check_pod_devices`` as a record: the devices, or the refusal's reason and message."""
+    try:
+        return PodAsk(check_pod_devices(pod))
+    except QuantityError as exc:
+        return PodAsk(reason="InvalidAnnotation", message=str(exc))
+    except PodRefused as exc:
+        return PodAsk(reason="Refused", message=str(exc))
 
 
 def check_pod_devices(pod: Mapping[str, Any]) -> tuple[PodDevice, ...]:

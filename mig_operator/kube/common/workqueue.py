@@ -20,7 +20,6 @@ namespace in turn (round robin; cluster-wide keys count as one namespace, ""), s
 thousands of keys delay another namespace's key by at most one key each, never by all of them.
 ``mig_operator_workqueue_depth`` is the number of due keys waiting for a worker.
 
-``NodeWaits`` keeps what waits for a node's GpuNode to change (a device not yet listed there).
 ``KeyedLocks`` lets one holder at a time work on a key (a slice's claim, a slice's release).
 """
 
@@ -193,21 +192,6 @@ class WorkQueue:
             self.add(key, work, after_s)
         else:
             self.add(key, known[1], after_s)
-
-
-class NodeWaits(dict[str, set[tuple[str, str]]]):
-    """Keys (namespace, name) by node, waiting for that node's GpuNode to change: looked at again when
-    it does."""
-
-    def wait(self, node: str, key: tuple[str, str]) -> None:
-        self.setdefault(node, set()).add(key)
-
-    def done(self, node: str, key: tuple[str, str]) -> None:
-        self.get(node, set()).discard(key)
-
-    def take(self, node: str) -> list[tuple[str, str]]:
-        """Every key waiting on ``node``, in order; they wait no more."""
-        return sorted(self.pop(node, set()))
 
 
 class KeyedLocks:

@@ -16,7 +16,9 @@ writes adds it on its next pass (``mark``). A slice deleted before it was bound 
 agent: the controller takes the finalizer off it (``_let_go_unbound``).
 
 Every write runs as a key on the controller's work queue (``kube.common.workqueue``): a slice's bind
-``("bind", namespace, uid)``, its finalizer ``("mark", ...)``, the line's pass ``"replan"``. A write
+``("bind", namespace, uid)``, its finalizer ``("mark", ...)``, an invalid spec's Failed status
+``("invalid", ...)``, a deleted slice's letting go by the other parts ``("going", ...)``, the line's
+pass ``"replan"``; a watch event only observes and adds keys. A write
 that fails, refused as a conflict included, raises, and its key comes back after its back-off; the
 pass serves the rest of the line first.
 
@@ -56,7 +58,7 @@ from ..common.finalizers import remove_finalizer
 from ..common.names import AGENT_FINALIZER
 from ..common.trim import node_body, owned_body, slice_body
 from ..common.workqueue import WorkQueue
-from .observe import PLACEMENT_LABELS, inventory, inventory_node, node_labels, slice_record
+from .observe import inventory, inventory_node, node_record, slice_record
 
 log = logging.getLogger("mig_operator.controller")
 QUOTAS_PATH = "/apis/cdmo.io/v1alpha1/gpuquotas"
@@ -101,7 +103,6 @@ class Binder:
         self.synced = True
         self._listing_seen = 0.0
         self.on_resync: list[Callable[[], Awaitable[None]]] = []
-        self.on_slice_changed: list[Callable[[SliceRecord], Awaitable[None]]] = []
         # Told a slice that is being deleted, or that the binder is about to delete (a group's part given back).
         self.on_slice_going: list[Callable[[SliceRecord], Awaitable[None]]] = []
         # Told the namespace whose quota use or waiting slices may have changed (the GpuQuota status).
@@ -110,16 +111,14 @@ class Binder:
     # ---- full lists ----------------------------------------------------------------------------
 
     async def resync(self) -> None:
-        """Read slices, inventories and labelled nodes afresh, then finish what is unfinished
+        """Read slices, inventories and nodes afresh, then finish what is unfinished
         (and whatever else registered in ``on_resync``, e.g. the pods)."""
         async with self._lock:
-            (slices, listed_at), inventories, quotas, *labelled = await asyncio.gather(
+            (slices, listed_at), inventories, quotas, listed_nodes = await asyncio.gather(
                 self.client.list_at(slices_path(), keep=slice_body), self.client.list(gpunodes_path(), keep=owned_body),
-                self._list_quotas(),
-                *(self.client.list("/api/v1/nodes", label_selector=f"{k}={v}", keep=node_body)
-                  for k, v in PLACEMENT_LABELS),
+                self._list_quotas(), self.client.list("/api/v1/nodes", keep=node_body),
             )
-            nodes = {n["metadata"]["name"]: node_labels(n["metadata"].get("labels")) for ls in labelled for n in ls}
+            nodes = {n["metadata"]["name"]: node_record(n) for n in listed_nodes}
             self.ledger.replace_all([slice_record(b) for b in slices], [inventory(b) for b in inventories], nodes,
                                     listed_at or None)
             self.ledger.replace_quotas(quotas)
@@ -174,7 +173,9 @@ class Binder:
 
     # ---- observing -----------------------------------------------------------------------------
 
-    async def slice_event(self, body: dict, deleted: bool) -> None:
+    async def slice_event(self, body: dict, deleted: bool) -> SliceRecord | None:
+        """Take a slice's watch event into the ledger and add its keys; the slice as the ledger now has
+        it when its claim and its pod are to be looked at (not gone, not being deleted, not an old event)."""
         if deleted:
             uid = body["metadata"]["uid"]
             waited = uid in self.ledger.waiting
@@ -186,25 +187,22 @@ class Binder:
                 # Its room and its quota charge are free (or idle) now; or it waited, and younger slices
                 # of its namespace may wait behind it: either way the line is served again at once.
                 self.request_replan()
-            return
+            return None
         info = self.ledger.put_slice(slice_record(body))
         if info is None:
-            return
+            return None
         self._namespace_changed(info.namespace)
-        if info.binding is not None or info.deleting or info.phase not in (None, "Pending"):
-            self.ledger.line.set(info.uid, None)
-            self._announce()
+        self._announce()
         if info.deleting:
             # A bound slice keeps its room and its quota charge until it is gone: its agent releases
             # it, at once or once its claim is no longer in use.
             if info.binding is None and AGENT_FINALIZER in (info.body["metadata"].get("finalizers") or ()):
                 self.queue.add(("let-go", info.namespace, info.uid), lambda: self._let_go_unbound(info))
-            for callback in self.on_slice_going:
-                await callback(info)
-            return
+            if self.on_slice_going:
+                self.queue.add(("going", info.namespace, info.uid), lambda: self._going(info.uid))
+            return None
         if info.invalid and info.phase != "Failed":
-            await self._write(info, status.failed(info.body.get("status"), "InvalidSpec", info.invalid))
-            self.events.post(info.body, "Warning", "InvalidSpec", info.invalid)
+            self.queue.add(("invalid", info.namespace, info.uid), lambda: self._fail_invalid(info.uid))
         elif info.binding is None and info.phase in (None, "Pending"):
             if not self.ledger.line.in_line(info.namespace):
                 self.queue.add(("bind", info.namespace, info.uid), lambda: self._bind_now(info.uid))
@@ -212,9 +210,25 @@ class Binder:
                 self.request_replan()  # slices wait: a new one joins the line rather than jump it
         elif info.binding is not None and not info.marked:
             self._queue_mark(info)
-        for callback in self.on_slice_changed:
-            await callback(self.ledger.slices.get(info.uid, info))
         self.maybe_resync()
+        return info
+
+    async def _going(self, uid: str) -> None:
+        """A slice's key once it is being deleted: the other parts let it go (``on_slice_going``)."""
+        info = self.ledger.slices.get(uid)
+        if info is None:
+            return  # gone already, and its claim with it
+        for callback in self.on_slice_going:
+            await callback(info)
+
+    async def _fail_invalid(self, uid: str) -> None:
+        """A slice's key while its spec cannot be served (an API server without CEL let it in): phase
+        Failed, reason InvalidSpec, and an Event; a failed write comes back after its back-off."""
+        info = self.ledger.slices.get(uid)
+        if info is None or not info.invalid or info.phase == "Failed" or info.deleting:
+            return
+        await self._write(info, status.failed(info.body.get("status"), "InvalidSpec", info.invalid))
+        self.events.post(info.body, "Warning", "InvalidSpec", info.invalid)
 
     def inventory_event(self, body: dict, deleted: bool) -> None:
         ledger = self.ledger
@@ -224,9 +238,10 @@ class Binder:
         self.request_replan()
         self.maybe_resync()
 
-    def node_event(self, name: str, labels: Mapping[str, str] | None) -> None:
-        """A Node's labels changed (None: it is gone): the MIG label, fraction sharing, runtime trust."""
-        changed = self.ledger.set_node_labels(name, node_labels(labels))
+    def node_event(self, name: str, body: Mapping | None) -> None:
+        """A Node changed (None: it is gone): its labels and taints; planning reads the MIG label,
+        fraction sharing and runtime trust."""
+        changed = self.ledger.put_node(name, node_record(body) if body is not None else None)
         if changed is not None:
             for namespace in changed:  # fraction sharing changes what its fractions are charged
                 self._namespace_changed(namespace)
@@ -246,7 +261,7 @@ class Binder:
 
     def _announce(self) -> None:
         """Tell the namespaces whose waiting slices changed in the ledger."""
-        for namespace in sorted(self.ledger.line.drain_touched()):
+        for namespace in sorted(self.ledger.touched_namespaces()):
             self._namespace_changed(namespace)
 
     def _namespace_changed(self, namespace: str) -> None:
@@ -260,8 +275,7 @@ class Binder:
 
     async def _bind_now(self, uid: str) -> None:
         """A slice's key on the queue: bind it unless its namespace has slices in line (the line's next
-        pass serves it then); a failed write raises, so the key comes back after its back-off. Once
-        bound, the other parts are told at once (its claim, its pod), not at its watch event."""
+        pass serves it then); a failed write raises, so the key comes back after its back-off."""
         info = self.ledger.slices.get(uid)
         if info is None or info.binding is not None or info.deleting or info.invalid or (
                 info.phase not in (None, "Pending")):
@@ -269,10 +283,7 @@ class Binder:
         if self.ledger.line.in_line(info.namespace):
             self.request_replan()
             return
-        outcome = await self.bind(uid)
-        if outcome is not None and outcome.bound:
-            for callback in self.on_slice_changed:
-                await callback(self.ledger.slices.get(uid, info))
+        await self.bind(uid)  # the binding's watch event has its claim and its pod looked at
 
     async def bind(self, uid: str, refused: dict | None = None) -> BindOutcome | None:
         """Decide for slice ``uid`` (with its group) and write the bindings, or the refusal (Pending
@@ -414,7 +425,7 @@ class Binder:
                                unless=lambda fresh: binding_from_status(info.uid, fresh.get("status")) is not None)
 
     async def _refuse(self, info: SliceRecord, refusal: Refusal) -> None:
-        self.ledger.line.set(info.uid, (info.namespace, refusal.code))
+        self.ledger.wait_in_line(info.uid, refusal.code)
         self._announce()
         current = info.body.get("status") or {}
         if current.get("phase") != "Pending" or current.get("reason") != refusal.code or (

@@ -9,8 +9,8 @@ that names it, on that node, and the kubelet asks the agent to prepare it. A dev
 node's agent publishes under the slice's UID is never allocated to the claim.
 
 A pod's slice's claim is reserved for that pod in the write that allocates it, so kube-scheduler
-writes nothing to it; only for the gated pod the controller made the slice for (``consumer``,
-pods.py), never for whatever pod a slice's owner reference names: a tenant writes those. The
+writes nothing to it; only for the gated pod the controller made the slice for (``consumer``, read
+from the pods the ledger keeps), never for whatever pod a slice's owner reference names: a tenant writes those. The
 reservation holds the slice while the pod lives (the agent releases no slice whose claim is
 reserved), so before a slice of a pod still gated goes (a group's part given back, a slice or its
 pod deleted) the controller takes it away (``unreserve``).
@@ -39,12 +39,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
-from mig_operator.core.books.device_check import ACCEPT, check_bound_device, check_ready_device
-from mig_operator.core.books.ledger import Ledger, SliceRecord
+from mig_operator.core.books.device_check import ACCEPT
+from mig_operator.core.books.ledger import CLAIM_ALLOCATED, CLAIM_NONE, CLAIM_WRITTEN, Ledger, SliceRecord
 from mig_operator.core.books.slice_claim import (
     DELETE_PROTECTION,
     ELSEWHERE,
@@ -53,16 +53,18 @@ from mig_operator.core.books.slice_claim import (
     allocation_patch,
     allocation_state,
     claim_path,
+    claim_user,
     unreserve_patch,
 )
 from mig_operator.core.books.slice_claim import claim_body as slice_claim_body
-from mig_operator.core.node.lifecycle import BOUND, READY
+from mig_operator.core.node.lifecycle import READY
 
 from ..common.client import ApiError, KubeClient, slice_path
 from ..common.events import EventPoster
 from ..common.names import API_VERSION, SLICE_KIND
 from ..common.status import seconds_now
-from ..common.workqueue import KeyedLocks, NodeWaits, WorkQueue
+from ..common.workqueue import KeyedLocks, WorkQueue
+from .observe import gated, group_of, owned_by
 
 log = logging.getLogger("mig_operator.controller.claims")
 CLAIM_TAKEN = "ClaimNameTaken"
@@ -95,15 +97,9 @@ def _seconds_since(timestamp: str | None) -> float:
         return 0.0
 
 
-def owner_pod(info: SliceRecord) -> Mapping[str, Any] | None:
-    """The ownerReference of the pod the slice was made for; None for a slice made directly."""
-    refs = (info.body.get("metadata") or {}).get("ownerReferences") or []
-    return next((ref for ref in refs if ref.get("kind") == "Pod" and ref.get("apiVersion") == "v1"), None)
-
-
 def early(info: SliceRecord) -> bool:
     """Whether the slice's claim is written before it is Ready: a pod's slice (see the module's doc)."""
-    return not info.deleting and owner_pod(info) is not None
+    return not info.deleting and info.pod_owner is not None
 
 
 class SliceClaims:
@@ -114,31 +110,36 @@ class SliceClaims:
         self.events = events
         self.state = state
         self.queue = queue
-        self.written: dict[tuple[str, str], str] = {}  # (namespace, name) -> slice UID of the claim there
-        self.allocated: dict[tuple[str, str], str] = {}  # likewise, once the controller allocated it
-        # Ready slices whose device their node's GpuNode did not list yet: tried again when it changes.
-        self.waiting = NodeWaits()
         # One write of a claim at a time: a slice's own watch event may come while the write its creation
         # started is under way, and a second create would only be refused (409), at kube-apiserver's cost.
         self._writing = KeyedLocks()
-        self._unreserved: set[str] = set()  # slices whose pod's reservation was taken away (``unreserve``)
-        # Whom a pod's slice's claim is reserved for as it is allocated (a ``pod_consumer``; None: nobody).
-        self.consumer: Callable[[SliceRecord], Mapping[str, str] | None] = lambda _info: None
 
-    async def slice_changed(self, info: SliceRecord) -> None:
-        self.look(info.namespace, info.name)
-
-    async def inventory_changed(self, node: str) -> None:
-        for namespace, name in self.waiting.take(node):
-            self.look(namespace, name)
+    def consumer(self, info: SliceRecord) -> Mapping[str, str] | None:
+        """Whom the claim of slice ``info`` is reserved for as it is allocated: the gated pod the ledger
+        keeps that owns the slice and names its claim, so a pod the controller made it for; None for
+        any other (an owner reference alone is the tenant's to write)."""
+        record = self.state.pod(info.namespace, group_of(info))
+        if record is None or not gated(record.body) or not owned_by(info.body, record.body):
+            return None
+        return claim_user(record.body, info.name)
 
     async def resync(self) -> None:
-        """After a full list: forget the slices that are gone, write what is missing."""
-        self.written = {key: uid for key, uid in self.written.items() if uid in self.state.slices}
-        self.allocated = {key: uid for key, uid in self.allocated.items() if uid in self.state.slices}
-        self._unreserved &= set(self.state.slices)
+        """After a full list: look at every slice's claim again (the ledger forgot those of slices gone)."""
         for info in list(self.state.slices.values()):
             self.look(info.namespace, info.name)
+
+    async def slice_going(self, info: SliceRecord) -> None:
+        """A pod's slice is being deleted, or the binder is about to delete it (a group's part given
+        back). While the pod is still gated nothing ran on the device, so the reservation for the pod
+        that the claim got with its allocation goes first: the agent then releases the slice at once
+        rather than hold it as in use until the pod goes. (A Failed slice holds no instance, so its
+        agent releases it whatever its claim says.)"""
+        group = group_of(info)
+        record = self.state.pod(info.namespace, group)
+        if (record is None or self.state.ungating(info.namespace, group) or not gated(record.body)
+                or not owned_by(info.body, record.body)):
+            return
+        await self.unreserve(info)
 
     def look(self, namespace: str, name: str, after_s: float = 0.0) -> None:
         """Look at slice ``namespace/name``'s claim on the work queue (``ensure``)."""
@@ -150,45 +151,37 @@ class SliceClaims:
             await self.ensure(info)
 
     def ready(self, info: SliceRecord) -> bool:
-        """Whether the slice's device may be handed on now (not being deleted): Ready with its device
-        checked against its GpuNode, or, a pod's slice, bound onto a device its agent takes without an
-        NVML call (``check_bound_device``: its pod need not wait for the Ready write)."""
-        st = info.body.get("status") or {}
-        if info.binding is None or info.deleting:
-            return False
-        inventory = self.state.inventories.get(info.binding.node)
-        if st.get("phase") == READY:
-            return check_ready_device(info.uid, st.get("deviceUUID", ""), info.binding, inventory).action == ACCEPT
-        return (st.get("phase") == BOUND and early(info)
-                and check_bound_device(info.uid, info.binding, inventory).action == ACCEPT)
+        """Whether the slice's device may be handed on now (``Ledger.check_device``: not being deleted,
+        Ready with its device checked against its GpuNode, or, a pod's slice, bound onto a device its
+        agent takes without an NVML call, so its pod need not wait for the Ready write). A slice not
+        ready is looked at again when its node's GpuNode changes."""
+        return self.state.check_device(info.uid, time.monotonic())[0].action == ACCEPT
 
     async def ensure(self, info: SliceRecord) -> bool:
         """Write the claim of a ready slice (``ready``), or of a pod's slice (``early``), when it is not
         there yet, and allocate it once the slice is ready; True when the slice's claim is allocated
         and the slice is ready."""
         key = (info.namespace, info.name)
-        if self.allocated.get(key) == info.uid:
+        if self.state.claim_state(info.uid) == CLAIM_ALLOCATED:
             return self.ready(info)
         async with self._writing.hold(key):
             return await self._ensure(info, key)
 
     async def _ensure(self, info: SliceRecord, key: tuple[str, str]) -> bool:
         ready = self.ready(info)
-        if self.allocated.get(key) == info.uid:
+        if self.state.claim_state(info.uid) == CLAIM_ALLOCATED:
             return ready
         claim: Mapping[str, Any] | None = None
-        if self.written.get(key) != info.uid:
+        if self.state.claim_state(info.uid) == CLAIM_NONE:
             if not ready and not early(info):
-                self._wait_for_device(info, key)
                 return False
             claim = await self._create(info)
             if claim is None:
                 return False
-            self.written[key] = info.uid
+            self.state.set_claim_state(info.uid, CLAIM_WRITTEN)
             # Debug: every pod's slice has one, and the binding's info line says where the slice went.
             log.debug("slice %s: ResourceClaim %s written", info.ref, info.name)
         if not ready and (info.binding is None or not early(info)):
-            self._wait_for_device(info, key)
             return False
         allocated = await self._allocate(info, claim)
         if allocated is None:
@@ -196,18 +189,12 @@ class SliceClaims:
         # A claim kube-scheduler allocated (an earlier version) keeps its finalizer, and
         # kube-controller-manager clears its allocation once no pod uses it: allocated again at a resync.
         if DELETE_PROTECTION not in ((allocated.get("metadata") or {}).get("finalizers") or []):
-            self.allocated[key] = info.uid
+            self.state.set_claim_state(info.uid, CLAIM_ALLOCATED)
         if not ready:
-            self._wait_for_device(info, key)
             return False
         if (info.body.get("status") or {}).get("phase") == READY:
             await self._record(info)  # an early claim: the agent names it in its Ready write
         return True
-
-    def _wait_for_device(self, info: SliceRecord, key: tuple[str, str]) -> None:
-        """A Ready slice whose device its GpuNode does not list yet: looked at again when it changes."""
-        if (info.body.get("status") or {}).get("phase") == "Ready" and info.binding is not None:
-            self.waiting.wait(info.binding.node, key)
 
     async def _create(self, info: SliceRecord) -> Mapping[str, Any] | None:
         """The slice's claim, created now or found (``_take_over``); None when it cannot be had yet."""
@@ -237,7 +224,7 @@ class SliceClaims:
                                                       allocation_patch(node, info.uid, seconds_now(), reserved_for))
         except ApiError as exc:
             if exc.not_found:  # deleted meanwhile: written anew at the slice's next event
-                self.written.pop((info.namespace, info.name), None)
+                self.state.set_claim_state(info.uid, CLAIM_NONE)
                 return None
             if exc.status != 422:
                 raise
@@ -259,16 +246,15 @@ class SliceClaims:
         """Take the reservation for the slice's pod off its claim (written with the allocation), once:
         the caller knows the pod is still gated, so nothing ran on the device, and the slice goes.
         Left on, it would hold the slice (``core.node.lifecycle.claim_hold``) until the pod goes."""
-        pod = owner_pod(info)
-        if pod is None or info.binding is None or info.uid in self._unreserved:
+        pod = info.pod_owner
+        if pod is None or info.binding is None or not self.state.unreserving(info.uid):
             return  # an unbound slice's claim is not allocated, so not reserved either
-        self._unreserved.add(info.uid)
         try:
             await self.client.strategic_patch(f"{claim_path(info.namespace, info.name)}/status",
-                                              unreserve_patch(str(pod.get("uid", ""))))
+                                              unreserve_patch(pod))
         except ApiError as exc:
             if not exc.not_found:
-                self._unreserved.discard(info.uid)
+                self.state.unreserve_failed(info.uid)
                 raise
         log.debug("slice %s: its ResourceClaim is no longer reserved for its gated pod", info.ref)
 
@@ -282,7 +268,7 @@ class SliceClaims:
                    f"not this slice's device in node {info.binding.node}'s pool; it is deleted and written anew")
         self.events.post(info.body, "Warning", ALLOCATED_ELSEWHERE, message)
         log.warning("slice %s: %s", info.ref, message)
-        self.written.pop((info.namespace, info.name), None)
+        self.state.set_claim_state(info.uid, CLAIM_NONE)
         try:
             await self.client.delete(claim_path(info.namespace, info.name))
         except ApiError as exc:

@@ -78,8 +78,8 @@ def build_registry(options: ControllerOptions) -> kopf.OperatorRegistry:
     async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
         tune(settings, CONTROLLER_PREFIX)
         settings.peering.lifetime = options.peering_lifetime_s
-        # Nodes are watched whole: placement reads several labels (observe.PLACEMENT_LABELS), and a server-side
-        # selector takes only one; an event whose labels change nothing placement reads costs a comparison.
+        # Nodes are watched whole: the ledger keeps every Node's labels and taints (where a pod may go, and the
+        # labels placement reads); an event whose labels change nothing placement reads costs a comparison.
         settings.watching.label_selectors["v1", "pods"] = POD_SLICE_LABEL  # only pods the webhook marked
         client = KubeClient.from_environment(options.kubeconfig)
         await ensure_peering(client, options.peering)
@@ -88,12 +88,8 @@ def build_registry(options: ControllerOptions) -> kopf.OperatorRegistry:
                         resync_s=options.resync_s, hold_s=options.fair_hold_s, quota_required=options.quota_required)
         claims = SliceClaims(client, events, binder.ledger, binder.queue)
         pods = PodSlices(client, events, binder.ledger, claims, binder.queue)
-        claims.consumer = pods.consumer  # a claim is reserved only for a pod the controller made its slice for
         quotas = QuotaStatus(client, binder)
-        # Claims first: a pod is released once its slice's claim exists.
-        binder.on_slice_changed.extend([claims.slice_changed, pods.slice_changed])
-        binder.on_slice_going.append(pods.slice_going)
-        pods.on_created.append(lambda body: binder.slice_event(body, deleted=False))
+        binder.on_slice_going.append(claims.slice_going)
         binder.on_resync.extend([claims.resync, pods.resync, quotas.resync])
         await binder.resync()
         state.update(client=client, binder=binder, pods=pods, claims=claims, quotas=quotas)
@@ -102,30 +98,30 @@ def build_registry(options: ControllerOptions) -> kopf.OperatorRegistry:
         binder: Binder = state["binder"]
         if type is None:
             binder.listing_event()
-        await binder.slice_event(body, deleted=type == "DELETED")
+        info = await binder.slice_event(body, deleted=type == "DELETED")
         binder.publish_counts()
         if type == "DELETED":
             await state["pods"].slice_deleted(body)
+        elif info is not None:  # its claim, then its pod (a pod is let go once its slice's claim exists)
+            state["claims"].look(info.namespace, info.name)
+            state["pods"].look(info.namespace, info.name)
 
     async def gpunode_event(body: dict[str, Any], type: str | None) -> None:
         if type is None:
             state["binder"].listing_event()
         state["binder"].inventory_event(body, deleted=type == "DELETED")
-        # A device a Ready slice names may have just been published: its claim and pod are looked at again.
+        # A device a slice names may have just been published: its claim and pod are looked at again.
         node = (body.get("spec") or {}).get("nodeName") or body["metadata"]["name"]
-        await state["claims"].inventory_changed(node)
-        await state["pods"].inventory_changed(node)
+        for namespace, name in state["binder"].ledger.take_device_waits(node):
+            state["claims"].look(namespace, name)
+            state["pods"].look(namespace, name)
 
     async def gpuquota_event(body: dict[str, Any], type: str | None) -> None:
         # A quota raised, lowered, made or removed: waiting slices are planned again (no restart).
-        deleted = type == "DELETED"
-        state["binder"].quota_event(body, deleted=deleted)
-        state["quotas"].quota_event(body, deleted=deleted)
+        state["binder"].quota_event(body, deleted=type == "DELETED")  # its namespace's status is written again
 
     async def node_event(body: dict[str, Any], type: str | None) -> None:
-        labels = None if type == "DELETED" else body.get("metadata", {}).get("labels") or {}
-        state["binder"].node_event(body["metadata"]["name"], labels)
-        state["pods"].nodes.changed(body["metadata"]["name"], None if type == "DELETED" else body)
+        state["binder"].node_event(body["metadata"]["name"], None if type == "DELETED" else body)
 
     async def pod_event(body: dict[str, Any], type: str | None) -> None:
         await state["pods"].pod_event(body, deleted=type == "DELETED")

@@ -7,10 +7,11 @@ from collections.abc import Mapping
 from functools import lru_cache
 from typing import Any
 
-from mig_operator.core.books.ledger import NodeLabels, SliceRecord
-from mig_operator.core.node.runtime_trust import TRUST_LABEL, TRUST_VALUE, accepted
+from mig_operator.core.books.ledger import NodeLabels, NodeRecord, PodRecord, SliceRecord
+from mig_operator.core.node.runtime_trust import accepted
 from mig_operator.core.placement.cluster import NodeInventory, binding_from_status, inventory_from_status
-from mig_operator.core.placement.tenancy import SHARING_LABEL, SHARING_VALUE, shares_across_namespaces
+from mig_operator.core.placement.tenancy import shares_across_namespaces
+from mig_operator.core.requests.pod_admission import pod_ask, pod_ask_inputs
 from mig_operator.core.requests.quantities import QuantityError
 from mig_operator.core.requests.request import SliceRequest
 from mig_operator.core.requests.request_forms import MAX_POD_DEVICES
@@ -24,11 +25,9 @@ from ..common.names import (
     GROUP_SIZE_ANNOTATION,
     MIG_NODE_LABEL,
     MIG_NODE_VALUE,
+    SCHEDULING_GATE,
 )
-from ..common.trim import slice_body
-
-# The Node labels placement reads (key, value): one list each at a resync finds every node that has one.
-PLACEMENT_LABELS = ((MIG_NODE_LABEL, MIG_NODE_VALUE), (SHARING_LABEL, SHARING_VALUE), (TRUST_LABEL, TRUST_VALUE))
+from ..common.trim import pod_body, slice_body
 
 
 def slice_record(body: Mapping) -> SliceRecord:
@@ -44,8 +43,16 @@ def slice_record(body: Mapping) -> SliceRecord:
         version=resource_version(meta), body=body, request=request, invalid=invalid,
         pinned=spec.get("nodeName"), phase=status.get("phase"), binding=binding,
         deleting=bool(meta.get("deletionTimestamp")), marked=marked,
-        eligible=_eligible_nodes(meta), **_group(meta),
+        eligible=_eligible_nodes(meta), pod_owner=_pod_owner(meta), **_group(meta),
     )
+
+
+def _pod_owner(meta: Mapping) -> str | None:
+    """The UID of the pod the slice was made for (its v1 Pod owner reference); None for a slice made directly."""
+    for ref in meta.get("ownerReferences") or ():
+        if ref.get("kind") == "Pod" and ref.get("apiVersion") == "v1":
+            return str(ref.get("uid") or "")
+    return None
 
 
 def _request(spec: Mapping) -> tuple[SliceRequest | None, str]:
@@ -90,9 +97,45 @@ def _eligible_nodes(meta: Mapping) -> tuple[str, ...] | None:
     return tuple(sorted({name.strip() for name in str(text).split(",") if name.strip()}))
 
 
+def pod_record(body: Mapping, known: PodRecord | None = None) -> PodRecord:
+    """The pod's record (``body`` kept as ``trim.pod_body`` keeps it); its request is read again only
+    when what it reads changed since ``known`` (a pod's events mostly change its status)."""
+    body = pod_body(body)
+    meta = body["metadata"]
+    if known is not None and pod_ask_inputs(known.body) == pod_ask_inputs(body):
+        ask = known.ask
+    else:
+        ask = pod_ask(body)
+    return PodRecord(body, str(meta.get("uid") or ""), resource_version(meta), ask)
+
+
+def group_of(info: SliceRecord) -> str:
+    """The pod group a slice belongs to: the pod's cdmo.io/gpu-slice label value."""
+    return info.group or info.name
+
+
+def owned_by(body: Mapping[str, Any], pod: Mapping[str, Any]) -> bool:
+    """Whether the object (a GpuSlice) is the pod's own: its owner references name the pod's UID."""
+    uid = pod["metadata"].get("uid")
+    return any(ref.get("kind") == "Pod" and ref.get("uid") == uid
+               for ref in (body.get("metadata") or {}).get("ownerReferences") or [])
+
+
+def gated(pod: Mapping[str, Any]) -> bool:
+    """Whether the pod still carries the operator's scheduling gate."""
+    return any(g.get("name") == SCHEDULING_GATE for g in (pod.get("spec") or {}).get("schedulingGates") or [])
+
+
 def node_labels(labels: Mapping[str, str] | None) -> NodeLabels:
     labels = labels or {}
     return NodeLabels(labels.get(MIG_NODE_LABEL) == MIG_NODE_VALUE, shares_across_namespaces(labels), accepted(labels))
+
+
+def node_record(body: Mapping) -> NodeRecord:
+    """A Node as the ledger keeps it: its labels, its taints and what placement reads of them."""
+    labels = dict((body.get("metadata") or {}).get("labels") or {})
+    taints = tuple((body.get("spec") or {}).get("taints") or ())
+    return NodeRecord(labels, taints, node_labels(labels))
 
 
 def inventory(body: Mapping) -> NodeInventory:

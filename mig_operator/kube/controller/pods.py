@@ -19,6 +19,11 @@ with a ``nodeSelector`` or required node affinity gets a slice pinned to the one
 they allow no GPU node waits, gated, with an Event, and is looked at again at every resync. A slice
 is handed only to the pod its owner reference names.
 
+A watch event only observes the pod and adds keys to the controller's work queue: its slices are made
+by ``("pod-slices", namespace, pod group)``, a finished pod's slices deleted by ``("pod-finished", ...)``,
+a deleted gated pod's claim reservations taken off by ``("pod-gone", ...)``, its gate removed by
+``("pod-slice", namespace, slice name)``; a write that fails comes back after the queue's back-off.
+
 A pod's slice that failed is replaced on the controller's work queue, key ``("slice-retry", namespace,
 slice name)``: added with the back-off (``core.node.lifecycle.slice_retry_delay``), it deletes the failed
 slice, is woken by that slice's deletion, then makes the next one; a failed write brings it back after
@@ -29,18 +34,15 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
-from mig_operator.core.books.device_check import ACCEPT, REFUSE, check_ready_device
-from mig_operator.core.books.ledger import Ledger, SliceRecord
-from mig_operator.core.books.slice_claim import claim_user
+from mig_operator.core.books.device_check import ACCEPT, REFUSE
+from mig_operator.core.books.ledger import Ledger, PodRecord, SliceRecord
 from mig_operator.core.node.lifecycle import BOUND, FAILED, READY, SLICE_TRIES, slice_retry_delay
-from mig_operator.core.requests.pod_admission import PodRefused, check_pod_devices
-from mig_operator.core.requests.quantities import QuantityError
 from mig_operator.core.requests.request_forms import device_slice_names
 
-from ..common.client import ApiError, KubeClient, core_path, resource_version, slice_path, slices_path
+from ..common.client import ApiError, KubeClient, core_path, slice_path, slices_path
 from ..common.events import EventPoster
 from ..common.names import (
     AGENT_FINALIZER,
@@ -54,9 +56,10 @@ from ..common.names import (
     SLICE_TRY_ANNOTATION,
 )
 from ..common.trim import pod_body
-from ..common.workqueue import NodeWaits, Requeue, WorkQueue
+from ..common.workqueue import Requeue, WorkQueue
 from .claims import SliceClaims
-from .pod_nodes import HOSTNAME_LABEL, NodeView
+from .observe import gated, group_of, owned_by, pod_record
+from .pod_nodes import HOSTNAME_LABEL, eligible, hostname
 
 log = logging.getLogger("mig_operator.controller.pods")
 FINISHED_PHASES = ("Succeeded", "Failed")
@@ -67,21 +70,9 @@ DEVICE_WAIT_EVENT_S = 2.0
 FAILED_SLICE_RECHECK_S = 5.0
 
 
-def group_of(info: SliceRecord) -> str:
-    """The pod group a slice belongs to: the pod's cdmo.io/gpu-slice label value."""
-    return info.group or info.name
-
-
 def _owner(pod: Mapping[str, Any]) -> list[dict[str, Any]]:
     meta = pod["metadata"]
     return [{"apiVersion": "v1", "kind": "Pod", "name": meta["name"], "uid": meta["uid"], "controller": True}]
-
-
-def owned_by(body: Mapping[str, Any], pod: Mapping[str, Any]) -> bool:
-    """Whether the object (a GpuSlice) is the pod's own: its owner references name the pod's UID."""
-    uid = pod["metadata"].get("uid")
-    return any(ref.get("kind") == "Pod" and ref.get("uid") == uid
-               for ref in (body.get("metadata") or {}).get("ownerReferences") or [])
 
 
 def ungate_ops(pod: Mapping[str, Any], node: str, hostname: str | None = None) -> list[dict[str, Any]]:
@@ -129,10 +120,6 @@ def _retry_key(namespace: str, name: str) -> tuple[str, str, str]:
     return ("slice-retry", namespace, name)
 
 
-def _gated(pod: Mapping[str, Any]) -> bool:
-    return any(g.get("name") == SCHEDULING_GATE for g in (pod.get("spec") or {}).get("schedulingGates") or [])
-
-
 class PodSlices:
     """Keeps each annotated pod's GpuSlice and gate in step with its slice."""
 
@@ -143,16 +130,11 @@ class PodSlices:
         self.state = state
         self.claims = claims
         self.queue = queue
-        self.pods: dict[tuple[str, str], dict[str, Any]] = {}  # (namespace, pod group) -> pod
-        self.nodes = NodeView(client)  # labels and taints, for where a pod may go
-        # Pods whose Ready slice's device the node's GpuNode did not list (yet), by node.
-        self._device_waits = NodeWaits()
-        self._device_wait_since: dict[str, float] = {}  # slice UID -> when its device was first not listed
-        # Told each slice made, as the API returned it (its own watch event follows and is then old).
-        self.on_created: list[Callable[[dict[str, Any]], Awaitable[None]]] = []
-        # Pods (namespace, pod group) whose gate is being removed: the pod's own event and its slice's
-        # may both find it ready at once, and a second patch would only be refused (422) and read the pod.
-        self._ungating: set[tuple[str, str]] = set()
+
+    def pod(self, key: tuple[str, str]) -> dict[str, Any] | None:
+        """The pod of ``key`` (namespace, pod group) as last seen, None when none is."""
+        record = self.state.pod(*key)
+        return record.body if record is not None else None
 
     async def pod_event(self, pod: dict[str, Any], deleted: bool) -> None:
         pod = pod_body(pod)  # what is kept of it (a watch event's pod is kept already)
@@ -162,41 +144,47 @@ class PodSlices:
             return
         key = (meta["namespace"], name)
         if deleted or meta.get("deletionTimestamp"):
-            self.pods.pop(key, None)
+            self.state.remove_pod(*key)
             self.events.forget(meta["uid"])
-            if _gated(pod):  # never ran: its claims' reservations go now, not once its slices are collected
-                for info in self._own_slices(pod, key):
-                    await self.claims.unreserve(info)
+            if gated(pod):  # never ran: its claims' reservations go now, not once its slices are collected
+                self.queue.add(("pod-gone", *key), lambda: self._unreserve_gone(pod, key))
             return
         if (pod.get("status") or {}).get("phase") in FINISHED_PHASES:
-            self.pods.pop(key, None)
-            await self._release(pod, key)
+            self.state.remove_pod(*key)
+            self.queue.add(("pod-finished", *key), lambda: self._release(pod, key))
             return
-        known = self.pods.get(key)
-        if (known is not None and known["metadata"].get("uid") == meta["uid"]
-                and resource_version(known["metadata"]) > resource_version(meta)):
+        known = self.state.pod(*key)
+        if not self.state.put_pod(*key, pod_record(pod, known if known is not None and known.uid == meta["uid"]
+                                                   else None)):
             return  # older than the pod as the controller last wrote it (its ungate's answer): nothing new
-        self.pods[key] = pod
-        if not _gated(pod):
+        if gated(pod):
+            self.make_slices(*key)
+
+    def make_slices(self, namespace: str, group: str) -> None:
+        """Make the gated pod's missing slices on the work queue, key ``("pod-slices", namespace, group)``."""
+        self.queue.add(("pod-slices", namespace, group), lambda: self._make_slices(namespace, group))
+
+    async def _make_slices(self, namespace: str, group: str) -> None:
+        record = self.state.pod(namespace, group)
+        if record is None or not gated(record.body):
             return
-        names = await self._create_slices(pod, name)
-        self.look(meta["namespace"], names[0] if names else name)
+        names = await self._create_slices(record, group)
+        self.look(namespace, names[0] if names else group)
 
     async def slice_deleted(self, body: Mapping[str, Any]) -> None:
         """A slice is gone: if its pod still waits, gated, make it again (a group's part the binder gave
         back, or a slice deleted by hand); a failed slice's replacement is its retry key's, woken now."""
         meta = body["metadata"]
-        self._device_wait_since.pop(meta["uid"], None)
         retry = _retry_key(meta["namespace"], meta["name"])
         if self.queue.pending(retry):
             self.queue.wake(retry)
             return
         annotations = meta.get("annotations") or {}
         group = annotations.get(GROUP_ANNOTATION) or meta["name"]
-        pod = self.pods.get((meta["namespace"], group))
-        if pod is None or not _gated(pod) or not owned_by(body, pod):
+        pod = self.pod((meta["namespace"], group))
+        if pod is None or not gated(pod) or not owned_by(body, pod):
             return
-        await self._create_slices(pod, group)
+        self.make_slices(meta["namespace"], group)
 
     def _own_slices(self, pod: Mapping[str, Any], key: tuple[str, str]) -> list[SliceRecord]:
         """The pod's slices (``key``: namespace, pod group) that it owns."""
@@ -205,26 +193,10 @@ class PodSlices:
             return []
         return [info for info in self.state.group_members(first) if owned_by(info.body, pod)]
 
-    async def slice_going(self, info: SliceRecord) -> None:
-        """A pod's slice is being deleted, or the binder is about to delete it (a group's part given
-        back). While the pod is still gated nothing ran on the device, so the reservation for the pod
-        that the claim got with its allocation (claims.py) goes first: the agent then releases the
-        slice at once rather than hold it as in use until the pod goes. (A Failed slice holds no
-        instance, so its agent releases it whatever its claim says.)"""
-        key = (info.namespace, group_of(info))
-        pod = self.pods.get(key)
-        if pod is None or key in self._ungating or not _gated(pod) or not owned_by(info.body, pod):
-            return
-        await self.claims.unreserve(info)
-
-    def consumer(self, info: SliceRecord) -> dict[str, str] | None:
-        """Whom the claim of slice ``info`` is reserved for as it is allocated (claims.py): the gated pod
-        seen here that owns the slice and names its claim, so a pod the controller made it for; None
-        for any other (an owner reference alone is the tenant's to write)."""
-        pod = self.pods.get((info.namespace, group_of(info)))
-        if pod is None or not _gated(pod) or not owned_by(info.body, pod):
-            return None
-        return claim_user(pod, info.name)
+    async def _unreserve_gone(self, pod: Mapping[str, Any], key: tuple[str, str]) -> None:
+        """A gated pod is deleted: its slices' claims are no longer reserved for it (``claims.unreserve``)."""
+        for info in self._own_slices(pod, key):
+            await self.claims.unreserve(info)
 
     async def _release(self, pod: Mapping[str, Any], key: tuple[str, str]) -> None:
         """Delete a finished pod's slices (its own only): the agent then releases the instances."""
@@ -238,21 +210,21 @@ class PodSlices:
                     raise
             log.debug("pod %s/%s finished: its slice %s released", key[0], pod["metadata"]["name"], info.ref)
 
-    async def _create_slices(self, pod: Mapping[str, Any], group: str,
+    async def _create_slices(self, record: PodRecord, group: str,
                              tries: Mapping[str, int] | None = None) -> tuple[str, ...]:
         """Make the pod's slices that do not exist yet, one per device (``device_slice_names``): a
         pod's several devices carry its group, so the binder places them together or not at all.
         Returns the slices' names (none when the pod is refused or waits for an eligible node)."""
+        pod, ask = record.body, record.ask
         meta = pod["metadata"]
-        try:
-            # Again, not only at admission: a pod made with the label and gate but no annotation never
-            # reached the webhook, and its annotations may be added or changed later.
-            devices = check_pod_devices(pod)
-        except (QuantityError, PodRefused) as exc:
-            self.events.post(pod, "Warning", "InvalidAnnotation" if isinstance(exc, QuantityError) else "Refused",
-                             f"{exc}; the pod stays gated: delete it and create it again")
-            log.info("pod %s/%s: no slice made: %s", meta["namespace"], meta["name"], exc)
+        # Read as the pod was observed, not only at admission: a pod made with the label and gate but no
+        # annotation never reached the webhook, and its annotations may be added or changed later.
+        if ask.reason:
+            self.events.post(pod, "Warning", ask.reason, f"{ask.message}; the pod stays gated: delete it and "
+                             "create it again")
+            log.info("pod %s/%s: no slice made: %s", meta["namespace"], meta["name"], ask.message)
             return ()
+        devices = ask.devices
         if not devices:
             return ()  # labelled by hand, asking for nothing: not the operator's pod
         names = device_slice_names(group, len(devices))
@@ -264,19 +236,19 @@ class PodSlices:
             return names
         annotations: dict[str, str] = {}
         node_name: str | None = None
-        eligible = await self.nodes.eligible(pod, self.state.inventories)
-        if eligible is not None:
-            if not eligible:
+        allowed = eligible(pod, self.state.inventories, self.state.nodes)
+        if allowed is not None:
+            if not allowed:
                 known = len(self.state.inventories)
                 self.events.post(pod, "Warning", "NoEligibleNode", (
                     f"none of the {known} GPU nodes matches the pod's nodeSelector and required node affinity "
                     "and has only taints it tolerates; it waits, gated, for one that does (the operator places "
                     "the pod on its slice's node)"))
                 return ()
-            if len(eligible) == 1:
-                node_name = eligible[0]  # the pod can only go there: so must its slices
+            if len(allowed) == 1:
+                node_name = allowed[0]  # the pod can only go there: so must its slices
             else:
-                annotations[ELIGIBLE_NODES_ANNOTATION] = ",".join(eligible)
+                annotations[ELIGIBLE_NODES_ANNOTATION] = ",".join(allowed)
         if len(names) > 1:
             annotations.update({GROUP_ANNOTATION: group, GROUP_SIZE_ANNOTATION: str(len(names))})
         for name, device in missing:
@@ -292,18 +264,14 @@ class PodSlices:
                                  **({"annotations": extra} if extra else {})},
                     "spec": spec}
             try:
-                made = await self.client.create(slices_path(meta["namespace"]), body)
+                await self.client.create(slices_path(meta["namespace"]), body)
             except ApiError as exc:
                 if not exc.conflict:
                     raise
                 continue
-            for callback in self.on_created:
-                await callback(made)  # the binder plans it now, not a watch event later
+            # Its watch event puts it in the ledger and has the binder plan it.
+            log.debug("pod %s/%s: GpuSlice %s made", meta["namespace"], meta["name"], name)
         return names
-
-    async def slice_changed(self, info: SliceRecord) -> None:
-        """A slice changed: its pod is looked at on the work queue (``look``)."""
-        self.look(info.namespace, info.name)
 
     def look(self, namespace: str, name: str) -> None:
         """Look at slice ``namespace/name``'s pod on the work queue, key ``("pod-slice", namespace, name)``:
@@ -318,10 +286,10 @@ class PodSlices:
     async def _slice_changed(self, info: SliceRecord) -> None:
         """If a gated pod waits for the slice, move the pod on (or tell it why not). A pod with several
         devices moves on once every one of its slices is Ready, all on one node."""
-        pod = self.pods.get((info.namespace, group_of(info)))
+        pod = self.pod((info.namespace, group_of(info)))
         if pod is None or info.deleting:
             return
-        if not _gated(pod):
+        if not gated(pod):
             self._failed_after_ungate(pod, info)
             return
         if not owned_by(info.body, pod):
@@ -347,7 +315,7 @@ class PodSlices:
         if len({m.binding.node for m in members if m.binding is not None}) != 1:
             return  # never: a group is bound on one node (the binder gives back a split one)
         for member in members:
-            if not await self._device_checked(pod, member) or not await self.claims.ensure(member):
+            if not self._device_checked(pod, member) or not await self.claims.ensure(member):
                 return
         await self._release_gate(pod, info)
 
@@ -391,8 +359,8 @@ class PodSlices:
                               tries: int) -> Requeue | None:
         """Delete the failed slice and, once it is gone, make the pod's next one (same name: the pod's
         claim names it). The slice's deletion wakes the key (``slice_deleted``)."""
-        pod = self.pods.get((namespace, group))
-        if pod is None or not _gated(pod):
+        record = self.state.pod(namespace, group)
+        if record is None or not gated(record.body):
             return None
         current = self.state.slice_named(namespace, name)
         if current is not None:
@@ -405,26 +373,19 @@ class PodSlices:
                     if not exc.not_found:
                         raise
             return Requeue(FAILED_SLICE_RECHECK_S)
-        await self._create_slices(pod, group, {name: tries + 1})
+        await self._create_slices(record, group, {name: tries + 1})
         return None
 
-    async def _device_checked(self, pod: Mapping[str, Any], info: SliceRecord) -> bool:
-        """Whether the Ready slice's device is on its node's GpuNode (core/books/device_check); if not yet, the
-        pod is looked at again when that GpuNode changes; a wrong device is never handed on. A slice
-        still Bound passes only onto a device its agent takes without an NVML call; else its Ready
-        event brings the pod here again."""
-        assert info.binding is not None
-        node = info.binding.node
-        if info.phase == BOUND:
-            return self.claims.ready(info)  # handed on at its binding only where that check says so
-        verdict = check_ready_device(info.uid, (info.body.get("status") or {}).get("deviceUUID", ""), info.binding,
-                                     self.state.inventories.get(node))
-        key = (info.namespace, info.name)
+    def _device_checked(self, pod: Mapping[str, Any], info: SliceRecord) -> bool:
+        """Whether the slice's device may be handed on (``Ledger.check_device``: Ready with its device on
+        its node's GpuNode, or still Bound onto a device its agent takes without an NVML call); if not
+        yet, the pod is looked at again when that GpuNode changes, or at the slice's Ready. A wrong
+        device is never handed on."""
+        verdict, waited = self.state.check_device(info.uid, time.monotonic())
         if verdict.action == ACCEPT:
-            self._device_waits.done(node, key)
-            self._device_wait_since.pop(info.uid, None)
             return True
-        self._device_waits.wait(node, key)
+        if info.phase != READY:
+            return False  # its Ready event brings the pod here again
         if verdict.action == REFUSE:
             log.warning("slice %s: device refused: %s", info.ref, verdict.message)
             self.events.post(pod, "Warning", verdict.reason,
@@ -432,27 +393,21 @@ class PodSlices:
             return False
         # Usually the moment between a new instance's Ready and its GpuNode publish: an Event only once
         # the wait is long (seen again at the GpuNode's next publish, at least every heartbeat).
-        since = self._device_wait_since.setdefault(info.uid, time.monotonic())
-        if time.monotonic() - since >= DEVICE_WAIT_EVENT_S:
+        if waited >= DEVICE_WAIT_EVENT_S:
             self.events.post(pod, "Normal", verdict.reason, f"GpuSlice {info.ref}: {verdict.message}; waiting")
         return False
 
-    async def inventory_changed(self, node: str) -> None:
-        """A GpuNode changed: look again at the pods whose slice's device it did not list."""
-        for namespace, name in self._device_waits.take(node):
-            self.look(namespace, name)
-
     async def _release_gate(self, pod: dict[str, Any], info: SliceRecord) -> None:
         key = (info.namespace, group_of(info))
-        current = self.pods.get(key)
-        if key in self._ungating or current is None or not _gated(current) or (
+        current = self.pod(key)
+        if self.state.ungating(*key) or current is None or not gated(current) or (
                 current["metadata"].get("uid") != pod["metadata"].get("uid")):
             return  # being ungated, or ungated while this pass awaited the claim: nothing left to do
-        self._ungating.add(key)
+        self.state.set_ungating(*key, True)
         try:
             await self._ungate(current, info)
         finally:
-            self._ungating.discard(key)
+            self.state.set_ungating(*key, False)
 
     async def _ungate(self, pod: dict[str, Any], info: SliceRecord) -> None:
         assert info.binding is not None
@@ -460,17 +415,19 @@ class PodSlices:
         path = core_path("pods", info.namespace, meta["name"])
         node = info.binding.node
         try:
-            answer = await self.client.json_patch(path, ungate_ops(pod, node, await self.nodes.hostname(pod, node)))
+            answer = await self.client.json_patch(path, ungate_ops(pod, node, hostname(pod, node, self.state.nodes)))
         except ApiError as exc:
             if exc.not_found:
                 return
             if exc.status not in (409, 422):
                 raise
             fresh = await self.client.get(path)  # changed meanwhile: try again on what it is now
-            if not _gated(fresh):
+            if not gated(fresh):
                 return
-            answer = await self.client.json_patch(path, ungate_ops(fresh, node, await self.nodes.hostname(fresh, node)))
-        self.pods[(info.namespace, group_of(info))] = pod_body(answer)
+            ops = ungate_ops(fresh, node, hostname(fresh, node, self.state.nodes))
+            answer = await self.client.json_patch(path, ops)
+        key = (info.namespace, group_of(info))
+        self.state.put_pod(*key, pod_record(answer, self.state.pod(*key)))
         log.debug("pod %s/%s ungated onto %s", info.namespace, meta["name"], node)
 
     async def resync(self) -> None:

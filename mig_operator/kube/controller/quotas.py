@@ -31,25 +31,8 @@ class QuotaStatus:
         self.client = client
         self.binder = binder
         self.interval_s = interval_s
-        self._written: dict[str, dict] = {}  # namespace -> the status last written
-        self._generations: dict[str, int] = {}  # namespace -> its GpuQuota's metadata.generation
         self._shown: set[str] = set()  # namespaces with quota metrics set
         binder.on_namespace_changed.append(self.changed)
-
-    def quota_event(self, body: dict, deleted: bool) -> None:
-        meta = body["metadata"]
-        if meta["name"] != QUOTA_NAME:
-            return
-        namespace = meta["namespace"]
-        if deleted:
-            self._generations.pop(namespace, None)
-            self._written.pop(namespace, None)
-        else:
-            self._generations[namespace] = int(meta.get("generation") or 0)
-            written = body.get("status")
-            if written is not None and namespace not in self._written:
-                self._written[namespace] = dict(written)  # e.g. after a restart: no write when equal
-        self.changed(namespace)
 
     def changed(self, namespace: str) -> None:
         self.binder.queue.add(("quota-status", namespace), lambda: self._flush(namespace), self.interval_s)
@@ -65,7 +48,7 @@ class QuotaStatus:
             "used": {"memory": str(used.memory_bytes), "slices": used.slices, "wholeGpus": used.whole_gpus},
             "heldWhole": [{"node": node, "gpu": gpu, "memory": str(memory)} for (node, gpu), memory in whole.items()],
             "waiting": self.binder.quota_waiting(namespace),
-            "observedGeneration": self._generations.get(namespace, 0),
+            "observedGeneration": self.binder.ledger.quota_generation(namespace) or 0,
         }
 
     def _publish(self, namespace: str) -> None:
@@ -97,10 +80,10 @@ class QuotaStatus:
                     pass
 
     async def _write(self, namespace: str) -> None:
-        if namespace not in self._generations:
+        if self.binder.ledger.quota_generation(namespace) is None:
             return  # no GpuQuota object in the namespace: nothing to write to
         wanted = self.status_of(namespace)
-        if self._written.get(namespace) == wanted:
+        if self.binder.ledger.quota_status_written(namespace) == wanted:
             return
         try:
             await self.client.merge_patch(quota_status_path(namespace), {"status": wanted})
@@ -110,9 +93,9 @@ class QuotaStatus:
             metrics.RECONCILE_ERRORS.labels("controller", "api").inc()
             log.warning("GpuQuota %s/%s status not written, the next change retries: %s", namespace, QUOTA_NAME, exc)
             return
-        self._written[namespace] = wanted
+        self.binder.ledger.quota_status_wrote(namespace, wanted)
 
     async def resync(self) -> None:
         """After a full list: every namespace's status and metrics again (written only where changed)."""
-        for namespace in set(self._generations) | set(self.binder.ledger.usage) | self._shown:
+        for namespace in set(self.binder.ledger.quota_objects) | set(self.binder.ledger.usage) | self._shown:
             self.changed(namespace)
