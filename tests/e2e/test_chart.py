@@ -151,14 +151,18 @@ def test_the_chart_installs_upgrades_and_uninstalls_with_every_object_accepted(
         assert [p.spec.node_name for p in agent] == [gpu_node.name]
         assert agent[0].spec.runtime_class_name == "nvidia"
         assert agent[0].spec.containers[0].security_context.privileged is True
-        # The quota that clusters limiting critical classes ask for covers the agent pod (counted by it).
+        # The MPS host beside it, on the same node.
+        host = wait_until(lambda: pods(kube_cluster, namespace, "mps"), 60, "an MPS host pod")
+        assert [p.spec.node_name for p in host] == [gpu_node.name]
+        assert host[0].spec.containers[0].args[0] == "mps-host"
+        # The quota that clusters limiting critical classes ask for covers the agent and MPS host pods.
         quota = next(d for d in docs if d["kind"] == "ResourceQuota")["metadata"]["name"]
 
         def counted() -> bool:
             used = kube_cluster.core_v1().read_namespaced_resource_quota(quota, namespace).status.used or {}
-            return used.get("pods") == "1"
+            return used.get("pods") == "2"
 
-        wait_until(counted, 60, f"ResourceQuota {quota} to count the agent pod")
+        wait_until(counted, 60, f"ResourceQuota {quota} to count the agent and MPS host pods")
 
         # A controller replica starts: as the release's ServiceAccount it finds the chart's peering and
         # webhook configuration (create: 409) and patches its CA in (patch, by name).
@@ -218,8 +222,8 @@ def test_pod_security_the_controller_meets_restricted_and_the_agent_needs_privil
     docs = [d for d in yaml.safe_load_all(rendered) if d]
     templates = {(d["kind"], d["metadata"]["name"]): d["spec"]["template"] for d in docs
                  if d["kind"] in ("Deployment", "DaemonSet")}
-    assert sorted(templates) == [("DaemonSet", "ps-mig-operator-agent"), ("Deployment", "ps-mig-operator-controller"),
-                                 ("Deployment", "ps-mig-operator-webhook")]
+    assert sorted(templates) == [("DaemonSet", "ps-mig-operator-agent"), ("DaemonSet", "ps-mig-operator-mps"),
+                                 ("Deployment", "ps-mig-operator-controller"), ("Deployment", "ps-mig-operator-webhook")]
     core = kube_cluster.core_v1()
     names = []
     try:
