@@ -131,14 +131,42 @@ def _check_foreign(doc: dict[str, Any]) -> None:
 
 
 def test_the_chart_crds_are_copies_of_the_crds_directory() -> None:
-    """crds/ at the repo root is the source; `make chart-crds` copies it into the chart. The
-    DeviceClass (device-class.yaml) is not a CRD, so it is a template (compared below)."""
+    """crds/ at the repo root is the source; `make chart-crds` copies it into the chart: the operator's
+    own CRDs to files/crds/ (templates), the peering CRD to crds/. The DeviceClass (device-class.yaml)
+    is not a CRD, so it is a template (compared below)."""
     source = {p.name: p.read_bytes() for p in (REPO_ROOT / "crds").glob("*.yaml")
               if p.name != "device-class.yaml"}
-    chart = {p.name: p.read_bytes() for p in (CHART_DIR / "crds").glob("*.yaml")}
-    assert sorted(chart) == sorted(source), "run `make chart-crds`"
+    chart = {p.name: p.read_bytes() for p in (CHART_DIR / "files" / "crds").glob("*.yaml")}
+    installed_once = {p.name: p.read_bytes() for p in (CHART_DIR / "crds").glob("*.yaml")}
+    assert sorted(installed_once) == ["peering.yaml"], "run `make chart-crds`"
+    assert sorted({**chart, **installed_once}) == sorted(source), "run `make chart-crds`"
     for name, text in source.items():
-        assert chart[name] == text, f"helm/mig-operator/crds/{name} differs from crds/{name}: run `make chart-crds`"
+        copy = installed_once[name] if name == "peering.yaml" else chart[name]
+        assert copy == text, f"the chart's {name} differs from crds/{name}: run `make chart-crds`"
+
+
+def test_the_operators_crds_are_templates_kept_on_uninstall_and_the_peering_crd_is_installed_once(
+        render: Any) -> None:
+    """Templates, so that `helm upgrade` updates them; kept on uninstall (their deletion would delete every
+    GpuSlice and GpuNode); the same objects as crds/. The peering CRDs (kopf.dev, maybe another kopf
+    operator's) only from the chart's crds/: installed when missing, never taken over."""
+    docs = render(release="mo")
+    rendered = {d["metadata"]["name"]: d for d in docs if d["kind"] == "CustomResourceDefinition"}
+    source = {}
+    for path in (REPO_ROOT / "crds").glob("*.yaml"):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc and doc["kind"] == "CustomResourceDefinition":
+                source[doc["metadata"]["name"]] = doc
+    assert sorted(rendered) == ["gpunodes.cdmo.io", "gpuquotas.cdmo.io", "gpuslices.cdmo.io"]
+    for name, crd in rendered.items():
+        meta = crd["metadata"]
+        assert meta.pop("annotations") == {"helm.sh/resource-policy": "keep"}
+        labels = meta.pop("labels")
+        assert labels["app.kubernetes.io/instance"] == "mo" and labels["app.kubernetes.io/managed-by"] == "Helm"
+        assert crd == source[name], name  # nothing else changed on the way
+    with_crds = {d["metadata"]["name"] for d in render("--include-crds", release="mo")
+                 if d["kind"] == "CustomResourceDefinition"}
+    assert with_crds - set(rendered) == {"clusterkopfpeerings.kopf.dev", "kopfpeerings.kopf.dev"}
 
 
 def test_agents_select_their_slices_by_status_node_and_no_label_policy_is_left() -> None:
