@@ -10,9 +10,9 @@ import contextlib
 import signal
 
 from ..core.node.runtime_trust import DEFAULT_CONFIG as TOOLKIT_CONFIG
-from ..gpu.mps import DEFAULT_MPS_ROOT
 from ..core.placement.compute import parse_default_compute
 from ..core.requests.quantities import QuantityError
+from ..gpu.mps import DEFAULT_MPS_ROOT
 from .flags import (
     MAX_PEERING_LIFETIME_S,
     address,

@@ -249,7 +249,8 @@ def test_pod_security_the_controller_meets_restricted_and_the_agent_needs_privil
     templates = {(d["kind"], d["metadata"]["name"]): d["spec"]["template"] for d in docs
                  if d["kind"] in ("Deployment", "DaemonSet")}
     assert sorted(templates) == [("DaemonSet", "ps-mig-operator-agent"), ("DaemonSet", "ps-mig-operator-mps"),
-                                 ("Deployment", "ps-mig-operator-controller"), ("Deployment", "ps-mig-operator-webhook")]
+                                 ("Deployment", "ps-mig-operator-controller"),
+                                 ("Deployment", "ps-mig-operator-webhook")]
     core = kube_cluster.core_v1()
     names = []
     try:
