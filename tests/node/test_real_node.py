@@ -380,15 +380,6 @@ def test_helm_uninstall_leaves_only_what_the_docs_say(release: RealNode) -> None
 # ---- upgrade -------------------------------------------------------------------------------------
 
 UPGRADE_BACKEND = "sim:h100-80gbx3"  # GPU 0 MIG, GPU 1 shared fractions, GPU 2 compute shares
-MPS_ASK = """
-import socket, sys
-conn = socket.socket(socket.AF_UNIX)
-conn.connect("/tmp/nvidia-mps/control")
-stream = conn.makefile("rw")
-stream.write(sys.argv[1] + "\\n")
-stream.flush()
-print("MPS " + stream.readline().strip())
-"""
 
 
 def release_pods(node: RealNode) -> dict[str, tuple[str, str]]:
@@ -415,12 +406,12 @@ def exec_probe(node: RealNode, name: str, env: dict[str, str] | None = None) -> 
 
 
 def mps_view(node: RealNode, name: str) -> tuple[dict[str, str], str]:
-    """A compute share's MPS variables, and what its GPU's daemon answers on the pipe its CDI spec mounted."""
+    """A compute share's MPS variables, and the PID file of the daemon whose pipe directory its CDI spec
+    mounted at /tmp/nvidia-mps."""
     env = node.kubectl("exec", name, "-n", TEAM, "--", "env").stdout
     mps_env = dict(line.split("=", 1) for line in env.splitlines() if line.startswith("CUDA_MPS_"))
-    out = node.kubectl("exec", name, "-n", TEAM, "--", "python3", "-c", MPS_ASK,
-                       "get_default_active_thread_percentage").stdout
-    return mps_env, next(x for x in out.splitlines() if x.startswith("MPS ")).removeprefix("MPS ")
+    pid = node.kubectl("exec", name, "-n", TEAM, "--", "cat", "/tmp/nvidia-mps/nvidia-cuda-mps-control.pid").stdout
+    return mps_env, pid.strip()
 
 
 def test_helm_upgrade_with_every_pod_replaced_keeps_running_containers(real_node: RealNode,
@@ -477,17 +468,34 @@ def test_helm_upgrade_with_every_pod_replaced_keeps_running_containers(real_node
     assert slices["up-compute-a"]["gpu"] == slices["up-compute-b"]["gpu"] != slices["up-fraction"]["gpu"]
     compute_uuid = slices["up-compute-a"]["deviceUUID"]
     pid_file = state / "simulated-gpus.json.mps" / compute_uuid / "pipe" / "nvidia-cuda-mps-control.pid"
-    daemon = int(pid_file.read_text())
-    assert b"mps_standin" in Path(f"/proc/{daemon}/cmdline").read_bytes()
+
+    def daemon() -> tuple[int, str, str]:
+        """The GPU's daemon as the MPS host pod sees it (its PID namespace): PID, start time, and its
+        answer to get_default_active_thread_percentage (the stand-in's client, in that pod)."""
+        pid = int(pid_file.read_text())
+        host = next(n for n, (c, _) in release_pods(node).items() if c == "mps")
+        assert "mps_standin" in node.kubectl("exec", "-n", RELEASE_NS, host, "--", "cat",
+                                             f"/proc/{pid}/cmdline").stdout
+        stat = node.kubectl("exec", "-n", RELEASE_NS, host, "--", "cat", f"/proc/{pid}/stat").stdout
+        answer = node.kubectl("exec", "-i", "-n", RELEASE_NS, host, "--", "env",
+                              f"CUDA_MPS_PIPE_DIRECTORY={pid_file.parent}", "python3", "-m",
+                              "mig_operator.gpu.mps_standin", input="get_default_active_thread_percentage\n").stdout
+        return pid, stat.rsplit(")", 1)[1].split()[19], answer.strip()
+
+    daemon_before = daemon()
     identities = {name: container_identity(node, name) for name in views}
     mps_before = {name: mps_view(node, name) for name in ("up-compute-a", "up-compute-b")}
     assert mps_before["up-compute-a"][0]["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25"
-    assert mps_before["up-compute-a"][1] == "50.0"  # the GPU's largest share, held by its daemon
+    assert mps_before["up-compute-b"][0]["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
+    assert mps_before["up-compute-a"][1] == mps_before["up-compute-b"][1] == str(daemon_before[0])
+    assert daemon_before[2] == "50.0"  # the GPU's largest share, held by its daemon
     pods_before = release_pods(node)
     assert sorted(c for c, _ in pods_before.values()) == ["agent", "controller", "mps", "webhook"], pods_before
 
+    # Helm 4's default --wait (kstatus) would wait for the MPS host pod, which OnDelete never replaces;
+    # the legacy waiter (Helm 3's) passes an OnDelete DaemonSet (docs/operations.md, "Upgrade").
     node.helm("upgrade", RELEASE, str(CHART_DIR), "--namespace", RELEASE_NS, "--reset-then-reuse-values",
-              "--set", f"image.tag={new_tag}", "--wait", "--timeout", "5m")
+              "--set", f"image.tag={new_tag}", "--wait=legacy", "--timeout", "5m")
 
     def replaced() -> dict[str, tuple[str, str]] | None:
         now = release_pods(node)
@@ -519,7 +527,7 @@ def test_helm_upgrade_with_every_pod_replaced_keeps_running_containers(real_node
     for name in ("up-compute-a", "up-compute-b"):
         assert exec_probe(node, name)["devices"] == views[name]["devices"]
         assert mps_view(node, name) == mps_before[name], name
-    assert int(pid_file.read_text()) == daemon and Path(f"/proc/{daemon}").exists()
+    assert daemon() == daemon_before
 
     # New slices work after: a fraction beside the running one, a compute share beside the running two.
     run_pod(node, probe_pod(node, "up-new-fraction", annotations={"cdmo.io/gpu-memory": "2G"},
@@ -528,8 +536,8 @@ def test_helm_upgrade_with_every_pod_replaced_keeps_running_containers(real_node
     run_pod(node, probe_pod(node, "up-new-compute", annotations={"cdmo.io/gpu-memory": "2G",
                                                                  "cdmo.io/gpu-compute": "0.25"}, wait=True),
             until="Running")
-    assert mps_view(node, "up-new-compute")[1] == "50.0"
-    assert int(pid_file.read_text()) == daemon
+    assert mps_view(node, "up-new-compute")[1] == str(daemon_before[0])
+    assert daemon() == daemon_before
 
     node.kubectl("delete", "pods", "--all", "-n", TEAM, "--wait=true")
     node.kubectl("delete", "gs", "--all", "-A", "--wait=true", timeout=180)
