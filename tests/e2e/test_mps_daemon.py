@@ -2,7 +2,8 @@
 server: started with the first slice with a compute share on a GPU, holding the GPU's largest share,
 adopted (not restarted) by an agent restarted with SIGKILL, stopped with the last such slice; its
 failure shown as the GpuNode's MPSReady condition and on the slice (Failed, MPSUnavailable); the CDI
-spec of a compute share carrying the MPS edits, as the official CDI library applies it.
+spec of a compute share carrying the MPS edits, as the official CDI library applies it; and, as the
+chart runs it, the daemon started by the node's MPS host (``mig-operator mps-host``) for the agent.
 
 The daemon is looked at from outside, not through gpu/mps.py: its PID file, its process, and the
 answer on its control socket.
@@ -189,7 +190,7 @@ def test_with_the_mps_host_the_daemon_is_the_hosts_and_outlives_the_agent(
     for the daemon; the agent replaced, the daemon and its settings stay; no host, no new daemon."""
     node = operator.add_node("l4-24gb", labelled=False)
     mps_dir = f"{node.state_file}.mps"
-    host = operator._spawn(f"mps-host-{node.name}", ["mps-host", "--backend", node.backend_spec, "--mps-dir", mps_dir])
+    host = operator.mps_host(node)
     agent = operator.agent(node, None, "--kubelet-registry-dir", "", "--mps-host")
     uuid = operator.wait_gpunode(node)["status"]["gpus"][0]["uuid"]
     operator.controller()
