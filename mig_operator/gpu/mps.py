@@ -292,16 +292,17 @@ class HostedMps:
 
 
 def _alive(pipe: str) -> bool:
-    """Whether the daemon's PID file names a live MPS control process (a cheap look, no command sent;
-    a PID file left by a daemon of an earlier pod may name an unrelated process of this one)."""
+    """Whether the daemon's PID file names a live process started for this pipe directory (a cheap
+    look, no command sent). A PID file left by a daemon of an earlier pod (another PID namespace) may
+    name an unrelated process of this one: only the daemon's own environment names its pipe."""
     try:
         with open(os.path.join(pipe, PID_FILE)) as fh:
             pid = int(fh.read().strip())
         with open(f"/proc/{pid}/stat") as fh:
             if fh.read().rsplit(")", 1)[1].split()[0] == "Z":
                 return False
-        with open(f"/proc/{pid}/cmdline", "rb") as fh:
-            return b"mps" in fh.read()
+        with open(f"/proc/{pid}/environ", "rb") as fh:
+            return f"CUDA_MPS_PIPE_DIRECTORY={pipe}".encode() in fh.read().split(b"\0")
     except (OSError, ValueError, IndexError):
         return False
 

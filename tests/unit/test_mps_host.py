@@ -85,6 +85,20 @@ def test_the_host_starts_restarts_and_leaves_stopped_what_the_agent_asks(root: P
     assert host.poll() is None
 
 
+def test_a_pid_file_left_by_an_earlier_pods_daemon_does_not_pass_for_a_daemon(root: Path,
+                                                                               host: subprocess.Popen) -> None:
+    # The daemon of an earlier pod died with it; its PID, in this pod's namespace, is another process
+    # (here the host itself, whose command line names MPS too).
+    pipe = root / UUID / "pipe"
+    pipe.mkdir(parents=True)
+    (pipe / "nvidia-cuda-mps-control.pid").write_text(f"{host.pid}\n")
+    agent = HostedMps(mps_for_backend("sim:l4-24gb", str(root)))
+    agent.start(UUID)
+    started = pid_of(root)
+    assert started is not None and started != host.pid
+    agent.stop(UUID)
+
+
 def test_the_host_says_why_it_cannot_start_a_daemon(root: Path, host: subprocess.Popen) -> None:
     (root / UUID).mkdir()
     (root / UUID / "pipe").write_text("a file where the pipe directory goes")
