@@ -42,10 +42,13 @@ lint: venv
 	$(BIN)/lint-imports --no-cache
 	$(BIN)/hadolint Dockerfile
 
-# crds/ is the one source of the CRDs; the chart carries copies (Helm installs only files in its crds/).
+# crds/ is the one source of the CRDs; the chart carries copies: the operator's own in files/crds/ (rendered by
+# templates/crds.yaml, so that upgrades update them), the peering CRD in crds/ (installed once, shared with other
+# kopf operators).
 # tests/helm fails when they differ: run this after changing a CRD. The DeviceClass is a chart template.
 chart-crds:
-	for f in crds/*.yaml; do case "$$f" in crds/device-class.yaml) ;; *) cp "$$f" helm/mig-operator/crds/;; esac; done
+	for f in crds/*.yaml; do case "$$f" in crds/device-class.yaml) ;; crds/peering.yaml) cp "$$f" helm/mig-operator/crds/;; \
+	  *) cp "$$f" helm/mig-operator/files/crds/;; esac; done
 
 # Every test: shim's GPU-free C tests, lint, then pytest (unit, shim, e2e against a real kube-apiserver
 # of the current release; tests/gpu skip where no GPU is present), then the compatibility run on the

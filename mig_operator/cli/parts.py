@@ -1,5 +1,6 @@
-"""The long-running parts: ``mig-operator controller`` (cluster-wide, peered replicas) and
-``mig-operator agent`` (one per GPU node). Every flag is checked before kopf starts: inside kopf a bad
+"""The long-running parts: ``mig-operator controller`` (cluster-wide, peered replicas),
+``mig-operator agent`` (one per GPU node) and ``mig-operator mps-host`` (one per GPU node, the MPS
+control daemons' pod). Every flag is checked before kopf starts: inside kopf a bad
 one is a start-up handler that fails and is retried every 2 s for ever."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import signal
 from ..core.node.runtime_trust import DEFAULT_CONFIG as TOOLKIT_CONFIG
 from ..core.placement.compute import parse_default_compute
 from ..core.requests.quantities import QuantityError
+from ..gpu.mps import DEFAULT_MPS_ROOT
 from .flags import (
     MAX_PEERING_LIFETIME_S,
     address,
@@ -69,7 +71,22 @@ def add_part_commands(sub: argparse._SubParsersAction, common: argparse.Argument
     p.add_argument("--toolkit-config", default=TOOLKIT_CONFIG,
                    help="the node's NVIDIA container toolkit config.toml, read for the GpuNode's RuntimeTrusted "
                    "condition ('' publishes none)")
+    p.add_argument("--mps-host", action="store_true",
+                   help="the node's MPS host (mig-operator mps-host, a pod of its own) starts the MPS control "
+                   "daemons, so they outlive this agent; default: the agent starts them itself")
     p.set_defaults(func=cmd_agent)
+
+    p = sub.add_parser("mps-host", help="run the node's MPS control daemons for the agent (its own pod, so "
+                       "that compute-share clients outlive the agent's)")
+    p.add_argument("--backend", default="nvml", help="nvml (NVIDIA's nvidia-cuda-mps-control), or sim:MODEL[xN] "
+                   "(the simulator's stand-in)")
+    p.add_argument("--mps-dir", default=DEFAULT_MPS_ROOT,
+                   help="the GPUs' MPS directories, shared with the agent (the agent's --state-file plus .mps "
+                   "with the simulator)")
+    p.add_argument("--log-format", choices=("text", "json"), default="text", help="one JSON object per line with json")
+    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info",
+                   help="the least severe messages logged")
+    p.set_defaults(func=cmd_mps_host)
 
 
 def cmd_controller(args: argparse.Namespace) -> int:
@@ -102,7 +119,7 @@ def cmd_controller(args: argparse.Namespace) -> int:
 
 def cmd_agent(args: argparse.Namespace) -> int:
     from ..gpu import open_backend
-    from ..gpu.mps import mps_for_backend
+    from ..gpu.mps import HostedMps, MpsControl, mps_for_backend
     from ..kube.agent.context import AgentSettings
     from ..kube.agent.kubelet.settings import MAX_SOCKET_PATH, PluginSettings, socket_paths_fit
     from ..kube.agent.main import AgentOptions, node_exists, run_agent
@@ -166,7 +183,26 @@ def cmd_agent(args: argparse.Namespace) -> int:
                              toolkit_config=toolkit_config, device_taint_effect=args.device_taint_effect)
     # The simulator's MPS stand-ins keep their directories beside its state, as its GPUs do.
     simulated = args.backend.startswith("sim:") and args.state_file
-    mps = mps_for_backend(args.backend, f"{args.state_file}.mps" if simulated else plugin.mps_host_dir)
+    mps: MpsControl = mps_for_backend(args.backend, f"{args.state_file}.mps" if simulated else plugin.mps_host_dir)
+    if args.mps_host:
+        mps = HostedMps(mps)
     run_agent(AgentOptions(settings, record_file, args.kubeconfig, args.metrics_address, metrics_socket, plugin,
                            mps), backend)
+    return 0
+
+
+def cmd_mps_host(args: argparse.Namespace) -> int:
+    import threading
+
+    from ..gpu.mps import mps_for_backend, serve_starts
+
+    configure_logs(args)
+    if args.backend != "nvml" and not args.backend.startswith("sim:"):
+        raise QuantityError(f"--backend {shown(args.backend)} is neither nvml nor sim:MODEL; e.g. --backend nvml")
+    root = directory_flag("--mps-dir", args.mps_dir, DEFAULT_MPS_ROOT)
+    stop = threading.Event()
+    # The daemons it started stay with the container (a pod's end ends them); outside one they outlive it.
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    serve_starts(mps_for_backend(args.backend, root), stop)
     return 0

@@ -16,16 +16,30 @@ The daemon and the MPS server it starts share ``/dev/shm`` with their clients. W
 
 The simulator's stand-in (``mps_standin.py``) is the same program to this module: a daemon on
 ``-d``, a client otherwise, answering the commands used here; the lifecycle code is one.
+
+A daemon lives as long as the container that started it. So that compute-share clients outlive the
+agent's pod (an upgrade replaces it), the chart runs the daemons in a pod of their own on each node,
+``mig-operator mps-host`` (:func:`serve_starts`), and the agent asks it through the GPU's directory
+(:class:`HostedMps`): a ``start`` file there says the GPU needs a daemon; the MPS host starts one
+(and starts it again should it die) while the file is there, or writes why it cannot to
+``start-error``. Everything else (asking, holding, ``quit``) goes over the daemon's pipe, from the
+agent, as before. A lock file in the GPU's directory (``flock``, one kernel lock across both pods)
+keeps a stop and a start of one GPU from crossing.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import logging
 import os
 import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -35,6 +49,14 @@ _UUID = re.compile(r"GPU-[0-9A-Za-z-]{1,64}")
 # A started daemon answers within a second on a real GPU; a command that hangs past this is a daemon
 # that does not work, whatever its process says.
 COMMAND_TIMEOUT_S = 10.0
+# In a GPU's directory: the agent's request that the node's MPS host run its daemon, the host's
+# answer when it cannot, and the lock both take around a start or a stop.
+START_REQUEST = "start"
+START_ERROR = "start-error"
+LOCK_FILE = ".lock"
+PID_FILE = "nvidia-cuda-mps-control.pid"  # in the pipe directory, written by the daemon (NVIDIA's and the stand-in)
+
+log = logging.getLogger("mig_operator.mps")
 
 
 class MpsError(Exception):
@@ -201,3 +223,141 @@ def mps_for_backend(backend: str, root: str) -> MpsDaemons:
     if backend == "nvml":
         return MpsDaemons(root)
     return MpsDaemons(root, standin_program(), private_shm=False)
+
+
+@contextlib.contextmanager
+def _gpu_lock(d: MpsDirs) -> Iterator[None]:
+    """The GPU's start/stop lock (``flock`` on a file in its directory, held across pods)."""
+    os.makedirs(d.root, mode=0o755, exist_ok=True)
+    fd = os.open(os.path.join(d.root, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+class HostedMps:
+    """:class:`MpsControl` whose daemons the node's MPS host starts (``mig-operator mps-host``, a pod of
+    its own), so that they and their clients outlive the agent's pod. ``start`` asks the host and
+    waits until the daemon answers; the rest talks to the daemon as :class:`MpsDaemons` does."""
+
+    def __init__(self, daemons: MpsDaemons, wait_s: float = 3 * COMMAND_TIMEOUT_S) -> None:
+        self.daemons = daemons
+        self.wait_s = wait_s
+
+    def dirs(self, gpu_uuid: str) -> MpsDirs:
+        return self.daemons.dirs(gpu_uuid)
+
+    def running(self, gpu_uuid: str) -> bool:
+        return self.daemons.running(gpu_uuid)
+
+    def hold(self, gpu_uuid: str, thread_percentage: int, pinned_bytes: int) -> None:
+        self.daemons.hold(gpu_uuid, thread_percentage, pinned_bytes)
+
+    def start(self, gpu_uuid: str) -> None:
+        d = self.dirs(gpu_uuid)
+        request, error = os.path.join(d.root, START_REQUEST), os.path.join(d.root, START_ERROR)
+        try:
+            with _gpu_lock(d):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(error)  # the host's answer to an earlier request
+                with open(request, "w"):
+                    pass  # adopted or not: the host keeps it running from now on
+        except OSError as exc:
+            raise MpsError(f"cannot ask for the MPS control daemon of {gpu_uuid} under {d.root}: {exc}") from None
+        deadline = time.monotonic() + self.wait_s
+        while not self.running(gpu_uuid):
+            try:
+                with open(error) as fh:
+                    raise MpsError(fh.read().strip()[:300] or f"the MPS host cannot start the daemon of {gpu_uuid}")
+            except FileNotFoundError:
+                pass
+            if time.monotonic() > deadline:
+                raise MpsError(f"no MPS host started the MPS control daemon of {gpu_uuid} within {self.wait_s:g}s: "
+                               "is this node's MPS host pod running (DaemonSet <release>-mps, "
+                               "'mig-operator mps-host')?")
+            time.sleep(0.1)
+
+    def stop(self, gpu_uuid: str) -> None:
+        d = self.dirs(gpu_uuid)
+        try:
+            with _gpu_lock(d):
+                for name in (START_REQUEST, START_ERROR):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(os.path.join(d.root, name))
+                self.daemons.stop(gpu_uuid)
+        except OSError as exc:
+            raise MpsError(f"cannot stop the MPS control daemon of {gpu_uuid} under {d.root}: {exc}") from None
+
+
+def _alive(pipe: str) -> bool:
+    """Whether the daemon's PID file names a live process started for this pipe directory (a cheap
+    look, no command sent). A PID file left by a daemon of an earlier pod (another PID namespace) may
+    name an unrelated process of this one: only the daemon's own environment names its pipe."""
+    try:
+        with open(os.path.join(pipe, PID_FILE)) as fh:
+            pid = int(fh.read().strip())
+        with open(f"/proc/{pid}/stat") as fh:
+            if fh.read().rsplit(")", 1)[1].split()[0] == "Z":
+                return False
+        with open(f"/proc/{pid}/environ", "rb") as fh:
+            return f"CUDA_MPS_PIPE_DIRECTORY={pipe}".encode() in fh.read().split(b"\0")
+    except (OSError, ValueError, IndexError):
+        return False
+
+
+def _reap() -> None:
+    """Collect the daemons that quit: started with ``-d``, they are this process's children when it
+    is the container's first process (PID 1)."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def settle_starts(daemons: MpsDaemons) -> None:
+    """One pass of the MPS host: a daemon runs for each GPU directory under the root holding a start
+    request (started unless one answers); why one cannot start is written beside the request."""
+    _reap()
+    try:
+        names = sorted(os.listdir(daemons.root))
+    except FileNotFoundError:
+        return
+    for name in names:
+        try:
+            d = daemons.dirs(name)
+        except ValueError:
+            continue  # not a GPU's directory
+        if not os.path.exists(os.path.join(d.root, START_REQUEST)) or _alive(d.pipe):
+            continue
+        with _gpu_lock(d):
+            if not os.path.exists(os.path.join(d.root, START_REQUEST)):
+                continue  # stopped meanwhile
+            try:
+                started = not daemons.running(name)
+                daemons.start(name)
+            except MpsError as exc:
+                log.error("%s", exc)
+                write_error = os.path.join(d.root, START_ERROR)
+                with open(write_error, "w") as fh:
+                    fh.write(f"{exc}\n")
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(d.root, START_ERROR))
+            if started:
+                log.info("MPS control daemon of %s started (%s)", name, d.pipe)
+
+
+def serve_starts(daemons: MpsDaemons, stop: threading.Event, interval_s: float = 0.5) -> None:
+    """The MPS host: :func:`settle_starts` every ``interval_s`` until ``stop`` is set."""
+    os.makedirs(daemons.root, mode=0o755, exist_ok=True)
+    while not stop.is_set():
+        try:
+            settle_starts(daemons)
+        except OSError as exc:
+            log.error("MPS host: %s", exc)
+        stop.wait(interval_s)

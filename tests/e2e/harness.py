@@ -224,6 +224,11 @@ class OperatorHarness:
             "--nvml-attempts", "3", *args,
         ], env)
 
+    def mps_host(self, node: SimNode) -> Proc:
+        """``mig-operator mps-host`` beside the node's agent, as the chart runs it (the agent with ``--mps-host``)."""
+        return self._spawn(f"mps-host-{node.name}", ["mps-host", "--backend", node.backend_spec,
+                                                     "--mps-dir", f"{node.state_file}.mps"])
+
     def start_operator(self, *nodes: SimNode, webhook: bool | str = False) -> None:
         """An agent per node, each GpuNode published, then the controller (with the webhook, if asked;
         ``webhook="process"``: the webhook in a process of its own, as the chart runs it)."""

@@ -8,6 +8,7 @@ Every other operator test already runs its controller and agents as the chart's 
 from __future__ import annotations
 
 import base64
+import shutil
 import socket
 import ssl
 import subprocess
@@ -130,11 +131,14 @@ def test_the_chart_installs_upgrades_and_uninstalls_with_every_object_accepted(
     # The DeviceClass is installed by the session (crds/); the chart must be able to install its own copy.
     kube_cluster.kubectl("delete", "-f", str(DEVICE_CLASS), "--ignore-not-found")
     try:
+        # The session applied the CRDs with kubectl, as an earlier chart (CRDs in its crds/) left them: the
+        # release takes them over (docs/operations.md, "Upgrade").
         helm(kube_cluster, "install", release, str(CHART_DIR), "--namespace", namespace, "--create-namespace",
-             *names, *tolerate_kwok(tmp_path))
+             "--take-ownership", *names, *tolerate_kwok(tmp_path))
         docs = manifest(kube_cluster, release, namespace)
         kinds = sorted({d["kind"] for d in docs})
-        assert kinds == ["ClusterKopfPeering", "ClusterRole", "ClusterRoleBinding", "DaemonSet", "Deployment",
+        assert kinds == ["ClusterKopfPeering", "ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition",
+                         "DaemonSet", "Deployment",
                          "DeviceClass", "MutatingWebhookConfiguration", "PodDisruptionBudget", "ResourceQuota", "Role",
                          "RoleBinding", "Service", "ServiceAccount", "ValidatingAdmissionPolicy",
                          "ValidatingAdmissionPolicyBinding"]
@@ -151,14 +155,18 @@ def test_the_chart_installs_upgrades_and_uninstalls_with_every_object_accepted(
         assert [p.spec.node_name for p in agent] == [gpu_node.name]
         assert agent[0].spec.runtime_class_name == "nvidia"
         assert agent[0].spec.containers[0].security_context.privileged is True
-        # The quota that clusters limiting critical classes ask for covers the agent pod (counted by it).
+        # The MPS host beside it, on the same node.
+        host = wait_until(lambda: pods(kube_cluster, namespace, "mps"), 60, "an MPS host pod")
+        assert [p.spec.node_name for p in host] == [gpu_node.name]
+        assert host[0].spec.containers[0].args[0] == "mps-host"
+        # The quota that clusters limiting critical classes ask for covers the agent and MPS host pods.
         quota = next(d for d in docs if d["kind"] == "ResourceQuota")["metadata"]["name"]
 
         def counted() -> bool:
             used = kube_cluster.core_v1().read_namespaced_resource_quota(quota, namespace).status.used or {}
-            return used.get("pods") == "1"
+            return used.get("pods") == "2"
 
-        wait_until(counted, 60, f"ResourceQuota {quota} to count the agent pod")
+        wait_until(counted, 60, f"ResourceQuota {quota} to count the agent and MPS host pods")
 
         # A controller replica starts: as the release's ServiceAccount it finds the chart's peering and
         # webhook configuration (create: 409) and patches its CA in (patch, by name).
@@ -178,15 +186,32 @@ def test_the_chart_installs_upgrades_and_uninstalls_with_every_object_accepted(
 
         assert ca_bundle() == b"ca of the controller"
 
-        # An upgrade with other values is accepted too, and leaves the controller's CA in place.
-        helm(kube_cluster, "upgrade", release, str(CHART_DIR), "--namespace", namespace, *names,
+        # An upgrade with other values is accepted too, and leaves the controller's CA in place; a chart whose
+        # CRD changed (a printer column more) updates the CRD, and the next chart takes it back.
+        newer = tmp_path / "newer-chart"
+        shutil.copytree(CHART_DIR, newer)
+        crd_file = newer / "files" / "crds" / "gpuslice.yaml"
+        crd_file.write_text(crd_file.read_text().replace(
+            "      additionalPrinterColumns:\n",
+            "      additionalPrinterColumns:\n        - name: Upgraded\n          type: string\n"
+            "          jsonPath: .status.phase\n", 1))
+
+        def columns() -> list[str]:
+            crd = yaml.safe_load(kube_cluster.kubectl("get", "crd", "gpuslices.cdmo.io", "-o", "yaml").stdout)
+            return [c["name"] for c in crd["spec"]["versions"][0]["additionalPrinterColumns"]]
+
+        assert "Upgraded" not in columns()
+        # The first upgrade after the takeover takes kubectl's share of the CRDs' fields (server-side apply).
+        helm(kube_cluster, "upgrade", release, str(newer), "--namespace", namespace, "--force-conflicts", *names,
              "--set", "controller.replicas=1", "--set", "agent.idleTimeout=15m", "--set", "metrics.enabled=false",
              "--set", "logging.format=text", *tolerate_kwok(tmp_path))
         assert ca_bundle() == b"ca of the controller"
+        assert columns()[0] == "Upgraded"
         # The upgrade docs/operations.md gives (the last release's values on the new chart's defaults).
         helm(kube_cluster, "upgrade", release, str(CHART_DIR), "--namespace", namespace,
              "--reset-then-reuse-values", "--set", "agent.nvmlAttempts=7")
         assert ca_bundle() == b"ca of the controller"
+        assert "Upgraded" not in columns()
         upgraded = manifest(kube_cluster, release, namespace)
         daemonset = kube_cluster.kubectl("get", "daemonset", "-n", namespace, "-o", "json").stdout
         assert "--idle-timeout=15m" in daemonset and "--nvml-attempts=7" in daemonset
@@ -196,13 +221,18 @@ def test_the_chart_installs_upgrades_and_uninstalls_with_every_object_accepted(
 
         helm(kube_cluster, "uninstall", release, "--namespace", namespace, "--wait")
         for doc in upgraded:
+            if doc["kind"] == "CustomResourceDefinition":
+                continue
             assert not exists(kube_cluster, doc, namespace), f"{doc['kind']} {doc['metadata']['name']} survived"
         # Nothing cluster-wide is left that would refuse annotated pods or hold a stale peering.
         assert not kube_cluster.kubectl("get", "mutatingwebhookconfiguration", namespace, "--ignore-not-found",
                                         "-o", "name").stdout.strip()
         assert not kube_cluster.kubectl("get", "clusterkopfpeering", namespace, "--ignore-not-found",
                                         "-o", "name").stdout.strip()
-        # CRDs stay (Helm never deletes them): the slices and inventories in them stay too.
+        # CRDs stay (helm.sh/resource-policy: keep): the slices and inventories in them stay too.
+        for doc in upgraded:
+            if doc["kind"] == "CustomResourceDefinition":
+                assert exists(kube_cluster, doc, namespace), doc["metadata"]["name"]
         assert kube_cluster.kubectl("get", "crd", "gpuslices.cdmo.io", "-o", "name").stdout.strip()
     finally:
         helm(kube_cluster, "uninstall", release, "--namespace", namespace, check=False)
@@ -218,7 +248,8 @@ def test_pod_security_the_controller_meets_restricted_and_the_agent_needs_privil
     docs = [d for d in yaml.safe_load_all(rendered) if d]
     templates = {(d["kind"], d["metadata"]["name"]): d["spec"]["template"] for d in docs
                  if d["kind"] in ("Deployment", "DaemonSet")}
-    assert sorted(templates) == [("DaemonSet", "ps-mig-operator-agent"), ("Deployment", "ps-mig-operator-controller"),
+    assert sorted(templates) == [("DaemonSet", "ps-mig-operator-agent"), ("DaemonSet", "ps-mig-operator-mps"),
+                                 ("Deployment", "ps-mig-operator-controller"),
                                  ("Deployment", "ps-mig-operator-webhook")]
     core = kube_cluster.core_v1()
     names = []

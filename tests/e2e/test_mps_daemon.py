@@ -2,7 +2,8 @@
 server: started with the first slice with a compute share on a GPU, holding the GPU's largest share,
 adopted (not restarted) by an agent restarted with SIGKILL, stopped with the last such slice; its
 failure shown as the GpuNode's MPSReady condition and on the slice (Failed, MPSUnavailable); the CDI
-spec of a compute share carrying the MPS edits, as the official CDI library applies it.
+spec of a compute share carrying the MPS edits, as the official CDI library applies it; and, as the
+chart runs it, the daemon started by the node's MPS host (``mig-operator mps-host``) for the agent.
 
 The daemon is looked at from outside, not through gpu/mps.py: its PID file, its process, and the
 answer on its control socket.
@@ -181,3 +182,52 @@ def test_the_daemon_starts_with_the_first_share_is_adopted_and_stops_with_the_la
         if pid is not None:
             os.kill(pid, signal.SIGTERM)
         shutil.rmtree(root, ignore_errors=True)
+
+
+def test_with_the_mps_host_the_daemon_is_the_hosts_and_outlives_the_agent(
+        operator: OperatorHarness, short_dir: Path) -> None:  # noqa: F811
+    """As the chart runs it: the agent (--mps-host) asks the node's MPS host (``mig-operator mps-host``)
+    for the daemon; the agent replaced, the daemon and its settings stay; no host, no new daemon."""
+    node = operator.add_node("l4-24gb", labelled=False)
+    mps_dir = f"{node.state_file}.mps"
+    host = operator.mps_host(node)
+    agent = operator.agent(node, None, "--kubelet-registry-dir", "", "--mps-host")
+    uuid = operator.wait_gpunode(node)["status"]["gpus"][0]["uuid"]
+    operator.controller()
+    root = Path(mps_dir) / uuid
+    ns = operator.namespace()
+    try:
+        operator.create_slice(ns, "infer", {"memory": "4Gi", "compute": 0.25, "nodeName": node.name})
+        operator.wait_phase(ns, "infer", "Ready")
+        first = daemon_pid(root)
+        assert first is not None, operator.logs()
+        assert (root / "start").exists()  # the agent's request, the host's daemon
+        assert f"MPS control daemon of {uuid} started" in host.tail(200)
+        assert ask(root, "get_default_active_thread_percentage") == "25.0"
+
+        # The agent replaced (SIGTERM, as a pod is): the next one adopts the host's daemon, nothing restarted.
+        operator.stop(agent)
+        assert daemon_pid(root) == first
+        operator.start(agent)
+        wait_until(lambda: "adopted" in agent.tail(200), 30, lambda: f"adoption\n{operator.logs()}")
+        operator.create_slice(ns, "train", {"memory": "8Gi", "compute": 0.5, "nodeName": node.name})
+        operator.wait_phase(ns, "train", "Ready")
+        assert daemon_pid(root) == first and ask(root, "get_default_active_thread_percentage") == "50.0"
+
+        for name in ("infer", "train"):
+            operator.delete_slice(ns, name)
+            operator.wait_gone(ns, name)
+        wait_until(lambda: daemon_pid(root) is None and not (root / "start").exists(), 30,
+                   lambda: f"the daemon's stop\n{operator.logs()}")
+
+        # No host: the next share gets no daemon, and its slice says where to look.
+        operator.stop(host)
+        operator.create_slice(ns, "probe", {"memory": "1Gi", "compute": 0.1, "nodeName": node.name})
+        probe = operator.wait_phase(ns, "probe", "Failed", timeout=90)
+        ready = next(c for c in probe["status"]["conditions"] if c["type"] == "Ready")
+        assert ready["reason"] == "MPSUnavailable" and "mps-host" in ready["message"], probe["status"]
+        assert daemon_pid(root) is None
+    finally:
+        pid = daemon_pid(root)
+        if pid is not None:
+            os.kill(pid, signal.SIGTERM)

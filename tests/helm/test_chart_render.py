@@ -131,14 +131,42 @@ def _check_foreign(doc: dict[str, Any]) -> None:
 
 
 def test_the_chart_crds_are_copies_of_the_crds_directory() -> None:
-    """crds/ at the repo root is the source; `make chart-crds` copies it into the chart. The
-    DeviceClass (device-class.yaml) is not a CRD, so it is a template (compared below)."""
+    """crds/ at the repo root is the source; `make chart-crds` copies it into the chart: the operator's
+    own CRDs to files/crds/ (templates), the peering CRD to crds/. The DeviceClass (device-class.yaml)
+    is not a CRD, so it is a template (compared below)."""
     source = {p.name: p.read_bytes() for p in (REPO_ROOT / "crds").glob("*.yaml")
               if p.name != "device-class.yaml"}
-    chart = {p.name: p.read_bytes() for p in (CHART_DIR / "crds").glob("*.yaml")}
-    assert sorted(chart) == sorted(source), "run `make chart-crds`"
+    chart = {p.name: p.read_bytes() for p in (CHART_DIR / "files" / "crds").glob("*.yaml")}
+    installed_once = {p.name: p.read_bytes() for p in (CHART_DIR / "crds").glob("*.yaml")}
+    assert sorted(installed_once) == ["peering.yaml"], "run `make chart-crds`"
+    assert sorted({**chart, **installed_once}) == sorted(source), "run `make chart-crds`"
     for name, text in source.items():
-        assert chart[name] == text, f"helm/mig-operator/crds/{name} differs from crds/{name}: run `make chart-crds`"
+        copy = installed_once[name] if name == "peering.yaml" else chart[name]
+        assert copy == text, f"the chart's {name} differs from crds/{name}: run `make chart-crds`"
+
+
+def test_the_operators_crds_are_templates_kept_on_uninstall_and_the_peering_crd_is_installed_once(
+        render: Any) -> None:
+    """Templates, so that `helm upgrade` updates them; kept on uninstall (their deletion would delete every
+    GpuSlice and GpuNode); the same objects as crds/. The peering CRDs (kopf.dev, maybe another kopf
+    operator's) only from the chart's crds/: installed when missing, never taken over."""
+    docs = render(release="mo")
+    rendered = {d["metadata"]["name"]: d for d in docs if d["kind"] == "CustomResourceDefinition"}
+    source = {}
+    for path in (REPO_ROOT / "crds").glob("*.yaml"):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc and doc["kind"] == "CustomResourceDefinition":
+                source[doc["metadata"]["name"]] = doc
+    assert sorted(rendered) == ["gpunodes.cdmo.io", "gpuquotas.cdmo.io", "gpuslices.cdmo.io"]
+    for name, crd in rendered.items():
+        meta = crd["metadata"]
+        assert meta.pop("annotations") == {"helm.sh/resource-policy": "keep"}
+        labels = meta.pop("labels")
+        assert labels["app.kubernetes.io/instance"] == "mo" and labels["app.kubernetes.io/managed-by"] == "Helm"
+        assert crd == source[name], name  # nothing else changed on the way
+    with_crds = {d["metadata"]["name"] for d in render("--include-crds", release="mo")
+                 if d["kind"] == "CustomResourceDefinition"}
+    assert with_crds - set(rendered) == {"clusterkopfpeerings.kopf.dev", "kopfpeerings.kopf.dev"}
 
 
 def test_agents_select_their_slices_by_status_node_and_no_label_policy_is_left() -> None:
@@ -288,8 +316,8 @@ def _args(c: dict[str, Any]) -> Any:
 
 
 def _volume(docs: list[dict[str, Any]], part: str, name: str) -> dict[str, Any]:
-    """Volume ``name`` of the workload running container ``part`` (controller, webhook, agent)."""
-    kind = "DaemonSet" if part == "agent" else "Deployment"
+    """Volume ``name`` of the workload running container ``part`` (controller, webhook, agent, mps-host)."""
+    kind = "DaemonSet" if part in ("agent", "mps-host") else "Deployment"
     return next(v for v in workload(docs, kind, part)["spec"]["template"]["spec"]["volumes"] if v["name"] == name)
 
 
@@ -430,7 +458,7 @@ def test_each_part_gets_exactly_the_verbs_its_code_uses(render: Any) -> None:
         binding = find(docs, kind, binding_name)
         assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account, "namespace": "gpu-system"}]
         assert binding["roleRef"]["name"] == binding_name
-    daemonset = find(docs, "DaemonSet")
+    daemonset = workload(docs, "DaemonSet", "agent")
     for part in ("controller", "webhook"):  # the webhook writes its certificate and CA as the controller's account
         deployment = workload(docs, "Deployment", part)
         assert deployment["spec"]["template"]["spec"]["serviceAccountName"] == "mo-mig-operator-controller"
@@ -498,7 +526,7 @@ def test_the_controller_runs_unprivileged_and_the_agent_privileged_in_no_host_na
                                           "capabilities": {"drop": ["ALL"]}}
         assert not [v for v in ctl_pod.get("volumes") or [] if "hostPath" in v]
 
-    agent_pod = find(docs, "DaemonSet")["spec"]["template"]["spec"]
+    agent_pod = workload(docs, "DaemonSet", "agent")["spec"]["template"]["spec"]
     agent = container(docs, "DaemonSet", "agent")
     for key in ("hostPID", "hostIPC", "hostNetwork", "shareProcessNamespace"):
         assert key not in agent_pod
@@ -537,6 +565,41 @@ def test_the_controller_runs_unprivileged_and_the_agent_privileged_in_no_host_na
     assert args.shim_host_dir == _volume(docs, "agent", "shim")["hostPath"]["path"]
 
 
+@pytest.mark.parametrize("name", ["default", "everything else changed"])
+def test_the_mps_host_runs_the_daemons_where_the_agent_looks_for_them_and_outlives_an_upgrade(
+        render: Any, name: str) -> None:
+    """The MPS host pod (mig-operator mps-host) shares the agent's MPS directory (as the agent derives it
+    from its flags), runs on the agent's nodes, is not replaced by an upgrade (OnDelete), and the agent
+    asks it for the daemons (--mps-host)."""
+    from mig_operator.kube.agent.kubelet.settings import PluginSettings
+
+    docs = render(*VARIANTS[name], namespace="gpu-system")
+    agent_set, host_set = workload(docs, "DaemonSet", "agent"), workload(docs, "DaemonSet", "mps-host")
+    agent, host = _args(container(docs, "DaemonSet", "agent")), _args(container(docs, "DaemonSet", "mps-host"))
+    assert (agent.command, host.command, agent.mps_host) == ("agent", "mps-host", True)
+    assert host.backend == agent.backend
+    expected = (f"{agent.state_file}.mps" if agent.backend.startswith("sim:")
+                else PluginSettings(shim_host_dir=agent.shim_host_dir).mps_host_dir)
+    assert host.mps_dir == expected
+    assert _volume(docs, "mps-host", "mps")["hostPath"] == {"path": expected, "type": "DirectoryOrCreate"}
+    assert {"name": "mps", "mountPath": expected} in container(docs, "DaemonSet", "mps-host")["volumeMounts"]
+    assert host_set["spec"]["updateStrategy"] == {"type": "OnDelete"}
+    assert agent_set["spec"]["updateStrategy"]["type"] == "RollingUpdate"
+    assert host_set["metadata"]["name"] == agent_set["metadata"]["name"].removesuffix("-agent") + "-mps"
+    agent_pod, host_pod = agent_set["spec"]["template"]["spec"], host_set["spec"]["template"]["spec"]
+    for key in ("nodeSelector", "tolerations", "affinity", "runtimeClassName", "priorityClassName"):
+        assert agent_pod.get(key) == host_pod.get(key), key
+    for key in ("hostPID", "hostIPC", "hostNetwork", "shareProcessNamespace"):
+        assert key not in host_pod
+    assert host_pod["automountServiceAccountToken"] is False  # it talks to no API server
+    assert [v["name"] for v in host_pod["volumes"] if "hostPath" in v] == ["mps"]
+    host_env = {e["name"]: e["value"] for e in container(docs, "DaemonSet", "mps-host")["env"]}
+    agent_env = {e["name"]: e.get("value") for e in container(docs, "DaemonSet", "agent")["env"]}
+    assert host_env == {k: v for k, v in agent_env.items() if k.startswith("NVIDIA_")}
+    selector = host_set["spec"]["selector"]["matchLabels"]
+    assert not selector.items() <= agent_set["spec"]["template"]["metadata"]["labels"].items()
+
+
 @pytest.mark.parametrize(("agent_class", "controller_class", "quota"), [
     ("system-node-critical", "", ["system-node-critical"]),  # the default
     ("system-node-critical", "system-cluster-critical", ["system-node-critical", "system-cluster-critical"]),
@@ -559,7 +622,8 @@ def test_a_critical_priority_class_comes_with_the_quota_that_admits_it(
     [scope] = found["spec"]["scopeSelector"]["matchExpressions"]
     assert (scope["scopeName"], scope["operator"], scope["values"]) == ("PriorityClass", "In", quota)
     assert int(float(found["spec"]["hard"]["pods"].rstrip("G")) * 1e9) >= 10**6  # limits nothing in practice
-    for kind, part in (("Deployment", "controller"), ("Deployment", "webhook"), ("DaemonSet", "agent")):
+    for kind, part in (("Deployment", "controller"), ("Deployment", "webhook"), ("DaemonSet", "agent"),
+                       ("DaemonSet", "mps-host")):
         pod = workload(docs, kind, part)["spec"]["template"]["spec"]
         if pod.get("priorityClassName", "").startswith("system-"):
             assert pod["priorityClassName"] in scope["values"], kind
@@ -678,7 +742,8 @@ def _policy(docs: list[dict[str, Any]], suffix: str) -> tuple[dict[str, Any], di
 def test_the_agent_node_policy_binds_the_releases_agent_to_its_node(render: Any, name: str) -> None:
     docs = render(*VARIANTS[name], release="mo", namespace="gpu-system")
     policy, _ = _policy(docs, "-agent-node.cdmo.io")
-    account = find(docs, "ServiceAccount", find(docs, "DaemonSet")["spec"]["template"]["spec"]["serviceAccountName"])
+    account = find(docs, "ServiceAccount",
+                   workload(docs, "DaemonSet", "agent")["spec"]["template"]["spec"]["serviceAccountName"])
     [condition] = policy["spec"]["matchConditions"]
     assert condition["expression"] == (
         f'request.userInfo.username == "system:serviceaccount:gpu-system:{account["metadata"]["name"]}"')

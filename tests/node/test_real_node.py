@@ -3,7 +3,8 @@ each step checked the way a user would, with kubectl: the node Ready and a plain
 install` of helm/mig-operator with the built image (the agent on the simulator backend); an annotated
 fraction pod whose container sees its slice and is refused past its limit; a MIG pod with its instance's
 capability nodes; a pod naming a GpuSlice's claim; the kubelet restarted and the agent's pod replaced
-while claims are prepared; `helm uninstall` leaving only what docs/operations.md says.
+while claims are prepared; `helm uninstall` leaving only what docs/operations.md says; then a release of
+its own upgraded to a new image tag while a MIG pod, a fraction pod and two compute-share pods run.
 
 The tests run in file order and share one release (module fixture): each step builds on the last.
 """
@@ -358,12 +359,14 @@ def test_helm_uninstall_leaves_only_what_the_docs_say(release: RealNode) -> None
     for kind in CLUSTER_KINDS:
         names = node.kubectl("get", kind, "-o", "name").stdout.split()
         assert not [n for n in names if RELEASE in n or "cdmo" in n], f"{kind} left: {names}"
-    # The CRDs stay (Helm never deletes a chart's crds/), with the GpuNode the agent published (step 4
-    # of the guide deletes both).
+    # The CRDs stay (the operator's are kept on uninstall, Helm never deletes a chart's crds/), with the
+    # GpuNode the agent published (step 4 of the guide deletes both).
     assert get(node, "gpunode", node.name)
     chart_crds = {f"customresourcedefinition.apiextensions.k8s.io/{doc['metadata']['name']}"
-                  for path in (CHART_DIR / "crds").glob("*.yaml") for doc in yaml.safe_load_all(path.read_text())
+                  for path in [*(CHART_DIR / "crds").glob("*.yaml"), *(CHART_DIR / "files" / "crds").glob("*.yaml")]
+                  for doc in yaml.safe_load_all(path.read_text())
                   if doc and doc.get("kind") == "CustomResourceDefinition"}
+    assert len(chart_crds) == 5
     assert chart_crds <= set(node.kubectl("get", "crds", "-o", "name").stdout.split())
     assert not node.kubectl("get", "resourceclaims", "-A", "-o", "name").stdout.strip()
     # The kubelet withdraws the devices of a driver whose plugin is gone (after its grace period).
@@ -372,3 +375,170 @@ def test_helm_uninstall_leaves_only_what_the_docs_say(release: RealNode) -> None
     # On the node: every claim unprepared (no CDI spec left); the state dir stays (step 5 is optional).
     assert not list(Path(node.settings["NODE_CDI_DIR"]).iterdir())
     assert (node.node_dir / "var/lib/mig-operator/shim/libgpuslice.so").exists()
+
+
+# ---- upgrade -------------------------------------------------------------------------------------
+
+UPGRADE_BACKEND = "sim:h100-80gbx3"  # GPU 0 MIG, GPU 1 shared fractions, GPU 2 compute shares
+
+
+def release_pods(node: RealNode) -> dict[str, tuple[str, str]]:
+    """The release's pods: name -> (component, image)."""
+    items = get(node, "pods", "-n", RELEASE_NS)["items"]
+    return {p["metadata"]["name"]: (p["metadata"]["labels"].get("app.kubernetes.io/component", ""),
+                                    p["spec"]["containers"][0]["image"]) for p in items
+            if p["metadata"].get("deletionTimestamp") is None}
+
+
+def container_identity(node: RealNode, name: str) -> tuple[str, int, str]:
+    """The container's ID, restart count, and its first process's start time (field 22 of /proc/1/stat):
+    the same three after an upgrade means the same process, never restarted."""
+    pod = get(node, "pod", name, "-n", TEAM)
+    status = pod["status"]["containerStatuses"][0]
+    stat = node.kubectl("exec", name, "-n", TEAM, "--", "cat", "/proc/1/stat").stdout
+    return status["containerID"], status["restartCount"], stat.rsplit(")", 1)[1].split()[19]
+
+
+def exec_probe(node: RealNode, name: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+    argv = ["env", *(f"{k}={v}" for k, v in (env or {}).items()), "python3", "-c", PROBE]
+    out = node.kubectl("exec", name, "-n", TEAM, "--", *argv).stdout
+    return json.loads(next(x for x in out.splitlines() if x.startswith("PROBE ")).removeprefix("PROBE "))
+
+
+def mps_view(node: RealNode, name: str) -> tuple[dict[str, str], str]:
+    """A compute share's MPS variables, and the PID file of the daemon whose pipe directory its CDI spec
+    mounted at /tmp/nvidia-mps."""
+    env = node.kubectl("exec", name, "-n", TEAM, "--", "env").stdout
+    mps_env = dict(line.split("=", 1) for line in env.splitlines() if line.startswith("CUDA_MPS_"))
+    pid = node.kubectl("exec", name, "-n", TEAM, "--", "cat", "/tmp/nvidia-mps/nvidia-cuda-mps-control.pid").stdout
+    return mps_env, pid.strip()
+
+
+def test_helm_upgrade_with_every_pod_replaced_keeps_running_containers(real_node: RealNode,
+                                                                       tmp_path: Path) -> None:
+    """docs/operations.md, "Upgrade": a release (its own state directory, three simulated GPUs) runs a MIG
+    pod, a fraction pod and two compute-share pods; `helm upgrade` to the same image under a new tag
+    replaces the controller, webhook and agent pods and leaves the MPS host pod (OnDelete); every
+    container keeps its process, its devices, its limit and its MPS daemon, and new slices work after."""
+    node = real_node
+    repository, tag = node.images["OPERATOR_IMAGE"].rsplit(":", 1)
+    new_tag = f"{tag}-upgraded"
+    tagged = node.ctr("images", "tag", "--force", node.images["OPERATOR_IMAGE"], f"{repository}:{new_tag}")
+    assert tagged.returncode == 0, tagged.stderr
+    state = node.node_dir / "var/lib/mig-upgrade"
+    state.mkdir(parents=True, exist_ok=True)
+    gpus = [{"mig_enabled": enabled, "generation": 0, "instances": []} for enabled in (True, False, False)]
+    (state / "simulated-gpus.json").write_text(json.dumps(
+        {"version": 1, "model": UPGRADE_BACKEND.removeprefix("sim:").split("x")[0], "gpus": gpus,
+         "faults": {}, "latency_s": {}}))
+    values = {
+        "image": {"repository": repository, "tag": tag, "pullPolicy": "Never"},
+        "controller": {"replicas": 1},
+        "webhook": {"replicas": 1},
+        "agent": {"backend": UPGRADE_BACKEND, "stateDir": str(state), "kubeletDir": f"{node.node_dir}/kubelet",
+                  "cdiDir": node.settings["NODE_CDI_DIR"], "runtimeClassName": "", "toolkitConfig": ""},
+        "shim": {"hostDir": f"{state}/shim"},
+    }
+    path = tmp_path / "values.yaml"
+    path.write_text(yaml.safe_dump(values))
+    node.kubectl("label", "node", node.name, f"{GPU_PRESENT}=true", "--overwrite")
+    node.kubectl("create", "namespace", TEAM, check=False)
+    node.helm("install", RELEASE, str(CHART_DIR), "--namespace", RELEASE_NS, "--create-namespace",
+              "--values", str(path), "--wait", "--timeout", "5m")
+    wait_for(lambda: len((get(node, "gpunode", node.name) or {}).get("status", {}).get("gpus") or []) == 3, 120,
+             "the agent's GpuNode with three GPUs")
+    wait_for(lambda: (get(node, "mutatingwebhookconfiguration", RELEASE) or {}).get("webhooks", [{}])[0]
+             .get("clientConfig", {}).get("caBundle"), 120, "the operator to patch its CA into the webhook")
+    chunk = 10**9
+    # The MIG pod on GPU 0 while the node is labelled for MIG; then fractions only (GPUs 1 and 2).
+    node.kubectl("label", "node", node.name, f"{MIG_LABEL}=mig", "--overwrite")
+    run_pod(node, probe_pod(node, "up-mig", annotations={"cdmo.io/mig-profile": MIG_PROFILE}, wait=True),
+            until="Running")
+    node.kubectl("label", "node", node.name, f"{MIG_LABEL}-")
+    run_pod(node, probe_pod(node, "up-fraction", annotations={"cdmo.io/gpu-memory": "2G"},
+                            env=fake_cuda_env(node, chunk), wait=True), until="Running")
+    for name, share in (("up-compute-a", "0.25"), ("up-compute-b", "0.5")):
+        run_pod(node, probe_pod(node, name, annotations={"cdmo.io/gpu-memory": "4G", "cdmo.io/gpu-compute": share},
+                                wait=True), until="Running")
+    views = {name: wait_for_probe(node, name) for name in ("up-mig", "up-fraction", "up-compute-a", "up-compute-b")}
+    assert views["up-fraction"]["alloc"]["results"] == [0, 0, 2], views["up-fraction"]["alloc"]
+    slices = {name: get(node, "gpuslice", get(node, "pod", name, "-n", TEAM)["spec"]["resourceClaims"][0]
+                        ["resourceClaimName"], "-n", TEAM)["status"] for name in views}
+    assert slices["up-mig"]["mode"] == "mig" and slices["up-fraction"]["mode"] == "fraction"
+    assert slices["up-compute-a"]["gpu"] == slices["up-compute-b"]["gpu"] != slices["up-fraction"]["gpu"]
+    compute_uuid = slices["up-compute-a"]["deviceUUID"]
+    pid_file = state / "simulated-gpus.json.mps" / compute_uuid / "pipe" / "nvidia-cuda-mps-control.pid"
+
+    def daemon() -> tuple[int, str, str]:
+        """The GPU's daemon as the MPS host pod sees it (its PID namespace): PID, start time, and its
+        answer to get_default_active_thread_percentage (the stand-in's client, in that pod)."""
+        pid = int(pid_file.read_text())
+        host = next(n for n, (c, _) in release_pods(node).items() if c == "mps")
+        assert "mps_standin" in node.kubectl("exec", "-n", RELEASE_NS, host, "--", "cat",
+                                             f"/proc/{pid}/cmdline").stdout
+        stat = node.kubectl("exec", "-n", RELEASE_NS, host, "--", "cat", f"/proc/{pid}/stat").stdout
+        answer = node.kubectl("exec", "-i", "-n", RELEASE_NS, host, "--", "env",
+                              f"CUDA_MPS_PIPE_DIRECTORY={pid_file.parent}", "python3", "-m",
+                              "mig_operator.gpu.mps_standin", input="get_default_active_thread_percentage\n").stdout
+        return pid, stat.rsplit(")", 1)[1].split()[19], answer.strip()
+
+    daemon_before = daemon()
+    identities = {name: container_identity(node, name) for name in views}
+    mps_before = {name: mps_view(node, name) for name in ("up-compute-a", "up-compute-b")}
+    assert mps_before["up-compute-a"][0]["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25"
+    assert mps_before["up-compute-b"][0]["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
+    assert mps_before["up-compute-a"][1] == mps_before["up-compute-b"][1] == str(daemon_before[0])
+    assert daemon_before[2] == "50.0"  # the GPU's largest share, held by its daemon
+    pods_before = release_pods(node)
+    assert sorted(c for c, _ in pods_before.values()) == ["agent", "controller", "mps", "webhook"], pods_before
+
+    # Helm 4's default --wait (kstatus) would wait for the MPS host pod, which OnDelete never replaces;
+    # the legacy waiter (Helm 3's) passes an OnDelete DaemonSet (docs/operations.md, "Upgrade").
+    node.helm("upgrade", RELEASE, str(CHART_DIR), "--namespace", RELEASE_NS, "--reset-then-reuse-values",
+              "--set", f"image.tag={new_tag}", "--wait=legacy", "--timeout", "5m")
+
+    def replaced() -> dict[str, tuple[str, str]] | None:
+        now = release_pods(node)
+        parts = {c: (n, image) for n, (c, image) in now.items()}
+        if len(now) != 4 or any(parts[c][1].endswith(f":{new_tag}") is False for c in ("agent", "controller",
+                                                                                          "webhook")):
+            return None
+        ready = all(pod_phase(node, RELEASE_NS, n) == "Running" for n in now)
+        return now if ready else None
+
+    after = wait_for(replaced, 300, lambda: f"the release's new pods: {release_pods(node)}")
+    for name, (component, image) in after.items():
+        if component == "mps":  # OnDelete: the MPS host stays, with its daemons
+            assert name in pods_before and image.endswith(f":{tag}"), (name, image)
+        else:
+            assert name not in pods_before and image.endswith(f":{new_tag}"), (name, image)
+    mps_set = get(node, "daemonset", f"{RELEASE}-mps", "-n", RELEASE_NS)
+    assert mps_set["spec"]["template"]["spec"]["containers"][0]["image"].endswith(f":{new_tag}")
+    # The new agent adopts what runs (its record, the instances, the MPS daemon).
+    wait_for(lambda: "adopted" in agent_logs(node), 120, "the new agent to adopt the MPS daemon")
+
+    for name in views:
+        assert container_identity(node, name) == identities[name], name
+    again = exec_probe(node, "up-mig")
+    assert again["devices"] == views["up-mig"]["devices"] and again["env"] == views["up-mig"]["env"]
+    again = exec_probe(node, "up-fraction", fake_cuda_env(node, chunk))
+    assert again["devices"] == views["up-fraction"]["devices"] and again["env"] == views["up-fraction"]["env"]
+    assert again["alloc"]["results"] == [2], again["alloc"]  # the running process still holds the whole 2G
+    for name in ("up-compute-a", "up-compute-b"):
+        assert exec_probe(node, name)["devices"] == views[name]["devices"]
+        assert mps_view(node, name) == mps_before[name], name
+    assert daemon() == daemon_before
+
+    # New slices work after: a fraction beside the running one, a compute share beside the running two.
+    run_pod(node, probe_pod(node, "up-new-fraction", annotations={"cdmo.io/gpu-memory": "2G"},
+                            env=fake_cuda_env(node, chunk)))
+    assert probe_output(node, TEAM, "up-new-fraction")["alloc"]["results"] == [0, 0, 2]
+    run_pod(node, probe_pod(node, "up-new-compute", annotations={"cdmo.io/gpu-memory": "2G",
+                                                                 "cdmo.io/gpu-compute": "0.25"}, wait=True),
+            until="Running")
+    assert mps_view(node, "up-new-compute")[1] == str(daemon_before[0])
+    assert daemon() == daemon_before
+
+    node.kubectl("delete", "pods", "--all", "-n", TEAM, "--wait=true")
+    node.kubectl("delete", "gs", "--all", "-A", "--wait=true", timeout=180)
+    node.helm("uninstall", RELEASE, "--namespace", RELEASE_NS, "--wait", "--timeout", "3m")

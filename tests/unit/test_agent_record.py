@@ -17,7 +17,7 @@ from mig_operator.core.node.lifecycle import COMPLETED, STARTED, OwnerEntry, Own
 from mig_operator.core.placement.cluster import MODE_FRACTION, MODE_MIG
 from mig_operator.gpu import files as files_module
 from mig_operator.kube.agent import record as record_module
-from mig_operator.kube.agent.record import RecordError, RecordStore
+from mig_operator.kube.agent.record import PreparedClaim, RecordError, RecordStore
 
 MIG_ENTRY = OwnerEntry("uid-a", "ns/a", MODE_MIG, 1, COMPLETED, 16384 * 2**20, 19, "1g.18gb", 3, 1, 7, 0, "MIG-7",
                        reused=True)
@@ -471,3 +471,31 @@ def test_a_failed_write_fails_every_change_staged_with_it(path, monkeypatch) -> 
     store.put(_entry(42))
     assert set(RecordStore(path).record.owners) == {"uid-b", "uid-42"}
     assert leftovers(os.path.dirname(path)) == []
+
+
+def test_a_first_version_record_written_by_hand_is_read_and_rewritten_in_this_version(tmp_path) -> None:
+    # tests/unit/fixtures/owners-v1-by-hand.json: written by hand in the first format (no "version" key, no
+    # "revoked", no entry's "compute"), as an agent of that format left it on a node before an upgrade.
+    path = tmp_path / "owners.json"
+    with open(os.path.join(FIXTURES, "owners-v1-by-hand.json")) as src:
+        path.write_text(src.read())
+    store = RecordStore(str(path))
+    assert store.record.boot_id == "5e1f3a2b-7c4d-4e8f-9a0b-1c2d3e4f5a6b"
+    assert store.record.owners == {
+        "3f9c1e2a-mig": OwnerEntry("3f9c1e2a-mig", "vision/trainer", MODE_MIG, 0, COMPLETED, 9984 * 2**20, 19,
+                                   "1g.10gb", 6, 1, 13, 0, "MIG-0c1d2e3f-4a5b-5c6d-8e7f-90a1b2c3d4e5"),
+        "8b7a6c5d-fraction": OwnerEntry("8b7a6c5d-fraction", "vision/notebook", MODE_FRACTION, 1, COMPLETED,
+                                        2 * 10**9, device_uuid="GPU-9d8c7b6a-5f4e-4d3c-8b2a-1f0e9d8c7b6a"),
+    }
+    assert store.record.owners["8b7a6c5d-fraction"].compute is None  # before compute shares: shared
+    assert store.record.idle_since == {"MIG-0c1d2e3f-4a5b-5c6d-8e7f-000000000003": "2026-10-01T08:00:00.000Z"}
+    assert store.prepared == {"c0ffee00-claim": PreparedClaim("c0ffee00-claim", "vision", "notebook-gpu",
+                                                              "8b7a6c5d-fraction")}
+    assert store.revoked == frozenset()
+    store.revoke("8b7a6c5d-fraction")  # the first write converts the file
+    written = json.loads(path.read_text())
+    assert written["version"] == record_module.VERSION and written["revoked"] == ["8b7a6c5d-fraction"]
+    assert written["owners"]["8b7a6c5d-fraction"]["compute"] is None
+    assert written["owners"]["3f9c1e2a-mig"]["gi_id"] == 13
+    again = RecordStore(str(path))
+    assert again.record == store.record and again.prepared == store.prepared and again.revoked == store.revoked

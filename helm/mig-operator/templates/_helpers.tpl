@@ -66,3 +66,13 @@ app.kubernetes.io/component: {{ .component }}
 {{- define "mig-operator.certificate" -}}
 {{- printf "%s-webhook" (include "mig-operator.fullname" .) -}}
 {{- end -}}
+
+{{/* The GPUs' MPS directories on the node, as the agent derives them: beside the shim's directory, or
+beside the simulator's state file. The agent and the MPS host pod must name the same one. */}}
+{{- define "mig-operator.mpsDir" -}}
+{{- if hasPrefix "sim:" .Values.agent.backend -}}
+{{- printf "%s/simulated-gpus.json.mps" .Values.agent.stateDir -}}
+{{- else -}}
+{{- printf "%s/mps" (dir (trimSuffix "/" .Values.shim.hostDir)) -}}
+{{- end -}}
+{{- end -}}
