@@ -131,3 +131,16 @@ def test_the_agent_publishes_what_the_controller_reads() -> None:
     assert body["gpus"][1]["conditions"][0]["reason"] == "GpuLost"
     inventory = inventory_from_status("n1", body)
     assert [g.health for g in inventory.gpus] == [GpuHealth(), sick]
+
+
+def test_a_node_gone_with_its_unhealthy_gpu_is_not_named_in_refusals() -> None:
+    planner = ClusterPlanner()
+    planner.set_inventory(node("n1", mig_gpu(0, XID79)))
+    planner.set_labelled("n1", True)
+    with pytest.raises(Refusal) as before:
+        planner.plan(slice_request(profile="1g.10gb"))
+    assert before.value.code == GPU_UNHEALTHY
+    planner.remove_inventory("n1")
+    with pytest.raises(Refusal) as after:
+        planner.plan(slice_request(profile="1g.10gb"))
+    assert after.value.code == "NoGpu" and "n1" not in after.value.message, after.value

@@ -407,6 +407,8 @@ class ClusterPlanner:
         gpus = set(self._dirty)
         for node in self._dirty_nodes:
             gpus.update((node, i) for i in self._shown.get(node, ()))
+            # An unhealthy GPU is in neither the index nor the shown set: forgotten with its node too.
+            gpus.update(key for key in self._unhealthy if key[0] == node)
             inventory = self._inventories.get(node)
             if inventory is not None:
                 gpus.update((node, g.index) for g in inventory.gpus)
