@@ -142,7 +142,8 @@ class Kubelet:
         self.channels.append(channel)
         registration = reg_grpc.RegistrationStub(channel)
         info = registration.GetInfo(reg.InfoRequest(), timeout=10)
-        assert (info.type, info.name, list(info.supported_versions)) == ("DRAPlugin", DRIVER, ["v1.DRAPlugin"])
+        assert (info.type, info.name, list(info.supported_versions)) == \
+            ("DRAPlugin", DRIVER, ["v1.DRAPlugin", "v1.DRAResourceHealth", "v1alpha1.DRAResourceHealth"])
         registration.NotifyRegistrationStatus(reg.RegistrationStatus(plugin_registered=True), timeout=10)
         service = grpc.insecure_channel(f"unix://{info.endpoint}")
         self.channels.append(service)

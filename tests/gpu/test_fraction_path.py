@@ -437,7 +437,8 @@ def test_agent_prepares_fraction_claims_and_torch_holds_each_limit(
         try:
             info = await kubelet.register()
             assert (info.type, info.name, info.endpoint, list(info.supported_versions)) == \
-                ("DRAPlugin", DRIVER, settings.dra_socket, ["v1.DRAPlugin"])
+                ("DRAPlugin", DRIVER, settings.dra_socket,
+                 ["v1.DRAPlugin", "v1.DRAResourceHealth", "v1alpha1.DRAResourceHealth"])
 
             for name, uid, granted in SLICES:
                 body = bound_fraction(name, uid, target.index, granted)

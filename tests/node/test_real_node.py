@@ -3,8 +3,9 @@ each step checked the way a user would, with kubectl: the node Ready and a plain
 install` of helm/mig-operator with the built image (the agent on the simulator backend); an annotated
 fraction pod whose container sees its slice and is refused past its limit; a MIG pod with its instance's
 capability nodes; a pod naming a GpuSlice's claim; the kubelet restarted and the agent's pod replaced
-while claims are prepared; `helm uninstall` leaving only what docs/operations.md says; then a release of
-its own upgraded to a new image tag while a MIG pod, a fraction pod and two compute-share pods run.
+while claims are prepared; a pod's status showing its GPU's health through a critical Xid and a reset;
+`helm uninstall` leaving only what docs/operations.md says; then a release of its own upgraded to a new
+image tag while a MIG pod, a fraction pod and two compute-share pods run.
 
 The tests run in file order and share one release (module fixture): each step builds on the last.
 """
@@ -20,6 +21,8 @@ from typing import Any
 
 import pytest
 import yaml
+
+from mig_operator.gpu.simulated import SimulatedBackend
 
 # Needs a control plane, as tests/e2e: `pytest -m "not e2e"` leaves the suite out (and builds nothing).
 pytestmark = pytest.mark.e2e
@@ -335,6 +338,41 @@ def test_kubelet_restart_and_agent_replacement_keep_running_containers(release: 
     assert after["alloc"]["results"] == [2], after["alloc"]
     for name in ("steady", "after-kubelet", "after-agent"):
         node.kubectl("delete", "pod", name, "-n", TEAM, "--wait=true")
+
+
+# ---- a GPU that fails ----------------------------------------------------------------------------
+
+def test_a_pods_status_shows_its_gpus_health(release: RealNode) -> None:
+    """The kubelet (ResourceHealthStatus, on by default from 1.36) asks the plugin for its devices' health
+    and writes it in the pod's status: Unhealthy after a critical Xid on the slice's GPU, Healthy after
+    its reset."""
+    node = release
+    run_pod(node, probe_pod(node, "sick", annotations={"cdmo.io/gpu-memory": "2G"}, wait=True), until="Running")
+    pod = get(node, "pod", "sick", "-n", TEAM)
+    claim = pod["spec"]["resourceClaims"][0]["resourceClaimName"]
+    [used] = pod["spec"]["containers"][0]["resources"]["claims"]
+    name = f"claim:{used['name']}" + (f"/{used['request']}" if used.get("request") else "")
+    status = get(node, "gpuslice", claim, "-n", TEAM)["status"]
+    uid = get(node, "gpuslice", claim, "-n", TEAM)["metadata"]["uid"]
+    gpus = SimulatedBackend(SIM_BACKEND.removeprefix("sim:").split("x")[0], count=2, host=node.name,
+                            state_file=str(node.node_dir / "var/lib/mig-operator/simulated-gpus.json"))
+
+    def health() -> list[tuple[str, str, str, str]]:
+        container = (get(node, "pod", "sick", "-n", TEAM)["status"].get("containerStatuses") or [{}])[0]
+        return [(r["name"], h["resourceID"], h.get("health", ""), h.get("message", ""))
+                for r in container.get("allocatedResourcesStatus") or () for h in r.get("resources") or ()]
+
+    device = f"gpu.cdmo.io/slice={uid}"
+    wait_for(lambda: [h[:3] for h in health()] == [(name, device, "Healthy")], 120,
+             lambda: f"the pod's device Healthy: {health()}")
+    gpus.inject_xid(status["gpu"], 79)
+    wait_for(lambda: [h[:3] for h in health()] == [(name, device, "Unhealthy")], 120,
+             lambda: f"the pod's device Unhealthy: {health()}")
+    assert "Xid 79" in health()[0][3], health()
+    gpus.reset_gpu(status["gpu"])
+    wait_for(lambda: [h[:3] for h in health()] == [(name, device, "Healthy")], 120,
+             lambda: f"the pod's device Healthy again: {health()}")
+    node.kubectl("delete", "pod", "sick", "-n", TEAM, "--wait=true")
 
 
 # ---- uninstall -----------------------------------------------------------------------------------

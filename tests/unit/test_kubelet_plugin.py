@@ -40,7 +40,8 @@ def test_registration_prepare_unprepare_repeated(root: Path) -> None:
         try:
             info = await kubelet.register()
             assert (info.type, info.name, info.endpoint, list(info.supported_versions)) == \
-                ("DRAPlugin", "gpu.cdmo.io", str(root / "plug" / "dra.sock"), ["v1.DRAPlugin"])
+                ("DRAPlugin", "gpu.cdmo.io", str(root / "plug" / "dra.sock"),
+                 ["v1.DRAPlugin", "v1.DRAResourceHealth", "v1alpha1.DRAResourceHealth"])
             assert node.plugin is not None and node.plugin.registration.registered.is_set()
             # The kubelet deletes its node's ResourceSlices when it starts; registering writes it again.
             resource_slice = f"{CLAIMS}/resourceslices/{NODE}-gpu.cdmo.io"

@@ -22,6 +22,7 @@ import asyncio
 import logging
 from collections.abc import Mapping
 
+from mig_operator.core.node.health import GpuHealth
 from mig_operator.core.node.lifecycle import (
     FORGET,
     READY,
@@ -108,6 +109,14 @@ class NodeAgent:
 
     async def claim_released(self, slice_uid: str) -> None:
         await self.releaser.claim_released(slice_uid)
+
+    def device_health(self) -> list[tuple[str, GpuHealth | None]]:
+        """Each slice holding an instance here (its device name, the slice UID) and its GPU's health; None
+        while the GPU's health was never read."""
+        return [(entry.uid, self.health.health.get(entry.gpu)) for entry in self.store.record.owners.values()]
+
+    async def health_changed(self) -> None:
+        await self.health.next_change()
 
     def kubelet_registered(self) -> None:
         """The kubelet (re)registered the plugin: it deletes its node's ResourceSlices when it starts,

@@ -2,11 +2,13 @@
 ``health_poll_s`` (NVML's Xid events drained without waiting, and whether the GPU answers), published on
 the GpuNode (``gpus[].conditions``, type ``Healthy``) with an Event when it changes, and on each Ready
 slice realised on the GPU (condition ``DeviceHealthy``). An admin's clear mark on the Node (``NodeWatch``)
-makes the backend forget the Xids seen until its time (``core.node.health.xids_to_clear``).
+makes the backend forget the Xids seen until its time (``core.node.health.xids_to_clear``). The kubelet
+plugin's health stream waits on ``next_change``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from datetime import datetime
@@ -45,6 +47,11 @@ class HealthWatch:
         self.seen: dict[int, str] = {}  # when each GPU's current reading (its reason) was first seen
         self.events: list[tuple[str, str, str]] = []  # (type, reason, message) to post on the GpuNode
         self.shown: dict[str, bool] = {}  # slice UID -> the DeviceHealthy status its status carries
+        self._changed = asyncio.Event()  # set and replaced at each change: every waiter wakes once
+
+    async def next_change(self) -> None:
+        """Returns once a GPU's health (or its message) changes."""
+        await self._changed.wait()
 
     def of(self, gpu: int) -> GpuHealth:
         return self.health.get(gpu, HEALTHY)
@@ -94,6 +101,9 @@ class HealthWatch:
             else:
                 log.warning("GPU %s is unhealthy: %s", gpu.index, now.message)
                 self.events.append(("Warning", UNHEALTHY_EVENT, f"{now.message} ({gpu.uuid})"))
+        if changed:
+            self._changed.set()
+            self._changed = asyncio.Event()
         return changed
 
     async def _clear(self, cleared: datetime) -> None:

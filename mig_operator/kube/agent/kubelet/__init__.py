@@ -5,7 +5,9 @@ Two unix sockets, as the kubelet's plugin manager expects:
 - ``<registry dir>/gpu.cdmo.io-reg.sock``: the plugin registration service. The kubelet finds the
   socket, calls ``GetInfo`` (type ``DRAPlugin``, our name, the DRA socket, the service ``v1.DRAPlugin``)
   and then ``NotifyRegistrationStatus``.
-- ``<plugin dir>/dra.sock``: ``NodePrepareResources`` / ``NodeUnprepareResources``.
+- ``<plugin dir>/dra.sock``: ``NodePrepareResources`` / ``NodeUnprepareResources``, and the resource
+  health stream ``NodeWatchResources`` (``v1.DRAResourceHealth`` and ``v1alpha1``, listed in ``GetInfo``):
+  each device's health from its GPU's, for the pod's ``allocatedResourcesStatus``.
 
 Prepare reads each ResourceClaim from the API server, checks that what the scheduler allocated from
 this driver is a device of this node's pool, a slice the agent holds Ready, and that the claim is that
@@ -21,5 +23,5 @@ the pod's events.
 """
 
 # Rooms: ``settings`` (directories, sockets), ``files`` (what a prepare writes on the host),
-# ``prepare`` (what a claim needs before the kubelet starts its containers), ``transport`` (the two
-# gRPC servers on their unix sockets).
+# ``prepare`` (what a claim needs before the kubelet starts its containers), ``health`` (the devices'
+# health stream), ``transport`` (the two gRPC servers on their unix sockets).

@@ -23,6 +23,7 @@ from mig_operator.core.node.cdi import (
     spec_file_name,
 )
 from mig_operator.core.node.environment import shim_files
+from mig_operator.core.node.health import GpuHealth
 from mig_operator.core.node.lifecycle import OwnerEntry
 from mig_operator.core.placement.cluster import MODE_FRACTION, MODE_MIG
 from mig_operator.gpu.device_files import DeviceFileError, device_nodes
@@ -78,6 +79,15 @@ class SliceHolder(Protocol):
 
     def kubelet_registered(self) -> None:
         """The kubelet registered the plugin (it may have deleted the node's ResourceSlices)."""
+        ...
+
+    def device_health(self) -> list[tuple[str, GpuHealth | None]]:
+        """(device name, its GPU's health; None: not read yet) of each device this node's pool holds or held
+        for a claim still in use."""
+        ...
+
+    async def health_changed(self) -> None:
+        """Returns once a GPU's health changes."""
         ...
 
 

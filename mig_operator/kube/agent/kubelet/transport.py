@@ -1,5 +1,5 @@
 """The plugin's two gRPC servers, as the kubelet's plugin manager expects: the registration service
-and the DRA service, each on its unix socket."""
+and the DRA service (with the resource health service beside it), each on its unix socket."""
 
 from __future__ import annotations
 
@@ -14,11 +14,16 @@ from mig_operator.core.node.cdi import (
     DRIVER,
 )
 
-from ..kubeletapi import DRA_PLUGIN_SERVICE, DRA_PLUGIN_TYPE
+from ..kubeletapi import DRA_HEALTH_SERVICES, DRA_PLUGIN_SERVICE, DRA_PLUGIN_TYPE
+from ..kubeletapi import dra_health_v1_pb2 as health_v1
+from ..kubeletapi import dra_health_v1_pb2_grpc as health_v1_grpc
+from ..kubeletapi import dra_health_v1alpha1_pb2 as health_v1alpha1
+from ..kubeletapi import dra_health_v1alpha1_pb2_grpc as health_v1alpha1_grpc
 from ..kubeletapi import dra_v1_pb2 as dra
 from ..kubeletapi import dra_v1_pb2_grpc as dra_grpc
 from ..kubeletapi import pluginregistration_v1_pb2 as reg
 from ..kubeletapi import pluginregistration_v1_pb2_grpc as reg_grpc
+from .health import HealthService
 from .prepare import ClaimPreparer, SliceHolder
 from .settings import PluginSettings
 
@@ -33,7 +38,7 @@ class _Registration(reg_grpc.RegistrationServicer):
 
     async def GetInfo(self, request: reg.InfoRequest, context: grpc.aio.ServicerContext) -> reg.PluginInfo:  # noqa: N802
         return reg.PluginInfo(type=DRA_PLUGIN_TYPE, name=DRIVER, endpoint=self.settings.dra_socket,
-                              supported_versions=[DRA_PLUGIN_SERVICE])
+                              supported_versions=[DRA_PLUGIN_SERVICE, *DRA_HEALTH_SERVICES])
 
     async def NotifyRegistrationStatus(self, request: reg.RegistrationStatus,  # noqa: N802
                                        context: grpc.aio.ServicerContext) -> reg.RegistrationStatusResponse:
@@ -64,6 +69,7 @@ class KubeletPlugin:
 
     def __init__(self, holder: SliceHolder, settings: PluginSettings) -> None:
         self.settings = settings
+        self.holder = holder
         self.preparer = ClaimPreparer(holder, settings)
         self.registration = _Registration(holder, settings)
         self._servers: list[grpc.aio.Server] = []
@@ -81,6 +87,9 @@ class KubeletPlugin:
         await self.preparer.resync()
         dra_server = grpc.aio.server()
         dra_grpc.add_DRAPluginServicer_to_server(_DraService(self.preparer), dra_server)
+        health_v1_grpc.add_DRAResourceHealthServicer_to_server(HealthService(self.holder, health_v1), dra_server)
+        health_v1alpha1_grpc.add_DRAResourceHealthServicer_to_server(
+            HealthService(self.holder, health_v1alpha1), dra_server)
         await self._serve(dra_server, self.settings.dra_socket)
         # Registration last: the kubelet calls the DRA socket as soon as it has registered us.
         reg_server = grpc.aio.server()
