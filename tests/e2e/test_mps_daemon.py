@@ -19,7 +19,7 @@ import socket
 import subprocess
 from pathlib import Path
 
-from harness import OperatorHarness, SimNode, wait_until
+from harness import OperatorHarness, Proc, SimNode, wait_until
 from test_resource_slices import Kubelet, _registered, allocated_claim, claim_of, short_dir  # noqa: F401
 
 from mig_operator.kube.agent.kubeletapi import dra_v1_pb2 as dra
@@ -38,6 +38,11 @@ def daemon_pid(root: Path) -> int | None:
     except FileNotFoundError:
         return None
     return pid if b"mps_standin" in cmdline else None
+
+
+def adopted_lines(agent: Proc, uuid: str) -> int:
+    """How many times the agent's log says it adopted the GPU's running daemon (one line per start)."""
+    return agent.log.read_text(errors="replace").count(f"MPS control daemon of {uuid} adopted")
 
 
 def ask(root: Path, command: str) -> str:
@@ -117,10 +122,11 @@ def test_the_daemon_starts_with_the_first_share_is_adopted_and_stops_with_the_la
             kubelet.close()
 
         # SIGKILL the agent: the restarted one adopts the daemon that answers.
+        adoptions = adopted_lines(agent, uuid)
         operator.kill(agent)
         assert daemon_pid(root) == first
         operator.start(agent)
-        wait_until(lambda: "adopted" in agent.tail(200), 30, lambda: f"adoption\n{operator.logs()}")
+        wait_until(lambda: adopted_lines(agent, uuid) > adoptions, 30, lambda: f"adoption\n{operator.logs()}")
         assert daemon_pid(root) == first
 
         # The daemon dies and cannot be started again (its pipe directory blocked): a new share fails,
@@ -206,10 +212,11 @@ def test_with_the_mps_host_the_daemon_is_the_hosts_and_outlives_the_agent(
         assert ask(root, "get_default_active_thread_percentage") == "25.0"
 
         # The agent replaced (SIGTERM, as a pod is): the next one adopts the host's daemon, nothing restarted.
+        adoptions = adopted_lines(agent, uuid)
         operator.stop(agent)
         assert daemon_pid(root) == first
         operator.start(agent)
-        wait_until(lambda: "adopted" in agent.tail(200), 30, lambda: f"adoption\n{operator.logs()}")
+        wait_until(lambda: adopted_lines(agent, uuid) > adoptions, 30, lambda: f"adoption\n{operator.logs()}")
         operator.create_slice(ns, "train", {"memory": "8Gi", "compute": 0.5, "nodeName": node.name})
         operator.wait_phase(ns, "train", "Ready")
         assert daemon_pid(root) == first and ask(root, "get_default_active_thread_percentage") == "50.0"

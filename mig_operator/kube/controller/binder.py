@@ -58,7 +58,7 @@ from ..common.finalizers import remove_finalizer
 from ..common.names import AGENT_FINALIZER
 from ..common.trim import node_body, owned_body, slice_body
 from ..common.workqueue import WorkQueue
-from .observe import inventory, inventory_node, node_record, slice_record
+from .observe import SliceSeen, inventory, inventory_node, node_record, slice_record
 
 log = logging.getLogger("mig_operator.controller")
 QUOTAS_PATH = "/apis/cdmo.io/v1alpha1/gpuquotas"
@@ -107,6 +107,7 @@ class Binder:
         self.on_slice_going: list[Callable[[SliceRecord], Awaitable[None]]] = []
         # Told the namespace whose quota use or waiting slices may have changed (the GpuQuota status).
         self.on_namespace_changed: list[Callable[[str], None]] = []
+        self.seen: SliceSeen | None = None  # a binding's answer, observed (its claim and pod looked at now)
 
     # ---- full lists ----------------------------------------------------------------------------
 
@@ -283,7 +284,7 @@ class Binder:
         if self.ledger.line.in_line(info.namespace):
             self.request_replan()
             return
-        await self.bind(uid)  # the binding's watch event has its claim and its pod looked at
+        await self.bind(uid)  # the binding's answer has its claim and its pod looked at (``seen``)
 
     async def bind(self, uid: str, refused: dict | None = None) -> BindOutcome | None:
         """Decide for slice ``uid`` (with its group) and write the bindings, or the refusal (Pending
@@ -379,6 +380,8 @@ class Binder:
                  f", reclaiming {len(reclaim)} idle instance(s)" if reclaim else "")
         if updated.binding is not None and not updated.marked:  # (not if its agent wrote Failed meanwhile)
             self._queue_mark(updated)
+        if self.seen is not None:
+            await self.seen(answer)
 
     def _queue_mark(self, info: SliceRecord) -> None:
         self.queue.add(("mark", info.namespace, info.uid), lambda: self._mark_now(info.uid))

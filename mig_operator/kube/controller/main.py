@@ -91,8 +91,10 @@ def build_registry(options: ControllerOptions) -> kopf.OperatorRegistry:
         quotas = QuotaStatus(client, binder)
         binder.on_slice_going.append(claims.slice_going)
         binder.on_resync.extend([claims.resync, pods.resync, quotas.resync])
-        await binder.resync()
         state.update(client=client, binder=binder, pods=pods, claims=claims, quotas=quotas)
+        # A slice's write answer (made, bound) is observed as its watch event would be.
+        binder.seen = pods.seen = lambda body: slice_event(body, "MODIFIED")
+        await binder.resync()
 
     async def slice_event(body: dict[str, Any], type: str | None) -> None:
         binder: Binder = state["binder"]

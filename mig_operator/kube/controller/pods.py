@@ -58,7 +58,7 @@ from ..common.names import (
 from ..common.trim import pod_body
 from ..common.workqueue import Requeue, WorkQueue
 from .claims import SliceClaims
-from .observe import gated, group_of, owned_by, pod_record
+from .observe import SliceSeen, gated, group_of, owned_by, pod_record
 from .pod_nodes import HOSTNAME_LABEL, eligible, hostname
 
 log = logging.getLogger("mig_operator.controller.pods")
@@ -130,6 +130,7 @@ class PodSlices:
         self.state = state
         self.claims = claims
         self.queue = queue
+        self.seen: SliceSeen | None = None  # a slice made, as the API returned it: planned now
 
     def pod(self, key: tuple[str, str]) -> dict[str, Any] | None:
         """The pod of ``key`` (namespace, pod group) as last seen, None when none is."""
@@ -264,12 +265,13 @@ class PodSlices:
                                  **({"annotations": extra} if extra else {})},
                     "spec": spec}
             try:
-                await self.client.create(slices_path(meta["namespace"]), body)
+                made = await self.client.create(slices_path(meta["namespace"]), body)
             except ApiError as exc:
                 if not exc.conflict:
                     raise
                 continue
-            # Its watch event puts it in the ledger and has the binder plan it.
+            if self.seen is not None:
+                await self.seen(made)  # in the ledger and planned now; its watch event comes later, as old
             log.debug("pod %s/%s: GpuSlice %s made", meta["namespace"], meta["name"], name)
         return names
 
