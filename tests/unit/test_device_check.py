@@ -54,6 +54,17 @@ def test_a_mig_device_of_another_slice_is_refused() -> None:
     assert MIG_DEVICE in verdict.message and "team/other" in verdict.message
 
 
+def test_a_mig_device_the_gpunode_still_lists_as_a_released_slices_is_waited_for_not_refused() -> None:
+    # The agent released the other slice and reused its idle instance for this one; its GpuNode's next
+    # publish names the new owner. Until then nothing is handed on, and no mismatch is reported.
+    released = {OTHER_UID: False, UID: True}
+    verdict = check_ready_device(UID, MIG_DEVICE, MIG, node(instance(owner=OTHER_UID)), released.__getitem__)
+    assert (verdict.action, verdict.reason) == (WAIT, DEVICE_NOT_LISTED)
+    assert MIG_DEVICE in verdict.message and "released" in verdict.message
+    held = {OTHER_UID: True, UID: True}
+    assert check_ready_device(UID, MIG_DEVICE, MIG, node(instance(owner=OTHER_UID)), held.__getitem__).action == REFUSE
+
+
 @pytest.mark.parametrize(("profile_id", "start", "size"), [(9, START, SIZE), (PROFILE_ID, START + 1, SIZE),
                                                             (PROFILE_ID, START - 1, SIZE), (PROFILE_ID, START, 2)])
 def test_a_mig_device_at_another_placement_or_profile_is_refused(profile_id: int, start: int, size: int) -> None:

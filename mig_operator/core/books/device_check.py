@@ -18,6 +18,7 @@ the slice's claim and for its pod alike.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..node.lifecycle import BOUND, READY
@@ -41,10 +42,16 @@ class DeviceVerdict:
     message: str = ""
 
 
-def check_ready_device(uid: str, device_uuid: str, binding: Binding, inventory: NodeInventory | None
-                       ) -> DeviceVerdict:
+def _always_held(uid: str) -> bool:
+    return True
+
+
+def check_ready_device(uid: str, device_uuid: str, binding: Binding, inventory: NodeInventory | None,
+                       held: Callable[[str], bool] = _always_held) -> DeviceVerdict:
     """Is ``device_uuid`` (a Ready slice's status) the device of slice ``uid``'s ``binding`` on
-    ``inventory`` (the GpuNode of ``binding.node``, None when there is none)?"""
+    ``inventory`` (the GpuNode of ``binding.node``, None when there is none)? ``held(owner)``: whether
+    the slice a GpuNode names as an instance's owner still holds it (it exists and is not being
+    deleted); one that does not was released, and its agent's next publish names the new owner."""
     where = f"GPU {binding.gpu} of node {binding.node}"
     if not device_uuid:
         return DeviceVerdict(REFUSE, DEVICE_MISMATCH, f"the slice is Ready on {where} but names no device")
@@ -71,6 +78,10 @@ def check_ready_device(uid: str, device_uuid: str, binding: Binding, inventory: 
         return DeviceVerdict(WAIT, DEVICE_NOT_LISTED, f"the GpuNode of node {binding.node} does not list "
                                                       f"device {device_uuid} on GPU {binding.gpu} (yet)")
     if instance.slice_uid and instance.slice_uid != uid:
+        if not held(instance.slice_uid):
+            return DeviceVerdict(WAIT, DEVICE_NOT_LISTED, (
+                f"the GpuNode of node {binding.node} still lists device {device_uuid} as released slice "
+                f"{instance.slice or instance.slice_uid}'s"))
         return DeviceVerdict(REFUSE, DEVICE_MISMATCH, f"device {device_uuid} on {where} belongs to slice "
                                                       f"{instance.slice or instance.slice_uid}")
     if (instance.profile_id, instance.start, instance.size) != (binding.profile_id, binding.start, binding.size):
@@ -99,12 +110,13 @@ def check_bound_device(uid: str, binding: Binding, inventory: NodeInventory | No
 
 
 def check_slice_device(uid: str, phase: str | None, device_uuid: str, binding: Binding,
-                       inventory: NodeInventory | None, early: bool) -> DeviceVerdict:
+                       inventory: NodeInventory | None, early: bool,
+                       held: Callable[[str], bool] = _always_held) -> DeviceVerdict:
     """Whether slice ``uid``, in ``phase`` with ``binding``, may have its device handed on: Ready with
     ``device_uuid`` checked (``check_ready_device``), or, a pod's slice (``early``), Bound onto a device
     its agent takes without an NVML call (``check_bound_device``); ``WAIT`` in any other phase."""
     if phase == READY:
-        return check_ready_device(uid, device_uuid, binding, inventory)
+        return check_ready_device(uid, device_uuid, binding, inventory, held)
     if phase == BOUND and early:
         return check_bound_device(uid, binding, inventory)
     return DeviceVerdict(WAIT)

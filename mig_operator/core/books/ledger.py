@@ -266,7 +266,8 @@ class Ledger:
             return DeviceVerdict("wait"), 0.0
         status = info.body.get("status") or {}
         verdict = check_slice_device(uid, info.phase, str(status.get("deviceUUID") or ""), info.binding,
-                                     self.inventories.get(info.binding.node), early=info.pod_owner is not None)
+                                     self.inventories.get(info.binding.node), early=info.pod_owner is not None,
+                                     held=self._holds_device)
         key = (info.namespace, info.name)
         if verdict.action == ACCEPT or info.phase != READY:  # a slice not Ready yet: its Ready event comes
             self._device_waits.get(info.binding.node, set()).discard(key)
@@ -300,6 +301,11 @@ class Ledger:
 
     def unreserve_failed(self, uid: str) -> None:
         self._unreserved.discard(uid)
+
+    def _holds_device(self, uid: str) -> bool:
+        """Whether slice ``uid`` still holds the device a GpuNode names it the owner of."""
+        info = self.slices.get(uid)
+        return info is not None and not info.deleting
 
     def take_device_waits(self, node: str) -> list[tuple[str, str]]:
         """The slices (namespace, name) whose device ``node``'s GpuNode did not list, in order; they wait

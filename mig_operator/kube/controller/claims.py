@@ -242,6 +242,18 @@ class SliceClaims:
         log.debug("slice %s: ResourceClaim %s allocated on node %s", info.ref, info.name, node)
         return allocated
 
+    async def delete_finished(self, info: SliceRecord) -> None:
+        """Delete the claim of a finished pod's slice. kube-controller-manager takes a finished pod's
+        reservation off a claim, but reserves an allocated claim again for any pod bound to a node,
+        finished or not; it stops only for a claim it deallocates, and it deallocates only claims
+        kube-scheduler allocated. Left, the claim would hold the slice (``claim_hold``) on and off
+        until the pod object goes. The kubelet unprepares a deleted claim from its own checkpoint."""
+        try:
+            await self.client.delete(claim_path(info.namespace, info.name))
+        except ApiError as exc:
+            if not exc.not_found:
+                raise
+
     async def unreserve(self, info: SliceRecord) -> None:
         """Take the reservation for the slice's pod off its claim (written with the allocation), once:
         the caller knows the pod is still gated, so nothing ran on the device, and the slice goes.

@@ -10,8 +10,8 @@ ResourceClaim (same name) in the pod and its containers. Here the controller:
    reserves the claim and binds the pod there, and the kubelet has the agent prepare the device;
 3. while the slice cannot be served, leaves the gate on and posts an Event with the reason on the pod;
 4. once the pod has finished (phase Succeeded or Failed: a Job's pod, kept until its Job goes),
-   deletes its GpuSlice, so the instance is released as when the pod is deleted. A finished pod's
-   containers never run again.
+   deletes its GpuSlice and that slice's ResourceClaim, so the instance is released as when the pod is
+   deleted. A finished pod's containers never run again.
 
 The slice's node must be one the pod may run on, or the pinned pod would never be scheduled: a pod
 with a ``nodeSelector`` or required node affinity gets a slice pinned to the one GPU node they allow
@@ -200,8 +200,10 @@ class PodSlices:
             await self.claims.unreserve(info)
 
     async def _release(self, pod: Mapping[str, Any], key: tuple[str, str]) -> None:
-        """Delete a finished pod's slices (its own only): the agent then releases the instances."""
+        """Delete a finished pod's slices (its own only) and their claims (``claims.delete_finished``):
+        the agent then releases the instances."""
         for info in self._own_slices(pod, key):
+            await self.claims.delete_finished(info)
             if info.deleting:
                 continue
             try:
