@@ -147,8 +147,8 @@ class Binder:
             return []
 
     def listing_event(self) -> None:
-        """An object seen in a watch's listing: at start, when a standby replica becomes the active one, or
-        after a watch was lost. What another replica wrote meanwhile reaches the books one object at a
+        """An object of any kind seen in a watch's listing: at start, when a standby replica becomes the
+        active one, or after a watch was lost. What another replica wrote meanwhile reaches the books one object at a
         time, in no order, so a slice planned now could be placed on an instance whose binding is still
         on its way. The first event of a listing stops binding until the books are read afresh."""
         now = time.monotonic()

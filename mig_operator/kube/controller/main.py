@@ -29,7 +29,7 @@ from ..common.names import (
     SLICES,
     VERSION,
 )
-from ..common.operator import on_event, register_login, tune
+from ..common.operator import EventFn, on_event, register_login, tune
 from ..common.trim import node_body, owned_body, pod_body, slice_body
 from .binder import Binder
 from .claims import SliceClaims
@@ -98,8 +98,6 @@ def build_registry(options: ControllerOptions) -> kopf.OperatorRegistry:
 
     async def slice_event(body: dict[str, Any], type: str | None) -> None:
         binder: Binder = state["binder"]
-        if type is None:
-            binder.listing_event()
         info = await binder.slice_event(body, deleted=type == "DELETED")
         binder.publish_counts()
         if type == "DELETED":
@@ -109,8 +107,6 @@ def build_registry(options: ControllerOptions) -> kopf.OperatorRegistry:
             state["pods"].look(info.namespace, info.name)
 
     async def gpunode_event(body: dict[str, Any], type: str | None) -> None:
-        if type is None:
-            state["binder"].listing_event()
         state["binder"].inventory_event(body, deleted=type == "DELETED")
         # A device a slice names may have just been published: its claim and pod are looked at again.
         node = (body.get("spec") or {}).get("nodeName") or body["metadata"]["name"]
@@ -128,11 +124,22 @@ def build_registry(options: ControllerOptions) -> kopf.OperatorRegistry:
     async def pod_event(body: dict[str, Any], type: str | None) -> None:
         await state["pods"].pod_event(body, deleted=type == "DELETED")
 
+    def listed_first(fn: EventFn) -> EventFn:
+        """A watch's listing (events of type None) of any kind, at start or when this standby becomes
+        the active replica, stops binding until the books are read afresh (``Binder.listing_event``):
+        the first event a resumed replica acts on may be a pod's, whose new slice would otherwise be
+        planned on books as old as the replica's last full read."""
+        async def observed(body: dict[str, Any], type: str | None) -> None:
+            if type is None:
+                state["binder"].listing_event()
+            await fn(body, type)
+        return observed
+
     # Each kind's transform (kube/common/trim.py) keeps what the handlers and the books read.
     for group, plural, fn, keep in ((GROUP, SLICES, slice_event, slice_body), (GROUP, NODES, gpunode_event, owned_body),
                                     (GROUP, QUOTAS, gpuquota_event, owned_body), ("", "nodes", node_event, node_body),
                                     ("", "pods", pod_event, pod_body)):
-        on_event(registry, group, VERSION if group else "v1", plural, fn, keep)
+        on_event(registry, group, VERSION if group else "v1", plural, listed_first(fn), keep)
 
     @kopf.on.cleanup(registry=registry)
     async def cleanup(**_: Any) -> None:
