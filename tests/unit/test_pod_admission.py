@@ -609,10 +609,13 @@ def _pod(phase: str, gated: bool = False) -> dict:
 
 
 @pytest.mark.parametrize("phase", ["Succeeded", "Failed"])
-def test_a_finished_pod_has_its_slice_deleted(phase: str) -> None:
+def test_a_finished_pod_has_its_slice_and_the_slices_claim_deleted(phase: str) -> None:
+    # The claim first: kube-controller-manager reserves an allocated claim again for a bound pod,
+    # finished or not, and a reserved claim holds the slice.
     pods, client, _ = _pod_slices("pod-uid")
     _settle(pods, pods.pod_event(_pod(phase), deleted=False))
-    assert client.calls == [("DELETE", "/apis/cdmo.io/v1alpha1/namespaces/ns/gpuslices/p-gs-1")]
+    assert client.calls == [("DELETE", "/apis/resource.k8s.io/v1/namespaces/ns/resourceclaims/p-gs-1"),
+                            ("DELETE", "/apis/cdmo.io/v1alpha1/namespaces/ns/gpuslices/p-gs-1")]
 
 
 @pytest.mark.parametrize("phase", ["Running", "Pending"])
