@@ -71,9 +71,6 @@ def add_part_commands(sub: argparse._SubParsersAction, common: argparse.Argument
     p.add_argument("--toolkit-config", default=TOOLKIT_CONFIG,
                    help="the node's NVIDIA container toolkit config.toml, read for the GpuNode's RuntimeTrusted "
                    "condition ('' publishes none)")
-    p.add_argument("--mps-host", action="store_true",
-                   help="the node's MPS host (mig-operator mps-host, a pod of its own) starts the MPS control "
-                   "daemons, so they outlive this agent; default: the agent starts them itself")
     p.set_defaults(func=cmd_agent)
 
     p = sub.add_parser("mps-host", help="run the node's MPS control daemons for the agent (its own pod, so "
@@ -119,7 +116,7 @@ def cmd_controller(args: argparse.Namespace) -> int:
 
 def cmd_agent(args: argparse.Namespace) -> int:
     from ..gpu import open_backend
-    from ..gpu.mps import HostedMps, MpsControl, mps_for_backend
+    from ..gpu.mps import HostedMps, mps_for_backend
     from ..kube.agent.context import AgentSettings
     from ..kube.agent.kubelet.settings import MAX_SOCKET_PATH, PluginSettings, socket_paths_fit
     from ..kube.agent.main import AgentOptions, node_exists, run_agent
@@ -183,9 +180,9 @@ def cmd_agent(args: argparse.Namespace) -> int:
                              toolkit_config=toolkit_config, device_taint_effect=args.device_taint_effect)
     # The simulator's MPS stand-ins keep their directories beside its state, as its GPUs do.
     simulated = args.backend.startswith("sim:") and args.state_file
-    mps: MpsControl = mps_for_backend(args.backend, f"{args.state_file}.mps" if simulated else plugin.mps_host_dir)
-    if args.mps_host:
-        mps = HostedMps(mps)
+    # The node's MPS host (mig-operator mps-host, a pod of its own) starts the MPS control daemons, so
+    # they and their clients outlive this agent; the agent asks it through each GPU's directory.
+    mps = HostedMps(mps_for_backend(args.backend, f"{args.state_file}.mps" if simulated else plugin.mps_host_dir))
     run_agent(AgentOptions(settings, record_file, args.kubeconfig, args.metrics_address, metrics_socket, plugin,
                            mps), backend)
     return 0

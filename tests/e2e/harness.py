@@ -219,15 +219,19 @@ class OperatorHarness:
         wait_until(ready, timeout, lambda: f"the webhook on port {self.webhook_port}\n{self.logs()}")
 
     def agent(self, node: SimNode, env: Mapping[str, str] | None = None, *args: str) -> Proc:
+        """The node's agent, with its MPS host beside it (``mps_host``), as the chart runs them."""
+        self.mps_host(node)
         return self._spawn(f"agent-{node.name}", [
             "agent", "--node", node.name, "--backend", node.backend_spec, "--state-file", str(node.state_file),
             "--nvml-attempts", "3", *args,
         ], env)
 
     def mps_host(self, node: SimNode) -> Proc:
-        """``mig-operator mps-host`` beside the node's agent, as the chart runs it (the agent with ``--mps-host``)."""
-        return self._spawn(f"mps-host-{node.name}", ["mps-host", "--backend", node.backend_spec,
-                                                     "--mps-dir", f"{node.state_file}.mps"])
+        """``mig-operator mps-host`` of the node (its MPS directory beside the simulator's state, where
+        the agent looks): the one running, else a new one."""
+        running = next((p for p in self.procs if p.name == f"mps-host-{node.name}" and p.alive), None)
+        return running or self._spawn(f"mps-host-{node.name}", ["mps-host", "--backend", node.backend_spec,
+                                                                "--mps-dir", f"{node.state_file}.mps"])
 
     def start_operator(self, *nodes: SimNode, webhook: bool | str = False) -> None:
         """An agent per node, each GpuNode published, then the controller (with the webhook, if asked;

@@ -192,12 +192,12 @@ def test_the_daemon_starts_with_the_first_share_is_adopted_and_stops_with_the_la
 
 def test_with_the_mps_host_the_daemon_is_the_hosts_and_outlives_the_agent(
         operator: OperatorHarness, short_dir: Path) -> None:  # noqa: F811
-    """As the chart runs it: the agent (--mps-host) asks the node's MPS host (``mig-operator mps-host``)
-    for the daemon; the agent replaced, the daemon and its settings stay; no host, no new daemon."""
+    """As the chart runs it: the agent asks the node's MPS host (``mig-operator mps-host``) for the
+    daemon; the agent replaced, the daemon and its settings stay; no host, no new daemon."""
     node = operator.add_node("l4-24gb", labelled=False)
     mps_dir = f"{node.state_file}.mps"
     host = operator.mps_host(node)
-    agent = operator.agent(node, None, "--kubelet-registry-dir", "", "--mps-host")
+    agent = operator.agent(node, None, "--kubelet-registry-dir", "")
     uuid = operator.wait_gpunode(node)["status"]["gpus"][0]["uuid"]
     operator.controller()
     root = Path(mps_dir) / uuid

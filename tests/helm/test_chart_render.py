@@ -569,14 +569,13 @@ def test_the_controller_runs_unprivileged_and_the_agent_privileged_in_no_host_na
 def test_the_mps_host_runs_the_daemons_where_the_agent_looks_for_them_and_outlives_an_upgrade(
         render: Any, name: str) -> None:
     """The MPS host pod (mig-operator mps-host) shares the agent's MPS directory (as the agent derives it
-    from its flags), runs on the agent's nodes, is not replaced by an upgrade (OnDelete), and the agent
-    asks it for the daemons (--mps-host)."""
+    from its flags), runs on the agent's nodes and is not replaced by an upgrade (OnDelete)."""
     from mig_operator.kube.agent.kubelet.settings import PluginSettings
 
     docs = render(*VARIANTS[name], namespace="gpu-system")
     agent_set, host_set = workload(docs, "DaemonSet", "agent"), workload(docs, "DaemonSet", "mps-host")
     agent, host = _args(container(docs, "DaemonSet", "agent")), _args(container(docs, "DaemonSet", "mps-host"))
-    assert (agent.command, host.command, agent.mps_host) == ("agent", "mps-host", True)
+    assert (agent.command, host.command) == ("agent", "mps-host")
     assert host.backend == agent.backend
     expected = (f"{agent.state_file}.mps" if agent.backend.startswith("sim:")
                 else PluginSettings(shim_host_dir=agent.shim_host_dir).mps_host_dir)
