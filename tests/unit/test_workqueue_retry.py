@@ -16,7 +16,7 @@ from prometheus_client import REGISTRY
 
 from mig_operator.kube.common.client import ApiError
 from mig_operator.kube.common.workqueue import Requeue, WorkQueue, key_kind, key_namespace
-from mig_operator.kube.controller.binder import Binder
+from mig_operator.kube.controller.binder import assemble
 
 BASE, CAP = 0.05, 0.2
 EARLY = 0.003  # a timer may fire up to the clock's resolution early
@@ -261,7 +261,8 @@ def test_an_invalid_specs_failed_status_write_is_retried_on_its_key_until_writte
     before = _retries("invalid")
 
     async def main() -> None:
-        binder = Binder(client, events, resync_s=3600, queue=WorkQueue(base_delay_s=0.01, max_delay_s=0.05))  # type: ignore[arg-type]
+        binder = assemble(client, events, resync_s=3600,  # type: ignore[arg-type]
+                          queue=WorkQueue(base_delay_s=0.01, max_delay_s=0.05))
         binder._last_resync = time.monotonic()  # no full list in this test: the client answers status writes only
         await binder.slice_event(body, deleted=False)
         assert client.writes == 0, "the watch handler writes nothing itself"

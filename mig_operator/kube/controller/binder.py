@@ -33,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -58,7 +58,10 @@ from ..common.finalizers import remove_finalizer
 from ..common.names import AGENT_FINALIZER
 from ..common.trim import node_body, owned_body, slice_body
 from ..common.workqueue import WorkQueue
-from .observe import SliceSeen, inventory, inventory_node, node_record, slice_record
+from .claims import SliceClaims
+from .observe import inventory, inventory_node, node_record, slice_record
+from .pods import PodSlices
+from .quotas import QuotaStatus
 
 log = logging.getLogger("mig_operator.controller")
 QUOTAS_PATH = "/apis/cdmo.io/v1alpha1/gpuquotas"
@@ -87,13 +90,21 @@ def _created_s(created: str) -> float | None:
 
 
 class Binder:
-    def __init__(self, client: KubeClient, events: EventPoster, planner: PlannerSettings | None = None,
-                 resync_s: float = 30.0, hold_s: float = DEFAULT_HOLD_S, quota_required: bool = False,
-                 queue: WorkQueue | None = None) -> None:
+    """Binds slices; the controller's other parts are its own (``assemble``): a slice's claim and pod
+    are looked at once its binding is written, its claim's reservation goes before the binder gives a
+    group's part back, every part looks at everything again after a full read, and the GpuQuota status
+    follows the namespaces whose use or waiting slices changed."""
+
+    def __init__(self, client: KubeClient, events: EventPoster, ledger: Ledger, queue: WorkQueue,
+                 claims: SliceClaims, pods: PodSlices, quotas: QuotaStatus, resync_s: float = 30.0,
+                 hold_s: float = DEFAULT_HOLD_S) -> None:
         self.client = client
-        self.queue = queue or WorkQueue()  # shared with the controller's other parts
+        self.queue = queue  # shared with the controller's other parts
         self.events = events
-        self.ledger = Ledger(planner, quota_required)
+        self.ledger = ledger
+        self.claims = claims
+        self.pods = pods
+        self.quotas = quotas
         self.resync_s = resync_s
         self.hold_s = hold_s
         self._lock = asyncio.Lock()  # one full list at a time
@@ -102,18 +113,12 @@ class Binder:
         # False from the start of a watch's listing until a full read after it: nothing is bound meanwhile.
         self.synced = True
         self._listing_seen = 0.0
-        self.on_resync: list[Callable[[], Awaitable[None]]] = []
-        # Told a slice that is being deleted, or that the binder is about to delete (a group's part given back).
-        self.on_slice_going: list[Callable[[SliceRecord], Awaitable[None]]] = []
-        # Told the namespace whose quota use or waiting slices may have changed (the GpuQuota status).
-        self.on_namespace_changed: list[Callable[[str], None]] = []
-        self.seen: SliceSeen | None = None  # a binding's answer, observed (its claim and pod looked at now)
 
     # ---- full lists ----------------------------------------------------------------------------
 
     async def resync(self) -> None:
-        """Read slices, inventories and nodes afresh, then finish what is unfinished
-        (and whatever else registered in ``on_resync``, e.g. the pods)."""
+        """Read slices, inventories and nodes afresh, then finish what is unfinished, and have the claims,
+        the pods and the quota status looked at again."""
         async with self._lock:
             (slices, listed_at), inventories, quotas, listed_nodes = await asyncio.gather(
                 self.client.list_at(slices_path(), keep=slice_body), self.client.list(gpunodes_path(), keep=owned_body),
@@ -131,8 +136,8 @@ class Binder:
         for info in list(self.ledger.slices.values()):
             if info.binding is not None and not info.marked and not info.deleting:
                 self._queue_mark(info)
-        for extra in self.on_resync:
-            await self._guard(extra())
+        for extra in (self.claims.resync(), self.pods.resync(), self.quotas.resync()):
+            await self._guard(extra)
         self.request_replan()
 
     async def _list_quotas(self) -> list[dict]:
@@ -199,8 +204,7 @@ class Binder:
             # it, at once or once its claim is no longer in use.
             if info.binding is None and AGENT_FINALIZER in (info.body["metadata"].get("finalizers") or ()):
                 self.queue.add(("let-go", info.namespace, info.uid), lambda: self._let_go_unbound(info))
-            if self.on_slice_going:
-                self.queue.add(("going", info.namespace, info.uid), lambda: self._going(info.uid))
+            self.queue.add(("going", info.namespace, info.uid), lambda: self._going(info.uid))
             return None
         if info.invalid and info.phase != "Failed":
             self.queue.add(("invalid", info.namespace, info.uid), lambda: self._fail_invalid(info.uid))
@@ -215,12 +219,11 @@ class Binder:
         return info
 
     async def _going(self, uid: str) -> None:
-        """A slice's key once it is being deleted: the other parts let it go (``on_slice_going``)."""
+        """A slice's key once it is being deleted: its claim lets it go (``SliceClaims.slice_going``)."""
         info = self.ledger.slices.get(uid)
         if info is None:
             return  # gone already, and its claim with it
-        for callback in self.on_slice_going:
-            await callback(info)
+        await self.claims.slice_going(info)
 
     async def _fail_invalid(self, uid: str) -> None:
         """A slice's key while its spec cannot be served (an API server without CEL let it in): phase
@@ -266,11 +269,7 @@ class Binder:
             self._namespace_changed(namespace)
 
     def _namespace_changed(self, namespace: str) -> None:
-        for callback in self.on_namespace_changed:
-            callback(namespace)
-
-    def quota_waiting(self, namespace: str) -> int:
-        return self.ledger.line.quota_waiting(namespace)
+        self.quotas.changed(namespace)
 
     # ---- deciding and acting -------------------------------------------------------------------
 
@@ -308,8 +307,7 @@ class Binder:
                 await self._refuse(member, decision.refusal)
             for member in decision.give_back:
                 log.info("slice %s given back: the rest of its group cannot be placed beside it", member.ref)
-                for callback in self.on_slice_going:
-                    await callback(member)
+                await self.claims.slice_going(member)
                 await self._delete(member)
             return BindOutcome(False, decision.refusal.code, decision.could_fit)
         return await self._act(decision, started)
@@ -380,8 +378,11 @@ class Binder:
                  f", reclaiming {len(reclaim)} idle instance(s)" if reclaim else "")
         if updated.binding is not None and not updated.marked:  # (not if its agent wrote Failed meanwhile)
             self._queue_mark(updated)
-        if self.seen is not None:
-            await self.seen(answer)
+        # Observed as its watch event will be: its claim and its pod are looked at now.
+        self.publish_counts()
+        if not updated.deleting:
+            self.claims.look(updated.namespace, updated.name)
+            self.pods.look(updated.namespace, updated.name)
 
     def _queue_mark(self, info: SliceRecord) -> None:
         self.queue.add(("mark", info.namespace, info.uid), lambda: self._mark_now(info.uid))
@@ -526,3 +527,16 @@ class Binder:
         metrics.PENDING_SLICES.clear()
         for reason, count in self.ledger.line.by_reason().items():
             metrics.PENDING_SLICES.labels(reason).set(count)
+
+
+def assemble(client: KubeClient, events: EventPoster, planner: PlannerSettings | None = None,
+             quota_required: bool = False, resync_s: float = 30.0, hold_s: float = DEFAULT_HOLD_S,
+             queue: WorkQueue | None = None) -> Binder:
+    """The controller's parts on one ledger and one work queue: the binder, with the slices' claims,
+    the annotated pods and the GpuQuota status as its own."""
+    ledger = Ledger(planner, quota_required)
+    queue = queue or WorkQueue()
+    claims = SliceClaims(client, events, ledger, queue)
+    pods = PodSlices(client, events, ledger, claims, queue)
+    quotas = QuotaStatus(client, ledger, queue)
+    return Binder(client, events, ledger, queue, claims, pods, quotas, resync_s=resync_s, hold_s=hold_s)

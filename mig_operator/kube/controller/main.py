@@ -31,10 +31,8 @@ from ..common.names import (
 )
 from ..common.operator import EventFn, on_event, register_login, tune
 from ..common.trim import node_body, owned_body, pod_body, slice_body
-from .binder import Binder
-from .claims import SliceClaims
-from .pods import PodSlices
-from .quotas import QUOTAS, QuotaStatus
+from .binder import Binder, assemble
+from .quotas import QUOTAS
 
 log = logging.getLogger("mig_operator.controller")
 
@@ -84,16 +82,12 @@ def build_registry(options: ControllerOptions) -> kopf.OperatorRegistry:
         client = KubeClient.from_environment(options.kubeconfig)
         await ensure_peering(client, options.peering)
         events = EventPoster(client, "mig-operator-controller", os.uname().nodename)
-        binder = Binder(client, events, PlannerSettings(default_compute=options.default_compute),
-                        resync_s=options.resync_s, hold_s=options.fair_hold_s, quota_required=options.quota_required)
-        claims = SliceClaims(client, events, binder.ledger, binder.queue)
-        pods = PodSlices(client, events, binder.ledger, claims, binder.queue)
-        quotas = QuotaStatus(client, binder)
-        binder.on_slice_going.append(claims.slice_going)
-        binder.on_resync.extend([claims.resync, pods.resync, quotas.resync])
-        state.update(client=client, binder=binder, pods=pods, claims=claims, quotas=quotas)
-        # A slice's write answer (made, bound) is observed as its watch event would be.
-        binder.seen = pods.seen = lambda body: slice_event(body, "MODIFIED")
+        binder = assemble(client, events, PlannerSettings(default_compute=options.default_compute),
+                          quota_required=options.quota_required, resync_s=options.resync_s,
+                          hold_s=options.fair_hold_s)
+        state.update(client=client, binder=binder, pods=binder.pods, claims=binder.claims)
+        # A slice made for a pod, as the API returned it, is observed as its watch event will be.
+        binder.pods.seen = lambda body: slice_event(body, "MODIFIED")
         await binder.resync()
 
     async def slice_event(body: dict[str, Any], type: str | None) -> None:

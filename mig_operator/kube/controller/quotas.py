@@ -1,22 +1,24 @@
 """GpuQuota status and the quota metrics: what each namespace holds and how many of its slices wait.
 
-The binder says which namespaces changed (``changed``); their status is written at most every
-``interval_s`` (a burst of bindings makes one write per quota), and only when it differs from what
-was last written: ``used.memory`` (the bytes charged, ``core.books.charges``, as a quantity string of bytes),
-``used.slices``, ``used.wholeGpus`` and ``heldWhole`` (the fraction GPUs the namespace holds alone,
-each charged its whole memory; its own GPUs, so naming them tells it nothing of another namespace),
-``waiting`` (Pending slices the quota holds back) and ``observedGeneration``.
+The binder says which namespaces changed (``changed``); their status, read from the ledger's books
+(``core.books.ledger``), is written at most every ``interval_s`` (a burst of bindings makes one write
+per quota), and only when it differs from what was last written: ``used.memory`` (the bytes charged,
+``core.books.charges``, as a quantity string of bytes), ``used.slices``, ``used.wholeGpus`` and
+``heldWhole`` (the fraction GPUs the namespace holds alone, each charged its whole memory; its own
+GPUs, so naming them tells it nothing of another namespace), ``waiting`` (Pending slices the quota
+holds back) and ``observedGeneration``.
 """
 
 from __future__ import annotations
 
 import logging
 
+from mig_operator.core.books.ledger import Ledger
 from mig_operator.core.books.quota import QUOTA_NAME
 
 from ..common import metrics
 from ..common.client import ApiError, KubeClient
-from .binder import Binder
+from ..common.workqueue import WorkQueue
 
 log = logging.getLogger("mig_operator.controller")
 QUOTAS = "gpuquotas"
@@ -27,34 +29,34 @@ def quota_status_path(namespace: str) -> str:
 
 
 class QuotaStatus:
-    def __init__(self, client: KubeClient, binder: Binder, interval_s: float = 0.5) -> None:
+    def __init__(self, client: KubeClient, ledger: Ledger, queue: WorkQueue, interval_s: float = 0.5) -> None:
         self.client = client
-        self.binder = binder
+        self.ledger = ledger
+        self.queue = queue
         self.interval_s = interval_s
         self._shown: set[str] = set()  # namespaces with quota metrics set
-        binder.on_namespace_changed.append(self.changed)
 
     def changed(self, namespace: str) -> None:
-        self.binder.queue.add(("quota-status", namespace), lambda: self._flush(namespace), self.interval_s)
+        self.queue.add(("quota-status", namespace), lambda: self._flush(namespace), self.interval_s)
 
     async def _flush(self, namespace: str) -> None:
         self._publish(namespace)
         await self._write(namespace)
 
     def status_of(self, namespace: str) -> dict:
-        used = self.binder.ledger.used(namespace)
-        whole = self.binder.ledger.held_whole(namespace)
+        used = self.ledger.used(namespace)
+        whole = self.ledger.held_whole(namespace)
         return {
             "used": {"memory": str(used.memory_bytes), "slices": used.slices, "wholeGpus": used.whole_gpus},
             "heldWhole": [{"node": node, "gpu": gpu, "memory": str(memory)} for (node, gpu), memory in whole.items()],
-            "waiting": self.binder.quota_waiting(namespace),
-            "observedGeneration": self.binder.ledger.quota_generation(namespace) or 0,
+            "waiting": self.ledger.line.quota_waiting(namespace),
+            "observedGeneration": self.ledger.quota_generation(namespace) or 0,
         }
 
     def _publish(self, namespace: str) -> None:
         """The quota metrics: use for every namespace that holds slices or has a quota."""
-        used = self.binder.ledger.used(namespace)
-        quota = self.binder.ledger.quotas.get(namespace)
+        used = self.ledger.used(namespace)
+        quota = self.ledger.quotas.get(namespace)
         if quota is None and not used.slices:
             if namespace in self._shown:
                 self._shown.discard(namespace)
@@ -71,7 +73,7 @@ class QuotaStatus:
         metrics.QUOTA_WHOLE_GPUS.labels(namespace).set(used.whole_gpus)
         if quota is not None:
             metrics.QUOTA_HARD_BYTES.labels(namespace).set(quota.memory_bytes)
-            metrics.QUOTA_WAITING_SLICES.labels(namespace).set(self.binder.quota_waiting(namespace))
+            metrics.QUOTA_WAITING_SLICES.labels(namespace).set(self.ledger.line.quota_waiting(namespace))
         else:
             for gauge in (metrics.QUOTA_HARD_BYTES, metrics.QUOTA_WAITING_SLICES):
                 try:
@@ -80,10 +82,10 @@ class QuotaStatus:
                     pass
 
     async def _write(self, namespace: str) -> None:
-        if self.binder.ledger.quota_generation(namespace) is None:
+        if self.ledger.quota_generation(namespace) is None:
             return  # no GpuQuota object in the namespace: nothing to write to
         wanted = self.status_of(namespace)
-        if self.binder.ledger.quota_status_written(namespace) == wanted:
+        if self.ledger.quota_status_written(namespace) == wanted:
             return
         try:
             await self.client.merge_patch(quota_status_path(namespace), {"status": wanted})
@@ -93,9 +95,9 @@ class QuotaStatus:
             metrics.RECONCILE_ERRORS.labels("controller", "api").inc()
             log.warning("GpuQuota %s/%s status not written, the next change retries: %s", namespace, QUOTA_NAME, exc)
             return
-        self.binder.ledger.quota_status_wrote(namespace, wanted)
+        self.ledger.quota_status_wrote(namespace, wanted)
 
     async def resync(self) -> None:
         """After a full list: every namespace's status and metrics again (written only where changed)."""
-        for namespace in set(self.binder.ledger.quota_objects) | set(self.binder.ledger.usage) | self._shown:
+        for namespace in set(self.ledger.quota_objects) | set(self.ledger.usage) | self._shown:
             self.changed(namespace)
