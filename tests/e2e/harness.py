@@ -226,6 +226,10 @@ class OperatorHarness:
             "--nvml-attempts", "3", *args,
         ], env)
 
+    def process(self, name: str) -> Proc:
+        """The last process started under ``name`` (e.g. ``f"agent-{node.name}"``)."""
+        return next(p for p in reversed(self.procs) if p.name == name)
+
     def mps_host(self, node: SimNode) -> Proc:
         """``mig-operator mps-host`` of the node (its MPS directory beside the simulator's state, where
         the agent looks): the one running, else a new one."""

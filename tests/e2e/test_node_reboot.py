@@ -17,7 +17,7 @@ def test_after_a_reboot_every_slice_is_realised_again_or_fails_and_none_stays_re
         operator: OperatorHarness) -> None:
     node = operator.add_node("h100-80gb", count=2)
     operator.start_operator(node, webhook=True)
-    agent = operator.procs[0]
+    agent = operator.process(f"agent-{node.name}")
     ns = operator.namespace()
     for i, profile in enumerate(("1g.10gb", "2g.20gb", "3g.40gb")):
         operator.create_slice(ns, f"s{i}", {"migProfile": profile})

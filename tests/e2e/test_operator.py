@@ -215,7 +215,7 @@ def test_an_idle_timeout_destroys_idle_instances_only(operator: OperatorHarness)
 def test_a_restarted_agent_adopts_its_instances_and_a_lost_record_is_rebuilt(operator: OperatorHarness) -> None:
     node = operator.add_node("h100-80gb")
     start(operator, node)
-    agent = operator.procs[0]
+    agent = operator.process(f"agent-{node.name}")
     ns = operator.namespace()
     for i in range(3):
         operator.create_slice(ns, f"s{i}", {"migProfile": "1g.10gb"})
@@ -241,7 +241,7 @@ def test_a_restarted_agent_adopts_its_instances_and_a_lost_record_is_rebuilt(ope
 def test_an_agent_killed_while_realising_finishes_after_restart(operator: OperatorHarness, point: str) -> None:
     node = operator.add_node("h100-80gb")
     start(operator, node)
-    agent = operator.procs[0]
+    agent = operator.process(f"agent-{node.name}")
     ns = operator.namespace()
     for i in range(7):
         operator.create_slice(ns, f"one-{i}", {"migProfile": "1g.10gb"})
@@ -269,7 +269,7 @@ def test_an_agent_killed_while_realising_finishes_after_restart(operator: Operat
 def test_an_agent_killed_during_release_leaves_the_instance_idle_after_restart(operator: OperatorHarness) -> None:
     node = operator.add_node("h100-80gb")
     start(operator, node)
-    agent = operator.procs[0]
+    agent = operator.process(f"agent-{node.name}")
     ns = operator.namespace()
     operator.create_slice(ns, "s", {"migProfile": "2g.20gb"})
     device = operator.wait_phase(ns, "s", "Ready")["status"]["deviceUUID"]
