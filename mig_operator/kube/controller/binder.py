@@ -218,6 +218,12 @@ class Binder:
         self.maybe_resync()
         return info
 
+    def look_at(self, namespace: str, name: str) -> None:
+        """Have slice ``namespace/name``'s claim, then its pod, looked at (a pod is let go once its
+        slice's claim exists)."""
+        self.claims.look(namespace, name)
+        self.pods.look(namespace, name)
+
     async def _going(self, uid: str) -> None:
         """A slice's key once it is being deleted: its claim lets it go (``SliceClaims.slice_going``)."""
         info = self.ledger.slices.get(uid)
@@ -381,8 +387,7 @@ class Binder:
         # Observed as its watch event will be: its claim and its pod are looked at now.
         self.publish_counts()
         if not updated.deleting:
-            self.claims.look(updated.namespace, updated.name)
-            self.pods.look(updated.namespace, updated.name)
+            self.look_at(updated.namespace, updated.name)
 
     def _queue_mark(self, info: SliceRecord) -> None:
         self.queue.add(("mark", info.namespace, info.uid), lambda: self._mark_now(info.uid))

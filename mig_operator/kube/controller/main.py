@@ -85,7 +85,7 @@ def build_registry(options: ControllerOptions) -> kopf.OperatorRegistry:
         binder = assemble(client, events, PlannerSettings(default_compute=options.default_compute),
                           quota_required=options.quota_required, resync_s=options.resync_s,
                           hold_s=options.fair_hold_s)
-        state.update(client=client, binder=binder, pods=binder.pods, claims=binder.claims)
+        state.update(client=client, binder=binder, pods=binder.pods)
         # A slice made for a pod, as the API returned it, is observed as its watch event will be.
         binder.pods.seen = lambda body: slice_event(body, "MODIFIED")
         await binder.resync()
@@ -96,17 +96,15 @@ def build_registry(options: ControllerOptions) -> kopf.OperatorRegistry:
         binder.publish_counts()
         if type == "DELETED":
             await state["pods"].slice_deleted(body)
-        elif info is not None:  # its claim, then its pod (a pod is let go once its slice's claim exists)
-            state["claims"].look(info.namespace, info.name)
-            state["pods"].look(info.namespace, info.name)
+        elif info is not None:
+            binder.look_at(info.namespace, info.name)
 
     async def gpunode_event(body: dict[str, Any], type: str | None) -> None:
         state["binder"].inventory_event(body, deleted=type == "DELETED")
         # A device a slice names may have just been published: its claim and pod are looked at again.
         node = (body.get("spec") or {}).get("nodeName") or body["metadata"]["name"]
         for namespace, name in state["binder"].ledger.take_device_waits(node):
-            state["claims"].look(namespace, name)
-            state["pods"].look(namespace, name)
+            state["binder"].look_at(namespace, name)
 
     async def gpuquota_event(body: dict[str, Any], type: str | None) -> None:
         # A quota raised, lowered, made or removed: waiting slices are planned again (no restart).
