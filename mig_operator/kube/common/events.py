@@ -3,6 +3,11 @@
 A Pending slice is planned again whenever inventory changes; posting an Event each time would
 flood the namespace, so an Event is posted only when its reason or message changes for that object.
 Posting never blocks a handler and a failed post is only logged: Events are for people.
+
+Events wait in one bounded line and a few senders post them, as client-go's broadcaster does: a
+tenant's flood of objects, each worth an Event (thousands at a controller's start), costs at most
+``PENDING_LIMIT`` small bodies in memory and ``SENDERS`` requests in flight; past the limit an Event
+is dropped and counted (``mig_operator_events_dropped_total``), never queued without bound.
 """
 
 from __future__ import annotations
@@ -10,13 +15,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from collections import deque
 from collections.abc import Mapping
 
+from . import metrics
 from .client import ApiError, KubeClient
 from .status import now
 
 log = logging.getLogger("mig_operator.events")
 _MAX_REMEMBERED = 10000
+SENDERS = 4  # Event posts in flight at once
+PENDING_LIMIT = 1000  # Events waiting for a sender; a newer one is dropped past it
 
 
 class EventPoster:
@@ -25,7 +34,8 @@ class EventPoster:
         self.component = component
         self.host = host
         self._last: dict[str, tuple[str, str]] = {}
-        self._tasks: set[asyncio.Task] = set()
+        self._pending: deque[dict] = deque()
+        self._senders: set[asyncio.Task] = set()
 
     def post(self, obj: Mapping, kind: str, reason: str, message: str) -> None:
         """Post a ``Normal`` or ``Warning`` Event about ``obj`` unless it repeats the last one."""
@@ -33,23 +43,29 @@ class EventPoster:
         key = meta.get("uid") or f"{meta.get('namespace')}/{meta.get('name')}"
         if self._last.get(key) == (reason, message):
             return
+        if len(self._pending) >= PENDING_LIMIT:
+            metrics.EVENTS_DROPPED.labels(self.component).inc()
+            log.debug("event %s on %s/%s dropped: %d Events wait to be posted", reason, meta.get("namespace", ""),
+                      meta.get("name"), len(self._pending))
+            return
         if len(self._last) > _MAX_REMEMBERED:
             self._last.clear()
         self._last[key] = (reason, message)
-        task = asyncio.create_task(self._post(obj, kind, reason, message))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._pending.append(self._body(obj, kind, reason, message))
+        if len(self._senders) < SENDERS:
+            task = asyncio.create_task(self._send())
+            self._senders.add(task)
 
     def forget(self, uid: str) -> None:
         self._last.pop(uid, None)
 
-    async def _post(self, obj: Mapping, kind: str, reason: str, message: str) -> None:
+    def _body(self, obj: Mapping, kind: str, reason: str, message: str) -> dict:
         meta = obj["metadata"]
-        namespace = meta.get("namespace") or "default"
         when = now()
-        body = {
+        return {
             "apiVersion": "v1", "kind": "Event",
-            "metadata": {"name": f"{meta['name']}.{uuid.uuid4().hex[:16]}", "namespace": namespace},
+            "metadata": {"name": f"{meta['name']}.{uuid.uuid4().hex[:16]}",
+                         "namespace": meta.get("namespace") or "default"},
             "involvedObject": {
                 "apiVersion": obj.get("apiVersion", ""), "kind": obj.get("kind", ""), "name": meta["name"],
                 "namespace": meta.get("namespace", ""), "uid": meta.get("uid", ""),
@@ -60,12 +76,23 @@ class EventPoster:
             "reportingComponent": self.component, "reportingInstance": self.host or self.component,
             "firstTimestamp": when, "lastTimestamp": when, "count": 1,
         }
+
+    async def _send(self) -> None:
+        """Post waiting Events until none is left; the sender leaves the set in the same step that finds
+        the line empty, so an Event added after it always finds a free sender."""
         try:
-            await self.client.create(f"/api/v1/namespaces/{namespace}/events", body)
-        except ApiError as exc:
-            log.info("event %s on %s/%s not posted: %s", reason, namespace, meta["name"], exc)
+            while self._pending:
+                body = self._pending.popleft()
+                namespace = body["metadata"]["namespace"]
+                try:
+                    await self.client.create(f"/api/v1/namespaces/{namespace}/events", body)
+                except ApiError as exc:
+                    log.info("event %s on %s/%s not posted: %s", body["reason"], namespace,
+                             body["involvedObject"]["name"], exc)
+        finally:
+            self._senders.discard(asyncio.current_task())  # type: ignore[arg-type]
 
     async def drain(self) -> None:
-        """Wait for the Events in flight (on shutdown)."""
-        if self._tasks:
-            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        """Wait for the Events waiting or in flight (on shutdown)."""
+        while self._senders:
+            await asyncio.gather(*list(self._senders), return_exceptions=True)

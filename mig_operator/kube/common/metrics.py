@@ -59,6 +59,10 @@ WORKQUEUE_RETRIES = Counter(
     "mig_operator_workqueue_retries_total", "Work queue keys tried again after their work failed, by kind", ["kind"]
 )
 WORKQUEUE_DEPTH = Gauge("mig_operator_workqueue_depth", "Work queue keys due and waiting for a worker")
+EVENTS_DROPPED = Counter(
+    "mig_operator_events_dropped_total", "Kubernetes Events not posted because too many waited, by component",
+    ["component"],
+)
 RECONCILE_ERRORS = Counter(
     "mig_operator_reconcile_errors_total", "Handler runs that ended in an error, by part and kind", ["part", "kind"]
 )
