@@ -265,3 +265,20 @@ def test_a_full_list_does_not_bring_back_a_slice_deleted_after_it() -> None:
     # A later list that no longer has it settles it: nothing is remembered past it.
     ledger.replace_all([], INVENTORIES[:1], {"n0": NodeRecord(flags=NodeLabels(mig=True))}, listed_at=110)
     assert ledger.slices == {} and ledger._gone == {}
+
+
+def test_a_version_seen_again_keeps_the_record_already_held() -> None:
+    # A restart's listing brings every slice its first full read already has, at the same version: the
+    # ledger keeps one record (and one body) of each, not a copy per read; a newer version replaces it.
+    ledger = Ledger()
+    first = replace(record("a", "team-a", 1), version=7)
+    assert ledger.put_slice(first) is first
+    again = replace(record("a", "team-a", 1), version=7, body={"metadata": {"uid": "a"}})
+    assert again is not first and again == first
+    assert ledger.put_slice(again) is first and ledger.slices["a"] is first
+    ledger.replace_all([replace(first, body={"metadata": {"uid": "a"}})], INVENTORIES[:1], {}, listed_at=8)
+    assert ledger.slices["a"] is first
+    newer = replace(first, version=9, phase="Pending")
+    assert ledger.put_slice(newer) is newer and ledger.slices["a"] is newer
+    ledger.replace_all([replace(first, version=10)], INVENTORIES[:1], {}, listed_at=10)
+    assert ledger.slices["a"].version == 10 and ledger.slices["a"] is not newer

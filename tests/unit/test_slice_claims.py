@@ -5,6 +5,7 @@ otherwise."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import re
 from typing import Any
 
@@ -130,8 +131,12 @@ class _Events:
         self.posted.append((reason, message))
 
 
+_VERSIONS = itertools.count(5)
+
+
 def _slice(phase: str = "Ready", device: str = "GPU-1") -> dict:
-    return {"metadata": {"uid": UID, "namespace": "ns", "name": "train", "resourceVersion": "5"},
+    """The slice as the API server would show it next: each body a newer resourceVersion."""
+    return {"metadata": {"uid": UID, "namespace": "ns", "name": "train", "resourceVersion": str(next(_VERSIONS))},
             "spec": {"memory": "4G"},
             "status": {"phase": phase, "mode": "fraction", "node": "n", "gpu": 0, "grantedBytes": 4 * 10**9,
                        "deviceUUID": device, "gpuUUID": "GPU-1"}}

@@ -585,6 +585,8 @@ class Ledger:
         known = self.slices.get(info.uid)
         if known is not None and info.version and known.version > info.version:
             return None
+        if known is not None and info.version and known.version == info.version:
+            info = known  # the same version seen again (a listing after a full read): one copy is kept
         if known is not None and known.group != info.group:
             self._ungroup(known)
         self.slices[info.uid] = info
@@ -663,7 +665,7 @@ class Ledger:
             if listed_at is not None and self._gone.get(info.uid, 0) > listed_at:
                 continue
             known = self.slices.get(info.uid)
-            fresh[info.uid] = known if known is not None and known.version > info.version else info
+            fresh[info.uid] = known if known is not None and known.version >= info.version else info
         if listed_at is not None:
             fresh.update({uid: s for uid, s in self.slices.items() if uid not in fresh and s.version > listed_at})
         self._gone = {uid: v for uid, v in self._gone.items() if listed_at is not None and v > listed_at}

@@ -39,7 +39,7 @@ _TRANSIENT_STATUS = frozenset({429, 500, 502, 503, 504})
 TOKEN_TTL_S = 1.0
 # Items per page of a list (the client's and kopf's, ``operator.tune``): a page of whole objects is
 # what a list holds at once before its transform keeps what is read.
-LIST_PAGE = 25
+LIST_PAGE = 10
 # How long an idle connection to the API server is kept: aiohttp's default is 15 s; kube-apiserver
 # closes one idle for 90 s, and a connection it closed first costs a failed request and a retry.
 KEEPALIVE_S = 60.0

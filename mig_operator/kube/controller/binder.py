@@ -121,11 +121,12 @@ class Binder:
         the pods and the quota status looked at again."""
         async with self._lock:
             (slices, listed_at), inventories, quotas, listed_nodes = await asyncio.gather(
-                self.client.list_at(slices_path(), keep=slice_body), self.client.list(gpunodes_path(), keep=owned_body),
+                self.client.list_at(slices_path(), keep=self._listed_slice),
+                self.client.list(gpunodes_path(), keep=owned_body),
                 self._list_quotas(), self.client.list("/api/v1/nodes", keep=node_body),
             )
             nodes = {n["metadata"]["name"]: node_record(n) for n in listed_nodes}
-            self.ledger.replace_all([slice_record(b) for b in slices], [inventory(b) for b in inventories], nodes,
+            self.ledger.replace_all((slice_record(b) for b in slices), [inventory(b) for b in inventories], nodes,
                                     listed_at or None)
             self.ledger.replace_quotas(quotas)
             self._last_resync = time.monotonic()
@@ -139,6 +140,15 @@ class Binder:
         for extra in (self.claims.resync(), self.pods.resync(), self.quotas.resync()):
             await self._guard(extra)
         self.request_replan()
+
+    def _listed_slice(self, body: dict) -> dict:
+        """A listed slice as kept: the ledger's own body when it has this version already, so a full
+        list of slices the watch has just brought (every one, at a start) holds one copy of each, not two."""
+        meta = body.get("metadata") or {}
+        known = self.ledger.slices.get(meta.get("uid") or "")
+        if known is not None and known.version == resource_version(meta):
+            return known.body
+        return slice_body(body)
 
     async def _list_quotas(self) -> list[dict]:
         """Every GpuQuota; none when the CRD is not installed (an upgrade that skipped
@@ -442,7 +452,9 @@ class Binder:
             assert info.request is not None
             await self._write(info, status.pending(current, info.request, refusal.code, refusal.message))
             log.info("slice %s waits (%s): %s", info.ref, refusal.code, refusal.message)
-        self.events.post(info.body, "Warning", refusal.code, refusal.message)
+            # An Event with the status that tells it: a status already saying it was told before (a
+            # restart plans every waiting slice again and has nothing new to tell).
+            self.events.post(info.body, "Warning", refusal.code, refusal.message)
 
     async def _write(self, info: SliceRecord, new_status: dict) -> None:
         try:
