@@ -104,6 +104,19 @@ def _can_list(custom: kubernetes.client.CustomObjectsApi, namespace: str) -> boo
     return True
 
 
+def slice_events(operator: OperatorHarness, namespace: str) -> set[str]:
+    """The names of the Events about GpuSlices in ``namespace`` (each named after its slice)."""
+    events = operator.core.list_namespaced_event(namespace, field_selector="involvedObject.kind=GpuSlice").items
+    return {e.metadata.name for e in events}
+
+
+def slice_waits(operator: OperatorHarness, namespace: str) -> dict[str, tuple[str, str]]:
+    """Each slice's reason and message, as its status says."""
+    items = operator.custom.list_namespaced_custom_object(GROUP, VERSION, namespace, SLICES)["items"]
+    statuses = {s["metadata"]["name"]: s.get("status") or {} for s in items}
+    return {name: (st.get("reason", ""), st.get("message", "")) for name, st in statuses.items()}
+
+
 def flood(client: kubernetes.client.ApiClient, namespace: str, while_made: Callable[[], None]) -> None:
     """FLOOD_SLICES slices and FLOOD_PODS pods, each with a BLOB_BYTES annotation, made by WRITERS at
     once; ``while_made`` runs once a third of them are made."""
@@ -165,12 +178,20 @@ def test_a_tenants_flood_of_big_objects_keeps_the_controller_small_and_serving(
         peaks["while made"] = peak_rss(controller.popen.pid)
 
         # A new controller process lists the flood as it starts.
-        operator.stop(controller)
+        operator.stop(controller)  # its last Events posted as it stops
+        told_before = slice_events(operator, tenant_ns)
+        waits_before = slice_waits(operator, tenant_ns)
         operator.start(controller)
         others_slice("after")
         wait_idle(controller)
         assert controller.popen is not None and controller.alive, controller.tail()
         peaks["after a restart"] = peak_rss(controller.popen.pid)
+        # A slice whose status says what it waits for, as before the restart, was told so then: no new Event.
+        waits_after = slice_waits(operator, tenant_ns)
+        unchanged = {name for name, wait in waits_after.items() if waits_before.get(name) == wait}
+        told_again = sorted(name for name in slice_events(operator, tenant_ns) - told_before
+                            if name.partition(".")[0] in unchanged)
+        assert not told_again, f"{len(told_again)} Events again after the restart, e.g. {told_again[:3]}"
 
         pending = [s for s in operator.custom.list_namespaced_custom_object(
             GROUP, VERSION, tenant_ns, SLICES, limit=FLOOD_SLICES + 1)["items"]
