@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
+import socket
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -257,3 +261,47 @@ def test_the_client_reads_its_token_at_most_once_a_second(monkeypatch: pytest.Mo
     now[0] += 0.6
     assert kube._headers(None)["Authorization"] == "Bearer two"
     assert reads == ["Bearer one", "Bearer two"]
+
+
+def test_the_client_asks_for_answers_uncompressed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """kube-apiserver gzips an answer over 128 kB for a client that accepts it: CPU on both sides for
+    every write answer and list page of a tenant's big object. A real HTTP server here answers in gzip
+    whenever the request accepts it, as kube-apiserver does; the client's requests accept only identity."""
+    import gzip
+
+    from aiohttp import web
+
+    from mig_operator.kube.common import client as client_module
+
+    asked: list[str] = []
+    body = json.dumps({"metadata": {"name": "big"}, "data": {"blob": "x" * 200_000}}).encode()
+
+    async def answer(request: web.Request) -> web.Response:
+        accepted = request.headers.get("Accept-Encoding", "")
+        asked.append(accepted)
+        if "gzip" in accepted:
+            return web.Response(body=gzip.compress(body), headers={"Content-Encoding": "gzip"},
+                                content_type="application/json")
+        return web.Response(body=body, content_type="application/json")
+
+    async def main() -> dict:
+        app = web.Application()
+        app.router.add_get("/api/v1/namespaces/ns/configmaps/big", answer)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        port = listener.getsockname()[1]
+        await web.SockSite(runner, listener).start()
+        config = type("Config", (), {"host": f"http://127.0.0.1:{port}"})()
+        kube = client_module.KubeClient(config)  # type: ignore[arg-type]
+        try:
+            return await kube.get("/api/v1/namespaces/ns/configmaps/big")
+        finally:
+            await kube.close()
+            await runner.cleanup()
+
+    monkeypatch.setattr(client_module, "bearer_token", lambda config: None)
+    got = asyncio.run(main())
+    assert got["data"]["blob"] == "x" * 200_000
+    assert asked and all("gzip" not in a and "deflate" not in a for a in asked), asked
