@@ -452,8 +452,8 @@ class Binder:
             assert info.request is not None
             await self._write(info, status.pending(current, info.request, refusal.code, refusal.message))
             log.info("slice %s waits (%s): %s", info.ref, refusal.code, refusal.message)
-            # An Event with the status that tells it: a status already saying it was told before (a
-            # restart plans every waiting slice again and has nothing new to tell).
+            # The Event goes with the status write that tells the same: a status that already says it
+            # needs no Event (a restart plans every waiting slice again and has nothing new to tell).
             self.events.post(info.body, "Warning", refusal.code, refusal.message)
 
     async def _write(self, info: SliceRecord, new_status: dict) -> None:
