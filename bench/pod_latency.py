@@ -334,6 +334,8 @@ def main() -> int:
     parser.add_argument("--profile", metavar="FILE",
                         help="record the controller with py-spy during the annotated rounds (pip install "
                         "'.[bench]'): collapsed stacks to FILE, each part's share in the JSON")
+    parser.add_argument("--log-level", default="info",
+                        help="of the controller, the webhook and the agents (their logs are in the plane's directory)")
     parser.add_argument("--json")
     args = parser.parse_args()
     up_args: tuple[str, ...] = ()
@@ -351,7 +353,8 @@ def main() -> int:
         print(f"note: MIG_OPERATOR_RUN names a running plane, whose limits are {limiters}", file=sys.stderr)
     webhook_args = ("--webhook", f"127.0.0.1:{free_port()}", "--webhook-config", f"bench-{os.getpid()}",
                     "--namespace", "kube-system")
-    cluster = Cluster(plane, args.nodes, args.latency, controller_args=() if args.webhook_process else webhook_args)
+    cluster = Cluster(plane, args.nodes, args.latency, args.log_level,
+                      controller_args=() if args.webhook_process else webhook_args)
     if args.webhook_process:  # as the chart runs it: its own process (`mig-operator webhook`), the controller none
         cluster.spawn("webhook", "webhook", *webhook_args)
     core = cluster.core

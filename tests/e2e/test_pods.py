@@ -511,6 +511,45 @@ def test_a_pods_slice_goes_only_to_a_node_whose_taints_it_tolerates(operator: Op
     assert slice_of(operator, pod)["status"]["node"] == pod.spec.node_name
 
 
+def test_a_slice_limited_by_a_taint_that_went_away_is_made_again_where_the_pod_may_go_now(
+        operator: OperatorHarness) -> None:
+    # Taints come and go: kube-controller-manager taints a node unreachable for a moment when its
+    # heartbeat is late (it takes off at once a taint of that key that a node's conditions do not call
+    # for, so a key of our own plays it here), an admin's maintenance taint ends. A pod made while one
+    # node was tainted got a slice limited to the other, full, node: once the taint goes the slice
+    # must not wait there for ever.
+    tag = operator.namespace()[-6:]
+    full = operator.add_node("h100-80gb", name=f"full-{tag}")
+    late = operator.add_node("h100-80gb", name=f"late-{tag}")
+    start(operator, full, late)
+    ns = operator.namespace()
+    operator.create_slice(ns, "holder", {"migProfile": "7g.80gb", "nodeName": full.name})
+    operator.wait_phase(ns, "holder", "Ready")
+    operator.core.patch_node(late.name, {"spec": {"taints": [
+        {"key": "kwok.x-k8s.io/node", "value": "fake", "effect": "NoSchedule"},
+        {"key": "maintenance", "effect": "NoSchedule"}]}})
+    time.sleep(1)  # the controller's Node watch has the taint
+    name = create_pod(operator, ns, {"cdmo.io/mig-profile": "1g.10gb"}, name="in-the-moment")["metadata"]["name"]
+    pod = operator.core.read_namespaced_pod(name, ns)
+    group = pod.metadata.labels["cdmo.io/gpu-slice"]
+
+    def waiting_on_full() -> dict | None:
+        body = operator.get_slice(ns, group)
+        st = (body or {}).get("status") or {}
+        return body if st.get("phase") == "Pending" and st.get("reason") else None
+
+    first = wait_until(waiting_on_full, 30, lambda: f"the slice waiting on {full.name}\n{operator.logs()}")
+    assert first["spec"].get("nodeName") == full.name, first["spec"]
+    operator.core.patch_node(late.name, {"spec": {"taints": [
+        {"key": "kwok.x-k8s.io/node", "value": "fake", "effect": "NoSchedule"}]}})
+    pod = running(operator, ns, name)
+    served = slice_of(operator, pod)
+    assert served["metadata"]["uid"] != first["metadata"]["uid"], "the waiting slice was made again"
+    assert "nodeName" not in served["spec"], served["spec"]
+    assert pod.spec.node_name == late.name == served["status"]["node"]
+    check_invariants(operator)
+
+
 def test_a_pod_whose_slice_failed_gets_a_new_slice_after_a_back_off(operator: OperatorHarness) -> None:
     node = operator.add_node("h100-80gb")
     start(operator, node)

@@ -268,8 +268,11 @@ class KubeClient:
     async def create(self, path: str, body: Mapping) -> dict:
         return await self.request("POST", path, body=body)
 
-    async def delete(self, path: str) -> dict:
-        return await self.request("DELETE", path)
+    async def delete(self, path: str, resource_version: str | None = None) -> dict:
+        """Delete; with ``resource_version``, only that version of the object (else 409 Conflict)."""
+        body = None if resource_version is None else {
+            "apiVersion": "v1", "kind": "DeleteOptions", "preconditions": {"resourceVersion": resource_version}}
+        return await self.request("DELETE", path, body=body)
 
 
 def _error(status: int, reason: str, text: str, method: str, path: str) -> ApiError:

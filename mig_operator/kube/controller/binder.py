@@ -261,7 +261,10 @@ class Binder:
     def node_event(self, name: str, body: Mapping | None) -> None:
         """A Node changed (None: it is gone): its labels and taints; planning reads the MIG label,
         fraction sharing and runtime trust."""
-        changed = self.ledger.put_node(name, node_record(body) if body is not None else None)
+        record = node_record(body) if body is not None else None
+        if record != self.ledger.nodes.get(name):
+            self.pods.look_waiting()  # where a pod may go changed: its waiting slice may be limited otherwise
+        changed = self.ledger.put_node(name, record)
         if changed is not None:
             for namespace in changed:  # fraction sharing changes what its fractions are charged
                 self._namespace_changed(namespace)

@@ -115,6 +115,17 @@ def ungate_ops(pod: Mapping[str, Any], node: str, hostname: str | None = None) -
     return ops
 
 
+def slice_nodes(allowed: list[str] | None) -> tuple[str | None, tuple[str, ...] | None]:
+    """Where a pod's slice may go, given the GPU nodes the pod may go to (``pod_nodes.eligible``; None:
+    every one): its ``spec.nodeName`` when that is one node (the pod can only go there, so must its
+    slice), else the nodes its annotation ``cdmo.io/eligible-nodes`` names (None: no limit)."""
+    if allowed is None:
+        return None, None
+    if len(allowed) == 1:
+        return allowed[0], None
+    return None, tuple(sorted(allowed))
+
+
 def _retry_key(namespace: str, name: str) -> tuple[str, str, str]:
     """The work queue's key of a failed slice's replacement."""
     return ("slice-retry", namespace, name)
@@ -238,20 +249,17 @@ class PodSlices:
         if not missing:
             return names
         annotations: dict[str, str] = {}
-        node_name: str | None = None
         allowed = eligible(pod, self.state.inventories, self.state.nodes)
-        if allowed is not None:
-            if not allowed:
-                known = len(self.state.inventories)
-                self.events.post(pod, "Warning", "NoEligibleNode", (
-                    f"none of the {known} GPU nodes matches the pod's nodeSelector and required node affinity "
-                    "and has only taints it tolerates; it waits, gated, for one that does (the operator places "
-                    "the pod on its slice's node)"))
-                return ()
-            if len(allowed) == 1:
-                node_name = allowed[0]  # the pod can only go there: so must its slices
-            else:
-                annotations[ELIGIBLE_NODES_ANNOTATION] = ",".join(allowed)
+        if allowed == []:
+            known = len(self.state.inventories)
+            self.events.post(pod, "Warning", "NoEligibleNode", (
+                f"none of the {known} GPU nodes matches the pod's nodeSelector and required node affinity "
+                "and has only taints it tolerates; it waits, gated, for one that does (the operator places "
+                "the pod on its slice's node)"))
+            return ()
+        node_name, only = slice_nodes(allowed)
+        if only is not None:
+            annotations[ELIGIBLE_NODES_ANNOTATION] = ",".join(only)
         if len(names) > 1:
             annotations.update({GROUP_ANNOTATION: group, GROUP_SIZE_ANNOTATION: str(len(names))})
         for name, device in missing:
@@ -308,6 +316,9 @@ class PodSlices:
             self._slice_failed(pod, info)
             return
         if phase == "Pending" and st.get("reason"):
+            if self._limited_otherwise(pod, info):
+                await self._make_again(info)
+                return
             self.events.post(pod, "Warning", st["reason"], f"waiting for GpuSlice {info.ref}: {st.get('message', '')}")
             return
         if phase not in (READY, BOUND) or info.binding is None:
@@ -322,6 +333,36 @@ class PodSlices:
             if not self._device_checked(pod, member) or not await self.claims.ensure(member):
                 return
         await self._release_gate(pod, info)
+
+    def _limited_otherwise(self, pod: Mapping[str, Any], info: SliceRecord) -> bool:
+        """Whether the waiting slice is limited to other nodes than its pod may go to now. Taints come
+        and go (kube-controller-manager taints a node unreachable for a moment when a heartbeat is late;
+        a cordon ends), so the nodes a slice was limited to when it was made may no longer be the pod's:
+        such a slice could wait for ever on a full node while the pod may go to one with room. While no
+        GPU node takes the pod, the slice waits as it is."""
+        allowed = eligible(pod, self.state.inventories, self.state.nodes)
+        return allowed != [] and slice_nodes(allowed) != (info.pinned, info.eligible)
+
+    async def _make_again(self, info: SliceRecord) -> None:
+        """Delete a waiting slice of a gated pod, unless it was bound meanwhile (the deletion holds only
+        for the version seen waiting); its deletion has the pod's slice made again (``slice_deleted``)
+        with the nodes the pod may go to now. Nothing ran on it: it holds no instance."""
+        if info.binding is not None or self.state.reserved(info.uid) is not None:
+            return
+        log.info("slice %s waits on nodes its pod may no longer be limited to (their taints or labels "
+                 "changed): made again", info.ref)
+        try:
+            await self.client.delete(slice_path(info.namespace, info.name), resource_version=str(info.version))
+        except ApiError as exc:
+            if not (exc.not_found or exc.conflict):
+                raise
+
+    def look_waiting(self) -> None:
+        """Look at every waiting slice of a pod again (``_limited_otherwise``): the nodes' taints or
+        labels changed."""
+        for info in self.state.pending():
+            if info.pod_owner is not None:
+                self.look(info.namespace, info.name)
 
     def _failed_after_ungate(self, pod: Mapping[str, Any], info: SliceRecord) -> None:
         """A pod let go at its slice's binding (its device needed no NVML call) whose slice then failed:
@@ -441,3 +482,4 @@ class PodSlices:
                 await self.pod_event(pod, deleted=False)
             except ApiError as exc:
                 log.warning("pod %s/%s: %s", pod["metadata"]["namespace"], pod["metadata"]["name"], exc)
+        self.look_waiting()  # the nodes were read afresh too
