@@ -10,7 +10,14 @@ from decimal import Decimal
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mig_operator.core.books.ledger import Ledger, NodeLabels, NodeRecord, SliceRecord
+from mig_operator.core.books.ledger import (
+    CLAIM_ALLOCATED,
+    CLAIM_WRITTEN,
+    Ledger,
+    NodeLabels,
+    NodeRecord,
+    SliceRecord,
+)
 from mig_operator.core.books.quota import QUOTA_NAME, Usage
 from mig_operator.core.placement.cluster import MODE_FRACTION, MODE_MIG, GpuState, NodeInventory
 from mig_operator.core.placement.profiles import get_model
@@ -207,6 +214,20 @@ def test_a_rollback_puts_a_waiting_slice_back_in_line() -> None:
     assert ledger.decide("x").kind == "bind" and ledger.writing("x") and not ledger.line.in_line("team-a")
     ledger.rollback("x")
     assert books(ledger) == before and ledger.line.in_line("team-a") and not ledger.writing("x")
+
+
+def test_a_claim_allocated_beside_a_binding_whose_write_failed_counts_as_written_only() -> None:
+    # A pod's slice's claim is allocated while its binding is written: should that write fail, the next
+    # binding may be elsewhere, so the allocation it holds must be checked again, not taken as done.
+    ledger = Ledger()
+    ledger.put_node("n0", NodeRecord(flags=NodeLabels(mig=True)))
+    ledger.put_inventory(INVENTORIES[0])
+    ledger.put_slice(record("x", "team-a", 2))
+    ledger.set_claim_state("x", CLAIM_WRITTEN)
+    assert ledger.decide("x").kind == "bind" and ledger.reserved("x") is not None
+    ledger.set_claim_state("x", CLAIM_ALLOCATED)
+    ledger.rollback("x")
+    assert ledger.claim_state("x") == CLAIM_WRITTEN and ledger.reserved("x") is None
 
 
 def _bound(ledger: Ledger, uid: str, version: int, written: dict) -> None:

@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 from books import BodyLedger
 
-from mig_operator.core.books.ledger import CLAIM_ALLOCATED, CLAIM_NONE
+from mig_operator.core.books.ledger import CLAIM_ALLOCATED, CLAIM_NONE, CLAIM_WRITTEN
+from mig_operator.core.placement.cluster import Binding, binding_from_status
 from mig_operator.kube.common.client import ApiError
 from mig_operator.kube.common.names import POD_SLICE_LABEL, SCHEDULING_GATE
 from mig_operator.kube.common.workqueue import WorkQueue
@@ -289,6 +290,59 @@ def test_a_pods_slice_gets_its_claim_at_once_and_its_allocation_once_bound() -> 
     _pods_slice(state, "Ready")
     assert asyncio.run(claims.ensure(state.slice_named("ns", "train"))) is True
     assert client.calls[2:] == []  # nothing left to write once Ready (the agent's Ready names the claim)
+
+
+def _pending_pods_slice(state: BodyLedger) -> None:
+    pending = _slice("Pending")
+    pending["status"] = {"phase": "Pending"}
+    pending["metadata"]["ownerReferences"] = [{"apiVersion": "v1", "kind": "Pod", "name": "p", "uid": "pod-uid"}]
+    state.put_slice(pending)
+
+
+def _decided_on_n(state: BodyLedger) -> Binding:
+    """The binding the binder decided for the slice (on node n) and is writing: the ledger's reservation."""
+    binding = binding_from_status(UID, _slice("Bound")["status"])
+    assert binding is not None and binding.node == "n"
+    reserved = {UID: binding}
+    state.reserved = lambda uid: reserved.get(uid)  # type: ignore[method-assign]
+    state.reservations = reserved  # type: ignore[attr-defined]
+    return binding
+
+
+def test_a_pods_slice_claim_is_allocated_while_its_binding_is_written_and_handed_on_once_written() -> None:
+    client = _Client()
+    claims, state, _ = _claims(client)
+    _pending_pods_slice(state)
+    claims.consumer = lambda info: POD_P
+    assert asyncio.run(claims.ensure(state.slice_named("ns", "train"))) is False
+    _decided_on_n(state)  # decided, its write under way
+    # Allocated now on the decided node, reserved for the pod; not handed on: the binding is not written.
+    assert asyncio.run(claims.ensure(state.slice_named("ns", "train"))) is False
+    assert client.calls == [("POST", CLAIMS), ("MERGE", CLAIM_STATUS)]
+    assert client.existing["status"]["allocation"] == PINNED and client.existing["status"]["reservedFor"] == [POD_P]
+    assert state.claim_state(UID) == CLAIM_ALLOCATED
+    state.reservations.clear()  # written: its answer observed
+    _pods_slice(state, "Bound")
+    assert asyncio.run(claims.ensure(state.slice_named("ns", "train"))) is True
+    assert client.calls[2:] == []
+
+
+def test_a_claim_allocated_while_the_binding_write_fails_is_not_taken_as_allocated() -> None:
+    client = _Client()
+    claims, state, _ = _claims(client)
+    _pending_pods_slice(state)
+    claims.consumer = lambda info: POD_P
+    _decided_on_n(state)
+    allocate = client.merge_patch
+
+    async def binding_fails_meanwhile(path: str, body: dict) -> dict:
+        answer = await allocate(path, body)
+        state.reservations.clear()  # the binding's write failed while the allocation was under way
+        return answer
+
+    client.merge_patch = binding_fails_meanwhile  # type: ignore[method-assign]
+    assert asyncio.run(claims.ensure(state.slice_named("ns", "train"))) is False
+    assert state.claim_state(UID) == CLAIM_WRITTEN  # the next binding's allocation is checked anew
 
 
 def test_a_pods_mig_slice_bound_for_a_new_instance_is_handed_on_only_once_ready() -> None:

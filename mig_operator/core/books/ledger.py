@@ -422,12 +422,16 @@ class Ledger:
         self._writing.discard(uid)
 
     def rollback(self, uid: str) -> None:
-        """The binding write failed: the books are as before ``decide`` for this slice."""
+        """The binding write failed: the books are as before ``decide`` for this slice. A claim allocated
+        to the reserved binding meanwhile counts as written only: the next binding's allocation is checked
+        against it (a pod's slice's claim is allocated beside the binding's write)."""
         self._writing.discard(uid)
         entry = self._reserved.pop(uid, None)
         info = self.slices.get(uid)
         if entry is not None and (info is None or info.binding is None):
             self.line.set(uid, entry[1])
+            if self._claims.get(uid) == CLAIM_ALLOCATED:
+                self._claims[uid] = CLAIM_WRITTEN
         self._held(uid)
 
     def _binding_of(self, info: SliceRecord) -> Binding:

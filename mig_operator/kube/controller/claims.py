@@ -16,9 +16,11 @@ reserved), so before a slice of a pod still gated goes (a group's part given bac
 pod deleted) the controller takes it away (``unreserve``).
 
 A pod's slice gets its claim as soon as the slice exists, not when it is Ready, and the claim is
-allocated as soon as the slice is bound: the pod names the claim and stays gated until its slice is
-Ready and its device checked (pods.py), so allocating early hands nothing on, and takes the claim's
-two writes off the path from Ready to the ungate (they run while the agent realises the slice).
+allocated as soon as the slice's binding is decided, while the binding is written: the pod names the
+claim and stays gated until its slice's binding is written and its device checked (pods.py), so
+allocating early hands nothing on, and takes the claim's two writes off the pod's path (a binding whose
+write fails leaves the claim counted as written only, ``Ledger.rollback``, and the next binding's
+allocation is checked against what it holds).
 kube-scheduler must know the claim before it sees the pod ungated (a pod it schedules before the
 claim reaches its cache is unschedulable until the claim's event requeues it, after a back-off of a
 second or more). A directly made slice's claim is written and allocated once the slice is Ready and
@@ -58,6 +60,7 @@ from mig_operator.core.books.slice_claim import (
 )
 from mig_operator.core.books.slice_claim import claim_body as slice_claim_body
 from mig_operator.core.node.lifecycle import READY
+from mig_operator.core.placement.cluster import Binding
 
 from ..common.client import ApiError, KubeClient, slice_path
 from ..common.events import EventPoster
@@ -181,11 +184,18 @@ class SliceClaims:
             self.state.set_claim_state(info.uid, CLAIM_WRITTEN)
             # Debug: every pod's slice has one, and the binding's info line says where the slice went.
             log.debug("slice %s: ResourceClaim %s written", info.ref, info.name)
-        if not ready and (info.binding is None or not early(info)):
+        # A pod's slice's claim is allocated once its binding is decided, beside the binding's write
+        # (``Ledger.reserved``): nothing is handed on until that write is done (the pod's ungate waits for
+        # it), and a binding whose write fails takes the claim back to written (``Ledger.rollback``).
+        binding = self._binding(info.uid)
+        if binding is None or not (ready or early(info)):
             return False
-        allocated = await self._allocate(info, claim)
+        allocated = await self._allocate(info, claim, binding.node)
         if allocated is None:
             return False
+        now = self._binding(info.uid)
+        if now is None or now.node != binding.node:
+            return False  # its binding's write failed meanwhile: the next binding's allocation is checked anew
         # A claim kube-scheduler allocated (an earlier version) keeps its finalizer, and
         # kube-controller-manager clears its allocation once no pod uses it: allocated again at a resync.
         if DELETE_PROTECTION not in ((allocated.get("metadata") or {}).get("finalizers") or []):
@@ -195,6 +205,11 @@ class SliceClaims:
         if (info.body.get("status") or {}).get("phase") == READY:
             await self._record(info)  # an early claim: the agent names it in its Ready write
         return True
+
+    def _binding(self, uid: str) -> Binding | None:
+        """The slice's binding: written, or decided and being written (``Ledger.reserved``)."""
+        info = self.state.slices.get(uid)
+        return None if info is None else info.binding or self.state.reserved(uid)
 
     async def _create(self, info: SliceRecord) -> Mapping[str, Any] | None:
         """The slice's claim, created now or found (``_take_over``); None when it cannot be had yet."""
@@ -206,18 +221,17 @@ class SliceClaims:
                 raise
         return await self._take_over(info)
 
-    async def _allocate(self, info: SliceRecord, claim: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
-        """Allocate the slice's claim to its device in its node's pool (``claim``: as last read, None
-        when unknown); the claim once it is so allocated, else None."""
-        assert info.binding is not None  # ready, or a pod's slice bound
-        node = info.binding.node
+    async def _allocate(self, info: SliceRecord, claim: Mapping[str, Any] | None,
+                        node: str) -> Mapping[str, Any] | None:
+        """Allocate the slice's claim to its device in ``node``'s pool, the node it is bound (or being
+        bound) to (``claim``: as last read, None when unknown); the claim once it is so allocated, else None."""
         path = claim_path(info.namespace, info.name)
         if claim is not None:
             state = allocation_state(claim, node, info.uid)
             if state == PINNED:
                 return claim
             if state == ELSEWHERE:
-                return await self._allocated_elsewhere(info, claim)
+                return await self._allocated_elsewhere(info, claim, node)
         reserved_for = self.consumer(info) if early(info) else None
         try:
             allocated = await self.client.merge_patch(f"{path}/status",
@@ -238,7 +252,7 @@ class SliceClaims:
                 self.events.post(info.body, "Warning", NOT_ALLOCATED,
                                  f"ResourceClaim {info.namespace}/{info.name} could not be allocated: {exc}")
                 raise
-            return await self._allocated_elsewhere(info, claim)
+            return await self._allocated_elsewhere(info, claim, node)
         log.debug("slice %s: ResourceClaim %s allocated on node %s", info.ref, info.name, node)
         return allocated
 
@@ -270,14 +284,13 @@ class SliceClaims:
                 raise
         log.debug("slice %s: its ResourceClaim is no longer reserved for its gated pod", info.ref)
 
-    async def _allocated_elsewhere(self, info: SliceRecord, claim: Mapping[str, Any]) -> None:
-        """The slice's claim is allocated to another device or pool: deleted (written anew at the
-        slice's next event), with a Warning Event that names the allocation."""
+    async def _allocated_elsewhere(self, info: SliceRecord, claim: Mapping[str, Any], node: str) -> None:
+        """The slice's claim is allocated to another device or pool than the slice's device on ``node``:
+        deleted (written anew at the slice's next event), with a Warning Event that names the allocation."""
         results = [f"{r.get('driver')}/{r.get('pool')}/{r.get('device')}" for r in
                    ((((claim.get("status") or {}).get("allocation") or {}).get("devices") or {}).get("results") or [])]
-        assert info.binding is not None
         message = (f"ResourceClaim {info.namespace}/{info.name} was allocated {', '.join(results) or 'otherwise'}, "
-                   f"not this slice's device in node {info.binding.node}'s pool; it is deleted and written anew")
+                   f"not this slice's device in node {node}'s pool; it is deleted and written anew")
         self.events.post(info.body, "Warning", ALLOCATED_ELSEWHERE, message)
         log.warning("slice %s: %s", info.ref, message)
         self.state.set_claim_state(info.uid, CLAIM_NONE)
