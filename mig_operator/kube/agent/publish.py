@@ -114,24 +114,31 @@ class Publisher:
             metrics.GPU_HEALTHY.labels(self.settings.node, str(gpu["index"])).set(
                 1 if self.health.of(gpu["index"]).healthy else 0)
             self.publish_slots(gpu, models.get(gpu["index"]))
-        # Devices first: the GpuNode is what the controller checks a device against before it ungates a
-        # pod, and the ResourceSlice then lists it already.
-        await self.devices(verify_devices)
+        # The GpuNode is what the controller checks a new device against before it ungates a pod: it
+        # does not wait behind the ResourceSlice writes of slices turning Ready (one at a time, under
+        # the devices' lock), which nothing reads before a pod is scheduled (the controller allocates
+        # the claims itself).
+        _, written = await asyncio.gather(self.devices(verify_devices), self._write_gpunode(body))
+        if written is None:
+            return
+        self._post_device_plugin_event(written, check)
+        self._post_health_events(written)
+
+    async def _write_gpunode(self, body: dict[str, Any]) -> dict | None:
+        """The GpuNode's status written (the GpuNode made first if missing); None when the Node is gone
+        (the garbage collector removed its GpuNode): nothing is written until a Node of this name exists
+        again, so no inventory outlives its node."""
         path = gpunode_path(self.settings.node, status=True)
         try:
-            written = await self.client.merge_patch(path, {"status": body})
+            return await self.client.merge_patch(path, {"status": body})
         except ApiError as exc:
             if not exc.not_found:
                 raise
-            if not node.uid:
-                # The Node is gone (the garbage collector removed its GpuNode): publish nothing until a
-                # Node of this name exists again, so no inventory outlives its node.
+            if not self.node.uid:
                 log.debug("node %s does not exist: its GpuNode is not written", self.settings.node)
-                return
+                return None
             await self._create_gpunode()
-            written = await self.client.merge_patch(path, {"status": body})
-        self._post_device_plugin_event(written, check)
-        self._post_health_events(written)
+            return await self.client.merge_patch(path, {"status": body})
 
     def _post_health_events(self, gpunode: Mapping | None) -> None:
         """The Events of GPUs turned unhealthy or healthy again, on the GpuNode just written."""
