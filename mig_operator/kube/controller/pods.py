@@ -344,18 +344,21 @@ class PodSlices:
         return allowed != [] and slice_nodes(allowed) != (info.pinned, info.eligible)
 
     async def _make_again(self, info: SliceRecord) -> None:
-        """Delete a waiting slice of a gated pod, unless it was bound meanwhile (the deletion holds only
-        for the version seen waiting); its deletion has the pod's slice made again (``slice_deleted``)
-        with the nodes the pod may go to now. Nothing ran on it: it holds no instance."""
-        if info.binding is not None or self.state.reserved(info.uid) is not None:
-            return
-        log.info("slice %s waits on nodes its pod may no longer be limited to (their taints or labels "
-                 "changed): made again", info.ref)
-        try:
-            await self.client.delete(slice_path(info.namespace, info.name), resource_version=str(info.version))
-        except ApiError as exc:
-            if not (exc.not_found or exc.conflict):
-                raise
+        """Delete a gated pod's waiting slices (a group's members alike), each unless it was bound
+        meanwhile (a deletion holds only for the version seen waiting); their deletion has the pod's
+        slices made again (``slice_deleted``) with the nodes the pod may go to now. Nothing ran on them:
+        they hold no instance."""
+        for member in self.state.group_members(info):
+            if member.binding is not None or member.deleting or self.state.reserved(member.uid) is not None:
+                continue
+            log.info("slice %s waits on nodes its pod may no longer be limited to (their taints or labels "
+                     "changed): made again", member.ref)
+            try:
+                await self.client.delete(slice_path(member.namespace, member.name),
+                                         resource_version=str(member.version))
+            except ApiError as exc:
+                if not (exc.not_found or exc.conflict):
+                    raise
 
     def look_waiting(self) -> None:
         """Look at every waiting slice of a pod again (``_limited_otherwise``): the nodes' taints or
@@ -482,4 +485,3 @@ class PodSlices:
                 await self.pod_event(pod, deleted=False)
             except ApiError as exc:
                 log.warning("pod %s/%s: %s", pod["metadata"]["namespace"], pod["metadata"]["name"], exc)
-        self.look_waiting()  # the nodes were read afresh too
