@@ -16,6 +16,7 @@ import pytest
 import yaml
 from harness import OperatorHarness, SimNode, check_invariants, wait_until
 from kubernetes.client.rest import ApiException
+from test_metrics import free_port, scrape, value
 
 CORPUS = Path(__file__).resolve().parents[1] / "corpus" / "gpuslice_specs.yaml"
 KWOK_TOLERATION = {"key": "kwok.x-k8s.io/node", "operator": "Exists"}
@@ -547,6 +548,39 @@ def test_a_slice_limited_by_a_taint_that_went_away_is_made_again_where_the_pod_m
     assert served["metadata"]["uid"] != first["metadata"]["uid"], "the waiting slice was made again"
     assert "nodeName" not in served["spec"], served["spec"]
     assert pod.spec.node_name == late.name == served["status"]["node"]
+    check_invariants(operator)
+
+
+def test_a_running_pods_status_changes_never_reach_the_controller(operator: OperatorHarness) -> None:
+    # A Running pod's status changes often (probes, restarts, a kubelet's heartbeat of conditions), and
+    # the controller needs nothing of a Running pod: its watch leaves Running pods out. Fifty status
+    # writes to a running annotated pod here come to no event in the controller.
+    node = operator.add_node("h100-80gb")
+    operator.agent(node)
+    operator.wait_gpunode(node)
+    port = free_port()
+    operator.controller_with_webhook(None, "--metrics-address", f"127.0.0.1:{port}")
+    operator.wait_webhook()
+    ns = operator.namespace()
+    name = create_pod(operator, ns, {"cdmo.io/mig-profile": "1g.10gb"}, name="busy")["metadata"]["name"]
+    pod = running(operator, ns, name)
+    served = slice_of(operator, pod)
+
+    def pod_events() -> float:
+        return value(scrape(port)[1], "mig_operator_watch_events_total", resource="pods") or 0.0
+
+    time.sleep(1)
+    before = pod_events()
+    assert before >= 1, "the controller saw the pod while it was gated"
+    for i in range(50):
+        operator.core.patch_namespaced_pod_status(name, ns, {"status": {"conditions": [
+            {"type": "Ready", "status": "True" if i % 2 else "False"}]}})
+    time.sleep(2)
+    assert pod_events() - before < 5, f"{pod_events() - before} pod events for 50 status writes of a Running pod"
+    assert operator.core.read_namespaced_pod(name, ns).status.phase == "Running"
+    kept = operator.get_slice(ns, served["metadata"]["name"])
+    assert kept is not None and kept["metadata"]["uid"] == served["metadata"]["uid"], "its slice is untouched"
+    assert kept["status"]["phase"] == "Ready"
     check_invariants(operator)
 
 

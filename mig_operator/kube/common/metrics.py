@@ -63,6 +63,9 @@ EVENTS_DROPPED = Counter(
     "mig_operator_events_dropped_total", "Kubernetes Events not posted because too many waited, by component",
     ["component"],
 )
+WATCH_EVENTS = Counter(
+    "mig_operator_watch_events_total", "Watch events a part took in, by resource (plural)", ["resource"]
+)
 RECONCILE_ERRORS = Counter(
     "mig_operator_reconcile_errors_total", "Handler runs that ended in an error, by part and kind", ["part", "kind"]
 )

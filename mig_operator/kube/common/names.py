@@ -44,6 +44,10 @@ PEERING_NAME = "mig-operator"
 
 # Pods: the webhook marks an annotated pod with these, the controller finds it by the label.
 POD_SLICE_LABEL = "cdmo.io/gpu-slice"  # value: the name of the pod's GpuSlice and ResourceClaim
+# The labelled pods the controller watches and lists: a Running pod needs nothing of it (a gated pod is
+# Pending; a finished one comes back as Succeeded or Failed), and its status changes (probes, restarts)
+# would each be an event. A pod that starts Running leaves the watch as a DELETED event.
+POD_WATCH_FIELDS = "status.phase!=Running"
 SCHEDULING_GATE = "cdmo.io/gpu-slice"
 # The claim entry the webhook adds to an annotated pod (spec.resourceClaims[].name and each
 # container's resources.claims[].name).

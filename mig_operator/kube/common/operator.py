@@ -17,6 +17,7 @@ from typing import Any
 
 import kopf
 
+from . import metrics
 from .client import LIST_PAGE, bearer_token, load_configuration
 
 log = logging.getLogger("mig_operator.events")
@@ -133,8 +134,10 @@ def on_event(registry: kopf.OperatorRegistry, group: str, version: str, plural: 
     decisions read, never kopf's whole body; one object's events in order, objects concurrently
     (``KeptEvents``: kopf's handler returns as soon as the kept body is queued)."""
     events = KeptEvents(fn, plural)
+    counted = metrics.WATCH_EVENTS.labels(plural)
 
     async def handler(body: kopf.Body, type: str | None, **_: Any) -> None:
+        counted.inc()
         meta = body.get("metadata") or {}
         events.put(meta.get("uid") or f"{meta.get('namespace')}/{meta.get('name')}", keep(body), type)
 

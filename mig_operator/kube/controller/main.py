@@ -26,6 +26,7 @@ from ..common.names import (
     NODES,
     PEERING_NAME,
     POD_SLICE_LABEL,
+    POD_WATCH_FIELDS,
     SLICES,
     VERSION,
 )
@@ -79,6 +80,7 @@ def build_registry(options: ControllerOptions) -> kopf.OperatorRegistry:
         # Nodes are watched whole: the ledger keeps every Node's labels and taints (where a pod may go, and the
         # labels placement reads); an event whose labels change nothing placement reads costs a comparison.
         settings.watching.label_selectors["v1", "pods"] = POD_SLICE_LABEL  # only pods the webhook marked
+        settings.watching.field_selectors["v1", "pods"] = POD_WATCH_FIELDS  # and not Running
         client = KubeClient.from_environment(options.kubeconfig)
         await ensure_peering(client, options.peering)
         events = EventPoster(client, "mig-operator-controller", os.uname().nodename)

@@ -51,6 +51,7 @@ from ..common.names import (
     GROUP_ANNOTATION,
     GROUP_SIZE_ANNOTATION,
     POD_SLICE_LABEL,
+    POD_WATCH_FIELDS,
     SCHEDULING_GATE,
     SLICE_KIND,
     SLICE_TRY_ANNOTATION,
@@ -480,7 +481,8 @@ class PodSlices:
 
     async def resync(self) -> None:
         """Every labelled pod again (after a restart or failover): none is left gated without cause."""
-        for pod in await self.client.list("/api/v1/pods", label_selector=POD_SLICE_LABEL, keep=pod_body):
+        for pod in await self.client.list("/api/v1/pods", label_selector=POD_SLICE_LABEL,
+                                          field_selector=POD_WATCH_FIELDS, keep=pod_body):
             try:
                 await self.pod_event(pod, deleted=False)
             except ApiError as exc:
