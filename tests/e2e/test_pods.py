@@ -512,13 +512,14 @@ def test_a_pods_slice_goes_only_to_a_node_whose_taints_it_tolerates(operator: Op
     assert slice_of(operator, pod)["status"]["node"] == pod.spec.node_name
 
 
+@pytest.mark.parametrize("count", [1, 2])
 def test_a_slice_limited_by_a_taint_that_went_away_is_made_again_where_the_pod_may_go_now(
-        operator: OperatorHarness) -> None:
+        operator: OperatorHarness, count: int) -> None:
     # Taints come and go: kube-controller-manager taints a node unreachable for a moment when its
     # heartbeat is late (it takes off at once a taint of that key that a node's conditions do not call
     # for, so a key of our own plays it here), an admin's maintenance taint ends. A pod made while one
-    # node was tainted got a slice limited to the other, full, node: once the taint goes the slice
-    # must not wait there for ever.
+    # node was tainted got slices limited to the other, full, node: once the taint goes they must not
+    # wait there for ever (a pod of two devices: both, as one group).
     tag = operator.namespace()[-6:]
     full = operator.add_node("h100-80gb", name=f"full-{tag}")
     late = operator.add_node("h100-80gb", name=f"late-{tag}")
@@ -530,24 +531,27 @@ def test_a_slice_limited_by_a_taint_that_went_away_is_made_again_where_the_pod_m
         {"key": "kwok.x-k8s.io/node", "value": "fake", "effect": "NoSchedule"},
         {"key": "maintenance", "effect": "NoSchedule"}]}})
     time.sleep(1)  # the controller's Node watch has the taint
-    name = create_pod(operator, ns, {"cdmo.io/mig-profile": "1g.10gb"}, name="in-the-moment")["metadata"]["name"]
-    pod = operator.core.read_namespaced_pod(name, ns)
-    group = pod.metadata.labels["cdmo.io/gpu-slice"]
+    annotations = {"cdmo.io/mig-profile": "1g.10gb", **({"cdmo.io/gpu-count": str(count)} if count > 1 else {})}
+    name = create_pod(operator, ns, annotations, name="in-the-moment")["metadata"]["name"]
+    group = operator.core.read_namespaced_pod(name, ns).metadata.labels["cdmo.io/gpu-slice"]
+    names = [group] if count == 1 else [f"{group}-{k}" for k in range(count)]
 
-    def waiting_on_full() -> dict | None:
-        body = operator.get_slice(ns, group)
-        st = (body or {}).get("status") or {}
-        return body if st.get("phase") == "Pending" and st.get("reason") else None
+    def waiting_on_full() -> list[dict] | None:
+        bodies = [operator.get_slice(ns, n) for n in names]
+        waiting = [b for b in bodies if b and ((b.get("status") or {}).get("phase") == "Pending"
+                                               and (b.get("status") or {}).get("reason"))]
+        return waiting if len(waiting) == count else None
 
-    first = wait_until(waiting_on_full, 30, lambda: f"the slice waiting on {full.name}\n{operator.logs()}")
-    assert first["spec"].get("nodeName") == full.name, first["spec"]
+    first = wait_until(waiting_on_full, 30, lambda: f"the slices waiting on {full.name}\n{operator.logs()}")
+    assert all(b["spec"].get("nodeName") == full.name for b in first), [b["spec"] for b in first]
     operator.core.patch_node(late.name, {"spec": {"taints": [
         {"key": "kwok.x-k8s.io/node", "value": "fake", "effect": "NoSchedule"}]}})
     pod = running(operator, ns, name)
-    served = slice_of(operator, pod)
-    assert served["metadata"]["uid"] != first["metadata"]["uid"], "the waiting slice was made again"
-    assert "nodeName" not in served["spec"], served["spec"]
-    assert pod.spec.node_name == late.name == served["status"]["node"]
+    served = [operator.get_slice(ns, n) for n in names]
+    assert {b["metadata"]["uid"] for b in served}.isdisjoint({b["metadata"]["uid"] for b in first}), (
+        "the waiting slices were made again")
+    assert all("nodeName" not in b["spec"] and b["status"]["node"] == late.name for b in served), served
+    assert pod.spec.node_name == late.name
     check_invariants(operator)
 
 
