@@ -230,6 +230,25 @@ def test_a_claim_allocated_beside_a_binding_whose_write_failed_counts_as_written
     assert ledger.claim_state("x") == CLAIM_WRITTEN and ledger.reserved("x") is None
 
 
+def test_a_full_list_older_than_what_the_watch_brought_keeps_the_newer_inventories() -> None:
+    # The watch runs on while the full list is read: a GpuNode the watch brought at version 12 (a new
+    # instance's GPU listed) must not go back to the list's version 10, nor one made after the list
+    # (version 15, the list read at 11) go missing; nothing would bring them back until the next change.
+    ledger = Ledger()
+    older = NodeInventory("n0", ())
+    newer, made = INVENTORIES[0], INVENTORIES[1]
+    ledger.put_inventory(newer, 12)
+    ledger.put_inventory(made, 15)
+    ledger.replace_all([], [older], {}, 11, ({"n0": 10}, 11))
+    assert ledger.inventories["n0"] == newer and ledger.inventories["n1"] == made
+    # A list newer than the watch's event is taken, and one without versions replaces everything.
+    ledger.replace_all([], [older], {}, 20, ({"n0": 20}, 20))
+    assert ledger.inventories["n0"] == older and "n1" not in ledger.inventories
+    ledger.put_inventory(newer, 30)
+    ledger.replace_all([], [older], {})
+    assert ledger.inventories["n0"] == older
+
+
 def _bound(ledger: Ledger, uid: str, version: int, written: dict) -> None:
     """Decide slice ``uid`` and write its binding, as the binder does; ``written``: every binding
     the API server holds (uid -> binding), kept here apart from the ledger's own books."""

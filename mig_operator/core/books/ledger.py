@@ -163,6 +163,8 @@ class Ledger:
         self._charges = Charges()
         self.line = WaitingLine()
         self._writing: set[str] = set()  # decided, write not yet committed or rolled back
+        # Node -> the resourceVersion of the GpuNode its inventory was read from (0: unknown).
+        self._inventory_versions: dict[str, int] = {}
         self.nodes: dict[str, NodeRecord] = {}  # every Node: the controller's one Node cache
         self._pods: dict[tuple[str, str], PodRecord] = {}  # (namespace, pod group) -> its pod
         # Pods (namespace, pod group) whose gate is being removed: the pod's own event and its slice's may
@@ -632,8 +634,10 @@ class Ledger:
 
     # ---- observing: inventories ----------------------------------------------------------------
 
-    def put_inventory(self, inventory: NodeInventory) -> set[str]:
-        """Take a GpuNode's inventory; returns the namespaces whose quota use changed."""
+    def put_inventory(self, inventory: NodeInventory, version: int = 0) -> set[str]:
+        """Take a GpuNode's inventory (``version``: the GpuNode's resourceVersion); returns the namespaces
+        whose quota use changed."""
+        self._inventory_versions[inventory.node] = version
         old = self._index.inventories.get(inventory.node)
         self._index.set_inventory(inventory)
         changed = self._agent_holds(inventory.node, inventory)
@@ -642,6 +646,7 @@ class Ledger:
         return changed
 
     def remove_inventory(self, node: str) -> set[str]:
+        self._inventory_versions.pop(node, None)
         # Slices still bound there keep the charge they have: a GPU held whole stays charged its size.
         self._index.remove_inventory(node)
         return self._agent_holds(node, None)
@@ -658,12 +663,15 @@ class Ledger:
         return changed
 
     def replace_all(self, slices: Iterable[SliceRecord], inventories: Iterable[NodeInventory],
-                    nodes: Mapping[str, NodeRecord], listed_at: int | None = None) -> None:
+                    nodes: Mapping[str, NodeRecord], listed_at: int | None = None,
+                    inventories_at: tuple[Mapping[str, int], int] | None = None) -> None:
         """A fresh full list: what is not in it is gone (events may have been missed while paused).
-        ``nodes``: every Node. ``listed_at``: the list's
+        ``nodes``: every Node. ``listed_at``: the slices' list's
         resourceVersion. The watch runs on while the list is read, so what it showed after that
         version stands: a slice made (or changed) since is kept though the list lacks it, and a
-        slice deleted since is not brought back, so neither its room nor another's binding is lost."""
+        slice deleted since is not brought back, so neither its room nor another's binding is lost.
+        ``inventories_at``: each listed GpuNode's resourceVersion and the GpuNodes' list's; likewise an
+        inventory the watch brought newer than the list's is kept (a new instance's device stays listed)."""
         fresh = {}
         for info in slices:
             if listed_at is not None and self._gone.get(info.uid, 0) > listed_at:
@@ -689,12 +697,36 @@ class Ledger:
         labels = {name: record.flags for name, record in self.nodes.items()}
         held = {uid: s.binding for uid, s in fresh.items() if s.binding is not None}
         held.update({uid: r[0] for uid, r in self._reserved.items()})
-        inventories = list(inventories)
+        inventories = self._fresh_inventories(list(inventories), inventories_at)
         self._index.reset(inventories, [n for n, f in labels.items() if f.mig], held.values(),
                           sharing=[n for n, f in labels.items() if f.sharing],
                           accepted=[n for n, f in labels.items() if f.accepted])
         for uid in {*self.slices, *self._charges.reset(inventories)}:
             self._held(uid)
+
+
+    def _fresh_inventories(self, listed: list[NodeInventory],
+                           listed_at: tuple[Mapping[str, int], int] | None) -> list[NodeInventory]:
+        """The listed inventories, each but where the watch brought a newer GpuNode while the list was
+        read (and those it brought made after the list), which stand; the versions kept follow."""
+        if listed_at is None:
+            self._inventory_versions = {}
+            return listed
+        versions, list_version = listed_at
+        known = self._index.inventories
+        fresh = {}
+        kept_versions = {}
+        for inventory in listed:
+            mine = self._inventory_versions.get(inventory.node, 0)
+            listed_version = versions.get(inventory.node, 0)
+            newer = inventory.node in known and mine > listed_version
+            fresh[inventory.node] = known[inventory.node] if newer else inventory
+            kept_versions[inventory.node] = mine if newer else listed_version
+        for node, version in self._inventory_versions.items():
+            if node not in fresh and node in known and version > list_version:
+                fresh[node], kept_versions[node] = known[node], version
+        self._inventory_versions = kept_versions
+        return list(fresh.values())
 
 
 def _gpu_memory(inventory: NodeInventory) -> dict[int, int]:

@@ -120,14 +120,16 @@ class Binder:
         """Read slices, inventories and nodes afresh, then finish what is unfinished, and have the claims,
         the pods and the quota status looked at again."""
         async with self._lock:
-            (slices, listed_at), inventories, quotas, listed_nodes = await asyncio.gather(
+            (slices, listed_at), (gpunodes, gpunodes_at), quotas, listed_nodes = await asyncio.gather(
                 self.client.list_at(slices_path(), keep=self._listed_slice),
-                self.client.list(gpunodes_path(), keep=owned_body),
+                self.client.list_at(gpunodes_path(), keep=owned_body),
                 self._list_quotas(), self.client.list("/api/v1/nodes", keep=node_body),
             )
             nodes = {n["metadata"]["name"]: node_record(n) for n in listed_nodes}
-            self.ledger.replace_all((slice_record(b) for b in slices), [inventory(b) for b in inventories], nodes,
-                                    listed_at or None)
+            inventories = [inventory(b) for b in gpunodes]
+            versions = {i.node: resource_version(b["metadata"]) for i, b in zip(inventories, gpunodes, strict=True)}
+            self.ledger.replace_all((slice_record(b) for b in slices), inventories, nodes, listed_at or None,
+                                    (versions, gpunodes_at) if gpunodes_at else None)
             self.ledger.replace_quotas(quotas)
             self._last_resync = time.monotonic()
             self.synced = True
@@ -252,7 +254,8 @@ class Binder:
 
     def inventory_event(self, body: dict, deleted: bool) -> None:
         ledger = self.ledger
-        changed = ledger.remove_inventory(inventory_node(body)) if deleted else ledger.put_inventory(inventory(body))
+        changed = ledger.remove_inventory(inventory_node(body)) if deleted else ledger.put_inventory(
+            inventory(body), resource_version(body.get("metadata") or {}))
         for namespace in changed:  # a device its agent holds for a slice that is gone
             self._namespace_changed(namespace)
         self.request_replan()
