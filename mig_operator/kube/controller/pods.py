@@ -338,7 +338,7 @@ class PodSlices:
     def _limited_otherwise(self, pod: Mapping[str, Any], info: SliceRecord) -> bool:
         """Whether the waiting slice is limited to other nodes than its pod may go to now. Taints come
         and go (kube-controller-manager taints a node unreachable for a moment when a heartbeat is late;
-        a cordon ends), so the nodes a slice was limited to when it was made may no longer be the pod's:
+        a cordon ends), so the nodes a slice was limited to when it was made may differ from the pod's now:
         such a slice could wait for ever on a full node while the pod may go to one with room. While no
         GPU node takes the pod, the slice waits as it is."""
         allowed = eligible(pod, self.state.inventories, self.state.nodes)
@@ -352,7 +352,7 @@ class PodSlices:
         for member in self.state.group_members(info):
             if member.binding is not None or member.deleting or self.state.reserved(member.uid) is not None:
                 continue
-            log.info("slice %s waits on nodes its pod may no longer be limited to (their taints or labels "
+            log.info("slice %s waits on nodes other than those its pod may go to now (their taints or labels "
                      "changed): made again", member.ref)
             try:
                 await self.client.delete(slice_path(member.namespace, member.name),
