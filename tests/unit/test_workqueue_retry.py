@@ -32,7 +32,7 @@ async def _until(check: Callable[[], bool], timeout: float = 5.0) -> None:
 
 
 def _retries(kind: str) -> float:
-    return REGISTRY.get_sample_value("mig_operator_workqueue_retries_total", {"kind": kind}) or 0.0
+    return REGISTRY.get_sample_value("mig_operator_workqueue_retries_total", {"component": "controller", "kind": kind}) or 0.0
 
 
 def test_a_failing_key_backs_off_doubling_up_to_the_cap_and_forgets_on_success() -> None:
@@ -151,10 +151,10 @@ def test_one_worker_serves_namespaces_in_turn() -> None:
         await asyncio.sleep(0.01)
         for key in arrivals:
             queue.add(key, lambda key=key: started.append(key))
-        assert REGISTRY.get_sample_value("mig_operator_workqueue_depth") == len(arrivals)
+        assert REGISTRY.get_sample_value("mig_operator_workqueue_depth", {"component": "controller"}) == len(arrivals)
         gate.set()
         await _until(lambda: len(started) == len(arrivals))
-        assert REGISTRY.get_sample_value("mig_operator_workqueue_depth") == 0
+        assert REGISTRY.get_sample_value("mig_operator_workqueue_depth", {"component": "controller"}) == 0
 
     asyncio.run(main())
     assert started == _round_robin(arrivals)

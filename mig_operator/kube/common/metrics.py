@@ -56,9 +56,15 @@ QUOTA_USED_SLICES = Gauge("mig_operator_quota_used_slices", "Slices a namespace 
 QUOTA_WAITING_SLICES = Gauge("mig_operator_quota_waiting_slices", "A namespace's slices Pending for its quota",
                              ["namespace"])
 WORKQUEUE_RETRIES = Counter(
-    "mig_operator_workqueue_retries_total", "Work queue keys tried again after their work failed, by kind", ["kind"]
+    "mig_operator_workqueue_retries_total", "Work queue keys tried again after their work failed, by part and kind",
+    ["component", "kind"],
 )
-WORKQUEUE_DEPTH = Gauge("mig_operator_workqueue_depth", "Work queue keys due and waiting for a worker")
+WORKQUEUE_DEPTH = Gauge("mig_operator_workqueue_depth", "Work queue keys due and waiting for a worker, by part",
+                        ["component"])
+LOOP_RESTARTS = Counter(
+    "mig_operator_loop_restarts_total", "Long-lived loops started again after an unexpected error, by part and loop",
+    ["component", "loop"],
+)
 EVENTS_DROPPED = Counter(
     "mig_operator_events_dropped_total", "Kubernetes Events not posted because too many waited, by component",
     ["component"],

@@ -1,4 +1,4 @@
-"""The controller's one work queue: coalescing, rate-limited, serving namespaces in turn.
+"""The work queue of the controller and of each agent: coalescing, rate-limited, serving namespaces in turn.
 
 ``add(key, work, after_s)`` asks for ``work`` to run once ``after_s`` has passed. A key already
 waiting keeps its earlier time and takes the latest work (a burst of requests coalesces into one
@@ -71,10 +71,11 @@ def backoff_s(failures: int, base_s: float = BASE_DELAY_S, max_s: float = MAX_DE
 
 class WorkQueue:
     def __init__(self, workers: int = DEFAULT_WORKERS, base_delay_s: float = BASE_DELAY_S,
-                 max_delay_s: float = MAX_DELAY_S) -> None:
+                 max_delay_s: float = MAX_DELAY_S, component: str = "controller") -> None:
         if workers < 1:
             raise ValueError(f"workers must be at least 1, got {workers} (e.g. 16)")
         self.workers = workers
+        self.component = component  # the part whose queue it is: the metrics' label
         self.base_delay_s = base_delay_s
         self.max_delay_s = max_delay_s
         self._wanted: dict[Hashable, tuple[float, Work]] = {}  # key -> (loop time due, its work), not started
@@ -159,7 +160,7 @@ class WorkQueue:
             task = asyncio.get_running_loop().create_task(self._run(key, work))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
-        metrics.WORKQUEUE_DEPTH.set(len(self._due))
+        metrics.WORKQUEUE_DEPTH.labels(self.component).set(len(self._due))
 
     async def _run(self, key: Hashable, work: Work) -> None:
         try:
@@ -173,7 +174,7 @@ class WorkQueue:
             failures = self._failures.get(key, 0) + 1
             self._failures[key] = failures
             delay = backoff_s(failures, self.base_delay_s, self.max_delay_s)
-            metrics.WORKQUEUE_RETRIES.labels(key_kind(key)).inc()
+            metrics.WORKQUEUE_RETRIES.labels(self.component, key_kind(key)).inc()
             log.warning("work %r failed (%d in a row), tried again in %.3g s: %s", key, failures, delay, exc,
                         exc_info=failures == 1)
             self._again(key, work, delay)
