@@ -275,3 +275,33 @@ def test_an_invalid_specs_failed_status_write_is_retried_on_its_key_until_writte
     assert client.body["status"]["reason"] == "InvalidSpec"
     assert events.posted == ["InvalidSpec"]
     assert _retries("invalid") - before == 2
+
+
+def test_retry_failed_now_runs_a_failing_key_at_once_rather_than_after_its_back_off() -> None:
+    """A key whose back-off has grown long (the API server was away) runs as soon as it is asked to, and a key
+    that did not fail keeps its time."""
+    async def main() -> None:
+        runs: list[str] = []
+
+        def failing() -> None:
+            runs.append("failing")
+            if runs.count("failing") == 1:
+                raise RuntimeError("away")
+
+        queue = WorkQueue(base_delay_s=3600.0, max_delay_s=3600.0)
+        queue.add("failing", failing)
+        queue.add("later", lambda: runs.append("later"), after_s=3600.0)
+        for _ in range(100):
+            if queue.failures("failing") == 1:
+                break
+            await asyncio.sleep(0.001)
+        assert queue.failures("failing") == 1 and runs == ["failing"]
+        queue.retry_failed_now()
+        for _ in range(100):
+            if runs.count("failing") == 2:
+                break
+            await asyncio.sleep(0.001)
+        assert runs == ["failing", "failing"]  # "later" did not fail: its time stays an hour away
+        assert queue.failures("failing") == 0 and queue.pending("later")
+
+    asyncio.run(main())

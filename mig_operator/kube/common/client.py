@@ -8,6 +8,10 @@ token or a client certificate works, and a rotated service-account token is pick
 
 Transient failures (HTTP 429, 500, 502, 503 and 504, connection errors, timeouts) are retried with backoff
 (tenacity); everything else raises :class:`ApiError` at once.
+
+A call that finds the API server away (no answer, or 503 while it starts) makes the client ask its
+``/readyz`` once a second until it answers; then each of ``on_back`` is called, so that work that failed
+meanwhile runs at once rather than at the end of its back-off (``WorkQueue.retry_failed_now``).
 """
 
 from __future__ import annotations
@@ -43,6 +47,8 @@ LIST_PAGE = 10
 # How long an idle connection to the API server is kept: aiohttp's default is 15 s; kube-apiserver
 # closes one idle for 90 s, and a connection it closed first costs a failed request and a retry.
 KEEPALIVE_S = 60.0
+# How often a client that found the API server away asks whether it is back.
+AWAY_POLL_S = 1.0
 
 
 class ApiError(Exception):
@@ -135,6 +141,8 @@ class KubeClient:
         self.host = config.host.rstrip("/")
         self._token: str | None = None
         self._token_at = -float("inf")
+        self.on_back: list[Callable[[], None]] = []  # called when the API server answers again after an absence
+        self._away: asyncio.Task | None = None
 
     @classmethod
     def from_environment(cls, kubeconfig: str | None = None, **kwargs: Any) -> KubeClient:
@@ -161,6 +169,9 @@ class KubeClient:
         return self._session
 
     async def close(self) -> None:
+        if self._away is not None:
+            self._away.cancel()
+            self._away = None
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -216,11 +227,39 @@ class KubeClient:
             ) as response:
                 raw = await response.read()
                 if response.status >= 400:
+                    if response.status == 503:
+                        self._went_away()
                     raise _error(response.status, response.reason or "", raw.decode(errors="replace"), method,
                                  path)
                 return wire.loads(raw) if raw else {}
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            self._went_away()
             raise ApiError(0, "", f"{method} {path}: {type(exc).__name__}: {exc}") from exc
+
+    @property
+    def away(self) -> bool:
+        """Whether the last call found the API server away and it has not answered since."""
+        return self._away is not None
+
+    def _went_away(self) -> None:
+        if self._away is None:
+            log.warning("kube-apiserver at %s does not answer; asking it every %g s until it does", self.host,
+                        AWAY_POLL_S)
+            self._away = asyncio.get_running_loop().create_task(self._until_back(), name="api-server-back")
+
+    async def _until_back(self) -> None:
+        while True:
+            await asyncio.sleep(AWAY_POLL_S)
+            try:
+                async with self._get_session().get(self.host + "/readyz", headers=self._headers(None)) as response:
+                    if response.status == 200:
+                        break
+            except (TimeoutError, aiohttp.ClientError, OSError):
+                continue
+        self._away = None
+        log.warning("kube-apiserver at %s answers again", self.host)
+        for back in list(self.on_back):
+            back()
 
     # ---- conveniences --------------------------------------------------------------------------
 

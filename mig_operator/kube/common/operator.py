@@ -8,17 +8,19 @@ credentials as ``KubeClient``, so a part never talks to the API server as two id
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import socket
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import Any
 
 import kopf
 
 from . import metrics
 from .client import LIST_PAGE, bearer_token, load_configuration
+from .workqueue import backoff_s
 
 log = logging.getLogger("mig_operator.events")
 
@@ -61,11 +63,23 @@ class NoDiffBase(kopf.DiffBaseStorage):
         return None
 
 
+class RetryForever:
+    """kopf's back-offs between tries of a failed API call: 0.5, 1, 2, then 5 s for ever. Iterable but not
+    sized, so kopf never reaches a last try; each call gets a fresh sequence."""
+
+    FIRST = (0.5, 1.0, 2.0)
+    THEN_S = 5.0
+
+    def __iter__(self) -> Iterator[float]:
+        yield from self.FIRST
+        yield from itertools.repeat(self.THEN_S)
+
+
 def tune(settings: kopf.OperatorSettings, prefix: str) -> None:
     """The kopf settings every part shares: kopf's own finalizer, progress and diff-base storage under
     the part's prefix; a short wait for kopf's own writes to show on the watch (``consistency_timeout``,
     5 s by default, delays handlers after each of kopf's patches); no Events from log lines; short
-    retry and reconnect back-offs (kopf's default is 60 s).
+    reconnect back-offs, and API calls retried for as long as kube-apiserver is away.
 
     kopf's own finalizer gets a name of its own: kopf removes its finalizer from every object no
     handler of its needs it for (none here: the parts manage their finalizers themselves), so sharing
@@ -77,7 +91,9 @@ def tune(settings: kopf.OperatorSettings, prefix: str) -> None:
     settings.persistence.consistency_timeout = 1.0
     settings.execution.max_workers = 16
     settings.posting.enabled = False  # Events are posted by EventPoster, once per change
-    settings.networking.error_backoffs = [0.5, 1, 2, 5]
+    # kopf's API calls (watches, peering) are retried for as long as kube-apiserver is away: kopf ends a
+    # watcher, and with it the operator, once a finite list of back-offs runs out (an upgrade, a restart).
+    settings.networking.error_backoffs = RetryForever()
     settings.watching.reconnect_backoff = 0.5
     settings.watching.server_timeout = 300
     # The resources are known at start (the CRDs are installed before the parts run): no watching of
@@ -94,13 +110,19 @@ class KeptEvents:
     """Each object's kept events, handed to ``fn`` in order, one call at a time per object, objects
     concurrently. kopf runs an object's event handler while it holds the event's whole body; queued
     here, the kept body is all that waits for ``fn``, however far behind ``fn`` is (a flood of big
-    objects, or the initial list of every object at a start)."""
+    objects, or the initial list of every object at a start).
+
+    An event whose ``fn`` raises is never dropped: it is handed to ``fn`` again after a per-object
+    back-off (the work queue's, 5 ms doubling up to 60 s), as the newest event of that object known by
+    then (a newer event says at least as much of the object as the one that failed), and each retry is
+    counted in ``mig_operator_reconcile_errors_total{part="watch",kind=<plural>}``."""
 
     def __init__(self, fn: EventFn, what: str) -> None:
         self.fn = fn
         self.what = what
         self.waiting: dict[str, deque[tuple[dict[str, Any], str | None]]] = {}
         self.tasks: set[asyncio.Task] = set()
+        self.failed = metrics.RECONCILE_ERRORS.labels("watch", what)
 
     def put(self, key: str, body: dict[str, Any], type: str | None) -> None:
         queue = self.waiting.get(key)
@@ -114,15 +136,27 @@ class KeptEvents:
 
     async def _drain(self, key: str) -> None:
         queue = self.waiting[key]
+        failures = 0
         try:
             while queue:
-                body, type = queue.popleft()
+                body, type = queue[0]
                 try:
                     await self.fn(body, type)
-                except Exception:  # as kopf does for an on.event handler: logged, the next event comes anyway
+                except Exception as exc:  # tried again after a back-off, as the newest event known then
+                    failures += 1
+                    self.failed.inc()
+                    delay = backoff_s(failures)
                     meta = body.get("metadata") or {}
-                    log.exception("%s %s/%s: the event handler failed", self.what, meta.get("namespace", ""),
-                                  meta.get("name", ""))
+                    log.warning("%s %s/%s: the event handler failed (%d in a row), tried again in %.3g s: %s",
+                                self.what, meta.get("namespace", ""), meta.get("name", ""), failures, delay, exc,
+                                exc_info=failures == 1)
+                    await asyncio.sleep(delay)
+                    newest = queue[-1]
+                    queue.clear()
+                    queue.append(newest)
+                    continue
+                failures = 0
+                queue.popleft()
         finally:
             del self.waiting[key]  # no await since the queue was found empty: nothing was added since
 

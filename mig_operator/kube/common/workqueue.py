@@ -111,6 +111,14 @@ class WorkQueue:
         if work is not None:
             self.add(key, work)
 
+    def retry_failed_now(self) -> None:
+        """Run every key that waits after a failure now rather than at the end of its back-off (the API
+        server it failed on is back)."""
+        for key in list(self._failures):
+            entry = self._wanted.get(key)
+            if entry is not None:
+                self.add(key, entry[1])
+
     def __len__(self) -> int:
         """Keys that wait to run or run."""
         return len(self._wanted.keys() | self._running.keys())
