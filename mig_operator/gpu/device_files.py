@@ -18,6 +18,7 @@ import re
 from collections.abc import Iterable
 
 from mig_operator.core.node.cdi import DeviceNode
+from mig_operator.core.requests.quantities import read_integer
 from mig_operator.gpu.files import write_atomically
 
 CAPABILITIES_DIR = "proc/driver/nvidia/capabilities"
@@ -75,8 +76,9 @@ def read_majors(root: str) -> dict[str, int]:
             section = line
             continue
         parts = line.split()
-        if section.startswith("Character") and len(parts) == 2 and parts[0].isdigit():
-            majors.setdefault(parts[1], int(parts[0]))
+        major = read_integer(parts[0]) if len(parts) == 2 else None
+        if section.startswith("Character") and major is not None:
+            majors.setdefault(parts[1], major)
     return majors
 
 

@@ -43,6 +43,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+from mig_operator.core.requests.quantities import read_integer
+
 CONTROL_PROGRAM = "nvidia-cuda-mps-control"
 DEFAULT_MPS_ROOT = "/var/lib/mig-operator/mps"
 _UUID = re.compile(r"GPU-[0-9A-Za-z-]{1,64}")
@@ -182,7 +184,8 @@ class MpsDaemons:
 
     def servers(self, gpu_uuid: str) -> list[int]:
         """The PIDs of the daemon's running MPS servers (``get_server_list``)."""
-        return [int(word) for word in self.command(gpu_uuid, "get_server_list").split() if word.isdigit()]
+        words = self.command(gpu_uuid, "get_server_list").split()
+        return [pid for pid in map(read_integer, words) if pid is not None]
 
     def hold(self, gpu_uuid: str, thread_percentage: int, pinned_bytes: int) -> None:
         if not 1 <= thread_percentage <= 100:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..placement.cluster import MODE_FRACTION, MODE_MIG
+from ..requests.quantities import read_integer
 from .environment import (
     DEVICES_VARIABLE,
     LEDGER_PATH_IN_CONTAINER,
@@ -122,7 +123,7 @@ def spec_file_name(slice_uid: str) -> str:
 
 
 def cdi_version(device_name: str) -> str:
-    return CDI_DIGIT_NAME_VERSION if device_name[:1].isdigit() else CDI_BASE_VERSION
+    return CDI_DIGIT_NAME_VERSION if read_integer(device_name[:1]) is not None else CDI_BASE_VERSION
 
 
 def _device_node(node: DeviceNode) -> dict[str, Any]:

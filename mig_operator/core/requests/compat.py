@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
-from .quantities import QuantityError, clip_repr
+from .quantities import MAX_FRACTION_LENGTH, QuantityError, clip_repr, read_integer
 from .request import SliceRequest
 from .request_forms import MAX_POD_DEVICES, MAX_RECORD_LENGTH, MIG_RESOURCE_PREFIX, RequestFormError
 from .slice_spec import (
@@ -243,22 +243,23 @@ def _runai_request(pod: Mapping[str, Any], annotations: Mapping[str, Any]) -> Di
 def _runai_value(key: str, value: object) -> object:
     """The cdmo.io annotation's value for a Run:ai annotation's value: KAI's gpu-memory is MiB."""
     if key == RUNAI_MEMORY and isinstance(value, str) and _MIB_COUNT.fullmatch(value):
-        if int(value) == 0:
+        mib = read_integer(value.lstrip("0") or "0")
+        if not mib:
+            what = "must be more than zero MiB" if mib == 0 else "is more MiB than any GPU holds"
             raise DialectError(
-                f"annotation {key}: {clip_repr(value)} must be more than zero MiB; use e.g. {key}: '4096' "
-                f"(MiB) or {key}: '4G'")
-        return f"{int(value)}Mi"
+                f"annotation {key}: {clip_repr(value)} {what}; use e.g. {key}: '4096' (MiB) or {key}: '4G'")
+        return f"{mib}Mi"
     return value
 
 
 def _device_count(value: object) -> int:
     """``gpu-fraction-num-devices``: how many devices of the request (``cdmo.io/gpu-count``)."""
-    text = value if isinstance(value, str) else None
-    if text is None or not _MIB_COUNT.fullmatch(text) or not 1 <= int(text) <= MAX_POD_DEVICES:
+    count = read_integer(value, 1, MAX_POD_DEVICES) if isinstance(value, str) else None
+    if count is None:
         raise DialectError(
             f"annotation {RUNAI_DEVICES}: {clip_repr(value)} is not a number of devices from 1 to "
-            f"{MAX_POD_DEVICES}; leave it out or write a count, e.g. {RUNAI_DEVICES}: '2'")
-    return int(text)
+            f"{MAX_POD_DEVICES} in ASCII digits; leave it out or write a count, e.g. {RUNAI_DEVICES}: '2'")
+    return count
 
 
 def _runai_container(pod: Mapping[str, Any], annotations: Mapping[str, Any]) -> str:
@@ -369,7 +370,7 @@ def _clearml_request(pod: Mapping[str, Any], labels: Mapping[str, Any]) -> Diale
 def _clearml_fraction(value: object) -> Fraction:
     """The label's share: one of CLEARML_FRACTIONS, written as a decimal."""
     example = f"use one of {CLEARML_SHOWN}, e.g. {CLEARML_LABEL}: '{CLEARML_EXAMPLE}'"
-    if not isinstance(value, str) or _DECIMAL.fullmatch(value) is None:
+    if not isinstance(value, str) or len(value) > MAX_FRACTION_LENGTH or _DECIMAL.fullmatch(value) is None:
         raise DialectError(f"label {CLEARML_LABEL}: {clip_repr(value)} is not a decimal; {example}")
     exact = Fraction(value.rstrip(".") or "0")
     if exact > 1 and exact.denominator == 1:
@@ -383,7 +384,7 @@ def _clearml_fraction(value: object) -> Fraction:
 
 def _quantity(text: str) -> Fraction | None:
     """An extended resource's quantity ("1", "0.5", "500m") exactly; None when it is none of those."""
-    match = _QUANTITY.fullmatch(text)
+    match = _QUANTITY.fullmatch(text) if len(text) <= MAX_FRACTION_LENGTH else None
     if match is None:
         return None
     number = Fraction(match["number"].rstrip(".") or "0")

@@ -13,6 +13,11 @@ its value must be in (0, 1]. Signs, exponents (``1e-1``), underscores (``0.2_5``
 digits, ``inf`` and ``nan`` are refused, though Python's ``float()`` takes them. A fraction given as a
 number (the CRD's ``spec.fraction``, a JSON trace) is only range-checked.
 
+A whole number given as text (a count, a group size, a port) is ASCII digits ``0-9`` only, at most
+``MAX_INTEGER_DIGITS`` of them (``read_integer``, ``parse_integer``): Python's ``int()`` also takes
+``'٣'``, ``'１'``, ``' 1'``, ``'1_0'`` and ``'+1'``, and ``str.isdigit()`` takes ``'²'``, which ``int()``
+then refuses.
+
 Every message quotes at most about 100 characters of the value (``clip_repr``).
 
 The CRD's CEL rules mirror these rules (``crds/gpuslice.yaml``); a test runs both on one corpus.
@@ -56,8 +61,18 @@ _FRACTION_TEXT = re.compile(r"[0-9]+(?:\.[0-9]*)?|\.[0-9]+", re.ASCII)
 MAX_FRACTION_LENGTH = 32
 
 
+# The one grammar of a whole number written as text; 18 digits stay below 2^63 (an int64).
+MAX_INTEGER_DIGITS = 18
+_INTEGER_TEXT = re.compile(r"[0-9]+", re.ASCII)
+
+
 class QuantityError(ValueError):
     """A memory request or fraction that cannot be used; the message names it and shows an example."""
+
+
+class IntegerError(QuantityError):
+    """A whole number that is not ASCII digits, is too long or is out of range; the message names the
+    value and shows a valid example."""
 
 
 def clip_repr(value: object, limit: int = QUOTE_LIMIT) -> str:
@@ -216,6 +231,60 @@ def parse_fraction(value: str | float | int, what: str = "fraction", example: st
         raise QuantityError(f"{what} {shown} must be in (0, 1]; use e.g. {example!r}")
     # Positive as a float too: 32 characters cannot write a number below the smallest float.
     return float(exact)
+
+
+def read_integer(value: object, low: int = 0, high: int | None = None,
+                 max_digits: int = MAX_INTEGER_DIGITS) -> int | None:
+    """The whole number ``value`` writes, None unless it is text of 1 to ``max_digits`` ASCII digits
+    ``0-9`` (or an int, not a bool) from ``low`` to ``high``. For a caller that words its own error."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        number = value
+    elif isinstance(value, str) and len(value) <= max_digits and _INTEGER_TEXT.fullmatch(value) is not None:
+        number = int(value)
+    else:
+        return None
+    return number if low <= number and (high is None or number <= high) else None
+
+
+def parse_integer(value: object, what: str, example: str, low: int = 0, high: int | None = None,
+                  max_digits: int = MAX_INTEGER_DIGITS) -> int:
+    """``read_integer``, raising IntegerError instead of giving None; ``what`` names the value
+    (``annotation cdmo.io/gpu-count``) and ``example`` is a valid one (``'2'``)."""
+    number = read_integer(value, low, high, max_digits)
+    if number is not None:
+        return number
+    bounds = f"from {low} to {high}" if high is not None else f"of at least {low}"
+    raise IntegerError(f"{what} {clip_repr(value)} is not a whole number {bounds} written in ASCII digits 0-9; "
+                       f"use e.g. {example}")
+
+
+# A resource quantity longer than this is not one the API server wrote (it bounds int() on the digits).
+MAX_QUANTITY_LENGTH = 64
+QUANTITY_EXAMPLE = "'500m', '2' or '4Gi'"
+
+
+def parse_quantity(value: object, what: str = "quantity") -> Fraction:
+    """A Kubernetes resource quantity as a pod's requests or a node's allocatable write it (``500m``,
+    ``2``, ``1.5Gi``, ``1e3``), exactly and at least zero; ASCII only, at most MAX_QUANTITY_LENGTH
+    characters, none of the GB/GiB aliases a memory request takes. ``what`` names it in messages."""
+    shown = clip_repr(value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 0:
+            raise QuantityError(f"{what} {shown} is negative; use e.g. {QUANTITY_EXAMPLE}")
+        return Fraction(value)
+    if not isinstance(value, str) or len(value) > MAX_QUANTITY_LENGTH:
+        raise QuantityError(f"{what} {shown} is not a quantity; use e.g. {QUANTITY_EXAMPLE}")
+    match = _NUMBER.fullmatch(value)
+    if match is None or match["sign"] == "-":
+        raise QuantityError(f"{what} {shown} is not a quantity of at least zero; use e.g. {QUANTITY_EXAMPLE}")
+    try:
+        multiplier, _power = _multiplier(shown, match["suffix"])
+    except QuantityError:
+        raise QuantityError(f"{what} {shown} has an unknown unit; use e.g. {QUANTITY_EXAMPLE}") from None
+    whole, _, decimals = match["digits"].partition(".")
+    return (Fraction(int(whole or "0")) + Fraction(int(decimals or "0"), 10 ** len(decimals))) * multiplier
 
 
 def mib_ceil(num_bytes: int) -> int:

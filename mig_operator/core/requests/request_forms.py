@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .quantities import clip_repr, parse_fraction
+from .quantities import clip_repr, parse_fraction, read_integer
 from .request import PROFILE_EXAMPLE, RequestError, SliceRequest, parse_profile_name
 from .slice_spec import (
     ANNOTATION_COUNT,
@@ -101,15 +101,16 @@ def _containers(pod: Mapping[str, Any]) -> list[Mapping[str, Any]]:
 
 
 def _device_count(container: str, key: str, value: object) -> int:
-    """An extended resource's quantity: a whole number of devices, at least 1 ("1" or 1)."""
-    text = str(value).strip() if isinstance(value, (str, int)) and not isinstance(value, bool) else None
-    if text is None or not text.isdigit() or not 1 <= int(text) <= MAX_POD_DEVICES:
+    """An extended resource's quantity: a whole number of devices, at least 1 ("1" or 1). Space around
+    it is dropped, as the API server's quantity decoding drops it."""
+    count = read_integer(value.strip(" \t\r\n") if isinstance(value, str) else value, 1, MAX_POD_DEVICES)
+    if count is None:
         whole = key == WHOLE_GPU_RESOURCE
         what, example = ("GPU", WHOLE_GPU_RESOURCE) if whole else ("MIG device", MIG_RESOURCE_EXAMPLE)
         raise RequestFormError(
             f"container {clip_repr(container)} asks for {clip_repr(key)}: {clip_repr(value)}; a {what} "
-            f"count is a whole number from 1 to {MAX_POD_DEVICES}, e.g. {example}: 1")
-    return int(text)
+            f"count is a whole number from 1 to {MAX_POD_DEVICES} in ASCII digits, e.g. {example}: 1")
+    return count
 
 
 def _profile_of(container: str, key: str) -> str:
@@ -191,11 +192,13 @@ def _count(annotations: Mapping[str, str]) -> int:
     text = annotations.get(ANNOTATION_COUNT)
     if text is None:
         return 1
-    if not isinstance(text, str) or not text.strip().isdigit() or not 1 <= int(text) <= MAX_POD_DEVICES:
+    count = read_integer(text, 1, MAX_POD_DEVICES) if isinstance(text, str) else None
+    if count is None:
         raise RequestFormError(
             f"annotation {ANNOTATION_COUNT}: {clip_repr(text)} is not a device count; use a whole number from 1 "
-            f"to {MAX_POD_DEVICES} beside a request, e.g. {ANNOTATION_COUNT}: '2' with {ANNOTATION_MEMORY}: '4G'")
-    return int(text)
+            f"to {MAX_POD_DEVICES} in ASCII digits beside a request, e.g. {ANNOTATION_COUNT}: '2' with "
+            f"{ANNOTATION_MEMORY}: '4G'")
+    return count
 
 
 def _recorded(annotations: Mapping[str, str]) -> tuple[PodDevice, ...]:
@@ -205,7 +208,7 @@ def _recorded(annotations: Mapping[str, str]) -> tuple[PodDevice, ...]:
     example = f'{{"train":{{"{MIG_RESOURCE_EXAMPLE}":"1"}}}}'
     try:
         record = json.loads(text) if isinstance(text, str) and len(text) <= MAX_RECORD_LENGTH else None
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: arrays nested deeper than the decoder goes
         record = None
     if not isinstance(record, dict) or not record or not all(
             isinstance(c, str) and isinstance(r, dict) and r for c, r in record.items()):

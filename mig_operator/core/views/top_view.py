@@ -20,7 +20,7 @@ from typing import Any
 from ..node.health import health_from_conditions
 from ..placement.cluster import published_profiles
 from ..placement.compute import SHARED, compute_from_status, format_compute, gpu_compute, mig_compute
-from ..requests.quantities import QuantityError, parse_memory
+from ..requests.quantities import QuantityError, parse_memory, read_integer
 
 WIDTH = 100
 SLOT_CELL = 7  # columns per memory slot in the map: room for "[A~~~~]"
@@ -226,7 +226,7 @@ def _mig_gpu(node: str, gpu: Mapping[str, Any], profiles: Sequence[Any], slots: 
 def _named_slices(profile: str) -> int:
     """Compute slices as a profile's name gives them (``3g.40gb``: 3), where the table says none."""
     head = profile.partition("g.")[0]
-    return int(head) if head.isdigit() else 0
+    return read_integer(head) or 0
 
 
 def _label(i: int) -> str:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import errno
 import socket
 
+from mig_operator.core.requests.quantities import read_integer
+
 BACKLOG = 128
 
 
@@ -23,11 +25,12 @@ class ListenError(ValueError):
 def split_address(text: str) -> tuple[str, int]:
     """``HOST:PORT`` as (host, port); an empty host is every interface, ``[::1]:9443`` is IPv6."""
     host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+    number = read_integer(port, 1, 65535)
+    if not sep or number is None:
         raise ListenError(f"address {text[:60]!r} is not HOST:PORT; use e.g. '127.0.0.1:9443' or ':9090'")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
-    return host, int(port)
+    return host, number
 
 
 def _why(exc: OSError, host: str, port: int) -> str:

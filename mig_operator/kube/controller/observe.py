@@ -12,7 +12,7 @@ from mig_operator.core.node.runtime_trust import accepted
 from mig_operator.core.placement.cluster import NodeInventory, binding_from_status, inventory_from_status
 from mig_operator.core.placement.tenancy import shares_across_namespaces
 from mig_operator.core.requests.pod_admission import pod_ask, pod_ask_inputs
-from mig_operator.core.requests.quantities import QuantityError
+from mig_operator.core.requests.quantities import QuantityError, clip_repr, read_integer
 from mig_operator.core.requests.request import SliceRequest
 from mig_operator.core.requests.request_forms import MAX_POD_DEVICES
 from mig_operator.core.requests.slice_spec import request_from_spec
@@ -42,12 +42,16 @@ def slice_record(body: Mapping) -> SliceRecord:
     request, invalid = _request(spec)
     binding = binding_from_status(meta["uid"], status, meta["namespace"])
     marked = binding is not None and AGENT_FINALIZER in (meta.get("finalizers") or ())
+    group, unreadable = _group(meta)
+    if unreadable and binding is None:
+        # Only an unbound slice is planned by its group; a bound one keeps its device.
+        invalid = invalid or unreadable
     return SliceRecord(
         uid=meta["uid"], namespace=meta["namespace"], name=meta["name"], created=meta.get("creationTimestamp", ""),
         version=resource_version(meta), body=body, request=request, invalid=invalid,
         pinned=spec.get("nodeName"), phase=status.get("phase"), binding=binding,
         deleting=bool(meta.get("deletionTimestamp")), marked=marked,
-        eligible=_eligible_nodes(meta), pod_owner=_pod_owner(meta), **_group(meta),
+        eligible=_eligible_nodes(meta), pod_owner=_pod_owner(meta), **group,
     )
 
 
@@ -84,14 +88,22 @@ def _parse_request_cached(items: tuple[tuple[str, str, Any], ...]) -> tuple[Slic
     return _parse_request({name: value for name, _type, value in items})
 
 
-def _group(meta: Mapping) -> dict[str, Any]:
-    """The slice's group, when its annotations name one of 2 to MAX_POD_DEVICES slices (else none:
-    a slice made by hand with a bad size is planned on its own)."""
+def _group(meta: Mapping) -> tuple[dict[str, Any], str]:
+    """The slice's group, when its annotations name one of 2 to MAX_POD_DEVICES slices, and why the
+    slice cannot be read when its group's size is not a whole number in ASCII digits. A readable size
+    outside 2 to MAX_POD_DEVICES is no group: the slice is planned on its own."""
     annotations = meta.get("annotations") or {}
-    group, size = annotations.get(GROUP_ANNOTATION), str(annotations.get(GROUP_SIZE_ANNOTATION, ""))
-    if not group or not size.isdigit() or not 2 <= int(size) <= MAX_POD_DEVICES:
-        return {}
-    return {"group": str(group), "group_size": int(size)}
+    group, size = annotations.get(GROUP_ANNOTATION), annotations.get(GROUP_SIZE_ANNOTATION)
+    if not group or size is None:
+        return {}, ""
+    if read_integer(size) is None:
+        return {}, (f"annotation {GROUP_SIZE_ANNOTATION}: {clip_repr(size)} beside {GROUP_ANNOTATION}: "
+                    f"{clip_repr(group)} is not a group size; write a whole number from 2 to {MAX_POD_DEVICES} "
+                    f"in ASCII digits, e.g. {GROUP_SIZE_ANNOTATION}: '2'")
+    count = read_integer(size, 2, MAX_POD_DEVICES)
+    if count is None:
+        return {}, ""
+    return {"group": str(group), "group_size": count}, ""
 
 
 def _eligible_nodes(meta: Mapping) -> tuple[str, ...] | None:
@@ -136,10 +148,11 @@ def node_labels(labels: Mapping[str, str] | None) -> NodeLabels:
 
 
 def node_record(body: Mapping) -> NodeRecord:
-    """A Node as the ledger keeps it: its labels, its taints and what placement reads of them."""
+    """A Node as the ledger keeps it: its labels, its taints and what placement reads of them, its allocatable."""
     labels = dict((body.get("metadata") or {}).get("labels") or {})
     taints = tuple((body.get("spec") or {}).get("taints") or ())
-    return NodeRecord(labels, taints, node_labels(labels))
+    allocatable = dict((body.get("status") or {}).get("allocatable") or {})
+    return NodeRecord(labels, taints, node_labels(labels), allocatable)
 
 
 def inventory(body: Mapping) -> NodeInventory:

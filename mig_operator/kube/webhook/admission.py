@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import Any
 
 from mig_operator.core.requests.compat import DialectRequest
+from mig_operator.core.requests.quantities import read_integer
 from mig_operator.core.requests.request_forms import (
     MigResourceRequest,
     PodDevice,
@@ -46,7 +47,7 @@ def claim_entries(count: int) -> tuple[str, ...]:
 def _ours(entry: object) -> bool:
     text = str(entry)
     return text == POD_CLAIM_ENTRY or (text.startswith(f"{POD_CLAIM_ENTRY}-")
-                                        and text[len(POD_CLAIM_ENTRY) + 1:].isdigit())
+                                        and read_integer(text[len(POD_CLAIM_ENTRY) + 1:]) is not None)
 
 
 def mutate_pod(pod: MutableMapping[str, Any], group: str, devices: Sequence[PodDevice] | None = None) -> None:
