@@ -388,6 +388,8 @@ def run_torch_in_container(oci: dict, limit: int, workdir: Path) -> dict[str, An
 
 def test_agent_prepares_fraction_claims_and_torch_holds_each_limit(
         gpu: str, cdi_validate: Path, container_tools: None, shim_library: Path, short_dir: Path) -> None:
+    from agent_events import event
+
     from mig_operator.core.books.slice_claim import claim_path as resource_claim_path
     from mig_operator.core.node.cdi import spec_file_name
     from mig_operator.gpu import open_backend
@@ -443,7 +445,7 @@ def test_agent_prepares_fraction_claims_and_torch_holds_each_limit(
             for name, uid, granted in SLICES:
                 body = bound_fraction(name, uid, target.index, granted)
                 api.objects[slice_path(NAMESPACE, name)] = body
-                await agent.handle(copy.deepcopy(body))
+                await event(agent, copy.deepcopy(body))
                 st = api.objects[slice_path(NAMESPACE, name)]["status"]
                 assert (st["phase"], st["deviceUUID"], st["grantedBytes"]) == ("Ready", target.uuid, granted), st
             await agent.publish()
@@ -605,6 +607,8 @@ def test_a_whole_gpu_slice_gets_the_gpu_with_no_shim_and_torch_sees_all_of_it(
     """Issue 17, item 2: nvidia.com/gpu on a GPU without MIG is a fraction of 1 (its grant is all of
     the GPU's memory). The agent's CDI spec then preloads no shim and sets no limit, and PyTorch,
     started with exactly that spec, sees the GPU's whole memory as NVML reports it."""
+    from agent_events import event
+
     from mig_operator.core.books.slice_claim import claim_path as resource_claim_path
     from mig_operator.core.node.cdi import spec_file_name
     from mig_operator.core.requests.quantities import MIB
@@ -645,7 +649,7 @@ def test_a_whole_gpu_slice_gets_the_gpu_with_no_shim_and_torch_sees_all_of_it(
             await kubelet.register()
             body = bound_fraction(name, uid, target.index, whole)
             api.objects[slice_path(NAMESPACE, name)] = body
-            await agent.handle(copy.deepcopy(body))
+            await event(agent, copy.deepcopy(body))
             assert api.objects[slice_path(NAMESPACE, name)]["status"]["phase"] == "Ready"
             api.objects[resource_claim_path(NAMESPACE, name)] = allocated_claim("claim-whole", name, uid)
             prepared = await kubelet.prepare(("claim-whole", name))

@@ -107,6 +107,7 @@ def with_mount_source(oci: dict, destination: str, source: Path) -> dict:
 
 def test_compute_shares_split_the_gpu_through_the_agents_mps_daemon(
         gpu: str, cdi_validate: Path, container_tools: None, shim_library: Path, short_dir: Path) -> None:  # noqa: F811
+    from agent_events import event
     from mps_latency import Plan, compare, section
     from mps_share import host_launch, run_together, split
 
@@ -168,7 +169,7 @@ def test_compute_shares_split_the_gpu_through_the_agents_mps_daemon(
                 body["spec"]["compute"] = share
                 body["status"]["compute"] = str(share)
                 api.objects[slice_path(NAMESPACE, name)] = body
-                await agent.handle(copy.deepcopy(body))
+                await event(agent, copy.deepcopy(body))
                 st = api.objects[slice_path(NAMESPACE, name)]["status"]
                 assert st["phase"] == "Ready", st
                 api.objects[resource_claim_path(NAMESPACE, name)] = allocated_claim(claims[name][0], name, uid)
@@ -205,7 +206,7 @@ def test_compute_shares_split_the_gpu_through_the_agents_mps_daemon(
             async def release(names: list[str]) -> None:
                 assert all(not a.error for a in (await kubelet.unprepare(*(claims[n] for n in names))).claims.values())
                 for name in names:
-                    await agent.deleted(api.objects[slice_path(NAMESPACE, name)])
+                    await event(agent, api.objects[slice_path(NAMESPACE, name)], deleted=True)
                 await agent.publish()
 
             # The GPU's shares sum to at most 1: the halves come once the quarters are gone, and with

@@ -4,6 +4,7 @@ restartable. The e2e tests use the real API server."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import shutil
 import tempfile
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from agent_events import event, settled  # noqa: F401 (the agent tests' helpers, here too)
 from fake_kubelet import FakeKubelet
 
 from mig_operator.gpu.simulated import SimulatedBackend
@@ -29,17 +31,22 @@ MIG_PROFILE_ID, MIG_PROFILE = 19, "1g.10gb"  # h100-80gb's smallest profile
 
 
 class ApiStandIn:
-    """Objects by path; just what NodeAgent and the plugin call."""
+    """Objects by path; just what NodeAgent and the plugin call. ``watch`` (the agent's ``saw``) is handed
+    each slice written, soon after the write, as the agent's watch hands it."""
 
     def __init__(self) -> None:
         self.objects: dict[str, dict] = {
             f"/api/v1/nodes/{NODE}": {"metadata": {"name": NODE, "uid": "node-uid-1", "labels": {}}},
         }
         self.version = 1
+        self.watch: Callable[[dict], None] | None = None
 
-    def _bump(self, body: dict) -> dict:
+    def _bump(self, path: str) -> dict:
+        body = self.objects[path]
         self.version += 1
         body.setdefault("metadata", {})["resourceVersion"] = str(self.version)
+        if self.watch is not None and "/gpuslices/" in path:
+            asyncio.get_running_loop().call_soon(self.watch, copy.deepcopy(body))
         return copy.deepcopy(body)
 
     async def get(self, path: str, params: Any = None) -> dict:
@@ -62,7 +69,7 @@ class ApiStandIn:
         if target not in self.objects:
             raise ApiError(404, "NotFound", f"{path} not found")
         self.objects[target].setdefault("status", {}).update(copy.deepcopy(body.get("status") or {}))
-        return self._bump(self.objects[target])
+        return self._bump(target)
 
     async def json_patch(self, path: str, ops: list) -> dict:
         # Only the agent's finalizer removal: drop the finalizers the ops remove.
@@ -70,19 +77,19 @@ class ApiStandIn:
         for op in ops:
             if op["op"] == "remove":
                 body["metadata"]["finalizers"].pop(int(op["path"].rsplit("/", 1)[1]))
-        return self._bump(body)
+        return self._bump(path)
 
     async def create(self, path: str, body: dict) -> dict:
         full = f"{path}/{body['metadata']['name']}"
         if full in self.objects:
             raise ApiError(409, "Conflict", "exists")
         self.objects[full] = copy.deepcopy(dict(body))
-        return self._bump(self.objects[full])
+        return self._bump(full)
 
     async def request(self, method: str, path: str, body: Any = None, **_: Any) -> dict:
         assert method == "PUT"
         self.objects[path] = copy.deepcopy(body)
-        return self._bump(self.objects[path])
+        return self._bump(path)
 
     async def delete(self, path: str) -> dict:
         return self.objects.pop(path)
@@ -137,6 +144,7 @@ class Node:
                                                  release_recheck_s=0.05), self.backend(), store,
                                self.api, NoEvents())  # type: ignore[arg-type]
         await self.agent.start()
+        self.api.watch = self.agent.saw
         self.plugin = KubeletPlugin(self.agent, self.settings)
         assert await self.plugin.start()
 
@@ -155,9 +163,7 @@ class Node:
         path = f"{SLICES}/namespaces/team/gpuslices/{body['metadata']['name']}"
         self.api.objects[path] = body
         assert self.agent is not None
-        await self.agent.handle(copy.deepcopy(body))
-        # The watch then shows the agent's own Ready write.
-        await self.agent.handle(copy.deepcopy(self.api.objects[path]))
+        await event(self.agent, copy.deepcopy(body))  # the watch then shows the agent's own writes
         return self.api.objects[path]
 
     def add_claim(self, body: dict) -> None:

@@ -22,6 +22,7 @@ from kubelet_harness import (
     SLICES,
     Node,
     allocated_claim,
+    event,
     mig_slice,
     root_fixture,  # noqa: F401 (the fixture ``root``)
 )
@@ -474,7 +475,7 @@ def test_a_prepare_that_comes_while_its_slice_is_realised_here_waits_for_it(root
             await kubelet.register()
             body = fraction_slice("f-9", "job", 2**30)
             node.api.objects[f"{SLICES}/namespaces/team/gpuslices/job"] = body
-            realising = asyncio.create_task(node.agent.handle(body))
+            realising = asyncio.create_task(event(node.agent, body))
             node.add_claim(allocated_claim("c-9", "job", "f-9"))
             preparing = asyncio.create_task(kubelet.prepare(("c-9", "job")))
             await asyncio.sleep(0.2)

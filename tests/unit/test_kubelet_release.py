@@ -14,6 +14,7 @@ from kubelet_harness import (
     SLICES,
     Node,
     allocated_claim,
+    event,
     mig_slice,
     root_fixture,  # noqa: F401 (the fixture ``root``)
 )
@@ -42,9 +43,9 @@ def test_prepared_claim_survives_a_restart_and_holds_a_deleted_slices_instance(r
             deleting = copy.deepcopy(body)
             deleting["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
             assert node.agent is not None
-            await node.agent.handle(deleting)
+            await event(node.agent, deleting)
             del node.api.objects[slice_in_api]
-            await node.agent.deleted(deleting)
+            await event(node.agent, deleting, deleted=True)
             record = node.agent.store.record
             assert "s-1" in record.owners and "s-1" in node.agent.store.revoked
             assert idle_instances(record, 0, [instance_state(i) for i in node.backend().instances(0)]) == []
@@ -108,7 +109,11 @@ def test_a_deleted_slice_in_use_keeps_its_finalizer_and_device_until_its_claim_i
             deleting = copy.deepcopy(node.api.objects[slice_in_api])
             deleting["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
             node.api.objects[slice_in_api]["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
-            await node.agent.handle(deleting)
+            node.agent.saw(deleting)
+            deadline = asyncio.get_running_loop().time() + 5
+            while released() is None:  # its key runs from the agent's work queue
+                assert asyncio.get_running_loop().time() < deadline, "the slice never said it is kept"
+                await asyncio.sleep(0.01)
             kept = node.api.objects[slice_in_api]
             assert kept["metadata"]["finalizers"] == ["cdmo.io/agent"]
             cond = released()

@@ -10,10 +10,14 @@
 - ``gpus.py``: the GPUs they share (measured NVML calls off the event loop, one lock per GPU);
 - ``context.py``: the settings and the one instance of each collaborator every room takes.
 
-``start`` adopts what exists (``core.node.lifecycle.adopt`` and ``settle_adoption``); ``handle`` routes each
-slice event (``core.node.lifecycle.agent_step``); whether a slice's device is offered (ResourceSlice,
-kubelet prepare) is ``core.node.lifecycle.offered`` of its record entry, whether it was revoked, and
-whether its status says Ready.
+``start`` adopts what exists (``core.node.lifecycle.adopt`` and ``settle_adoption``) and starts the
+long-lived loops (heartbeat, health, idle time-out) under ``Loops("agent")``, each started again after an
+unexpected error. A slice's watch event is recorded (``seen.py``) and its key ``("slice", namespace, uid)``
+enqueued on the agent's ``WorkQueue``; ``reconcile(key)`` acts on what is recorded then
+(``core.node.lifecycle.agent_step``: realise, release, let go), and an error raises, so the queue runs
+the key again after its back-off. Whether a slice's device is offered (ResourceSlice, kubelet prepare)
+is ``core.node.lifecycle.offered`` of its record entry, whether it was revoked, and whether its status
+says Ready.
 """
 
 from __future__ import annotations
@@ -39,10 +43,12 @@ from mig_operator.gpu.mps import MpsControl, MpsDirs
 from mig_operator.gpu.protocol import GpuBackend, GpuError
 
 from ..common import metrics, status
-from ..common.client import ApiError, KubeClient, resource_version, slices_path
+from ..common.client import ApiError, KubeClient, resource_version, slice_path, slices_path
 from ..common.events import EventPoster
 from ..common.names import AGENT_FINALIZER, slices_of_node
+from ..common.supervise import Loops
 from ..common.trim import slice_body
+from ..common.workqueue import Requeue, WorkQueue
 from .context import AgentContext, AgentSettings
 from .gpus import Gpus
 from .health import HealthWatch
@@ -54,12 +60,22 @@ from .publish import Publisher
 from .realise import Realiser
 from .record import RecordStore
 from .release import Releaser
+from .seen import SeenSlice, SeenSlices
 
 log = logging.getLogger("mig_operator.agent")
 
 
+SliceKey = tuple[str, str, str]  # ("slice", namespace, uid)
+
+
+def slice_key(body: Mapping) -> SliceKey:
+    """A slice's key on the agent's work queue."""
+    return ("slice", body["metadata"]["namespace"], body["metadata"]["uid"])
+
+
 class NodeAgent:
-    """One node's agent; ``start`` adopts what exists, ``handle`` takes each slice event."""
+    """One node's agent; ``start`` adopts what exists, ``saw``/``gone`` record each slice event and
+    ``reconcile`` acts on it from the work queue."""
 
     def __init__(self, settings: AgentSettings, backend: GpuBackend, store: RecordStore, client: KubeClient,
                  events: EventPoster, mps: MpsControl | None = None) -> None:
@@ -79,6 +95,11 @@ class NodeAgent:
         self.releaser = Releaser(context, self.realiser)
         self.idle = (IdleReaper(settings.node, settings.idle_timeout_s, self.gpus, store, self.publisher.schedule)
                      if settings.idle_timeout_s is not None else None)
+        self.slices = SeenSlices()
+        self.queue = WorkQueue(component="agent")
+        self.loops = Loops("agent")
+        self.started = False  # the node's instances adopted and the loops running
+        self._stopped = False
         self._tasks: list[asyncio.Task] = []
 
     # ---- what the kubelet plugin asks (kubelet.prepare.SliceHolder) --------------------------------
@@ -108,7 +129,10 @@ class NodeAgent:
         return await self.gpus.call("device_root", self.backend.device_root)
 
     async def claim_released(self, slice_uid: str) -> None:
-        await self.releaser.claim_released(slice_uid)
+        if await self.releaser.claim_released(slice_uid):
+            seen = self.slices.get(slice_uid)
+            if seen is not None:
+                self._enqueue(slice_key(seen.body))
 
     def device_health(self) -> list[tuple[str, GpuHealth | None]]:
         """Each slice holding an instance here (its device name, the slice UID) and its GPU's health; None
@@ -167,15 +191,32 @@ class NodeAgent:
                  len(self.gpus.all), len(adoption.adopted), len(adoption.dropped), len(adoption.incomplete))
         await self.node_watch.read_runtime()
         await self.publish()
-        self._tasks.append(asyncio.create_task(self.publisher.heartbeat(), name="gpunode-heartbeat"))
-        self._tasks.append(asyncio.create_task(self._watch_health(), name="gpu-health"))
+        self._tasks.append(self.loops.start("heartbeat", self.publisher.heartbeat))
+        self._tasks.append(self.loops.start("health", self._watch_health))
         if self.idle is not None:
-            self._tasks.append(asyncio.create_task(self.idle.run(), name="idle-reaper"))
+            self._tasks.append(self.loops.start("idle-reaper", self.idle.run))
+        self.started = True
 
     async def stop(self) -> None:
-        for task in [*self._tasks, *self.releaser.tasks(), *self.publisher.cancel()]:
+        """Stop the loops and start no more slice work (work under way ends as it is)."""
+        self._stopped = True
+        for task in [*self._tasks, *self.publisher.cancel()]:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    # ---- probes ------------------------------------------------------------------------------------
+
+    def liveness(self) -> list[str]:
+        """What should make the kubelet restart the process: a loop failing in a row for long. Slice
+        keys failing for long are not here: they fail on what a restart does not change (the API
+        server away, a refused write), and the queue keeps trying them."""
+        return self.loops.unhealthy()
+
+    def readiness(self) -> list[str]:
+        """Why the agent cannot serve yet: its node's instances not adopted (``start`` not done)."""
+        if not self.started:
+            return [f"the agent of node {self.settings.node} has not adopted its GPUs' instances yet"]
+        return []
 
     # ---- health ------------------------------------------------------------------------------------
 
@@ -226,16 +267,69 @@ class NodeAgent:
 
     # ---- slice events ------------------------------------------------------------------------------
 
-    async def handle(self, body: Mapping) -> None:
-        """One watch event of a slice bound to this node.
+    def saw(self, body: Mapping) -> None:
+        """A watch event of a slice bound to this node: recorded, and its key enqueued.
 
         An event older than the agent's own last write of that slice is skipped: it may still say
         Creating after the agent wrote Failed, and acting on it would realise the slice twice.
         """
         meta = body["metadata"]
-        uid = meta["uid"]
-        if resource_version(meta) < self.realiser.written.get(uid, 0):
+        if resource_version(meta) < self.realiser.written.get(meta["uid"], 0):
             return
+        if self.slices.take(body):
+            self._enqueue(slice_key(body))
+
+    def gone(self, body: Mapping) -> None:
+        """The slice is deleted (or no longer bound to this node): recorded, and its key enqueued."""
+        if self.slices.take(body, gone=True):
+            self._enqueue(slice_key(body))
+
+    def _enqueue(self, key: SliceKey, after_s: float = 0.0) -> None:
+        self.queue.add(key, lambda: self.reconcile(key), after_s)
+
+    async def reconcile(self, key: SliceKey) -> Requeue | None:
+        """Act on what is recorded of the slice: realise, release or let go (``agent_step``). Raises on
+        an API error, so the queue runs the key again after its back-off; after a conflict (or a 404) the
+        slice is read again before the next try, and one deleted meanwhile is let go and done."""
+        uid = key[2]
+        seen = self.slices.get(uid)
+        if seen is None or self._stopped:
+            return None
+        if not seen.gone and seen.stale:
+            seen = await self._read_again(seen)
+        if seen.gone:
+            await self.releaser.deleted(seen.body)
+            self.health.forget(uid)
+            self.slices.forget(uid, seen)
+            return None
+        if seen.version < self.realiser.written.get(uid, 0):
+            return None  # the watch brings the agent's own newer write, and its key runs again then
+        try:
+            return await self._act(seen.body)
+        except ApiError as exc:
+            metrics.RECONCILE_ERRORS.labels("agent", "api").inc()
+            if exc.conflict or exc.not_found:
+                self.slices.mark_stale(uid)  # the next try acts on the slice as the API server has it
+            raise
+
+    async def _read_again(self, seen: SeenSlice) -> SeenSlice:
+        """The slice as the API server has it now (gone: recorded as gone)."""
+        meta = seen.body["metadata"]
+        try:
+            fresh = slice_body(await self.client.get(slice_path(meta["namespace"], meta["name"])))
+        except ApiError as exc:
+            if not exc.not_found:
+                raise
+            fresh = None
+        if fresh is None or fresh["metadata"].get("uid") != meta["uid"]:
+            self.slices.take(seen.body, gone=True)
+        else:
+            self.slices.take(fresh)
+        return self.slices.get(meta["uid"]) or seen
+
+    async def _act(self, body: Mapping) -> Requeue | None:
+        meta = body["metadata"]
+        uid = meta["uid"]
         self.health.saw_slice(uid, body)
         entry = self.store.record.owners.get(uid)
         was_offered = self.realiser.offers(uid)
@@ -247,23 +341,14 @@ class NodeAgent:
             (body.get("status") or {}).get("phase"), bool(meta.get("deletionTimestamp")),
             AGENT_FINALIZER in (meta.get("finalizers") or ()), entry,
         )
-        try:
-            if step == RELEASE:
-                await self.releaser.release(body)
-            elif step == REALISE:
-                await self.realiser.realise(body)
-            elif step == FORGET:
-                await self.realiser.let_go(uid)
-        except ApiError as exc:
-            if exc.not_found:
-                return  # deleted meanwhile: its deletion event releases it
-            metrics.RECONCILE_ERRORS.labels("agent", "api").inc()
-            raise
-
-    async def deleted(self, body: Mapping) -> None:
-        """The slice is gone. Normally its release already ran (the finalizer held it); if the
-        finalizer was removed by hand, its instance becomes idle now."""
-        await self.releaser.deleted(body)
+        if step == RELEASE:
+            again = await self.releaser.release(body)
+            return Requeue(again) if again is not None else None
+        if step == REALISE:
+            await self.realiser.realise(body)
+        elif step == FORGET:
+            await self.realiser.let_go(uid)
+        return None
 
 
 __all__ = ["AgentSettings", "NodeAgent", "OwnerRecord"]

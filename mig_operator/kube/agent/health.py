@@ -71,6 +71,10 @@ class HealthWatch:
         else:
             self.shown[uid] = found.get("status") == "True"
 
+    def forget(self, uid: str) -> None:
+        """The slice is gone: nothing of it is shown any more."""
+        self.shown.pop(uid, None)
+
     async def poll(self, cleared: datetime | None = None) -> bool:
         """Read every GPU's health once; True when one changed: the caller publishes the GpuNode again (an
         Event waits for that write). Nothing is published from here: during the agent's start a publish

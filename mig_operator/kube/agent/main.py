@@ -22,6 +22,7 @@ from ..common.client import ApiError, KubeClient, Retry
 from ..common.events import EventPoster
 from ..common.names import AGENT_PREFIX, GROUP, SLICES, VERSION, slices_of_node
 from ..common.operator import on_event, register_login, run_operator, tune
+from ..common.probes import Check, Probes, watch_operator
 from ..common.trim import node_body, slice_body
 from .agent import NodeAgent
 from .context import AgentSettings
@@ -43,10 +44,12 @@ class AgentOptions:
     mps: MpsControl | None = None  # the GPUs' MPS control daemons (compute shares); None: none served
 
 
-def build_registry(options: AgentOptions, backend: GpuBackend) -> kopf.OperatorRegistry:
+def build_registry(options: AgentOptions, backend: GpuBackend,
+                   state: dict[str, Any] | None = None) -> kopf.OperatorRegistry:
+    """``state``: filled at start (``agent``: the NodeAgent, read by the probes)."""
     registry = kopf.OperatorRegistry()
     register_login(registry, options.kubeconfig)
-    state: dict[str, Any] = {}
+    state = {} if state is None else state
 
     @kopf.on.startup(registry=registry, backoff=2)
     async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
@@ -57,6 +60,7 @@ def build_registry(options: AgentOptions, backend: GpuBackend) -> kopf.OperatorR
         client = KubeClient.from_environment(options.kubeconfig)
         agent = NodeAgent(options.settings, backend, RecordStore(options.record_file), client,
                           EventPoster(client, "mig-operator-agent", options.settings.node), options.mps)
+        client.on_back.append(agent.queue.retry_failed_now)  # keys that failed while the API server was away
         await agent.start()
         state.update(agent=agent, client=client)
         # After the agent has adopted its instances: a prepare needs the record and the Ready slices.
@@ -70,10 +74,11 @@ def build_registry(options: AgentOptions, backend: GpuBackend) -> kopf.OperatorR
         state.update(plugin=plugin)
 
     async def slice_event(body: dict[str, Any], type: str | None) -> None:
+        # Recorded and enqueued only: the agent's work queue acts on it (NodeAgent.reconcile).
         if type == "DELETED":
-            await state["agent"].deleted(body)
+            state["agent"].gone(body)
         else:
-            await state["agent"].handle(body)
+            state["agent"].saw(body)
 
     async def own_node_event(body: dict[str, Any], type: str | None) -> None:
         if type == "DELETED":
@@ -119,10 +124,28 @@ def node_exists(kubeconfig: str | None, node: str) -> bool | None:
     return asyncio.run(ask())
 
 
-def run_agent(options: AgentOptions, backend: GpuBackend) -> None:
+def run_agent(options: AgentOptions, backend: GpuBackend, probes: Probes | None = None) -> None:
+    """Run the agent until it stops; ``probes`` (served by the caller) ask the NodeAgent's ``liveness`` and
+    ``readiness`` and see kopf's own tasks alive."""
     if options.metrics_socket is not None or options.metrics_address:
         metrics.serve(options.metrics_socket or options.metrics_address or "")
+    state: dict[str, Any] = {}
+    registry = build_registry(options, backend, state)
+    if probes is not None:
+        probes.add(live=_agent_says(state, "liveness"), ready=_agent_says(state, "readiness"))
+        watch_operator(registry, probes)
     try:
-        run_operator(build_registry(options, backend), standalone=True)
+        run_operator(registry, standalone=True)
     finally:
         backend.close()
+
+
+def _agent_says(state: dict[str, Any], probe: str) -> Check:
+    """The NodeAgent's own view of ``probe`` (liveness or readiness) once it has started; before, it is
+    live and not ready."""
+    def check() -> list[str]:
+        agent = state.get("agent")
+        if agent is None:
+            return [] if probe == "liveness" else ["the node agent has not started yet"]
+        return list(getattr(agent, probe)())
+    return check

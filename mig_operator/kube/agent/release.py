@@ -2,17 +2,18 @@
 
 Nothing is released while in use: a deleted slice whose ResourceClaim is reserved for a pod or
 prepared here (``core.node.lifecycle.claim_hold``) keeps its finalizer, so its binding, its GPU room and
-its quota charge stay, and says so (condition Released=False, reason InUse). It is looked at again
-when the kubelet unprepares a claim on it, and on a timer while it is held (``release_recheck_s``,
-doubling up to ``release_recheck_max_s`` while nothing changes): one GET of its claim each time, and
-only for such slices, rather than a cluster-wide watch of ResourceClaims in every agent.
+its quota charge stay, and says so (condition Released=False, reason InUse). The pod's end frees the
+claim without an event the agent sees, so ``release`` says when to look again (``release_recheck_s``,
+doubling up to ``release_recheck_max_s`` while nothing changes) and the agent's work queue runs the
+slice's key then, and at once when the kubelet unprepares a claim on it: one GET of its claim each time,
+and only for such slices, rather than a cluster-wide watch of ResourceClaims in every agent. Each
+slice's release runs from its key on the work queue, one run at a time.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Mapping
 
 from mig_operator.core.books.slice_claim import claim_path
@@ -24,7 +25,6 @@ from ..common.client import ApiError, slice_path
 from ..common.faults import crashpoint
 from ..common.finalizers import remove_finalizer
 from ..common.names import AGENT_FINALIZER
-from ..common.workqueue import KeyedLocks
 from .context import AgentContext
 from .realise import Realiser
 
@@ -40,33 +40,22 @@ class Releaser:
         self.store = context.store
         self.client = context.client
         self.events = context.events
-        # Deleted slices kept while their claim is in use: uid -> (the latest body seen, the Released
-        # message last written); one release of a slice at a time (events, unprepare and the re-check).
-        self.holding: dict[str, tuple[Mapping, str]] = {}
-        self._locks = KeyedLocks()
-        self._recheck: asyncio.Task | None = None
-        self._due: dict[str, tuple[float, float]] = {}  # held slice uid -> (next re-check, interval)
-        self._kicks: set[asyncio.Task] = set()
+        self.holding: dict[str, str] = {}  # deleted slices kept while their claim is in use -> message written
+        self._interval: dict[str, float] = {}  # held slice uid -> the wait before its last re-check
 
-    def tasks(self) -> list[asyncio.Task]:
-        return [*self._kicks, *([self._recheck] if self._recheck else [])]
-
-    async def claim_released(self, slice_uid: str) -> None:
-        """The kubelet unprepared a claim on the slice: a slice deleted meanwhile lets its instance go
-        now that no claim holds it (an instance is never reused while a claim on it is prepared)."""
-        held = self.holding.get(slice_uid)
-        if held is not None:
-            self._due.pop(slice_uid, None)  # its next re-checks come soon again
-            # Looked at again now, outside the kubelet's call (its claim's reservation may go later).
-            task = asyncio.create_task(self._release_quietly(held[0]), name="release-after-unprepare")
-            self._kicks.add(task)
-            task.add_done_callback(self._kicks.discard)
+    async def claim_released(self, slice_uid: str) -> bool:
+        """The kubelet unprepared a claim on the slice. True when the slice is deleted but held: it is
+        to be looked at again now (an instance is never reused while a claim on it is prepared)."""
+        held = slice_uid in self.holding
+        if held:
+            self._interval.pop(slice_uid, None)  # its next re-checks come soon again
         if slice_uid in self.store.revoked and not self.store.claims_on(slice_uid):
             entry = self.store.record.owners.get(slice_uid)
             if entry is not None:
                 self.log_release(entry)
             await asyncio.to_thread(self.store.drop, slice_uid, status.now())
             self.realiser.publisher.schedule()
+        return held
 
     async def deleted(self, body: Mapping) -> None:
         """The slice is gone. Normally its release already ran (the finalizer held it); if the
@@ -74,32 +63,41 @@ class Releaser:
         uid = body["metadata"]["uid"]
         self.realiser.written.pop(uid, None)
         self.holding.pop(uid, None)
+        self._interval.pop(uid, None)
         self.realiser.shown_ready.discard(uid)
         if uid in self.store.record.owners:
             if uid not in self.store.revoked:
                 self.log_release(self.store.record.owners[uid])
             await self.realiser.let_go(uid)
 
-    async def release(self, body: Mapping) -> None:
-        """The slice is being deleted: unless its claim is in use (then it is kept as it is and says
-        so), its instance becomes idle, then the finalizer goes."""
+    async def release(self, body: Mapping) -> float | None:
+        """The slice is being deleted: unless its claim is in use, its instance becomes idle, then the
+        finalizer goes (None). While its claim is in use it is kept as it is and says so, and the answer
+        is the seconds until it is looked at again."""
         meta = body["metadata"]
         uid = meta["uid"]
-        async with self._locks.hold(uid):
-            self.realiser.shown_ready.discard(uid)
-            if uid in self.store.record.owners:
-                hold = await self._claim_hold(body)
-                if not hold.free:
-                    await self._hold(body, hold)
-                    return
-            self.holding.pop(uid, None)
-            if uid in self.store.record.owners:
-                if not self.store.claims_on(uid):
-                    self.log_release(self.store.record.owners[uid])
-                await self.realiser.let_go(uid)
-            crashpoint("agent:during-release")
-            await remove_finalizer(self.client, slice_path(meta["namespace"], meta["name"]), body,
-                                   AGENT_FINALIZER)
+        self.realiser.shown_ready.discard(uid)
+        if uid in self.store.record.owners:
+            hold = await self._claim_hold(body)
+            if not hold.free:
+                await self._hold(body, hold)
+                return self._next_look(uid)
+        self.holding.pop(uid, None)
+        self._interval.pop(uid, None)
+        if uid in self.store.record.owners:
+            if not self.store.claims_on(uid):
+                self.log_release(self.store.record.owners[uid])
+            await self.realiser.let_go(uid)
+        crashpoint("agent:during-release")
+        await remove_finalizer(self.client, slice_path(meta["namespace"], meta["name"]), body, AGENT_FINALIZER)
+        return None
+
+    def _next_look(self, uid: str) -> float:
+        """The wait before a held slice's next look: ``release_recheck_s``, doubling while it stays held."""
+        last = self._interval.get(uid)
+        wait = self.settings.release_recheck_s if last is None else min(last * 2, self.settings.release_recheck_max_s)
+        self._interval[uid] = wait
+        return wait
 
     async def _claim_hold(self, body: Mapping) -> ClaimHold:
         """Who holds the slice's claim: its reservations (the API server's claim of the slice's name)
@@ -119,43 +117,14 @@ class Releaser:
         meta = body["metadata"]
         uid = meta["uid"]
         message = hold.message(self.settings.node)
-        _, written = self.holding.get(uid, (body, ""))
+        written = self.holding.setdefault(uid, "")
         shown = status.released_condition(body.get("status"))
-        self.holding[uid] = (body, written)
         if written != message and not (shown is not None and shown.get("status") == "False"
                                         and shown.get("message") == message):
             await self.realiser.write_status(body, status.held_in_use(body.get("status"), message))
-            self.holding[uid] = (body, message)
+            self.holding[uid] = message
             self.events.post(body, "Normal", IN_USE, message)
             log.info("slice %s/%s is deleted but kept: %s", meta["namespace"], meta["name"], message)
-        if self._recheck is None or self._recheck.done():
-            self._recheck = asyncio.create_task(self._recheck_holds(), name="release-recheck")
-
-    async def _recheck_holds(self) -> None:
-        first = self.settings.release_recheck_s
-        while self.holding:
-            await asyncio.sleep(first)
-            now = time.monotonic()
-            for uid, (body, _) in list(self.holding.items()):
-                due, interval = self._due.setdefault(uid, (now, first))
-                if due > now:
-                    continue
-                await self._release_quietly(body)
-                if uid in self.holding:
-                    interval = min(interval * 2, self.settings.release_recheck_max_s)
-                    self._due[uid] = (time.monotonic() + interval, interval)
-            for uid in [u for u in self._due if u not in self.holding]:
-                del self._due[uid]
-
-    async def _release_quietly(self, body: Mapping) -> None:
-        try:
-            await self.release(body)
-        except ApiError as exc:
-            if exc.not_found:
-                self.holding.pop(body["metadata"]["uid"], None)
-            else:
-                log.warning("slice %s/%s kept for its claim: looking again failed, retried: %s",
-                            body["metadata"]["namespace"], body["metadata"]["name"], exc)
 
     def log_release(self, entry: OwnerEntry) -> None:
         if entry.mode == MODE_MIG:
