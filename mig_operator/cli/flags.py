@@ -9,7 +9,7 @@ import re
 import sys
 from types import FrameType
 
-from ..core.requests.quantities import QuantityError
+from ..core.requests.quantities import QuantityError, read_integer
 from ..core.requests.slice_spec import MAX_NODE_NAME_LENGTH, NODE_NAME
 
 EXIT_GPU_ERROR = 1
@@ -52,7 +52,7 @@ def shown(text: str) -> str:
 
 def address(flag: str, text: str, example: str) -> str:
     host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+    if not sep or read_integer(port, 1, 65535) is None:
         raise QuantityError(f"{flag} {shown(text)} is not HOST:PORT (a port from 1 to 65535); use e.g. "
                             f"{flag} {example}")
     return text
@@ -90,7 +90,7 @@ def webhook_service(text: str) -> str:
     name, colon, port = rest.partition(":")
     valid = (bool(slash) and len(namespace) <= MAX_LABEL_LENGTH and _DNS_LABEL.fullmatch(namespace) is not None
              and len(name) <= MAX_LABEL_LENGTH and _SERVICE_NAME.fullmatch(name) is not None
-             and (not colon or (re.fullmatch(r"[0-9]{1,5}", port, re.ASCII) is not None and 0 < int(port) < 65536)))
+             and (not colon or read_integer(port, 1, 65535) is not None))
     if not valid:
         raise QuantityError(f"--webhook-service {shown(text)} is not NAMESPACE/NAME[:PORT] (a namespace, a Service "
                             f"name and a port from 1 to 65535); use e.g. --webhook-service {SERVICE_EXAMPLE}")
@@ -98,10 +98,11 @@ def webhook_service(text: str) -> str:
 
 
 def peering_lifetime(text: str) -> int:
-    if re.fullmatch(r"[0-9]{1,5}", text, re.ASCII) is None or not 1 <= int(text) <= MAX_PEERING_LIFETIME_S:
+    seconds = read_integer(text, 1, MAX_PEERING_LIFETIME_S)
+    if seconds is None:
         raise QuantityError(f"--peering-lifetime {shown(text)} must be a whole number of seconds from 1 to "
                             f"{MAX_PEERING_LIFETIME_S}; use e.g. --peering-lifetime 10")
-    return int(text)
+    return seconds
 
 
 def directory_flag(flag: str, text: str, example: str) -> str:
@@ -153,4 +154,6 @@ def part_flags() -> argparse.ArgumentParser:
     common.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info",
                         help="the least severe messages logged")
     common.add_argument("--metrics-address", help="serve Prometheus metrics on HOST:PORT (e.g. :9090); off by default")
+    common.add_argument("--health-address", help="serve the liveness (/healthz) and readiness (/readyz) probes on "
+                        "HOST:PORT (e.g. :8081), unauthenticated; off by default")
     return common

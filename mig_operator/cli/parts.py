@@ -15,7 +15,6 @@ from ..core.requests.quantities import QuantityError
 from ..gpu.mps import DEFAULT_MPS_ROOT
 from .flags import (
     MAX_PEERING_LIFETIME_S,
-    address,
     check_credentials,
     configure_logs,
     directory_flag,
@@ -26,7 +25,7 @@ from .flags import (
     peering_lifetime,
     shown,
 )
-from .webhook import add_webhook_command, add_webhook_flags, listen, webhook_options
+from .webhook import add_webhook_command, add_webhook_flags, check_addresses, listen, webhook_options
 
 
 def add_part_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
@@ -88,12 +87,13 @@ def add_part_commands(sub: argparse._SubParsersAction, common: argparse.Argument
 
 def cmd_controller(args: argparse.Namespace) -> int:
     from ..kube.common.operator import run_operator
+    from ..kube.common.probes import Probes
+    from ..kube.common.supervise import Loops
     from ..kube.controller.main import ControllerOptions, build_registry, default_priority
 
     configure_logs(args)  # first: with json, even an error that stops it at start is a JSON line
     check_credentials(args.kubeconfig)
-    if args.metrics_address:
-        address("--metrics-address", args.metrics_address, ":9090")
+    check_addresses(args)
     webhook = webhook_options(args)
     dns_subdomain("--peering", args.peering, "mig-operator", "peering name")
     lifetime = peering_lifetime(args.peering_lifetime)
@@ -105,10 +105,12 @@ def cmd_controller(args: argparse.Namespace) -> int:
         peering_lifetime_s=lifetime, resync_s=resync, fair_hold_s=fair_hold, quota_required=args.quota_required,
         default_compute=default_compute,
     )
-    registry = build_registry(options)
+    loops, probes = Loops("controller"), Probes()
+    registry = build_registry(options, probes, loops)
     signal.signal(signal.SIGTERM, exit_on_sigterm)
     with contextlib.ExitStack() as stack:
-        listen(stack, registry, args.metrics_address, webhook if args.webhook else None, args.kubeconfig)
+        listen(stack, registry, args.metrics_address, webhook if args.webhook else None, args.kubeconfig,
+               args.health_address, probes, loops)
         priority = options.priority if options.priority is not None else default_priority()
         run_operator(registry, standalone=False, priority=priority, peering_name=options.peering)
     return 0
@@ -123,13 +125,13 @@ def cmd_agent(args: argparse.Namespace) -> int:
     from ..kube.agent.record import RecordError, RecordStore
     from ..kube.agent.resource_slice import TAINT_EFFECTS
     from ..kube.common import metrics
+    from ..kube.common import probes as probing
     from ..kube.common.listen import ListenError
 
     configure_logs(args)  # first: with json, even an error that stops it at start is a JSON line
     dns_subdomain("--node", args.node, "gpu-node-1", "node name")
     check_credentials(args.kubeconfig)
-    if args.metrics_address:
-        address("--metrics-address", args.metrics_address, ":9090")
+    check_addresses(args)
     if not 1 <= args.nvml_attempts <= 100:
         raise QuantityError(f"--nvml-attempts {args.nvml_attempts} must be 1..100; e.g. --nvml-attempts 5")
     if not 0 <= args.sim_latency <= 600:
@@ -162,6 +164,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
         raise QuantityError(str(exc)) from None
     try:
         metrics_socket = metrics.bind(args.metrics_address) if args.metrics_address else None
+        health_socket = probing.bind(args.health_address) if args.health_address else None
     except ListenError as exc:
         raise QuantityError(str(exc)) from None
     try:
@@ -183,8 +186,11 @@ def cmd_agent(args: argparse.Namespace) -> int:
     # The node's MPS host (mig-operator mps-host, a pod of its own) starts the MPS control daemons, so
     # they and their clients outlive this agent; the agent asks it through each GPU's directory.
     mps = HostedMps(mps_for_backend(args.backend, f"{args.state_file}.mps" if simulated else plugin.mps_host_dir))
+    probes = probing.Probes()
+    if health_socket is not None:
+        probing.serve(health_socket, probes)
     run_agent(AgentOptions(settings, record_file, args.kubeconfig, args.metrics_address, metrics_socket, plugin,
-                           mps), backend)
+                           mps), backend, probes)
     return 0
 
 

@@ -26,6 +26,8 @@ from .flags import (
 if TYPE_CHECKING:
     import kopf
 
+    from ..kube.common.probes import Probes
+    from ..kube.common.supervise import Loops
     from ..kube.webhook.server import WebhookOptions
 
 
@@ -98,8 +100,9 @@ def webhook_options(args: argparse.Namespace) -> WebhookOptions:
 
 
 def serve_webhook(stack: contextlib.ExitStack, registry: kopf.OperatorRegistry, webhook: WebhookOptions,
-                   kubeconfig: str | None) -> None:
-    """Bind the webhook's socket now (a taken port is a start-up error) and add the server to ``registry``."""
+                  kubeconfig: str | None, loops: Loops | None = None, probes: Probes | None = None) -> None:
+    """Bind the webhook's socket now (a taken port is a start-up error) and add the server to ``registry``
+    (one of ``loops``; ready in ``probes`` once it serves)."""
     from ..kube.webhook.server import bind, register
 
     webhook_socket = stack.enter_context(bind(webhook))
@@ -107,42 +110,62 @@ def serve_webhook(stack: contextlib.ExitStack, registry: kopf.OperatorRegistry, 
         # The made certificate's key lives only as long as this process.
         key_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="mig-operator-webhook-"))
         webhook = dataclasses.replace(webhook, key_dir=key_dir)
-    register(registry, webhook, kubeconfig, webhook_socket)
+    register(registry, webhook, kubeconfig, webhook_socket, loops, probes)
+
+
+def check_addresses(args: argparse.Namespace) -> None:
+    """The metrics and probe addresses as given, each error one line naming the flag."""
+    if args.metrics_address:
+        address("--metrics-address", args.metrics_address, ":9090")
+    if args.health_address:
+        address("--health-address", args.health_address, ":8081")
 
 
 def listen(stack: contextlib.ExitStack, registry: kopf.OperatorRegistry, metrics_address: str | None,
-           webhook: WebhookOptions | None, kubeconfig: str | None) -> None:
-    """Bind the metrics and webhook sockets before anything starts (a taken port is a start-up error,
-    one line, exit 2), then serve metrics; the webhook's server runs in ``registry``."""
+           webhook: WebhookOptions | None, kubeconfig: str | None, health_address: str | None = None,
+           probes: Probes | None = None, loops: Loops | None = None) -> None:
+    """Bind the metrics, probe and webhook sockets before anything starts (a taken port is a start-up
+    error, one line, exit 2), then serve metrics and the probes; the webhook's server runs in
+    ``registry``, one of ``loops``."""
     from ..kube.common import metrics
+    from ..kube.common import probes as probing
     from ..kube.common.listen import ListenError
 
     try:
         metrics_socket = metrics.bind(metrics_address) if metrics_address else None
         if metrics_socket is not None:
             stack.callback(metrics_socket.close)
+        health_socket = probing.bind(health_address) if health_address and probes is not None else None
+        if health_socket is not None:
+            stack.callback(health_socket.close)
         if webhook is not None:
-            serve_webhook(stack, registry, webhook, kubeconfig)
+            serve_webhook(stack, registry, webhook, kubeconfig, loops, probes)
     except ListenError as exc:
         raise QuantityError(str(exc)) from None
     if metrics_socket is not None:
         metrics.serve(metrics_socket)
+    if health_socket is not None and probes is not None:
+        stack.callback(probing.serve(health_socket, probes).shutdown)
 
 
 def cmd_webhook(args: argparse.Namespace) -> int:
     """The admission webhook alone: the same server as ``controller --webhook``, in a process of its own
     that keeps no state (no peering, no watch), so any number of replicas serve one Service."""
     from ..kube.common.operator import run_operator
+    from ..kube.common.probes import Probes, watch_operator
+    from ..kube.common.supervise import Loops
     from ..kube.webhook.server import webhook_registry
 
     configure_logs(args)
     check_credentials(args.kubeconfig)
-    if args.metrics_address:
-        address("--metrics-address", args.metrics_address, ":9090")
+    check_addresses(args)
     webhook = webhook_options(args)
     registry = webhook_registry(args.kubeconfig)
+    loops, probes = Loops("webhook"), Probes()
+    probes.add(live=loops.unhealthy)  # ready: once its server serves (``register``)
+    watch_operator(registry, probes)
     signal.signal(signal.SIGTERM, exit_on_sigterm)
     with contextlib.ExitStack() as stack:
-        listen(stack, registry, args.metrics_address, webhook, args.kubeconfig)
+        listen(stack, registry, args.metrics_address, webhook, args.kubeconfig, args.health_address, probes, loops)
         run_operator(registry, standalone=True)
     return 0

@@ -41,6 +41,7 @@ VARIANTS: dict[str, list[str]] = {
         "--set", "fullnameOverride=gpu-slices", "--set", "image.repository=registry.example/mig-operator",
         "--set", f"image.digest={SHA}", "--set", "imagePullSecrets[0].name=pull",
         "--set", "logging.level=debug", "--set", "logging.format=text", "--set", "metrics.enabled=false",
+        "--set", "health.port=18081",
         "--set", "controller.replicas=3", "--set", "webhook.replicas=3", "--set", "controller.resync=2m",
         "--set", "controller.peering=gpu-peers",
         "--set", "controller.fairHold=90s", "--set", "compat={runai}", "--set", "webhook.wholeGpusEverywhere=true",
@@ -379,7 +380,16 @@ def test_the_rendered_arguments_parse_and_agree_with_each_other(render: Any, nam
         if part.metrics_address:
             assert {p["name"]: p["containerPort"] for p in c["ports"]}["metrics"] == int(
                 part.metrics_address.rpartition(":")[2])
+    # The kubelet's probes: /healthz (liveness) and /readyz (readiness) on the port each part serves them on.
+    for part, c in ((ctl, ctl_container), (hook, hook_container), (agent, agent_container)):
+        health_port = int(part.health_address.rpartition(":")[2])
+        assert {p["name"]: p["containerPort"] for p in c["ports"]}["health"] == health_port
+        assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+        assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "health"}
+        assert health_port != (int(part.metrics_address.rpartition(":")[2]) if part.metrics_address else None)
+    assert int(hook.health_address.rpartition(":")[2]) != int(hook.webhook.rpartition(":")[2])
     if name == "default":
+        assert ctl.health_address == hook.health_address == agent.health_address == ":8081"
         assert (ctl.log_format, ctl.log_level, agent.backend) == ("json", "info", "nvml")
         assert ctl.metrics_address == hook.metrics_address == agent.metrics_address == f":{values['metrics']['port']}"
         assert agent.idle_timeout is None and agent.nvml_attempts == 5
@@ -388,6 +398,7 @@ def test_the_rendered_arguments_parse_and_agree_with_each_other(render: Any, nam
     if name == "everything else changed":
         assert (ctl.log_format, ctl.log_level, agent.idle_timeout, agent.nvml_attempts) == ("text", "debug", "10m", 9)
         assert ctl.metrics_address is None and hook.metrics_address is None and agent.metrics_address is None
+        assert ctl.health_address == hook.health_address == agent.health_address == ":18081"
         assert workload(docs, "Deployment", "webhook")["spec"]["replicas"] == 3
         assert agent.state_file == "/opt/cdmo/state/simulated-gpus.json"
         assert ctl_container["image"] == f"registry.example/mig-operator@{SHA}"

@@ -591,7 +591,7 @@ def test_the_fair_hold_reaches_the_controller(monkeypatch, tmp_path, value: str 
     class Built(Exception):
         pass
 
-    def build_registry(options):
+    def build_registry(options, *_):
         seen.append(options)
         raise Built
 

@@ -26,7 +26,7 @@ def test_the_default_compute_reaches_the_controller(monkeypatch, tmp_path, value
     class Built(Exception):
         pass
 
-    def build_registry(options):
+    def build_registry(options, *_):
         seen.append(options)
         raise Built
 

@@ -9,6 +9,7 @@ from prometheus_client import REGISTRY
 from mig_operator.kube.common import events as events_module
 from mig_operator.kube.common.client import ApiError
 from mig_operator.kube.common.events import EventPoster
+from mig_operator.kube.common.supervise import Loops
 
 
 class SlowApi:
@@ -86,3 +87,41 @@ def test_an_event_after_the_senders_finished_is_posted_and_a_failed_post_does_no
     assert api.calls == 11
     assert len(names) == 11 - 11 // 3  # every third post failed (logged, not retried)
     assert names[-1] == "s-99"
+
+
+def test_a_sender_that_fails_unexpectedly_is_started_again_and_the_later_events_are_posted() -> None:
+    """The senders are supervised loops: an error other than the API's (a bug, say) ends that run of the
+    sender, which starts again after its back-off, counted, and every sender keeps serving the line."""
+
+    class Breaks(SlowApi):
+        async def create(self, path: str, body: dict) -> dict:
+            if body["involvedObject"]["name"] == "s-0":
+                raise RuntimeError("unexpected")
+            return await super().create(path, body)
+
+    api = Breaks()
+    loops = Loops("sender-test")
+    poster = EventPoster(api, "sender-test", loops=loops)  # type: ignore[arg-type]
+
+    def restarts() -> float:
+        return sum(REGISTRY.get_sample_value("mig_operator_loop_restarts_total",
+                                             {"component": "sender-test", "loop": f"event-sender-{i}"}) or 0.0
+                   for i in range(events_module.SENDERS))
+
+    async def go() -> tuple[float, int]:
+        before = restarts()
+        poster.post(slice_obj(0), "Warning", "NoCapacity", "no room")
+        for _ in range(200):
+            if restarts() > before:
+                break
+            await asyncio.sleep(0.005)
+        for i in range(1, 4 * events_module.SENDERS):
+            poster.post(slice_obj(i), "Warning", "NoCapacity", "no room")
+        running = sum(not t.done() for t in poster._senders)
+        await poster.drain()
+        return restarts() - before, running
+
+    counted, running = asyncio.run(go())
+    assert counted == 1 and running == events_module.SENDERS
+    assert sorted(b["involvedObject"]["name"] for b in api.posted) == sorted(
+        f"s-{i}" for i in range(1, 4 * events_module.SENDERS))

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-import logging
 import socket
 import ssl
 from typing import Any
@@ -17,9 +16,11 @@ import jsonpatch
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from prometheus_client import REGISTRY
 
+from mig_operator.kube.common.supervise import Loops
 from mig_operator.kube.webhook.certs import make_certificate
-from mig_operator.kube.webhook.review import ReviewServer, json_patch, review_response
+from mig_operator.kube.webhook.review import SERVER_LOOP, ReviewServer, json_patch, review_response
 from mig_operator.kube.webhook.server import HANDLER_ID, WebhookOptions, pod_handlers
 
 # Keys with the two characters a JSON pointer escapes, as labels and annotations have them.
@@ -139,20 +140,30 @@ def test_the_server_answers_a_review_over_tls_and_refuses_what_is_not_one(tmp_pa
     assert status == 400
 
 
-def test_a_server_that_cannot_start_says_so_and_serves_once_it_can(tmp_path: Any,
-                                                                    caplog: pytest.LogCaptureFixture) -> None:
+def test_a_server_that_cannot_start_says_why_is_started_again_and_serves_once_it_can(tmp_path: Any) -> None:
+    """The server is a supervised loop: with no certificate files yet it fails, is started again (each
+    restart counted), and its readiness names the files; once they are written it serves and is ready."""
     bundle = make_certificate(["127.0.0.1"])
     cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"  # not written yet: nothing to serve with
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     sock.listen()
     port = sock.getsockname()[1]
-    server = ReviewServer(sock, str(cert), str(key), {}, file_check_interval=0.05, retry_s=0.05)
+    loops = Loops("webhook-test")
+    server = ReviewServer(sock, str(cert), str(key), {}, file_check_interval=0.05, loops=loops)
+    before = REGISTRY.get_sample_value("mig_operator_loop_restarts_total",
+                                       {"component": "webhook-test", "loop": SERVER_LOOP}) or 0.0
 
-    async def scenario() -> int:
-        task = asyncio.create_task(server.run())
-        await asyncio.sleep(0.3)
-        assert not task.done()  # still trying
+    async def scenario() -> tuple[list[str], float, int, list[str]]:
+        task = server.start(base_delay_s=0.01, max_delay_s=0.02)
+        for _ in range(500):
+            if (REGISTRY.get_sample_value("mig_operator_loop_restarts_total",
+                                          {"component": "webhook-test", "loop": SERVER_LOOP}) or 0.0) - before >= 3:
+                break
+            await asyncio.sleep(0.01)
+        unready = server.readiness()
+        restarts = (REGISTRY.get_sample_value("mig_operator_loop_restarts_total",
+                                              {"component": "webhook-test", "loop": SERVER_LOOP}) or 0.0) - before
         cert.write_bytes(bundle.cert_pem + bundle.ca_pem)
         key.write_bytes(bundle.key_pem)
         context = ssl.create_default_context(cadata=bundle.ca_pem.decode())
@@ -162,7 +173,7 @@ def test_a_server_that_cannot_start_says_so_and_serves_once_it_can(tmp_path: Any
                     try:
                         async with session.post(f"https://127.0.0.1:{port}/none", ssl=context,
                                                 json={"request": {"uid": "1"}}) as got:
-                            return got.status
+                            return unready, restarts, got.status, server.readiness()
                     except aiohttp.ClientConnectionError:
                         await asyncio.sleep(0.05)
             raise AssertionError("the server never served")
@@ -171,9 +182,10 @@ def test_a_server_that_cannot_start_says_so_and_serves_once_it_can(tmp_path: Any
             await asyncio.gather(task, return_exceptions=True)
             sock.close()
 
-    caplog.set_level(logging.ERROR, logger="mig_operator.webhook")
-    assert asyncio.run(scenario()) == 200
-    assert any("the webhook cannot serve on" in r.getMessage() for r in caplog.records)
+    unready, restarts, status, ready = asyncio.run(scenario())
+    assert len(unready) == 1 and str(cert) in unready[0] and "cannot be loaded" in unready[0], unready
+    assert restarts >= 3
+    assert status == 200 and ready == []
 
 
 def test_a_review_as_large_as_the_api_server_sends_is_served_and_a_larger_one_refused_saying_why(

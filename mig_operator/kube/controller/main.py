@@ -31,6 +31,8 @@ from ..common.names import (
     VERSION,
 )
 from ..common.operator import EventFn, on_event, register_login, tune
+from ..common.probes import Probes, watch_operator
+from ..common.supervise import Loops
 from ..common.trim import node_body, owned_body, pod_body, slice_body
 from .binder import Binder, assemble
 from .quotas import QUOTAS
@@ -68,10 +70,19 @@ async def ensure_peering(client: KubeClient, name: str) -> None:
             raise
 
 
-def build_registry(options: ControllerOptions) -> kopf.OperatorRegistry:
+def build_registry(options: ControllerOptions, probes: Probes | None = None,
+                   loops: Loops | None = None) -> kopf.OperatorRegistry:
+    """The controller's kopf registry. ``loops``: its supervised loops (the webhook's server runs there too
+    when the process serves it); ``probes``: live while those loops and kopf's tasks are, ready once the
+    first full read of the books is done."""
     registry = kopf.OperatorRegistry()
     register_login(registry, options.kubeconfig)
     state: dict[str, Any] = {}
+    loops = loops or Loops("controller")
+    if probes is not None:
+        probes.add(live=loops.unhealthy,
+                   ready=lambda: [] if state.get("read") else ["the first full read of the books is not done yet"])
+        watch_operator(registry, probes)
 
     @kopf.on.startup(registry=registry, backoff=2)
     async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
@@ -83,14 +94,16 @@ def build_registry(options: ControllerOptions) -> kopf.OperatorRegistry:
         settings.watching.field_selectors["v1", "pods"] = POD_WATCH_FIELDS  # and not Running
         client = KubeClient.from_environment(options.kubeconfig)
         await ensure_peering(client, options.peering)
-        events = EventPoster(client, "mig-operator-controller", os.uname().nodename)
+        events = EventPoster(client, "mig-operator-controller", os.uname().nodename, loops)
         binder = assemble(client, events, PlannerSettings(default_compute=options.default_compute),
                           quota_required=options.quota_required, resync_s=options.resync_s,
                           hold_s=options.fair_hold_s)
+        client.on_back.append(binder.queue.retry_failed_now)  # work that failed while kube-apiserver was away
         state.update(client=client, binder=binder, pods=binder.pods)
         # A slice made for a pod, as the API returned it, is observed as its watch event will be.
         binder.pods.seen = lambda body: slice_event(body, "MODIFIED")
         await binder.resync()
+        state["read"] = True
 
     async def slice_event(body: dict[str, Any], type: str | None) -> None:
         binder: Binder = state["binder"]

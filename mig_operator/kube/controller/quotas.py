@@ -6,12 +6,11 @@ per quota), and only when it differs from what was last written: ``used.memory``
 ``core.books.charges``, as a quantity string of bytes), ``used.slices``, ``used.wholeGpus`` and
 ``heldWhole`` (the fraction GPUs the namespace holds alone, each charged its whole memory; its own
 GPUs, so naming them tells it nothing of another namespace), ``waiting`` (Pending slices the quota
-holds back) and ``observedGeneration``.
+holds back) and ``observedGeneration``. Each namespace's write is a key on the work queue,
+``("quota-status", namespace)``: a failed write raises and the key comes back after its back-off.
 """
 
 from __future__ import annotations
-
-import logging
 
 from mig_operator.core.books.ledger import Ledger
 from mig_operator.core.books.quota import QUOTA_NAME
@@ -20,7 +19,6 @@ from ..common import metrics
 from ..common.client import ApiError, KubeClient
 from ..common.workqueue import WorkQueue
 
-log = logging.getLogger("mig_operator.controller")
 QUOTAS = "gpuquotas"
 
 
@@ -91,10 +89,8 @@ class QuotaStatus:
             await self.client.merge_patch(quota_status_path(namespace), {"status": wanted})
         except ApiError as exc:
             if exc.not_found:
-                return
-            metrics.RECONCILE_ERRORS.labels("controller", "api").inc()
-            log.warning("GpuQuota %s/%s status not written, the next change retries: %s", namespace, QUOTA_NAME, exc)
-            return
+                return  # the GpuQuota is gone: its deletion's event takes it out of the books
+            raise  # the namespace's key comes back after its back-off
         self.ledger.quota_status_wrote(namespace, wanted)
 
     async def resync(self) -> None:

@@ -23,6 +23,7 @@ from typing import Any
 import aiohttp.web
 
 from ..common import wire
+from ..common.supervise import Loops
 
 log = logging.getLogger("mig_operator.webhook")
 
@@ -34,6 +35,7 @@ MAX_REVIEW_BYTES = 4 * API_SERVER_BODY_BYTES
 _HEAD_BYTES = 64 * 1024  # what is kept of a review too large to read: its uid comes first
 _REVIEW_UID = re.compile(rb'"request"\s*:\s*\{\s*"uid"\s*:\s*"([^"\\]{1,128})"')
 _CHUNK = 256 * 1024
+SERVER_LOOP = "webhook-server"  # the server's name among the process's supervised loops
 
 # What a handler returns for a pod it serves: the change, made to a copy of the pod.
 Mutation = Callable[[dict[str, Any]], None]
@@ -130,15 +132,30 @@ def too_large_response(head: bytes, size: int) -> dict[str, Any] | None:
 class ReviewServer:
     """HTTPS on a socket bound beforehand (``server.bind``: a taken port is a start-up error, and a
     second process never shares it), POST /<handler id> per review. The server starts again with the
-    certificate files when they change (cert-manager renewals)."""
+    certificate files when they change (cert-manager renewals); it runs as a supervised loop
+    (``start``), so a failure (say, certificate files that cannot be read yet) starts it again after a
+    back-off, and ``readiness`` names what keeps it from serving."""
 
     def __init__(self, sock: socket.socket, certfile: str, keyfile: str, handlers: Mapping[str, Handler],
-                 file_check_interval: float = 60.0, retry_s: float = 2.0) -> None:
+                 file_check_interval: float = 60.0, loops: Loops | None = None) -> None:
         self.sock = sock
         self.certfile, self.keyfile = certfile, keyfile
         self.handlers = dict(handlers)
         self.file_check_interval = file_check_interval
-        self.retry_s = retry_s
+        self.loops = loops or Loops("webhook")
+        self.serving = False  # True while a site serves with a loaded certificate
+
+    def start(self, base_delay_s: float = 0.5, max_delay_s: float = 30.0) -> asyncio.Task:
+        """Serve until the task is cancelled, started again after each failure."""
+        return self.loops.start(SERVER_LOOP, self.run, base_delay_s=base_delay_s, max_delay_s=max_delay_s)
+
+    def readiness(self) -> list[str]:
+        """Nothing while it serves; else why not (not started, or its last failure)."""
+        if self.serving:
+            return []
+        state = self.loops.states.get(SERVER_LOOP)
+        why = state.last_error if state is not None and state.last_error else "not serving yet"
+        return [f"the webhook server does not serve on {self.sock.getsockname()}: {why}"]
 
     async def _serve(self, request: aiohttp.web.Request) -> aiohttp.web.Response:
         # Read here, not by request.read(), whose limit (aiohttp's client_max_size, 1 MiB) would answer
@@ -177,14 +194,18 @@ class ReviewServer:
         return tuple(stamps)
 
     async def run(self) -> None:
-        """Serve until cancelled; any failure (say, unreadable certificate files) is logged and tried
-        again after ``retry_s``, never left to end the task while the process runs on."""
+        """Serve until cancelled, with the certificate files as they are, again each time they change; a
+        failure raises (``start`` runs it again)."""
         while True:
             stamp = self._files_stamp()
             runner: aiohttp.web.AppRunner | None = None
             try:
                 context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-                context.load_cert_chain(self.certfile, self.keyfile)
+                try:
+                    context.load_cert_chain(self.certfile, self.keyfile)
+                except (OSError, ssl.SSLError) as exc:
+                    raise OSError(f"certificate {self.certfile} with key {self.keyfile} cannot be loaded: "
+                                  f"{exc}") from exc
                 app = aiohttp.web.Application()
                 app.add_routes([aiohttp.web.post("/{id:.*}", self._serve)])
                 runner = aiohttp.web.AppRunner(app, handle_signals=False, access_log=None)
@@ -192,13 +213,11 @@ class ReviewServer:
                 # A duplicate: stopping the site closes the socket it was given, and ours must stay
                 # bound across certificate renewals so that no other process can take the port.
                 await aiohttp.web.SockSite(runner, self.sock.dup(), ssl_context=context).start()
+                self.serving = True
                 while self._files_stamp() == stamp:
                     await asyncio.sleep(self.file_check_interval)
                 log.info("webhook certificate files changed: serving the new ones")
-            except Exception:  # noqa: BLE001 (a webhook that stops serving refuses every pod that asks)
-                log.exception("the webhook cannot serve on %s; tried again in %g s", self.sock.getsockname(),
-                              self.retry_s)
-                await asyncio.sleep(self.retry_s)
             finally:
+                self.serving = False
                 if runner is not None:
                     await runner.cleanup()

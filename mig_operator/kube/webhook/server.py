@@ -40,6 +40,8 @@ from ..common.client import ApiError, KubeClient
 from ..common.listen import listen
 from ..common.names import WEBHOOK_NAME, WEBHOOK_PREFIX
 from ..common.operator import register_login, tune
+from ..common.probes import Probes
+from ..common.supervise import Loops
 from .admission import (
     mutate_pod,
     serve_dialect_request,
@@ -312,23 +314,34 @@ def pod_handlers(options: WebhookOptions) -> dict[str, Handler]:
 
 
 def register(registry: kopf.OperatorRegistry, options: WebhookOptions, kubeconfig: str | None,
-             sock: socket.socket | None = None) -> None:
+             sock: socket.socket | None = None, loops: Loops | None = None, probes: Probes | None = None) -> None:
     """Add the webhook to a kopf registry: at start its certificate and configuration are set up and
-    its server (``review.ReviewServer``) starts, serving the pods the configuration sends; it stops
-    at clean-up. ``sock`` is from ``bind`` (bound at start when not given)."""
+    its server (``review.ReviewServer``) starts as one of ``loops`` (the process's supervised loops),
+    serving the pods the configuration sends; it stops at clean-up. ``sock`` is from ``bind`` (bound at
+    start when not given). ``probes``: the process is ready once the server serves."""
     served: list[asyncio.Task] = []
+    servers: list[ReviewServer] = []
+
+    def ready() -> list[str]:
+        if not servers:
+            return ["the webhook is not set up yet (its certificate and configuration)"]
+        return servers[0].readiness()
+
+    if probes is not None:
+        probes.add(ready=ready)
 
     @kopf.on.startup(registry=registry, backoff=2)
     async def start_webhook(**_: Any) -> None:
         client = KubeClient.from_environment(kubeconfig)
         try:
             cert, key, ca = await prepare(options, client)
-            server = ReviewServer(sock or bind(options), cert, key, pod_handlers(options))
+            server = ReviewServer(sock or bind(options), cert, key, pod_handlers(options), loops=loops)
             if options.config_name:
                 await upsert_configuration(client, webhook_configuration(options, ca))
         finally:
             await client.close()
-        served.append(asyncio.create_task(server.run(), name="webhook"))
+        servers.append(server)
+        served.append(server.start())
         log.info("webhook serving on %s", options.listen)
 
     @kopf.on.cleanup(registry=registry)
