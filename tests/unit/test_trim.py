@@ -16,11 +16,12 @@ from mig_operator.core.placement.node_selection import (
     node_allowed,
     taints_tolerated,
 )
+from mig_operator.core.placement.pod_fit import node_use, pod_requests
 from mig_operator.core.requests.pod_admission import PodRefused, check_pod_devices
 from mig_operator.core.requests.quantities import QuantityError
-from mig_operator.kube.common.trim import node_body, owned_body, pod_body, slice_body
+from mig_operator.kube.common.trim import bound_pod_body, node_body, owned_body, pod_body, slice_body
 from mig_operator.kube.controller.observe import gated, owned_by, slice_record
-from mig_operator.kube.controller.pods import ungate_ops
+from mig_operator.kube.controller.pods import ungate_ops, unschedulable
 
 BIG = "x" * 200_000
 MANAGED = [{"manager": "kubectl", "operation": "Update", "fieldsV1": {"f:metadata": {"f:annotations": {}}}}]
@@ -83,7 +84,10 @@ def _pod(annotations: dict[str, str], spec: dict[str, Any] | None = None) -> dic
             "metadata": {"name": "p", "namespace": "t", "uid": "pu", "resourceVersion": "7", "managedFields": MANAGED,
                          "labels": {"cdmo.io/gpu-slice": "p", "app": "x"},
                          "annotations": {**annotations, "tenant/blob": BIG}},
-            "spec": base, "status": {"phase": "Pending", "conditions": [{"type": "PodScheduled"}]}}
+            "spec": base, "status": {"phase": "Pending", "conditions": [
+                {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                 "message": "0/3 nodes are available: 1 Insufficient cpu."},
+                {"type": "Initialized", "status": "True", "message": BIG[:100]}]}}
 
 
 def _verdict(pod: dict[str, Any]) -> object:
@@ -104,6 +108,11 @@ PODS = [
     _pod({"cdmo.io/gpu-memory": "4G"}, {"nodeName": "gpu-1", "initContainers": []}),
     _pod({}, {"affinity": {"podAffinity": {}}}),
     _pod({"cdmo.io/gpu-memory": "4G"}, {"affinity": None, "initContainers": []}),
+    _pod({"cdmo.io/gpu-memory": "4G"}, {
+        "overhead": {"cpu": "250m"}, "resources": {"requests": {"memory": "2Gi"}},
+        "initContainers": [{"name": "proxy", "image": "x", "restartPolicy": "Always",
+                            "resources": {"requests": {"cpu": "1", "memory": "1Gi"}}},
+                           {"name": "setup", "image": "x", "resources": {"requests": {"cpu": "3"}}}]}),
 ]
 
 
@@ -125,11 +134,23 @@ def test_every_pod_decision_is_the_same_on_the_kept_pod(pod: dict[str, Any]) -> 
     if gated(pod):
         assert ungate_ops(kept, "gpu-1", "gpu-1") == ungate_ops(pod, "gpu-1", "gpu-1")
     assert owned_by(_slice(), kept) == owned_by(_slice(), pod)
-    assert kept["status"] == {"phase": "Pending"}
+    assert pod_requests(kept_spec) == pod_requests(spec)
+    assert unschedulable(kept) == unschedulable(pod) == "0/3 nodes are available: 1 Insufficient cpu."
+    assert kept["status"] == {"phase": "Pending", "conditions": [pod["status"]["conditions"][0]]}
     assert kept["metadata"]["labels"] == {"cdmo.io/gpu-slice": "p"} and "managedFields" not in kept["metadata"]
     assert "tenant/blob" not in kept["metadata"].get("annotations", {})
     assert _size(kept) < 2_000 < _size(pod)
     assert pod_body(kept) == kept
+
+
+@pytest.mark.parametrize("pod", PODS)
+def test_a_bound_pod_keeps_what_the_fit_of_another_pod_reads(pod: dict[str, Any]) -> None:
+    bound = {**pod, "spec": {**pod["spec"], "nodeName": "gpu-1"}}
+    kept = bound_pod_body(bound)
+    assert node_use([kept]) == node_use([bound]) and pod_requests(kept["spec"]) == pod_requests(bound["spec"])
+    assert kept["spec"]["nodeName"] == "gpu-1" and kept["status"] == {"phase": "Pending"}
+    assert "annotations" not in kept["metadata"] and _size(kept) < 1_000 < _size(bound)
+    assert bound_pod_body(kept) == kept
 
 
 def test_a_node_keeps_labels_taints_the_device_plugin_status_and_the_health_clear_mark_only() -> None:

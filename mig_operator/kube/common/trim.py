@@ -36,6 +36,8 @@ SLICE_ANNOTATIONS = (GROUP_ANNOTATION, GROUP_SIZE_ANNOTATION, ELIGIBLE_NODES_ANN
 _STRAY_VALUE = QUOTE_LIMIT + 8
 # Of a pod's containers: what admission checks (GPU resources, the operator's variables by name).
 _CONTAINER_LISTS = ("containers", "initContainers")
+# The one pod condition kept: whether kube-scheduler could place the pod, and why not.
+SCHEDULED = "PodScheduled"
 
 
 def _metadata(meta: Mapping[str, Any], labels: Iterable[str] | None = (),
@@ -88,6 +90,8 @@ def _container(container: Mapping[str, Any]) -> dict[str, Any]:
     resources = container.get("resources") or {}
     if resources:
         kept["resources"] = {kind: resources[kind] for kind in ("limits", "requests", "claims") if kind in resources}
+    if "restartPolicy" in container:  # an init container's: a sidecar's requests count beside the containers'
+        kept["restartPolicy"] = container["restartPolicy"]
     names = [{"name": var.get("name")} for var in container.get("env") or () if isinstance(var, Mapping)]
     if names:
         kept["env"] = names
@@ -97,7 +101,8 @@ def _container(container: Mapping[str, Any]) -> dict[str, Any]:
 def pod_body(body: Mapping[str, Any]) -> dict[str, Any]:
     """A pod labelled cdmo.io/gpu-slice: its request annotations, the label, its scheduling gates and
     claims, where it may run (nodeName, nodeSelector, node affinity, tolerations), its containers'
-    resources and variable names, its phase."""
+    resources and variable names, what else the scheduler counts of its requests (overhead, pod-level
+    resources), its phase and its PodScheduled condition."""
     meta = body.get("metadata") or {}
     metadata = _metadata(meta, labels=(POD_SLICE_LABEL,))
     annotations = _pod_annotations(meta.get("annotations") or {})
@@ -106,7 +111,7 @@ def pod_body(body: Mapping[str, Any]) -> dict[str, Any]:
     kept = _head(body, metadata)
     spec = body.get("spec") or {}
     kept_spec = {key: spec[key] for key in ("nodeName", "nodeSelector", "tolerations", "schedulingGates",
-                                            "resourceClaims") if key in spec}
+                                            "resourceClaims", "overhead", "resources") if key in spec}
     if "affinity" in spec:
         # Present or not matters to the ungate's patch (it adds /spec/affinity only where there is none).
         affinity = spec["affinity"]
@@ -116,9 +121,40 @@ def pod_body(body: Mapping[str, Any]) -> dict[str, Any]:
         if spec.get(key):
             kept_spec[key] = [_container(c) for c in spec[key] if isinstance(c, Mapping)]
     kept["spec"] = kept_spec
+    status = body.get("status") or {}
+    kept_status: dict[str, Any] = {"phase": status["phase"]} if status.get("phase") is not None else {}
+    scheduled = [c for c in status.get("conditions") or () if isinstance(c, Mapping) and c.get("type") == SCHEDULED]
+    if scheduled:
+        kept_status["conditions"] = scheduled
+    if kept_status:
+        kept["status"] = kept_status
+    return kept
+
+
+def bound_pod_body(body: Mapping[str, Any]) -> dict[str, Any]:
+    """A pod bound to a node, as the fit of another pod there reads it (``core.placement.pod_fit``):
+    its name, its containers' and init containers' requests, overhead and pod-level resources, its phase."""
+    meta = body.get("metadata") or {}
+    kept = _head(body, {key: meta[key] for key in ("name", "namespace", "uid") if key in meta})
+    spec = body.get("spec") or {}
+    kept_spec: dict[str, Any] = {key: spec[key] for key in ("nodeName", "overhead", "resources") if key in spec}
+    for key in _CONTAINER_LISTS:
+        if spec.get(key):
+            kept_spec[key] = [_requests_only(c) for c in spec[key] if isinstance(c, Mapping)]
+    kept["spec"] = kept_spec
     phase = (body.get("status") or {}).get("phase")
     if phase is not None:
         kept["status"] = {"phase": phase}
+    return kept
+
+
+def _requests_only(container: Mapping[str, Any]) -> dict[str, Any]:
+    kept: dict[str, Any] = {}
+    requests = (container.get("resources") or {}).get("requests")
+    if requests:
+        kept["resources"] = {"requests": requests}
+    if "restartPolicy" in container:
+        kept["restartPolicy"] = container["restartPolicy"]
     return kept
 
 
