@@ -13,14 +13,20 @@ import pytest
 from mig_operator.core.books.slice_claim import (
     ELSEWHERE,
     PINNED,
+    STAMP_LATER,
+    STAMP_NOW,
+    STAMP_OK,
     UNALLOCATED,
     allocation,
     allocation_patch,
     allocation_state,
     claim_body,
     claim_user,
+    deallocation_patch,
     node_pool,
     pod_consumer,
+    restamp,
+    serves_stamp,
     unreserve_patch,
 )
 
@@ -133,3 +139,46 @@ RESULT = {"request": "gpu", "driver": "gpu.cdmo.io", "pool": "n", "device": UID}
 def test_an_existing_allocation_counts_only_when_it_is_exactly_the_slices_device_on_its_node(
         status: dict, state: str) -> None:
     assert allocation_state({"status": status}, "n", UID) == state
+
+
+# ---- claims allocated under a release that dropped allocationTimestamp ----------------------------------
+
+
+@pytest.mark.parametrize(("version", "serves"), [
+    ({"major": "1", "minor": "34", "gitVersion": "v1.34.4"}, False),
+    ({"major": "1", "minor": "35", "gitVersion": "v1.35.0"}, False),
+    ({"major": "1", "minor": "36", "gitVersion": "v1.36.0"}, True),
+    ({"major": "1", "minor": "37+", "gitVersion": "v1.37.2-eks-1a2b3c"}, True),  # a vendor's build
+    ({"major": "2", "minor": "0", "gitVersion": "v2.0.0"}, True),
+    ({"major": "1", "minor": "40", "gitVersion": "v0.0.0-master+$Format:%H$"}, False),  # names no release
+    ({"gitVersion": "v1.\u0663\u0667.0"}, False),  # Arabic-Indic digits are not a release
+    ({}, False),
+])
+def test_the_stamp_is_served_from_kubernetes_1_36_as_the_version_answer_names_it(version: dict, serves: bool) -> None:
+    assert serves_stamp(version) is serves
+
+
+STAMPLESS = {"devices": {"results": [{"request": "gpu", "driver": "gpu.cdmo.io", "pool": "n", "device": UID}]},
+             "nodeSelector": _pinned("n")}
+POD = {"resource": "pods", "name": "notebook", "uid": "pod-uid"}
+
+
+@pytest.mark.parametrize(("status", "serves", "action"), [
+    ({"allocation": STAMPLESS}, True, STAMP_NOW),  # written under 1.34, read on 1.37: again, at once
+    ({"allocation": STAMPLESS, "reservedFor": []}, True, STAMP_NOW),
+    ({"allocation": STAMPLESS, "reservedFor": [POD]}, True, STAMP_LATER),  # its pod runs: once it is gone
+    ({"allocation": {**STAMPLESS, "allocationTimestamp": AT}}, True, STAMP_OK),
+    ({"allocation": {**STAMPLESS, "allocationTimestamp": AT}, "reservedFor": [POD]}, True, STAMP_OK),
+    ({"allocation": STAMPLESS}, False, STAMP_OK),  # as a 1.34 or 1.35 API server keeps it
+    ({"allocation": STAMPLESS, "reservedFor": [POD]}, False, STAMP_OK),
+    ({}, True, STAMP_OK),  # not allocated: the allocation written next is stamped
+    ({"allocation": None}, True, STAMP_OK),
+])
+def test_an_allocation_without_a_stamp_is_written_again_where_the_api_server_keeps_one_and_no_pod_holds_it(
+        status: dict, serves: bool, action: str) -> None:
+    assert restamp({"status": status}, serves) == action
+
+
+def test_the_allocation_is_taken_away_only_from_the_version_read() -> None:
+    # A JSON merge patch: null removes the field; a resourceVersion in it is the write's precondition.
+    assert deallocation_patch("4711") == {"metadata": {"resourceVersion": "4711"}, "status": {"allocation": None}}

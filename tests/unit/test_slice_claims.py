@@ -65,6 +65,9 @@ class _Client:
         self.gone_after = gone_after  # GETs of the existing claim before it is gone (after a delete)
         self.deleted = False
         self.refusal: ApiError | None = None  # what the API server answers an allocation with, if not OK
+        # The API server's release (its /version): before 1.36 it drops an allocation's allocationTimestamp.
+        self.release = (1, 34)
+        self.version_reads = 0
 
     async def create(self, path: str, body: dict) -> dict:
         self.calls.append(("POST", path))
@@ -74,6 +77,10 @@ class _Client:
         return body
 
     async def get(self, path: str) -> dict:
+        if path == "/version":
+            self.version_reads += 1
+            return {"major": str(self.release[0]), "minor": f"{self.release[1]}+",
+                    "gitVersion": f"v{self.release[0]}.{self.release[1]}.2"}
         self.calls.append(("GET", path))
         if self.existing is None:
             raise ApiError(404, "NotFound", "gone")
@@ -98,9 +105,12 @@ class _Client:
             assert body == {"status": {"claim": "train"}}
             return body
         assert path == CLAIM_STATUS and self.existing is not None
+        if body["status"].get("allocation", "") is None:
+            return self._deallocate(body)
         body = {"status": {**body["status"], "allocation": dict(body["status"]["allocation"])}}
         # The controller stamps its allocation (RFC 3339 to the second); the rest is compared by hand.
-        assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", body["status"]["allocation"].pop("allocationTimestamp"))
+        stamp = body["status"]["allocation"].pop("allocationTimestamp")
+        assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", stamp)
         assert body == {"status": {"allocation": PINNED}} or body == {
             "status": {"allocation": PINNED, "reservedFor": [POD_P]}}
         if self.refusal is not None:
@@ -108,7 +118,27 @@ class _Client:
         current = (self.existing.get("status") or {}).get("allocation")
         if current is not None and current != PINNED:
             raise ApiError(422, "Invalid", "status.allocation: field is immutable")
+        if current is not None and self.release >= (1, 36):  # a stamp where there was none is a change
+            raise ApiError(422, "Invalid", "status.allocation: field cannot be modified once set")
         self.existing = {**self.existing, "status": dict(body["status"])}
+        if self.release >= (1, 36):
+            self.existing["status"]["allocation"] = {**body["status"]["allocation"], "allocationTimestamp": stamp}
+        self.existing["metadata"] = {**self.existing.get("metadata", {}), "resourceVersion": str(next(_VERSIONS))}
+        return self.existing
+
+    def _deallocate(self, body: dict) -> dict:
+        """resource.k8s.io/v1's rules for taking an allocation away: only of the version named, never
+        while the claim is reserved (a reservation needs an allocation)."""
+        assert body == {"metadata": {"resourceVersion": body["metadata"]["resourceVersion"]},
+                        "status": {"allocation": None}}
+        if body["metadata"]["resourceVersion"] != self.existing["metadata"].get("resourceVersion"):
+            raise ApiError(409, "Conflict", "the object has been modified")
+        status = dict(self.existing.get("status") or {})
+        if status.get("reservedFor"):
+            raise ApiError(422, "Invalid", "status.reservedFor: Forbidden: may not be set when allocation is not set")
+        status.pop("allocation", None)
+        self.existing = {**self.existing, "status": status,
+                         "metadata": {**self.existing["metadata"], "resourceVersion": str(next(_VERSIONS))}}
         return self.existing
 
     async def strategic_patch(self, path: str, body: dict) -> dict:
@@ -548,3 +578,150 @@ def test_a_going_slices_reservation_is_taken_off_only_for_its_gated_pod_not_bein
         state.set_ungating("ns", "train", ungating)
         asyncio.run(claims.slice_going(state.slice_named("ns", "train")))
         assert (client.calls == [("STRATEGIC", CLAIM_STATUS)]) is unreserved, (pod is not None, ungating)
+
+
+# ---- claims allocated under a release that dropped allocationTimestamp ----------------------------------
+
+# As a 1.34 API server kept the controller's allocation: without its allocationTimestamp.
+STAMPLESS = {**claim_body("ns", "train", UID), "status": {"allocation": PINNED}}
+STAMPLESS["metadata"] = {**STAMPLESS["metadata"], "resourceVersion": "100"}
+READ_CLAIM = ("GET", f"{CLAIMS}/train")
+
+
+def _stamped_again(client: _Client) -> bool:
+    """The claim is allocated to the slice's device on its node, and now with a stamp."""
+    allocation = dict(client.existing["status"]["allocation"])
+    return bool(allocation.pop("allocationTimestamp", None)) and allocation == PINNED
+
+
+def test_a_claim_allocated_under_1_34_is_allocated_again_with_its_stamp_when_read_at_start_on_1_37() -> None:
+    client = _Client(existing=STAMPLESS)
+    client.release = (1, 37)
+    claims, state, _ = _claims(client)
+    assert asyncio.run(claims.ensure(state.slice_named("ns", "train"))) is True
+    # The start-up read finds it; its allocation is taken away (a write of its own: an allocation
+    # cannot change), then written again to the same device.
+    assert client.calls == [("POST", CLAIMS), READ_CLAIM, ("MERGE", CLAIM_STATUS), ("MERGE", CLAIM_STATUS),
+                            ("MERGE", SLICE_STATUS)]
+    assert _stamped_again(client) and not client.existing["status"].get("reservedFor")
+    assert state.claim_state(UID) == CLAIM_ALLOCATED
+    asyncio.run(claims.ensure(state.slice_named("ns", "train")))
+    assert len(client.calls) == 5  # done: not looked at again
+
+
+def test_a_controller_that_runs_through_the_upgrade_allocates_its_claims_again_once_the_release_changes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = [1000.0]
+    monkeypatch.setattr(claims_module.time, "monotonic", lambda: clock[0])
+    client = _Client()  # 1.34
+    claims, state, _ = _claims(client)
+    info = state.slice_named("ns", "train")
+    assert asyncio.run(claims.ensure(info)) is True
+    assert "allocationTimestamp" not in client.existing["status"]["allocation"]  # dropped by 1.34
+    written = list(client.calls)
+    for _ in range(3):  # looked at again (events, resyncs): the release is read once in its time to live
+        assert asyncio.run(claims.ensure(info)) is True
+    assert client.calls == written and client.version_reads == 1
+    client.release = (1, 37)  # kube-apiserver replaced by 1.37's on the same etcd
+    assert asyncio.run(claims.ensure(info)) is True
+    assert client.calls == written  # the release is known for SERVER_VERSION_TTL_S
+    clock[0] += claims_module.SERVER_VERSION_TTL_S + 1
+    assert asyncio.run(claims.ensure(info)) is True
+    # Read, its allocation taken away, written again; the slice's status names its claim (as before).
+    assert client.calls[len(written):] == [READ_CLAIM, ("MERGE", CLAIM_STATUS), ("MERGE", CLAIM_STATUS),
+                                           ("MERGE", SLICE_STATUS)]
+    assert _stamped_again(client) and client.version_reads == 2
+
+
+def test_a_claim_a_running_pod_reserves_is_left_and_allocated_again_once_the_reservation_is_gone(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(claims_module, "RESTAMP_RECHECK_S", 0.01)
+    client = _Client(existing={**STAMPLESS, "status": {"allocation": PINNED, "reservedFor": [POD_P]}})
+    client.release = (1, 37)
+    claims, state, _ = _claims(client)
+
+    async def main() -> None:
+        assert await claims.ensure(state.slice_named("ns", "train")) is True  # the pod that reserves it runs on
+        assert claims.queue.pending(("claim", "ns", "train"))  # and it is read again later
+        while READ_CLAIM not in client.calls[2:]:
+            await asyncio.sleep(0.01)
+        assert [c[0] for c in client.calls] == ["POST", "GET", "MERGE", "GET"]  # left while reserved
+        # kube-controller-manager takes the reservation of the finished pod away.
+        client.existing = {**client.existing, "status": {"allocation": PINNED},
+                           "metadata": {**client.existing["metadata"], "resourceVersion": "101"}}
+        while not _stamped_again(client):
+            await asyncio.sleep(0.01)
+        while len(claims.queue):
+            await asyncio.sleep(0.01)
+
+    asyncio.run(main())
+    assert client.calls[-4:] == [READ_CLAIM, ("MERGE", CLAIM_STATUS), ("MERGE", CLAIM_STATUS), ("MERGE", SLICE_STATUS)]
+    assert state.claim_state(UID) == CLAIM_ALLOCATED and not client.existing["status"].get("reservedFor")
+
+
+class _ReservedMeanwhile(_Client):
+    """kube-scheduler reserves the claim for a pod between the controller's read and its write."""
+
+    async def get(self, path: str) -> dict:
+        claim = await super().get(path)
+        if path != "/version":
+            self.existing = {**claim, "status": {**claim["status"], "reservedFor": [POD_P]},
+                             "metadata": {**claim["metadata"], "resourceVersion": "200"}}
+        return claim
+
+
+def test_a_claim_reserved_between_the_read_and_the_write_keeps_its_allocation_and_the_key_is_retried() -> None:
+    client = _ReservedMeanwhile(existing=STAMPLESS)
+    client.release = (1, 37)
+    claims, state, _ = _claims(client)
+    with pytest.raises(ApiError) as refused:  # raised: the work queue looks at the key again after a back-off
+        asyncio.run(claims.ensure(state.slice_named("ns", "train")))
+    assert refused.value.status == 409
+    assert client.existing["status"] == {"allocation": PINNED, "reservedFor": [POD_P]}
+
+
+def test_on_1_34_an_allocation_without_a_stamp_is_as_expected() -> None:
+    client = _Client(existing=STAMPLESS)
+    claims, state, _ = _claims(client)
+    assert asyncio.run(claims.ensure(state.slice_named("ns", "train"))) is True
+    assert client.calls == [("POST", CLAIMS), READ_CLAIM, ("MERGE", SLICE_STATUS)]
+
+
+def test_an_allocation_taken_away_whose_answer_was_lost_is_written_again_at_the_next_look(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = [1000.0]
+    monkeypatch.setattr(claims_module.time, "monotonic", lambda: clock[0])
+    client = _Client()
+    claims, state, _ = _claims(client)
+    info = state.slice_named("ns", "train")
+    assert asyncio.run(claims.ensure(info)) is True  # on 1.34: allocated without a stamp
+    client.release = (1, 37)
+    clock[0] += claims_module.SERVER_VERSION_TTL_S + 1
+    client.existing = {**client.existing, "status": {}}  # the deallocating write went through; its answer did not
+    assert asyncio.run(claims.ensure(info)) is True
+    assert _stamped_again(client) and state.claim_state(UID) == CLAIM_ALLOCATED
+
+
+def test_claims_without_a_stamp_are_looked_at_once_the_api_server_is_upgraded_with_no_event_at_all(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(claims_module, "SERVER_VERSION_TTL_S", 0.05)
+    client = _Client()  # 1.34
+    claims, state, _ = _claims(client)
+
+    async def main() -> None:
+        assert await claims.ensure(state.slice_named("ns", "train")) is True
+        await claims.ensure(state.slice_named("ns", "train"))  # the release read: 1.34
+        assert claims.queue.pending(claims_module.RELEASE_KEY)  # and read again later
+        await asyncio.sleep(0.2)
+        assert client.version_reads >= 2 and "allocationTimestamp" not in client.existing["status"]["allocation"]
+        client.release = (1, 37)  # upgraded; nothing else happens
+        for _ in range(500):
+            if _stamped_again(client):
+                break
+            await asyncio.sleep(0.01)
+        assert _stamped_again(client)
+        while len(claims.queue):
+            await asyncio.sleep(0.01)
+
+    asyncio.run(main())
+    assert state.claim_state(UID) == CLAIM_ALLOCATED

@@ -24,6 +24,7 @@ policy (templates/claim-allocation-policy.yaml) refuses that, and kube-scheduler
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -40,6 +41,13 @@ DELETE_PROTECTION = "resource.kubernetes.io/delete-protection"
 UNALLOCATED = "unallocated"
 PINNED = "pinned"
 ELSEWHERE = "elsewhere"
+
+# The first Kubernetes release whose API server keeps an allocation's ``allocationTimestamp``.
+STAMP_SERVED_FROM = (1, 36)
+# What an allocated claim needs for the API server that runs now (``restamp``).
+STAMP_OK = "ok"  # as that server expects it
+STAMP_NOW = "now"  # written again: without its allocation, then with it, stamped
+STAMP_LATER = "later"  # as STAMP_NOW, once no pod reserves it
 
 
 def claim_path(namespace: str, name: str | None = None) -> str:
@@ -79,7 +87,8 @@ def allocation(node: str, slice_uid: str, at: str) -> dict[str, Any]:
     The allocation is immutable once written. From Kubernetes 1.36 kube-scheduler stamps an
     ``allocationTimestamp`` onto an allocation that has none when it writes a reservation, which the
     API server then refuses as a change of the allocation: a pod naming a directly made slice's claim
-    would never bind. So the controller writes the stamp itself; 1.34 and 1.35 drop the field.
+    would never bind. So the controller writes the stamp itself; 1.34 and 1.35 drop the field, and a
+    claim allocated under them is written again once the API server keeps it (``restamp``).
     """
     return {
         "devices": {"results": [{"request": REQUEST_NAME, "driver": DRIVER, "pool": node_pool(node),
@@ -145,3 +154,39 @@ def allocation_state(claim: Mapping[str, Any], node: str, slice_uid: str) -> str
     terms = (alloc.get("nodeSelector") or {}).get("nodeSelectorTerms") or []
     pinned = [{"matchFields": [{"key": "metadata.name", "operator": "In", "values": [node]}]}]
     return PINNED if terms == pinned else ELSEWHERE
+
+
+def serves_stamp(version: Mapping[str, Any]) -> bool:
+    """Whether the API server whose ``/version`` answer is ``version`` keeps an allocation's
+    ``allocationTimestamp`` (``STAMP_SERVED_FROM`` on). ``gitVersion`` (``v1.37.2``) is read, as
+    ``minor`` may carry a suffix (``37+``); an answer that names no release counts as an old one."""
+    found = re.match(r"v([0-9]{1,4})\.([0-9]{1,4})\.", str(version.get("gitVersion", "")))
+    return found is not None and (int(found[1]), int(found[2])) >= STAMP_SERVED_FROM
+
+
+def stamped(claim: Mapping[str, Any]) -> bool:
+    """Whether ``claim`` is allocated with an ``allocationTimestamp``."""
+    return bool(((claim.get("status") or {}).get("allocation") or {}).get("allocationTimestamp"))
+
+
+def restamp(claim: Mapping[str, Any], serves: bool) -> str:
+    """What the controller's allocated claim ``claim`` needs on an API server that keeps
+    ``allocationTimestamp`` (``serves``) or drops it.
+
+    An allocation written under a release that dropped the field has none, and from 1.36
+    kube-scheduler adds one when it reserves the claim for a pod, which the API server refuses as a
+    change of the allocation: no new pod could use the claim. An allocation cannot change, but it can
+    be taken away and written again: STAMP_NOW while no pod reserves the claim, STAMP_LATER while one
+    does (that pod runs already; the claim is written again once it is gone). STAMP_OK for a claim
+    that is stamped, not allocated, or on a server that drops the field."""
+    status = claim.get("status") or {}
+    if not serves or not status.get("allocation") or stamped(claim):
+        return STAMP_OK
+    return STAMP_LATER if status.get("reservedFor") else STAMP_NOW
+
+
+def deallocation_patch(resource_version: str) -> dict[str, Any]:
+    """The merge patch of the claim's status subresource that takes its allocation away, applied only
+    to version ``resource_version`` of the claim (the one read without reservations: a pod reserving
+    it meanwhile makes the write a 409 Conflict)."""
+    return {"metadata": {"resourceVersion": resource_version}, "status": {"allocation": None}}

@@ -31,6 +31,15 @@ again) is deleted and written anew; a claim of that name the operator did not wr
 touched: the slice's status says so. A claim of the slice's that is allocated otherwise (another
 pool or device) is deleted, with a Warning Event, and written anew.
 
+A claim allocated under a release whose API server dropped ``allocationTimestamp`` (before 1.36) is
+written again, to the same device, once the API server keeps the field (core/books/slice_claim's
+``restamp`` says why): found when its key is looked at (at the start-up read of each claim, a slice's
+event, a resync), while no pod reserves it; one a pod reserves is looked at again every
+``RESTAMP_RECHECK_S`` until its reservation is gone. The API server's release is read from
+``/version``, again after ``SERVER_VERSION_TTL_S`` (an upgrade restarts it with another one, and no
+watch tells): while claims without a stamp stand on a release that drops it, a key of its own reads
+it again then, and has those claims looked at once the release keeps the stamp.
+
 Each slice's claim is a key on the controller's work queue, ``("claim", namespace, name)``: a slice's
 event, its GpuNode's change and a resync add it, a failed write brings it back after its back-off, and
 an earlier slice's claim still going (kept by its pods) has the key looked at again later
@@ -51,11 +60,17 @@ from mig_operator.core.books.slice_claim import (
     DELETE_PROTECTION,
     ELSEWHERE,
     PINNED,
+    STAMP_LATER,
+    STAMP_OK,
     UNALLOCATED,
     allocation_patch,
     allocation_state,
     claim_path,
     claim_user,
+    deallocation_patch,
+    restamp,
+    serves_stamp,
+    stamped,
     unreserve_patch,
 )
 from mig_operator.core.books.slice_claim import claim_body as slice_claim_body
@@ -76,6 +91,12 @@ NOT_ALLOCATED = "ClaimNotAllocated"
 # When an earlier slice's claim, deleted, is looked at again: a fifth of how long it has been going,
 # within these bounds (it goes once its pods let it go, which may take a pod's lifetime).
 STALE_CLAIM_RECHECK_S = (0.2, 5.0)
+# How long the API server's release, read from /version, is taken as known.
+SERVER_VERSION_TTL_S = 30.0
+# How often a claim to be written again with allocationTimestamp, which a pod reserves, is read again.
+RESTAMP_RECHECK_S = 30.0
+# The work queue's key that reads the API server's release again while claims wait for a stamp.
+RELEASE_KEY = ("claims", "release")
 
 
 def claim_body(namespace: str, name: str, slice_uid: str) -> dict[str, Any]:
@@ -116,6 +137,10 @@ class SliceClaims:
         # One write of a claim at a time: a slice's own watch event may come while the write its creation
         # started is under way, and a second create would only be refused (409), at kube-apiserver's cost.
         self._writing = KeyedLocks()
+        # Slices whose claim was last seen allocated without allocationTimestamp, and whether the API
+        # server keeps that field, as read when (monotonic clock).
+        self._unstamped: set[str] = set()
+        self._serves: tuple[float, bool] | None = None
 
     def consumer(self, info: SliceRecord) -> Mapping[str, str] | None:
         """Whom the claim of slice ``info`` is reserved for as it is allocated: the gated pod the ledger
@@ -128,6 +153,7 @@ class SliceClaims:
 
     async def resync(self) -> None:
         """After a full list: look at every slice's claim again (the ledger forgot those of slices gone)."""
+        self._unstamped &= set(self.state.slices)
         for info in list(self.state.slices.values()):
             self.look(info.namespace, info.name)
 
@@ -165,16 +191,21 @@ class SliceClaims:
         there yet, and allocate it once the slice is ready; True when the slice's claim is allocated
         and the slice is ready."""
         key = (info.namespace, info.name)
-        if self.state.claim_state(info.uid) == CLAIM_ALLOCATED:
+        if self.state.claim_state(info.uid) == CLAIM_ALLOCATED and (
+                info.uid not in self._unstamped or self._known_serves() is False):
             return self.ready(info)
         async with self._writing.hold(key):
             return await self._ensure(info, key)
 
     async def _ensure(self, info: SliceRecord, key: tuple[str, str]) -> bool:
         ready = self.ready(info)
-        if self.state.claim_state(info.uid) == CLAIM_ALLOCATED:
-            return ready
         claim: Mapping[str, Any] | None = None
+        if self.state.claim_state(info.uid) == CLAIM_ALLOCATED:
+            if info.uid not in self._unstamped:
+                return ready
+            claim = await self._restamp(info, None)
+            if claim is None:
+                return ready
         if self.state.claim_state(info.uid) == CLAIM_NONE:
             if not ready and not early(info):
                 return False
@@ -229,8 +260,10 @@ class SliceClaims:
         if claim is not None:
             state = allocation_state(claim, node, info.uid)
             if state == PINNED:
-                return claim
-            if state == ELSEWHERE:
+                unallocated = await self._restamp(info, claim)
+                if unallocated is None:
+                    return claim
+            elif state == ELSEWHERE:
                 return await self._allocated_elsewhere(info, claim, node)
         reserved_for = self.consumer(info) if early(info) else None
         try:
@@ -247,6 +280,7 @@ class SliceClaims:
             claim = await self.client.get(path)
             state = allocation_state(claim, node, info.uid)
             if state == PINNED:
+                self._seen_allocated(info.uid, claim)
                 return claim
             if state == UNALLOCATED:
                 self.events.post(info.body, "Warning", NOT_ALLOCATED,
@@ -254,7 +288,82 @@ class SliceClaims:
                 raise
             return await self._allocated_elsewhere(info, claim, node)
         log.debug("slice %s: ResourceClaim %s allocated on node %s", info.ref, info.name, node)
+        self._seen_allocated(info.uid, allocated)
         return allocated
+
+    def _seen_allocated(self, uid: str, claim: Mapping[str, Any]) -> None:
+        if stamped(claim):
+            self._unstamped.discard(uid)
+        else:
+            self._unstamped.add(uid)
+
+    def _known_serves(self) -> bool | None:
+        """Whether the API server keeps allocationTimestamp, as last read; None when not read lately."""
+        if self._serves is None or time.monotonic() - self._serves[0] > SERVER_VERSION_TTL_S:
+            return None
+        return self._serves[1]
+
+    async def _serves_stamp(self) -> bool:
+        known = self._known_serves()
+        if known is None:
+            known = serves_stamp(await self.client.get("/version"))
+            self._serves = (time.monotonic(), known)
+            if not known and self._unstamped:
+                self.queue.add(RELEASE_KEY, self._release_changed, SERVER_VERSION_TTL_S)
+        return known
+
+    async def _release_changed(self) -> None:
+        """While claims without a stamp stand on an API server that drops it: its release read again
+        (no watch tells of an upgrade), and once it keeps the stamp, each such claim looked at."""
+        self._unstamped &= set(self.state.slices)
+        if not self._unstamped:
+            return
+        self._serves = None
+        if await self._serves_stamp():
+            for uid in list(self._unstamped):
+                info = self.state.slices.get(uid)
+                if info is not None:
+                    self.look(info.namespace, info.name)
+
+    async def _restamp(self, info: SliceRecord, claim: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+        """The slice's allocated claim (``claim``: as last read, None to read it) as the API server that
+        runs now expects it (core/books/slice_claim's ``restamp``). None when it is so, or left so for
+        the pod that reserves it (looked at again later); else the claim as it is now, to be allocated
+        anew: its allocation taken away (claim state written), or gone (claim state none)."""
+        if claim is not None:
+            self._seen_allocated(info.uid, claim)
+        if info.uid not in self._unstamped or not await self._serves_stamp():
+            return None
+        path = claim_path(info.namespace, info.name)
+        if claim is None:
+            try:
+                claim = await self.client.get(path)
+            except ApiError as exc:
+                if not exc.not_found:
+                    raise
+                self._unstamped.discard(info.uid)
+                self.state.set_claim_state(info.uid, CLAIM_NONE)
+                return {}
+            if not (claim.get("status") or {}).get("allocation"):  # taken away, its answer lost: allocated next
+                self._unstamped.discard(info.uid)
+                self.state.set_claim_state(info.uid, CLAIM_WRITTEN)
+                return claim
+            self._seen_allocated(info.uid, claim)
+        action = restamp(claim, True)
+        if action == STAMP_OK:
+            self._unstamped.discard(info.uid)
+            return None
+        if action == STAMP_LATER:
+            self.look(info.namespace, info.name, RESTAMP_RECHECK_S)
+            return None
+        # A 409 (a pod reserved it since it was read) raises: the key is looked at again after its back-off.
+        claim = await self.client.merge_patch(f"{path}/status",
+                                              deallocation_patch(str(claim["metadata"]["resourceVersion"])))
+        self._unstamped.discard(info.uid)
+        self.state.set_claim_state(info.uid, CLAIM_WRITTEN)
+        log.info("slice %s: ResourceClaim %s was allocated without allocationTimestamp, which this "
+                 "kube-apiserver keeps; it is allocated again to the same device", info.ref, info.name)
+        return claim
 
     async def delete_finished(self, info: SliceRecord) -> None:
         """Delete the claim of a finished pod's slice. kube-controller-manager takes a finished pod's
