@@ -27,6 +27,7 @@ import shutil
 import subprocess
 import tempfile
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -162,7 +163,8 @@ def operator(kube_cluster: KubeCluster, operator_crds: None, chart_identities: C
     yield harness
     # Some RBAC refusals only reach the logs (kopf retries them, Events are best effort): any fails.
     refused = [f"{proc.name}: {line}" for proc in harness.procs if proc.log.exists()
-               for line in proc.log.read_text(errors="replace").splitlines() if RBAC_REFUSAL.search(line)]
+               for line in proc.log.read_text(errors="replace").splitlines() if RBAC_REFUSAL.search(line)
+               and not harness.api_server_restarted]
     harness.close()
     assert not refused, "the chart's RBAC refused a call:\n" + "\n".join(refused[:10])
 
@@ -238,3 +240,68 @@ def cdi_validate() -> Path:
         pytest.fail(f"scripts/control-plane build cdi-validate failed:\n{build.stderr}", pytrace=False)
     env = dict(line.split("=", 1) for line in _control_plane("env", state_dir=None).stdout.splitlines() if "=" in line)
     return Path(env["CDI_VALIDATE"])
+
+
+# ---- a plane of the oldest supported release, for an in-place upgrade ---------------------------------
+
+
+def _script_setting(name: str) -> str:
+    """The value of a ``NAME=value`` line of scripts/control-plane (K8S_OLDEST_VERSION), as the Makefile reads it."""
+    found = re.search(rf"^{name}=(\S+)$", CONTROL_PLANE.read_text(), re.MULTILINE)
+    assert found, f"{name} in {CONTROL_PLANE}"
+    return found[1]
+
+
+@dataclass
+class UpgradablePlane:
+    """A private control plane started at ``from_version`` that ``upgrade`` takes to ``to_version`` in
+    place (``scripts/control-plane upgrade``: kube-apiserver, kube-controller-manager, kube-scheduler
+    replaced, etcd and kwok kept); ``cluster`` follows it."""
+
+    cluster: KubeCluster
+    state_dir: str
+    from_version: str
+    to_version: str
+    log_dir: Path
+
+    def upgrade(self) -> None:
+        log_path = self.log_dir / "upgrade.log"
+        try:
+            done = _control_plane("upgrade", self.to_version, state_dir=self.state_dir, log_path=log_path,
+                                  timeout=UP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"scripts/control-plane upgrade timed out; last lines of {log_path}:\n" + _tail(log_path),
+                        pytrace=False)
+        if done.returncode != 0:
+            pytest.fail(f"scripts/control-plane upgrade failed (exit {done.returncode}); last lines of {log_path}:\n"
+                        + _tail(log_path), pytrace=False)
+        self.cluster.k8s_version = self.to_version
+        self.cluster.bin_dir = self.cluster.bin_dir.parents[1] / self.to_version / "bin"
+
+
+@pytest.fixture(scope="module")
+def upgradable_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpgradablePlane]:
+    """A control plane of its own (scheduler, controller-manager, kwok) at K8S_OLDEST_VERSION, for tests
+    that upgrade it to K8S_DEFAULT_VERSION; stopped at the end. The session's plane is not touched."""
+    oldest, newest = _script_setting("K8S_OLDEST_VERSION"), _script_setting("K8S_DEFAULT_VERSION")
+    state_dir = os.path.join(tempfile.mkdtemp(prefix="mig-operator-upgrade-cp-"), "state")
+    log_dir = tmp_path_factory.mktemp("upgradable-plane")
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("MIG_OPERATOR_K8S_VERSION", oldest)
+            up = _control_plane("up", "--with", COMPONENTS, state_dir=state_dir, log_path=log_dir / "up.log",
+                                timeout=UP_TIMEOUT_S)
+            env = dict(line.split("=", 1) for line in _control_plane("env", state_dir=state_dir).stdout.splitlines()
+                       if "=" in line)
+        last_line = up.stdout.strip().splitlines()[-1] if up.stdout.strip() else ""
+        if up.returncode != 0 or not last_line.startswith("KUBECONFIG="):
+            pytest.fail(f"scripts/control-plane up ({oldest}) failed (exit {up.returncode}):\n"
+                        + _tail(log_dir / "up.log"), pytrace=False)
+        cluster = KubeCluster(kubeconfig=Path(last_line.removeprefix("KUBECONFIG=")), bin_dir=Path(env["BIN_DIR"]),
+                              k8s_version=oldest, running=_running_processes(state_dir))
+        yield UpgradablePlane(cluster, state_dir, oldest, newest, log_dir)
+        if cluster._api_client is not None:
+            cluster._api_client.close()
+    finally:
+        _control_plane("down", state_dir=state_dir)
+        shutil.rmtree(os.path.dirname(state_dir), ignore_errors=True)

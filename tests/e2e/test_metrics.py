@@ -102,7 +102,8 @@ def test_metrics_of_the_controller_and_the_agents_match_what_happened(operator: 
     families = scrape(ports["controller"])[0]
     assert "mig_operator_slices" in families
     assert "mig_operator_reconcile_errors" in families  # present (no error happened in the controller)
-    assert value(controller, "mig_operator_workqueue_depth", component="controller") == 0  # nothing left waiting for a worker
+    # nothing left waiting for a worker
+    assert value(controller, "mig_operator_workqueue_depth", component="controller") == 0
     assert "mig_operator_workqueue_retries" in families  # (its retries: tests/e2e/test_fault_injection.py)
     # ---- the MIG node's agent ----
     gpu = {"node": mig.name, "gpu": "0"}

@@ -32,7 +32,8 @@ async def _until(check: Callable[[], bool], timeout: float = 5.0) -> None:
 
 
 def _retries(kind: str) -> float:
-    return REGISTRY.get_sample_value("mig_operator_workqueue_retries_total", {"component": "controller", "kind": kind}) or 0.0
+    labels = {"component": "controller", "kind": kind}
+    return REGISTRY.get_sample_value("mig_operator_workqueue_retries_total", labels) or 0.0
 
 
 def test_a_failing_key_backs_off_doubling_up_to_the_cap_and_forgets_on_success() -> None:

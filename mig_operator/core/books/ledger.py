@@ -111,11 +111,13 @@ class PodRecord:
 @dataclass(frozen=True)
 class NodeRecord:
     """A Node as the controller reads it: its labels and taints (where a pod may go,
-    ``core.placement.node_selection``) and what placement reads of its labels (``flags``)."""
+    ``core.placement.node_selection``), what placement reads of its labels (``flags``) and its
+    ``status.allocatable`` as written (whether a pod's requests fit, ``core.placement.pod_fit``)."""
 
     labels: Mapping[str, str] = field(default_factory=dict)
     taints: tuple[Mapping[str, Any], ...] = ()
     flags: NodeLabels = NodeLabels()
+    allocatable: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -569,6 +571,10 @@ class Ledger:
             return False
         self._pods[(namespace, group)] = record
         return True
+
+    def pods_held(self) -> list[tuple[tuple[str, str], PodRecord]]:
+        """Every pod the books hold, by (namespace, group)."""
+        return list(self._pods.items())
 
     def remove_pod(self, namespace: str, group: str) -> None:
         """The pod is gone, going or finished: nothing waits for it."""

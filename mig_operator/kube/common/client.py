@@ -254,12 +254,15 @@ class KubeClient:
                 async with self._get_session().get(self.host + "/readyz", headers=self._headers(None)) as response:
                     if response.status == 200:
                         break
-            except (TimeoutError, aiohttp.ClientError, OSError):
-                continue
+            except Exception as exc:  # any failure to ask is "not yet": the client never stays away for good
+                log.debug("kube-apiserver at %s not back yet: %s", self.host, exc)
         self._away = None
         log.warning("kube-apiserver at %s answers again", self.host)
         for back in list(self.on_back):
-            back()
+            try:
+                back()
+            except Exception:
+                log.exception("a callback for kube-apiserver's return failed")
 
     # ---- conveniences --------------------------------------------------------------------------
 

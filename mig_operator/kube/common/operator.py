@@ -64,11 +64,11 @@ class NoDiffBase(kopf.DiffBaseStorage):
 
 
 class RetryForever:
-    """kopf's back-offs between tries of a failed API call: 0.5, 1, 2, then 5 s for ever. Iterable but not
+    """kopf's back-offs between tries of a failed API call: 0.5, 1, then 2 s for ever. Iterable but not
     sized, so kopf never reaches a last try; each call gets a fresh sequence."""
 
-    FIRST = (0.5, 1.0, 2.0)
-    THEN_S = 5.0
+    FIRST = (0.5, 1.0)
+    THEN_S = 2.0
 
     def __iter__(self) -> Iterator[float]:
         yield from self.FIRST

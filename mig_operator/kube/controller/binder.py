@@ -117,8 +117,8 @@ class Binder:
     # ---- full lists ----------------------------------------------------------------------------
 
     async def resync(self) -> None:
-        """Read slices, inventories and nodes afresh, then finish what is unfinished, and have the claims,
-        the pods and the quota status looked at again."""
+        """The full read, at start and when a watch lists again (``listing_event``): slices, inventories,
+        nodes and quotas read afresh, gated pods too, then every key the books hold looked at again."""
         async with self._lock:
             (slices, listed_at), (gpunodes, gpunodes_at), quotas, listed_nodes = await asyncio.gather(
                 self.client.list_at(slices_path(), keep=self._listed_slice),
@@ -131,17 +131,29 @@ class Binder:
             self.ledger.replace_all((slice_record(b) for b in slices), inventories, nodes, listed_at or None,
                                     (versions, gpunodes_at) if gpunodes_at else None)
             self.ledger.replace_quotas(quotas)
-            self._last_resync = time.monotonic()
             self.synced = True
+        await self._revisit(list_pods=True)
+
+    async def revisit(self) -> None:
+        """The periodic pass (every ``resync_s``): every key the books hold is looked at again, as the
+        watches left them; nothing is listed (the watches are the books' one feed)."""
+        await self._revisit(list_pods=False)
+
+    async def _revisit(self, list_pods: bool) -> None:
+        self._last_resync = time.monotonic()
         self._announce()
         for namespace in {s.namespace for s in self.ledger.slices.values()} | set(self.ledger.quotas):
             self._namespace_changed(namespace)
         for info in list(self.ledger.slices.values()):
             if info.binding is not None and not info.marked and not info.deleting:
                 self._queue_mark(info)
-        for extra in (self.claims.resync(), self.pods.resync(), self.quotas.resync()):
-            await self._guard(extra)
+        await self.claims.resync()
+        await self.quotas.resync()
         self.request_replan()
+        if list_pods:
+            await self.pods.resync()  # raises after looking at every pod: the resync's key comes back
+        else:
+            self.pods.revisit()
 
     def _listed_slice(self, body: dict) -> dict:
         """A listed slice as kept: the ledger's own body when it has this version already, so a full
@@ -176,18 +188,11 @@ class Binder:
             self.queue.add("resync", self.resync)
 
     def maybe_resync(self) -> None:
-        """Resync when the last one is older than ``resync_s``; driven by events, so a paused
-        (standby) replica, which gets none, does nothing."""
+        """The periodic pass (``revisit``) when the last pass is older than ``resync_s``; driven by events,
+        so a paused (standby) replica, which gets none, does nothing."""
         if time.monotonic() - self._last_resync > self.resync_s:
             self._last_resync = time.monotonic()
-            self.queue.add("resync", self.resync)  # a failed list comes back after its back-off
-
-    async def _guard(self, work: object) -> None:
-        try:
-            await work  # type: ignore[misc]
-        except ApiError as exc:
-            metrics.RECONCILE_ERRORS.labels("controller", "api").inc()
-            log.warning("controller pass failed, the next resync retries: %s", exc)
+            self.queue.add("revisit", self.revisit)
 
     # ---- observing -----------------------------------------------------------------------------
 
@@ -297,15 +302,18 @@ class Binder:
 
     async def _bind_now(self, uid: str) -> None:
         """A slice's key on the queue: bind it unless its namespace has slices in line (the line's next
-        pass serves it then); a failed write raises, so the key comes back after its back-off."""
+        pass serves it then); a failed write raises, so the key comes back after its back-off. A bound
+        slice's key binds the rest of its group: the write that failed may have been another member's."""
         info = self.ledger.slices.get(uid)
+        if info is not None and info.binding is not None and info.group is not None:
+            info = next((m for m in self.ledger.group_members(info) if m.binding is None), None)
         if info is None or info.binding is not None or info.deleting or info.invalid or (
                 info.phase not in (None, "Pending")):
             return
         if self.ledger.line.in_line(info.namespace):
             self.request_replan()
             return
-        await self.bind(uid)  # the binding's answer has its claim and its pod looked at (``seen``)
+        await self.bind(info.uid)  # the binding's answer has its claim and its pod looked at (``seen``)
 
     async def bind(self, uid: str, refused: dict | None = None) -> BindOutcome | None:
         """Decide for slice ``uid`` (with its group) and write the bindings, or the refusal (Pending
@@ -335,9 +343,13 @@ class Binder:
         return await self._act(decision, started)
 
     async def _act(self, decision: Decision, started: float) -> BindOutcome | None:
+        """Write the decided bindings one by one. A write that fails takes its member back to the line
+        (a conflict reads the slice again first) and raises once the rest are written, so the key comes
+        back after its back-off and completes the group, or gives it back; a slice deleted meanwhile is done."""
         alone = len(decision.todo) == 1 and decision.todo[0].group is None
         namespace = decision.todo[0].namespace
         self._namespace_changed(namespace)
+        failed: ApiError | None = None
         for member, binding in zip(decision.todo, decision.bindings, strict=True):
             try:
                 await self._write_binding(member, binding, decision.uuids[binding.uid])
@@ -345,21 +357,34 @@ class Binder:
                 self.ledger.rollback(member.uid)
                 self._announce()
                 self._namespace_changed(namespace)
-                if alone:
-                    if exc.not_found:
-                        return None  # deleted meanwhile
-                    raise  # its key comes back after its back-off (a conflict: once its newer event is in)
-                if not (exc.conflict or exc.not_found):
-                    metrics.RECONCILE_ERRORS.labels("controller", "api").inc()
-                    log.warning("binding %s failed: %s", member.ref, exc)
-                self.request_replan()  # a group's rest is completed (or given back) next pass
+                if exc.not_found:
+                    if alone:
+                        return None
+                    self.request_replan()  # the group's rest is given back next pass
+                    continue
+                if exc.conflict:
+                    await self._reread(member)
+                failed = failed or exc
                 continue
             self.ledger.commit(member.uid)
             metrics.BINDS.labels(binding.mode).inc()
+        if failed is not None:
+            raise failed
         if not alone:
             self._namespace_changed(namespace)
         metrics.BIND_SECONDS.observe(time.perf_counter() - started)
         return BindOutcome(True)
+
+    async def _reread(self, info: SliceRecord) -> None:
+        """After a conflict: the slice as the API server has it now into the books, so the next try plans
+        from it rather than from the version its write was refused for."""
+        try:
+            fresh = await self.client.get(slice_path(info.namespace, info.name))
+        except ApiError as exc:
+            if exc.not_found:
+                return  # deleted: its watch event takes it out of the books
+            raise
+        self.ledger.put_slice(slice_record(fresh))
 
     async def _delete(self, info: SliceRecord) -> None:
         try:

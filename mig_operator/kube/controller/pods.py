@@ -40,6 +40,8 @@ from typing import Any
 from mig_operator.core.books.device_check import ACCEPT, REFUSE
 from mig_operator.core.books.ledger import Ledger, PodRecord, SliceRecord
 from mig_operator.core.node.lifecycle import BOUND, FAILED, READY, SLICE_TRIES, slice_retry_delay
+from mig_operator.core.placement.pod_fit import Shortfall
+from mig_operator.core.requests.quantities import read_integer
 from mig_operator.core.requests.request_forms import device_slice_names
 
 from ..common.client import ApiError, KubeClient, core_path, slice_path, slices_path
@@ -56,11 +58,11 @@ from ..common.names import (
     SLICE_KIND,
     SLICE_TRY_ANNOTATION,
 )
-from ..common.trim import pod_body
+from ..common.trim import SCHEDULED, pod_body
 from ..common.workqueue import Requeue, WorkQueue
 from .claims import SliceClaims
 from .observe import SliceSeen, gated, group_of, owned_by, pod_record
-from .pod_nodes import HOSTNAME_LABEL, eligible, hostname
+from .pod_nodes import HOSTNAME_LABEL, eligible, fitting, hostname
 
 log = logging.getLogger("mig_operator.controller.pods")
 FINISHED_PHASES = ("Succeeded", "Failed")
@@ -69,6 +71,11 @@ FINISHED_PHASES = ("Succeeded", "Failed")
 DEVICE_WAIT_EVENT_S = 2.0
 # A failed slice being deleted is looked at again this often should its deletion's event not come.
 FAILED_SLICE_RECHECK_S = 5.0
+# A gated pod whose requests fit no GPU node is looked at again this often: pods bound elsewhere finish
+# or go without an event the controller watches.
+ROOM_RECHECK_S = 30.0
+# An ungated pod kube-scheduler reports Unschedulable this long has its slices released.
+UNSCHEDULABLE_S = 30.0
 
 
 def _owner(pod: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -127,6 +134,16 @@ def slice_nodes(allowed: list[str] | None) -> tuple[str | None, tuple[str, ...] 
     return None, tuple(sorted(allowed))
 
 
+def unschedulable(pod: Mapping[str, Any]) -> str | None:
+    """What kube-scheduler says when it reports the pod Unschedulable (its PodScheduled condition False,
+    reason Unschedulable); None when it does not."""
+    for condition in (pod.get("status") or {}).get("conditions") or ():
+        if (condition.get("type"), condition.get("status"), condition.get("reason")) == (
+                SCHEDULED, "False", "Unschedulable"):
+            return str(condition.get("message") or "").strip()
+    return None
+
+
 def _retry_key(namespace: str, name: str) -> tuple[str, str, str]:
     """The work queue's key of a failed slice's replacement."""
     return ("slice-retry", namespace, name)
@@ -143,6 +160,10 @@ class PodSlices:
         self.claims = claims
         self.queue = queue
         self.seen: SliceSeen | None = None  # a slice made, as the API returned it: planned now
+        # Pod UID -> when (``clock``) an ungated pod was first seen reported Unschedulable. Not the
+        # condition's lastTransitionTime: it stays that of the gate's SchedulingGated (status False too).
+        self._refused_since: dict[str, float] = {}
+        self.clock = time.monotonic
 
     def pod(self, key: tuple[str, str]) -> dict[str, Any] | None:
         """The pod of ``key`` (namespace, pod group) as last seen, None when none is."""
@@ -159,11 +180,13 @@ class PodSlices:
         if deleted or meta.get("deletionTimestamp"):
             self.state.remove_pod(*key)
             self.events.forget(meta["uid"])
+            self._refused_since.pop(meta["uid"], None)
             if gated(pod):  # never ran: its claims' reservations go now, not once its slices are collected
                 self.queue.add(("pod-gone", *key), lambda: self._unreserve_gone(pod, key))
             return
         if (pod.get("status") or {}).get("phase") in FINISHED_PHASES:
             self.state.remove_pod(*key)
+            self._refused_since.pop(meta["uid"], None)
             self.queue.add(("pod-finished", *key), lambda: self._release(pod, key))
             return
         known = self.state.pod(*key)
@@ -172,17 +195,22 @@ class PodSlices:
             return  # older than the pod as the controller last wrote it (its ungate's answer): nothing new
         if gated(pod):
             self.make_slices(*key)
+        elif unschedulable(pod) is not None:
+            self.queue.add(("pod-unschedulable", *key), lambda: self._unschedulable(*key))
 
     def make_slices(self, namespace: str, group: str) -> None:
         """Make the gated pod's missing slices on the work queue, key ``("pod-slices", namespace, group)``."""
         self.queue.add(("pod-slices", namespace, group), lambda: self._make_slices(namespace, group))
 
-    async def _make_slices(self, namespace: str, group: str) -> None:
+    async def _make_slices(self, namespace: str, group: str) -> Requeue | None:
         record = self.state.pod(namespace, group)
         if record is None or not gated(record.body):
-            return
+            return None
         names = await self._create_slices(record, group)
+        if isinstance(names, Requeue):
+            return names
         self.look(namespace, names[0] if names else group)
+        return None
 
     async def slice_deleted(self, body: Mapping[str, Any]) -> None:
         """A slice is gone: if its pod still waits, gated, make it again (a group's part the binder gave
@@ -226,10 +254,11 @@ class PodSlices:
             log.debug("pod %s/%s finished: its slice %s released", key[0], pod["metadata"]["name"], info.ref)
 
     async def _create_slices(self, record: PodRecord, group: str,
-                             tries: Mapping[str, int] | None = None) -> tuple[str, ...]:
+                             tries: Mapping[str, int] | None = None) -> tuple[str, ...] | Requeue:
         """Make the pod's slices that do not exist yet, one per device (``device_slice_names``): a
         pod's several devices carry its group, so the binder places them together or not at all.
-        Returns the slices' names (none when the pod is refused or waits for an eligible node)."""
+        Returns the slices' names (none when the pod is refused or waits for an eligible node), or when
+        to look again when the pod's requests fit no GPU node it may go to."""
         pod, ask = record.body, record.ask
         meta = pod["metadata"]
         # Read as the pod was observed, not only at admission: a pod made with the label and gate but no
@@ -250,7 +279,14 @@ class PodSlices:
         if not missing:
             return names
         annotations: dict[str, str] = {}
-        allowed = eligible(pod, self.state.inventories, self.state.nodes)
+        allowed, misfits = await self._allowed(pod)
+        if allowed == [] and misfits:
+            why = "; ".join(shortfall.describe(node) for node in sorted(misfits) for shortfall in misfits[node])
+            self.events.post(pod, "Warning", "InsufficientResources", (
+                f"the pod's requests fit none of the {len(misfits)} GPU nodes it may go to, as kube-scheduler "
+                f"counts them: {why}; it waits, gated, and is looked at again every {ROOM_RECHECK_S:g} s (the "
+                "operator places the pod on its slice's node)"))
+            return Requeue(ROOM_RECHECK_S)
         if allowed == []:
             known = len(self.state.inventories)
             self.events.post(pod, "Warning", "NoEligibleNode", (
@@ -317,7 +353,7 @@ class PodSlices:
             self._slice_failed(pod, info)
             return
         if phase == "Pending" and st.get("reason"):
-            if self._limited_otherwise(pod, info):
+            if await self._limited_otherwise(pod, info):
                 await self._make_again(info)
                 return
             self.events.post(pod, "Warning", st["reason"], f"waiting for GpuSlice {info.ref}: {st.get('message', '')}")
@@ -335,13 +371,27 @@ class PodSlices:
                 return
         await self._release_gate(pod, info)
 
-    def _limited_otherwise(self, pod: Mapping[str, Any], info: SliceRecord) -> bool:
+    async def _allowed(self, pod: Mapping[str, Any]) -> tuple[list[str] | None, dict[str, tuple[Shortfall, ...]]]:
+        """The GPU nodes the pod's slice may go to (None: every one): those its nodeSelector, required
+        node affinity and tolerations allow (``eligible``) and its requests fit (``fitting``); and why
+        each node its requests do not fit is left out."""
+        allowed = eligible(pod, self.state.inventories, self.state.nodes)
+        if allowed == []:
+            return [], {}
+        candidates = sorted(self.state.inventories) if allowed is None else allowed
+        fit, misfits = await fitting(self.client, pod, candidates, self.state.nodes)
+        if allowed is None and not misfits:
+            return None, {}
+        return fit, misfits
+
+    async def _limited_otherwise(self, pod: Mapping[str, Any], info: SliceRecord) -> bool:
         """Whether the waiting slice is limited to other nodes than its pod may go to now. Taints come
         and go (kube-controller-manager taints a node unreachable for a moment when a heartbeat is late;
         a cordon ends), so the nodes a slice was limited to when it was made may differ from the pod's now:
-        such a slice could wait for ever on a full node while the pod may go to one with room. While no
-        GPU node takes the pod, the slice waits as it is."""
-        allowed = eligible(pod, self.state.inventories, self.state.nodes)
+        such a slice could wait for ever on a full node while the pod may go to one with room. The pods
+        bound to the nodes change what the pod's requests fit likewise. While no GPU node takes the pod,
+        the slice waits as it is."""
+        allowed, _misfits = await self._allowed(pod)
         return allowed != [] and slice_nodes(allowed) != (info.pinned, info.eligible)
 
     async def _make_again(self, info: SliceRecord) -> None:
@@ -386,11 +436,8 @@ class PodSlices:
         if self.queue.pending(key):
             return
         st = info.body.get("status") or {}
-        try:
-            tries = max(1, int(((info.body.get("metadata") or {}).get("annotations") or {})
-                               .get(SLICE_TRY_ANNOTATION, "1")))
-        except ValueError:
-            tries = 1
+        tries = max(1, read_integer(((info.body.get("metadata") or {}).get("annotations") or {})
+                                    .get(SLICE_TRY_ANNOTATION, "1")) or 1)
         delay = slice_retry_delay(tries)
         failed = f"GpuSlice {info.ref} failed: {st.get('message', '')}"
         if delay is None:
@@ -422,7 +469,40 @@ class PodSlices:
                     if not exc.not_found:
                         raise
             return Requeue(FAILED_SLICE_RECHECK_S)
-        await self._create_slices(record, group, {name: tries + 1})
+        made = await self._create_slices(record, group, {name: tries + 1})
+        return made if isinstance(made, Requeue) else None
+
+    async def _unschedulable(self, namespace: str, group: str) -> Requeue | None:
+        """An ungated pod kube-scheduler has reported Unschedulable for UNSCHEDULABLE_S: its slices are
+        released (claims unreserved and deleted, slices deleted) with a Warning Event quoting the
+        scheduler. Its required node affinity, added at the ungate, pins it to its slices' node and
+        cannot be taken off an ungated pod, so the pod cannot follow a slice elsewhere: its next pod
+        (from its owner, or made again) is placed where its requests fit."""
+        record = self.state.pod(namespace, group)
+        if record is None or gated(record.body):
+            return None
+        pod = record.body
+        said = unschedulable(pod)
+        if said is None:
+            self._refused_since.pop(record.uid, None)
+            return None
+        waited = self.clock() - self._refused_since.setdefault(record.uid, self.clock())
+        if waited < UNSCHEDULABLE_S:
+            return Requeue(UNSCHEDULABLE_S - waited)
+        own = [info for info in self._own_slices(pod, (namespace, group)) if not info.deleting]
+        if not own:
+            return None
+        nodes = sorted({info.binding.node for info in own if info.binding is not None})
+        self.events.post(pod, "Warning", "Unschedulable", (
+            f"kube-scheduler has not placed the pod for {waited:.0f} s ({said}); it is pinned to "
+            f"{'node ' + ', '.join(nodes) if nodes else 'its slice'}, so GpuSlice "
+            f"{', '.join(info.ref for info in own)} is released: delete the pod, and its next pod gets a slice "
+            "where its requests fit"))
+        log.info("pod %s/%s unschedulable for %.0f s: its slices are released", namespace, pod["metadata"]["name"],
+                 waited)
+        for info in own:
+            await self.claims.unreserve(info)
+        await self._release(pod, (namespace, group))
         return None
 
     def _device_checked(self, pod: Mapping[str, Any], info: SliceRecord) -> bool:
@@ -479,11 +559,24 @@ class PodSlices:
         self.state.put_pod(*key, pod_record(answer, self.state.pod(*key)))
         log.debug("pod %s/%s ungated onto %s", info.namespace, meta["name"], node)
 
+    def revisit(self) -> None:
+        """Every pod the books hold looked at again (the periodic pass; nothing listed)."""
+        for (namespace, group), record in self.state.pods_held():
+            if gated(record.body):
+                self.make_slices(namespace, group)
+            elif unschedulable(record.body) is not None:
+                self.queue.add(("pod-unschedulable", namespace, group),
+                               lambda ns=namespace, g=group: self._unschedulable(ns, g))
+
     async def resync(self) -> None:
-        """Every labelled pod again (after a restart or failover): none is left gated without cause."""
+        """Every labelled pod listed again (the full read, after a restart or failover): none is left gated
+        without cause."""
+        failed: ApiError | None = None
         for pod in await self.client.list("/api/v1/pods", label_selector=POD_SLICE_LABEL,
                                           field_selector=POD_WATCH_FIELDS, keep=pod_body):
             try:
                 await self.pod_event(pod, deleted=False)
-            except ApiError as exc:
-                log.warning("pod %s/%s: %s", pod["metadata"]["namespace"], pod["metadata"]["name"], exc)
+            except ApiError as exc:  # the other pods are looked at all the same
+                failed = failed or exc
+        if failed is not None:
+            raise failed  # the resync's key comes back after its back-off
