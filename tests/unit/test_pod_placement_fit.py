@@ -125,6 +125,17 @@ def test_a_pod_that_fits_every_gpu_node_leaves_its_slice_unlimited() -> None:
     assert events.posted == []
 
 
+def test_a_pod_that_asks_for_nothing_but_a_place_reads_no_list() -> None:
+    """The hot path of most GPU pods: no CPU, memory or other request, so no node's pods are listed."""
+    client = Client({"a": [running("busy", "16")]})
+    pods, events = cluster(client, {"a": "16"})
+    plain = pod()
+    plain["spec"]["containers"][0]["resources"] = {}
+    assert make(pods, plain) is None
+    assert [c for c in client.calls if c[0] == "LIST"] == []
+    assert len(client.made) == 1 and events.posted == []
+
+
 def ready_slice() -> dict:
     return {"metadata": {"uid": "s-uid", "namespace": "ns", "name": GROUP, "resourceVersion": "5",
                          "ownerReferences": [{"kind": "Pod", "apiVersion": "v1", "name": "p", "uid": "pod-uid"}]},

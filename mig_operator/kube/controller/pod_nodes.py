@@ -90,6 +90,11 @@ async def fitting(client: KubeClient, pod: Mapping[str, Any], candidates: Collec
         return list(candidates), {}  # the API server validated them: not reached
     # The allocatable alone first: a node too small for the pod needs no list.
     misfits = {name: found for name in candidates if (found := _shortfalls(asks, nodes.get(name), NO_USE))}
+    if not asks:
+        # A pod that asks for nothing but its place among the node's pods reads no list (the hot path of
+        # most GPU pods): a node whose pod count is full is rare, and one is caught by kube-scheduler's
+        # Unschedulable, after which the slice is given back.
+        return [name for name in candidates if name not in misfits], misfits
     open_nodes = [name for name in candidates if name not in misfits and nodes.get(name) is not None
                   and nodes[name].allocatable]
     uses = await node_uses(client, open_nodes) if open_nodes else {}
