@@ -151,12 +151,15 @@ def test_the_chart_installs_upgrades_and_uninstalls_with_every_object_accepted(
         hook, ctl = pods(kube_cluster, namespace, "webhook")[0], pods(kube_cluster, namespace, "controller")[0]
         assert hook.spec.containers[0].args[0] == "webhook" and ctl.spec.containers[0].args[0] == "controller"
         assert hook.spec.service_account_name == ctl.spec.service_account_name
-        agent = wait_until(lambda: pods(kube_cluster, namespace, "agent"), 60, "an agent pod")
+        # A DaemonSet's pod is bound by kube-scheduler a moment after it is made.
+        agent = wait_until(lambda: [p for p in pods(kube_cluster, namespace, "agent") if p.spec.node_name], 60,
+                           "an agent pod bound to a node")
         assert [p.spec.node_name for p in agent] == [gpu_node.name]
         assert agent[0].spec.runtime_class_name == "nvidia"
         assert agent[0].spec.containers[0].security_context.privileged is True
         # The MPS host beside it, on the same node.
-        host = wait_until(lambda: pods(kube_cluster, namespace, "mps"), 60, "an MPS host pod")
+        host = wait_until(lambda: [p for p in pods(kube_cluster, namespace, "mps") if p.spec.node_name], 60,
+                          "an MPS host pod bound to a node")
         assert [p.spec.node_name for p in host] == [gpu_node.name]
         assert host[0].spec.containers[0].args[0] == "mps-host"
         # The quota that clusters limiting critical classes ask for covers the agent and MPS host pods.
