@@ -9,6 +9,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import kubernetes
 from harness import OperatorHarness, check_invariants, wait_until
 from test_pods import create_pod, handed_device
 
@@ -29,6 +30,17 @@ def test_the_standby_takes_over_a_burst_when_the_active_controller_is_killed(ope
     args = ("--peering-lifetime", str(LIFETIME_S))
     active = operator.controller(None, "--priority", "200", *args)
     operator.controller(None, "--priority", "100", *args)
+
+    def met() -> bool:
+        """Both replicas' keep-alives in the peering: from then on the standby's peering watch has the active
+        one and keeps it paused (before that, two replicas started together may both bind for a moment)."""
+        try:
+            body = operator.custom.get_cluster_custom_object("kopf.dev", "v1", "clusterkopfpeerings", operator.peering)
+        except kubernetes.client.ApiException:
+            return False
+        return len(body.get("status") or {}) >= 2
+
+    wait_until(met, 60, lambda: f"both replicas in peering {operator.peering}\n{operator.logs()}")
     ns, probe_ns = operator.namespace(), operator.namespace()
     operator.create_slice(probe_ns, "before", {"migProfile": "1g.10gb"})
     operator.wait_phase(probe_ns, "before", "Ready", timeout=60)
