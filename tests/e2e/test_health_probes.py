@@ -5,26 +5,15 @@ its GPUs' instances, the controller once its first full read is done, the webhoo
 from __future__ import annotations
 
 import socket
-import urllib.error
-import urllib.request
 
 from harness import wait_until
+from probe_http import probe_get
 
 
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def _get(port: int, path: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as answer:
-            return answer.status, answer.read().decode()
-    except urllib.error.HTTPError as error:
-        return error.code, error.read().decode()
-    except OSError as error:  # not listening (yet)
-        return 0, str(error)
 
 
 def test_every_part_is_live_and_becomes_ready_once_it_can_work(operator) -> None:
@@ -34,9 +23,9 @@ def test_every_part_is_live_and_becomes_ready_once_it_can_work(operator) -> None
     operator.controller(None, "--health-address", f"127.0.0.1:{ports['controller']}")
     operator.webhook(None, "--health-address", f"127.0.0.1:{ports['webhook']}")
     for part, port in ports.items():
-        wait_until(lambda port=port: _get(port, "/readyz") == (200, "ok"), 60,
-                   lambda part=part, port=port: f"{part} ready: {_get(port, '/readyz')}\n{operator.logs()}")
-        assert _get(port, "/healthz") == (200, "ok"), (part, operator.logs())
+        wait_until(lambda port=port: probe_get(port, "/readyz") == (200, "ok"), 60,
+                   lambda part=part, port=port: f"{part} ready: {probe_get(port, '/readyz')}\n{operator.logs()}")
+        assert probe_get(port, "/healthz") == (200, "ok"), (part, operator.logs())
     # Ready means working: the agent's GpuNode is published and a slice is bound and made Ready.
     operator.wait_gpunode(node)
     namespace = operator.namespace()

@@ -11,23 +11,14 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
+from probe_http import probe_get
 
 from mig_operator.kube.common.probes import LIVE, READY, Probes, serve, tasks_alive
 from mig_operator.kube.common.supervise import Loops
 from mig_operator.kube.controller.main import ControllerOptions, build_registry
-
-
-def _get(port: int, path: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as answer:
-            return answer.status, answer.read().decode()
-    except urllib.error.HTTPError as error:
-        return error.code, error.read().decode()
 
 
 def _served(probes: Probes) -> tuple[int, object]:
@@ -50,8 +41,8 @@ def test_a_liveness_problem_fails_healthz_naming_it_and_a_readiness_problem_fail
         for problems_live, problems_ready in (([], []), (["event-sender-0: OSError: boom"], []),
                                               ([], ["the first full read of the books is not done yet"])):
             live[:], ready[:] = problems_live, problems_ready
-            answers.append(await asyncio.to_thread(_get, port, LIVE))
-            answers.append(await asyncio.to_thread(_get, port, READY))
+            answers.append(await asyncio.to_thread(probe_get, port, LIVE))
+            answers.append(await asyncio.to_thread(probe_get, port, READY))
         return answers
 
     try:
@@ -70,10 +61,10 @@ def test_before_the_loop_runs_a_part_is_live_and_not_ready_and_an_unknown_path_i
     probes.add(live=lambda: ["never asked before the loop runs"])
     port, server = _served(probes)
     try:
-        assert _get(port, LIVE) == (200, "ok")
-        code, text = _get(port, READY)
+        assert probe_get(port, LIVE) == (200, "ok")
+        code, text = probe_get(port, READY)
         assert code == 500 and "starting" in text
-        assert _get(port, "/livez")[0] == 404
+        assert probe_get(port, "/livez")[0] == 404
     finally:
         server.shutdown()  # type: ignore[attr-defined]
 
@@ -90,12 +81,12 @@ def test_a_loop_that_does_not_run_the_checks_fails_liveness_and_a_check_that_rai
 
     async def main() -> None:
         probes.attach()
-        answers["ready"] = await asyncio.to_thread(_get, port, READY)
-        asker = threading.Thread(target=lambda: answers.__setitem__("wedged", _get(port, LIVE)))
+        answers["ready"] = await asyncio.to_thread(probe_get, port, READY)
+        asker = threading.Thread(target=lambda: answers.__setitem__("wedged", probe_get(port, LIVE)))
         asker.start()
         time.sleep(0.6)  # the loop is blocked (a wedged process) while the probe waits for it
         await asyncio.to_thread(asker.join)
-        answers["after"] = await asyncio.to_thread(_get, port, LIVE)
+        answers["after"] = await asyncio.to_thread(probe_get, port, LIVE)
 
     try:
         asyncio.run(main())
