@@ -125,7 +125,7 @@ def test_a_binding_refused_by_the_api_server_is_retried_on_its_key_until_written
     api = _Api()
     api.objects[f"{SLICES}/a"] = _slice("a", 7)
     api.refuse(f"{SLICES}/a/status", ApiError(500, "InternalError", "injected"), ApiError(500, "InternalError", "x"))
-    before = _retries("bind")
+    before = _retries("slice")
 
     async def main() -> None:
         binder = _binder(api)
@@ -135,13 +135,13 @@ def test_a_binding_refused_by_the_api_server_is_retried_on_its_key_until_written
 
     asyncio.run(main())
     assert api.calls.count(("MERGE", f"{SLICES}/a/status")) == 3
-    assert _retries("bind") - before == 2
+    assert _retries("slice") - before == 2
 
 
 def test_a_binding_refused_as_a_conflict_reads_the_slice_again_and_is_written_on_the_newer_version() -> None:
     api = _Api()
     api.objects[f"{SLICES}/a"] = _slice("a", 7)
-    before = _retries("bind")
+    before = _retries("slice")
 
     async def main() -> None:
         binder = _binder(api)
@@ -153,7 +153,7 @@ def test_a_binding_refused_as_a_conflict_reads_the_slice_again_and_is_written_on
     merges = [i for i, call in enumerate(api.calls) if call == ("MERGE", f"{SLICES}/a/status")]
     read = api.calls.index(("GET", f"{SLICES}/a"))
     assert len(merges) == 2 and merges[0] < read < merges[1]  # refused (409), read again, written
-    assert _retries("bind") - before == 1
+    assert _retries("slice") - before == 1
 
 
 def test_a_groups_member_whose_binding_fails_is_bound_when_the_key_comes_back() -> None:
@@ -163,7 +163,7 @@ def test_a_groups_member_whose_binding_fails_is_bound_when_the_key_comes_back() 
     api.objects[f"{SLICES}/g-0"] = _slice("g-0", 7, group="g")
     api.objects[f"{SLICES}/g-1"] = _slice("g-1", 8, group="g")
     api.refuse(f"{SLICES}/g-1/status", ApiError(500, "InternalError", "injected"))
-    before = _retries("bind")
+    before = _retries("slice")
 
     async def main() -> None:
         binder = _binder(api)
@@ -172,7 +172,7 @@ def test_a_groups_member_whose_binding_fails_is_bound_when_the_key_comes_back() 
         await _until(lambda: _bound(api, "g-0") and _bound(api, "g-1"))
 
     asyncio.run(main())
-    assert _retries("bind") - before == 1
+    assert _retries("slice") - before == 1
     nodes = {api.objects[f"{SLICES}/g-{i}"]["status"]["node"] for i in (0, 1)}
     assert nodes == {"n1"}
 
@@ -264,7 +264,7 @@ def test_the_periodic_pass_lists_nothing_and_looks_at_every_pod_the_books_hold_a
         real_add = binder.queue.add
         binder.queue.add = lambda key, work, after_s=0.0: (added.append(key), real_add(key, work, after_s))[1]
         await binder.revisit()
-        assert ("pod-slices", "team", "waits-gs") in added
-        assert ("pod-slices", "team", "ungated-gs") not in added
+        assert ("pod", "team", "waits-gs") in added
+        assert ("pod", "team", "ungated-gs") not in added
 
     asyncio.run(main())

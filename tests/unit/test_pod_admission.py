@@ -30,7 +30,7 @@ from mig_operator.core.requests.pod_admission import PodRefused, check_pod
 from mig_operator.core.requests.quantities import QuantityError
 from mig_operator.core.requests.request import slice_request
 from mig_operator.kube.common.workqueue import WorkQueue
-from mig_operator.kube.controller.claims import SliceClaims
+from mig_operator.kube.controller.binder import assemble
 from mig_operator.kube.controller.observe import node_record, owned_by, pod_record
 from mig_operator.kube.controller.observe import slice_record as slice_info
 from mig_operator.kube.controller.pod_nodes import eligible as eligible_nodes
@@ -548,7 +548,11 @@ class _Client:
         return {}
 
     async def create(self, path: str, body: dict) -> dict:
+        """As the API server answers: the object with its UID and resourceVersion."""
         self.calls.append(("POST", path))
+        meta = body.setdefault("metadata", {})
+        meta.setdefault("uid", f"uid-{len(self.calls)}")
+        meta.setdefault("resourceVersion", str(len(self.calls)))
         return body
 
     async def merge_patch(self, path: str, body: dict) -> dict:
@@ -569,7 +573,8 @@ class _Events:
 
 def _slice_body(owner_uid: str, phase: str = "Ready") -> dict:
     return {"metadata": {"uid": "s-uid", "namespace": "ns", "name": "p-gs-1", "resourceVersion": "5",
-                         "ownerReferences": [{"kind": "Pod", "name": "p", "uid": owner_uid}]},
+                         "ownerReferences": [{"kind": "Pod", "name": "p", "uid": owner_uid}],
+                         "finalizers": ["cdmo.io/agent"]},
             "spec": {"memory": "4G"},
             "status": {"phase": phase, "mode": "fraction", "node": "n", "gpu": 0, "grantedBytes": 4 * 10**9,
                        "deviceUUID": "GPU-1", "gpuUUID": "GPU-1"}}
@@ -582,9 +587,8 @@ def _pod_slices(owner_uid: str, client: _Client | None = None) -> tuple[PodSlice
     state.put_inventory({"metadata": {"name": "n"}, "spec": {"nodeName": "n"},
                          "status": {"gpus": [{"index": 0, "uuid": "GPU-1", "memoryMiB": 81559}]}})
     client, events = client or _Client(), _Events()
-    queue = WorkQueue()
-    claims = SliceClaims(client, events, state, queue)  # type: ignore[arg-type]
-    return PodSlices(client, events, state, claims, queue), client, events  # type: ignore[arg-type]
+    pods = assemble(client, events, queue=WorkQueue(), ledger=state).pods  # type: ignore[arg-type]
+    return pods, client, events
 
 
 def _settle(pods: PodSlices, call: Coroutine[Any, Any, None]) -> None:
@@ -598,8 +602,13 @@ def _settle(pods: PodSlices, call: Coroutine[Any, Any, None]) -> None:
 
 
 async def _look(pods: PodSlices, info: Any) -> None:
-    """The slice's watch event, as the controller's handler takes it: its pod's key is added."""
-    pods.look(info.namespace, info.name)
+    """The slice's watch event, as the controller's handler takes it: its key is added."""
+    pods.queue.enqueue(("slice", info.namespace, info.name))
+
+
+async def _last_steps(pods: PodSlices, info: Any) -> None:
+    """The last two steps of a slice's key (``slice_key``): its claim, then its pod moved on."""
+    await pods.move_on(info, await pods.claims.ensure(info))
 
 
 def _pod(phase: str, gated: bool = False) -> dict:
@@ -629,7 +638,8 @@ def test_another_pods_slice_is_neither_released_nor_handed_over() -> None:
     pods, client, events = _pod_slices("someone-else")
     _settle(pods, pods.pod_event(_pod("Succeeded"), deleted=False))
     _settle(pods, pods.pod_event(_pod("Pending", gated=True), deleted=False))
-    assert client.calls == [] and events.posted == ["SliceNotOwned"]
+    # The slice's own key still writes its claim (the slice's business); nothing is deleted or ungated.
+    assert not [c for c in client.calls if c[0] in ("DELETE", "PATCH")] and events.posted == ["SliceNotOwned"]
     mine, client, _ = _pod_slices("pod-uid")
     _settle(mine, mine.pod_event(_pod("Pending", gated=True), deleted=False))
     assert [c[0] for c in client.calls] == ["POST", "MERGE", "MERGE", "PATCH"], \
@@ -656,7 +666,7 @@ def test_a_pod_found_ready_twice_at_once_is_ungated_with_one_patch() -> None:
     assert info is not None
 
     async def both() -> None:
-        await asyncio.gather(pods._slice_changed(info), pods._slice_changed(info))
+        await asyncio.gather(_last_steps(pods, info), _last_steps(pods, info))
 
     asyncio.run(both())
     assert [c[0] for c in client.calls].count("PATCH") == 1
@@ -754,8 +764,8 @@ def test_a_pods_request_is_read_once_per_change_of_what_it_reads(monkeypatch: py
 
     observe_ask = observe.pod_ask
     monkeypatch.setattr(observe, "pod_ask", counted)
-    state, client, events, queue = BodyLedger(), _Client(), _Events(), WorkQueue()
-    pods = PodSlices(client, events, state, SliceClaims(client, events, state, queue), queue)  # type: ignore[arg-type]
+    state, client, events = BodyLedger(), _Client(), _Events()
+    pods = assemble(client, events, queue=WorkQueue(), ledger=state).pods  # type: ignore[arg-type]
     asked = _pod("Pending", gated=True)
     asked["metadata"].update(annotations={"cdmo.io/gpu-memory": "lots"}, resourceVersion="1")
     _settle(pods, pods.pod_event(asked, deleted=False))
@@ -769,6 +779,6 @@ def test_a_pods_request_is_read_once_per_change_of_what_it_reads(monkeypatch: py
     assert reads == ["1"] and pods.state.pod("ns", "p-gs-1").ask is first
     fixed = copy.deepcopy(later)
     fixed["metadata"].update(annotations={"cdmo.io/gpu-memory": "4Gi"}, resourceVersion="3")
-    _settle(pods, pods.pod_event(fixed, deleted=False))
+    asyncio.run(pods.pod_event(fixed, deleted=False))  # observed: read (its slice's making is not this test's)
     assert reads == ["1", "3"]
     assert [d.request.memory_bytes for d in pods.state.pod("ns", "p-gs-1").ask.devices] == [4 * 2**30]

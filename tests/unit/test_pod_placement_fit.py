@@ -8,12 +8,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import pytest
 from books import BodyLedger
 
-from mig_operator.kube.common.client import ApiError
 from mig_operator.kube.common.workqueue import Requeue, WorkQueue
-from mig_operator.kube.controller.claims import SliceClaims
+from mig_operator.kube.controller.binder import assemble
 from mig_operator.kube.controller.observe import node_record, pod_record
 from mig_operator.kube.controller.pod_nodes import BOUND_PODS_FIELDS
 from mig_operator.kube.controller.pods import UNSCHEDULABLE_S, PodSlices
@@ -39,8 +37,12 @@ class Client:
                 if p["status"]["phase"] not in ("Succeeded", "Failed")]
 
     async def create(self, path: str, body: dict) -> dict:
+        """As the API server answers: the object with its UID and resourceVersion."""
         self.calls.append(("POST", path))
         self.made.append(body)
+        meta = body.setdefault("metadata", {})
+        meta.setdefault("uid", f"uid-{len(self.made)}")
+        meta.setdefault("resourceVersion", str(len(self.calls)))
         return body
 
     async def delete(self, path: str, resource_version: str | None = None) -> dict:
@@ -86,9 +88,8 @@ def cluster(client: Client, cpus: dict[str, str]) -> tuple[PodSlices, Events]:
                              "status": {"gpus": [{"index": 0, "uuid": f"GPU-{name}", "memoryMiB": 81559}]}})
         state.put_node(name, node_record({"metadata": {"name": name},
                                           "status": {"allocatable": {"cpu": cpu, "memory": "64Gi", "pods": "110"}}}))
-    events, queue = Events(), WorkQueue()
-    claims = SliceClaims(client, events, state, queue)  # type: ignore[arg-type]
-    return PodSlices(client, events, state, claims, queue), events  # type: ignore[arg-type]
+    events = Events()
+    return assemble(client, events, queue=WorkQueue(), ledger=state).pods, events  # type: ignore[arg-type]
 
 
 def make(pods: PodSlices, body: dict) -> Requeue | None:
@@ -164,10 +165,15 @@ def test_an_ungated_pod_unschedulable_for_a_while_has_its_slice_released() -> No
     assert client.calls == [] and events.posted == []
 
     now[0] += UNSCHEDULABLE_S * 2 / 3
-    assert asyncio.run(pods._unschedulable("ns", GROUP)) is None
+
+    async def released() -> None:
+        assert await pods._unschedulable("ns", GROUP) is None
+        while len(pods.queue):  # the slice's key deletes its claim, then the pod's key the slice
+            await asyncio.sleep(0.005)
+
+    asyncio.run(released())
     claim = "/apis/resource.k8s.io/v1/namespaces/ns/resourceclaims/p-gs-1"
-    assert client.calls == [("STRATEGIC", f"{claim}/status"), ("DELETE", claim),
-                            ("DELETE", "/apis/cdmo.io/v1alpha1/namespaces/ns/gpuslices/p-gs-1")]
+    assert client.calls == [("DELETE", claim), ("DELETE", "/apis/cdmo.io/v1alpha1/namespaces/ns/gpuslices/p-gs-1")]
     [(reason, message)] = events.posted
     assert reason == "Unschedulable" and "Insufficient cpu" in message and "node big" in message
 
@@ -181,25 +187,3 @@ def test_a_scheduled_or_gated_pod_keeps_its_slice() -> None:
         pods.state.put_pod("ns", GROUP, pod_record(body))
         assert asyncio.run(pods._unschedulable("ns", GROUP)) is None
     assert client.calls == []
-
-
-def test_the_pods_resync_looks_at_every_pod_then_raises_what_failed(monkeypatch: pytest.MonkeyPatch) -> None:
-    listed = [pod(), {**pod(), "metadata": {**pod()["metadata"], "name": "q", "labels": {GATE: "q-gs-1"}}}]
-
-    class Listing(Client):
-        async def list(self, path: str, label_selector: str | None = None, field_selector: str | None = None,
-                       keep: Any = None) -> list[dict]:
-            return listed
-
-    pods, _ = cluster(Listing(), {})
-    seen: list[str] = []
-
-    async def event(body: dict, deleted: bool) -> None:
-        seen.append(body["metadata"]["name"])
-        if body["metadata"]["name"] == "p":
-            raise ApiError(500, "Internal Server Error", "boom")
-
-    monkeypatch.setattr(pods, "pod_event", event)
-    with pytest.raises(ApiError):
-        asyncio.run(pods.resync())
-    assert seen == ["p", "q"]

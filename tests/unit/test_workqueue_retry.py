@@ -259,7 +259,7 @@ def test_an_invalid_specs_failed_status_write_is_retried_on_its_key_until_writte
                          "creationTimestamp": "2026-11-27T10:00:00Z"},
             "spec": {"memory": "lots"}}
     client, events = _FlakyStatusClient(body, fail=2), _Events()
-    before = _retries("invalid")
+    before = _retries("slice")
 
     async def main() -> None:
         binder = assemble(client, events, resync_s=3600,  # type: ignore[arg-type]
@@ -275,7 +275,7 @@ def test_an_invalid_specs_failed_status_write_is_retried_on_its_key_until_writte
     assert client.writes == 3
     assert client.body["status"]["reason"] == "InvalidSpec"
     assert events.posted == ["InvalidSpec"]
-    assert _retries("invalid") - before == 2
+    assert _retries("slice") - before == 2
 
 
 def test_retry_failed_now_runs_a_failing_key_at_once_rather_than_after_its_back_off() -> None:

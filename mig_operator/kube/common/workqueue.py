@@ -20,17 +20,17 @@ namespace in turn (round robin; cluster-wide keys count as one namespace, ""), s
 thousands of keys delay another namespace's key by at most one key each, never by all of them.
 ``mig_operator_workqueue_depth`` is the number of due keys waiting for a worker.
 
-``KeyedLocks`` lets one holder at a time work on a key (a slice's claim, a slice's release).
+A kind of key may have its reconcile registered (``register(kind, reconcile)``): ``enqueue(key)`` then asks
+for ``reconcile(*key[1:])``, so a part asks for another part's key by name, with no function handed over.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
 import logging
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Hashable
+from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass
 
 from . import metrics
@@ -86,6 +86,7 @@ class WorkQueue:
         self._running: dict[Hashable, Work] = {}
         self._failures: dict[Hashable, int] = {}
         self._tasks: set[asyncio.Task] = set()
+        self._reconcilers: dict[str, Callable[..., Awaitable[object]]] = {}
 
     # ---- asking ------------------------------------------------------------------------------
 
@@ -99,6 +100,15 @@ class WorkQueue:
         self._wanted[key] = (due, work)
         if key not in self._running and key not in self._due:
             self._arm(key)
+
+    def register(self, kind: str, reconcile: Callable[..., Awaitable[object]]) -> None:
+        """``reconcile(*key[1:])`` is the work of every key of ``kind`` asked for with ``enqueue``."""
+        self._reconcilers[kind] = reconcile
+
+    def enqueue(self, key: tuple[str, ...], after_s: float = 0.0) -> None:
+        """Ask for a key of a registered kind (``register``): its reconcile runs with the key's parts."""
+        reconcile = self._reconcilers[key[0]]
+        self.add(key, lambda: reconcile(*key[1:]), after_s)
 
     def pending(self, key: Hashable) -> bool:
         """Whether the key waits to run or runs."""
@@ -203,29 +213,3 @@ class WorkQueue:
             self.add(key, work, after_s)
         else:
             self.add(key, known[1], after_s)
-
-
-class KeyedLocks:
-    """One holder at a time per key. A key's lock lives while someone holds it or waits for it: a lock
-    dropped when its holder let go, with another waiting on it, let a third caller make a new lock
-    and run beside the waiter (two allocations of one claim at once, one refused)."""
-
-    def __init__(self) -> None:
-        self._locks: dict[Hashable, tuple[asyncio.Lock, int]] = {}  # key -> (lock, holders and waiters)
-
-    @contextlib.asynccontextmanager
-    async def hold(self, key: Hashable) -> AsyncIterator[None]:
-        lock, users = self._locks.get(key) or (asyncio.Lock(), 0)
-        self._locks[key] = (lock, users + 1)
-        try:
-            async with lock:
-                yield
-        finally:
-            _, users = self._locks[key]
-            if users == 1:
-                del self._locks[key]
-            else:
-                self._locks[key] = (lock, users - 1)
-
-    def __len__(self) -> int:
-        return len(self._locks)

@@ -13,14 +13,13 @@ that write is what hands a slice to its agent. A pod's slice carries the agent's
 creation; a slice made by hand gets it in a second write (the status subresource takes no metadata),
 and its agent waits for it (``core.node.lifecycle.agent_step``); a controller that dies between the two
 writes adds it on its next pass (``mark``). A slice deleted before it was bound never reaches an
-agent: the controller takes the finalizer off it (``_let_go_unbound``).
+agent: the controller takes the finalizer off it (``let_go_unbound``).
 
-Every write runs as a key on the controller's work queue (``kube.common.workqueue``): a slice's bind
-``("bind", namespace, uid)``, its finalizer ``("mark", ...)``, an invalid spec's Failed status
-``("invalid", ...)``, a deleted slice's letting go by the other parts ``("going", ...)``, the line's
-pass ``"replan"``; a watch event only observes and adds keys. A write
-that fails, refused as a conflict included, raises, and its key comes back after its back-off; the
-pass serves the rest of the line first.
+Every write runs as a key on the controller's work queue (``kube.common.workqueue``): a slice's own
+key ``("slice", namespace, name)`` (``slice_key.SliceKey`` runs the binder's steps for it: ``let_go_unbound``,
+``fail_invalid``, ``bind_now``, ``mark``), the line's pass ``"replan"``; a watch event only observes and adds
+keys. A write that fails, refused as a conflict included, raises, and its key comes back after its back-off;
+the pass serves the rest of the line first.
 
 Quotas and the fair order (``core.books.quota``): a binding that would take its namespace past its
 GpuQuota is not made (the slice stays Pending, reason QuotaExceeded). While slices wait, a new slice
@@ -62,6 +61,7 @@ from .claims import SliceClaims
 from .observe import inventory, inventory_node, node_record, slice_record
 from .pods import PodSlices
 from .quotas import QuotaStatus
+from .slice_key import SliceKey
 
 log = logging.getLogger("mig_operator.controller")
 QUOTAS_PATH = "/apis/cdmo.io/v1alpha1/gpuquotas"
@@ -90,10 +90,9 @@ def _created_s(created: str) -> float | None:
 
 
 class Binder:
-    """Binds slices; the controller's other parts are its own (``assemble``): a slice's claim and pod
-    are looked at once its binding is written, its claim's reservation goes before the binder gives a
-    group's part back, every part looks at everything again after a full read, and the GpuQuota status
-    follows the namespaces whose use or waiting slices changed."""
+    """Binds slices; the controller's other parts are its own (``assemble``): every slice's and pod's key
+    is looked at again after a full read and at each periodic pass, and the GpuQuota status follows the
+    namespaces whose use or waiting slices changed."""
 
     def __init__(self, client: KubeClient, events: EventPoster, ledger: Ledger, queue: WorkQueue,
                  claims: SliceClaims, pods: PodSlices, quotas: QuotaStatus, resync_s: float = 30.0,
@@ -144,10 +143,9 @@ class Binder:
         self._announce()
         for namespace in {s.namespace for s in self.ledger.slices.values()} | set(self.ledger.quotas):
             self._namespace_changed(namespace)
+        self.claims.forget_gone()
         for info in list(self.ledger.slices.values()):
-            if info.binding is not None and not info.marked and not info.deleting:
-                self._queue_mark(info)
-        await self.claims.resync()
+            self.queue.enqueue(("slice", info.namespace, info.name))
         await self.quotas.resync()
         self.request_replan()
         if list_pods:
@@ -216,46 +214,44 @@ class Binder:
             return None
         self._namespace_changed(info.namespace)
         self._announce()
-        if info.deleting:
-            # A bound slice keeps its room and its quota charge until it is gone: its agent releases
-            # it, at once or once its claim is no longer in use.
-            if info.binding is None and AGENT_FINALIZER in (info.body["metadata"].get("finalizers") or ()):
-                self.queue.add(("let-go", info.namespace, info.uid), lambda: self._let_go_unbound(info))
-            self.queue.add(("going", info.namespace, info.uid), lambda: self._going(info.uid))
-            return None
-        if info.invalid and info.phase != "Failed":
-            self.queue.add(("invalid", info.namespace, info.uid), lambda: self._fail_invalid(info.uid))
-        elif info.binding is None and info.phase in (None, "Pending"):
-            if not self.ledger.line.in_line(info.namespace):
-                self.queue.add(("bind", info.namespace, info.uid), lambda: self._bind_now(info.uid))
-            elif info.phase is None:
-                self.request_replan()  # slices wait: a new one joins the line rather than jump it
-        elif info.binding is not None and not info.marked:
-            self._queue_mark(info)
+        self.queue.enqueue(("slice", info.namespace, info.name))
         self.maybe_resync()
         return info
 
-    def look_at(self, namespace: str, name: str) -> None:
-        """Have slice ``namespace/name``'s claim, then its pod, looked at (a pod is let go once its
-        slice's claim exists)."""
-        self.claims.look(namespace, name)
-        self.pods.look(namespace, name)
+    # ---- a slice's steps (its key's reconcile, ``slice_key.SliceKey``, runs them in order) ---------
 
-    async def _going(self, uid: str) -> None:
-        """A slice's key once it is being deleted: its claim lets it go (``SliceClaims.slice_going``)."""
-        info = self.ledger.slices.get(uid)
-        if info is None:
-            return  # gone already, and its claim with it
-        await self.claims.slice_going(info)
+    async def let_go_unbound(self, info: SliceRecord) -> None:
+        """Take the agent's finalizer off a slice deleted before it was bound: no agent selects it. The
+        removal holds only for the version seen unbound; a binding written meanwhile (an earlier
+        in-flight bind) makes it fail, and the slice is then its agent's to release."""
+        if info.binding is not None or AGENT_FINALIZER not in (info.body["metadata"].get("finalizers") or ()):
+            return
+        await remove_finalizer(self.client, slice_path(info.namespace, info.name), info.body, AGENT_FINALIZER,
+                               unless=lambda fresh: binding_from_status(info.uid, fresh.get("status")) is not None)
 
-    async def _fail_invalid(self, uid: str) -> None:
-        """A slice's key while its spec cannot be served (an API server without CEL let it in): phase
-        Failed, reason InvalidSpec, and an Event; a failed write comes back after its back-off."""
-        info = self.ledger.slices.get(uid)
-        if info is None or not info.invalid or info.phase == "Failed" or info.deleting:
+    async def fail_invalid(self, info: SliceRecord) -> None:
+        """A slice whose spec cannot be served (an API server without CEL let it in): phase Failed, reason
+        InvalidSpec, and an Event."""
+        if not info.invalid or info.phase == "Failed" or info.deleting:
             return
         await self._write(info, status.failed(info.body.get("status"), "InvalidSpec", info.invalid))
         self.events.post(info.body, "Warning", "InvalidSpec", info.invalid)
+
+    async def bind_now(self, info: SliceRecord) -> None:
+        """Bind an unbound Pending slice unless its namespace has slices in line (the line's next pass
+        serves it then). A bound slice of a group binds the rest of its group: the write that failed may
+        have been another member's. A failed write raises."""
+        if info.binding is not None and info.group is not None:
+            found = next((m for m in self.ledger.group_members(info) if m.binding is None), None)
+            if found is None:
+                return
+            info = found
+        if info.binding is not None or info.deleting or info.invalid or info.phase not in (None, "Pending"):
+            return
+        if self.ledger.line.in_line(info.namespace):
+            self.request_replan()  # slices wait: a new one joins the line rather than jump it
+            return
+        await self.bind(info.uid)
 
     def inventory_event(self, body: dict, deleted: bool) -> None:
         ledger = self.ledger
@@ -263,6 +259,9 @@ class Binder:
             inventory(body), resource_version(body.get("metadata") or {}))
         for namespace in changed:  # a device its agent holds for a slice that is gone
             self._namespace_changed(namespace)
+        # A device a slice names may have just been published: its key looks at its claim and pod again.
+        for namespace, name in self.ledger.take_device_waits(inventory_node(body)):
+            self.queue.enqueue(("slice", namespace, name))
         self.request_replan()
         self.maybe_resync()
 
@@ -300,21 +299,6 @@ class Binder:
 
     # ---- deciding and acting -------------------------------------------------------------------
 
-    async def _bind_now(self, uid: str) -> None:
-        """A slice's key on the queue: bind it unless its namespace has slices in line (the line's next
-        pass serves it then); a failed write raises, so the key comes back after its back-off. A bound
-        slice's key binds the rest of its group: the write that failed may have been another member's."""
-        info = self.ledger.slices.get(uid)
-        if info is not None and info.binding is not None and info.group is not None:
-            info = next((m for m in self.ledger.group_members(info) if m.binding is None), None)
-        if info is None or info.binding is not None or info.deleting or info.invalid or (
-                info.phase not in (None, "Pending")):
-            return
-        if self.ledger.line.in_line(info.namespace):
-            self.request_replan()
-            return
-        await self.bind(info.uid)  # the binding's answer has its claim and its pod looked at (``seen``)
-
     async def bind(self, uid: str, refused: dict | None = None) -> BindOutcome | None:
         """Decide for slice ``uid`` (with its group) and write the bindings, or the refusal (Pending
         with a reason and an Event) and give back the group's bound part (its slices are deleted;
@@ -336,8 +320,8 @@ class Binder:
             for member in decision.todo:
                 await self._refuse(member, decision.refusal)
             for member in decision.give_back:
+                # Its deletion's key takes its claim's reservation off (``SliceClaims.slice_going``).
                 log.info("slice %s given back: the rest of its group cannot be placed beside it", member.ref)
-                await self.claims.slice_going(member)
                 await self._delete(member)
             return BindOutcome(False, decision.refusal.code, decision.could_fit)
         return await self._act(decision, started)
@@ -423,25 +407,14 @@ class Binder:
         crashpoint("controller:after-bind")
         log.info("slice %s (%s) %s%s", info.ref, info.request.describe(), message,
                  f", reclaiming {len(reclaim)} idle instance(s)" if reclaim else "")
-        if updated.binding is not None and not updated.marked:  # (not if its agent wrote Failed meanwhile)
-            self._queue_mark(updated)
-        # Observed as its watch event will be: its claim and its pod are looked at now.
+        # Observed as its watch event will be: its key takes it on (finalizer, claim, pod) now.
         self.publish_counts()
-        if not updated.deleting:
-            self.look_at(updated.namespace, updated.name)
-
-    def _queue_mark(self, info: SliceRecord) -> None:
-        self.queue.add(("mark", info.namespace, info.uid), lambda: self._mark_now(info.uid))
-
-    async def _mark_now(self, uid: str) -> None:
-        info = self.ledger.slices.get(uid)
-        if info is None or info.binding is None or info.marked or info.deleting or self.ledger.writing(uid):
-            return  # (a binding being written queues its mark once written)
-        await self.mark(info)
+        self.queue.enqueue(("slice", updated.namespace, updated.name))
 
     async def mark(self, info: SliceRecord) -> None:
         """Add the agent's finalizer to a bound slice made by hand (a pod's slice has it from creation)."""
-        assert info.binding is not None
+        if info.binding is None or info.marked or info.deleting or self.ledger.writing(info.uid):
+            return  # (a binding being written has its key look again once written)
         meta = info.body["metadata"]
         finalizers = list(meta.get("finalizers") or ())
         if AGENT_FINALIZER not in finalizers:
@@ -466,13 +439,6 @@ class Binder:
                 continue
             self.ledger.put_slice(slice_record(answer))
             return
-
-    async def _let_go_unbound(self, info: SliceRecord) -> None:
-        """Take the agent's finalizer off a slice deleted before it was bound: no agent selects it. The
-        removal holds only for the version seen unbound; a binding written meanwhile (an earlier
-        in-flight bind) makes it fail, and the slice is then its agent's to release."""
-        await remove_finalizer(self.client, slice_path(info.namespace, info.name), info.body, AGENT_FINALIZER,
-                               unless=lambda fresh: binding_from_status(info.uid, fresh.get("status")) is not None)
 
     async def _refuse(self, info: SliceRecord, refusal: Refusal) -> None:
         self.ledger.wait_in_line(info.uid, refusal.code)
@@ -579,12 +545,15 @@ class Binder:
 
 def assemble(client: KubeClient, events: EventPoster, planner: PlannerSettings | None = None,
              quota_required: bool = False, resync_s: float = 30.0, hold_s: float = DEFAULT_HOLD_S,
-             queue: WorkQueue | None = None) -> Binder:
+             queue: WorkQueue | None = None, ledger: Ledger | None = None) -> Binder:
     """The controller's parts on one ledger and one work queue: the binder, with the slices' claims,
-    the annotated pods and the GpuQuota status as its own."""
-    ledger = Ledger(planner, quota_required)
+    the annotated pods and the GpuQuota status as its own; each slice's key (``slice_key``) and each
+    pod's key (``PodSlices.reconcile``) registered on the queue."""
+    ledger = ledger or Ledger(planner, quota_required)
     queue = queue or WorkQueue()
     claims = SliceClaims(client, events, ledger, queue)
     pods = PodSlices(client, events, ledger, claims, queue)
     quotas = QuotaStatus(client, ledger, queue)
-    return Binder(client, events, ledger, queue, claims, pods, quotas, resync_s=resync_s, hold_s=hold_s)
+    binder = Binder(client, events, ledger, queue, claims, pods, quotas, resync_s=resync_s, hold_s=hold_s)
+    SliceKey(ledger, queue, binder, claims, pods)  # registered on the queue: kind "slice"
+    return binder

@@ -40,10 +40,12 @@ event, a resync), while no pod reserves it; one a pod reserves is looked at agai
 watch tells): while claims without a stamp stand on a release that drops it, a key of its own reads
 it again then, and has those claims looked at once the release keeps the stamp.
 
-Each slice's claim is a key on the controller's work queue, ``("claim", namespace, name)``: a slice's
-event, its GpuNode's change and a resync add it, a failed write brings it back after its back-off, and
-an earlier slice's claim still going (kept by its pods) has the key looked at again later
-(``STALE_CLAIM_RECHECK_S``), never waited for while the key's lock is held.
+Every write to a slice's claim is made under the slice's key on the controller's work queue,
+``("slice", namespace, name)`` (slice_key.py), so a claim has one writer at a time: a slice's event, its
+GpuNode's change, its pod's and a resync add the key, a failed write brings it back after its back-off,
+and an earlier slice's claim still going (kept by its pods) has the key looked at again later
+(``STALE_CLAIM_RECHECK_S``), never waited for while the key runs. A pod's key asks for its slices'
+claims to be let go (``ask_let_go``); the slice's key does it.
 """
 
 from __future__ import annotations
@@ -81,7 +83,7 @@ from ..common.client import ApiError, KubeClient, slice_path
 from ..common.events import EventPoster
 from ..common.names import API_VERSION, SLICE_KIND
 from ..common.status import seconds_now
-from ..common.workqueue import KeyedLocks, WorkQueue
+from ..common.workqueue import WorkQueue
 from .observe import gated, group_of, owned_by
 
 log = logging.getLogger("mig_operator.controller.claims")
@@ -97,6 +99,9 @@ SERVER_VERSION_TTL_S = 30.0
 RESTAMP_RECHECK_S = 30.0
 # The work queue's key that reads the API server's release again while claims wait for a stamp.
 RELEASE_KEY = ("claims", "release")
+# How a pod lets its slice's claim go (``SliceClaims.ask_let_go``).
+UNRESERVE = "unreserve"
+DELETE = "delete"
 
 
 def claim_body(namespace: str, name: str, slice_uid: str) -> dict[str, Any]:
@@ -134,9 +139,10 @@ class SliceClaims:
         self.events = events
         self.state = state
         self.queue = queue
-        # One write of a claim at a time: a slice's own watch event may come while the write its creation
-        # started is under way, and a second create would only be refused (409), at kube-apiserver's cost.
-        self._writing = KeyedLocks()
+        # Slice UID -> how its claim is to be let go for its pod (UNRESERVE, DELETE): asked for by the pod's
+        # key, done by the slice's (``let_go``), so the claim has one writer; and the slices it was done for.
+        self._letting_go: dict[str, str] = {}
+        self._let_go: dict[str, str] = {}
         # Slices whose claim was last seen allocated without allocationTimestamp, and whether the API
         # server keeps that field, as read when (monotonic clock).
         self._unstamped: set[str] = set()
@@ -151,11 +157,42 @@ class SliceClaims:
             return None
         return claim_user(record.body, info.name)
 
-    async def resync(self) -> None:
-        """After a full list: look at every slice's claim again (the ledger forgot those of slices gone)."""
-        self._unstamped &= set(self.state.slices)
-        for info in list(self.state.slices.values()):
-            self.look(info.namespace, info.name)
+    def forget_gone(self) -> None:
+        """Forget what is kept of the claims of slices the books no longer hold (each pass of every key)."""
+        held = set(self.state.slices)
+        self._unstamped &= held
+        self._let_go = {uid: how for uid, how in self._let_go.items() if uid in held}
+        self._letting_go = {uid: how for uid, how in self._letting_go.items() if uid in held}
+
+    def ask_let_go(self, info: SliceRecord, how: str) -> bool:
+        """The slice's pod lets its claim go (``UNRESERVE``: its reservation for the pod taken off;
+        ``DELETE``: the claim deleted): asked of the slice's key (``let_go``), which is added. True once
+        done. A deletion asked for is never made a mere unreserve."""
+        if info.uid in self._let_go:
+            return True
+        if self._letting_go.get(info.uid) != DELETE:
+            self._letting_go[info.uid] = how
+        self.queue.enqueue(("slice", info.namespace, info.name))
+        return False
+
+    def deleted_for_pod(self, info: SliceRecord) -> bool:
+        """Whether the slice's pod had its claim deleted, or asked for that: it is never written again."""
+        return DELETE in (self._let_go.get(info.uid), self._letting_go.get(info.uid))
+
+    async def let_go(self, info: SliceRecord) -> None:
+        """Let the slice's claim go as its pod asked (``ask_let_go``); a failed write raises and is tried
+        again. A claim deleted has its pod's key look again (it deletes the slice next)."""
+        how = self._letting_go.get(info.uid)
+        if how is None:
+            return
+        if how == DELETE:
+            await self.delete_finished(info)
+        else:
+            await self.unreserve(info)
+        self._letting_go.pop(info.uid, None)
+        self._let_go[info.uid] = how
+        if how == DELETE:
+            self.queue.enqueue(("pod", info.namespace, group_of(info)))
 
     async def slice_going(self, info: SliceRecord) -> None:
         """A pod's slice is being deleted, or the binder is about to delete it (a group's part given
@@ -171,13 +208,8 @@ class SliceClaims:
         await self.unreserve(info)
 
     def look(self, namespace: str, name: str, after_s: float = 0.0) -> None:
-        """Look at slice ``namespace/name``'s claim on the work queue (``ensure``)."""
-        self.queue.add(("claim", namespace, name), lambda: self._look(namespace, name), after_s)
-
-    async def _look(self, namespace: str, name: str) -> None:
-        info = self.state.slice_named(namespace, name)
-        if info is not None:
-            await self.ensure(info)
+        """Look at slice ``namespace/name``'s claim again: its key (``slice_key``), after ``after_s``."""
+        self.queue.enqueue(("slice", namespace, name), after_s)
 
     def ready(self, info: SliceRecord) -> bool:
         """Whether the slice's device may be handed on now (``Ledger.check_device``: not being deleted,
@@ -186,18 +218,19 @@ class SliceClaims:
         ready is looked at again when its node's GpuNode changes."""
         return self.state.check_device(info.uid, time.monotonic())[0].action == ACCEPT
 
+    def handed(self, info: SliceRecord) -> bool:
+        """Whether the slice's claim is allocated and its device may be handed on (what ``ensure`` last
+        got to, under the slice's own key), with nothing written."""
+        return self.state.claim_state(info.uid) == CLAIM_ALLOCATED and self.ready(info) and (
+            info.uid not in self._unstamped or self._known_serves() is False)
+
     async def ensure(self, info: SliceRecord) -> bool:
         """Write the claim of a ready slice (``ready``), or of a pod's slice (``early``), when it is not
         there yet, and allocate it once the slice is ready; True when the slice's claim is allocated
         and the slice is ready."""
-        key = (info.namespace, info.name)
         if self.state.claim_state(info.uid) == CLAIM_ALLOCATED and (
                 info.uid not in self._unstamped or self._known_serves() is False):
             return self.ready(info)
-        async with self._writing.hold(key):
-            return await self._ensure(info, key)
-
-    async def _ensure(self, info: SliceRecord, key: tuple[str, str]) -> bool:
         ready = self.ready(info)
         claim: Mapping[str, Any] | None = None
         if self.state.claim_state(info.uid) == CLAIM_ALLOCATED:

@@ -100,26 +100,18 @@ def build_registry(options: ControllerOptions, probes: Probes | None = None,
                           hold_s=options.fair_hold_s)
         client.on_back.append(binder.queue.retry_failed_now)  # work that failed while kube-apiserver was away
         state.update(client=client, binder=binder, pods=binder.pods)
-        # A slice made for a pod, as the API returned it, is observed as its watch event will be.
-        binder.pods.seen = lambda body: slice_event(body, "MODIFIED")
         await binder.resync()
         state["read"] = True
 
     async def slice_event(body: dict[str, Any], type: str | None) -> None:
         binder: Binder = state["binder"]
-        info = await binder.slice_event(body, deleted=type == "DELETED")
+        await binder.slice_event(body, deleted=type == "DELETED")  # its key added
         binder.publish_counts()
         if type == "DELETED":
-            await state["pods"].slice_deleted(body)
-        elif info is not None:
-            binder.look_at(info.namespace, info.name)
+            await state["pods"].slice_deleted(body)  # its pod's key, when the pod waits for it
 
     async def gpunode_event(body: dict[str, Any], type: str | None) -> None:
         state["binder"].inventory_event(body, deleted=type == "DELETED")
-        # A device a slice names may have just been published: its claim and pod are looked at again.
-        node = (body.get("spec") or {}).get("nodeName") or body["metadata"]["name"]
-        for namespace, name in state["binder"].ledger.take_device_waits(node):
-            state["binder"].look_at(namespace, name)
 
     async def gpuquota_event(body: dict[str, Any], type: str | None) -> None:
         # A quota raised, lowered, made or removed: waiting slices are planned again (no restart).

@@ -19,10 +19,12 @@ with a ``nodeSelector`` or required node affinity gets a slice pinned to the one
 they allow no GPU node waits, gated, with an Event, and is looked at again at every resync. A slice
 is handed only to the pod its owner reference names.
 
-A watch event only observes the pod and adds keys to the controller's work queue: its slices are made
-by ``("pod-slices", namespace, pod group)``, a finished pod's slices deleted by ``("pod-finished", ...)``,
-a deleted gated pod's claim reservations taken off by ``("pod-gone", ...)``, its gate removed by
-``("pod-slice", namespace, slice name)``; a write that fails comes back after the queue's back-off.
+A watch event only observes the pod (the ledger keeps it) and adds its key to the controller's work queue,
+``("pod", namespace, pod group)``, whose reconcile makes its missing slices (gated), deletes its slices
+(finished, or unschedulable too long), and asks its slices' keys to let their claims go (a gated pod
+deleted: its reservations; a finished or unschedulable pod: the claims). The gate is removed by a slice's
+key (slice_key.py, ``move_on``) once every slice of the pod is ready; a write that fails comes back after
+the queue's back-off.
 
 A pod's slice that failed is replaced on the controller's work queue, key ``("slice-retry", namespace,
 slice name)``: added with the back-off (``core.node.lifecycle.slice_retry_delay``), it deletes the failed
@@ -60,8 +62,8 @@ from ..common.names import (
 )
 from ..common.trim import SCHEDULED, pod_body
 from ..common.workqueue import Requeue, WorkQueue
-from .claims import SliceClaims
-from .observe import SliceSeen, gated, group_of, owned_by, pod_record
+from .claims import DELETE, UNRESERVE, SliceClaims
+from .observe import gated, group_of, owned_by, pod_record, slice_record
 from .pod_nodes import HOSTNAME_LABEL, eligible, fitting, hostname
 
 log = logging.getLogger("mig_operator.controller.pods")
@@ -159,10 +161,11 @@ class PodSlices:
         self.state = state
         self.claims = claims
         self.queue = queue
-        self.seen: SliceSeen | None = None  # a slice made, as the API returned it: planned now
+        queue.register("pod", self.reconcile)
         # Pod UID -> when (``clock``) an ungated pod was first seen reported Unschedulable. Not the
         # condition's lastTransitionTime: it stays that of the gate's SchedulingGated (status False too).
         self._refused_since: dict[str, float] = {}
+        self._released: set[str] = set()  # UIDs of such pods whose slices are being released
         self.clock = time.monotonic
 
     def pod(self, key: tuple[str, str]) -> dict[str, Any] | None:
@@ -171,6 +174,9 @@ class PodSlices:
         return record.body if record is not None else None
 
     async def pod_event(self, pod: dict[str, Any], deleted: bool) -> None:
+        """Observe a labelled pod's event: the ledger keeps it (a finished one too, until it is deleted) and
+        its key is added; a gated pod deleted asks its slices' keys to take their claims' reservations off
+        now, not once its slices are collected."""
         pod = pod_body(pod)  # what is kept of it (a watch event's pod is kept already)
         meta = pod["metadata"]
         name = (meta.get("labels") or {}).get(POD_SLICE_LABEL)
@@ -181,26 +187,37 @@ class PodSlices:
             self.state.remove_pod(*key)
             self.events.forget(meta["uid"])
             self._refused_since.pop(meta["uid"], None)
-            if gated(pod):  # never ran: its claims' reservations go now, not once its slices are collected
-                self.queue.add(("pod-gone", *key), lambda: self._unreserve_gone(pod, key))
-            return
-        if (pod.get("status") or {}).get("phase") in FINISHED_PHASES:
-            self.state.remove_pod(*key)
-            self._refused_since.pop(meta["uid"], None)
-            self.queue.add(("pod-finished", *key), lambda: self._release(pod, key))
+            self._released.discard(meta["uid"])
+            if gated(pod):  # never ran
+                for info in self._own_slices(pod, key):
+                    self.claims.ask_let_go(info, UNRESERVE)
             return
         known = self.state.pod(*key)
         if not self.state.put_pod(*key, pod_record(pod, known if known is not None and known.uid == meta["uid"]
                                                    else None)):
             return  # older than the pod as the controller last wrote it (its ungate's answer): nothing new
-        if gated(pod):
-            self.make_slices(*key)
-        elif unschedulable(pod) is not None:
-            self.queue.add(("pod-unschedulable", *key), lambda: self._unschedulable(*key))
+        self.queue.enqueue(("pod", *key))
 
     def make_slices(self, namespace: str, group: str) -> None:
-        """Make the gated pod's missing slices on the work queue, key ``("pod-slices", namespace, group)``."""
-        self.queue.add(("pod-slices", namespace, group), lambda: self._make_slices(namespace, group))
+        """Have the pod's key look at it (its missing slices made)."""
+        self.queue.enqueue(("pod", namespace, group))
+
+    async def reconcile(self, namespace: str, group: str) -> Requeue | None:
+        """A pod's key: a finished pod's slices deleted, a gated pod's missing slices made, an ungated pod
+        reported Unschedulable too long released from its slices."""
+        record = self.state.pod(namespace, group)
+        if record is None:
+            return None  # gone: what its slices' claims needed was asked at its deletion
+        if (record.body.get("status") or {}).get("phase") in FINISHED_PHASES:
+            self._refused_since.pop(record.uid, None)
+            self._released.discard(record.uid)
+            await self._release(record.body, (namespace, group))
+            return None
+        if gated(record.body):
+            return await self._make_slices(namespace, group)
+        if unschedulable(record.body) is not None or record.uid in self._refused_since:
+            return await self._unschedulable(namespace, group)
+        return None
 
     async def _make_slices(self, namespace: str, group: str) -> Requeue | None:
         record = self.state.pod(namespace, group)
@@ -209,12 +226,15 @@ class PodSlices:
         names = await self._create_slices(record, group)
         if isinstance(names, Requeue):
             return names
-        self.look(namespace, names[0] if names else group)
+        # Each slice's key tells the pod why it waits, or moves it on; a pod that asks for nothing, the
+        # slice its label names (another pod's, maybe: it is told so).
+        for name in names or (group,):
+            self.queue.enqueue(("slice", namespace, name))
         return None
 
     async def slice_deleted(self, body: Mapping[str, Any]) -> None:
-        """A slice is gone: if its pod still waits, gated, make it again (a group's part the binder gave
-        back, or a slice deleted by hand); a failed slice's replacement is its retry key's, woken now."""
+        """A slice is gone: if its pod still waits, gated, its key makes it again (a group's part the binder
+        gave back, or a slice deleted by hand); a failed slice's replacement is its retry key's, woken now."""
         meta = body["metadata"]
         retry = _retry_key(meta["namespace"], meta["name"])
         if self.queue.pending(retry):
@@ -234,17 +254,14 @@ class PodSlices:
             return []
         return [info for info in self.state.group_members(first) if owned_by(info.body, pod)]
 
-    async def _unreserve_gone(self, pod: Mapping[str, Any], key: tuple[str, str]) -> None:
-        """A gated pod is deleted: its slices' claims are no longer reserved for it (``claims.unreserve``)."""
-        for info in self._own_slices(pod, key):
-            await self.claims.unreserve(info)
-
     async def _release(self, pod: Mapping[str, Any], key: tuple[str, str]) -> None:
-        """Delete a finished pod's slices (its own only) and their claims (``claims.delete_finished``):
-        the agent then releases the instances."""
+        """Delete a finished pod's slices (its own only), each once its key has deleted its claim
+        (``SliceClaims.ask_let_go``; that key adds this one again): the agent then releases the instances
+        at once. kube-controller-manager reserves an allocated claim again for a bound pod, finished or
+        not, and a reserved claim holds the slice."""
         for info in self._own_slices(pod, key):
-            await self.claims.delete_finished(info)
-            if info.deleting:
+            claim_gone = self.claims.ask_let_go(info, DELETE)
+            if info.deleting or not claim_gone:
                 continue
             try:
                 await self.client.delete(slice_path(info.namespace, info.name))
@@ -317,26 +334,19 @@ class PodSlices:
                 if not exc.conflict:
                     raise
                 continue
-            if self.seen is not None:
-                await self.seen(made)  # in the ledger and planned now; its watch event comes later, as old
+            # Observed as its watch event will be (which then comes as old): its key binds it now.
+            self.state.put_slice(slice_record(made))
+            self.queue.enqueue(("slice", meta["namespace"], name))
             log.debug("pod %s/%s: GpuSlice %s made", meta["namespace"], meta["name"], name)
         return names
 
-    def look(self, namespace: str, name: str) -> None:
-        """Look at slice ``namespace/name``'s pod on the work queue, key ``("pod-slice", namespace, name)``:
-        a write that fails (the ungate, a new slice) comes back after its back-off."""
-        self.queue.add(("pod-slice", namespace, name), lambda: self._look(namespace, name))
-
-    async def _look(self, namespace: str, name: str) -> None:
-        info = self.state.slice_named(namespace, name)
-        if info is not None:
-            await self._slice_changed(info)
-
-    async def _slice_changed(self, info: SliceRecord) -> None:
-        """If a gated pod waits for the slice, move the pod on (or tell it why not). A pod with several
-        devices moves on once every one of its slices is Ready, all on one node."""
+    async def move_on(self, info: SliceRecord, handed: bool) -> None:
+        """The last step of a slice's key: if a gated pod waits for the slice, move the pod on (or tell it
+        why not). A pod with several devices moves on once every one of its slices is ready and its claim
+        allocated (each by its own key), all on one node: the key of the last one to get there ungates.
+        ``handed``: what ``SliceClaims.ensure`` said of this slice's claim just now."""
         pod = self.pod((info.namespace, group_of(info)))
-        if pod is None or info.deleting:
+        if pod is None or info.deleting or (pod.get("status") or {}).get("phase") in FINISHED_PHASES:
             return
         if not gated(pod):
             self._failed_after_ungate(pod, info)
@@ -367,7 +377,8 @@ class PodSlices:
         if len({m.binding.node for m in members if m.binding is not None}) != 1:
             return  # never: a group is bound on one node (the binder gives back a split one)
         for member in members:
-            if not self._device_checked(pod, member) or not await self.claims.ensure(member):
+            if not self._device_checked(pod, member) or not (
+                    handed if member.uid == info.uid else self.claims.handed(member)):
                 return
         await self._release_gate(pod, info)
 
@@ -416,7 +427,7 @@ class PodSlices:
         labels changed."""
         for info in self.state.pending():
             if info.pod_owner is not None:
-                self.look(info.namespace, info.name)
+                self.queue.enqueue(("slice", info.namespace, info.name))
 
     def _failed_after_ungate(self, pod: Mapping[str, Any], info: SliceRecord) -> None:
         """A pod let go at its slice's binding (its device needed no NVML call) whose slice then failed:
@@ -493,6 +504,10 @@ class PodSlices:
         if not own:
             return None
         nodes = sorted({info.binding.node for info in own if info.binding is not None})
+        if record.uid in self._released:
+            await self._release(pod, (namespace, group))  # told already: its slices' claims went meanwhile
+            return None
+        self._released.add(record.uid)
         self.events.post(pod, "Warning", "Unschedulable", (
             f"kube-scheduler has not placed the pod for {waited:.0f} s ({said}); it is pinned to "
             f"{'node ' + ', '.join(nodes) if nodes else 'its slice'}, so GpuSlice "
@@ -500,8 +515,6 @@ class PodSlices:
             "where its requests fit"))
         log.info("pod %s/%s unschedulable for %.0f s: its slices are released", namespace, pod["metadata"]["name"],
                  waited)
-        for info in own:
-            await self.claims.unreserve(info)
         await self._release(pod, (namespace, group))
         return None
 
@@ -560,23 +573,17 @@ class PodSlices:
         log.debug("pod %s/%s ungated onto %s", info.namespace, meta["name"], node)
 
     def revisit(self) -> None:
-        """Every pod the books hold looked at again (the periodic pass; nothing listed)."""
+        """Every pod the books hold that may need a write looked at again (the periodic pass; nothing
+        listed): gated, reported Unschedulable, or finished."""
         for (namespace, group), record in self.state.pods_held():
-            if gated(record.body):
-                self.make_slices(namespace, group)
-            elif unschedulable(record.body) is not None:
-                self.queue.add(("pod-unschedulable", namespace, group),
-                               lambda ns=namespace, g=group: self._unschedulable(ns, g))
+            body = record.body
+            if gated(body) or unschedulable(body) is not None or (
+                    (body.get("status") or {}).get("phase") in FINISHED_PHASES):
+                self.queue.enqueue(("pod", namespace, group))
 
     async def resync(self) -> None:
         """Every labelled pod listed again (the full read, after a restart or failover): none is left gated
         without cause."""
-        failed: ApiError | None = None
         for pod in await self.client.list("/api/v1/pods", label_selector=POD_SLICE_LABEL,
                                           field_selector=POD_WATCH_FIELDS, keep=pod_body):
-            try:
-                await self.pod_event(pod, deleted=False)
-            except ApiError as exc:  # the other pods are looked at all the same
-                failed = failed or exc
-        if failed is not None:
-            raise failed  # the resync's key comes back after its back-off
+            await self.pod_event(pod, deleted=False)
