@@ -143,7 +143,7 @@ def listen(stack: contextlib.ExitStack, registry: kopf.OperatorRegistry, metrics
     except ListenError as exc:
         raise QuantityError(str(exc)) from None
     if metrics_socket is not None:
-        metrics.serve(metrics_socket)
+        metrics.serve(metrics_socket, kubeconfig)
     if health_socket is not None and probes is not None:
         stack.callback(probing.serve(health_socket, probes).shutdown)
 

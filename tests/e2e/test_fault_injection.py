@@ -19,7 +19,6 @@ from __future__ import annotations
 import math
 import os
 import time
-import urllib.request
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -31,7 +30,7 @@ import yaml
 from faulty_proxy import FaultyProxy
 from harness import OperatorHarness, check_invariants, wait_until
 from prometheus_client.parser import text_string_to_metric_families
-from test_metrics import free_port
+from test_metrics import free_port, metrics_text
 
 SLICES = int(os.environ.get("MIG_OPERATOR_FAULT_SLICES", "200"))
 PODS = int(os.environ.get("MIG_OPERATOR_FAULT_PODS", "50"))
@@ -42,9 +41,7 @@ SETTLE_S = 60.0  # after the window, until every slice is Ready and every pod Ru
 
 
 def _retries(port: int) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-        text = response.read().decode()
-    return {sample.labels["kind"]: sample.value for family in text_string_to_metric_families(text)
+    return {sample.labels["kind"]: sample.value for family in text_string_to_metric_families(metrics_text(port))
             for sample in family.samples if sample.name == "mig_operator_workqueue_retries_total"}
 
 

@@ -1,10 +1,12 @@
 """What an operator watching mig-operator sees: Prometheus metrics scraped over HTTP from a controller
 and two agents (as the chart's ServiceAccounts), checked against what happened; and JSON logs, one
-object per line."""
+object per line. /metrics answers only callers allowed to get it: the scrapes here send the session
+admin's token (tests/e2e/test_metrics_auth.py tries the others)."""
 
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -15,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from harness import OperatorHarness, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -27,12 +30,23 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def admin_token() -> str:
+    """The token of the session's admin kubeconfig ($KUBECONFIG, set by the ``kube_cluster`` fixture)."""
+    return yaml.safe_load(Path(os.environ["KUBECONFIG"]).read_text())["users"][0]["user"]["token"]
+
+
+def metrics_text(port: int, token: str | None = None) -> str:
+    """What /metrics on the port answers a caller with ``token`` (the admin's by default)."""
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics",
+                                     headers={"Authorization": f"Bearer {token or admin_token()}"})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        return response.read().decode()
+
+
 def scrape(port: int) -> tuple[set[str], Samples]:
     """The metric families served at /metrics, and every sample as (name, sorted labels) -> value."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-        text = response.read().decode()
     families, samples = set(), {}
-    for family in text_string_to_metric_families(text):
+    for family in text_string_to_metric_families(metrics_text(port)):
         families.add(family.name)
         for sample in family.samples:
             samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value

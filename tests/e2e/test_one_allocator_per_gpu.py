@@ -12,11 +12,11 @@ what a kubelet with a device plugin would have written; the test checks the valu
 from __future__ import annotations
 
 import socket
-import urllib.request
 from typing import Any
 
 from harness import OperatorHarness, SimNode, check_invariants, wait_until
 from prometheus_client.parser import text_string_to_metric_families
+from test_metrics import metrics_text
 
 from mig_operator.core.node.device_plugin import (
     CONDITION_TYPE,
@@ -37,9 +37,7 @@ def free_port() -> int:
 
 
 def conflict_gauge(port: int, node: str) -> float | None:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-        text = response.read().decode()
-    for family in text_string_to_metric_families(text):
+    for family in text_string_to_metric_families(metrics_text(port)):
         for sample in family.samples:
             if sample.name == "mig_operator_device_plugin_conflict" and sample.labels.get("node") == node:
                 return sample.value

@@ -101,7 +101,7 @@ def test_every_object_validates_against_the_kubernetes_1_34_schemas(render: Any,
             pytest.fail(f"{doc['kind']} {doc['metadata']['name']}: {exc.message} at {list(exc.path)}")
         checked.add(doc["kind"])
     assert {"CustomResourceDefinition", "Deployment", "DaemonSet", "Service", "ServiceAccount", "ClusterRole",
-            "ClusterRoleBinding", "MutatingWebhookConfiguration", "ClusterKopfPeering"} <= checked
+            "ClusterRoleBinding", "MutatingWebhookConfiguration", "ClusterKopfPeering", "NetworkPolicy"} <= checked
 
 
 def test_the_schema_check_refuses_a_misspelt_field() -> None:
@@ -126,6 +126,9 @@ def _check_foreign(doc: dict[str, Any]) -> None:
         assert spec == {"selfSigned": {}}
     else:
         assert spec["selector"]["matchLabels"] and spec["endpoints"][0]["port"] == "metrics", spec
+        # /metrics answers only allowed callers: Prometheus sends its ServiceAccount's token.
+        assert spec["endpoints"][0]["bearerTokenFile"] == "/var/run/secrets/kubernetes.io/serviceaccount/token"
+        assert spec["endpoints"][0]["scheme"] == "http"
 
 
 # ---- one source of truth ---------------------------------------------------------------------------
@@ -410,9 +413,12 @@ Rule = tuple[str, str, str, str]  # (API group, resource, verb, resource name or
 
 
 def _grants(role: dict[str, Any]) -> set[Rule]:
+    """Each grant of ``role``; a non-resource URL as ("", URL, verb, "")."""
     out = set()
     for rule in role["rules"]:
-        for group in rule["apiGroups"]:
+        for url in rule.get("nonResourceURLs") or []:
+            out |= {("", url, verb, "") for verb in rule["verbs"]}
+        for group in rule.get("apiGroups") or []:
             for resource in rule["resources"]:
                 for verb in rule["verbs"]:
                     for name in rule.get("resourceNames") or [""]:
@@ -424,6 +430,12 @@ def _table(rows: dict[tuple[str, str], str], names: dict[tuple[str, str], str] |
     return {(g, r, v, (names or {}).get((g, r, v), "")) for (g, r), verbs in rows.items() for v in verbs.split()}
 
 
+# Every part serving /metrics checks its callers (kube/common/metrics_auth.py): the caller's token, then
+# whether that user may get /metrics.
+METRICS_REVIEW_RULES = {
+    ("authentication.k8s.io", "tokenreviews"): "create",
+    ("authorization.k8s.io", "subjectaccessreviews"): "create",
+}
 # What each part's code calls (mig_operator/kube/), plus what kopf needs: CRD list/watch for its
 # resource observer. docs/operations.md holds the same table; tests/e2e runs every part under it.
 CONTROLLER_RULES = {
@@ -439,6 +451,7 @@ CONTROLLER_RULES = {
     ("resource.k8s.io", "resourceclaims/binding"): "patch",  # the same write, authorized again on 1.36+
     ("", "events"): "create",
     ("kopf.dev", "clusterkopfpeerings"): "list watch create patch",
+    **METRICS_REVIEW_RULES,
 }
 CONTROLLER_WEBHOOK_RULES = {("admissionregistration.k8s.io", "mutatingwebhookconfigurations"): "create patch"}
 AGENT_RULES = {
@@ -450,6 +463,7 @@ AGENT_RULES = {
     ("resource.k8s.io", "resourceslices"): "list create update delete",  # its node's devices (DRA)
     ("resource.k8s.io", "resourceclaims"): "get",  # a claim's allocation, at NodePrepareResources
     ("", "events"): "create",
+    **METRICS_REVIEW_RULES,
 }
 
 
@@ -480,6 +494,59 @@ def test_with_cert_manager_the_controller_gets_no_secrets_and_no_webhook_configu
     docs = render("--set", "webhook.certManager.enabled=true", release="mo")
     assert _grants(find(docs, "ClusterRole", "mo-mig-operator-controller")) == _table(CONTROLLER_RULES)
     assert not [d for d in docs if d["kind"] in ("Role", "RoleBinding")]
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_the_metrics_reader_may_get_metrics_only_and_the_parts_may_check_their_callers(render: Any,
+                                                                                     enabled: bool) -> None:
+    """The chart's reader role is what a scraper is bound to (nothing binds it: the admin does); the parts
+    ask TokenReviews and SubjectAccessReviews only when they serve /metrics."""
+    docs = render("--set", f"metrics.enabled={str(enabled).lower()}", release="mo")
+    reviews = _table(METRICS_REVIEW_RULES)
+    for part in ("controller", "agent"):
+        grants = _grants(find(docs, "ClusterRole", f"mo-mig-operator-{part}"))
+        assert grants & reviews == (reviews if enabled else set()), part
+    reader = "mo-mig-operator-metrics-reader"
+    readers = [d for d in docs if d["kind"] == "ClusterRole" and d["metadata"]["name"] == reader]
+    assert len(readers) == (1 if enabled else 0)
+    if enabled:
+        assert _grants(readers[0]) == {("", "/metrics", "get", "")}
+        assert not [d for d in docs if d["kind"] in ("ClusterRoleBinding", "RoleBinding")
+                    and d["roleRef"]["name"] == reader]
+
+
+def _selects(policy: dict[str, Any], labels: dict[str, str]) -> bool:
+    return policy["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
+
+
+@pytest.mark.parametrize("name", ["default", "everything else changed"])
+def test_network_policies_open_the_probe_and_metrics_ports_to_monitoring_only_and_the_webhook_to_all(
+        render: Any, name: str) -> None:
+    docs = render(*VARIANTS[name], "--set", "networkPolicy.monitoringNamespace=prom", release="mo")
+    policies = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    pods = [d["spec"]["template"] for d in docs if d["kind"] in ("Deployment", "DaemonSet")]
+    for policy in policies:  # each selects the pods of one workload, no other's
+        assert sum(_selects(policy, pod["metadata"]["labels"]) for pod in pods) == 1, policy["metadata"]["name"]
+    for kind, part in (("Deployment", "controller"), ("Deployment", "webhook"), ("DaemonSet", "agent")):
+        pod = workload(docs, kind, part)["spec"]["template"]
+        listening = {p["name"]: p["containerPort"] for c in pod["spec"]["containers"] for p in c.get("ports") or []}
+        [policy] = [p for p in policies if _selects(p, pod["metadata"]["labels"])]
+        assert policy["spec"]["policyTypes"] == ["Ingress"]
+        monitoring: set[int] = set()
+        anywhere: set[int] = set()
+        for rule in policy["spec"]["ingress"]:
+            assert {p["protocol"] for p in rule["ports"]} == {"TCP"}
+            if "from" in rule:
+                assert rule["from"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "prom"}}}]
+                monitoring |= {p["port"] for p in rule["ports"]}
+            else:
+                anywhere |= {p["port"] for p in rule["ports"]}
+        # The webhook's port from anywhere (the API server's address is not known); every other port the
+        # part listens on (health, and metrics when on) from the monitoring namespace only.
+        assert anywhere == {port for port_name, port in listening.items() if port_name == "webhook"}, part
+        assert monitoring == {port for port_name, port in listening.items() if port_name != "webhook"}, part
+        assert "health" in listening and ("metrics" in listening) == (name == "default")
+    assert not [d for d in render("--set", "networkPolicy.enabled=false") if d["kind"] == "NetworkPolicy"]
 
 
 ALLOWED_DELETES_AND_UPDATES = {
@@ -760,8 +827,9 @@ def test_the_agent_node_policy_binds_the_releases_agent_to_its_node(render: Any,
     rules = policy["spec"]["matchConstraints"]["resourceRules"]
     # Every object the agents' ClusterRole lets them write, the status subresources included.
     agent_role = next(d for d in docs if d["kind"] == "ClusterRole" and d["metadata"]["name"].endswith("-agent"))
+    # (A review, TokenReview or SubjectAccessReview, is an answer to a question: nothing is stored.)
     written = {(g, r) for g, r, v, _ in _grants(agent_role) if v in ("create", "patch", "update", "delete")
-               and (g, r) != ("", "events")}
+               and (g, r) != ("", "events") and (g, r) not in METRICS_REVIEW_RULES}
     covered = {(g, r) for rule in rules for g in rule["apiGroups"] for r in rule["resources"]
                if {"CREATE", "UPDATE", "DELETE"} <= set(rule["operations"])}
     assert written <= covered, written - covered

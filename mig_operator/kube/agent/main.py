@@ -128,7 +128,7 @@ def run_agent(options: AgentOptions, backend: GpuBackend, probes: Probes | None 
     """Run the agent until it stops; ``probes`` (served by the caller) ask the NodeAgent's ``liveness`` and
     ``readiness`` and see kopf's own tasks alive."""
     if options.metrics_socket is not None or options.metrics_address:
-        metrics.serve(options.metrics_socket or options.metrics_address or "")
+        metrics.serve(options.metrics_socket or options.metrics_address or "", options.kubeconfig)
     state: dict[str, Any] = {}
     registry = build_registry(options, backend, state)
     if probes is not None:

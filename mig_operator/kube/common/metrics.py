@@ -1,20 +1,27 @@
 """Prometheus metrics of the controller and the agents (prometheus-client), served over HTTP.
 
 Names follow Prometheus conventions (``mig_operator_`` prefix, base units, ``_total`` counters).
-Each process serves only the metrics of its part; ``serve`` starts the HTTP endpoint.
+Each process serves only the metrics of its part; ``serve`` starts the HTTP endpoint, which answers only
+callers the API server says may ``get`` the non-resource URL ``/metrics`` (``metrics_auth``).
 """
 
 from __future__ import annotations
 
 import socket
 import threading
+import time
 from wsgiref.simple_server import WSGIRequestHandler
 
 from prometheus_client import Counter, Gauge, Histogram, make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
 
+from .client import load_configuration
 from .listen import listen
+from .metrics_auth import ApiReviewer, Gate, Reviewer, authorized
 
+# How long, and how much, a closing connection is read on (``_MetricsServer.shutdown_request``).
+LINGER_S = 2.0
+LINGER_BYTES = 16 << 20
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 SLICES = Gauge("mig_operator_slices", "GpuSlices the controller knows, by phase and mode", ["phase", "mode"])
@@ -78,6 +85,9 @@ RECONCILE_ERRORS = Counter(
 
 
 class _QuietHandler(WSGIRequestHandler):
+    # A caller that connects and then says nothing holds a thread only this long.
+    timeout = 30
+
     def log_message(self, format: str, *args: object) -> None:  # noqa: A002 (the base class's name)
         """A scrape every few seconds is not worth a line each."""
 
@@ -94,6 +104,23 @@ class _MetricsServer(ThreadingWSGIServer):
         self.server_name, self.server_port = str(self.server_address[0]), int(self.server_address[1])
         self.setup_environ()
 
+    def shutdown_request(self, request: socket.socket) -> None:
+        """Close after reading, for a moment, what the caller still sends: a caller refused before its
+        request was read whole (a header over the 64 KiB a line may hold: 431) then gets the refusal,
+        not a reset of a connection closed with its bytes unread."""
+        try:
+            request.shutdown(socket.SHUT_WR)
+            request.settimeout(LINGER_S)
+            drained, deadline = 0, time.monotonic() + LINGER_S
+            while drained < LINGER_BYTES and time.monotonic() < deadline:
+                chunk = request.recv(1 << 16)
+                if not chunk:
+                    break
+                drained += len(chunk)
+        except OSError:  # the caller went away first: nothing is left to read
+            pass
+        self.close_request(request)
+
 
 def bind(address: str) -> socket.socket:
     """The metrics socket, bound and listening; a port in use or an address not of this host raises
@@ -101,10 +128,14 @@ def bind(address: str) -> socket.socket:
     return listen("--metrics-address", address, ":9090")
 
 
-def serve(where: str | socket.socket) -> None:
+def serve(where: str | socket.socket, kubeconfig: str | None,
+          reviewer: Reviewer | None = None) -> ThreadingWSGIServer:
     """Serve /metrics on a socket from ``bind`` (or on ``HOST:PORT``, ``:9090`` for every interface) in a
-    background thread."""
+    background thread, to callers the API server (reached with ``kubeconfig``'s credentials, as the part's
+    own calls are) allows; ``reviewer`` asks it instead (tests)."""
+    gate = Gate(reviewer if reviewer is not None else ApiReviewer(load_configuration(kubeconfig)))
     sock = bind(where) if isinstance(where, str) else where
     server = _MetricsServer(sock)
-    server.set_app(make_wsgi_app())
+    server.set_app(authorized(make_wsgi_app(), gate))
     threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
+    return server
