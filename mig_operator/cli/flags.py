@@ -8,9 +8,13 @@ import os
 import re
 import sys
 from types import FrameType
+from typing import TYPE_CHECKING, Any
 
 from ..core.requests.quantities import QuantityError, read_integer
 from ..core.requests.slice_spec import MAX_NODE_NAME_LENGTH, NODE_NAME
+
+if TYPE_CHECKING:
+    from ..kube.common.impersonation import Impersonation
 
 EXIT_GPU_ERROR = 1
 EXIT_BAD_INPUT = 2
@@ -129,12 +133,14 @@ def configure_logs(args: argparse.Namespace) -> None:
     configure(args.log_format, args.log_level)
 
 
-def check_credentials(kubeconfig: str | None) -> None:
+def check_credentials(kubeconfig: str | None, **acting: Any) -> Impersonation:
+    """The credentials loaded once (``kube.common.client.check_credentials``: ``impersonation``, ``as_user``,
+    ``as_groups``); whom a client command acts as."""
     from ..kube.common.client import CredentialsError
     from ..kube.common.client import check_credentials as check
 
     try:
-        check(kubeconfig)
+        return check(kubeconfig, **acting)
     except CredentialsError as exc:
         raise QuantityError(str(exc)) from None
 
@@ -153,7 +159,23 @@ def part_flags() -> argparse.ArgumentParser:
                         help="one JSON object per line with json")
     common.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info",
                         help="the least severe messages logged")
-    common.add_argument("--metrics-address", help="serve Prometheus metrics on HOST:PORT (e.g. :9090); off by default")
+    common.add_argument("--metrics-address", help="serve Prometheus metrics on HOST:PORT (e.g. :9090), to callers "
+                        "whose bearer token the API server allows to get /metrics; off by default")
     common.add_argument("--health-address", help="serve the liveness (/healthz) and readiness (/readyz) probes on "
                         "HOST:PORT (e.g. :8081), unauthenticated; off by default")
     return common
+
+
+def add_client_flags(p: argparse.ArgumentParser) -> None:
+    """The identity flags of a command a person runs against a cluster (top, check), with kubectl's names."""
+    p.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster, then KUBECONFIG, ~/.kube/config); "
+                   "its user's impersonation (as:, as-groups:) is honoured")
+    p.add_argument("--as", dest="as_user", metavar="USER",
+                   help="act as this user, as kubectl --as does (default: the kubeconfig user's as:, if any)")
+    p.add_argument("--as-group", dest="as_groups", action="append", metavar="GROUP",
+                   help="act with this group (repeat for more), as kubectl --as-group does; needs --as or as:")
+
+
+def client_credentials(args: argparse.Namespace) -> Impersonation:
+    """``add_client_flags``' credentials checked before anything starts; whom the command acts as."""
+    return check_credentials(args.kubeconfig, impersonation=True, as_user=args.as_user, as_groups=args.as_groups)

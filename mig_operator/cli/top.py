@@ -7,7 +7,7 @@ import argparse
 import sys
 
 from ..core.requests.quantities import QuantityError
-from .flags import check_credentials, parse_duration, shown
+from .flags import add_client_flags, client_credentials, parse_duration, shown
 
 DEFAULT_WATCH_S = 2
 MIN_WATCH_S = 0.5
@@ -28,7 +28,7 @@ def watch_seconds(text: str) -> float:
 
 def add_top_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("top", help="who holds which GPU slots and memory, what waits, and the namespaces' quotas")
-    p.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster, then KUBECONFIG, ~/.kube/config)")
+    add_client_flags(p)
     p.add_argument("--watch", nargs="?", const=str(DEFAULT_WATCH_S), metavar="SECONDS",
                    help=f"draw again every SECONDS ({MIN_WATCH_S} to {MAX_WATCH_S}, default {DEFAULT_WATCH_S}) "
                    "until Ctrl-C")
@@ -41,19 +41,20 @@ def cmd_top(args: argparse.Namespace) -> int:
     """Draw the cluster's GPUs once, or again every ``--watch`` seconds until Ctrl-C."""
     import asyncio
     import json
+    import shutil
     import time
 
     from ..core.views.top_json import view_json
-    from ..core.views.top_view import render_text
+    from ..core.views.top_view import WIDTH, render_text
     from ..kube.top import TopError, client_for, read_view
 
     interval = watch_seconds(args.watch) if args.watch is not None else None
-    check_credentials(args.kubeconfig)
+    client_credentials(args)
     # On a terminal each picture replaces the last; in a pipe or a log they follow each other.
     clear = "\x1b[H\x1b[2J" if interval is not None and not args.json and sys.stdout.isatty() else ""
 
     async def draw() -> int:
-        client = client_for(args.kubeconfig)
+        client = client_for(args.kubeconfig, args.as_user, args.as_groups)
         try:
             while True:
                 try:
@@ -68,12 +69,15 @@ def cmd_top(args: argparse.Namespace) -> int:
                     continue
                 if args.json:
                     print(json.dumps(view_json(view), indent=None if interval is not None else 2), flush=True)
-                elif interval is None:
-                    print(render_text(view), end="", flush=True)
                 else:
-                    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-                    print(f"{clear}--- mig-operator top at {stamp}, every {interval:g} s (Ctrl-C stops)\n"
-                          + render_text(view), end="" if clear else "\n", flush=True)
+                    # The terminal's width (COLUMNS first), read again for each picture; WIDTH in a pipe.
+                    text = render_text(view, shutil.get_terminal_size((WIDTH, 24)).columns)
+                    if interval is None:
+                        print(text, end="", flush=True)
+                    else:
+                        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+                        print(f"{clear}--- mig-operator top at {stamp}, every {interval:g} s (Ctrl-C stops)\n"
+                              + text, end="" if clear else "\n", flush=True)
                 if interval is None:
                     return 0
                 await asyncio.sleep(interval)

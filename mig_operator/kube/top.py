@@ -6,6 +6,7 @@ Drawing them is core/views/top_view.py's; the command line (cli/top.py) loops fo
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 
 from mig_operator.core.views.top_view import QUOTAS_ABSENT, QUOTAS_LISTED, QUOTAS_UNREADABLE, TopView, build_view
 
@@ -25,8 +26,12 @@ def quotas_path() -> str:
     return f"/apis/{API_VERSION}/{QUOTAS_PLURAL}"
 
 
-def client_for(kubeconfig: str | None) -> KubeClient:
-    return KubeClient.from_environment(kubeconfig, retry=TOP_RETRY, timeout_s=10.0, connections=4)
+def client_for(kubeconfig: str | None, as_user: str | None = None,
+               as_groups: Sequence[str] | None = None) -> KubeClient:
+    """A client for a person's command (top, check): fails fast, acts as the kubeconfig's user (``as:``,
+    or kubectl's ``--as``/``--as-group``)."""
+    return KubeClient.from_environment(kubeconfig, as_user, as_groups, retry=TOP_RETRY, timeout_s=10.0,
+                                       connections=4)
 
 
 async def read_view(client: KubeClient) -> TopView:

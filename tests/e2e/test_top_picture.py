@@ -7,6 +7,7 @@ mig_operator_slots; a bound slice whose instance is not made yet is drawn as cre
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -25,9 +26,10 @@ MIB = 2**20
 
 
 def top(op: OperatorHarness, *args: str) -> subprocess.CompletedProcess:
+    # 100 columns, the width of the documented geometry (top follows COLUMNS, which a test runner may set).
     result = subprocess.run([sys.executable, "-m", "mig_operator.cli", "top", "--kubeconfig",
                              str(op.cluster.kubeconfig), *args], capture_output=True, text=True, timeout=60,
-                            cwd=REPO_ROOT)
+                            cwd=REPO_ROOT, env={**os.environ, "COLUMNS": "100"})
     assert result.returncode == 0, f"top exited {result.returncode}: {result.stderr}"
     return result
 
@@ -216,7 +218,7 @@ def test_watch_draws_again_until_ctrl_c(operator: OperatorHarness) -> None:
     operator.wait_gpunode(node)
     proc = subprocess.Popen([sys.executable, "-m", "mig_operator.cli", "top", "--kubeconfig",
                              str(operator.cluster.kubeconfig), "--watch", "0.5"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT)
+                            stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT, env={**os.environ, "COLUMNS": "100"})
     time.sleep(4)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=20)

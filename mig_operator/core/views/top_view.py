@@ -1,7 +1,8 @@
 """`mig-operator top`: who holds what, from the GpuNodes, GpuSlices and GpuQuotas as the API serves them.
 
 Pure: ``build_view`` turns the objects' bodies into a ``TopView``; ``render_text`` draws it as plain
-text for a terminal or a log (ASCII, no colours, at most ``WIDTH`` columns); ``core.views.top_json`` gives
+text for a terminal or a log (ASCII, no colours, at most ``width`` columns: the terminal's, at least
+``MIN_WIDTH``); ``core.views.top_json`` gives
 the stable shape of ``top --json`` (docs/operations.md). Reading the objects is kube/top.py's job.
 
 A MIG GPU is drawn as its memory slots (an H100 has 8): each instance is a box over the slots it
@@ -13,6 +14,7 @@ Each instance and fraction shows its compute (``core.placement.compute``): a pro
 from __future__ import annotations
 
 import re
+import textwrap
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,10 +24,13 @@ from ..placement.cluster import published_profiles
 from ..placement.compute import SHARED, compute_from_status, format_compute, gpu_compute, mig_compute
 from ..requests.quantities import QuantityError, parse_memory, read_integer
 
-WIDTH = 100
-SLOT_CELL = 7  # columns per memory slot in the map: room for "[A~~~~]"
-BAR_WIDTH = 50  # columns of a fraction GPU's memory bar: one per 2 %
+WIDTH = 100  # the width where no terminal says one (a pipe, a log)
+MIN_WIDTH = 60
+SLOT_CELL = 7  # columns per memory slot in the map: room for "[A~~~~]"; fewer where the width needs
+MIN_SLOT_CELL = 3  # "[A]": a one-slot box keeps its label
+BAR_WIDTH = 50  # columns of a fraction GPU's memory bar: one per 2 %; fewer where the width needs
 MAP_INDENT = " " * 10
+BAR_LEAD = "    memory |"
 
 IN_USE, CREATING, IDLE, FREE = "in_use", "creating", "idle", "free"
 STATE_WORDS = {IN_USE: "in use", CREATING: "creating", IDLE: "idle", FREE: "free"}
@@ -321,131 +326,161 @@ def _percent(part: int, whole: int) -> str:
 
 
 def _clip(text: str, width: int) -> str:
+    """A table row cut to ``width`` (its last column, a slice's name, loses its end)."""
     return text if len(text) <= width else text[: max(width - 3, 0)] + "..."
 
 
-def _box(span: Span, cells: int) -> str:
-    inner = cells * SLOT_CELL - 2
+def _wrap(text: str, width: int, indent: str = "    ") -> list[str]:
+    """A sentence on lines of at most ``width`` columns, continued further in by ``indent``: nothing is cut."""
+    if len(text) <= width:
+        return [text]
+    lead = " " * (len(text) - len(text.lstrip(" ")))
+    return textwrap.wrap(text.lstrip(" "), width, initial_indent=lead, subsequent_indent=lead + indent,
+                         break_on_hyphens=False)
+
+
+def slot_cell(gpu: GpuView, width: int = WIDTH) -> int:
+    """Columns per memory slot: SLOT_CELL, or as many as fit ``width`` (at least MIN_SLOT_CELL)."""
+    room = (width - len(MAP_INDENT)) // max(gpu.slots, 1)
+    return max(MIN_SLOT_CELL, min(SLOT_CELL, room))
+
+
+def _box(span: Span, cells: int, cell: int = SLOT_CELL) -> str:
+    inner = cells * cell - 2
     text = f"{span.label} {span.profile} "
     if len(text) + 1 > inner:
         text = span.label
     return "[" + text + STATE_FILL[span.state] * (inner - len(text)) + "]"
 
 
-def slot_map(gpu: GpuView) -> str:
-    """One line: each drawn instance a box over its slots, each free slot a dot under its number."""
+def slot_map(gpu: GpuView, cell: int = SLOT_CELL) -> str:
+    """One line: each drawn instance a box over its slots, each free slot a dot under its number;
+    ``cell`` columns per slot."""
     out, slot = [], 0
     drawn = {s.start: s for s in gpu.spans if s.drawn}
     while slot < gpu.slots:
         span = drawn.get(slot)
         if span is not None and span.size > 0:
             size = min(span.size, gpu.slots - slot)
-            out.append(_box(span, size))
+            out.append(_box(span, size, cell))
             slot += size
         elif gpu.slot_states[slot] == FREE:
-            out.append(".".center(SLOT_CELL))
+            out.append(".".center(cell))
             slot += 1
         else:  # under an instance whose box began earlier (placements never do this): its state's mark
-            out.append(STATE_FILL[gpu.slot_states[slot]] * SLOT_CELL)
+            out.append(STATE_FILL[gpu.slot_states[slot]] * cell)
             slot += 1
     return (MAP_INDENT + "".join(out)).rstrip()
 
 
-def memory_bar(gpu: GpuView) -> str:
-    """Each share a run of columns (its label, then its state's mark) in proportion to its bytes."""
+def memory_bar(gpu: GpuView, bar_width: int = BAR_WIDTH) -> str:
+    """Each share a run of ``bar_width`` columns (its label, then its state's mark) in proportion to its bytes."""
     out, end, total = [], 0, gpu.memory_bytes
     held = 0
     for share in gpu.shares:
         held += share.bytes
-        stop = min(BAR_WIDTH, max(end + 1, round(BAR_WIDTH * held / total) if total else BAR_WIDTH))
+        stop = min(bar_width, max(end + 1, round(bar_width * held / total) if total else bar_width))
         if stop > end:
             out.append(share.label + STATE_FILL[share.state] * (stop - end - 1))
         end = stop
-    out.append(STATE_FILL[FREE] * (BAR_WIDTH - end))
-    return "    memory |" + "".join(out) + "|"
+    out.append(STATE_FILL[FREE] * (bar_width - end))
+    return BAR_LEAD + "".join(out) + "|"
 
 
-def _gpu_lines(gpu: GpuView) -> list[str]:
+def _gpu_lines(gpu: GpuView, width: int) -> list[str]:
     name = f"{gpu.product} ({gpu.model})" if gpu.model else gpu.product
     lines = []
     if gpu.mig:
         counts = gpu.slot_counts()
-        lines.append(_clip(f"  GPU {gpu.index}  {name}  MIG, {gpu.slots} slots: {counts[IN_USE]} in use, "
-                           f"{counts[CREATING]} creating, {counts[IDLE]} idle, {counts[FREE]} free", WIDTH))
-        lines.append(("    slot  " + "".join(str(i).center(SLOT_CELL) for i in range(gpu.slots))).rstrip())
-        lines.append(slot_map(gpu))
+        cell = slot_cell(gpu, width)
+        lines += _wrap(f"  GPU {gpu.index}  {name}  MIG, {gpu.slots} slots: {counts[IN_USE]} in use, "
+                       f"{counts[CREATING]} creating, {counts[IDLE]} idle, {counts[FREE]} free", width)
+        lines.append(("    slot  " + "".join(str(i).center(cell) for i in range(gpu.slots))).rstrip())
+        lines.append(slot_map(gpu, cell))
         place = max((len(f"{{{s.start}}}:{s.size}") for s in gpu.spans), default=0)
         profile = max((len(s.profile) for s in gpu.spans), default=0)
         compute = max((len(s.compute) for s in gpu.spans), default=0)
         for s in gpu.spans:
             where = f"{{{s.start}}}:{s.size}".ljust(place)
             note = "" if s.drawn else " (waits for the instances there to be reclaimed)"
+            if not s.slice and s.state == IN_USE:
+                note = " (a process outside any slice)"
             text = (f"      {s.label}  {where}  {s.profile.ljust(profile)}  {s.compute.ljust(compute)}  "
                     f"{STATE_WORDS[s.state]:<8}  ")
-            owner = s.slice or ("- (a process outside any slice)" if s.state == IN_USE else "-")
-            lines.append(_clip(text + owner + note, WIDTH))
+            owner = s.slice or "-"
+            if note and len(text + owner + note) > width:  # the note on lines of its own, under the row
+                lines.append(_clip(text + owner, width))
+                lines += _wrap(" " * 9 + note.strip(), width, "")
+            else:
+                lines.append(_clip(text + owner + note, width))
         if not gpu.spans:
             lines.append("      no instances")
     else:
         held = {state: sum(1 for s in gpu.shares if s.state == state) for state in (IN_USE, CREATING)}
         compute = {"": "", SHARED: ", compute shared"}.get(gpu.compute, f", compute {gpu.compute} of 1")
-        lines.append(_clip(f"  GPU {gpu.index}  {name}  fractions, {gib(gpu.granted_bytes)} of "
-                           f"{gib(gpu.memory_bytes)} granted{compute}: {held[IN_USE]} in use, "
-                           f"{held[CREATING]} creating", WIDTH))
-        lines.append(memory_bar(gpu))
+        lines += _wrap(f"  GPU {gpu.index}  {name}  fractions, {gib(gpu.granted_bytes)} of "
+                       f"{gib(gpu.memory_bytes)} granted{compute}: {held[IN_USE]} in use, "
+                       f"{held[CREATING]} creating", width)
+        lines.append(memory_bar(gpu, min(BAR_WIDTH, width - len(BAR_LEAD) - 1)))
         size = max((len(gib(s.bytes)) for s in gpu.shares), default=0)
         shares = max((len(format_compute(s.compute)) for s in gpu.shares), default=0)
         for s in gpu.shares:
             text = (f"      {s.label}  {gib(s.bytes).rjust(size)}  {_percent(s.bytes, gpu.memory_bytes):>4}  "
                     f"{format_compute(s.compute).ljust(shares)}  {STATE_WORDS[s.state]:<8}  ")
-            lines.append(_clip(text + (s.slice or "-"), WIDTH))
+            lines.append(_clip(text + (s.slice or "-"), width))
     if gpu.unhealthy:
-        lines.append(_clip(f"      UNHEALTHY ({gpu.unhealthy}), takes no new slices: {gpu.health_message}", WIDTH))
+        lines += _wrap(f"      UNHEALTHY ({gpu.unhealthy}), takes no new slices: {gpu.health_message}", width)
     elif gpu.serves == "none":
-        lines.append(_clip(f"      takes no new slices: {gpu.serves_reason}", WIDTH))
+        lines += _wrap(f"      takes no new slices: {gpu.serves_reason}", width)
     return lines
 
 
-def _quota_lines(view: TopView) -> list[str]:
+def _quota_lines(view: TopView, width: int) -> list[str]:
     if view.quota_state != QUOTAS_LISTED:
-        return [_clip(f"quotas: {view.quota_note}", WIDTH)]
+        return _wrap(f"quotas: {view.quota_note}", width)
     if not view.quotas:
-        return ["quotas: none (no GpuQuota: every namespace may take any free GPU memory)"]
+        return _wrap("quotas: none (no GpuQuota: every namespace may take any free GPU memory)", width)
     rows = [["namespace", "memory used / hard", "%", "slices used / hard", "waiting", "whole GPUs"]]
+    short = ["namespace", "memory", "%", "slices", "waiting", "whole"]  # the headings where the long ones do not fit
     for q in view.quotas:
         hard = gib(q.hard_bytes) if q.hard_bytes is not None else "-"
         share = _percent(q.used_bytes, q.hard_bytes) if q.hard_bytes else "-"
         slices = f"{q.used_slices} / {q.hard_slices if q.hard_slices is not None else '-'}"
         rows.append([q.namespace, f"{gib(q.used_bytes)} / {hard}", share, slices, str(q.waiting), str(q.whole_gpus)])
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["quotas (GpuQuota; memory counts each slice's grant, and a fraction GPU held alone whole)"]
+    if 2 + sum(widths[:5]) + 2 * 5 + max(len(r[5]) for r in rows) > width:
+        rows[0] = short
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = _wrap("quotas (GpuQuota; memory counts each slice's grant, and a fraction GPU held alone whole)", width)
     for r in rows:
         cells = [r[0].ljust(widths[0]), r[1].ljust(widths[1]), r[2].rjust(widths[2]), r[3].ljust(widths[3]),
                  r[4].rjust(widths[4]), r[5]]
-        lines.append(_clip(("  " + "  ".join(cells)).rstrip(), WIDTH))
+        lines.append(_clip(("  " + "  ".join(cells)).rstrip(), width))
     return lines
 
 
-def render_text(view: TopView) -> str:
-    """The whole picture as plain text, every line at most WIDTH columns, ending in a newline."""
+def render_text(view: TopView, width: int = WIDTH) -> str:
+    """The whole picture as plain text, every line at most ``width`` columns (at least MIN_WIDTH), ending
+    in a newline: sentences wrap, a table row's last column (a slice's or node's name) is cut."""
+    width = max(MIN_WIDTH, width)
     gpu_count = sum(len(n.gpus) for n in view.nodes)
-    lines = [f"{len(view.nodes)} node(s), {gpu_count} GPU(s); slots and memory: # in use, ~ creating, "
-             "- idle, . free"]
+    lines = _wrap(f"{len(view.nodes)} node(s), {gpu_count} GPU(s); slots and memory: # in use, ~ creating, "
+                  "- idle, . free", width)
     if not view.nodes:
-        lines.append("no GpuNodes: no mig-operator agent has published its GPUs (kubectl get gn)")
+        lines += _wrap("no GpuNodes: no mig-operator agent has published its GPUs (kubectl get gn)", width)
     for node in view.nodes:
         lines.append("")
-        lines.append(_clip(f"node {node.name}  (observed {node.observed_at or 'never'})", WIDTH))
+        lines.append(_clip(f"node {node.name}  (observed {node.observed_at or 'never'})", width))
         if not node.gpus:
             lines.append("  no GPUs")
         for gpu in node.gpus:
-            lines.extend(_gpu_lines(gpu))
+            lines.extend(_gpu_lines(gpu, width))
     lines.append("")
     total = sum(view.pending.values())
     if total:
         reasons = ", ".join(f"{reason} {count}" for reason, count in view.pending.items())
-        lines.append(_clip(f"pending slices: {total} ({reasons})", WIDTH))
+        lines += _wrap(f"pending slices: {total} ({reasons})", width)
     else:
         lines.append("pending slices: none")
-    lines.extend(_quota_lines(view))
+    lines.extend(_quota_lines(view, width))
     return "\n".join(lines) + "\n"

@@ -21,15 +21,17 @@ import json
 import logging
 import ssl
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 import aiohttp
+from multidict import CIMultiDict
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
 
 from . import wire
+from .impersonation import Impersonation, ImpersonationError, kubeconfig_impersonation
 from .names import API_VERSION
 
 if TYPE_CHECKING:
@@ -88,28 +90,51 @@ class Retry:
 
 def load_configuration(kubeconfig: str | None = None) -> kubernetes.client.Configuration:
     """In-cluster credentials inside a pod, else the kubeconfig (``kubeconfig``, KUBECONFIG, ~/.kube)."""
+    return load_credentials(kubeconfig)[0]
+
+
+def load_credentials(kubeconfig: str | None = None) -> tuple[kubernetes.client.Configuration, Impersonation]:
+    """``load_configuration``'s credentials and whom the kubeconfig's user impersonates (``as:``; none
+    in-cluster), which the ``kubernetes`` loaders leave out."""
     import kubernetes  # only its credential loaders are used, and only here
 
     config = kubernetes.client.Configuration()
     try:
         if kubeconfig is None:
             kubernetes.config.load_incluster_config(client_configuration=config)
-            return config
+            return config, Impersonation()
     except kubernetes.config.ConfigException:
         pass
     kubernetes.config.load_kube_config(config_file=kubeconfig, client_configuration=config)
-    return config
+    return config, kubeconfig_impersonation(kubeconfig, kubernetes.config.KUBE_CONFIG_DEFAULT_LOCATION)
+
+
+def ssl_context(config: kubernetes.client.Configuration) -> ssl.SSLContext:
+    """TLS to the API server as ``config`` says: its CA, and its client certificate where it has one."""
+    context = ssl.create_default_context(cafile=config.ssl_ca_cert)
+    if config.cert_file:
+        context.load_cert_chain(config.cert_file, config.key_file)
+    return context
 
 
 class CredentialsError(ValueError):
     """No usable Kubernetes credentials: the message says where they were looked for."""
 
 
-def check_credentials(kubeconfig: str | None = None) -> None:
+def check_credentials(kubeconfig: str | None = None, impersonation: bool = False, as_user: str | None = None,
+                      as_groups: Sequence[str] | None = None) -> Impersonation:
     """Load the credentials once before starting, so a missing or broken kubeconfig is one clear line
-    and exit, not a start-up handler retried for ever (an unreachable API server is still retried)."""
+    and exit, not a start-up handler retried for ever (an unreachable API server is still retried).
+
+    Whom the client acts as: the kubeconfig user's ``as:``, overridden by ``as_user``/``as_groups``
+    (kubectl's ``--as``/``--as-group``). Without ``impersonation`` (the long-running parts, whose kopf
+    connection cannot send impersonation headers) a kubeconfig that impersonates is refused, so a part
+    never runs as two identities."""
     try:
-        load_configuration(kubeconfig)
+        _, acting = load_credentials(kubeconfig)
+        acting = acting.overridden(as_user, as_groups).check()
+    except ImpersonationError as exc:
+        raise CredentialsError(str(exc)) from None
     except Exception as exc:  # the loaders raise ConfigException, OSError, YAML and type errors alike
         where = (f"--kubeconfig {kubeconfig!r}" if kubeconfig is not None else
                  "in-cluster credentials, $KUBECONFIG and ~/.kube/config")
@@ -117,6 +142,11 @@ def check_credentials(kubeconfig: str | None = None) -> None:
         raise CredentialsError(
             f"no usable Kubernetes credentials from {where}: {reason}; run it in a pod with a ServiceAccount, "
             "or give a kubeconfig, e.g. --kubeconfig ~/.kube/config") from None
+    if acting and not impersonation:
+        raise CredentialsError(
+            f"the kubeconfig's user impersonates {acting.describe()} ('as:'), which this long-running part cannot "
+            "do (its watches would run as the kubeconfig's own user); give it a kubeconfig of its own identity")
+    return acting
 
 
 def bearer_token(config: kubernetes.client.Configuration) -> str | None:
@@ -132,8 +162,9 @@ class KubeClient:
     """Asynchronous JSON access to the API server, sharing one connection pool."""
 
     def __init__(self, config: kubernetes.client.Configuration, retry: Retry = Retry(),
-                 timeout_s: float = 30.0, connections: int = 16) -> None:
+                 timeout_s: float = 30.0, connections: int = 16, acting: Impersonation | None = None) -> None:
         self._config = config
+        self._acting = acting.headers() if acting else []  # every request acts as this user (kubectl's --as)
         self._retry = retry
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._connections = connections
@@ -145,18 +176,19 @@ class KubeClient:
         self._away: asyncio.Task | None = None
 
     @classmethod
-    def from_environment(cls, kubeconfig: str | None = None, **kwargs: Any) -> KubeClient:
-        return cls(load_configuration(kubeconfig), **kwargs)
+    def from_environment(cls, kubeconfig: str | None = None, as_user: str | None = None,
+                         as_groups: Sequence[str] | None = None, **kwargs: Any) -> KubeClient:
+        """A client with the environment's credentials, acting as the kubeconfig's user's ``as:`` (or
+        ``as_user``/``as_groups``, kubectl's ``--as``/``--as-group``) when it impersonates."""
+        config, acting = load_credentials(kubeconfig)
+        return cls(config, acting=acting.overridden(as_user, as_groups).check(), **kwargs)
 
     def _ssl(self) -> ssl.SSLContext | bool:
         if not self.host.startswith("https"):
             return False
         if not self._config.verify_ssl:
             return False
-        context = ssl.create_default_context(cafile=self._config.ssl_ca_cert)
-        if self._config.cert_file:
-            context.load_cert_chain(self._config.cert_file, self._config.key_file)
-        return context
+        return ssl_context(self._config)
 
     def _get_session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -176,11 +208,11 @@ class KubeClient:
             await self._session.close()
             self._session = None
 
-    def _headers(self, content_type: str | None) -> dict[str, str]:
+    def _headers(self, content_type: str | None) -> CIMultiDict[str]:
         # Uncompressed answers: kube-apiserver gzips an answer over 128 kB when asked (aiohttp asks by
         # default), which costs its CPU and ours on every write answer and list page of a big object (a
         # tenant's 200 kB annotations), to spare bandwidth a controller beside the API server has.
-        headers = {"Accept": "application/json", "Accept-Encoding": "identity"}
+        headers = CIMultiDict([("Accept", "application/json"), ("Accept-Encoding", "identity"), *self._acting])
         # Read at most once a second: the loaders re-read a rotated token, but not on every call.
         now = time.monotonic()
         if now - self._token_at > TOKEN_TTL_S:
