@@ -20,13 +20,16 @@ import tarfile
 from pathlib import Path
 
 import pytest
+import yaml
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = REPO_ROOT / "scripts" / "image"
 ARCHIVE = REPO_ROOT / "build" / "image" / "mig-operator.oci.tar"
 WORKLOAD_ARCHIVE = REPO_ROOT / "build" / "image" / "mig-operator-workload.oci.tar"
-# The names the node suite and the chart's values use: a pod's `mig-operator:dev` as the CRI names it.
-NAME = "docker.io/library/mig-operator:dev"
+# The name the chart's default values pull (repository mig-operator, the chart's appVersion as tag), as
+# the CRI names it; the node suite reads it from `scripts/image env`.
+APP_VERSION = yaml.safe_load((REPO_ROOT / "helm" / "mig-operator" / "Chart.yaml").read_text())["appVersion"]
+NAME = f"docker.io/library/mig-operator:{APP_VERSION}"
 WORKLOAD_NAME = "docker.io/library/mig-operator-workload:dev"
 SHIM = "usr/local/lib/mig-operator/libgpuslice.so"
 
