@@ -3,7 +3,7 @@ slice's record keeps its body as ``trim.slice_body`` keeps it, never the whole o
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from functools import lru_cache
 from typing import Any
 
@@ -28,10 +28,6 @@ from ..common.names import (
     SCHEDULING_GATE,
 )
 from ..common.trim import pod_body, slice_body
-
-# Where a slice as a write's answer returned it goes: observed as its watch event would be (the ledger
-# takes it, its keys are added), so the next step starts now, not a watch event later.
-SliceSeen = Callable[[dict[str, Any]], Awaitable[None]]
 
 
 def slice_record(body: Mapping) -> SliceRecord:

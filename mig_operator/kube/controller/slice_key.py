@@ -14,7 +14,8 @@ a step that cannot go on yet ends the pass (the event that lets it go on adds th
    binding's write;
 5. bound without the agent's finalizer (made by hand): the finalizer added (``Binder.mark``);
 6. its claim written and allocated once its device may be handed on (``SliceClaims.ensure``);
-7. its gated pod ungated once every slice of the pod has come this far (``PodSlices.move_on``).
+7. its gated pod ungated once every slice of the pod has come this far (``PodSlices.move_on``); a slice
+   that waits or failed has its pod told why instead (or made again where the pod may go now).
 
 Every write to a slice's claim happens here, under its key, so one claim has one writer at a time.
 """
@@ -70,7 +71,10 @@ class SliceKey:
                 if isinstance(result, BaseException):
                     raise result
             info = self.ledger.slices.get(info.uid)
-            if info is None or info.binding is None:
+            if info is None:
+                return
+            if info.binding is None:  # waits or failed: its pod is told why (or its slice made again)
+                await self.pods.move_on(info, False)
                 return
         await self.binder.mark(info)
         await self.pods.move_on(info, await self.claims.ensure(info))
