@@ -51,7 +51,7 @@ class NoDiffBase(kopf.DiffBaseStorage):
     """Keeps no essence of objects. kopf builds one (a deep copy of the body) on every watch event to
     detect changes for on.create/update/resume handlers and daemons; mig-operator registers none of
     those (only on.event, which gets every event as it is), so the copy was pure cost: about an
-    eighth of the controller's CPU in a burst of pods (py-spy, docs/benchmarks.md)."""
+    eighth of the controller's CPU in a burst of pods (py-spy, bench/results/benchmark-history.md)."""
 
     def build(self, *, body: kopf.Body, extra_fields: Any = None) -> kopf.BodyEssence:
         return kopf.BodyEssence()
@@ -193,7 +193,7 @@ def run_operator(registry: kopf.OperatorRegistry, *, standalone: bool, priority:
 
 def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     """uvloop's event loop where it is installed (a dependency, wherever it has a build): its loop, TLS
-    and sockets take less CPU per API call and watch line than asyncio's (docs/benchmarks.md).
+    and sockets take less CPU per API call and watch line than asyncio's (bench/results/benchmark-history.md).
     None (asyncio's own loop) where it is not."""
     try:
         import uvloop

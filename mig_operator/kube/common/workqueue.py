@@ -39,7 +39,7 @@ log = logging.getLogger("mig_operator.workqueue")
 
 Work = Callable[[], Awaitable[object] | object]
 # Most work waits on the API server: 64 keys at once kept a reused pod's burst at 1.1-1.2x DRA-native
-# on the 16-core device machine, where 16 gave 1.35-1.9x (docs/benchmarks.md).
+# on the 16-core device machine, where 16 gave 1.35-1.9x (bench/results/benchmark-history.md).
 DEFAULT_WORKERS = 64
 BASE_DELAY_S = 0.005
 MAX_DELAY_S = 60.0

@@ -62,7 +62,7 @@ def _pod_owner(meta: Mapping) -> str | None:
 def _request(spec: Mapping) -> tuple[SliceRequest | None, str]:
     """The spec's request, or why it is invalid. Every event of a slice carries its spec (immutable),
     and a burst's slices ask alike: parsed once per distinct spec (a twentieth of the controller's CPU
-    in a burst, docs/benchmarks.md)."""
+    in a burst, bench/results/benchmark-history.md)."""
     try:
         # The type is part of the key: True == 1 == 1.0 in Python, not in a GpuSlice spec.
         key = tuple(sorted((name, type(value).__name__, value) for name, value in spec.items()))
