@@ -27,7 +27,16 @@ from mig_operator.core.views.check import (
 )
 
 from .common.client import ApiError, KubeClient, core_path, gpunodes_path, slice_path, slices_path
-from .common.names import API_VERSION, MIG_NODE_LABEL, NODES, POD_SLICE_LABEL, SCHEDULING_GATE, SLICE_KIND, SLICES
+from .common.names import (
+    API_VERSION,
+    MIG_NODE_LABEL,
+    NODES,
+    PEERING_NAME,
+    POD_SLICE_LABEL,
+    SCHEDULING_GATE,
+    SLICE_KIND,
+    SLICES,
+)
 from .webhook.server import WEBHOOK_ENTRY
 
 PEERING_API = "kopf.dev/v1"
@@ -50,7 +59,7 @@ class CheckError(Exception):
 class CheckOptions:
     namespace: str = "default"
     timeout_s: float = 60.0
-    peering: str = "mig-operator"
+    peering: str = PEERING_NAME
 
 
 def test_slice_name() -> str:
