@@ -101,7 +101,8 @@ def cmd_controller(args: argparse.Namespace) -> int:
     fair_hold = duration_flag("--fair-hold", args.fair_hold)
     default_compute = parse_default_compute(args.default_compute)
     options = ControllerOptions(
-        kubeconfig=args.kubeconfig, priority=args.priority, peering=args.peering,
+        kubeconfig=args.kubeconfig, priority=args.priority if args.priority is not None else default_priority(),
+        peering=args.peering,
         peering_lifetime_s=lifetime, resync_s=resync, fair_hold_s=fair_hold, quota_required=args.quota_required,
         default_compute=default_compute,
     )
@@ -111,8 +112,7 @@ def cmd_controller(args: argparse.Namespace) -> int:
     with contextlib.ExitStack() as stack:
         listen(stack, registry, args.metrics_address, webhook if args.webhook else None, args.kubeconfig,
                args.health_address, probes, loops)
-        priority = options.priority if options.priority is not None else default_priority()
-        run_operator(registry, standalone=False, priority=priority, peering_name=options.peering)
+        run_operator(registry, standalone=False, priority=options.priority or 0, peering_name=options.peering)
     return 0
 
 

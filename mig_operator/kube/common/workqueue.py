@@ -87,6 +87,15 @@ class WorkQueue:
         self._failures: dict[Hashable, int] = {}
         self._tasks: set[asyncio.Task] = set()
         self._reconcilers: dict[str, Callable[..., Awaitable[object]]] = {}
+        self.paused = False  # while paused, keys wait, due or not, and none starts
+
+    def pause(self) -> None:
+        """Start no key until ``resume`` (keys running go on to their end): a standby controller replica."""
+        self.paused = True
+
+    def resume(self) -> None:
+        self.paused = False
+        self._pump()
 
     # ---- asking ------------------------------------------------------------------------------
 
@@ -164,7 +173,7 @@ class WorkQueue:
 
     def _pump(self) -> None:
         """Start due keys while a worker is free: the next namespace's oldest due key each time."""
-        while len(self._running) < self.workers and self._turns:
+        while not self.paused and len(self._running) < self.workers and self._turns:
             namespace = self._turns.popleft()
             keys = self._ready[namespace]
             key = keys.popleft()

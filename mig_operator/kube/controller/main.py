@@ -30,12 +30,13 @@ from ..common.names import (
     SLICES,
     VERSION,
 )
-from ..common.operator import EventFn, on_event, register_login, tune
+from ..common.operator import EventFn, on_event, own_identity, register_login, tune
 from ..common.probes import Probes, watch_operator
 from ..common.supervise import Loops
 from ..common.trim import node_body, owned_body, pod_body, slice_body
 from .binder import Binder, assemble
 from .quotas import QUOTAS
+from .standing import Standing
 
 log = logging.getLogger("mig_operator.controller")
 
@@ -43,7 +44,7 @@ log = logging.getLogger("mig_operator.controller")
 @dataclass(frozen=True)
 class ControllerOptions:
     kubeconfig: str | None = None
-    priority: int | None = None  # None: derived from the host name and pid (distinct per replica)
+    priority: int | None = None  # the peering priority; the CLI derives one per replica (``default_priority``)
     peering: str = PEERING_NAME
     peering_lifetime_s: int = 10
     resync_s: float = 30.0
@@ -99,6 +100,9 @@ def build_registry(options: ControllerOptions, probes: Probes | None = None,
                           quota_required=options.quota_required, resync_s=options.resync_s,
                           hold_s=options.fair_hold_s)
         client.on_back.append(binder.queue.retry_failed_now)  # work that failed while kube-apiserver was away
+        # The queue runs only while this replica acts (kopf's peering pauses watches, not queued work).
+        standing = Standing(client, binder.queue, options.peering, own_identity(), options.priority or 0)
+        loops.start("standing", standing.run)
         state.update(client=client, binder=binder, pods=binder.pods)
         await binder.resync()
         state["read"] = True
