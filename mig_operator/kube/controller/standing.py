@@ -20,6 +20,7 @@ from ..common.workqueue import WorkQueue
 
 log = logging.getLogger("mig_operator.controller")
 READ_EVERY_S = 1.0
+PEERINGS = "/apis/kopf.dev/v1/clusterkopfpeerings"
 
 
 class Standing:
@@ -27,22 +28,28 @@ class Standing:
                  every_s: float = READ_EVERY_S) -> None:
         self.client = client
         self.queue = queue
-        self.path = f"/apis/kopf.dev/v1/clusterkopfpeerings/{peering}"
+        self.peering = peering
         self.own_id = own_id
         self.priority = priority
         self.every_s = every_s
         self.settling = Settling()
+        self._said = ""  # the last read's error, said once
         queue.pause()  # until this replica is seen to act
 
     async def run(self) -> None:
         """Read the peering once every ``every_s`` for ever (a supervised loop)."""
         while True:
             try:
-                body = await self.client.get(self.path)
+                # A list of the one object: the verbs kopf's peering needs (list, watch, patch) are enough.
+                found = await self.client.list(PEERINGS, field_selector=f"metadata.name={self.peering}")
             except ApiError as exc:
-                log.debug("the peering %s cannot be read (%s): the work queue stays as it is", self.path, exc)
+                if str(exc) != self._said:
+                    log.warning("the peering %s cannot be read (%s): this replica's work queue stays %s",
+                                self.peering, exc, "paused" if self.queue.paused else "running")
+                self._said = str(exc)
             else:
-                self.take(body.get("status"), time.time())
+                self._said = ""
+                self.take(found[0].get("status") if found else None, time.time())
             await asyncio.sleep(self.every_s)
 
     def take(self, status: object, now: float) -> None:
