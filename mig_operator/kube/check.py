@@ -37,11 +37,11 @@ from .common.names import (
     SLICE_KIND,
     SLICES,
 )
+from .controller.quotas import QUOTAS
 from .webhook.server import WEBHOOK_ENTRY
 
 PEERING_API = "kopf.dev/v1"
 PEERINGS = "clusterkopfpeerings"
-QUOTAS = "gpuquotas"
 WANTED = {API_VERSION: (SLICES, NODES, QUOTAS), PEERING_API: (PEERINGS,)}
 WEBHOOKS_PATH = "/apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations"
 TEST_MEMORY = "1Gi"

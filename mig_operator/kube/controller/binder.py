@@ -195,8 +195,8 @@ class Binder:
     # ---- observing -----------------------------------------------------------------------------
 
     async def slice_event(self, body: dict, deleted: bool) -> SliceRecord | None:
-        """Take a slice's watch event into the ledger and add its keys; the slice as the ledger now has
-        it when its claim and its pod are to be looked at (not gone, not being deleted, not an old event)."""
+        """Take a slice's watch event into the ledger and add its key; the slice as the ledger now has it
+        (None when it is gone or the event is older than what the ledger holds)."""
         if deleted:
             uid = body["metadata"]["uid"]
             waited = uid in self.ledger.waiting
