@@ -217,6 +217,7 @@ static int async_check(struct gs_ref *ref, CUdeviceptr p, uint64_t n)
         return 1;
     }
     give_back(&e);
+    gs_refused(ref);
     gs_pools_measure(ref, 1); /* the block went back to its pool: release it */
     gs_log("stream-ordered allocation of %llu bytes undone: the slice went over its limit",
            (unsigned long long)n);

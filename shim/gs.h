@@ -211,7 +211,12 @@ struct gs_ref {                 /* this process's view of one region        */
 };
 enum { GS_CTX_NONE = 0, GS_CTX_NVML, GS_CTX_DELTA };
 struct gs_ref *gs_ref_for_key(const char *hexkey) GS_HIDDEN;  /* slow path */
+/* reserve bytes within the limit; 0 (counted as a refusal in the ledger) if they do not fit */
 int gs_reserve(struct gs_ref *ref, uint64_t bytes) GS_HIDDEN;
+/* the same, for memory nobody asked for (a pool's surplus): not fitting is no refusal */
+int gs_reserve_spare(struct gs_ref *ref, uint64_t bytes) GS_HIDDEN;
+/* an allocation refused for the limit after the driver made it: count it in the ledger */
+void gs_refused(struct gs_ref *ref) GS_HIDDEN;
 void gs_unreserve(struct gs_ref *ref, uint64_t bytes) GS_HIDDEN;
 /* memory the driver already holds: counted even beyond the limit */
 void gs_charge(struct gs_ref *ref, uint64_t bytes) GS_HIDDEN;

@@ -103,6 +103,7 @@ static int keep(struct gs_ref *ref, void *handle, uint64_t n)
 static void refuse(struct gs_ref *ref, pfn_unload unload, void *handle, uint64_t n)
 {
     if (unload) unload(handle);
+    gs_refused(ref);
     atomic_store_explicit(&ref->freed, 1, memory_order_relaxed);
     gs_fp_refresh(ref);
     gs_log("a load of %llu bytes of module memory refused: over the slice's limit",

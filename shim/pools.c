@@ -183,7 +183,7 @@ void gs_pool_settle(struct gs_pool *pl)
         return;
     uint64_t spare = res > used ? res - used : 0;
     uint64_t k = atomic_load_explicit(&pl->kept, memory_order_acquire);
-    if (spare <= k || !gs_reserve(pl->ref, spare - k)) return;
+    if (spare <= k || !gs_reserve_spare(pl->ref, spare - k)) return;
     /* reserved; pressure inside gs_reserve may have trimmed and re-measured
      * the pool meanwhile: settle on what it holds now */
     if (attr(p, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT, &res) != CUDA_SUCCESS ||

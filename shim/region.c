@@ -14,9 +14,10 @@
  *
  * Reservation is one compare-and-swap on `used` against this process's
  * limit, made before the driver is called and rolled back if the driver
- * fails.  Each process also adds its bytes to its own slot (pid, start time,
- * pid namespace), which is how the share of a killed process is found and
- * given back.  The robust mutex is taken only on the slow paths: claiming a
+ * fails; a reservation refused for the limit is counted in `refused`, which
+ * the node's agent reads.  Each process also adds its bytes to its own slot
+ * (pid, start time, pid namespace), which is how the share of a killed
+ * process is found and given back.  The robust mutex is taken only on the slow paths: claiming a
  * slot, exit, and recovery when a reservation would exceed the limit.  The
  * kernel hands a robust mutex to the next waiter (EOWNERDEAD) when its owner
  * dies, so a SIGKILL inside the lock cannot hang the slice.
@@ -55,7 +56,7 @@ struct gs_region {
     uint32_t version;
     uint32_t size;
     uint32_t nslots;
-    uint32_t pad;
+    _Atomic uint32_t refused;     /* allocations refused for the limit (read by the node's agent) */
     _Atomic uint64_t peak;        /* high-water mark of used */
     _Atomic uint64_t recovered;   /* bytes taken back from dead processes */
     _Atomic uint64_t last_limit;  /* limit of the last process that reserved (informational) */
@@ -235,7 +236,7 @@ static inline void raise_peak(struct gs_region *r, uint64_t now)
     }
 }
 
-int gs_reserve(struct gs_ref *ref, uint64_t n)
+int gs_reserve_spare(struct gs_ref *ref, uint64_t n)
 {
     struct gs_region *r = ref->reg;
     if (GS_UNLIKELY(!r)) return 0; /* strict mode without a region: closed */
@@ -273,6 +274,18 @@ int gs_reserve(struct gs_ref *ref, uint64_t n)
         atomic_fetch_add_explicit(&r->slots[ref->slot].used, n, memory_order_relaxed);
     raise_peak(r, cur + n);
     return 1;
+}
+
+void gs_refused(struct gs_ref *ref)
+{
+    if (ref && ref->reg) atomic_fetch_add_explicit(&ref->reg->refused, 1, memory_order_relaxed);
+}
+
+int gs_reserve(struct gs_ref *ref, uint64_t n)
+{
+    if (GS_LIKELY(gs_reserve_spare(ref, n))) return 1;
+    gs_refused(ref);
+    return 0;
 }
 
 /* Memory the driver already holds for this process (context, pool and graph

@@ -20,6 +20,9 @@ Choices that matter on hardware:
   each GPU's last critical Xid (``core.node.health.xid_critical`` classifies them) for as long as the
   backend lives (NVML does not replay events: an agent started after a reset sees the GPU healthy), and
   reads the GPU's memory info to see whether it answers ``GPU_IS_LOST``, which a reset ends.
+- Usage (``device_usage``) opens the device by UUID, a MIG device's as a GPU's. A whole GPU's activity
+  is the mean of NVML's utilisation samples (share of each sample period with a kernel running) since
+  the previous reading of that GPU; a MIG device has none in NVML, so it is reported as not available.
 """
 
 from __future__ import annotations
@@ -42,15 +45,18 @@ from mig_operator.gpu.nvml_query import (
     describe_gi,
     full_ci_profile,
     gpu_instances,
+    is_mig_handle,
+    kernel_share,
     mig_devices,
     mig_mode,
     nvml_code,
     read_profiles,
+    running_processes,
     slug,
     text,
     translate,
 )
-from mig_operator.gpu.protocol import GpuError, GpuInfo, MigInstance
+from mig_operator.gpu.protocol import DeviceUsage, GpuError, GpuInfo, MigInstance
 
 log = logging.getLogger("mig_operator.gpu")
 
@@ -58,6 +64,8 @@ _MIB = 1024 * 1024
 # How long a create waits for the new MIG device to appear in the handle walk: DCGM #230 saw 1-2 s,
 # DRA measured the walk itself at O(10 s) under load.
 MIG_DEVICE_WAIT_S = 10.0
+# The window of a GPU's first activity reading; later ones cover the time since the one before.
+ACTIVITY_FIRST_WINDOW_S = 10.0
 
 _session_lock = threading.Lock()
 _session_refs = 0
@@ -97,6 +105,9 @@ class NvmlBackend:
         self._events: Any = None
         self._events_lock = threading.Lock()
         self._xids: dict[str, int] = {}  # GPU UUID -> its last critical Xid
+        # GPU UUID -> the newest utilisation sample's timestamp read, where the next reading starts.
+        self._samples_read: dict[str, int] = {}
+        self._samples_lock = threading.Lock()
 
     # ---- GpuBackend ------------------------------------------------------------------------------
 
@@ -268,6 +279,24 @@ class NvmlBackend:
         with self._events_lock:
             self._drain_events()  # an Xid NVML still holds is from before the clear
             self._xids.pop(uuid, None)
+
+    def device_usage(self, device_uuid: str) -> DeviceUsage:
+        what = f"device {device_uuid}"
+        with translate(f"open {what}"):
+            handle = pynvml.nvmlDeviceGetHandleByUUID(device_uuid)
+        with translate(f"read the memory of {what}"):
+            used = int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)
+        processes = running_processes(handle, what)
+        # NVML keeps no utilisation of a MIG device: say so rather than guess from the parent GPU's.
+        if is_mig_handle(handle, what):
+            return DeviceUsage(memory_used=used, processes=processes, active_percent=None)
+        with self._samples_lock:
+            since = self._samples_read.get(device_uuid)
+            if since is None:
+                since = max(0, time.time_ns() // 1000 - int(ACTIVITY_FIRST_WINDOW_S * 1_000_000))
+            share, newest = kernel_share(handle, since, what)
+            self._samples_read[device_uuid] = newest
+        return DeviceUsage(memory_used=used, processes=processes, active_percent=share)
 
     def device_root(self) -> str:
         return "/"

@@ -1,6 +1,6 @@
 """Reading NVML through pynvml: its errors as GpuError, the profiles and placements a GPU offers,
-its GPU and compute instances, and the walk of MIG device handles that finds their UUIDs and
-processes. ``nvml.NvmlBackend`` makes its changes with these."""
+its GPU and compute instances, the walk of MIG device handles that finds their UUIDs and
+processes, and what a device is used for. ``nvml.NvmlBackend`` makes its changes with these."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Any
 import pynvml
 
 from mig_operator.core.placement.profiles import Placement, Profile
-from mig_operator.gpu.protocol import GpuError, MigInstance
+from mig_operator.gpu.protocol import GpuError, MigInstance, ProcessUsage
 
 # Profile-info indices scanned: the binding's documented count, or more, for a driver newer than it.
 PROFILE_INDEX_SCAN = max(int(getattr(pynvml, "NVML_GPU_INSTANCE_PROFILE_COUNT", 0)), 32)
@@ -214,3 +214,68 @@ def describe_gi(
         device_uuid=uuid,
         in_use=busy,
     )
+
+
+def is_mig_handle(handle: Any, what: str) -> bool:
+    """Whether ``handle`` is a MIG device's (else a whole GPU's)."""
+    try:
+        flag = pynvml.nvmlDeviceIsMigDeviceHandle(handle)
+    except pynvml.NVMLError as exc:
+        # A GPU that has no MIG cannot have MIG device handles, and answers NOT_SUPPORTED.
+        if nvml_code(exc) == pynvml.NVML_ERROR_NOT_SUPPORTED:
+            return False
+        raise GpuError(nvml_code(exc), f"tell whether {what} is a MIG device: {exc}") from exc
+    return bool(int(getattr(flag, "value", flag)))
+
+
+def running_processes(handle: Any, what: str) -> tuple[ProcessUsage, ...]:
+    """The compute processes on the device, with their memory (0 where NVML does not say)."""
+    with translate(f"list the processes of {what}"):
+        found = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+    processes = []
+    for proc in found:
+        used = getattr(proc, "usedGpuMemory", None)
+        # pynvml gives None for NVML_VALUE_NOT_AVAILABLE; a raw all-ones value means the same.
+        if not isinstance(used, int) or used < 0 or used >= 2**64 - 1:
+            used = 0
+        processes.append(ProcessUsage(pid=int(proc.pid), memory_used=used))
+    return tuple(sorted(processes, key=lambda p: p.pid))
+
+
+def kernel_share(handle: Any, since_us: int, what: str) -> tuple[int | None, int]:
+    """The share (0-100) of the time since ``since_us`` (NVML's CPU timestamps, microseconds) that a
+    kernel ran on the whole GPU, averaged over NVML's utilisation samples, and the newest sample's
+    timestamp (``since_us`` when there was none). Without new samples it is the utilisation of NVML's
+    last sample period; None when the GPU reports no utilisation."""
+    try:
+        value_type, samples = pynvml.nvmlDeviceGetSamples(handle, pynvml.NVML_GPU_UTILIZATION_SAMPLES, since_us)
+    except pynvml.NVMLError as exc:
+        # NOT_FOUND: no sample since ``since_us``; NOT_SUPPORTED: the GPU keeps none.
+        if nvml_code(exc) not in (pynvml.NVML_ERROR_NOT_FOUND, pynvml.NVML_ERROR_NOT_SUPPORTED):
+            raise GpuError(nvml_code(exc), f"read the utilisation samples of {what}: {exc}") from exc
+        samples = []
+    values = [(int(s.timeStamp), _sample_value(value_type, s.sampleValue)) for s in samples]
+    if values:
+        share = sum(v for _t, v in values) / len(values)
+        return _percent(share), max(since_us, max(t for t, _v in values))
+    try:
+        rates = pynvml.nvmlDeviceGetUtilizationRates(handle)
+    except pynvml.NVMLError as exc:
+        if nvml_code(exc) == pynvml.NVML_ERROR_NOT_SUPPORTED:
+            return None, since_us
+        raise GpuError(nvml_code(exc), f"read the utilisation of {what}: {exc}") from exc
+    return _percent(int(rates.gpu)), since_us
+
+
+def _sample_value(value_type: int, value: Any) -> float:
+    if value_type == pynvml.NVML_VALUE_TYPE_DOUBLE:
+        return float(value.dVal)
+    if value_type == pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG:
+        return float(value.ullVal)
+    if value_type == pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG:
+        return float(value.ulVal)
+    return float(value.uiVal)  # NVML's type for utilisation samples
+
+
+def _percent(value: float) -> int:
+    return min(100, max(0, round(value)))

@@ -128,6 +128,25 @@ class MigInstance:
         return self.ci_id >= 0 and bool(self.device_uuid)
 
 
+@dataclass(frozen=True)
+class ProcessUsage:
+    """One process using a device, as NVML lists it."""
+
+    pid: int  # in the host's pid namespace, as NVML reports it
+    memory_used: int  # bytes; 0 where NVML does not say
+
+
+@dataclass(frozen=True)
+class DeviceUsage:
+    """What a device (a whole GPU or a MIG device) is used for now."""
+
+    memory_used: int  # bytes in use on the device: a MIG device's own, a whole GPU's
+    processes: tuple[ProcessUsage, ...]
+    # Share (0-100) of the last interval with a kernel running on the device; None where NVML gives
+    # none (MIG devices).
+    active_percent: int | None
+
+
 @runtime_checkable
 class GpuBackend(Protocol):
     """What the agent needs from a node's GPUs. Every method may raise :class:`GpuError`."""
@@ -186,6 +205,12 @@ class GpuBackend(Protocol):
     def health(self, index: int) -> GpuHealth:
         """The GPU's health now (``core.node.health``): a critical Xid reported since it was last reset, or
         the GPU lost. Never blocks and never raises for the GPU's own failure: that is what it reports."""
+        ...
+
+    def device_usage(self, device_uuid: str) -> DeviceUsage:
+        """What the device ``device_uuid`` ("GPU-..." or "MIG-...") is used for now: memory in use,
+        its processes, and (whole GPUs only) the share of time since the last call that a kernel ran.
+        NOT_FOUND when no device has that UUID."""
         ...
 
     def clear_xid(self, index: int) -> None:

@@ -11,7 +11,7 @@ import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 from mig_operator.core.placement.profiles import CatalogError, GpuModel
 from mig_operator.core.requests.quantities import clip_repr
@@ -30,6 +30,11 @@ FAULT_OPS = frozenset(
 LATENCY_OPS = ("create_instance", "create_compute_instance", "destroy_instance", "set_mig_mode")
 MAX_LATENCY_S = 600.0
 _INSTANCE_FIELDS = ("gi_id", "profile_id", "start", "size", "ci_id", "generation", "in_use")
+# Bounds of a device's usage entry: a node has a few dozen devices, a device a few hundred processes.
+MAX_USAGE_DEVICES = 4096
+MAX_USAGE_PIDS = 1024
+_MAX_UUID_CHARS = 64
+_MAX_BYTES = 2**63 - 1
 
 
 @dataclass
@@ -53,12 +58,22 @@ class SimGpu:
     lost: bool = False  # fallen off the bus: NVML would answer GPU_IS_LOST
 
 
+@dataclass
+class SimUsage:
+    """What a simulated device is used for, as a test set it (``SimulatedBackend.set_usage``)."""
+
+    memory_used: int  # bytes
+    pids: list[int]
+    active_percent: int | None  # None: not available, as NVML says of MIG devices
+
+
 class StateCorrupt(Exception):
     """A state file whose content is not this simulator's state; the message says what is wrong."""
 
 Faults = dict[str, list[list[Any]]]  # operation -> [[NVML error name, times left], ...]
-# GPUs, faults, latencies, and the simulated machine's boot id ("": the host's).
-State = tuple[list[SimGpu], Faults, dict[str, float], str]
+Usage = dict[str, SimUsage]  # device UUID ("GPU-..." or "MIG-...") -> its usage
+# GPUs, faults, latencies, the simulated machine's boot id ("": the host's), and devices' usage.
+State = tuple[list[SimGpu], Faults, dict[str, float], str, Usage]
 
 
 def gpu_instance_id(model: GpuModel, start: int, size: int) -> int:
@@ -170,7 +185,46 @@ def _decode(data: object, model: GpuModel, count: int, path: str) -> State:
         raise StateCorrupt(f"latency_s: {exc}") from None
     boot = data.get("bootId", "")
     _need(isinstance(boot, str) and len(boot) <= 64, "'bootId' is not a string of at most 64 characters")
-    return decoded, checked, table, boot
+    return decoded, checked, table, boot, _decode_usage(data.get("usage", {}))
+
+
+def _decode_usage(raw: object) -> Usage:
+    _need(isinstance(raw, dict), "'usage' is not an object")
+    assert isinstance(raw, dict)
+    _need(len(raw) <= MAX_USAGE_DEVICES, f"'usage' holds more than {MAX_USAGE_DEVICES} devices")
+    usage: Usage = {}
+    for device, entry in raw.items():
+        _need(device_uuid_shape(device), f"usage: {clip_repr(device)} is not a GPU-... or MIG-... UUID")
+        at = f"usage[{device}]"
+        _need(isinstance(entry, dict) and set(entry) == {"memoryUsed", "pids", "activePercent"},
+              f"{at} does not have exactly the fields memoryUsed, pids, activePercent")
+        assert isinstance(entry, dict)
+        try:
+            usage[device] = usage_entry(entry["memoryUsed"], entry["pids"], entry["activePercent"],
+                                        mig=device.startswith("MIG-"))
+        except ValueError as exc:
+            raise StateCorrupt(f"{at}: {exc}") from None
+    return usage
+
+
+def device_uuid_shape(device: object) -> bool:
+    """Whether ``device`` looks like a device UUID NVML gives ("GPU-..." or "MIG-...")."""
+    return isinstance(device, str) and 4 < len(device) <= _MAX_UUID_CHARS and device[:4] in ("GPU-", "MIG-")
+
+
+def usage_entry(memory_used: object, pids: object, active_percent: object, mig: bool) -> SimUsage:
+    """A device's usage, checked; ValueError names what is wrong. A MIG device has no activity figure
+    (``mig``), as NVML keeps none for one."""
+    if not (is_int(memory_used) and 0 <= memory_used <= _MAX_BYTES):
+        raise ValueError(f"memory used {clip_repr(memory_used)} is not a number of bytes; e.g. 3221225472")
+    if not isinstance(pids, (list, tuple)) or len(pids) > MAX_USAGE_PIDS \
+            or not all(is_int(p) and 0 < p < 2**32 for p in pids):
+        raise ValueError(f"pids {clip_repr(pids)} is not a list of at most {MAX_USAGE_PIDS} process ids; e.g. [4242]")
+    if not (active_percent is None or (is_int(active_percent) and 0 <= active_percent <= 100)):
+        raise ValueError(f"active percent {clip_repr(active_percent)} is not 0-100 or null; e.g. 37")
+    if mig and active_percent is not None:
+        raise ValueError("active percent must be null for a MIG device: NVML gives none")
+    return SimUsage(memory_used=memory_used, pids=sorted(set(pids)), active_percent=active_percent)
 
 def _decode_gpu(i: int, g: object, model: GpuModel) -> SimGpu:
     where = f"gpus[{i}]"
@@ -215,7 +269,7 @@ def _decode_gpu(i: int, g: object, model: GpuModel) -> SimGpu:
     return SimGpu(mig_enabled=enabled, instances=instances, generation=generation, xid=xid, lost=lost)
 
 def snapshot(model: GpuModel, gpus: list[SimGpu], faults: Faults, latency: dict[str, float],
-             boot: str = "") -> dict[str, Any]:
+             boot: str = "", usage: Usage | None = None) -> dict[str, Any]:
     """The state as the file holds it, sharing nothing mutable with the state. The dicts are built
     here, fields in ``_INSTANCE_FIELDS`` order, as ``asdict`` would at several times the cost."""
     return {
@@ -238,6 +292,8 @@ def snapshot(model: GpuModel, gpus: list[SimGpu], faults: Faults, latency: dict[
         "faults": {op: [list(entry) for entry in queue] for op, queue in sorted(faults.items()) if queue},
         "latency_s": dict(sorted(latency.items())),
         **({"bootId": boot} if boot else {}),
+        **({"usage": {device: {"memoryUsed": u.memory_used, "pids": list(u.pids), "activePercent": u.active_percent}
+                      for device, u in sorted(usage.items())}} if usage else {}),
     }
 
 
@@ -255,7 +311,7 @@ def _need(condition: bool, reason: str) -> None:
         raise StateCorrupt(reason)
 
 
-def is_int(value: object) -> bool:
+def is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 

@@ -19,7 +19,11 @@ What it reproduces, because the operator's logic depends on it:
 - a GPU's health (``health``): ``inject_xid`` reports an Xid on it (a critical one, ``core.node.health``,
   makes it unhealthy), ``lose_gpu`` makes it fall off the bus, and ``reset_gpu`` (or ``reboot``) makes
   it healthy again, as a GPU reset does; ``clear_xid`` forgets the Xid only (an admin's clear mark).
-  Only ``health`` reports a lost GPU; its other calls go on.
+  Only ``health`` reports a lost GPU; its other calls go on;
+- what a device is used for (``device_usage``): memory, processes and activity a test sets with
+  ``set_usage`` (or in the state file's ``usage``); a device without an entry is unused. A MIG
+  device has no activity figure, as NVML keeps none, and its usage goes when it is destroyed.
+  Usage does not mark an instance in use: ``set_in_use`` does, as it makes a destroy answer IN_USE.
 
 State lives in memory, or in a JSON file when ``state_file`` is given: it is read under an ``fcntl``
 lock before every operation (decoded only when its bytes changed) and written atomically (temp file
@@ -44,16 +48,18 @@ from typing import Any
 
 from mig_operator.core.node.health import HEALTHY, GpuHealth, lost_health, xid_critical, xid_health
 from mig_operator.core.placement.profiles import GpuModel, Profile, get_model
-from mig_operator.core.requests.quantities import clip_repr
+from mig_operator.core.requests.quantities import MIB, clip_repr
 from mig_operator.gpu.device_files import write_simulated_files
 from mig_operator.gpu.files import host_boot_id
-from mig_operator.gpu.protocol import NVML_ERROR_CODES, GpuError, GpuInfo, MigInstance
+from mig_operator.gpu.protocol import NVML_ERROR_CODES, DeviceUsage, GpuError, GpuInfo, MigInstance, ProcessUsage
 from mig_operator.gpu.sim_placement import check_room, gpu_uuid, legal_profile, mig_uuid
 from mig_operator.gpu.sim_state import (
     FAULT_OPS,
     SimGpu,
     SimInstance,
+    SimUsage,
     check_state_path,
+    device_uuid_shape,
     file_error,
     gpu_instance_id,
     is_int,
@@ -62,6 +68,7 @@ from mig_operator.gpu.sim_state import (
     read_state,
     save_state,
     snapshot,
+    usage_entry,
 )
 
 
@@ -92,6 +99,7 @@ class SimulatedBackend:
         self._faults: dict[str, list[list[Any]]] = {}
         self._latency: dict[str, float] = {}
         self._boot = ""  # the simulated machine's boot id; "" until a simulated reboot: the host's
+        self._usage: dict[str, SimUsage] = {}  # device UUID -> what it is used for
         self._latency_override = latency_table(latency_s) if latency_s is not None else None
         # The state file's bytes that the in-memory state holds, and its snapshot (see ``_state``).
         self._cache: tuple[bytes, dict[str, Any]] | None = None
@@ -158,13 +166,29 @@ class SimulatedBackend:
                 )
             inst.in_use = in_use
 
+    def set_usage(self, device_uuid: str, memory_used: int, pids: list[int] | tuple[int, ...],
+                  active_percent: int | None) -> None:
+        """Device ``device_uuid`` (a GPU's or a MIG device's) has ``memory_used`` bytes in use by the
+        processes ``pids``, with a kernel running ``active_percent`` of the time (None for a MIG
+        device, which NVML gives none for). ValueError for figures that cannot be; NOT_FOUND when no
+        device has that UUID."""
+        if not device_uuid_shape(device_uuid):
+            raise ValueError(f"device {clip_repr(device_uuid)} is not a GPU-... or MIG-... UUID")
+        entry = usage_entry(memory_used, pids, active_percent, mig=device_uuid.startswith("MIG-"))
+        with self._state():
+            memory = self._device_memory(device_uuid, "set the usage")
+            if entry.memory_used > memory:
+                raise ValueError(f"memory used {entry.memory_used} is more than device {device_uuid} has ({memory})")
+            self._usage[device_uuid] = entry
+
     def reboot(self) -> None:
         """The machine restarts: every GPU and compute instance is gone (MIG mode stays, as NVIDIA's
-        persistent setting does) and the boot id is a new one."""
+        persistent setting does), no process uses any device, and the boot id is a new one."""
         with self._state():
             for gpu in self._gpus:
                 gpu.instances.clear()
                 gpu.xid, gpu.lost = 0, False
+            self._usage.clear()
             self._boot = f"sim-{uuid.uuid4()}"
 
     def inject_xid(self, index: int, xid: int) -> None:
@@ -303,6 +327,8 @@ class SimulatedBackend:
                 if inst.in_use:
                     raise GpuError("IN_USE", f"{where}: a process is running on it")
                 had_ci = inst.ci_id >= 0
+                if had_ci:
+                    self._usage.pop(self._record(index, inst).device_uuid, None)  # its MIG device goes
                 inst.ci_id = -1  # compute instance first, as NVML requires
                 try:
                     self._maybe_fail("destroy_gpu_instance", where)
@@ -348,6 +374,24 @@ class SimulatedBackend:
             write_simulated_files(self._device_root, range(self._count), instances)
             return self._device_root
 
+    def device_usage(self, device_uuid: str) -> DeviceUsage:
+        with self._state():
+            self._device_memory(device_uuid, "read the usage")
+            mig = device_uuid.startswith("MIG-")
+            entry = self._usage.get(device_uuid)
+            if entry is None:
+                return DeviceUsage(memory_used=0, processes=(), active_percent=None if mig else 0)
+            # The simulator knows the device's total only: each process is given an even share of it.
+            count = len(entry.pids)
+            shares = [entry.memory_used // count] * count if count else []
+            if shares:
+                shares[0] += entry.memory_used - sum(shares)
+            return DeviceUsage(
+                memory_used=entry.memory_used,
+                processes=tuple(ProcessUsage(pid, share) for pid, share in zip(entry.pids, shares, strict=True)),
+                active_percent=entry.active_percent,
+            )
+
     def health(self, index: int) -> GpuHealth:
         with self._state():
             gpu = self._gpu(index, "read the GPU's health")
@@ -378,6 +422,17 @@ class SimulatedBackend:
             device_uuid=mig_uuid(self._uuids[index], inst.gi_id, inst.start, inst.generation) if complete else "",
             in_use=inst.in_use,
         )
+
+    def _device_memory(self, device_uuid: object, op: str) -> int:
+        """The bytes of memory the device ``device_uuid`` has: a GPU's, or a live MIG device's profile's;
+        NOT_FOUND, as NVML's open by UUID answers, when there is no such device."""
+        if device_uuid in self._uuids:
+            return self._model.memory_mib * MIB
+        for index, gpu in enumerate(self._gpus):
+            for inst in gpu.instances.values():
+                if inst.ci_id >= 0 and self._record(index, inst).device_uuid == device_uuid:
+                    return self._model.profile_by_id(inst.profile_id).memory_mib * MIB
+        raise GpuError("NOT_FOUND", f"{op} of device {clip_repr(device_uuid)}: no device has that UUID")
 
     def _new_instance(self, gpu: SimGpu, profile: Profile, start: int) -> SimInstance:
         gpu.generation += 1
@@ -492,11 +547,11 @@ class SimulatedBackend:
         state = parse_state(raw, self._state_file, self._model, self._count) if raw is not None else None
         if state is None:
             return False
-        self._gpus, self._faults, self._latency, self._boot = state
+        self._gpus, self._faults, self._latency, self._boot, self._usage = state
         return True
 
     def _snapshot(self) -> dict[str, Any]:
-        return snapshot(self._model, self._gpus, self._faults, self._latency, self._boot)
+        return snapshot(self._model, self._gpus, self._faults, self._latency, self._boot, self._usage)
 
     def _write_back(self, raw: bytes | None, before: dict[str, Any], force: bool) -> None:
         """Save the state when it differs from ``before`` (or ``force``); then cache the file's bytes."""

@@ -1152,6 +1152,42 @@ static void case_stale_boot(void)
     CHECK(0, "exec: %s", strerror(errno));
 }
 
+/* Each allocation refused for the limit is counted in the ledger, by every
+ * process of the slice, for the node's agent to read; one that fits is not.
+ * The count is the 32-bit word at 20 (region.c, version 2). */
+#define LEDGER_REFUSED 20
+static uint32_t ledger_refused(void)
+{
+    uint32_t n = UINT32_MAX;
+    int fd = open("ledger/gpu-5b3b5d0c1f2e4a779c10abcdef012300", O_RDONLY);
+    CHECK(fd >= 0 && pread(fd, &n, sizeof n, LEDGER_REFUSED) == sizeof n, "read the refusal count");
+    close(fd);
+    return n;
+}
+
+static void case_refusal_count(void)
+{
+    open_driver();
+    CUdeviceptr a, b;
+    OK(Alloc(&a, 512 * MiB));
+    CHECK(ledger_refused() == 0, "an allocation that fits is no refusal: %u", ledger_refused());
+    CHECK(Alloc(&b, 600 * MiB) == CUDA_ERROR_OUT_OF_MEMORY, "over the limit with what is held");
+    CHECK(ledger_refused() == 1, "one refusal: %u", ledger_refused());
+    CHECK(Alloc(&b, 2 * GiB) == CUDA_ERROR_OUT_OF_MEMORY, "larger than the limit");
+    CHECK(ledger_refused() == 2, "two refusals: %u", ledger_refused());
+    pid_t pid = fork();
+    if (pid == 0) {
+        CUdeviceptr c;
+        _exit(Alloc(&c, 600 * MiB) == CUDA_ERROR_OUT_OF_MEMORY ? 0 : 1);
+    }
+    int st;
+    CHECK(waitpid(pid, &st, 0) == pid && WIFEXITED(st) && WEXITSTATUS(st) == 0, "the child was refused");
+    CHECK(ledger_refused() == 3, "another process's refusal counts in the slice's ledger: %u", ledger_refused());
+    OK(Free(a));
+    OK(Alloc(&b, 1 * GiB));
+    CHECK(ledger_refused() == 3, "a fit after a free is no refusal: %u", ledger_refused());
+}
+
 /* Issue 24 (a): what a module's globals commit is charged at its load, through
  * every way a program finds the loaders; a load that does not fit is undone
  * and refused; an unload gives the bytes back. */
@@ -1693,6 +1729,7 @@ static const struct tcase cases[] = {
     {"closed", case_closed, "LIMIT_FILE=1073741824 FAKE_NDEV=2 SHIMTEST_NO_LEDGER=1"},
     {"ledger_fixed", case_ledger_fixed, "LIMIT_FILE=1073741824"},
     {"stale_boot", case_stale_boot, "LIMIT_FILE=1073741824"},
+    {"refusal_count", case_refusal_count, "LIMIT_FILE=1073741824"},
     {"modules", case_modules, "LIMIT_FILE=1073741824"},
     {"modules_internal", case_modules, "LIMIT_FILE=1073741824 FAKE_PROCADDR_INTERNAL=1"},
     {"modules_nvml", case_modules_nvml,
