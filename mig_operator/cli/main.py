@@ -13,6 +13,7 @@ from ..core.placement.profiles import CatalogError
 from ..core.placement.trace import TraceError
 from ..core.requests.quantities import QuantityError, clip_text
 from ..gpu.protocol import GpuError
+from .advise import add_advise_command
 from .check import add_check_command
 from .flags import EXIT_BAD_INPUT, EXIT_GPU_ERROR, UsageError, part_flags
 from .offline import add_offline_commands
@@ -60,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_part_commands(sub, part_flags())
     add_top_command(sub)
     add_check_command(sub)
+    add_advise_command(sub)
     return parser
 
 

@@ -161,7 +161,7 @@ def test_json_has_the_documented_shape() -> None:
     assert gpu0["slotCounts"] == {"in_use": 4, "creating": 1, "idle": 2, "free": 1}
     assert gpu0["instances"][0] == {"label": "A", "start": 0, "size": 4, "profile": "3g.40gb", "state": "in_use",
                                     "slice": "team-a/train", "sliceUID": "u-train", "deviceUUID": "MIG-0-3g.40gb",
-                                    "drawn": True, "compute": "3/7"}
+                                    "drawn": True, "compute": "3/7", "usage": None}
     big = out["nodes"][0]["gpus"][1]["instances"][2]
     assert (big["slice"], big["state"], big["drawn"], big["deviceUUID"]) == ("team-c/big", "creating", False, "")
     l4 = out["nodes"][1]["gpus"][0]
@@ -169,9 +169,9 @@ def test_json_has_the_documented_shape() -> None:
         "fraction", 0, [], {}, 12 * GIB)
     assert l4["fractions"] == [
         {"label": "A", "slice": "team-a/infer", "sliceUID": "u-infer", "bytes": 8 * GIB, "state": "in_use",
-         "compute": None},
+         "compute": None, "usage": None},
         {"label": "B", "slice": "team-c/dev", "sliceUID": "u-dev", "bytes": 4 * GIB, "state": "creating",
-         "compute": None}]
+         "compute": None, "usage": None}]
     assert l4["compute"] == "shared"
     assert out["pending"] == {"total": 3, "byReason": {"NoCapacity": 2, "QuotaExceeded": 1}}
     assert out["quotas"]["state"] == "listed"

@@ -300,3 +300,12 @@ def format_bytes(num_bytes: int) -> str:
         if num_bytes >= unit and num_bytes % unit == 0:
             return f"{num_bytes // unit}{suffix}"
     return str(num_bytes)
+
+
+def short_bytes(num_bytes: int) -> str:
+    """Rounded form for a column: ``3.0Gi``, ``512.0Mi``, ``1.2Ti``; the largest binary unit it reaches, one
+    decimal; plain bytes below 1Ki."""
+    for suffix, unit in (("Ti", 2**40), ("Gi", 2**30), ("Mi", 2**20), ("Ki", 2**10)):
+        if num_bytes >= unit:
+            return f"{num_bytes / unit:.1f}{suffix}"
+    return str(num_bytes)

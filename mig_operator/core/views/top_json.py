@@ -5,7 +5,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..usage.advice import Advice
+from ..usage.figures import SliceUsage, usage_status
 from .top_view import TopView
+
+
+def _usage(usage: SliceUsage | None, advice: Advice | None) -> dict[str, Any] | None:
+    """A slice's ``status.usage`` as read back (the same keys); None while it has none."""
+    return usage_status(usage, advice) if usage is not None else None
 
 
 def view_json(view: TopView) -> dict[str, Any]:
@@ -22,11 +29,11 @@ def view_json(view: TopView) -> dict[str, Any]:
                 "instances": [{
                     "label": s.label, "start": s.start, "size": s.size, "profile": s.profile, "state": s.state,
                     "slice": s.slice, "sliceUID": s.slice_uid, "deviceUUID": s.device_uuid, "drawn": s.drawn,
-                    "compute": s.compute,
+                    "compute": s.compute, "usage": _usage(s.usage, s.advice),
                 } for s in g.spans],
                 "fractions": [{
                     "label": s.label, "slice": s.slice, "sliceUID": s.slice_uid, "bytes": s.bytes, "state": s.state,
-                    "compute": s.compute,
+                    "compute": s.compute, "usage": _usage(s.usage, s.advice),
                 } for s in g.shares],
             } for g in n.gpus],
         } for n in view.nodes],

@@ -22,7 +22,9 @@ from typing import Any
 from ..node.health import health_from_conditions
 from ..placement.cluster import published_profiles
 from ..placement.compute import SHARED, compute_from_status, format_compute, gpu_compute, mig_compute
-from ..requests.quantities import QuantityError, parse_memory, read_integer
+from ..requests.quantities import QuantityError, parse_memory, read_integer, short_bytes
+from ..usage.advice import TOO_SMALL, Advice, parse_advice
+from ..usage.figures import SliceUsage, parse_usage
 
 WIDTH = 100  # the width where no terminal says one (a pipe, a log)
 MIN_WIDTH = 60
@@ -60,6 +62,8 @@ class SliceInfo:
     profile: str
     granted_bytes: int
     compute: float | None = None  # a fraction's share (status.compute); None: shared
+    usage: SliceUsage | None = None  # status.usage as its node's agent measured it; None: none yet
+    advice: Advice | None = None  # status.usage.advice
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,8 @@ class Span:
     device_uuid: str
     drawn: bool  # False: it overlaps instances that exist (it waits for them to be reclaimed)
     compute: str = ""  # its profile's compute slices over the GPU's, e.g. 3/7
+    usage: SliceUsage | None = None  # its slice's measured usage
+    advice: Advice | None = None
 
 
 @dataclass(frozen=True)
@@ -88,6 +94,8 @@ class Share:
     bytes: int
     state: str  # IN_USE or CREATING
     compute: float | None = None  # its compute share; None: shared
+    usage: SliceUsage | None = None  # its slice's measured usage
+    advice: Advice | None = None
 
 
 @dataclass(frozen=True)
@@ -176,6 +184,7 @@ def slice_info(body: Mapping[str, Any]) -> SliceInfo:
         size=placement.get("size") if isinstance(placement.get("size"), int) else None,
         profile=str(st.get("profile") or ""), granted_bytes=_int(st.get("grantedBytes")),
         compute=compute_from_status(st.get("compute")),
+        usage=parse_usage(st), advice=parse_advice(st.get("usage")),
     )
 
 
@@ -223,7 +232,8 @@ def _mig_gpu(node: str, gpu: Mapping[str, Any], profiles: Sequence[Any], slots: 
     slices_of = {str(p.get("name", "")): _int(p.get("slices")) or _named_slices(str(p.get("name", "")))
                  for p in profiles if isinstance(p, Mapping)}
     whole = max(slices_of.values(), default=0)
-    spans = tuple(Span(_label(i), *f, compute=mig_compute(slices_of.get(f[2]) or _named_slices(f[2]), whole))
+    spans = tuple(Span(_label(i), *f, compute=mig_compute(slices_of.get(f[2]) or _named_slices(f[2]), whole),
+                       **_measured(by_uid.get(f[5])))
                   for i, f in enumerate(found))
     return spans, tuple(states)
 
@@ -255,7 +265,12 @@ def _fraction_gpu(node: str, gpu: Mapping[str, Any], slices: Sequence[SliceInfo]
         if (s.mode == "fraction" and s.node == node and s.gpu == index and s.phase in _ON_ITS_WAY
                 and s.uid not in listed):
             found.append((s.ref, s.uid, s.granted_bytes, CREATING, s.compute))
-    return tuple(Share(_label(i), *f) for i, f in enumerate(found))
+    return tuple(Share(_label(i), *f, **_measured(by_uid.get(f[1]))) for i, f in enumerate(found))
+
+
+def _measured(owner: SliceInfo | None) -> dict[str, Any]:
+    """The usage and advice of an instance's or share's slice, as Span and Share take them."""
+    return {"usage": owner.usage, "advice": owner.advice} if owner is not None else {}
 
 
 def quota_row(body: Mapping[str, Any]) -> QuotaRow:
@@ -387,6 +402,26 @@ def memory_bar(gpu: GpuView, bar_width: int = BAR_WIDTH) -> str:
     return BAR_LEAD + "".join(out) + "|"
 
 
+def advice_word(advice: Advice | None) -> str:
+    """``->1g.10gb`` (a smaller size would have held the peak), ``too small``, or ``""``."""
+    if advice is None:
+        return ""
+    return "too small" if advice.verdict == TOO_SMALL else f"->{advice.suggested}"
+
+
+def _usage_cells(items: Sequence[Span] | Sequence[Share]) -> list[str]:
+    """Per instance or share, ``used/peak`` and the advice word, padded to one width and ending in two
+    spaces; all empty when none of them has usage figures yet (the rows then stay as they were)."""
+    if not any(i.usage is not None for i in items):
+        return ["" for _ in items]
+    figures = [f"{short_bytes(i.usage.memory_used)}/{short_bytes(i.usage.memory_peak)}" if i.usage else "-"
+               for i in items]
+    words = [advice_word(i.advice) for i in items]
+    size, word = max(len(f) for f in figures), max(len(w) for w in words)
+    return [f"{f.ljust(size)}  {w.ljust(word)}  " if word else f"{f.ljust(size)}  " for f, w in zip(figures, words,
+                                                                                                strict=True)]
+
+
 def _gpu_lines(gpu: GpuView, width: int) -> list[str]:
     name = f"{gpu.product} ({gpu.model})" if gpu.model else gpu.product
     lines = []
@@ -400,13 +435,13 @@ def _gpu_lines(gpu: GpuView, width: int) -> list[str]:
         place = max((len(f"{{{s.start}}}:{s.size}") for s in gpu.spans), default=0)
         profile = max((len(s.profile) for s in gpu.spans), default=0)
         compute = max((len(s.compute) for s in gpu.spans), default=0)
-        for s in gpu.spans:
+        for s, used in zip(gpu.spans, _usage_cells(gpu.spans), strict=True):
             where = f"{{{s.start}}}:{s.size}".ljust(place)
             note = "" if s.drawn else " (waits for the instances there to be reclaimed)"
             if not s.slice and s.state == IN_USE:
                 note = " (a process outside any slice)"
             text = (f"      {s.label}  {where}  {s.profile.ljust(profile)}  {s.compute.ljust(compute)}  "
-                    f"{STATE_WORDS[s.state]:<8}  ")
+                    f"{STATE_WORDS[s.state]:<8}  {used}")
             owner = s.slice or "-"
             if note and len(text + owner + note) > width:  # the note on lines of its own, under the row
                 lines.append(_clip(text + owner, width))
@@ -424,9 +459,9 @@ def _gpu_lines(gpu: GpuView, width: int) -> list[str]:
         lines.append(memory_bar(gpu, min(BAR_WIDTH, width - len(BAR_LEAD) - 1)))
         size = max((len(gib(s.bytes)) for s in gpu.shares), default=0)
         shares = max((len(format_compute(s.compute)) for s in gpu.shares), default=0)
-        for s in gpu.shares:
+        for s, used in zip(gpu.shares, _usage_cells(gpu.shares), strict=True):
             text = (f"      {s.label}  {gib(s.bytes).rjust(size)}  {_percent(s.bytes, gpu.memory_bytes):>4}  "
-                    f"{format_compute(s.compute).ljust(shares)}  {STATE_WORDS[s.state]:<8}  ")
+                    f"{format_compute(s.compute).ljust(shares)}  {STATE_WORDS[s.state]:<8}  {used}")
             lines.append(_clip(text + (s.slice or "-"), width))
     if gpu.unhealthy:
         lines += _wrap(f"      UNHEALTHY ({gpu.unhealthy}), takes no new slices: {gpu.health_message}", width)
@@ -476,6 +511,9 @@ def render_text(view: TopView, width: int = WIDTH) -> str:
         for gpu in node.gpus:
             lines.extend(_gpu_lines(gpu, width))
     lines.append("")
+    if any(i.usage is not None for n in view.nodes for g in n.gpus for i in (*g.spans, *g.shares)):
+        lines += _wrap("used/peak: GPU memory in use now and its peak since Ready; ->SIZE: that smaller size would "
+                       "have held the peak (mig-operator advise)", width)
     total = sum(view.pending.values())
     if total:
         reasons = ", ".join(f"{reason} {count}" for reason, count in view.pending.items())

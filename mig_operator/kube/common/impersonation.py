@@ -135,6 +135,19 @@ def impersonation_of(docs: Sequence[Mapping[str, Any]]) -> Impersonation:
     )
 
 
+def namespace_of(docs: Sequence[Mapping[str, Any]]) -> str:
+    """The current context's namespace in merged kubeconfig documents (pure); ``default`` when it names
+    none, as kubectl reads it."""
+    current = next((str(d["current-context"]) for d in docs if d.get("current-context")), "")
+    namespace = _named(docs, "contexts", current, "context").get("namespace") if current else None
+    return namespace if isinstance(namespace, str) and namespace else "default"
+
+
+def kubeconfig_namespace(kubeconfig: str | None, default_location: str) -> str:
+    """The namespace the kubeconfig's current context names (``default`` when none)."""
+    return namespace_of([_read(path) for path in kubeconfig_paths(kubeconfig, default_location)])
+
+
 def kubeconfig_impersonation(kubeconfig: str | None, default_location: str) -> Impersonation:
     """The impersonation the kubeconfig's current context asks for (empty when none)."""
     return impersonation_of([_read(path) for path in kubeconfig_paths(kubeconfig, default_location)])
