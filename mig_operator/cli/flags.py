@@ -10,6 +10,7 @@ import sys
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
+from ..core.requests.durations import DURATION_EXAMPLE, parse_duration
 from ..core.requests.quantities import QuantityError, read_integer
 from ..core.requests.slice_spec import MAX_NODE_NAME_LENGTH, NODE_NAME
 
@@ -22,24 +23,6 @@ EXIT_BAD_INPUT = 2
 
 class UsageError(Exception):
     """Bad input from the user: printed as one line, exit status 2."""
-
-
-DURATION_EXAMPLE = "10m"
-_DURATION = re.compile(r"^(?P<number>[0-9]+(?:\.[0-9]+)?)(?P<unit>ms|s|m|h|d)?$")
-_UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
-_MAX_DURATION_S = 365 * 86400.0
-
-
-def parse_duration(text: str) -> float:
-    """Seconds in ``30s``, ``10m``, ``1.5h``, ``2d`` or a plain number of seconds; positive, under a year."""
-    match = _DURATION.match(text.strip()) if isinstance(text, str) and len(text) <= 32 else None
-    if match is None:
-        clipped = text if len(str(text)) <= 40 else str(text)[:40] + "…"
-        raise QuantityError(f"duration {clipped!r} is not a duration; use e.g. {DURATION_EXAMPLE!r} or '30s'")
-    seconds = float(match["number"]) * _UNIT_SECONDS[match["unit"]]
-    if not 0 < seconds <= _MAX_DURATION_S:
-        raise QuantityError(f"duration {text!r} must be more than 0 and at most a year; use e.g. {DURATION_EXAMPLE!r}")
-    return seconds
 
 
 # Kubernetes' own name rules: a DNS-1123 label (namespaces), a DNS-1035 label (Services).
@@ -71,6 +54,13 @@ def duration_flag(flag: str, text: str) -> float:
         return parse_duration(text)
     except QuantityError as exc:
         raise QuantityError(f"{flag}: {exc}") from None
+
+
+def interval_flag(flag: str, text: str) -> float:
+    """A period flag's value in seconds, where 0 turns what it paces off; otherwise as ``duration_flag``."""
+    if text.strip() in ("0", "0s", "0.0"):
+        return 0.0
+    return duration_flag(flag, text)
 
 
 def dns_subdomain(flag: str, text: str, example: str, what: str) -> str:

@@ -22,6 +22,7 @@ from .flags import (
     duration_flag,
     exit_on_sigterm,
     file_flag,
+    interval_flag,
     peering_lifetime,
     shown,
 )
@@ -54,6 +55,12 @@ def add_part_commands(sub: argparse._SubParsersAction, common: argparse.Argument
     p.add_argument("--record-file", help="owner record (default: STATE_FILE.owners.json, or "
                    "/var/lib/mig-operator/owners.json with nvml)")
     p.add_argument("--idle-timeout", help="destroy idle instances after this long, e.g. 10m (default: keep them)")
+    p.add_argument("--usage-interval", default="10",
+                   help="read each Ready slice's GPU memory, processes and activity this often, in seconds or as "
+                   "a duration (e.g. 10, 30s); 0 reads none (default: %(default)s)")
+    p.add_argument("--idle-after", default="1800",
+                   help="a Ready slice with no process for this long, in seconds or as a duration (e.g. 1800, "
+                   "30m), gets condition Active=False, reason NoProcess (default: %(default)s)")
     p.add_argument("--sim-latency", type=float, default=0.0, help="simulator: seconds each create/destroy takes")
     p.add_argument("--nvml-attempts", type=int, default=5, help="tries of a transiently failing GPU call")
     p.add_argument("--device-taint-effect", default="NoSchedule",
@@ -140,6 +147,8 @@ def cmd_agent(args: argparse.Namespace) -> int:
         raise QuantityError(f"--device-taint-effect {args.device_taint_effect!r} is not one of "
                             f"{', '.join(TAINT_EFFECTS)}; e.g. --device-taint-effect NoExecute")
     idle = duration_flag("--idle-timeout", args.idle_timeout) if args.idle_timeout is not None else None
+    usage_interval = interval_flag("--usage-interval", args.usage_interval)
+    idle_after = duration_flag("--idle-after", args.idle_after)
     registry_dir = (directory_flag("--kubelet-registry-dir", args.kubelet_registry_dir,
                                     "/var/lib/kubelet/plugins_registry") if args.kubelet_registry_dir else "")
     plugin = PluginSettings(
@@ -180,7 +189,9 @@ def cmd_agent(args: argparse.Namespace) -> int:
                             f"{args.node}); give this node's name, e.g. --node \"$(hostname)\" or from the "
                             "downward API's spec.nodeName")
     settings = AgentSettings(node=args.node, idle_timeout_s=idle, nvml_attempts=args.nvml_attempts,
-                             toolkit_config=toolkit_config, device_taint_effect=args.device_taint_effect)
+                             toolkit_config=toolkit_config, device_taint_effect=args.device_taint_effect,
+                             usage_interval_s=usage_interval, idle_after_s=idle_after,
+                             ledger_host_dir=plugin.ledger_host_dir)
     # The simulator's MPS stand-ins keep their directories beside its state, as its GPUs do.
     simulated = args.backend.startswith("sim:") and args.state_file
     # The node's MPS host (mig-operator mps-host, a pod of its own) starts the MPS control daemons, so

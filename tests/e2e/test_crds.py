@@ -323,6 +323,8 @@ def test_kubectl_get_gs_shows_the_columns(api: Any, kube_cluster: Any, namespace
         "observedGeneration": 1,
         "claim": name,
         "reclaim": [{"gpu": 0, "profile": "1g.18gb", "start": 4}],
+        "usage": {"memoryUsed": 2 * 2**30, "memoryPeak": 3 * 2**30, "used": "2.0Gi", "peak": "3.0Gi", "processes": 1,
+                  "refusals": 0, "observedAt": "2026-01-01T00:01:00Z", "lastActive": "2026-01-01T00:01:00Z"},
         "conditions": [
             {
                 "type": "Ready",
@@ -339,8 +341,8 @@ def test_kubectl_get_gs_shows_the_columns(api: Any, kube_cluster: Any, namespace
                        "AGE"]
     assert rows[1][:10] == [name, "memory 17G", "Ready", "Ready", "gpu-node-1", "0", "1g.18gb", "1/7", "false", name]
     wide = _table(kube_cluster.kubectl("get", "gpuslice", name, "-n", namespace, "-o", "wide").stdout)
-    assert wide[0][-5:] == ["MODE", "MEMORY", "FRACTION", "MIG-PROFILE", "DEVICE"]
-    assert wide[1][-5:] == ["mig", "17G", "", "", status["deviceUUID"]]
+    assert wide[0][-7:] == ["MODE", "MEMORY", "FRACTION", "MIG-PROFILE", "DEVICE", "USED", "PEAK"]
+    assert wide[1][-7:] == ["mig", "17G", "", "", status["deviceUUID"], "2.0Gi", "3.0Gi"]
 
 
 def test_kubectl_get_gn_shows_the_columns(kube_cluster: Any, api: Any, crds: None) -> None:

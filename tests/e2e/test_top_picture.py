@@ -73,8 +73,9 @@ def test_top_draws_the_layout_the_operator_made(operator: OperatorHarness) -> No
     mig = operator.add_node("h100-80gb")
     plain = operator.add_node("l4-24gb", labelled=False)
     port = free_port()
-    agent = operator.agent(mig, None, "--metrics-address", f"127.0.0.1:{port}")
-    operator.agent(plain)
+    # Usage off: the rows below are drawn without the used/peak columns a measured slice adds.
+    agent = operator.agent(mig, None, "--metrics-address", f"127.0.0.1:{port}", "--usage-interval", "0")
+    operator.agent(plain, None, "--usage-interval", "0")
     for node in (mig, plain):
         operator.wait_gpunode(node)
     operator.controller()
@@ -147,7 +148,7 @@ def test_top_draws_the_layout_the_operator_made(operator: OperatorHarness) -> No
     assert by_slice[f"{ns}/big"]["deviceUUID"] == ready["big"]["deviceUUID"]
     assert by_slice[f"{ns}/small"]["sliceUID"] == operator.get_slice(ns, "small")["metadata"]["uid"]
     assert set(by_slice[""]) == {"label", "start", "size", "profile", "state", "slice", "sliceUID", "deviceUUID",
-                                 "drawn", "compute"}
+                                 "drawn", "compute", "usage"}
     # Compute: each slice's status says its profile's share, and the GPU's is the instances in use (3 + 1 of 7).
     assert (ready["big"]["compute"], ready["small"]["compute"], ready["part"]["compute"]) == ("3/7", "1/7", "shared")
     assert gpu["compute"] == "4/7" and (operator.gpunode(mig) or {})["status"]["gpus"][0]["compute"] == "4/7"

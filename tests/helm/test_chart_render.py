@@ -446,6 +446,7 @@ CONTROLLER_RULES = {
     ("cdmo.io", "gpuquotas/status"): "patch",
     ("", "nodes"): "list watch",
     ("", "pods"): "get list watch patch",
+    ("", "pods/eviction"): "create",  # a pod idle past its GpuQuota's idlePodTimeout (idle_pods.py)
     ("resource.k8s.io", "resourceclaims"): "get create delete",
     ("resource.k8s.io", "resourceclaims/status"): "patch",  # the claim's allocation (claims.py)
     ("resource.k8s.io", "resourceclaims/binding"): "patch",  # the same write, authorized again on 1.36+

@@ -182,3 +182,13 @@ def test_the_label_namespace_and_annotations_follow_the_values(render: Any) -> N
     assert meta["labels"]["dashboards"] == "mig" and "grafana_dashboard" not in meta["labels"]
     assert meta["annotations"] == {"grafana_folder": "GPUs"}
     kubernetes_validate.validate(config, K8S_SCHEMA_VERSION, strict=True)
+
+
+def test_the_dashboard_shows_asked_against_used_and_idle_memory_per_namespace() -> None:
+    panels = {title: [expr for t, expr in dashboard_queries() if t == title] for title, _ in dashboard_queries()}
+    [asked_used] = [exprs for exprs in panels.values()
+                    if {"mig_operator_quota_used_bytes", "mig_operator_used_memory_bytes"}
+                    <= {n for e in exprs for n in metric_names(e)}]
+    assert all("by (namespace)" in expr for expr in asked_used)  # one pair of lines per namespace
+    idle = [expr for _, expr in dashboard_queries() if "mig_operator_idle_memory_bytes" in metric_names(expr)]
+    assert idle and all("by (namespace)" in expr for expr in idle)

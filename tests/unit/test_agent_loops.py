@@ -1,4 +1,4 @@
-"""The agent's long-lived loops (heartbeat, GPU health, idle time-out) run supervised: an unexpected error
+"""The agent's long-lived loops (heartbeat, GPU health, idle time-out, usage) run supervised: an unexpected error
 in one ends that run, and the loop runs again after its back-off, counted in
 ``mig_operator_loop_restarts_total{component="agent",loop=...}``."""
 
@@ -25,15 +25,15 @@ def _restarts(loop: str) -> float:
 def _owner(agent: NodeAgent, loop: str) -> tuple[Any, str]:
     """The object and method name each loop calls once per pass."""
     return {"heartbeat": (agent.gpus, "refresh"), "health": (agent, "check_health"),
-            "idle-reaper": (agent.idle, "reap_once")}[loop]
+            "idle-reaper": (agent.idle, "reap_once"), "usage": (agent.usage, "read_once")}[loop]
 
 
-@pytest.mark.parametrize("loop", ["heartbeat", "health", "idle-reaper"])
+@pytest.mark.parametrize("loop", ["heartbeat", "health", "idle-reaper", "usage"])
 def test_a_loop_whose_pass_raises_runs_again(tmp_path: Path, loop: str) -> None:
     async def main() -> None:
         backend = SimulatedBackend("h100-80gb", count=1, state_file=str(tmp_path / "sim.json"), host=NODE)
         settings = AgentSettings(NODE, publish_delay_s=0.01, heartbeat_s=0.05, health_poll_s=0.05,
-                                 idle_timeout_s=0.1)
+                                 idle_timeout_s=0.1, usage_interval_s=0.05)
         agent = NodeAgent(settings, backend, RecordStore(str(tmp_path / "owners.json")), ApiStandIn(),
                           NoEvents())  # type: ignore[arg-type]
         await agent.start()

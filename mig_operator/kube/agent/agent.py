@@ -6,12 +6,13 @@
 - ``publish.py``: the GpuNode, the ResourceSlice and the metrics, coalesced, with a heartbeat;
 - ``node_watch.py``: this node's Node (MIG label, device plugin resources, runtime trust);
 - ``idle.py``: the idle time-out;
+- ``usage.py``: what each Ready slice uses (status.usage, its metrics) and whether it is idle (``Active``);
 - ``mps_keeper.py``: the MPS control daemon of each GPU that holds a compute share;
 - ``gpus.py``: the GPUs they share (measured NVML calls off the event loop, one lock per GPU);
 - ``context.py``: the settings and the one instance of each collaborator every room takes.
 
 ``start`` adopts what exists (``core.node.lifecycle.adopt`` and ``settle_adoption``) and starts the
-long-lived loops (heartbeat, health, idle time-out) under ``Loops("agent")``, each started again after an
+long-lived loops (heartbeat, health, idle time-out, usage) under ``Loops("agent")``, each started again after an
 unexpected error. A slice's watch event is recorded (``seen.py``) and its key ``("slice", namespace, uid)``
 enqueued on the agent's ``WorkQueue``; ``reconcile(key)`` acts on what is recorded then
 (``core.node.lifecycle.agent_step``: realise, release, let go), and an error raises, so the queue runs
@@ -61,6 +62,7 @@ from .realise import Realiser
 from .record import RecordStore
 from .release import Releaser
 from .seen import SeenSlice, SeenSlices
+from .usage import UsageWatch
 
 log = logging.getLogger("mig_operator.agent")
 
@@ -98,6 +100,8 @@ class NodeAgent:
         self.slices = SeenSlices()
         self.queue = WorkQueue(component="agent")
         self.loops = Loops("agent")
+        self.usage = (UsageWatch(context, self.realiser, self.slices, self.queue)
+                      if settings.usage_interval_s > 0 else None)
         self.started = False  # the node's instances adopted and the loops running
         self._stopped = False
         self._tasks: list[asyncio.Task] = []
@@ -195,6 +199,8 @@ class NodeAgent:
         self._tasks.append(self.loops.start("health", self._watch_health))
         if self.idle is not None:
             self._tasks.append(self.loops.start("idle-reaper", self.idle.run))
+        if self.usage is not None:
+            self._tasks.append(self.loops.start("usage", self.usage.run))
         self.started = True
 
     async def stop(self) -> None:
@@ -300,6 +306,8 @@ class NodeAgent:
         if seen.gone:
             await self.releaser.deleted(seen.body)
             self.health.forget(uid)
+            if self.usage is not None:
+                self.usage.forget(uid)
             self.slices.forget(uid, seen)
             return None
         if seen.version < self.realiser.written.get(uid, 0):

@@ -31,6 +31,11 @@ class AgentSettings:
     # event the agent sees.
     release_recheck_s: float = 2.0
     release_recheck_max_s: float = 30.0  # the re-check's interval doubles up to this while nothing changes
+    usage_interval_s: float = 10.0  # each Ready slice's usage is read this often (0: not read)
+    idle_after_s: float = 1800.0  # a Ready slice with no process for this long is Active=False (NoProcess)
+    # The fractions' ledger directories, where the kubelet plugin makes them (PluginSettings.ledger_host_dir);
+    # "": none kept, a fraction reads as unused.
+    ledger_host_dir: str = ""
 
 
 @dataclass(frozen=True)

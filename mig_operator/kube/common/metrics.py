@@ -62,6 +62,17 @@ QUOTA_HARD_BYTES = Gauge("mig_operator_quota_hard_bytes", "A namespace's GpuQuot
 QUOTA_USED_SLICES = Gauge("mig_operator_quota_used_slices", "Slices a namespace holds", ["namespace"])
 QUOTA_WAITING_SLICES = Gauge("mig_operator_quota_waiting_slices", "A namespace's slices Pending for its quota",
                              ["namespace"])
+# From the slices' status.usage and Active condition, written by their agents (controller).
+IDLE_SLICES = Gauge("mig_operator_idle_slices", "A namespace's Ready slices with condition Active=False (idle)",
+                    ["namespace"])
+IDLE_MEMORY_BYTES = Gauge("mig_operator_idle_memory_bytes", "GPU memory granted to a namespace's idle slices",
+                          ["namespace"])
+USED_MEMORY_BYTES = Gauge("mig_operator_used_memory_bytes",
+                          "GPU memory a namespace's slices use, as their agents measured it (status.usage.memoryUsed)",
+                          ["namespace"])
+IDLE_EVICTIONS = Counter("mig_operator_idle_evictions_total",
+                         "Pods evicted because every slice of theirs was idle past the GpuQuota's idlePodTimeout, "
+                         "and evictions a PodDisruptionBudget refused, by result (evicted, refused)", ["result"])
 WORKQUEUE_RETRIES = Counter(
     "mig_operator_workqueue_retries_total", "Work queue keys tried again after their work failed, by part and kind",
     ["component", "kind"],
@@ -79,6 +90,15 @@ EVENTS_DROPPED = Counter(
 WATCH_EVENTS = Counter(
     "mig_operator_watch_events_total", "Watch events a part took in, by resource (plural)", ["resource"]
 )
+# One series per Ready slice on the agent's node, removed when the slice goes (kube/agent/usage.py); ``pod``:
+# the pod its ResourceClaim is reserved for, "" while none is.
+SLICE_MEMORY_USED = Gauge("mig_operator_slice_memory_used_bytes", "GPU memory a Ready slice's processes use now",
+                          ["namespace", "slice", "pod"])
+SLICE_MEMORY_PEAK = Gauge("mig_operator_slice_memory_peak_bytes",
+                          "The most GPU memory a Ready slice's processes used since it became Ready",
+                          ["namespace", "slice", "pod"])
+SLICE_PROCESSES = Gauge("mig_operator_slice_processes", "Processes using a Ready slice now",
+                        ["namespace", "slice", "pod"])
 RECONCILE_ERRORS = Counter(
     "mig_operator_reconcile_errors_total", "Handler runs that ended in an error, by part and kind", ["part", "kind"]
 )

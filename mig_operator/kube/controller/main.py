@@ -35,6 +35,7 @@ from ..common.probes import Probes, watch_operator
 from ..common.supervise import Loops
 from ..common.trim import node_body, owned_body, pod_body, slice_body
 from .binder import Binder, assemble
+from .idle_pods import IdlePods
 from .quotas import QUOTAS
 from .standing import Standing
 
@@ -103,14 +104,16 @@ def build_registry(options: ControllerOptions, probes: Probes | None = None,
         # The queue runs only while this replica acts (kopf's peering pauses watches, not queued work).
         standing = Standing(client, binder.queue, options.peering, own_identity(), options.priority or 0)
         loops.start("standing", standing.run)
-        state.update(client=client, binder=binder, pods=binder.pods)
+        idle = IdlePods(client, events, binder.ledger, binder.queue)  # registered on the queue: kind "idle"
+        state.update(client=client, binder=binder, pods=binder.pods, idle=idle)
         await binder.resync()
         state["read"] = True
 
     async def slice_event(body: dict[str, Any], type: str | None) -> None:
         binder: Binder = state["binder"]
-        await binder.slice_event(body, deleted=type == "DELETED")  # its key added
+        info = await binder.slice_event(body, deleted=type == "DELETED")  # its key added
         binder.publish_counts()
+        state["idle"].slice_event(info, body, deleted=type == "DELETED")  # its pod's idle key, the usage gauges
         if type == "DELETED":
             await state["pods"].slice_deleted(body)  # its pod's key, when the pod waits for it
 
@@ -120,6 +123,7 @@ def build_registry(options: ControllerOptions, probes: Probes | None = None,
     async def gpuquota_event(body: dict[str, Any], type: str | None) -> None:
         # A quota raised, lowered, made or removed: waiting slices are planned again (no restart).
         state["binder"].quota_event(body, deleted=type == "DELETED")  # its namespace's status is written again
+        state["idle"].quota_event(body, deleted=type == "DELETED")  # its idlePodTimeout
 
     async def node_event(body: dict[str, Any], type: str | None) -> None:
         state["binder"].node_event(body["metadata"]["name"], None if type == "DELETED" else body)
