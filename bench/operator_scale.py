@@ -1,7 +1,8 @@
 """Operator scale: 20 nodes x 8 simulated H100-80GB, 500 slices at once, then a minute of churn.
 
     .venv/bin/python bench/operator_scale.py [--latency 0] [--nodes 20] [--slices 500] [--churn 60]
-                                             [--flood 0] [--json out.json]
+                                             [--flood 0] [--sizes 5Gi:0.6,15Gi:0.25,30Gi:0.15]
+                                             [--usage [--usage-seconds 120]] [--json out.json]
 
 Everything runs for real on this machine: the local control plane (scripts/control-plane, reused
 when MIG_OPERATOR_RUN points at a running one), one controller and one agent process per kwok node,
@@ -14,11 +15,22 @@ Measured:
   (status.phaseTimes.Ready; one machine, one clock);
 - slices bound per second during the burst (Bound times in status.phaseTimes);
 - API writes per slice, counted by kube-apiserver itself (apiserver_request_total, non-GET verbs
-  on gpuslices and their status, minus the benchmark's own creates and deletes); GpuNode and Event
-  writes are reported apart;
+  on gpuslices and their status, minus the benchmark's own creates and deletes and, with ``--usage``,
+  the writes from its devices made busy to its window's end); the agents run with their default
+  ``--usage-interval``, so each Ready slice's first usage write counts; GpuNode and Event writes are
+  reported apart;
 - CPU time (user + system) and peak RSS (VmHWM) of the controller and of the agents (total, max);
 - the controller's peak RSS again for a new controller process started once all is settled, which
   lists everything as it starts (``controller_restart``).
+
+``--usage`` measures the agents' status writes of slices' usage (``status.usage``, agents reading every
+10 s, ``--usage-interval``): once the burst's slices are Ready, each one's MIG device gets one process
+holding 40 % of the slice (through the agents' simulator state files), then every 10 s for
+``--usage-seconds`` every slice's memory moves by a random amount that keeps any two readings within
+5 % of the slice (no write is due), and 2 % of the slices move by 10 % (one write each is due).
+Reported: kube-apiserver's count of ``gpuslices/status`` writes in that window, per second, beside the
+expected (2 % of the slices per 10 s), and the slices whose status does not show what their device
+holds at the end (none when the agents' loop ran). The churn follows it, as without ``--usage``.
 
 ``--flood N`` first makes N slices in a namespace of their own, each with a 200 kB annotation and pinned
 to a node that does not exist (Pending for good), as a tenant flooding the API would.
@@ -28,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import fcntl
 import json
 import os
 import random
@@ -37,12 +50,16 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
 import kubernetes
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from mig_operator.core.requests.quantities import parse_memory  # noqa: E402
+from mig_operator.gpu.sim_state import save_state  # noqa: E402
 from mig_operator.kube.common.client import KubeClient, load_configuration, slice_path, slices_path  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -51,6 +68,16 @@ GROUP, VERSION, SLICES = "cdmo.io", "v1alpha1", "gpuslices"
 # The burst's mix (memory asked -> the H100 profile it gets): 1g.10gb, 1g.20gb, 3g.40gb.
 SIZES = [("5Gi", 0.6), ("15Gi", 0.25), ("30Gi", 0.15)]
 FLOOD_BLOB = 200_000  # bytes of annotation on each flood slice
+# --usage: the agents' reading interval, a round of the benchmark's changes; the share of its slice a
+# device's process holds; every round's move of each slice around that (any two readings differ by less
+# than the 5 % that is worth a write); a big move (more than 5 %: one write) and the share of slices making
+# one each round.
+USAGE_INTERVAL_S = 10.0
+USAGE_BASE = 0.40
+USAGE_JITTER = 0.024
+USAGE_BIG = 0.10
+USAGE_BIG_SHARE = 0.02
+USAGE_FIRST_WRITES_S = 180.0  # for every slice's first reading of its process to be written
 
 
 def stamp(text: str) -> float:
@@ -115,7 +142,7 @@ class Plane:
 
 class Cluster:
     def __init__(self, plane: Plane, nodes: int, latency: float, log_level: str = "info",
-                 controller_args: tuple[str, ...] = ()) -> None:
+                 controller_args: tuple[str, ...] = (), agent_args: tuple[str, ...] = ()) -> None:
         self.plane = plane
         self.log_level = log_level
         self.custom = kubernetes.client.CustomObjectsApi(plane.api)
@@ -137,7 +164,7 @@ class Cluster:
                 if exc.status != 409:
                     raise
             self.spawn(f"agent-{name}", "agent", "--node", name, "--backend", "sim:h100-80gbx8",
-                       "--state-file", str(plane.dir / f"{name}.json"), "--sim-latency", str(latency))
+                       "--state-file", str(self.state_file(name)), "--sim-latency", str(latency), *agent_args)
         deadline = time.monotonic() + 120
         while len(self.custom.list_cluster_custom_object(GROUP, VERSION, "gpunodes")["items"]) < nodes:
             if time.monotonic() > deadline:
@@ -145,6 +172,10 @@ class Cluster:
             time.sleep(0.5)
         self.spawn("controller", "controller", "--peering", f"bench-{os.getpid()}", *controller_args)
         time.sleep(3)
+
+    def state_file(self, node: str) -> Path:
+        """The simulator state file of the node's agent."""
+        return self.plane.dir / f"{node}.json"
 
     def spawn(self, name: str, *args: str) -> None:
         log = open(self.plane.dir / f"{name}.log", "w")  # noqa: SIM115 (open for the process's life)
@@ -211,9 +242,122 @@ class Cluster:
                     pass
 
 
+@dataclass
+class Busy:
+    """A Ready slice's device with one process, as the benchmark sets it."""
+
+    name: str
+    node: str
+    device: str  # MIG device UUID
+    size: int  # bytes granted
+    pid: int
+    base: float  # the share of the slice held, around which every round moves it
+    used: int = 0  # bytes held now
+
+    def shows(self, usage: object) -> bool:
+        """Whether the slice's status.usage shows this device's process and its memory within the round's
+        moves (a write is due otherwise)."""
+        return (isinstance(usage, dict) and usage.get("processes") == 1
+                and abs(int(usage.get("memoryUsed", -1)) - self.base * self.size) <= USAGE_JITTER * self.size + 1)
+
+
+def set_node_usage(state_file: Path, devices: list[Busy]) -> None:
+    """The node's simulated devices' usage, written into its agent's state file in one go, under the
+    simulator's own file lock (gpu/simulated.py), as ``SimulatedBackend.set_usage`` would one by one."""
+    with open(f"{state_file}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            data = json.loads(state_file.read_bytes())
+            data["usage"] = {b.device: {"memoryUsed": b.used, "pids": [b.pid], "activePercent": None}
+                             for b in devices}
+            save_state(str(state_file), data)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def measure_usage(args: argparse.Namespace, cluster: Cluster, slices: Callable[[], list[dict]],
+                  rng: random.Random) -> dict:
+    """The --usage window (module docstring): kube-apiserver's count of the slices' status writes while
+    every slice's process moves, against the writes its big moves make due."""
+    busy = [Busy(b["metadata"]["name"], st["node"], st["deviceUUID"], int(st["grantedBytes"]), 10_000 + i,
+                 USAGE_BASE)
+            for i, b in enumerate(slices()) for st in [b.get("status") or {}]
+            if st.get("phase") == "Ready" and st.get("mode") == "mig" and st.get("deviceUUID")]
+    by_node: dict[str, list[Busy]] = {}
+    for b in busy:
+        by_node.setdefault(b.node, []).append(b)
+
+    def move_all() -> None:
+        for b in busy:
+            b.used = int(b.size * (b.base + rng.uniform(-USAGE_JITTER, USAGE_JITTER)))
+        for node, devices in by_node.items():
+            set_node_usage(cluster.state_file(node), devices)
+
+    def missing() -> list[str]:
+        shown = {body["metadata"]["name"]: (body.get("status") or {}).get("usage") for body in slices()}
+        return [b.name for b in busy if not b.shows(shown.get(b.name))]
+
+    def wait_shown(seconds: float) -> list[str]:
+        deadline = time.monotonic() + seconds
+        while (left := missing()) and time.monotonic() < deadline:
+            time.sleep(1)
+        return left
+
+    print(f"usage: {len(busy)} slices busy, {USAGE_BASE:.0%} of each held", flush=True)
+    phase_before = cluster.plane.apiserver_writes()
+    move_all()
+    left = wait_shown(USAGE_FIRST_WRITES_S)
+    if left:
+        print(f"usage: {len(left)} slices do not show their process after {USAGE_FIRST_WRITES_S:.0f} s "
+              f"(e.g. {left[:3]})", flush=True)
+    rounds = max(1, int(args.usage_seconds // USAGE_INTERVAL_S))
+    big = max(1, round(USAGE_BIG_SHARE * len(busy)))
+    agents = [name for name in cluster.procs if name.startswith("agent-")]
+    cpu_before = sum(cluster.usage(name)[0] for name in agents)
+    before = cluster.plane.apiserver_writes()
+    started = time.monotonic()
+    for r in range(rounds):
+        time.sleep(max(0.0, started + r * USAGE_INTERVAL_S - time.monotonic()))
+        for b in rng.sample(busy, big):
+            b.base += USAGE_BIG if b.base <= USAGE_BASE else -USAGE_BIG
+        move_all()
+    time.sleep(max(0.0, started + rounds * USAGE_INTERVAL_S - time.monotonic()))
+    left = wait_shown(USAGE_INTERVAL_S * 3)  # the last round's big moves, written late on a loaded machine
+    elapsed = time.monotonic() - started
+    after = cluster.plane.apiserver_writes()
+    cpu = sum(cluster.usage(name)[0] for name in agents) - cpu_before
+    delta = {k: after.get(k, 0) - before.get(k, 0) for k in set(after) | set(before)}
+    window = rounds * USAGE_INTERVAL_S
+    writes = delta.get("gpuslices/status", 0)
+    print(f"usage: {writes:.0f} status writes in {window:.0f} s ({writes / window:.2f}/s; "
+          f"{big * rounds} due to big moves)", flush=True)
+    return {
+        "slices_busy": len(busy), "interval_s": USAGE_INTERVAL_S, "rounds": rounds, "window_s": window,
+        "window_measured_s": elapsed, "big_moves_per_round": big,
+        "usage_writes": writes, "usage_writes_expected": big * rounds,
+        "usage_writes_per_s": writes / window, "usage_writes_per_s_expected": big / USAGE_INTERVAL_S,
+        "other_slice_writes": delta.get("gpuslices", 0), "event_writes": delta.get("events", 0),
+        "agents_cpu_s_per_s": cpu / elapsed,
+        "not_shown": left,  # slices whose status does not show what their device holds at the end
+        # Every slice write from the devices made busy to the window's end: left out of slice_writes_per_slice.
+        "phase_slice_writes": sum(after.get(k, 0) - phase_before.get(k, 0) for k in ("gpuslices", "gpuslices/status")),
+    }
+
+
+def size_mix(text: str) -> list[tuple[str, float]]:
+    """``--sizes``: ``5Gi`` or ``5Gi:0.6,15Gi:0.25,30Gi:0.15`` (memory asked, weight)."""
+    mix = []
+    for item in text.split(","):
+        size, _, weight = item.strip().partition(":")
+        parse_memory(size)  # a bad size stops the run before anything starts
+        mix.append((size, float(weight) if weight else 1.0))
+    return mix
+
+
 def run(args: argparse.Namespace) -> dict:
     plane = Plane()
-    cluster = Cluster(plane, args.nodes, args.latency, args.log_level)
+    agent_args = ("--usage-interval", f"{USAGE_INTERVAL_S:g}") if args.usage else ()
+    cluster = Cluster(plane, args.nodes, args.latency, args.log_level, agent_args=agent_args)
     ns = f"bench-{os.getpid()}"
     cluster.core.create_namespace({"metadata": {"name": ns}})
     rng = random.Random(args.seed)
@@ -242,7 +386,7 @@ def run(args: argparse.Namespace) -> dict:
         loop.run_until_complete(all_of())
 
     def sizes(n: int) -> list[str]:
-        return rng.choices([s for s, _ in SIZES], weights=[w for _, w in SIZES], k=n)
+        return rng.choices([s for s, _ in args.sizes], weights=[w for _, w in args.sizes], k=n)
 
     def slices() -> list[dict]:
         return loop.run_until_complete(fast.list(slices_path(ns)))
@@ -291,6 +435,7 @@ def run(args: argparse.Namespace) -> dict:
 
     burst_latency = [stamp(b["status"]["phaseTimes"]["Ready"]) - created[b["metadata"]["name"]] for b in burst
                      if (b.get("status") or {}).get("phase") == "Ready"]
+    usage = measure_usage(args, cluster, slices, rng) if args.usage else None
 
     # Churn: replace one Ready slice at a time with a new one of a size drawn from the same mix, for
     # args.churn s: most find an idle instance of their size, the others need a new one.
@@ -337,6 +482,7 @@ def run(args: argparse.Namespace) -> dict:
     total_slices = args.slices + churned
     # The benchmark itself created every slice once and deleted `churned` of them.
     slice_writes = delta.get("gpuslices", 0) + delta.get("gpuslices/status", 0) - total_slices - churned
+    slice_writes -= usage["phase_slice_writes"] if usage is not None else 0
     agents = [v for k, v in cluster.stats.items() if k.startswith("agent-")]
     result = {
         "nodes": args.nodes, "gpus": args.nodes * 8, "slices": args.slices, "churned": churned,
@@ -358,6 +504,8 @@ def run(args: argparse.Namespace) -> dict:
                    "peak_rss_mib_max": max(a[1] for a in agents) / 2**20},
         "logs": str(plane_dir),
     }
+    if usage is not None:
+        result["usage"] = usage
     plane.down()
     return result
 
@@ -370,6 +518,10 @@ def main() -> int:
     parser.add_argument("--churn", type=float, default=60.0, help="seconds of churn after the burst")
     parser.add_argument("--churn-gap", type=float, default=0.2, help="seconds between churn replacements")
     parser.add_argument("--flood", type=int, default=0, help="Pending slices with a 200 kB annotation, made first")
+    parser.add_argument("--sizes", type=size_mix, default=SIZES,
+                        help="the burst's mix: SIZE[:WEIGHT],... (default 5Gi:0.6,15Gi:0.25,30Gi:0.15)")
+    parser.add_argument("--usage", action="store_true", help="measure the agents' status writes of usage")
+    parser.add_argument("--usage-seconds", type=float, default=120.0, help="with --usage: the window, seconds")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--json", help="write the result here too")
     parser.add_argument("--log-level", default="info", help="of the controller and agents (logs kept with --keep)")
@@ -378,7 +530,7 @@ def main() -> int:
     print(json.dumps(result, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
-    return 0 if not result["not_ready"] else 1
+    return 0 if not result["not_ready"] and not result.get("usage", {}).get("not_shown") else 1
 
 
 if __name__ == "__main__":
