@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: all venv shim control-plane image lint chart-crds test unit e2e compat demo bench clean
+.PHONY: all venv shim control-plane image lint chart-crds test suite unit e2e compat demo bench clean
 
 all: test
 
@@ -50,14 +50,25 @@ chart-crds:
 	for f in crds/*.yaml; do case "$$f" in crds/device-class.yaml) ;; crds/peering.yaml) cp "$$f" helm/mig-operator/crds/;; \
 	  *) cp "$$f" helm/mig-operator/files/crds/;; esac; done
 
+# pytest-xdist workers for the suite and for `make compat`, which `make test` runs side by side. The e2e
+# tests mostly wait on the API server and the operator's processes, so a 2-core machine runs several at
+# once; each worker starts its own private control plane (tests/conftest.py says which tests stay together).
+TEST_WORKERS ?= 6
+COMPAT_WORKERS ?= 3
+XDIST = --dist loadgroup -n
+
 # Every test: shim's GPU-free C tests, lint, then pytest (unit, shim, e2e against a real kube-apiserver
-# of the current release; tests/gpu skip where no GPU is present), then the compatibility run on the
-# oldest release. pytest's exit 5 (no tests collected) fails the target.
+# of the current release; tests/gpu skip where no GPU is present) beside the compatibility run on the
+# oldest release, each one's output printed whole when it ends. pytest's exit 5 (no tests collected)
+# fails the target.
 test: venv shim control-plane
 	$(MAKE) -C shim test
 	$(MAKE) lint
-	$(BIN)/pytest
-	$(MAKE) compat
+	$(MAKE) --no-print-directory --output-sync=target -j2 suite compat
+
+# pytest over every folder (the first half of `make test`).
+suite: venv
+	$(BIN)/pytest $(XDIST) $(TEST_WORKERS)
 
 unit: venv
 	$(BIN)/pytest tests/unit
@@ -70,7 +81,7 @@ e2e: venv control-plane
 compat: venv control-plane
 	@test -n "$(K8S_OLDEST_VERSION)" || { echo "no K8S_OLDEST_VERSION=vX.Y.Z line in scripts/control-plane" >&2; exit 1; }
 	env -u MIG_OPERATOR_RUN -u MIG_OPERATOR_KEEP_CLUSTER MIG_OPERATOR_K8S_VERSION=$(K8S_OLDEST_VERSION) \
-		$(BIN)/pytest -m compat tests/e2e
+		$(BIN)/pytest $(XDIST) $(COMPAT_WORKERS) -m compat tests/e2e
 
 # The main job: the operator on a local control plane with simulated GPUs (scripts/demo says what it shows).
 # The first run builds only what the demo starts (kube-apiserver, etcd, kubectl, kube-scheduler,

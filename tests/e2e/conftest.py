@@ -44,11 +44,13 @@ LOG_TAIL_LINES = 60
 
 
 def _state_dir() -> str | None:
-    """The control plane's state dir for this session; None means the script's default."""
+    """The control plane's state dir for this session; None means the script's default. Under
+    pytest-xdist a named dir gets the worker's id, so that workers never share a plane."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
     if "MIG_OPERATOR_RUN" in os.environ:
-        return os.environ["MIG_OPERATOR_RUN"]
+        return f"{os.environ['MIG_OPERATOR_RUN']}-{worker}" if worker else os.environ["MIG_OPERATOR_RUN"]
     if os.environ.get("MIG_OPERATOR_KEEP_CLUSTER") == "1":
-        return None
+        return f"/tmp/mig-operator-cp-{worker}" if worker else None
     # A subdir, so that the script's lock file (kept beside the state dir) goes away with it too.
     return os.path.join(tempfile.mkdtemp(prefix="mig-operator-cp-"), "state")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -51,6 +52,30 @@ def wait_until(predicate: Callable[[], Any], timeout: float, what: str | Callabl
             text = what() if callable(what) else what
             pytest.fail(f"timed out after {timeout} s waiting for {text}", pytrace=False)
         time.sleep(interval)
+
+
+def log_end(log: Path) -> int:
+    """Where a part's log ends now: the offset ``wait_for_log`` reads from."""
+    try:
+        return log.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+def wait_for_log(log: Path, pattern: str, after: int = 0, timeout: float = 30, count: int = 1) -> list[str]:
+    """Until ``count`` lines written to ``log`` past offset ``after`` match ``pattern`` (a regular
+    expression): the sign that a part did what might change things (a re-look, a watch event), after
+    which a test checks once that nothing changed."""
+    found = re.compile(pattern)
+
+    def matched() -> list[str]:
+        with log.open("rb") as f:
+            f.seek(after)
+            lines = [line for line in f.read().decode(errors="replace").splitlines() if found.search(line)]
+        return lines if len(lines) >= count else []
+
+    return wait_until(matched, timeout, lambda: f"{count} line(s) matching {pattern!r} in {log.name} past offset "
+                      f"{after}; its end:\n" + "\n".join(log.read_text(errors="replace").splitlines()[-25:]))
 
 
 def apply_crds(cluster: Any) -> None:

@@ -24,7 +24,8 @@ from kubernetes.client.rest import ApiException
 from test_pods import KWOK_TOLERATION, create_pod, handed_device, running
 
 # Also run on the oldest supported Kubernetes release (make compat).
-pytestmark = pytest.mark.compat
+# Its tests share a module-scoped fixture: one pytest-xdist worker runs them all, in order.
+pytestmark = [pytest.mark.compat, pytest.mark.xdist_group("test_claim_pinning")]
 
 DRA = ("resource.k8s.io", "v1")
 SCHEDULER = "kube-scheduler"

@@ -23,6 +23,9 @@ from kubernetes.client.rest import ApiException
 from test_claim_pinning import _notebook_pod
 from test_pods import create_pod, running
 
+# Its tests share a module-scoped fixture: one pytest-xdist worker runs them all, in order.
+pytestmark = pytest.mark.xdist_group("test_cluster_upgrade")
+
 DRA = ("resource.k8s.io", "v1")
 
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -188,11 +190,13 @@ def test_kwok_node_becomes_ready_and_runs_pods(kube_cluster, namespace):
 
 
 @pytest.fixture
-def hollow_plane(tmp_path: Path) -> Iterator[tuple[dict[str, str], kubernetes.client.ApiClient]]:
+def hollow_plane() -> Iterator[tuple[dict[str, str], kubernetes.client.ApiClient]]:
     """A control plane of its own (the session's has no hollow node) with the scheduler, the
     controller-manager and a hollow node named, labelled and given 8 GPUs through the script's
-    environment; stopped at the end."""
-    env = dict(os.environ, MIG_OPERATOR_RUN=str(tmp_path / "state"), MIG_OPERATOR_HOLLOW_NODE="hollow-e2e",
+    environment; stopped at the end. Its state dir is short: the kubelet's sockets go under it, and a
+    unix socket path has 107 bytes (a pytest-xdist worker's tmp_path is longer)."""
+    parent = tempfile.mkdtemp(prefix="mo-hp-")
+    env = dict(os.environ, MIG_OPERATOR_RUN=os.path.join(parent, "s"), MIG_OPERATOR_HOLLOW_NODE="hollow-e2e",
                MIG_OPERATOR_HOLLOW_NODE_LABELS="cdmo.test/role=hollow,cdmo.test/zone=a",
                MIG_OPERATOR_HOLLOW_NODE_RESOURCES="nvidia.com/gpu=8")
 
@@ -214,6 +218,7 @@ def hollow_plane(tmp_path: Path) -> Iterator[tuple[dict[str, str], kubernetes.cl
             client.close()
     finally:
         down = script("down")
+        shutil.rmtree(parent, ignore_errors=True)
         assert down.returncode == 0, down.stderr
 
 

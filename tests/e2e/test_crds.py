@@ -20,10 +20,14 @@ from typing import Any
 import kubernetes
 import pytest
 import yaml
+from harness import wait_until
 from slice_spec_reference import check_request_unchanged
 
 from mig_operator.core.requests.quantities import QuantityError
 from mig_operator.core.requests.slice_spec import request_from_spec
+
+# Its tests share a module-scoped fixture: one pytest-xdist worker runs them all, in order.
+pytestmark = pytest.mark.xdist_group("test_crds")
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CRD_FILES = [REPO_ROOT / "crds" / "gpuslice.yaml", REPO_ROOT / "crds" / "gpunode.yaml"]
@@ -67,10 +71,8 @@ def crds(kube_cluster: Any) -> None:
         "wait", "--for=condition=Established", "--timeout=60s", "crd/gpuslices.cdmo.io", "crd/gpunodes.cdmo.io"
     )
     # Established is not the end: the resource must also be in discovery before kubectl can use it.
-    deadline = time.monotonic() + 60
-    while kube_cluster.kubectl("get", "gs", "-A", check=False).returncode != 0:
-        assert time.monotonic() < deadline, "gpuslices never became usable"
-        time.sleep(0.5)
+    wait_until(lambda: kube_cluster.kubectl("get", "gs", "-A", check=False).returncode == 0, 60,
+               "gpuslices to become usable")
 
 
 @pytest.fixture(scope="module")

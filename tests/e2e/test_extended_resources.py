@@ -24,6 +24,9 @@ import pytest
 import yaml
 from harness import wait_until
 
+# Its tests share a module-scoped fixture: one pytest-xdist worker runs them all, in order.
+pytestmark = pytest.mark.xdist_group("test_extended_resources")
+
 KubeCluster = Any
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CHART_DIR = REPO_ROOT / "helm" / "mig-operator"

@@ -23,6 +23,17 @@ H200_1G = 16384 * MIB  # what a 1g.18gb grants (catalog), e.g. for a 10G request
 BOUND = ("Bound", "Creating", "Ready")
 
 
+def verdict(op: OperatorHarness, ns: str, name: str, text: str) -> dict:
+    """The slice's status once the controller judged it by the quota as it is now (the message names
+    ``text``), or once it no longer waits: the check that follows is made once."""
+    def judged() -> dict | None:
+        st = (op.get_slice(ns, name) or {}).get("status") or {}
+        return st if text in st.get("message", "") or st.get("phase") != "Pending" else None
+
+    return wait_until(judged, 30, lambda: f"{ns}/{name} judged by the quota ({text!r}): {op.get_slice(ns, name)}"
+                      f"\n{op.logs()}")
+
+
 def put_quota(op: OperatorHarness, ns: str, memory: str, slices: int | None = None, name: str = "quota") -> dict:
     spec: dict[str, Any] = {"memory": memory}
     if slices is not None:
@@ -108,8 +119,8 @@ def test_direct_slices_refused_at_the_quota_bound_on_release_raise_and_lower(ope
     operator.create_slice(ns, "s4", {"memory": "10G"})
     operator.wait_phase(ns, "s4", "Pending", reason="QuotaExceeded")
     put_quota(operator, ns, f"{3 * H200_1G - 1}")  # one byte short of a third grant: still waits
-    time.sleep(2)
-    assert phase(operator, ns, "s4") == "Pending"
+    st = verdict(operator, ns, "s4", f"of its {3 * H200_1G - 1} GPU memory")
+    assert (st.get("phase"), st.get("reason")) == ("Pending", "QuotaExceeded"), st
     put_quota(operator, ns, f"{3 * H200_1G}")
     operator.wait_phase(ns, "s4", "Ready")
     wait_quota_status(operator, ns, 3 * H200_1G, 3, 0)
@@ -126,8 +137,8 @@ def test_direct_slices_refused_at_the_quota_bound_on_release_raise_and_lower(ope
 
     # The slice count limit, and another namespace without a quota is not limited by this one.
     put_quota(operator, ns, "1Ti", slices=3)
-    time.sleep(2)
-    assert phase(operator, ns, "s5") == "Pending"
+    st = verdict(operator, ns, "s5", "3 of its 3 slices")
+    assert (st.get("phase"), st.get("reason")) == ("Pending", "QuotaExceeded"), st
     other = operator.namespace()
     operator.create_slice(other, "free", {"memory": "10G"})
     operator.wait_phase(other, "free", "Ready")
@@ -229,8 +240,7 @@ def held_namespace(op: OperatorHarness) -> str:
 
 
 def test_a_large_waiting_request_gets_the_room_its_namespace_frees_first(operator: OperatorHarness) -> None:
-    ns = held_namespace(operator)
-    time.sleep(2)
+    ns = held_namespace(operator)  # the verdict that could have let the small one through: "waits behind"
     assert phase(operator, ns, "small") == "Pending", "the smaller, younger slice waits behind the large one"
     operator.delete_slice(ns, "s1")  # 16Gi held now: room for the large one (32.5Gi), which goes first
     operator.wait_phase(ns, "big", "Ready")

@@ -10,7 +10,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -150,14 +149,14 @@ def test_metrics_of_the_controller_and_the_agents_match_what_happened(operator: 
                 and value(s, "mig_operator_slices", phase="Ready", mode="fraction") == 1 and failed(s) == 1
                 and sum(v for (n, _), v in s.items() if n == "mig_operator_slices") == 3)  # released is gone
 
-    deadline = time.monotonic() + 10
-    while not current(slices := scrape(ports["controller"])[1]):
-        if time.monotonic() > deadline:
-            shown = {dict(lbl)["phase"] + "/" + dict(lbl)["mode"]: v for (n, lbl), v in slices.items()
-                     if n == "mig_operator_slices"}
-            # The gauge is published at most once a second, and once more a second after the last change.
-            pytest.fail(f"mig_operator_slices does not match what happened: {shown}")
-        time.sleep(0.2)
+    def shown() -> str:
+        slices = scrape(ports["controller"])[1]
+        return str({dict(lbl)["phase"] + "/" + dict(lbl)["mode"]: v for (n, lbl), v in slices.items()
+                    if n == "mig_operator_slices"})
+
+    # The gauge is published at most once a second, and once more a second after the last change.
+    wait_until(lambda: current(scrape(ports["controller"])[1]), 10,
+               lambda: f"mig_operator_slices to match what happened: {shown()}")
 
 
 def test_json_logs_are_one_object_per_line(operator: OperatorHarness) -> None:

@@ -36,7 +36,8 @@ from kubernetes.client.rest import ApiException
 from tenants import grant, impersonating
 
 # Also run on the oldest supported Kubernetes release (make compat).
-pytestmark = pytest.mark.compat
+# Its tests share a module-scoped fixture: one pytest-xdist worker runs them all, in order.
+pytestmark = [pytest.mark.compat, pytest.mark.xdist_group("test_pod_device_policy")]
 
 KubeCluster = Any
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -134,7 +134,7 @@ def test_the_webhook_in_its_own_process_admits_pods_while_no_controller_runs(ope
     assert [g.name for g in pod.spec.scheduling_gates] == [GATE]
     assert [(c.name, c.resource_claim_name) for c in pod.spec.resource_claims] == [
         ("gpu-slice", pod.metadata.labels["cdmo.io/gpu-slice"])]
-    time.sleep(2)
+    # Admission is over (the pod is created): no controller runs, so nothing else could make a slice.
     assert not operator.custom.list_namespaced_custom_object("cdmo.io", "v1alpha1", ns, "gpuslices")["items"]
     operator.start(controller)
     pod = running(operator, ns, name)

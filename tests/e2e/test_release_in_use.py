@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from harness import GROUP, REPO_ROOT, VERSION, OperatorHarness, check_invariants, wait_until
+from harness import GROUP, REPO_ROOT, VERSION, OperatorHarness, check_invariants, log_end, wait_for_log, wait_until
 from kubernetes.client.rest import ApiException
 
 # The hollow node's fixture: a real kubelet prepares and unprepares claims through the agent.
@@ -96,6 +96,11 @@ def released_condition(body: dict | None) -> dict | None:
                 None)
 
 
+def still_kept(ns: str, name: str) -> str:
+    """The agent's log line when a look at a deleted slice finds its claim still in use."""
+    return rf"slice {ns}/{name} is deleted and still in use, kept"
+
+
 def delete_in_use(op: OperatorHarness, ns: str, name: str, pod: str) -> dict:
     """The tenant deletes a running pod's slice without waiting; returns the slice as it is then kept."""
     answer = as_tenant(op, "delete", "gs", name, "-n", ns, "--wait=false")
@@ -133,8 +138,11 @@ def test_a_tenant_deleting_its_running_pods_slice_keeps_the_quota_charge_until_t
     create_pod(operator, ns, "second", {"cdmo.io/gpu-memory": "10G"})
     second = slice_name(operator, ns, "second")
     st = operator.wait_phase(ns, second, "Pending", reason="QuotaExceeded")["status"]
+    looked = log_end(operator.process(f"agent-{node.name}").log)
     assert "0 of its 1 slices" not in st["message"] and "1 of its 1 slices" in st["message"], st["message"]
-    time.sleep(5)  # more than two of the agent's re-checks: nothing changes while the pod runs
+    # The agent's next look at the held slice finds the pod running: nothing changes.
+    agent = operator.process(f"agent-{node.name}")
+    wait_for_log(agent.log, still_kept(ns, first), after=looked)
     assert running(operator, ns, "first", timeout=1)
     assert [g.name for g in operator.core.read_namespaced_pod("second", ns).spec.scheduling_gates or []] == [GATE]
     assert (operator.get_slice(ns, second) or {})["status"]["phase"] == "Pending"
@@ -169,11 +177,11 @@ def test_a_deleted_fraction_in_use_still_occupies_its_gpu_and_no_slice_fails_wit
     create_pod(operator, ns, "second", {"cdmo.io/gpu-fraction": "0.5"})
     second = slice_name(operator, ns, "second")
     operator.wait_phase(ns, second, "Pending", reason="NoCapacity")
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        phases = {s["metadata"]["name"]: (s.get("status") or {}).get("phase") for s in operator.slices(ns)}
-        assert "Failed" not in phases.values() and phases.get(second) == "Pending", phases
-        time.sleep(0.2)
+    # The agent's next look at the held fraction finds the pod running: nothing is freed or failed.
+    agent = operator.process(f"agent-{node.name}")
+    wait_for_log(agent.log, still_kept(ns, first), after=log_end(agent.log))
+    phases = {s["metadata"]["name"]: (s.get("status") or {}).get("phase") for s in operator.slices(ns)}
+    assert "Failed" not in phases.values() and phases.get(second) == "Pending", phases
     events = operator.core.list_namespaced_event(ns).items
     assert not [e.message for e in events if e.reason == "Conflict"]
 
@@ -254,7 +262,8 @@ def test_a_slice_the_kubelet_prepared_is_kept_until_the_kubelet_unprepares_it(ho
 
     cond = wait_until(kept, 30, lambda: f"nb kept with Released=False InUse: {get_slice()}\n{hollow.logs()}")
     assert f"pod {ns}/nb-0" in cond["message"] and f"prepared on node {HOLLOW_NODE}" in cond["message"]
-    time.sleep(4)  # two of the agent's re-checks: kept while the pod runs
+    agent_log = hollow.workdir / "agent.log"
+    wait_for_log(agent_log, still_kept(ns, "nb"), after=log_end(agent_log))  # the agent's next look: kept
     assert get_slice() is not None and len(list(hollow.cdi_dir.glob("*"))) == 1
 
     core.delete_namespaced_pod("nb-0", ns)
@@ -303,6 +312,8 @@ def test_a_tenant_removing_the_finalizer_frees_no_quota_while_the_kubelet_holds_
         gpunode = json.loads(kubectl("get", "gn", HOLLOW_NODE, "-o", "json").stdout)
         return [i for g in gpunode["status"]["gpus"] for i in g["instances"]]
 
+    # The agent took the slice's deletion in and keeps the prepared device (not released).
+    wait_for_log(hollow.workdir / "agent.log", rf"slice {ns}/nb is gone while its claim is prepared")
     wait_until(lambda: [i["inUse"] for i in instances() if i["sliceUID"] == uid] == [True], 10,
                lambda: f"the agent still holds nb's instance: {instances()}")
     kubectl("apply", "-f", "-", input=json.dumps({
@@ -315,7 +326,6 @@ def test_a_tenant_removing_the_finalizer_frees_no_quota_while_the_kubelet_holds_
 
     wait_until(lambda: status_of("nb2").get("reason") == "QuotaExceeded", 30,
                lambda: f"nb2 waits for the quota: {status_of('nb2')}\n{hollow.logs()}")
-    time.sleep(3)
     assert status_of("nb2").get("phase") == "Pending"
 
     core.delete_namespaced_pod("nb-0", ns)

@@ -12,7 +12,8 @@ import re
 import signal
 import subprocess
 import sys
-import time
+import threading
+from collections.abc import Callable
 from typing import Any
 
 from harness import REPO_ROOT, OperatorHarness, wait_until
@@ -213,6 +214,26 @@ def test_top_shows_a_namespaces_quota_and_its_use(operator: OperatorHarness) -> 
     assert row.split() == [ns, "9.8", "GiB", "/", "40", "GiB", "24%", "1", "/", "3", "0", "0"], row
 
 
+def interrupt_after(proc: subprocess.Popen, enough: Callable[[str], bool], timeout: float = 30) -> tuple[str, str]:
+    """A ``--watch`` run's stdout read as it comes until ``enough`` of it, then Ctrl-C (SIGINT): its
+    whole stdout and stderr. A run that draws too little is killed after ``timeout``."""
+    assert proc.stdout is not None and proc.stderr is not None
+    watchdog = threading.Timer(timeout, proc.kill)
+    watchdog.start()
+    try:
+        out = ""
+        while not enough(out) and (line := proc.stdout.readline()):
+            out += line
+        assert enough(out), f"the watch drew too little in {timeout} s:\n{out[-2000:]}"
+        proc.send_signal(signal.SIGINT)
+        out += proc.stdout.read()
+        err = proc.stderr.read()
+        proc.wait(20)
+    finally:
+        watchdog.cancel()
+    return out, err
+
+
 def test_watch_draws_again_until_ctrl_c(operator: OperatorHarness) -> None:
     node = operator.add_node("a30-24gb")
     operator.agent(node)
@@ -220,9 +241,7 @@ def test_watch_draws_again_until_ctrl_c(operator: OperatorHarness) -> None:
     proc = subprocess.Popen([sys.executable, "-m", "mig_operator.cli", "top", "--kubeconfig",
                              str(operator.cluster.kubeconfig), "--watch", "0.5"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT, env={**os.environ, "COLUMNS": "100"})
-    time.sleep(4)
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=20)
+    out, err = interrupt_after(proc, lambda out: out.count("  GPU 0  NVIDIA A30 (a30-24gb)  MIG, 4 slots") >= 3)
     assert proc.returncode == 0, err
     assert err == "" and "\x1b" not in out  # not a terminal: no screen clearing, no colours
     frames = [line for line in out.splitlines() if line.startswith("--- mig-operator top at ")]
@@ -240,9 +259,7 @@ def test_watch_with_json_is_one_object_per_line(operator: OperatorHarness) -> No
     proc = subprocess.Popen([sys.executable, "-m", "mig_operator.cli", "top", "--kubeconfig",
                              str(operator.cluster.kubeconfig), "--watch", "0.5", "--json"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT)
-    time.sleep(3)
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=20)
+    out, err = interrupt_after(proc, lambda out: out.count("\n") >= 2)  # two objects, one a line
     assert proc.returncode == 0, err
     objects = _json_lines(out)
     assert len(objects) >= 2 and all(set(o) == {"nodes", "pending", "quotas"} for o in objects)

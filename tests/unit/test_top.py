@@ -396,6 +396,7 @@ def test_watch_redraws_clears_only_a_terminal_and_survives_an_unreadable_moment(
 
     monkeypatch.setattr(kube_top, "read_view", read_view)
     monkeypatch.setattr("sys.stdout.isatty", lambda: terminal)
+    monkeypatch.setenv("COLUMNS", str(WIDTH))  # the golden picture's width, whatever runs the test
     assert main(["top", "--kubeconfig", _kubeconfig(tmp_path, "http://127.0.0.1:9"), "--watch", "0.5"]) == 0
     out, err = capsys.readouterr()
     assert err == "mig-operator: cannot list GpuNodes: refused by the server; trying again in 0.5 s\n"

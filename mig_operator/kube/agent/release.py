@@ -125,6 +125,8 @@ class Releaser:
             self.holding[uid] = message
             self.events.post(body, "Normal", IN_USE, message)
             log.info("slice %s/%s is deleted but kept: %s", meta["namespace"], meta["name"], message)
+        else:
+            log.info("slice %s/%s is deleted and still in use, kept: %s", meta["namespace"], meta["name"], message)
 
     def log_release(self, entry: OwnerEntry) -> None:
         if entry.mode == MODE_MIG:
