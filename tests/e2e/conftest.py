@@ -1,10 +1,10 @@
 """Fixtures for end-to-end tests against a real local control plane (scripts/control-plane).
 
-One control plane serves the whole session: etcd, kube-apiserver, kube-scheduler,
-kube-controller-manager and kwok (fake nodes annotated ``kwok.x-k8s.io/node=fake``), all on
-127.0.0.1. The scheduler and controller-manager are included so that pods get bound, namespaces
-finish deleting and owner references cascade, as on a real cluster; starting them costs about a
-second. The first run builds the binaries (see docs/control-plane.md; run
+One control plane serves the whole session (under pytest-xdist, each worker's session): etcd,
+kube-apiserver, kube-scheduler, kube-controller-manager and kwok (fake nodes annotated
+``kwok.x-k8s.io/node=fake``), all on 127.0.0.1. The scheduler and controller-manager are included so
+that pods get bound, namespaces finish deleting and owner references cascade, as on a real cluster;
+starting them costs about a second. The first run builds the binaries (see docs/control-plane.md; run
 ``scripts/control-plane build`` beforehand to see its progress).
 
 If the control plane cannot start, every e2e test fails with the tail of its log: these tests

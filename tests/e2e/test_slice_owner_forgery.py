@@ -181,14 +181,26 @@ def wait_released(op: OperatorHarness, node: SimNode, uid: str, in_use: int) -> 
     return idle
 
 
+def measured_apart(body: dict) -> str:
+    """A GpuSlice as JSON without what its agent's usage loop writes on its own (``status.usage``, the
+    ``Active`` condition) and without the versions every write moves."""
+    meta = {k: v for k, v in body["metadata"].items() if k not in ("resourceVersion", "managedFields")}
+    status = {k: v for k, v in (body.get("status") or {}).items() if k != "usage"}
+    status["conditions"] = [c for c in status.get("conditions") or () if c.get("type") != "Active"]
+    return json.dumps({**body, "metadata": meta, "status": status}, sort_keys=True)
+
+
 def snapshot(op: OperatorHarness, ns: str) -> dict[tuple[str, str], str]:
-    """Every pod, ResourceClaim, GpuSlice and Event of ``ns`` with its resourceVersion."""
+    """Every pod, ResourceClaim and Event of ``ns`` with its resourceVersion, and every GpuSlice with what
+    anything but its usage loop writes (``measured_apart``)."""
     found = {("pod", p.metadata.name): p.metadata.resource_version for p in op.core.list_namespaced_pod(ns).items}
-    for group, version, plural in (CLAIMS, (GROUP, VERSION, "gpuslices")):
-        for body in op.custom.list_namespaced_custom_object(group, version, ns, plural)["items"]:
-            found[(plural, body["metadata"]["name"])] = body["metadata"]["resourceVersion"]
+    for body in op.custom.list_namespaced_custom_object(*CLAIMS, ns)["items"]:
+        found[(CLAIMS[2], body["metadata"]["name"])] = body["metadata"]["resourceVersion"]
+    for body in op.custom.list_namespaced_custom_object(GROUP, VERSION, ns, "gpuslices")["items"]:
+        found[("gpuslices", body["metadata"]["name"])] = measured_apart(body)
     for event in op.core.list_namespaced_event(ns).items:
-        found[("event", event.metadata.name)] = event.metadata.resource_version
+        if event.reason != "Idle":  # the usage loop's own Event, unrelated to the forgery
+            found[("event", event.metadata.name)] = event.metadata.resource_version
     return found
 
 

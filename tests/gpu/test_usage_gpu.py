@@ -94,6 +94,8 @@ def test_ledger_matches_nvml_keeps_its_peak_sums_processes_and_counts_refusals(
         nv = per_process(nvml, gpu_uuid)
         assert a.pid in nv, f"NVML does not list pid {a.pid}: {nv}"
         assert held.used >= 3 * GiB and abs(held.used - nv[a.pid]) <= TOLERANCE, (held, nv[a.pid])
+        print(f"\n3 GiB held: ledger used {held.used / MiB:.0f} MiB, NVML's figure for the process "
+              f"{nv[a.pid] / MiB:.0f} MiB")  # pytest -s shows it: docs/benchmarks.md quotes it
         assert held.peak >= held.used, held
 
         tell(a, "free")
@@ -112,6 +114,8 @@ def test_ledger_matches_nvml_keeps_its_peak_sums_processes_and_counts_refusals(
         nv = per_process(nvml, gpu_uuid)
         assert both.processes == 2, both
         assert abs(both.used - (nv[a.pid] + nv[b.pid])) <= 2 * TOLERANCE, (both, nv)
+        print(f"two processes: ledger used {both.used / MiB:.0f} MiB, NVML's figures summed "
+              f"{(nv[a.pid] + nv[b.pid]) / MiB:.0f} MiB, peak {both.peak / MiB:.0f} MiB")
 
         assert both.refusals == 0, both
         assert not tell(b, "alloc 6144")["ok"], "6 GiB more than 3 GiB held fits an 8 GiB limit"

@@ -386,7 +386,7 @@ def test_watch_redraws_clears_only_a_terminal_and_survives_an_unreadable_moment(
 
     reads = []
 
-    async def read_view(client: Any) -> Any:
+    async def read_view(client: Any, *_: Any) -> Any:
         reads.append(client)
         if len(reads) == 2:
             raise kube_top.TopError("cannot list GpuNodes: refused\nby the server")
@@ -417,7 +417,7 @@ def test_json_once_is_indented_and_with_watch_one_line_each(tmp_path: Any, monke
 
     calls = []
 
-    async def read_view(client: Any) -> Any:
+    async def read_view(client: Any, *_: Any) -> Any:
         calls.append(1)
         if len(calls) == 4:  # the single picture, then two of the watch
             raise KeyboardInterrupt

@@ -85,7 +85,7 @@ def test_top_reads_the_width_from_columns(columns: str, widest: int, tmp_path: A
                                           capsys: pytest.CaptureFixture[str]) -> None:
     from mig_operator.kube import top as kube_top
 
-    async def read_view(client: Any) -> Any:
+    async def read_view(client: Any, *_: Any) -> Any:
         return build_view(*layout())
 
     config = tmp_path / "kubeconfig"

@@ -9,15 +9,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 from ..requests.quantities import MAX_BYTES, short_bytes
+from ..times import read_time, rfc3339
 from .advice import Advice, advice_status
 
 # A figure moving by more than this share of the slice's memory is worth a status write.
 WRITE_SHARE_PERCENT = 5
-MAX_TIME_LENGTH = 64
 MAX_PROCESSES = 2**31 - 1
 
 
@@ -80,11 +80,6 @@ def worth_writing(written: SliceUsage | None, current: SliceUsage, slice_memory:
     return (written.refusals > 0) != (current.refusals > 0)
 
 
-def rfc3339(when: datetime) -> str:
-    """``2026-11-29T06:00:00Z``: UTC to the second, as the API's own timestamps."""
-    return when.astimezone(UTC).replace(microsecond=0).isoformat().replace("+00:00", "Z")
-
-
 def usage_status(usage: SliceUsage, advice: Advice | None) -> dict:
     """The ``status.usage`` body (docs/api.md); ``activePercent``, ``lastActive`` and ``advice`` absent when
     there is none. ``used`` and ``peak`` are the short forms kubectl's columns show."""
@@ -100,18 +95,6 @@ def usage_status(usage: SliceUsage, advice: Advice | None) -> dict:
     if advice is not None:
         body["advice"] = advice_status(advice)
     return body
-
-
-def read_time(value: Any) -> datetime | None:
-    """An RFC 3339 time with its zone (``2026-11-29T06:00:00Z``); None when it is not one. Bounded: ASCII
-    text of at most MAX_TIME_LENGTH characters."""
-    if not isinstance(value, str) or len(value) > MAX_TIME_LENGTH or not value.isascii():
-        return None
-    try:
-        when = datetime.fromisoformat(value.strip().replace("Z", "+00:00"))
-    except ValueError:
-        return None
-    return when if when.tzinfo is not None else None
 
 
 def _count(value: Any, high: int) -> int | None:

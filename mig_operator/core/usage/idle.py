@@ -13,7 +13,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from .figures import SliceUsage, read_time, rfc3339
+from ..times import read_time, rfc3339
+from .figures import SliceUsage
 
 ACTIVE_CONDITION = "Active"
 IDLE_REASON = "NoProcess"

@@ -15,6 +15,7 @@ from typing import Any
 
 from ..node.runtime_trust import CONDITION_TYPE as RUNTIME_TRUSTED
 from ..node.runtime_trust import TRUST_LABEL, TRUST_VALUE
+from ..times import read_time
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 WORDS = {OK: "ok", WARN: "warn", FAIL: "FAIL"}
@@ -36,17 +37,6 @@ class Check:
 
 def _ago(then: datetime | None, now: datetime) -> str:
     return "never" if then is None else f"{max(0, round((now - then).total_seconds()))} s ago"
-
-
-def parse_time(value: Any) -> datetime | None:
-    """An RFC 3339 time as the API and kopf write it; None when absent or unreadable (or naive)."""
-    if not isinstance(value, str) or not value:
-        return None
-    try:
-        when = datetime.fromisoformat(value.strip().replace("Z", "+00:00"))
-    except ValueError:
-        return None
-    return when if when.tzinfo is not None else None
 
 
 def crds_verdict(wanted: Mapping[str, Sequence[str]], served: Mapping[str, Collection[str]]) -> Check:
@@ -110,7 +100,7 @@ def controller_verdict(peering: str, body: Mapping[str, Any] | None, now: dateti
     if body is None:
         return Check("controller", FAIL, f"no ClusterKopfPeering {peering}: no controller has started", fix)
     peers = [p for p in (body.get("status") or {}).values() if isinstance(p, Mapping)]
-    seen = [(when, p.get("lifetime")) for p in peers if (when := parse_time(p.get("lastseen"))) is not None]
+    seen = [(when, p.get("lifetime")) for p in peers if (when := read_time(p.get("lastseen"))) is not None]
     alive = [when for when, life in seen if isinstance(life, int) and (now - when).total_seconds() <= life]
     if alive:
         return Check("controller", OK, f"{len(alive)} controller replica(s) alive in peering {peering} (last seen "
@@ -132,7 +122,7 @@ def _node_verdict(name: str, node: Mapping[str, Any] | None, gpunode: Mapping[st
         return Check(check, FAIL, f"node {name} is labelled {label} but has no GpuNode: no agent published its "
                      "GPUs", pods)
     st = gpunode.get("status") or {}
-    seen = parse_time(st.get("observedAt"))
+    seen = read_time(st.get("observedAt"))
     if seen is None or (now - seen).total_seconds() > stale_after_s:
         return Check(check, FAIL, f"GpuNode {name} was last published {_ago(seen, now)} (its agent publishes at "
                      f"least every 30 s): its agent is not running", pods)

@@ -16,8 +16,9 @@ def _usage(usage: SliceUsage | None, advice: Advice | None) -> dict[str, Any] | 
 
 
 def view_json(view: TopView) -> dict[str, Any]:
-    """``top --json``: keys and meanings are documented in docs/operations.md and kept stable."""
-    return {
+    """``top --json``: keys and meanings are documented in docs/operations.md and kept stable. One
+    namespace's picture (``view.namespace``) has no nodes and a key more, ``slices``."""
+    shape = {
         "nodes": [{
             "name": n.name, "observedAt": n.observed_at,
             "gpus": [{
@@ -47,3 +48,10 @@ def view_json(view: TopView) -> dict[str, Any]:
             } for q in view.quotas],
         },
     }
+    if view.namespace:
+        shape["slices"] = [{
+            "namespace": s.ref.partition("/")[0], "name": s.ref.partition("/")[2], "node": s.node, "gpu": s.gpu,
+            "mode": s.mode, "profile": s.profile, "bytes": s.granted_bytes, "phase": s.phase, "reason": s.reason,
+            "compute": s.compute, "usage": _usage(s.usage, s.advice),
+        } for s in view.slices]
+    return shape

@@ -1,6 +1,7 @@
 """`mig-operator top`: who holds what, from the GpuNodes, GpuSlices and GpuQuotas as the API serves them.
 
-Pure: ``build_view`` turns the objects' bodies into a ``TopView``; ``render_text`` draws it as plain
+Pure: ``build_view`` turns the objects' bodies into a ``TopView`` (``namespace_view``: one namespace's
+slices, for a caller who may not list the cluster's); ``render_text`` draws it as plain
 text for a terminal or a log (ASCII, no colours, at most ``width`` columns: the terminal's, at least
 ``MIN_WIDTH``); ``core.views.top_json`` gives
 the stable shape of ``top --json`` (docs/operations.md). Reading the objects is kube/top.py's job.
@@ -147,6 +148,10 @@ class TopView:
     quota_state: str
     quota_note: str = ""
     quotas: tuple[QuotaRow, ...] = field(default=())
+    # Set: the picture of this namespace's slices only, without GPUs (nodes empty); "" for the cluster's.
+    namespace: str = ""
+    slices: tuple[SliceInfo, ...] = field(default=())  # the namespace's slices, by name
+    note: str = ""  # one line for stderr: why the picture is one namespace's; "" when asked for
 
 
 # ---- from API bodies -----------------------------------------------------------------------------
@@ -319,12 +324,28 @@ def build_view(gpunodes: Sequence[Mapping[str, Any]], slices: Sequence[Mapping[s
                 unhealthy="" if health.healthy else health.reason, health_message=health.message,
             ))
         nodes.append(NodeView(name, str(st.get("observedAt", "")), tuple(gpus)))
+    return TopView(tuple(nodes), _pending(infos), quota_state, quota_note, _quota_rows(quotas))
+
+
+def namespace_view(namespace: str, slices: Sequence[Mapping[str, Any]], quotas: Sequence[Mapping[str, Any]] | None,
+                   quota_state: str = QUOTAS_LISTED, quota_note: str = "", note: str = "") -> TopView:
+    """One namespace's slices and GpuQuotas, with no GpuNode read: each slice's node, GPU, size, phase,
+    usage and advice as its status says; ``note``: why the picture is limited (empty when asked for)."""
+    infos = sorted((slice_info(b) for b in slices), key=lambda s: s.ref)
+    return TopView((), _pending(infos), quota_state, quota_note, _quota_rows(quotas), namespace, tuple(infos), note)
+
+
+def _pending(infos: Sequence[SliceInfo]) -> dict[str, int]:
+    """Pending slices by reason, the reasons in order."""
     pending: dict[str, int] = {}
     for s in infos:
         if s.phase == "Pending":
             pending[s.reason or "Pending"] = pending.get(s.reason or "Pending", 0) + 1
-    rows = tuple(sorted((quota_row(q) for q in quotas or ()), key=lambda r: (r.namespace, r.name)))
-    return TopView(tuple(nodes), dict(sorted(pending.items())), quota_state, quota_note, rows)
+    return dict(sorted(pending.items()))
+
+
+def _quota_rows(quotas: Sequence[Mapping[str, Any]] | None) -> tuple[QuotaRow, ...]:
+    return tuple(sorted((quota_row(q) for q in quotas or ()), key=lambda r: (r.namespace, r.name)))
 
 
 # ---- text ----------------------------------------------------------------------------------------
@@ -494,10 +515,40 @@ def _quota_lines(view: TopView, width: int) -> list[str]:
     return lines
 
 
+def slice_size(s: SliceInfo) -> str:
+    """What a slice holds: its MIG profile, its fraction's memory (``8 GiB``), ``-`` while unbound."""
+    if s.mode == "mig" and s.profile:
+        return s.profile
+    return gib(s.granted_bytes) if s.mode == "fraction" and s.granted_bytes else "-"
+
+
+def _namespace_lines(view: TopView, width: int) -> list[str]:
+    """One row per slice of ``view.namespace``: where it is bound, what it holds, its phase, usage and advice."""
+    lines = _wrap(f"namespace {view.namespace}: {len(view.slices)} slice(s); GPUs not drawn (that needs the "
+                  "cluster-wide lists)", width)
+    lines.append("")
+    if not view.slices:
+        return [*lines, f"  no GpuSlices in namespace {view.namespace}"]
+    rows = [["node", "gpu", "size", "phase", "used/peak", "advice", "slice"]]
+    for s in view.slices:
+        phase = f"{s.phase} ({s.reason})" if s.reason and s.phase != "Ready" else s.phase
+        used = f"{short_bytes(s.usage.memory_used)}/{short_bytes(s.usage.memory_peak)}" if s.usage else "-"
+        rows.append([s.node or "-", str(s.gpu) if s.gpu is not None else "-", slice_size(s), phase, used,
+                     advice_word(s.advice) or "-", s.ref.partition("/")[2]])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    for r in rows:
+        cells = [cell.ljust(size) for cell, size in zip(r, widths, strict=False)]
+        lines.append(_clip("  " + "  ".join([*cells, r[-1]]), width))
+    return lines
+
+
 def render_text(view: TopView, width: int = WIDTH) -> str:
     """The whole picture as plain text, every line at most ``width`` columns (at least MIN_WIDTH), ending
     in a newline: sentences wrap, a table row's last column (a slice's or node's name) is cut."""
     width = max(MIN_WIDTH, width)
+    if view.namespace:
+        measured = any(s.usage is not None for s in view.slices)
+        return "\n".join(_footer(view, _namespace_lines(view, width), measured, width)) + "\n"
     gpu_count = sum(len(n.gpus) for n in view.nodes)
     lines = _wrap(f"{len(view.nodes)} node(s), {gpu_count} GPU(s); slots and memory: # in use, ~ creating, "
                   "- idle, . free", width)
@@ -510,8 +561,15 @@ def render_text(view: TopView, width: int = WIDTH) -> str:
             lines.append("  no GPUs")
         for gpu in node.gpus:
             lines.extend(_gpu_lines(gpu, width))
+    measured = any(i.usage is not None for n in view.nodes for g in n.gpus for i in (*g.spans, *g.shares))
+    return "\n".join(_footer(view, lines, measured, width)) + "\n"
+
+
+def _footer(view: TopView, lines: list[str], measured: bool, width: int) -> list[str]:
+    """After the GPUs (or a namespace's slices): the usage legend where figures are shown, the Pending
+    slices and the quota table."""
     lines.append("")
-    if any(i.usage is not None for n in view.nodes for g in n.gpus for i in (*g.spans, *g.shares)):
+    if measured:
         lines += _wrap("used/peak: GPU memory in use now and its peak since Ready; ->SIZE: that smaller size would "
                        "have held the peak (mig-operator advise)", width)
     total = sum(view.pending.values())
@@ -521,4 +579,4 @@ def render_text(view: TopView, width: int = WIDTH) -> str:
     else:
         lines.append("pending slices: none")
     lines.extend(_quota_lines(view, width))
-    return "\n".join(lines) + "\n"
+    return lines

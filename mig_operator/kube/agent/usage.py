@@ -33,13 +33,13 @@ from mig_operator.core.node.cdi import ledger_dir
 from mig_operator.core.node.lifecycle import COMPLETED, OwnerEntry
 from mig_operator.core.placement.cluster import MODE_FRACTION, MODE_MIG
 from mig_operator.core.placement.profiles import GpuModel
+from mig_operator.core.times import read_time
 from mig_operator.core.usage.advice import Advice, advise_fraction, advise_mig
 from mig_operator.core.usage.figures import (
     SliceUsage,
     UsageSample,
     next_usage,
     parse_usage,
-    read_time,
     usage_status,
     worth_writing,
 )
