@@ -12,6 +12,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 TESTS_DIR = Path(__file__).resolve().parent
 
 
+# The order tests are handed to workers in: the long-waiting folders first, so that the short ones fill
+# the end of the run rather than one long test trailing alone.
+FOLDER_ORDER = ("e2e", "node", "packaging", "helm")
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (its own hook of this name)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """How `make test` spreads tests over pytest-xdist workers (``--dist loadgroup``).
 
@@ -20,6 +26,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     node suite starts one real kubelet and containerd on this machine: one worker runs it all. Every
     other file stays on one worker, so its module fixtures are made once.
     """
+    def rank(item: pytest.Item) -> int:
+        folder = Path(item.path).resolve().relative_to(TESTS_DIR).parts[0]
+        return FOLDER_ORDER.index(folder) if folder in FOLDER_ORDER else len(FOLDER_ORDER)
+
+    items.sort(key=rank)  # stable: each file's tests stay together and in order
     for item in items:
         if item.get_closest_marker("xdist_group"):
             continue
