@@ -194,8 +194,9 @@ def snapshot(op: OperatorHarness, ns: str) -> dict[tuple[str, str], str]:
     """Every pod, ResourceClaim and Event of ``ns`` with its resourceVersion, and every GpuSlice with what
     anything but its usage loop writes (``measured_apart``)."""
     found = {("pod", p.metadata.name): p.metadata.resource_version for p in op.core.list_namespaced_pod(ns).items}
-    for body in op.custom.list_namespaced_custom_object(*CLAIMS, ns)["items"]:
-        found[(CLAIMS[2], body["metadata"]["name"])] = body["metadata"]["resourceVersion"]
+    group, version, plural = CLAIMS
+    for body in op.custom.list_namespaced_custom_object(group, version, ns, plural)["items"]:
+        found[(plural, body["metadata"]["name"])] = body["metadata"]["resourceVersion"]
     for body in op.custom.list_namespaced_custom_object(GROUP, VERSION, ns, "gpuslices")["items"]:
         found[("gpuslices", body["metadata"]["name"])] = measured_apart(body)
     for event in op.core.list_namespaced_event(ns).items:
