@@ -66,9 +66,10 @@ test: venv shim control-plane
 	$(MAKE) lint
 	$(MAKE) --no-print-directory --output-sync=target -j2 suite compat
 
-# pytest over every folder (the first half of `make test`).
+# pytest over every folder (the first half of `make test`); the tests marked `alone` after the others.
 suite: venv
-	$(BIN)/pytest $(XDIST) $(TEST_WORKERS)
+	$(BIN)/pytest $(XDIST) $(TEST_WORKERS) -m "not alone"
+	$(BIN)/pytest -m alone tests/e2e
 
 unit: venv
 	$(BIN)/pytest tests/unit

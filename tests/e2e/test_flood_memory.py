@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import kubernetes
+import pytest
 from harness import GROUP, REPO_ROOT, SLICES, VERSION, OperatorHarness, Proc, wait_until
 from test_tenant_isolation import client_for, token
 
@@ -155,6 +156,10 @@ def flood(client: kubernetes.client.ApiClient, namespace: str, while_made: Calla
             future.result()
 
 
+# Alone: with five other workers on two CPUs, the restarted controller was seen to post again some
+# waiting slices' Events that its status already told (not yet explained), and the peak RSS it measures
+# is the controller's own only on a quiet machine.
+@pytest.mark.alone
 def test_a_tenants_flood_of_big_objects_keeps_the_controller_small_and_serving(
         kube_cluster: KubeCluster, operator: OperatorHarness) -> None:
     node = operator.add_node("h100-80gb")
