@@ -10,6 +10,7 @@ import os
 import socket
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -61,7 +62,12 @@ def settle(port: int, check: Callable[[Samples], bool], what: str, op: OperatorH
     seen: list[Samples] = [{}]
 
     def ok() -> bool:
-        seen[0] = scrape(port)[1]
+        try:
+            seen[0] = scrape(port)[1]
+        except urllib.error.HTTPError as exc:
+            if exc.code != 503:  # 503: the API server could not check the caller this time; ask again
+                raise
+            return False
         return check(seen[0])
 
     wait_until(ok, 20, lambda: f"{what} on :{port}; last scrape:\n" + "\n".join(
@@ -203,9 +209,11 @@ def _json_lines(text: str) -> list[dict[str, Any]]:
 
 
 @pytest.mark.parametrize("log_format", ["json", "text"])
-def test_an_error_that_stops_a_part_at_start_is_a_json_line_too(log_format: str, tmp_path: Path) -> None:
+def test_an_error_that_stops_a_part_at_start_is_a_json_line_too(log_format: str, tmp_path: Path,
+                                                                  kube_cluster: object) -> None:
     """The agent's most likely crash (no NVML on the node, a bad flag) is what a log pipeline must read
-    most; with --log-format json it is a record like every other, with text the familiar one line."""
+    most; with --log-format json it is a record like every other, with text the familiar one line. The
+    cluster is there so that the agent finds credentials ($KUBECONFIG) and stops on its backend."""
     result = subprocess.run(
         [sys.executable, "-m", "mig_operator.cli", "agent", "--node", "n1", "--log-format", log_format,
          "--backend", "sim:no-such-gpu", "--state-file", str(tmp_path / "sim.json")],
