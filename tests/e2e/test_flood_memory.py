@@ -156,9 +156,8 @@ def flood(client: kubernetes.client.ApiClient, namespace: str, while_made: Calla
             future.result()
 
 
-# Alone: with five other workers on two CPUs, the restarted controller was seen to post again some
-# waiting slices' Events that its status already told (not yet explained), and the peak RSS it measures
-# is the controller's own only on a quiet machine.
+# Alone: the peak RSS it measures is the controller's own only on a quiet machine, and with five other
+# workers on two CPUs the restarted controller posts again some Events its status already told.
 @pytest.mark.alone
 def test_a_tenants_flood_of_big_objects_keeps_the_controller_small_and_serving(
         kube_cluster: KubeCluster, operator: OperatorHarness) -> None:
