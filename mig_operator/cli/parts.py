@@ -9,6 +9,9 @@ import argparse
 import contextlib
 import signal
 
+import yaml
+
+from ..core.autoscale.pools import BACKENDS, PLACEHOLDER_IMAGE, AutoscalingOptions, PoolError, read_pools
 from ..core.node.runtime_trust import DEFAULT_CONFIG as TOOLKIT_CONFIG
 from ..core.placement.compute import parse_default_compute
 from ..core.requests.quantities import QuantityError
@@ -43,6 +46,16 @@ def add_part_commands(sub: argparse._SubParsersAction, common: argparse.Argument
     p.add_argument("--default-compute", default="shared", metavar="shared|proportional",
                    help="the compute of a fraction without spec.compute: shared (time-sliced) or proportional "
                         "(a share equal to its memory share of the GPU, served by MPS) (default: shared)")
+    p.add_argument("--autoscaling-pools", metavar="FILE",
+                   help="the GPU node pools a node autoscaler makes (JSON or YAML list; chart value "
+                        "autoscaling.pools): new nodes are asked for when slices wait (default: off)")
+    p.add_argument("--autoscaling-backend", default="auto", metavar="auto|capacitybuffer|placeholder",
+                   help="how new nodes are asked for: CapacityBuffers, placeholder pods, or auto (CapacityBuffers "
+                        "where the API server serves them) (default: %(default)s)")
+    p.add_argument("--placeholder-priority-class", default="mig-operator-placeholder",
+                   help="the PriorityClass of placeholder pods (negative value, preemptionPolicy Never)")
+    p.add_argument("--placeholder-image", default=PLACEHOLDER_IMAGE,
+                   help="the image of placeholder pods and of CapacityBuffer chunks (default: %(default)s)")
     add_webhook_flags(p, required=False)
     p.set_defaults(func=cmd_controller)
 
@@ -107,11 +120,12 @@ def cmd_controller(args: argparse.Namespace) -> int:
     resync = duration_flag("--resync", args.resync)
     fair_hold = duration_flag("--fair-hold", args.fair_hold)
     default_compute = parse_default_compute(args.default_compute)
+    autoscaling = autoscaling_options(args)
     options = ControllerOptions(
         kubeconfig=args.kubeconfig, priority=args.priority if args.priority is not None else default_priority(),
         peering=args.peering,
         peering_lifetime_s=lifetime, resync_s=resync, fair_hold_s=fair_hold, quota_required=args.quota_required,
-        default_compute=default_compute,
+        default_compute=default_compute, autoscaling=autoscaling,
     )
     loops, probes = Loops("controller"), Probes()
     registry = build_registry(options, probes, loops)
@@ -121,6 +135,42 @@ def cmd_controller(args: argparse.Namespace) -> int:
                args.health_address, probes, loops)
         run_operator(registry, standalone=False, priority=options.priority or 0, peering_name=options.peering)
     return 0
+
+
+MAX_POOLS_FILE = 1 << 20
+
+
+def autoscaling_options(args: argparse.Namespace) -> AutoscalingOptions | None:
+    """The controller's autoscaling flags, the pools file read and checked; None when no pools file is given."""
+    if args.autoscaling_backend not in BACKENDS:
+        raise QuantityError(f"--autoscaling-backend {shown(args.autoscaling_backend)} is not one of "
+                            f"{', '.join(BACKENDS)}; use e.g. --autoscaling-backend auto")
+    dns_subdomain("--placeholder-priority-class", args.placeholder_priority_class, "mig-operator-placeholder",
+                  "PriorityClass name")
+    if not 0 < len(args.placeholder_image) <= 512 or not args.placeholder_image.isprintable() or (
+            " " in args.placeholder_image):
+        raise QuantityError(f"--placeholder-image {shown(args.placeholder_image)} is not an image reference; use "
+                            f"e.g. --placeholder-image {PLACEHOLDER_IMAGE}")
+    if args.autoscaling_pools is None:
+        return None
+    path = file_flag("--autoscaling-pools", args.autoscaling_pools, "/etc/mig-operator/autoscaling/pools.yaml")
+    try:
+        with open(path, "rb") as file:
+            raw = file.read(MAX_POOLS_FILE + 1)
+    except OSError as exc:
+        raise QuantityError(f"--autoscaling-pools {shown(path)} cannot be read: {exc.strerror}") from None
+    if len(raw) > MAX_POOLS_FILE:
+        raise QuantityError(f"--autoscaling-pools {shown(path)} is larger than {MAX_POOLS_FILE} bytes")
+    try:
+        data = yaml.safe_load(raw.decode("ascii"))
+        pools = read_pools(data)
+    except (UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise QuantityError(f"--autoscaling-pools {shown(path)} is not ASCII JSON or YAML: "
+                            f"{str(exc).splitlines()[0]}") from None
+    except PoolError as exc:
+        raise QuantityError(f"--autoscaling-pools {shown(path)}: {exc}") from None
+    return AutoscalingOptions(pools, args.namespace, args.autoscaling_backend, args.placeholder_priority_class,
+                              args.placeholder_image)
 
 
 def cmd_agent(args: argparse.Namespace) -> int:

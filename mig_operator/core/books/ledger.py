@@ -89,12 +89,14 @@ class SliceRecord:
 
 @dataclass(frozen=True)
 class NodeLabels:
-    """What placement reads of a Node's labels: the MIG label, fraction sharing across namespaces
-    (core.placement.tenancy), runtime trust accepted (core.node.runtime_trust)."""
+    """What placement reads of a Node's labels and taints: the MIG label, fraction sharing across
+    namespaces (core.placement.tenancy), runtime trust accepted (core.node.runtime_trust), the removal
+    taint a node autoscaler put on it (core.autoscale.nodes)."""
 
     mig: bool = False
     sharing: bool = False
     accepted: bool = False
+    leaving: str | None = None
 
 
 @dataclass(frozen=True)
@@ -112,12 +114,14 @@ class PodRecord:
 class NodeRecord:
     """A Node as the controller reads it: its labels and taints (where a pod may go,
     ``core.placement.node_selection``), what placement reads of its labels (``flags``) and its
-    ``status.allocatable`` as written (whether a pod's requests fit, ``core.placement.pod_fit``)."""
+    ``status.allocatable`` as written (whether a pod's requests fit, ``core.placement.pod_fit``), and the
+    annotations that keep it from a node autoscaler (``core.autoscale.nodes``)."""
 
     labels: Mapping[str, str] = field(default_factory=dict)
     taints: tuple[Mapping[str, Any], ...] = ()
     flags: NodeLabels = NodeLabels()
     allocatable: Mapping[str, Any] = field(default_factory=dict)
+    annotations: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -241,6 +245,19 @@ class Ledger:
             and s.request is not None
         ]
         return sorted(waiting, key=lambda s: s.order)
+
+    def nodes_to_keep(self) -> set[str]:
+        """The nodes a node autoscaler must not remove (``core.autoscale.nodes``): where a slice is bound
+        (or its binding is being written), is not being deleted, and its pod is not running yet (the books
+        hold a pod until it runs); a slice made directly keeps its node while it exists."""
+        keep = set()
+        for info in self.slices.values():
+            binding = info.binding or self.reserved(info.uid)
+            if binding is None or info.deleting:
+                continue
+            if info.pod_owner is None or self.pod(info.namespace, info.group or info.name) is not None:
+                keep.add(binding.node)
+        return keep
 
     def counts(self) -> dict[tuple[str, str], int]:
         """Slices by (phase, mode), for the metrics."""
@@ -555,6 +572,7 @@ class Ledger:
         self._index.set_labelled(node, flags.mig)
         self._index.set_fraction_sharing(node, flags.sharing)
         self._index.set_runtime_accepted(node, flags.accepted)
+        self._index.set_leaving(node, flags.leaving)
         return self._recharge(node) if flags.sharing != before.sharing else set()
 
     # ---- observing: pods -----------------------------------------------------------------------
@@ -706,7 +724,8 @@ class Ledger:
         inventories = self._fresh_inventories(list(inventories), inventories_at)
         self._index.reset(inventories, [n for n, f in labels.items() if f.mig], held.values(),
                           sharing=[n for n, f in labels.items() if f.sharing],
-                          accepted=[n for n, f in labels.items() if f.accepted])
+                          accepted=[n for n, f in labels.items() if f.accepted],
+                          leaving={n: f.leaving for n, f in labels.items() if f.leaving is not None})
         for uid in {*self.slices, *self._charges.reset(inventories)}:
             self._held(uid)
 

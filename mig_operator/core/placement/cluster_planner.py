@@ -53,8 +53,9 @@ def _overlaps(inst: InstanceState, binding: Binding) -> bool:
     return bool(inst.mask & binding.mask)
 
 
-def _block(inventory: NodeInventory, accepted: bool) -> NodeBlock | None:
-    return node_block(inventory.node, inventory.device_plugin_conflict, inventory.runtime_untrusted, accepted)
+def _block(inventory: NodeInventory, accepted: bool, leaving: str | None = None) -> NodeBlock | None:
+    return node_block(inventory.node, inventory.device_plugin_conflict, inventory.runtime_untrusted, accepted,
+                      leaving)
 
 
 def _fraction_gpu(node: str, gpu: GpuState, bound: list[Binding], sharing: bool) -> FractionGpu:
@@ -221,6 +222,7 @@ class ClusterPlanner:
         self._labelled: set[str] = set()
         self._sharing: set[str] = set()  # nodes labelled cdmo.io/fraction-sharing=cross-namespace
         self._accepted: set[str] = set()  # nodes labelled cdmo.io/runtime-trust=accepted
+        self._leaving: dict[str, str] = {}  # node -> the removal taint it carries (core.autoscale.nodes)
         self._bindings: dict[str, Binding] = {}
         self._by_gpu: dict[tuple[str, int], dict[str, Binding]] = {}
         self._dirty: set[tuple[str, int]] = set()
@@ -242,9 +244,9 @@ class ClusterPlanner:
     def bindings(self) -> Mapping[str, Binding]:
         return self._bindings
 
-    def labels_of(self, node: str) -> tuple[bool, bool, bool]:
-        """The node's MIG, fraction-sharing and runtime-trust-accepted labels."""
-        return node in self._labelled, node in self._sharing, node in self._accepted
+    def labels_of(self, node: str) -> tuple[bool, bool, bool, str | None]:
+        """The node's MIG, fraction-sharing and runtime-trust-accepted labels, and its removal taint."""
+        return node in self._labelled, node in self._sharing, node in self._accepted, self._leaving.get(node)
 
     def set_inventory(self, inventory: NodeInventory) -> None:
         self._inventories[inventory.node] = inventory
@@ -256,7 +258,7 @@ class ClusterPlanner:
 
     def _update_block(self, node: str) -> None:
         inventory = self._inventories.get(node)
-        block = _block(inventory, node in self._accepted) if inventory is not None else None
+        block = _block(inventory, node in self._accepted, self._leaving.get(node)) if inventory is not None else None
         if block is None:
             self._blocked.pop(node, None)
         else:
@@ -275,6 +277,16 @@ class ClusterPlanner:
         """The node's label cdmo.io/runtime-trust=accepted (core.node.runtime_trust)."""
         if self._set(self._accepted, node, accepted):
             self._update_block(node)
+
+    def set_leaving(self, node: str, taint: str | None) -> None:
+        """The removal taint a node autoscaler put on the node (None: none): it takes no new slice."""
+        if self._leaving.get(node) == taint:
+            return
+        if taint is None:
+            del self._leaving[node]
+        else:
+            self._leaving[node] = taint
+        self._update_block(node)
 
     def _set(self, nodes: set[str], node: str, on: bool) -> bool:
         if on == (node in nodes):
@@ -304,7 +316,8 @@ class ClusterPlanner:
         self._dirty.add((old.node, old.gpu))
 
     def reset(self, inventories: Iterable[NodeInventory], labelled: Iterable[str], bindings: Iterable[Binding],
-              sharing: Iterable[str] = (), accepted: Iterable[str] = ()) -> None:
+              sharing: Iterable[str] = (), accepted: Iterable[str] = (),
+              leaving: Mapping[str, str] | None = None) -> None:
         """Everything afresh (after a full list)."""
         for node in list(self._inventories):
             self.remove_inventory(node)
@@ -314,6 +327,10 @@ class ClusterPlanner:
                               (self._accepted, self.set_runtime_accepted)):
             for node in list(nodes):
                 setter(node, False)
+        for node in list(self._leaving):
+            self.set_leaving(node, None)
+        for node, taint in (leaving or {}).items():
+            self.set_leaving(node, taint)
         for inventory in inventories:
             self.set_inventory(inventory)
         for node in labelled:

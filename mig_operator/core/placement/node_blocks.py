@@ -3,8 +3,9 @@
 A node is blocked when its GpuNode says another allocator hands its GPUs out too (the
 ``DevicePluginConflict`` condition, ``core.node.device_plugin``), or that its container runtime is not
 trusted (``RuntimeTrusted`` False, ``core.node.runtime_trust``) and no admin labelled it
-``cdmo.io/runtime-trust=accepted``. A blocked node's GPUs are offered to no new slice; the slices
-bound there stay, and count. This is the one place both rules are applied (``ClusterPlanner``).
+``cdmo.io/runtime-trust=accepted``, or when a node autoscaler is removing it (a removal taint,
+``core.autoscale.nodes``). A blocked node's GPUs are offered to no new slice; the slices
+bound there stay, and count. This is the one place these rules are applied (``ClusterPlanner``).
 
 Pure: the inputs are what the GpuNode's status and the Node's labels say.
 """
@@ -24,6 +25,9 @@ from ..requests.request import SliceRequest
 DEVICE_PLUGIN_CONFLICT = "DevicePluginConflict"
 # The node's GpuNode has RuntimeTrusted=False and the Node is not labelled cdmo.io/runtime-trust=accepted.
 RUNTIME_UNTRUSTED = "RuntimeUntrusted"
+# A node autoscaler is removing the node (Karpenter's karpenter.sh/disrupted, Cluster Autoscaler's
+# ToBeDeletedByClusterAutoscaler taint).
+NODE_LEAVING = "NodeLeaving"
 
 _SHOWN = 5
 
@@ -39,10 +43,13 @@ class NodeBlock:
 
 
 def node_block(node: str, device_plugin_conflict: tuple[str, ...], runtime_untrusted: str | None,
-               runtime_accepted: bool) -> NodeBlock | None:
-    """Whether ``node`` takes no new slice. A device plugin conflict comes first: no label of ours
-    makes two allocators of one GPU safe (the agent's own label, ``cdmo.io/device-plugin-shared``,
-    clears the condition itself)."""
+               runtime_accepted: bool, leaving: str | None = None) -> NodeBlock | None:
+    """Whether ``node`` takes no new slice. A node being removed comes first (nothing makes it stay),
+    then a device plugin conflict: no label of ours makes two allocators of one GPU safe (the agent's
+    own label, ``cdmo.io/device-plugin-shared``, clears the condition itself)."""
+    if leaving is not None:
+        return NodeBlock(NODE_LEAVING, f"node {node} is being removed by the node autoscaler (taint {leaving}); "
+                         "slices go to other nodes", f"taint {leaving}")
     if device_plugin_conflict:
         return NodeBlock(DEVICE_PLUGIN_CONFLICT, conflict_message(node, device_plugin_conflict),
                          ", ".join(device_plugin_conflict))
@@ -73,6 +80,8 @@ def blocked_note(blocked: Mapping[str, NodeBlock]) -> str:
     named = ", ".join(f"{n} ({blocked[n].short})" for n in shown) + (" ..." if len(blocked) > _SHOWN else "")
     kinds = sorted({b.code for b in blocked.values()})
     why = []
+    if NODE_LEAVING in kinds:
+        why.append("a node autoscaler removes them")
     if DEVICE_PLUGIN_CONFLICT in kinds:
         why.append("NVIDIA's device plugin also advertises their GPUs (GpuNode condition DevicePluginConflict)")
     if RUNTIME_UNTRUSTED in kinds:

@@ -51,6 +51,9 @@ DEVICE_PLUGIN_CONFLICT = Gauge("mig_operator_device_plugin_conflict",
 # 0 while a GPU's GpuNode condition Healthy is False (a critical Xid, or the GPU lost): no new slice there.
 GPU_HEALTHY = Gauge("mig_operator_gpu_healthy", "1 while a GPU is healthy, 0 after a critical Xid or once it is lost",
                     ["node", "gpu"])
+NODES_WANTED = Gauge("mig_operator_autoscaling_nodes_wanted",
+                     "New nodes of each autoscaling pool the waiting slices need (asked of the node autoscaler)",
+                     ["pool"])
 PENDING_SLICES = Gauge("mig_operator_pending_slices", "Pending GpuSlices, by reason (NoCapacity, QuotaExceeded, ...)",
                        ["reason"])
 QUOTA_USED_BYTES = Gauge("mig_operator_quota_used_bytes",

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from mig_operator.core.autoscale.nodes import WATCHED_ANNOTATIONS
 from mig_operator.core.requests.quantities import QUOTE_LIMIT
 from mig_operator.core.requests.slice_spec import ANNOTATION_PREFIX, POD_ANNOTATIONS
 
@@ -161,8 +162,10 @@ def _requests_only(container: Mapping[str, Any]) -> dict[str, Any]:
 def node_body(body: Mapping[str, Any]) -> dict[str, Any]:
     """A Node: its labels (placement may read any), taints, and the status the agent's device-plugin
     check reads (capacity, allocatable, conditions); not its images or addresses, and of its annotations
-    only the admin's GPU health clear mark (the agent reads it)."""
-    kept = _head(body, _metadata(body.get("metadata") or {}, labels=None, annotations=(HEALTH_CLEARED_ANNOTATION,)))
+    only the admin's GPU health clear mark (the agent reads it) and those that keep it from a node
+    autoscaler (the controller writes them)."""
+    kept = _head(body, _metadata(body.get("metadata") or {}, labels=None,
+                                 annotations=(HEALTH_CLEARED_ANNOTATION, *WATCHED_ANNOTATIONS)))
     taints = (body.get("spec") or {}).get("taints")
     if taints:
         kept["spec"] = {"taints": taints}

@@ -36,6 +36,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
+from mig_operator.core.autoscale.pools import AutoscalingOptions
 from mig_operator.core.books.ledger import Decision, Ledger, SliceRecord
 from mig_operator.core.books.quota import DEFAULT_HOLD_S, FairQueue, held_behind, holds_back
 from mig_operator.core.placement.cluster import (
@@ -57,6 +58,7 @@ from ..common.finalizers import remove_finalizer
 from ..common.names import AGENT_FINALIZER
 from ..common.trim import node_body, owned_body, slice_body
 from ..common.workqueue import WorkQueue
+from .capacity import Autoscaling
 from .claims import SliceClaims
 from .observe import inventory, inventory_node, node_record, slice_record
 from .pods import PodSlices
@@ -112,6 +114,7 @@ class Binder:
         # False from the start of a watch's listing until a full read after it: nothing is bound meanwhile.
         self.synced = True
         self._listing_seen = 0.0
+        self.autoscaling: Autoscaling | None = None  # new nodes from a node autoscaler, when configured
 
     # ---- full lists ----------------------------------------------------------------------------
 
@@ -148,6 +151,8 @@ class Binder:
             self.queue.enqueue(("slice", info.namespace, info.name))
         await self.quotas.resync()
         self.request_replan()
+        if self.autoscaling is not None:
+            self.autoscaling.changed()
         if list_pods:
             await self.pods.resync()  # raises after looking at every pod: the resync's key comes back
         else:
@@ -443,6 +448,8 @@ class Binder:
     async def _refuse(self, info: SliceRecord, refusal: Refusal) -> None:
         self.ledger.wait_in_line(info.uid, refusal.code)
         self._announce()
+        if self.autoscaling is not None:
+            refusal = self.autoscaling.shown(info, refusal)  # WaitingForNode, when a new node would take it
         current = info.body.get("status") or {}
         if current.get("phase") != "Pending" or current.get("reason") != refusal.code or (
                 current.get("message") != refusal.message):
@@ -545,7 +552,8 @@ class Binder:
 
 def assemble(client: KubeClient, events: EventPoster, planner: PlannerSettings | None = None,
              quota_required: bool = False, resync_s: float = 30.0, hold_s: float = DEFAULT_HOLD_S,
-             queue: WorkQueue | None = None, ledger: Ledger | None = None) -> Binder:
+             queue: WorkQueue | None = None, ledger: Ledger | None = None,
+             autoscaling: AutoscalingOptions | None = None) -> Binder:
     """The controller's parts on one ledger and one work queue: the binder, with the slices' claims,
     the annotated pods and the GpuQuota status as its own; each slice's key (``slice_key``) and each
     pod's key (``PodSlices.reconcile``) registered on the queue."""
@@ -556,4 +564,6 @@ def assemble(client: KubeClient, events: EventPoster, planner: PlannerSettings |
     quotas = QuotaStatus(client, ledger, queue)
     binder = Binder(client, events, ledger, queue, claims, pods, quotas, resync_s=resync_s, hold_s=hold_s)
     SliceKey(ledger, queue, binder, claims, pods)  # registered on the queue: kind "slice"
+    if autoscaling is not None:
+        binder.autoscaling = Autoscaling(client, ledger, queue, autoscaling, binder.request_replan)
     return binder

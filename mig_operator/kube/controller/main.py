@@ -14,6 +14,7 @@ from typing import Any
 
 import kopf
 
+from mig_operator.core.autoscale.pools import AutoscalingOptions
 from mig_operator.core.books.quota import DEFAULT_HOLD_S
 from mig_operator.core.placement.compute import SHARED
 from mig_operator.core.placement.planner import PlannerSettings
@@ -55,6 +56,8 @@ class ControllerOptions:
     quota_required: bool = False
     # The compute of a fraction without spec.compute (core.placement.compute): shared or proportional.
     default_compute: str = SHARED
+    # New GPU nodes from a node autoscaler (kube/controller/capacity.py); None: off.
+    autoscaling: AutoscalingOptions | None = None
 
 
 def default_priority() -> int:
@@ -99,7 +102,7 @@ def build_registry(options: ControllerOptions, probes: Probes | None = None,
         events = EventPoster(client, "mig-operator-controller", os.uname().nodename, loops)
         binder = assemble(client, events, PlannerSettings(default_compute=options.default_compute),
                           quota_required=options.quota_required, resync_s=options.resync_s,
-                          hold_s=options.fair_hold_s)
+                          hold_s=options.fair_hold_s, autoscaling=options.autoscaling)
         client.on_back.append(binder.queue.retry_failed_now)  # work that failed while kube-apiserver was away
         # The queue runs only while this replica acts (kopf's peering pauses watches, not queued work).
         standing = Standing(client, binder.queue, options.peering, own_identity(), options.priority or 0)
@@ -109,8 +112,14 @@ def build_registry(options: ControllerOptions, probes: Probes | None = None,
         await binder.resync()
         state["read"] = True
 
+    def autoscaling_changed() -> None:
+        """What the new nodes asked for and the nodes kept depend on: slices, pods, nodes, inventories."""
+        if state["binder"].autoscaling is not None:
+            state["binder"].autoscaling.changed()
+
     async def slice_event(body: dict[str, Any], type: str | None) -> None:
         binder: Binder = state["binder"]
+        autoscaling_changed()
         info = await binder.slice_event(body, deleted=type == "DELETED")  # its key added
         binder.publish_counts()
         state["idle"].slice_event(info, body, deleted=type == "DELETED")  # its pod's idle key, the usage gauges
@@ -119,6 +128,7 @@ def build_registry(options: ControllerOptions, probes: Probes | None = None,
 
     async def gpunode_event(body: dict[str, Any], type: str | None) -> None:
         state["binder"].inventory_event(body, deleted=type == "DELETED")
+        autoscaling_changed()
 
     async def gpuquota_event(body: dict[str, Any], type: str | None) -> None:
         # A quota raised, lowered, made or removed: waiting slices are planned again (no restart).
@@ -127,9 +137,11 @@ def build_registry(options: ControllerOptions, probes: Probes | None = None,
 
     async def node_event(body: dict[str, Any], type: str | None) -> None:
         state["binder"].node_event(body["metadata"]["name"], None if type == "DELETED" else body)
+        autoscaling_changed()
 
     async def pod_event(body: dict[str, Any], type: str | None) -> None:
         await state["pods"].pod_event(body, deleted=type == "DELETED")
+        autoscaling_changed()
 
     def listed_first(fn: EventFn) -> EventFn:
         """A watch's listing (events of type None) of any kind, at start or when this standby becomes

@@ -4,9 +4,11 @@ slice's record keeps its body as ``trim.slice_body`` keeps it, never the whole o
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from functools import lru_cache
 from typing import Any
 
+from mig_operator.core.autoscale.nodes import WATCHED_ANNOTATIONS, leaving
 from mig_operator.core.books.ledger import NodeLabels, NodeRecord, PodRecord, SliceRecord
 from mig_operator.core.node.runtime_trust import accepted
 from mig_operator.core.placement.cluster import NodeInventory, binding_from_status, inventory_from_status
@@ -148,7 +150,10 @@ def node_record(body: Mapping) -> NodeRecord:
     labels = dict((body.get("metadata") or {}).get("labels") or {})
     taints = tuple((body.get("spec") or {}).get("taints") or ())
     allocatable = dict((body.get("status") or {}).get("allocatable") or {})
-    return NodeRecord(labels, taints, node_labels(labels), allocatable)
+    flags = replace(node_labels(labels), leaving=leaving(taints))
+    annotations = (body.get("metadata") or {}).get("annotations") or {}
+    kept = {k: str(annotations[k]) for k in WATCHED_ANNOTATIONS if k in annotations}
+    return NodeRecord(labels, taints, flags, allocatable, kept)
 
 
 def inventory(body: Mapping) -> NodeInventory:
