@@ -76,3 +76,8 @@ beside the simulator's state file. The agent and the MPS host pod must name the 
 {{- printf "%s/mps" (dir (trimSuffix "/" .Values.shim.hostDir)) -}}
 {{- end -}}
 {{- end -}}
+
+{{/* The PriorityClass of placeholder pods (autoscaling): the admin's, else the chart's own. */}}
+{{- define "mig-operator.placeholderPriorityClass" -}}
+{{- .Values.autoscaling.placeholder.priorityClassName | default (printf "%s-placeholder" (include "mig-operator.fullname" .)) -}}
+{{- end -}}
