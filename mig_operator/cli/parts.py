@@ -140,6 +140,17 @@ def cmd_controller(args: argparse.Namespace) -> int:
 MAX_POOLS_FILE = 1 << 20
 
 
+class _PoolsLoader(yaml.SafeLoader):
+    """YAML without aliases: a few lines of nested aliases stand for billions of values, which an error
+    message's ``repr`` would spell out; a pools file has no need of them."""
+
+    def compose_node(self, parent: yaml.Node | None, index: object) -> yaml.Node | None:
+        if self.check_event(yaml.AliasEvent):
+            raise yaml.composer.ComposerError(None, None, "an alias (*name) is not taken in a pools file",
+                                              self.peek_event().start_mark)
+        return super().compose_node(parent, index)
+
+
 def autoscaling_options(args: argparse.Namespace) -> AutoscalingOptions | None:
     """The controller's autoscaling flags, the pools file read and checked; None when no pools file is given."""
     if args.autoscaling_backend not in BACKENDS:
@@ -148,7 +159,7 @@ def autoscaling_options(args: argparse.Namespace) -> AutoscalingOptions | None:
     dns_subdomain("--placeholder-priority-class", args.placeholder_priority_class, "mig-operator-placeholder",
                   "PriorityClass name")
     if not 0 < len(args.placeholder_image) <= 512 or not args.placeholder_image.isprintable() or (
-            " " in args.placeholder_image):
+            " " in args.placeholder_image) or not args.placeholder_image.isascii():
         raise QuantityError(f"--placeholder-image {shown(args.placeholder_image)} is not an image reference; use "
                             f"e.g. --placeholder-image {PLACEHOLDER_IMAGE}")
     if args.autoscaling_pools is None:
@@ -162,11 +173,13 @@ def autoscaling_options(args: argparse.Namespace) -> AutoscalingOptions | None:
     if len(raw) > MAX_POOLS_FILE:
         raise QuantityError(f"--autoscaling-pools {shown(path)} is larger than {MAX_POOLS_FILE} bytes")
     try:
-        data = yaml.safe_load(raw.decode("ascii"))
+        data = yaml.load(raw.decode("ascii"), Loader=_PoolsLoader)  # a SafeLoader
         pools = read_pools(data)
     except (UnicodeDecodeError, yaml.YAMLError) as exc:
         raise QuantityError(f"--autoscaling-pools {shown(path)} is not ASCII JSON or YAML: "
                             f"{str(exc).splitlines()[0]}") from None
+    except RecursionError:
+        raise QuantityError(f"--autoscaling-pools {shown(path)} is nested too deeply to be a pools file") from None
     except PoolError as exc:
         raise QuantityError(f"--autoscaling-pools {shown(path)}: {exc}") from None
     return AutoscalingOptions(pools, args.namespace, args.autoscaling_backend, args.placeholder_priority_class,

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import kubernetes
+import yaml
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CHART_DIR = REPO_ROOT / "helm" / "mig-operator"
@@ -90,3 +91,53 @@ def render_chart(cluster: KubeCluster, release: str, namespace: str, *args: str)
     if result.returncode != 0:
         raise AssertionError(f"helm template exited {result.returncode}:\n{result.stderr}")
     return result.stdout
+
+
+CHART_WEBHOOK_CONFIG = "e2e-mig-operator"
+# The chart's templates that hold the identities; nothing else of the chart is applied here.
+IDENTITY_TEMPLATES = ("templates/serviceaccounts.yaml", "templates/rbac.yaml")
+TOKEN_SECONDS = 12 * 3600
+
+
+def token_kubeconfig(cluster: KubeCluster, token: str, path: Path) -> Path:
+    """A kubeconfig for the cluster's API server (its address and CA from the admin's) with ``token``."""
+    admin = yaml.safe_load(cluster.kubeconfig.read_text())
+    config = {
+        "apiVersion": "v1", "kind": "Config", "clusters": admin["clusters"],
+        "users": [{"name": "sa", "user": {"token": token}}],
+        "contexts": [{"name": "sa", "context": {"cluster": admin["clusters"][0]["name"], "user": "sa"}}],
+        "current-context": "sa",
+    }
+    path.write_text(yaml.safe_dump(config))
+    path.chmod(0o600)
+    return path
+
+
+def apply_chart_identities(cluster: KubeCluster, directory: Path, *helm_args: str) -> ChartIdentities:
+    """The chart's ServiceAccounts and RBAC (``helm template`` of its identity templates with
+    ``helm_args``, applied with kubectl into CHART_NAMESPACE), and a kubeconfig per part in ``directory``
+    holding a token of its ServiceAccount made through the TokenRequest API."""
+    rendered = render_chart(
+        cluster, CHART_RELEASE, CHART_NAMESPACE, "--set", f"webhook.configurationName={CHART_WEBHOOK_CONFIG}",
+        *helm_args, *(arg for template in IDENTITY_TEMPLATES for arg in ("--show-only", template)),
+    )
+    namespace = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": CHART_NAMESPACE}}
+    cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(namespace))
+    cluster.kubectl("apply", "-f", "-", input=rendered)
+    accounts = {
+        doc["metadata"]["labels"]["app.kubernetes.io/component"]: doc["metadata"]["name"]
+        for doc in yaml.safe_load_all(rendered) if doc and doc["kind"] == "ServiceAccount"
+    }
+    assert set(accounts) == {"controller", "agent"}, f"the chart's ServiceAccounts: {accounts}"
+    kubeconfigs = {}
+    for part, account in accounts.items():
+        answer = cluster.core_v1().create_namespaced_service_account_token(account, CHART_NAMESPACE, {
+            "apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
+            "spec": {"expirationSeconds": TOKEN_SECONDS},
+        })
+        kubeconfigs[part] = token_kubeconfig(cluster, answer.status.token, directory / f"{part}.kubeconfig")
+    secret_rules = [rule for doc in yaml.safe_load_all(rendered) if doc and doc["kind"] == "Role"
+                    for rule in doc["rules"] if rule["resources"] == ["secrets"] and rule.get("resourceNames")]
+    assert len(secret_rules) == 1 and len(secret_rules[0]["resourceNames"]) == 1, secret_rules
+    return ChartIdentities(CHART_NAMESPACE, accounts, kubeconfigs, CHART_WEBHOOK_CONFIG,
+                           secret_rules[0]["resourceNames"][0], rendered)

@@ -21,6 +21,7 @@ Where the control plane lives (its state dir, see scripts/control-plane):
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -32,8 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
-from cluster import CHART_NAMESPACE, CHART_RELEASE, REPO_ROOT, ChartIdentities, KubeCluster, render_chart
+from cluster import REPO_ROOT, ChartIdentities, KubeCluster, apply_chart_identities
 
 CONTROL_PLANE = REPO_ROOT / "scripts" / "control-plane"
 E2E_DIR = Path(__file__).resolve().parent
@@ -173,59 +173,16 @@ def operator(kube_cluster: KubeCluster, operator_crds: None, chart_identities: C
 
 # ---- the chart's identities -------------------------------------------------------------------------
 
-CHART_WEBHOOK_CONFIG = "e2e-mig-operator"
-# The chart's templates that hold the identities; nothing else of the chart is applied here.
-IDENTITY_TEMPLATES = ("templates/serviceaccounts.yaml", "templates/rbac.yaml")
-TOKEN_SECONDS = 12 * 3600
 # How the API server words an RBAC refusal (not other 403s, such as writes into a terminating namespace).
 RBAC_REFUSAL = re.compile(r'is forbidden: User "[^"]*" cannot ')
 
 
-def token_kubeconfig(cluster: KubeCluster, token: str, path: Path) -> Path:
-    """A kubeconfig for the session's API server (its address and CA from the admin's) with ``token``."""
-    admin = yaml.safe_load(cluster.kubeconfig.read_text())
-    config = {
-        "apiVersion": "v1", "kind": "Config", "clusters": admin["clusters"],
-        "users": [{"name": "sa", "user": {"token": token}}],
-        "contexts": [{"name": "sa", "context": {"cluster": admin["clusters"][0]["name"], "user": "sa"}}],
-        "current-context": "sa",
-    }
-    path.write_text(yaml.safe_dump(config))
-    path.chmod(0o600)
-    return path
-
-
 @pytest.fixture(scope="session")
 def chart_identities(kube_cluster: KubeCluster, tmp_path_factory: pytest.TempPathFactory) -> ChartIdentities:
-    """The chart's ServiceAccounts and RBAC (``helm template`` of its identity templates, applied
-    with kubectl into CHART_NAMESPACE), and a kubeconfig per part holding a token of its
-    ServiceAccount made through the TokenRequest API. Left in place at the end: applying is
-    idempotent, and a kept control plane serves the next session with the same objects."""
-    rendered = render_chart(
-        kube_cluster, CHART_RELEASE, CHART_NAMESPACE, "--set", f"webhook.configurationName={CHART_WEBHOOK_CONFIG}",
-        *(arg for template in IDENTITY_TEMPLATES for arg in ("--show-only", template)),
-    )
-    namespace = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": CHART_NAMESPACE}}
-    kube_cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(namespace))
-    kube_cluster.kubectl("apply", "-f", "-", input=rendered)
-    accounts = {
-        doc["metadata"]["labels"]["app.kubernetes.io/component"]: doc["metadata"]["name"]
-        for doc in yaml.safe_load_all(rendered) if doc and doc["kind"] == "ServiceAccount"
-    }
-    assert set(accounts) == {"controller", "agent"}, f"the chart's ServiceAccounts: {accounts}"
-    directory = tmp_path_factory.mktemp("chart-identities")
-    kubeconfigs = {}
-    for part, account in accounts.items():
-        answer = kube_cluster.core_v1().create_namespaced_service_account_token(account, CHART_NAMESPACE, {
-            "apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
-            "spec": {"expirationSeconds": TOKEN_SECONDS},
-        })
-        kubeconfigs[part] = token_kubeconfig(kube_cluster, answer.status.token, directory / f"{part}.kubeconfig")
-    secret_rules = [rule for doc in yaml.safe_load_all(rendered) if doc and doc["kind"] == "Role"
-                    for rule in doc["rules"] if rule["resources"] == ["secrets"] and rule.get("resourceNames")]
-    assert len(secret_rules) == 1 and len(secret_rules[0]["resourceNames"]) == 1, secret_rules
-    return ChartIdentities(CHART_NAMESPACE, accounts, kubeconfigs, CHART_WEBHOOK_CONFIG,
-                           secret_rules[0]["resourceNames"][0], rendered)
+    """The chart's ServiceAccounts and RBAC in the session's cluster (``cluster.apply_chart_identities``).
+    Left in place at the end: applying is idempotent, and a kept control plane serves the next session
+    with the same objects."""
+    return apply_chart_identities(kube_cluster, tmp_path_factory.mktemp("chart-identities"))
 
 
 # ---- the CDI validator --------------------------------------------------------------------------
@@ -281,29 +238,67 @@ class UpgradablePlane:
         self.cluster.bin_dir = self.cluster.bin_dir.parents[1] / self.to_version / "bin"
 
 
-@pytest.fixture(scope="module")
-def upgradable_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpgradablePlane]:
-    """A control plane of its own (scheduler, controller-manager, kwok) at K8S_OLDEST_VERSION, for tests
-    that upgrade it to K8S_DEFAULT_VERSION; stopped at the end. The session's plane is not touched."""
-    oldest, newest = _script_setting("K8S_OLDEST_VERSION"), _script_setting("K8S_DEFAULT_VERSION")
-    state_dir = os.path.join(tempfile.mkdtemp(prefix="mig-operator-upgrade-cp-"), "state")
-    log_dir = tmp_path_factory.mktemp("upgradable-plane")
+@dataclass
+class PrivatePlane:
+    """A control plane of a test module's own: its KubeCluster, state dir and the dir of its scripts' logs."""
+
+    cluster: KubeCluster
+    state_dir: str
+    log_dir: Path
+
+
+@contextlib.contextmanager
+def private_plane(tmp_path_factory: pytest.TempPathFactory, name: str, components: str,
+                  k8s_version: str | None = None) -> Iterator[PrivatePlane]:
+    """``up --with components`` in a fresh state dir (at ``k8s_version``, else the script's default),
+    stopped and removed at the end; the session's plane is not touched."""
+    state_dir = os.path.join(tempfile.mkdtemp(prefix=f"mig-operator-{name}-cp-"), "state")
+    log_dir = tmp_path_factory.mktemp(f"{name}-plane")
+    log_path = log_dir / "up.log"
     try:
         with pytest.MonkeyPatch.context() as patch:
-            patch.setenv("MIG_OPERATOR_K8S_VERSION", oldest)
-            up = _control_plane("up", "--with", COMPONENTS, state_dir=state_dir, log_path=log_dir / "up.log",
-                                timeout=UP_TIMEOUT_S)
+            if k8s_version is not None:
+                patch.setenv("MIG_OPERATOR_K8S_VERSION", k8s_version)
+            try:
+                up = _control_plane("up", "--with", components, state_dir=state_dir, log_path=log_path,
+                                    timeout=UP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"scripts/control-plane up --with {components} timed out after {UP_TIMEOUT_S} s:\n"
+                            + _tail(log_path), pytrace=False)
             env = dict(line.split("=", 1) for line in _control_plane("env", state_dir=state_dir).stdout.splitlines()
                        if "=" in line)
         last_line = up.stdout.strip().splitlines()[-1] if up.stdout.strip() else ""
         if up.returncode != 0 or not last_line.startswith("KUBECONFIG="):
-            pytest.fail(f"scripts/control-plane up ({oldest}) failed (exit {up.returncode}):\n"
-                        + _tail(log_dir / "up.log"), pytrace=False)
+            pytest.fail(f"scripts/control-plane up --with {components} ({env['K8S_VERSION']}) failed "
+                        f"(exit {up.returncode}):\n" + _tail(log_path), pytrace=False)
         cluster = KubeCluster(kubeconfig=Path(last_line.removeprefix("KUBECONFIG=")), bin_dir=Path(env["BIN_DIR"]),
-                              k8s_version=oldest, running=_running_processes(state_dir))
-        yield UpgradablePlane(cluster, state_dir, oldest, newest, log_dir)
+                              k8s_version=env["K8S_VERSION"], running=_running_processes(state_dir))
+        yield PrivatePlane(cluster, state_dir, log_dir)
         if cluster._api_client is not None:
             cluster._api_client.close()
     finally:
         _control_plane("down", state_dir=state_dir)
         shutil.rmtree(os.path.dirname(state_dir), ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def upgradable_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpgradablePlane]:
+    """A control plane of its own (scheduler, controller-manager, kwok) at K8S_OLDEST_VERSION, for tests
+    that upgrade it to K8S_DEFAULT_VERSION; stopped at the end. The session's plane is not touched."""
+    oldest, newest = _script_setting("K8S_OLDEST_VERSION"), _script_setting("K8S_DEFAULT_VERSION")
+    with private_plane(tmp_path_factory, "upgrade", COMPONENTS, k8s_version=oldest) as plane:
+        yield UpgradablePlane(plane.cluster, plane.state_dir, oldest, newest, plane.log_dir)
+
+
+# ---- a plane with a real node autoscaler ---------------------------------------------------------------
+
+KARPENTER_COMPONENTS = f"{COMPONENTS},karpenter"
+
+
+@pytest.fixture(scope="module")
+def karpenter_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KubeCluster]:
+    """A control plane of its own with Karpenter's kwok provider (``up --with ...,karpenter``: its CRDs,
+    CapacityBuffer enabled, the GPU node shapes of scripts/karpenter/gpu-instance-types.json) and no
+    node; tests/e2e/autoscaler.py applies NodePools to it. Stopped at the end."""
+    with private_plane(tmp_path_factory, "karpenter", KARPENTER_COMPONENTS) as plane:
+        yield plane.cluster

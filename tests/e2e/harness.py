@@ -335,6 +335,15 @@ class OperatorHarness:
         self.nodes[name] = node
         return node
 
+    def attach_node(self, name: str, model: str, count: int = 1, labelled: bool = True) -> SimNode:
+        """Simulated GPUs for a Node something else made (a node autoscaler), and its agent started, as
+        the chart's DaemonSet would start one on a new node."""
+        node = SimNode(name, model, count, labelled, self.workdir / f"{name}.json")
+        node.backend()  # its GPUs' state, MIG enabled
+        self.nodes[name] = node
+        self.agent(node)
+        return node
+
     def label(self, node: SimNode, labelled: bool) -> None:
         self.core.patch_node(node.name, {"metadata": {"labels": {MIG_LABEL: "mig" if labelled else None}}})
         node.labelled = labelled

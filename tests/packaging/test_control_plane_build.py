@@ -7,7 +7,9 @@ at once instead of compiling, so a success means nothing more was wanted.
 
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -66,3 +68,69 @@ def test_an_unknown_component_is_a_usage_error(cache: Path) -> None:
     bad = build(cache, "--for", "scheduler,kubelet")
     assert bad.returncode == 2
     assert "kubelet" in bad.stderr
+
+
+# ---- Karpenter's kwok provider: one build in the cache shared by every Kubernetes version ----------------
+
+
+def karpenter_dir(cache: Path) -> Path:
+    found = re.search(r"^KARPENTER_VERSION=(\S+)$", CONTROL_PLANE.read_text(), re.MULTILINE)
+    assert found
+    return cache / "karpenter" / found[1]
+
+
+def stand_in_karpenter(cache: Path) -> None:
+    """A stand-in binary and the five CRD files Karpenter's build leaves in the cache."""
+    directory = karpenter_dir(cache)
+    (directory / "bin").mkdir(parents=True)
+    (directory / "bin" / "karpenter").write_text("#!/bin/sh\necho karpenter\n")
+    (directory / "bin" / "karpenter").chmod(0o755)
+    (directory / "crds").mkdir()
+    for crd in ("karpenter.sh_nodepools.yaml", "karpenter.sh_nodeclaims.yaml", "karpenter.sh_nodeoverlays.yaml",
+                "autoscaling.x-k8s.io_capacitybuffers.yaml", "karpenter.kwok.sh_kwoknodeclasses.yaml"):
+        (directory / "crds" / crd).write_text("")
+
+
+def test_karpenter_is_built_when_listed(cache: Path) -> None:
+    assert build(cache, "--for", "karpenter").returncode != 0
+    stand_in_karpenter(cache)
+    scoped = build(cache, "--for", "karpenter")
+    assert scoped.returncode == 0, scoped.stderr
+    assert "'up --with scheduler,controller-manager,kwok,karpenter'" in scoped.stderr
+
+
+def test_karpenter_wants_kwok_beside_it(cache: Path) -> None:
+    stand_in_karpenter(cache)
+    (next(cache.glob("k8s/*/bin")) / "kwok").unlink()
+    assert build(cache, "--for", "karpenter").returncode != 0
+
+
+def current_stand_in(cache: Path, name: str, source: str) -> None:
+    """A stand-in for a tool of tools/ that the script takes as built from the current source: its
+    fingerprint, the sha256 of the tool's .go, go.mod and go.sum files in name order (source_hash)."""
+    tool = REPO_ROOT / source
+    files = sorted(f.name for f in tool.iterdir()
+                   if f.is_file() and (f.suffix == ".go" or f.name in ("go.mod", "go.sum")))
+    digest = hashlib.sha256(b"".join((tool / f).read_bytes() for f in files)).hexdigest()
+    path = next(cache.glob("k8s/*/bin")) / name
+    path.write_text("#!/bin/sh\n")
+    path.chmod(0o755)
+    path.with_name(f"{name}.source-sha256").write_text(digest + "\n")
+
+
+def test_karpenter_is_not_part_of_everything(cache: Path) -> None:
+    """Plain `build` (make test) leaves Karpenter out; `build --with karpenter` adds it to everything."""
+    current_stand_in(cache, "hollow-node", "tools/hollow-node")
+    current_stand_in(cache, "cdi-validate", "tools/cdi-validate")
+    plain = build(cache)
+    assert plain.returncode == 0, plain.stderr
+    assert build(cache, "--with", "karpenter").returncode != 0
+    stand_in_karpenter(cache)
+    with_karpenter = build(cache, "--with", "karpenter")
+    assert with_karpenter.returncode == 0, with_karpenter.stderr
+
+
+def test_an_unknown_with_is_a_usage_error(cache: Path) -> None:
+    bad = build(cache, "--with", "node,autoscaler")
+    assert bad.returncode == 2
+    assert "autoscaler" in bad.stderr

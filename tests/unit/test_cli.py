@@ -637,3 +637,142 @@ def test_the_webhook_command_checks_the_controllers_webhook_flags_before_start(t
     if argv and argv[-2] != "--peering":
         same = part(tmp_path, "controller", *argv)
         assert_one_line_error(same, 2, fragment)
+
+
+# ---- the controller's autoscaling flags ------------------------------------------------------------
+
+POOLS_YAML = """\
+- name: h200
+  nodeLabels: {pool: h200, cdmo.clear.ml/gpu-partitioning: mig}
+  gpuModel: h200-141gb
+  gpusPerNode: 8
+  cpu: "190"
+  memory: 1900Gi
+  maxNodes: 3
+"""
+
+
+def controller_options(monkeypatch, tmp_path: Path, capsys, *argv: str) -> tuple[int | None, str, object]:
+    """``mig-operator controller ARGV`` in this process up to building its registry: the exit code and
+    stderr of a refusal, or the ControllerOptions it would run with."""
+    import mig_operator.kube.controller.main as controller_main
+
+    seen = []
+
+    class Built(Exception):
+        pass
+
+    def build_registry(options, *_):
+        seen.append(options)
+        raise Built
+
+    monkeypatch.setattr(controller_main, "build_registry", build_registry)
+    try:
+        code = main(["controller", "--kubeconfig", str(unreachable_kubeconfig(tmp_path)), *argv])
+    except Built:
+        code = None
+    return code, capsys.readouterr().err, seen[0] if seen else None
+
+
+def pools_file(tmp_path: Path, data: bytes | str, name: str = "pools.yaml") -> str:
+    path = tmp_path / name
+    path.write_bytes(data.encode() if isinstance(data, str) else data)
+    return str(path)
+
+
+def test_without_a_pools_file_the_controller_does_not_autoscale(monkeypatch, tmp_path, capsys) -> None:
+    code, _, options = controller_options(monkeypatch, tmp_path, capsys)
+    assert code is None and options.autoscaling is None
+
+
+@pytest.mark.parametrize("form", ["yaml", "json", "json-object"])
+def test_the_pools_file_reaches_the_controller_as_yaml_or_json(monkeypatch, tmp_path, capsys, form: str) -> None:
+    entry = {"name": "h200", "nodeLabels": {"pool": "h200", "cdmo.clear.ml/gpu-partitioning": "mig"},
+             "gpuModel": "h200-141gb", "gpusPerNode": 8, "cpu": "190", "memory": "1900Gi", "maxNodes": 3}
+    text = {"yaml": POOLS_YAML, "json": json.dumps([entry]), "json-object": json.dumps({"pools": [entry]})}[form]
+    code, err, options = controller_options(
+        monkeypatch, tmp_path, capsys, "--autoscaling-pools", pools_file(tmp_path, text), "--namespace", "gpu-ops",
+        "--autoscaling-backend", "placeholder", "--placeholder-priority-class", "low",
+        "--placeholder-image", "example.com/pause:3.10")
+    assert code is None, err
+    scaling = options.autoscaling
+    (pool,) = scaling.pools
+    assert (pool.name, pool.gpus, pool.max_nodes, pool.memory, pool.mig) == ("h200", 8, 3, 1900 * 2**30, True)
+    assert (scaling.namespace, scaling.backend, scaling.priority_class, scaling.image) == (
+        "gpu-ops", "placeholder", "low", "example.com/pause:3.10")
+
+
+@pytest.mark.parametrize(("argv", "fragments"), [
+    (["--autoscaling-backend", "karpenter"], ["--autoscaling-backend 'karpenter' is not one of auto, "
+                                              "capacitybuffer, placeholder", "--autoscaling-backend auto"]),
+    (["--autoscaling-backend", ""], ["--autoscaling-backend ''"]),
+    (["--placeholder-priority-class", "Low Priority"], ["--placeholder-priority-class 'Low Priority'",
+                                                         "mig-operator-placeholder"]),
+    (["--placeholder-image", ""], ["--placeholder-image '' is not an image reference",
+                                   "--placeholder-image registry.k8s.io/pause:3.10"]),
+    (["--placeholder-image", "pause 3.10"], ["--placeholder-image 'pause 3.10'"]),
+    (["--placeholder-image", "pause\n:3.10"], ["--placeholder-image 'pause\\n:3.10'"]),
+    (["--placeholder-image", "p\u00e1use:3.10"], ["is not an image reference"]),
+    (["--placeholder-image", "x" * 513], ["is not an image reference"]),
+    (["--autoscaling-pools", "pools.yaml"], ["--autoscaling-pools 'pools.yaml' is not an absolute file path",
+                                             "/etc/mig-operator/autoscaling/pools.yaml"]),
+    (["--autoscaling-pools", "/"], ["--autoscaling-pools '/' is not an absolute file path"]),
+    (["--autoscaling-pools", "/nonexistent/pools.yaml"], ["--autoscaling-pools '/nonexistent/pools.yaml' cannot "
+                                                          "be read: No such file or directory"]),
+])
+def test_a_bad_autoscaling_flag_is_one_line_naming_it(monkeypatch, tmp_path, capsys, argv: list[str],
+                                                      fragments: list[str]) -> None:
+    code, err, options = controller_options(monkeypatch, tmp_path, capsys, *argv)
+    assert code == 2 and options is None
+    assert err.count("\n") == 1 and "Traceback" not in err
+    for fragment in fragments:
+        assert fragment in err, err
+
+
+def test_the_pools_directory_is_not_a_file(monkeypatch, tmp_path, capsys) -> None:
+    code, err, _ = controller_options(monkeypatch, tmp_path, capsys, "--autoscaling-pools", str(tmp_path))
+    assert code == 2 and "is a directory, not a file" in err
+
+
+def hostile_pools() -> list[tuple[bytes, str]]:
+    laughs = ['a0: &a0 ["x", "x", "x", "x", "x", "x", "x", "x", "x"]']
+    laughs += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 12)]
+    laughs.append("pools: [*a11]")
+    return [
+        (POOLS_YAML.replace("gpusPerNode: 8", "gpusPerNode: 0").encode(), "autoscaling pool 0: gpusPerNode 0"),
+        (POOLS_YAML.replace("cpu: \"190\"", "cpu: \"\uff11\uff19\uff10\"").encode(), "is not ASCII"),
+        (POOLS_YAML.encode() + POOLS_YAML.encode(), "autoscaling pool name(s) h200 used twice"),
+        (POOLS_YAML.replace("maxNodes: 3", "maxNodes: true").encode(), "maxNodes True"),
+        (POOLS_YAML.replace("maxNodes: 3", "maxNodes: 3\n  zone: a").encode(), "unknown field(s) 'zone'"),
+        (b"- [unclosed", "is not ASCII JSON or YAML"),
+        (b"\xff\xfe- name: h200", "is not ASCII JSON or YAML"),
+        (b"", "None is not a list of 1 to 32 pools"),
+        (b"[" * 200_000, "is nested too deeply"),
+        ("\n".join(laughs).encode(), "an alias (*name) is not taken in a pools file"),
+        (b"- " + b" " * (1 << 20), "is larger than 1048576 bytes"),
+    ]
+
+
+@pytest.mark.parametrize(("content", "fragment"), hostile_pools(), ids=lambda v: v if isinstance(v, str) else "")
+def test_a_bad_pools_file_is_one_line_naming_what_is_wrong(monkeypatch, tmp_path, capsys, content: bytes,
+                                                           fragment: str) -> None:
+    path = pools_file(tmp_path, content)
+    code, err, options = controller_options(monkeypatch, tmp_path, capsys, "--autoscaling-pools", path)
+    assert code == 2 and options is None
+    assert err.count("\n") == 1 and "Traceback" not in err and len(err) < 1500, err[:2000]
+    assert "--autoscaling-pools '/" in err and fragment in err, err
+
+
+def test_a_pools_file_of_exactly_the_cap_is_read(monkeypatch, tmp_path, capsys) -> None:
+    text = POOLS_YAML.encode()
+    path = pools_file(tmp_path, text + b" " * ((1 << 20) - len(text)))
+    assert os.path.getsize(path) == 1 << 20
+    code, err, options = controller_options(monkeypatch, tmp_path, capsys, "--autoscaling-pools", path)
+    assert code is None, err
+    assert [p.name for p in options.autoscaling.pools] == ["h200"]
+
+
+def test_a_bad_pools_file_stops_the_controller_process_in_one_line(tmp_path) -> None:
+    path = pools_file(tmp_path, POOLS_YAML.replace("h200-141gb", "h300"))
+    proc = part(tmp_path, "controller", "--autoscaling-pools", path)
+    assert_one_line_error(proc, 2, "gpuModel: unknown GPU model 'h300'")

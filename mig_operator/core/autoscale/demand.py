@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 
 from ..books.ledger import Ledger, SliceRecord
-from ..books.quota import NO_QUOTA, QUOTA_EXCEEDED
+from ..books.quota import NO_QUOTA, QUOTA_EXCEEDED, admit
 from ..placement.cluster import NO_SUCH_NODE, NodeInventory, Refusal, clip_message
 from .nodes import of_pool, pool_allows
 from .pools import NodePool
@@ -30,13 +30,19 @@ def scalable(code: str) -> bool:
 
 def waiting_of(ledger: Ledger, info: SliceRecord) -> Waiting | None:
     """``info`` (with its group) as the scale-up plan takes it; None when no new node could be its
-    place: pinned to a node, its group incomplete or partly bound, or its pod not known."""
+    place: pinned to a node, its group incomplete or partly bound, its pod not known, or past its
+    namespace's quota whatever node it gets (a cluster with no GPU yet refuses it NoGpu, not
+    QuotaExceeded)."""
     if info.pinned is not None or info.request is None:
         return None
     members = ledger.group_members(info)
     if info.group is not None and len(members) != info.group_size:
         return None
     if any(m.binding is not None or ledger.reserved(m.uid) is not None or m.request is None for m in members):
+        return None
+    least = sum(m.request.memory_bytes or 0 for m in members if m.request is not None)
+    if not admit(ledger.quotas.get(info.namespace), ledger.used(info.namespace), least, at_least=True,
+                 slices=len(members)).allowed:
         return None
     spec = None
     if info.pod_owner is not None:

@@ -5,7 +5,7 @@ A node tainted for removal (Karpenter's ``karpenter.sh/disrupted``, Cluster Auto
 not running yet (or a GpuSlice made directly, whose device is held for whoever names its claim) is
 kept: the operator annotates it so that neither autoscaler removes it, and takes its annotations off
 when no such slice is left. It only ever removes the annotations it added itself (its mark lists
-them), so an admin's own ``karpenter.sh/do-not-disrupt`` stays.
+them), so an admin's own ``karpenter.sh/do-not-disrupt`` stays, whatever its value.
 
 Idle instances hold no node: they are neither pods nor allocated claims, so a node with only idle
 instances looks empty to the autoscaler and is removed.
@@ -46,7 +46,7 @@ def keep_patch(keep: bool, annotations: Mapping[str, str]) -> dict[str, str | No
     if keep:
         if marked is not None:
             return None
-        added = [k for k, v in KEEP_ANNOTATIONS.items() if annotations.get(k) != v]
+        added = [k for k in KEEP_ANNOTATIONS if k not in annotations]  # one already there is an admin's
         return {**{k: KEEP_ANNOTATIONS[k] for k in added}, KEPT_MARK: ",".join(added) or "-"}
     if marked is None:
         return None

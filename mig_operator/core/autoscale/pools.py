@@ -140,6 +140,8 @@ def read_pool(index: int, entry: object) -> NodePool:
     gpus = _count(index, entry.get("gpusPerNode", 1), "gpusPerNode", MAX_GPUS_PER_NODE)
     cpu = _amount(index, entry.get("cpu"), "cpu")
     memory = _amount(index, entry.get("memory"), "memory")
+    if memory < 1:
+        raise _fail(index, f"memory {clip_repr(entry.get('memory'))} is less than one byte")
     max_nodes = _count(index, entry.get("maxNodes", DEFAULT_MAX_NODES), "maxNodes", MAX_NODES_LIMIT)
     taints = _taints(index, entry.get("taints", []))
     return NodePool(name, labels, model, gpus, cpu, int(memory), taints, max_nodes)
