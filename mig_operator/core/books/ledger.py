@@ -172,6 +172,7 @@ class Ledger:
         # Node -> the resourceVersion of the GpuNode its inventory was read from (0: unknown).
         self._inventory_versions: dict[str, int] = {}
         self.nodes: dict[str, NodeRecord] = {}  # every Node: the controller's one Node cache
+        self._nodes_listed = False  # whether ``nodes`` came from a full list yet (else a Node missing says nothing)
         self._pods: dict[tuple[str, str], PodRecord] = {}  # (namespace, pod group) -> its pod
         # Pods (namespace, pod group) whose gate is being removed: the pod's own event and its slice's may
         # both find it ready at once, and a second patch would only be refused (422) and read the pod.
@@ -245,6 +246,15 @@ class Ledger:
             and s.request is not None
         ]
         return sorted(waiting, key=lambda s: s.order)
+
+    def node_gone(self, node: str) -> bool:
+        """Whether ``node`` is gone: neither its Node nor its GpuNode exists (a node autoscaler or an admin
+        removed it; its agent and its devices went with it). False until the Nodes were listed once."""
+        return self._nodes_listed and node not in self.nodes and node not in self.inventories
+
+    def bound_on(self, node: str) -> list[SliceRecord]:
+        """The slices bound to ``node``."""
+        return [s for s in self.slices.values() if s.binding is not None and s.binding.node == node]
 
     def nodes_to_keep(self) -> set[str]:
         """The nodes a node autoscaler must not remove (``core.autoscale.nodes``): where a slice is bound
@@ -718,6 +728,7 @@ class Ledger:
         self._claims = {uid: c for uid, c in self._claims.items() if uid in fresh}
         self._unreserved &= fresh.keys()
         self.nodes = dict(nodes)
+        self._nodes_listed = True
         labels = {name: record.flags for name, record in self.nodes.items()}
         held = {uid: s.binding for uid, s in fresh.items() if s.binding is not None}
         held.update({uid: r[0] for uid, r in self._reserved.items()})

@@ -234,6 +234,29 @@ class Binder:
         await remove_finalizer(self.client, slice_path(info.namespace, info.name), info.body, AGENT_FINALIZER,
                                unless=lambda fresh: binding_from_status(info.uid, fresh.get("status")) is not None)
 
+    async def let_go_gone_node(self, info: SliceRecord) -> None:
+        """Take the agent's finalizer off a bound slice being deleted whose node is gone: no agent will
+        release it, and its device went with the node."""
+        if (info.binding is None or not self.ledger.node_gone(info.binding.node)
+                or AGENT_FINALIZER not in (info.body["metadata"].get("finalizers") or ())):
+            return
+        node = info.binding.node
+        await remove_finalizer(self.client, slice_path(info.namespace, info.name), info.body, AGENT_FINALIZER,
+                               unless=lambda _fresh: not self.ledger.node_gone(node))
+        log.info("slice %s released: its node %s is gone", info.ref, node)
+
+    async def fail_gone_node(self, info: SliceRecord) -> bool:
+        """A live slice bound to a node that is gone: phase Failed, reason NodeGone, and an Event (its
+        device went with the node; a new slice is placed anew). True when its node is gone."""
+        if info.binding is None or not self.ledger.node_gone(info.binding.node):
+            return False
+        if info.phase != "Failed":
+            message = (f"node {info.binding.node} is gone (a node autoscaler or an admin removed it) and the "
+                       "slice's device with it; delete this GpuSlice and create it again to be placed anew")
+            await self._write(info, status.failed(info.body.get("status"), "NodeGone", message))
+            self.events.post(info.body, "Warning", "NodeGone", message)
+        return True
+
     async def fail_invalid(self, info: SliceRecord) -> None:
         """A slice whose spec cannot be served (an API server without CEL let it in): phase Failed, reason
         InvalidSpec, and an Event."""
@@ -264,6 +287,8 @@ class Binder:
             inventory(body), resource_version(body.get("metadata") or {}))
         for namespace in changed:  # a device its agent holds for a slice that is gone
             self._namespace_changed(namespace)
+        if deleted:
+            self._look_at_bound(inventory_node(body))
         # A device a slice names may have just been published: its key looks at its claim and pod again.
         for namespace, name in self.ledger.take_device_waits(inventory_node(body)):
             self.queue.enqueue(("slice", namespace, name))
@@ -274,6 +299,8 @@ class Binder:
         """A Node changed (None: it is gone): its labels and taints; planning reads the MIG label,
         fraction sharing and runtime trust."""
         record = node_record(body) if body is not None else None
+        if body is None:
+            self._look_at_bound(name)
         if record != self.ledger.nodes.get(name):
             self.pods.look_waiting()  # where a pod may go changed: its waiting slice may be limited otherwise
         changed = self.ledger.put_node(name, record)
@@ -281,6 +308,11 @@ class Binder:
             for namespace in changed:  # fraction sharing changes what its fractions are charged
                 self._namespace_changed(namespace)
             self.request_replan()
+
+    def _look_at_bound(self, node: str) -> None:
+        """A Node or GpuNode went: the slices bound there are looked at again (is their node gone?)."""
+        for info in self.ledger.bound_on(node):
+            self.queue.enqueue(("slice", info.namespace, info.name))
 
     def quota_event(self, body: dict, deleted: bool) -> None:
         """A GpuQuota changed: raised, lowered, made or removed; the waiting slices are planned again."""
@@ -448,13 +480,15 @@ class Binder:
     async def _refuse(self, info: SliceRecord, refusal: Refusal) -> None:
         self.ledger.wait_in_line(info.uid, refusal.code)
         self._announce()
+        pool = None
         if self.autoscaling is not None:
-            refusal = self.autoscaling.shown(info, refusal)  # WaitingForNode, when a new node would take it
+            # WaitingForNode and the pool, when a new node would take it
+            refusal, pool = self.autoscaling.shown(info, refusal)
         current = info.body.get("status") or {}
         if current.get("phase") != "Pending" or current.get("reason") != refusal.code or (
-                current.get("message") != refusal.message):
+                current.get("message") != refusal.message) or current.get("pool") != pool:
             assert info.request is not None
-            await self._write(info, status.pending(current, info.request, refusal.code, refusal.message))
+            await self._write(info, status.pending(current, info.request, refusal.code, refusal.message, pool))
             log.info("slice %s waits (%s): %s", info.ref, refusal.code, refusal.message)
             # The Event goes with the status write that tells the same: a status that already says it
             # needs no Event (a restart plans every waiting slice again and has nothing new to tell).

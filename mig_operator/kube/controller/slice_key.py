@@ -6,13 +6,15 @@ a step that cannot go on yet ends the pass (the event that lets it go on adds th
 
 1. the claim's letting go a pod asked for (its pod deleted while gated, finished, or unschedulable;
    ``SliceClaims.let_go``);
-2. being deleted: an unbound slice's finalizer taken off (no agent selects it), and its claim's
-   reservation for a pod still gated taken off (``SliceClaims.slice_going``); nothing more;
+2. being deleted: an unbound slice's finalizer taken off (no agent selects it), and so a bound one's
+   whose node is gone (no agent is left to release it), and its claim's reservation for a pod still
+   gated taken off (``SliceClaims.slice_going``); nothing more;
 3. a spec that cannot be served: phase Failed, reason InvalidSpec;
 4. unbound and Pending: bound (``Binder.bind_now``), unless its namespace has slices in line (the line's
    pass binds it, then adds this key); a pod's slice's claim is written and allocated beside the
    binding's write;
-5. bound without the agent's finalizer (made by hand): the finalizer added (``Binder.mark``);
+5. bound to a node that is gone (neither Node nor GpuNode): phase Failed, reason NodeGone;
+   bound without the agent's finalizer (made by hand): the finalizer added (``Binder.mark``);
 6. its claim written and allocated once its device may be handed on (``SliceClaims.ensure``);
 7. its gated pod ungated once every slice of the pod has come this far (``PodSlices.move_on``); a slice
    that waits or failed has its pod told why instead (or made again where the pod may go now).
@@ -57,6 +59,7 @@ class SliceKey:
             return  # its pod finished or could not be scheduled: the pod's key deletes it next
         if info.deleting:
             await self.binder.let_go_unbound(info)
+            await self.binder.let_go_gone_node(info)
             await self.claims.slice_going(info)
             return
         if info.invalid:
@@ -76,5 +79,7 @@ class SliceKey:
             if info.binding is None:  # waits or failed: its pod is told why (or its slice made again)
                 await self.pods.move_on(info, False)
                 return
+        if await self.binder.fail_gone_node(info):
+            return
         await self.binder.mark(info)
         await self.pods.move_on(info, await self.claims.ensure(info))
