@@ -15,6 +15,9 @@ TESTS_DIR = Path(__file__).resolve().parent
 # The order tests are handed to workers in: the long-waiting folders first, so that the short ones fill
 # the end of the run rather than one long test trailing alone.
 FOLDER_ORDER = ("e2e", "node", "packaging", "helm")
+# Groups handed out before the rest of their folder: one worker runs each whole, for minutes (its own
+# control plane with a node autoscaler).
+FIRST_GROUPS = ("karpenter",)
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (its own hook of this name)
@@ -26,9 +29,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     node suite starts one real kubelet and containerd on this machine: one worker runs it all. Every
     other file stays on one worker, so its module fixtures are made once.
     """
-    def rank(item: pytest.Item) -> int:
+    def rank(item: pytest.Item) -> tuple[int, int]:
         folder = Path(item.path).resolve().relative_to(TESTS_DIR).parts[0]
-        return FOLDER_ORDER.index(folder) if folder in FOLDER_ORDER else len(FOLDER_ORDER)
+        group = item.get_closest_marker("xdist_group")
+        first = group is not None and bool(group.args) and group.args[0] in FIRST_GROUPS
+        return (FOLDER_ORDER.index(folder) if folder in FOLDER_ORDER else len(FOLDER_ORDER), 0 if first else 1)
 
     items.sort(key=rank)  # stable: each file's tests stay together and in order
     for item in items:

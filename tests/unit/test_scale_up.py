@@ -294,15 +294,26 @@ def test_quota_exceeded_and_pinned_slices_ask_for_no_node() -> None:
 
 
 def test_a_slice_its_quota_cannot_admit_asks_for_no_node_even_with_no_gpu_at_all() -> None:
-    # No GPU node yet (scale from zero): the refusal is NoGpu, not QuotaExceeded, but 20Gi is past a
-    # 10Gi quota whatever node comes, so no node is asked for it.
+    # No GPU node yet (scale from zero): the refusal is NoGpu, not QuotaExceeded, but 50Gi is past a
+    # 40Gi quota whatever node comes, so no node is asked for it. 8Gi gets a 1g.18gb (16 GiB), within.
     ledger = Ledger()
-    ledger.put_quota({"metadata": {"namespace": "small", "name": QUOTA_NAME}, "spec": {"memory": "10Gi"}})
-    ledger.put_slice(record("over", "small", slice_request(memory="20Gi"), second=10))
+    ledger.put_quota({"metadata": {"namespace": "small", "name": QUOTA_NAME}, "spec": {"memory": "40Gi"}})
+    ledger.put_slice(record("over", "small", slice_request(memory="50Gi"), second=10))
     ledger.put_slice(record("within", "small", slice_request(memory="8Gi"), second=11))
     refuse_all(ledger)
     up = plan_scale_up(ledger, pools(h200()))
     assert up.pool_of("over") is None and up.pool_of("within") == "h200" and up.nodes == {"h200": 1}
+
+
+def test_a_slice_whose_grant_its_quota_cannot_admit_asks_for_no_node() -> None:
+    # 8Gi is within a 10Gi quota, but an H200's smallest profile that holds it is 1g.18gb: 16384 MiB
+    # granted, past 10 GiB. The binding would be refused QuotaExceeded on the new node, so none is asked.
+    ledger = Ledger()
+    ledger.put_quota({"metadata": {"namespace": "small", "name": QUOTA_NAME}, "spec": {"memory": "10Gi"}})
+    ledger.put_slice(record("grant", "small", slice_request(memory="8Gi"), second=10))
+    refuse_all(ledger)
+    up = plan_scale_up(ledger, pools(h200()))
+    assert up.pool_of("grant") is None and up.nodes == {"h200": 0}
 
 
 def test_a_pods_node_selector_in_the_books_picks_the_pool() -> None:

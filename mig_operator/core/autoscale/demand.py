@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from ..books.ledger import Ledger, SliceRecord
 from ..books.quota import NO_QUOTA, QUOTA_EXCEEDED, admit
-from ..placement.cluster import NO_SUCH_NODE, NodeInventory, Refusal, clip_message
+from ..placement.cluster import NO_SUCH_NODE, Binding, NodeInventory, Refusal, clip_message
 from .nodes import of_pool, pool_allows
 from .pools import NodePool
 from .scale_up import ScaleUp, Waiting
@@ -40,9 +40,9 @@ def waiting_of(ledger: Ledger, info: SliceRecord) -> Waiting | None:
         return None
     if any(m.binding is not None or ledger.reserved(m.uid) is not None or m.request is None for m in members):
         return None
+    quota, used = ledger.quotas.get(info.namespace), ledger.used(info.namespace)
     least = sum(m.request.memory_bytes or 0 for m in members if m.request is not None)
-    if not admit(ledger.quotas.get(info.namespace), ledger.used(info.namespace), least, at_least=True,
-                 slices=len(members)).allowed:
+    if not admit(quota, used, least, at_least=True, slices=len(members)).allowed:
         return None
     spec = None
     if info.pod_owner is not None:
@@ -51,7 +51,13 @@ def waiting_of(ledger: Ledger, info: SliceRecord) -> Waiting | None:
             return None
         spec = pod.body.get("spec") or {}
     requests = [(m.uid, m.request) for m in members if m.request is not None]
-    return Waiting(members[0].uid, info.namespace, requests, lambda pool: pool_allows(pool, spec))
+    def admits(bindings: Sequence[Binding]) -> bool:
+        """What the slices would be granted on the new node against the quota (a fraction's grant, not
+        the whole GPU a namespace holding it alone is charged: the binding's own check refines it)."""
+        granted = sum(b.granted_bytes for b in bindings)
+        return admit(quota, used, granted, slices=len(bindings)).allowed
+
+    return Waiting(members[0].uid, info.namespace, requests, lambda pool: pool_allows(pool, spec), admits)
 
 
 def plan_scale_up(ledger: Ledger, pools: Sequence[NodePool]) -> ScaleUp:

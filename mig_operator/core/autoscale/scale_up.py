@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from ..placement.cluster import GpuState, NodeInventory, Refusal
+from ..placement.cluster import Binding, GpuState, NodeInventory, Refusal
 from ..placement.cluster_planner import ClusterPlanner
 from ..placement.planner import PlannerSettings
 from ..requests.request import SliceRequest
@@ -40,12 +40,14 @@ def _inventory(pool: NodePool, name: str) -> NodeInventory:
 class Waiting:
     """One waiting slice, or a pod's group of them, as the scale-up plan takes it: ``key`` names it
     (a slice uid, or the group's), ``members`` are (uid, request), ``allows(pool)`` says whether its
-    pod may run on a new node of that pool (its node selector, affinity and tolerations)."""
+    pod may run on a new node of that pool (its node selector, affinity and tolerations),
+    ``admits(bindings)`` whether its namespace's quota holds what it would be granted there."""
 
     key: str
     namespace: str
     members: Sequence[tuple[str, SliceRequest]]
     allows: Callable[[NodePool], bool]
+    admits: Callable[[Sequence[Binding]], bool] = lambda _bindings: True
 
 
 class ScaleUp:
@@ -80,7 +82,7 @@ class ScaleUp:
         opened = [node for p in pools for node in self._opened[p.name]]
         node = self._fit(waiting, opened) if opened else None
         if node is not None:
-            return self._placed(waiting.key, node.rsplit(_SEPARATOR, 1)[0])
+            return self._placed(waiting, node.rsplit(_SEPARATOR, 1)[0])
         for pool in pools:
             names = self._opened[pool.name]
             if len(names) >= pool.max_nodes:
@@ -90,14 +92,16 @@ class ScaleUp:
             self._planner.set_labelled(name, pool.mig)
             if self._fit(waiting, [name]) is not None:
                 names.append(name)
-                return self._placed(waiting.key, pool.name)
+                return self._placed(waiting, pool.name)
             self._planner.remove_inventory(name)
             self._planner.set_labelled(name, False)
         self._refused.add(shape)
         return None
 
-    def _placed(self, key: str, pool: str) -> str:
-        self._by_key[key] = pool
+    def _placed(self, waiting: Waiting, pool: str) -> str:
+        self._by_key[waiting.key] = pool
+        for uid, _request in waiting.members:
+            self._by_key[uid] = pool
         return pool
 
     def _fit(self, waiting: Waiting, nodes: list[str]) -> str | None:
@@ -106,5 +110,9 @@ class ScaleUp:
             placed = self._planner.plan_group(waiting.members, None, self._settings, nodes=nodes,
                                               namespace=waiting.namespace)
         except Refusal:
+            return None
+        if not waiting.admits(placed):
+            for binding in placed:
+                self._planner.drop_binding(binding.uid)
             return None
         return placed[0].node if placed else None
