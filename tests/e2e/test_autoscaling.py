@@ -30,6 +30,7 @@ from autoscaler import (
 from cluster import CHART_NAMESPACE, KubeCluster, apply_chart_identities
 from harness import MIG_LABEL, OperatorHarness, apply_crds, wait_for_log, wait_until
 from kubernetes.client.rest import ApiException
+from test_top_picture import top
 
 pytestmark = pytest.mark.xdist_group("karpenter")
 
@@ -93,7 +94,7 @@ def slice_status(op: OperatorHarness, ns: str, name: str) -> dict:
     return (body or {}).get("status") or {}
 
 
-@pytest.mark.parametrize("backend", ["capacitybuffer", "placeholder"])
+@pytest.mark.parametrize("backend", [pytest.param("capacitybuffer", marks=pytest.mark.compat), "placeholder"])
 def test_waiting_slices_bring_two_nodes_and_the_idle_nodes_go(operator: OperatorHarness, backend: str,
                                                               tmp_path: Path) -> None:
     op = operator
@@ -115,10 +116,12 @@ def test_waiting_slices_bring_two_nodes_and_the_idle_nodes_go(operator: Operator
     def waiting_for_node() -> bool:
         states = [slice_status(op, ns, n) for n in ("notebook", pod_slice)]
         return all(s.get("phase") == "Pending" and s.get("reason") == "WaitingForNode" and POOL in s.get("message", "")
-                   for s in states)
+                   and s.get("pool") == POOL for s in states)
 
-    # Both wait for a node of the pool, and exactly two nodes are asked for (see the module's docstring).
+    # Both wait for a node of the pool (its name in status.pool too), and exactly two nodes are asked for
+    # (see the module's docstring). No agent runs yet, so both still wait when top looks.
     wait_until(waiting_for_node, 30, lambda: f"both slices WaitingForNode\n{op.logs()}")
+    assert json.loads(top(op, "--json").stdout)["waitingForNode"] == {POOL: 2}
     if backend == "capacitybuffer":
         wait_until(lambda: ((capacity_buffer(cluster, CHART_NAMESPACE, f"mig-operator-{POOL}") or {})
                             .get("spec", {}).get("replicas") == 2), 30, lambda: f"the buffer at 2\n{op.logs()}")
@@ -133,6 +136,7 @@ def test_waiting_slices_bring_two_nodes_and_the_idle_nodes_go(operator: Operator
                                               for n in ("notebook", pod_slice))), 60,
                lambda: f"both slices Ready\n{op.logs()}")
     nodes = {slice_status(op, ns, n)["node"] for n in ("notebook", pod_slice)}
+    assert not [n for n in ("notebook", pod_slice) if "pool" in slice_status(op, ns, n)]  # placed: no pool named
     assert nodes == set(agents.running), (nodes, agents.running)
     wait_until(lambda: op.core.read_namespaced_pod("trainer", ns).status.phase == "Running", 60,
                lambda: f"the pod Running\n{op.logs()}")

@@ -133,7 +133,7 @@ def test_top_draws_the_layout_the_operator_made(operator: OperatorHarness) -> No
 
     # --json: the same picture for scripts; the counts are the GpuNode's and the agent's gauge's.
     out = json.loads(top(operator, "--json").stdout)
-    assert set(out) == {"nodes", "pending", "quotas"}
+    assert set(out) == {"nodes", "pending", "waitingForNode", "quotas"}
     [node] = [n for n in out["nodes"] if n["name"] == mig.name]
     [gpu] = node["gpus"]
     expected = ["free"] * 8
@@ -262,4 +262,4 @@ def test_watch_with_json_is_one_object_per_line(operator: OperatorHarness) -> No
     out, err = interrupt_after(proc, lambda out: out.count("\n") >= 2)  # two objects, one a line
     assert proc.returncode == 0, err
     objects = _json_lines(out)
-    assert len(objects) >= 2 and all(set(o) == {"nodes", "pending", "quotas"} for o in objects)
+    assert len(objects) >= 2 and all(set(o) == {"nodes", "pending", "waitingForNode", "quotas"} for o in objects)

@@ -150,7 +150,8 @@ def test_the_slot_counts_agree_with_the_gpunode_rule() -> None:
 def test_json_has_the_documented_shape() -> None:
     out = view_json(build_view(*layout()))
     json.dumps(out)  # serialisable as it is
-    assert set(out) == {"nodes", "pending", "quotas"}
+    assert set(out) == {"nodes", "pending", "waitingForNode", "quotas"}
+    assert out["waitingForNode"] == {}  # always there; no slice of the layout waits for a new node
     assert [n["name"] for n in out["nodes"]] == ["gpu-a", "l4-a"]
     gpu0 = out["nodes"][0]["gpus"][0]
     assert set(gpu0) == {"index", "product", "model", "memoryBytes", "mode", "serves", "servesReason", "slots",

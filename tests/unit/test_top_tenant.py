@@ -83,7 +83,7 @@ def test_a_tenant_refused_the_cluster_wide_lists_sees_its_contexts_namespace() -
 def test_its_json_keeps_the_keys_with_no_nodes_and_adds_the_slices() -> None:
     view = asyncio.run(read_view(QuotaReader("team-a", team_a()), Scope(None, fallback="team-a")))  # type: ignore[arg-type]
     out = json.loads(json.dumps(view_json(view)))
-    assert set(out) == {"nodes", "pending", "quotas", "slices"} and out["nodes"] == []
+    assert set(out) == {"nodes", "pending", "waitingForNode", "quotas", "slices"} and out["nodes"] == []
     assert [(s["namespace"], s["name"], s["node"], s["gpu"], s["mode"], s["phase"]) for s in out["slices"]] == [
         ("team-a", "infer", "l4-a", 0, "fraction", "Ready"), ("team-a", "train", "gpu-a", 0, "mig", "Ready"),
         ("team-a", "wait", "", None, "", "Pending")]

@@ -39,6 +39,7 @@ def view_json(view: TopView) -> dict[str, Any]:
             } for g in n.gpus],
         } for n in view.nodes],
         "pending": {"total": sum(view.pending.values()), "byReason": dict(view.pending)},
+        "waitingForNode": dict(view.waiting_for_node),
         "quotas": {
             "state": view.quota_state, "note": view.quota_note,
             "items": [{

@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..autoscale.demand import WAITING_FOR_NODE
 from ..node.health import health_from_conditions
 from ..placement.cluster import published_profiles
 from ..placement.compute import SHARED, compute_from_status, format_compute, gpu_compute, mig_compute
@@ -65,6 +66,7 @@ class SliceInfo:
     compute: float | None = None  # a fraction's share (status.compute); None: shared
     usage: SliceUsage | None = None  # status.usage as its node's agent measured it; None: none yet
     advice: Advice | None = None  # status.usage.advice
+    pool: str = ""  # status.pool: the node pool whose new node it waits for; "" when none
 
 
 @dataclass(frozen=True)
@@ -152,6 +154,7 @@ class TopView:
     namespace: str = ""
     slices: tuple[SliceInfo, ...] = field(default=())  # the namespace's slices, by name
     note: str = ""  # one line for stderr: why the picture is one namespace's; "" when asked for
+    waiting_for_node: dict[str, int] = field(default_factory=dict)  # pool -> slices waiting for a new node of it
 
 
 # ---- from API bodies -----------------------------------------------------------------------------
@@ -189,7 +192,7 @@ def slice_info(body: Mapping[str, Any]) -> SliceInfo:
         size=placement.get("size") if isinstance(placement.get("size"), int) else None,
         profile=str(st.get("profile") or ""), granted_bytes=_int(st.get("grantedBytes")),
         compute=compute_from_status(st.get("compute")),
-        usage=parse_usage(st), advice=parse_advice(st.get("usage")),
+        usage=parse_usage(st), advice=parse_advice(st.get("usage")), pool=str(st.get("pool") or ""),
     )
 
 
@@ -324,7 +327,8 @@ def build_view(gpunodes: Sequence[Mapping[str, Any]], slices: Sequence[Mapping[s
                 unhealthy="" if health.healthy else health.reason, health_message=health.message,
             ))
         nodes.append(NodeView(name, str(st.get("observedAt", "")), tuple(gpus)))
-    return TopView(tuple(nodes), _pending(infos), quota_state, quota_note, _quota_rows(quotas))
+    return TopView(tuple(nodes), _pending(infos), quota_state, quota_note, _quota_rows(quotas),
+                   waiting_for_node=_waiting_for_node(infos))
 
 
 def namespace_view(namespace: str, slices: Sequence[Mapping[str, Any]], quotas: Sequence[Mapping[str, Any]] | None,
@@ -332,7 +336,8 @@ def namespace_view(namespace: str, slices: Sequence[Mapping[str, Any]], quotas: 
     """One namespace's slices and GpuQuotas, with no GpuNode read: each slice's node, GPU, size, phase,
     usage and advice as its status says; ``note``: why the picture is limited (empty when asked for)."""
     infos = sorted((slice_info(b) for b in slices), key=lambda s: s.ref)
-    return TopView((), _pending(infos), quota_state, quota_note, _quota_rows(quotas), namespace, tuple(infos), note)
+    return TopView((), _pending(infos), quota_state, quota_note, _quota_rows(quotas), namespace, tuple(infos), note,
+                   _waiting_for_node(infos))
 
 
 def _pending(infos: Sequence[SliceInfo]) -> dict[str, int]:
@@ -342,6 +347,15 @@ def _pending(infos: Sequence[SliceInfo]) -> dict[str, int]:
         if s.phase == "Pending":
             pending[s.reason or "Pending"] = pending.get(s.reason or "Pending", 0) + 1
     return dict(sorted(pending.items()))
+
+
+def _waiting_for_node(infos: Sequence[SliceInfo]) -> dict[str, int]:
+    """Slices Pending with reason WaitingForNode, by the pool their status names, the pools in order."""
+    waiting: dict[str, int] = {}
+    for s in infos:
+        if s.phase == "Pending" and s.reason == WAITING_FOR_NODE and s.pool:
+            waiting[s.pool] = waiting.get(s.pool, 0) + 1
+    return dict(sorted(waiting.items()))
 
 
 def _quota_rows(quotas: Sequence[Mapping[str, Any]] | None) -> tuple[QuotaRow, ...]:
@@ -567,7 +581,7 @@ def render_text(view: TopView, width: int = WIDTH) -> str:
 
 def _footer(view: TopView, lines: list[str], measured: bool, width: int) -> list[str]:
     """After the GPUs (or a namespace's slices): the usage legend where figures are shown, the Pending
-    slices and the quota table."""
+    slices, those waiting for a new node by pool, and the quota table."""
     lines.append("")
     if measured:
         lines += _wrap("used/peak: GPU memory in use now and its peak since Ready; ->SIZE: that smaller size would "
@@ -578,5 +592,9 @@ def _footer(view: TopView, lines: list[str], measured: bool, width: int) -> list
         lines += _wrap(f"pending slices: {total} ({reasons})", width)
     else:
         lines.append("pending slices: none")
+    if view.waiting_for_node:
+        pools = ", ".join(f"pool {pool}: {count} slice{'' if count == 1 else 's'}"
+                          for pool, count in view.waiting_for_node.items())
+        lines += _wrap(f"waiting for a new node: {pools}", width)
     lines.extend(_quota_lines(view, width))
     return lines

@@ -52,10 +52,13 @@ def _conditions(previous: Mapping | None, bound: tuple[bool, str, str], ready: t
     return [_condition(previous, BOUND_CONDITION, *bound, when), _condition(previous, READY_CONDITION, *ready, when)]
 
 
-def pending(previous: Mapping | None, request: SliceRequest, reason: str, message: str) -> dict:
+def pending(previous: Mapping | None, request: SliceRequest, reason: str, message: str,
+            pool: str | None = None) -> dict:
+    """Waiting, with why; ``pool``: the node pool whose new node would take it (reason ``WaitingForNode``),
+    None takes ``status.pool`` off (a merge patch's null)."""
     when = now()
     return {
-        "phase": PENDING, "reason": reason, "message": _message(message), "request": request.describe(),
+        "phase": PENDING, "reason": reason, "message": _message(message), "request": request.describe(), "pool": pool,
         "conditions": _conditions(previous, (False, reason, message), (False, reason, "not bound yet"), when),
         "phaseTimes": {PENDING: (previous or {}).get("phaseTimes", {}).get(PENDING, when)},
     }
@@ -64,11 +67,12 @@ def pending(previous: Mapping | None, request: SliceRequest, reason: str, messag
 def bound(previous: Mapping | None, request: SliceRequest, binding: Binding, gpu_uuid: str,
           reclaim: list[dict], message: str, mig_compute: str = "") -> dict:
     """The controller's decision: phase Bound with the node, GPU, mode, profile and placement, and
-    ``compute`` (core.placement.compute): a fraction's share or ``shared``, a MIG slice's ``mig_compute`` (``3/7``)."""
+    ``compute`` (core.placement.compute): a fraction's share or ``shared``, a MIG slice's ``mig_compute`` (``3/7``);
+    ``status.pool`` taken off (it waits for no node)."""
     when = now()
     body: dict[str, Any] = {
         "phase": BOUND, "reason": "Bound", "message": _message(message), "request": request.describe(),
-        "mode": binding.mode, "node": binding.node, "gpu": binding.gpu, "gpuUUID": gpu_uuid,
+        "pool": None, "mode": binding.mode, "node": binding.node, "gpu": binding.gpu, "gpuUUID": gpu_uuid,
         "grantedBytes": binding.granted_bytes,
         "conditions": _conditions(previous, (True, "Bound", message), (False, "Bound", "waiting for the node agent"),
                                   when),

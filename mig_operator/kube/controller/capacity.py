@@ -74,19 +74,20 @@ class Autoscaling:
         self.queue.add("capacity", self.reconcile, DEBOUNCE_S)
         self.queue.add("node-keep", self.keep_nodes, DEBOUNCE_S)
 
-    def shown(self, info: SliceRecord, refusal: Refusal) -> Refusal:
-        """The refusal a waiting slice shows: ``WaitingForNode`` when a new node of a pool would take it
-        (placed on the current plan, which a new slice joins at once), else its own."""
+    def shown(self, info: SliceRecord, refusal: Refusal) -> tuple[Refusal, str | None]:
+        """The refusal a waiting slice shows and the pool it names: ``WaitingForNode`` and the pool when a
+        new node of a pool would take it (placed on the current plan, which a new slice joins at once),
+        else its own refusal and None."""
         if not scalable(refusal.code):
-            return refusal
+            return refusal, None
         pool = self.plan.pool_of(info.uid)
         if pool is None:
             waiting = waiting_of(self.ledger, info)
             pool = self.plan.place(waiting) if waiting is not None else None
             self.changed()
         if pool is None:
-            return refusal
-        return waiting_for_node(refusal, pool, self._asked_how())
+            return refusal, None
+        return waiting_for_node(refusal, pool, self._asked_how()), pool
 
     def _asked_how(self) -> str:
         namespace = self.options.namespace
