@@ -155,6 +155,13 @@ def test_waiting_slices_bring_two_nodes_and_the_idle_nodes_go(operator: Operator
                f"{KEEP} on {notebook_node}")
     wait_until(lambda: KEEP not in (op.core.read_node(trainer_node).metadata.annotations or {}), 30,
                f"no {KEEP} on {trainer_node} once its pod runs")
+    # The notebook's node has no pod: empty to Karpenter, which says it will not remove it, and why.
+    def blocked() -> bool:
+        events = op.core.list_event_for_all_namespaces(
+            field_selector=f"involvedObject.kind=Node,involvedObject.name={notebook_node}").items
+        return any(e.reason == "DisruptionBlocked" and KEEP in (e.message or "") for e in events)
+    wait_until(blocked, 90, f"Karpenter's DisruptionBlocked Event on {notebook_node}")
+    assert slice_status(op, ns, "notebook")["phase"] == "Ready" and len(node_claims(cluster, POOL)) == 2
 
     # Released: the instances stay idle on their GPUs, and both nodes are consolidated away.
     op.core.delete_namespaced_pod("trainer", ns, grace_period_seconds=0)
