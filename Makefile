@@ -53,8 +53,8 @@ chart-crds:
 # pytest-xdist workers for the suite and for `make compat`, which `make test` runs side by side. The e2e
 # tests mostly wait on the API server and the operator's processes, so a 2-core machine runs several at
 # once; each worker starts its own private control plane (tests/conftest.py says which tests stay together).
-TEST_WORKERS ?= 6
-COMPAT_WORKERS ?= 3
+TEST_WORKERS ?= 5
+COMPAT_WORKERS ?= 2
 XDIST = --dist loadgroup -n
 
 # Every test: shim's GPU-free C tests, lint, then pytest (unit, shim, e2e against a real kube-apiserver

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from mig_operator.core.views.advise_view import AdviceReport, build_report
 
-from .common.client import ApiError, KubeClient, gpunodes_path, slices_path
+from .common.client import ApiError, KubeClient, cannot_list, gpunodes_path, slices_path
 from .common.impersonation import kubeconfig_namespace
 
 FORBIDDEN = 403
@@ -54,10 +54,7 @@ def context_namespace(kubeconfig: str | None) -> str:
 
 
 def _unreadable(what: str, exc: ApiError) -> AdviseError:
-    if exc.not_found:
-        return AdviseError(f"cannot list {what}: the API server does not know them (is the CRD installed? "
-                           "kubectl apply -f crds/)")
-    return AdviseError(f"cannot list {what}: {exc}")
+    return AdviseError(cannot_list(what, exc))
 
 
 async def _slices(client: KubeClient, scope: Scope) -> tuple[list[dict], list[str]]:

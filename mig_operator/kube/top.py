@@ -23,7 +23,7 @@ from mig_operator.core.views.top_view import (
 )
 
 from .advise import FORBIDDEN, Scope
-from .common.client import ApiError, KubeClient, Retry, gpunodes_path, slices_path
+from .common.client import ApiError, KubeClient, Retry, cannot_list, gpunodes_path, slices_path
 from .common.names import API_VERSION
 
 QUOTAS_PLURAL = "gpuquotas"
@@ -50,10 +50,7 @@ def client_for(kubeconfig: str | None, as_user: str | None = None,
 
 
 def _unreadable(what: str, exc: ApiError) -> TopError:
-    if exc.not_found:
-        return TopError(f"cannot list {what}: the API server does not know them (is the CRD installed? "
-                        "kubectl apply -f crds/)")
-    return TopError(f"cannot list {what}: {exc}")
+    return TopError(cannot_list(what, exc))
 
 
 def _quota_table(quotas: list[dict] | BaseException) -> dict[str, Any]:

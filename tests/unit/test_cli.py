@@ -586,24 +586,10 @@ def test_a_bad_fair_hold_exits_2_naming_the_value(tmp_path, value: str) -> None:
 
 
 @pytest.mark.parametrize(("value", "seconds"), [(None, 60.0), ("90s", 90.0), ("2m", 120.0), ("0.5", 0.5)])
-def test_the_fair_hold_reaches_the_controller(monkeypatch, tmp_path, value: str | None, seconds: float) -> None:
-    import mig_operator.kube.controller.main as controller_main
-
-    seen = []
-
-    class Built(Exception):
-        pass
-
-    def build_registry(options, *_):
-        seen.append(options)
-        raise Built
-
-    kubeconfig = unreachable_kubeconfig(tmp_path)
-    monkeypatch.setattr(controller_main, "build_registry", build_registry)
-    argv = ["controller", "--kubeconfig", str(kubeconfig)] + (["--fair-hold", value] if value else [])
-    with pytest.raises(Built):
-        main(argv)
-    assert [o.fair_hold_s for o in seen] == [seconds]
+def test_the_fair_hold_reaches_the_controller(monkeypatch, tmp_path, capsys, value: str | None,
+                                              seconds: float) -> None:
+    code, err, options = controller_options(monkeypatch, tmp_path, capsys, *(["--fair-hold", value] if value else []))
+    assert code is None and options.fair_hold_s == seconds, err
 
 
 @pytest.mark.parametrize("value", ["Team-A", "a,b_c", "x" * 64])

@@ -4,9 +4,7 @@ what it says reaches the controller's planner."""
 from __future__ import annotations
 
 import pytest
-from test_cli import assert_one_line_error, part, unreachable_kubeconfig
-
-from mig_operator.cli import main
+from test_cli import assert_one_line_error, controller_options, part
 
 
 @pytest.mark.parametrize("value", ["proportionl", "Shared", "mps", ""])
@@ -18,20 +16,8 @@ def test_a_bad_default_compute_exits_2_naming_the_value_and_a_valid_one(tmp_path
 
 @pytest.mark.parametrize(("value", "expected"), [(None, "shared"), ("shared", "shared"),
                                                  ("proportional", "proportional")])
-def test_the_default_compute_reaches_the_controller(monkeypatch, tmp_path, value: str | None, expected: str) -> None:
-    import mig_operator.kube.controller.main as controller_main
-
-    seen = []
-
-    class Built(Exception):
-        pass
-
-    def build_registry(options, *_):
-        seen.append(options)
-        raise Built
-
-    monkeypatch.setattr(controller_main, "build_registry", build_registry)
-    argv = ["controller", "--kubeconfig", str(unreachable_kubeconfig(tmp_path))]
-    with pytest.raises(Built):
-        main(argv + (["--default-compute", value] if value else []))
-    assert [o.default_compute for o in seen] == [expected]
+def test_the_default_compute_reaches_the_controller(monkeypatch, tmp_path, capsys, value: str | None,
+                                                   expected: str) -> None:
+    code, err, options = controller_options(monkeypatch, tmp_path, capsys,
+                                            *(["--default-compute", value] if value else []))
+    assert code is None and options.default_compute == expected, err

@@ -75,6 +75,13 @@ class ApiError(Exception):
         return self.status == 409
 
 
+def cannot_list(what: str, exc: ApiError) -> str:
+    """Why a command could not list ``what`` (``GpuSlices in namespace a``), for its one-line error."""
+    if exc.not_found:
+        return f"cannot list {what}: the API server does not know them (is the CRD installed? kubectl apply -f crds/)"
+    return f"cannot list {what}: {exc}"
+
+
 def _is_transient(exc: BaseException) -> bool:
     return isinstance(exc, ApiError) and exc.transient
 
