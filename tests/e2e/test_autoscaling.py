@@ -28,6 +28,7 @@ from autoscaler import (
     node_ready,
 )
 from cluster import CHART_NAMESPACE, KubeCluster, apply_chart_identities
+from faulty_proxy import FaultyProxy
 from harness import MIG_LABEL, OperatorHarness, apply_crds, wait_for_log, wait_until
 from kubernetes.client.rest import ApiException
 from test_top_picture import top
@@ -60,6 +61,17 @@ def autoscaled(karpenter_plane: KubeCluster, tmp_path_factory: pytest.TempPathFa
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("KUBECONFIG", str(cluster.kubeconfig))
         yield cluster, identities
+
+
+@pytest.fixture(name="proxy")
+def proxy_fixture(autoscaled: Any) -> Iterator[FaultyProxy]:
+    """The faulty proxy in front of the plane's API server; named before ``operator`` so that it outlives
+    the operator's teardown."""
+    cluster, _ = autoscaled
+    admin = yaml.safe_load(cluster.kubeconfig.read_text())["clusters"][0]["cluster"]
+    proxy = FaultyProxy(admin["server"], admin["certificate-authority"], rate=0.3)
+    yield proxy
+    proxy.close()
 
 
 @pytest.fixture
@@ -95,12 +107,18 @@ def slice_status(op: OperatorHarness, ns: str, name: str) -> dict:
 
 
 @pytest.mark.parametrize("backend", [pytest.param("capacitybuffer", marks=pytest.mark.compat), "placeholder"])
-def test_waiting_slices_bring_two_nodes_and_the_idle_nodes_go(operator: OperatorHarness, backend: str,
+def test_waiting_slices_bring_two_nodes_and_the_idle_nodes_go(proxy: FaultyProxy, operator: OperatorHarness,
+                                                              backend: str,
                                                               tmp_path: Path) -> None:
     op = operator
     cluster = op.cluster
     pools_file = tmp_path / "pools.json"
     pools_file.write_text(json.dumps(POOLS))
+    # The controller writes through the faulty proxy: with placeholders, 30 % of its writes fail (500, 409,
+    # 429) from its start until its nodes are gone; every write it makes must be retried to the end.
+    token = yaml.safe_load(op.kubeconfigs["controller"].read_text())["users"][0]["user"]["token"]
+    op.kubeconfigs["controller"] = proxy.kubeconfig(tmp_path / "controller-proxy.kubeconfig", token)
+    proxy.faulty = backend == "placeholder"
     op.controller_with_webhook(None, "--autoscaling-pools", str(pools_file), "--autoscaling-backend", backend,
                                "--placeholder-priority-class", PRIORITY_CLASS)
     op.wait_webhook()
@@ -155,12 +173,7 @@ def test_waiting_slices_bring_two_nodes_and_the_idle_nodes_go(operator: Operator
                f"{KEEP} on {notebook_node}")
     wait_until(lambda: KEEP not in (op.core.read_node(trainer_node).metadata.annotations or {}), 30,
                f"no {KEEP} on {trainer_node} once its pod runs")
-    # The notebook's node has no pod: empty to Karpenter, which says it will not remove it, and why.
-    def blocked() -> bool:
-        events = op.core.list_event_for_all_namespaces(
-            field_selector=f"involvedObject.kind=Node,involvedObject.name={notebook_node}").items
-        return any(e.reason == "DisruptionBlocked" and KEEP in (e.message or "") for e in events)
-    wait_until(blocked, 90, f"Karpenter's DisruptionBlocked Event on {notebook_node}")
+    # The notebook's node has no pod (empty to Karpenter) and is still there, its slice Ready.
     assert slice_status(op, ns, "notebook")["phase"] == "Ready" and len(node_claims(cluster, POOL)) == 2
 
     # Released: the instances stay idle on their GPUs, and both nodes are consolidated away.
@@ -184,6 +197,8 @@ def test_waiting_slices_bring_two_nodes_and_the_idle_nodes_go(operator: Operator
     refused = [line for proc in op.procs for line in proc.log.read_text(errors="replace").splitlines()
                if "is forbidden" in line]
     assert not refused, refused[:5]
+    if backend == "placeholder":
+        assert sum(proxy.injected.values()) > 0, "the proxy failed none of the controller's writes"
 
 
 def test_a_slice_no_pool_can_hold_keeps_its_own_reason_and_asks_for_nothing(operator: OperatorHarness,
