@@ -87,7 +87,11 @@ def test_a_pending_pod_brings_a_node_that_goes_when_the_pod_does(karpenter_plane
                      SCALE_UP_BOUND_S, lambda: f"the pod Running; {describe(karpenter_plane, pool)}")
     scale_up_s = time.monotonic() - started
 
-    [claim] = node_claims(karpenter_plane, pool)
+    # Karpenter writes the NodeClaim's status (its node, Initialized) on its own pace, not the pod's.
+    [claim] = wait_until(lambda: [c for c in node_claims(karpenter_plane, pool)
+                                  if c.get("status", {}).get("nodeName") and condition(c, "Initialized")
+                                  and condition(c, "Initialized")["status"] == "True"],
+                         SCALE_UP_BOUND_S, lambda: f"the NodeClaim initialized; {describe(karpenter_plane, pool)}")
     [node] = karpenter_nodes(karpenter_plane, pool)
     assert pod.spec.node_name == node.metadata.name == claim["status"]["nodeName"]
     assert node.spec.provider_id == claim["status"]["providerID"]
@@ -129,9 +133,12 @@ def test_a_capacity_buffer_brings_nodes_until_it_is_scaled_to_zero(karpenter_pla
                        f"{(capacity_buffer(karpenter_plane, namespace, 'gpu-buffer') or {}).get('status')}; "
                        f"{describe(karpenter_plane, pool)}")
     scale_up_s = time.monotonic() - started
-    nodes = karpenter_nodes(karpenter_plane, pool)
-    assert len(nodes) == len(node_claims(karpenter_plane, pool)) == wanted_nodes
-    assert all(node_ready(n) and n.metadata.labels[INSTANCE_TYPE_LABEL] == "gpu-h200-1" for n in nodes)
+    # Karpenter counts a node it launched as capacity before kwok has made it Ready.
+    nodes = wait_until(lambda: len(ns := karpenter_nodes(karpenter_plane, pool)) == wanted_nodes
+                       and all(node_ready(n) for n in ns) and ns, SCALE_UP_BOUND_S,
+                       lambda: f"{wanted_nodes} nodes Ready; {describe(karpenter_plane, pool)}")
+    assert len(node_claims(karpenter_plane, pool)) == wanted_nodes
+    assert all(n.metadata.labels[INSTANCE_TYPE_LABEL] == "gpu-h200-1" for n in nodes)
     assert capacity_buffer(karpenter_plane, namespace, "gpu-buffer")["status"]["replicas"] == replicas
     # The buffer's pods are Karpenter's virtual pods: none exists in the API.
     assert not karpenter_plane.core_v1().list_namespaced_pod(namespace).items

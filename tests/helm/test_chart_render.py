@@ -761,12 +761,16 @@ def _changed(value: Any) -> Any:
 
 
 # Values whose every other value is refused by the chart are changed to one it takes.
-VALID_CHANGES: dict[tuple[str, ...], Any] = {("compat",): ["clearml"], ("fractions", "defaultCompute"): "proportional"}
+VALID_CHANGES: dict[tuple[str, ...], Any] = {("compat",): ["clearml"], ("fractions", "defaultCompute"): "proportional",
+                                             ("autoscaling", "backend"): "placeholder"}
 
 # A value that only matters in another mode is changed on top of that mode.
 MODES = {("webhook", "certManager"): {"webhook": {"certManager": {"enabled": True}}},
          ("metrics", "serviceMonitor"): {"metrics": {"serviceMonitor": {"enabled": True}}},
-         ("grafana", "dashboard"): {"grafana": {"dashboard": {"enabled": True}}}}
+         ("grafana", "dashboard"): {"grafana": {"dashboard": {"enabled": True}}},
+         ("autoscaling",): {"autoscaling": {"enabled": True, "pools": [{
+             "name": "h200", "nodeLabels": {"karpenter.sh/nodepool": "gpu-h200"}, "gpuModel": "h200-141gb",
+             "cpu": "16", "memory": "64Gi"}]}}}
 
 
 def test_every_value_is_used_by_the_templates(render: Any, tmp_path: Path) -> None:
@@ -791,15 +795,18 @@ def test_every_value_is_used_by_the_templates(render: Any, tmp_path: Path) -> No
         path.write_text(yaml.safe_dump(overrides))
         return yaml.safe_dump_all(render("--include-crds", "--values", str(path)))
 
-    baselines: dict[tuple[str, ...], str] = {}
     unused = []
+    baselines: dict[tuple[tuple[str, ...], bool], str] = {}
     for path, value in leaves:
-        mode = next((m for m in MODES if path[:len(m)] == m and path != (*m, "enabled")), ())
+        mode = next((m for m in MODES if path[:len(m)] == m), ())
         base = MODES.get(mode, {})
-        if mode not in baselines:
-            baselines[mode] = rendered(base)
+        switch = path == (*mode, "enabled")
+        if switch:  # the mode's own switch: its other values as the mode needs them, the switch as by default
+            base = merge(base, nested(path, value))
+        if (mode, switch) not in baselines:
+            baselines[(mode, switch)] = rendered(base)
         changed = VALID_CHANGES.get(path, _changed(value))
-        if rendered(merge(base, nested(path, changed))) == baselines[mode]:
+        if rendered(merge(base, nested(path, changed))) == baselines[(mode, switch)]:
             unused.append(".".join(path))
     assert not unused, f"values that change nothing the chart renders: {unused}"
 
