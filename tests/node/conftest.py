@@ -123,6 +123,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason=why))
 
 
+@pytest.fixture(autouse=True)
+def node_kubeconfig(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """$KUBECONFIG names the real node's plane while a test of it runs, and only then: the e2e tests a
+    pytest-xdist worker runs after the node suite keep the session plane's (their admin token)."""
+    if "real_node" in request.fixturenames:
+        monkeypatch.setenv("KUBECONFIG", str(request.getfixturevalue("real_node").kubeconfig))
+
+
 @pytest.fixture(scope="session")
 def real_node() -> Iterator[RealNode]:
     # A short path: containerd's and the kubelet's sockets live under it (108-byte limit).
@@ -142,9 +150,7 @@ def real_node() -> Iterator[RealNode]:
         for archive in (images["OPERATOR_ARCHIVE"], images["WORKLOAD_ARCHIVE"]):
             result = node.ctr("images", "import", "--local", archive)
             assert result.returncode == 0, f"ctr images import {archive}: {result.stderr}"
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setenv("KUBECONFIG", str(node.kubeconfig))
-            yield node
+        yield node
     finally:
         if node._client is not None:
             node._client.close()
