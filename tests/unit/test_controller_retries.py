@@ -268,3 +268,31 @@ def test_the_periodic_pass_lists_nothing_and_looks_at_every_pod_the_books_hold_a
         assert ("pod", "team", "ungated-gs") not in added
 
     asyncio.run(main())
+
+
+def test_a_full_read_drops_the_pods_its_list_lacks_but_keeps_those_newer_than_the_list() -> None:
+    """A watch that lists again reports no DELETED for a pod that started Running (left the watch) or went
+    meanwhile: the full read's list is what the books hold of pods not Running, except a pod seen at a
+    version newer than the list's (made or changed while it was read)."""
+    from mig_operator.kube.common.names import POD_SLICE_LABEL
+    from mig_operator.kube.controller.observe import pod_record
+
+    def pod(name: str, version: int) -> dict:
+        return {"metadata": {"name": name, "namespace": "team", "uid": f"uid-{name}", "resourceVersion": str(version),
+                             "labels": {POD_SLICE_LABEL: f"{name}-gs"}, "annotations": {"cdmo.io/gpu-memory": "4G"}},
+                "spec": {"containers": [{"name": "main", "image": "busybox"}]}, "status": {"phase": "Pending"}}
+
+    class _Pods(_Api):
+        async def list_at(self, path: str, *_: Any, **__: Any) -> tuple[list, int]:
+            return ([pod("listed", 40)] if path == "/api/v1/pods" else []), 50
+
+    api = _Pods()
+
+    async def main() -> set[tuple[str, str]]:
+        binder = _binder(api)
+        for name, version in (("listed", 40), ("running", 30), ("newer", 60)):
+            binder.ledger.put_pod("team", f"{name}-gs", pod_record(pod(name, version)))
+        await binder.pods.resync()
+        return {key for key, _ in binder.ledger.pods_held()}
+
+    assert asyncio.run(main()) == {("team", "listed-gs"), ("team", "newer-gs")}

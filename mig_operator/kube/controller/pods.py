@@ -583,7 +583,15 @@ class PodSlices:
 
     async def resync(self) -> None:
         """Every labelled pod listed again (the full read, after a restart or failover): none is left gated
-        without cause."""
-        for pod in await self.client.list("/api/v1/pods", label_selector=POD_SLICE_LABEL,
-                                          field_selector=POD_WATCH_FIELDS, keep=pod_body):
+        without cause. A pod the books hold that the list lacks, known from before the list was read, is
+        running or gone: a watch that lists again reports no DELETED for what left meanwhile."""
+        pods, listed_at = await self.client.list_at("/api/v1/pods", label_selector=POD_SLICE_LABEL,
+                                                    field_selector=POD_WATCH_FIELDS, keep=pod_body)
+        listed = set()
+        for pod in pods:
+            meta = pod["metadata"]
+            listed.add((meta["namespace"], (meta.get("labels") or {}).get(POD_SLICE_LABEL)))
             await self.pod_event(pod, deleted=False)
+        for key, record in self.state.pods_held():
+            if key not in listed and listed_at and record.version <= listed_at:
+                self.state.remove_pod(*key)
