@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from mig_operator.core.autoscale.demand import coming_nodes, nodes_of_pools, placeholders_wanted
+from mig_operator.core.autoscale.demand import coming_nodes, placeholders_wanted
 from mig_operator.core.autoscale.nodes import KEEP_ANNOTATIONS, KEPT_MARK, keep_patch, leaving, of_pool, pool_allows
 from mig_operator.core.autoscale.pools import MIG_LABEL, read_pools
 from mig_operator.core.books.ledger import Ledger, NodeLabels, NodeRecord, SliceRecord
@@ -150,7 +150,6 @@ def test_coming_nodes_are_registered_without_a_gpunode_yet() -> None:
     inventories = {"a-1": NodeInventory("a-1", ())}
     # a-2 and b-1 have no GpuNode yet; cpu-1 is of no pool.
     assert coming_nodes(a, nodes, inventories) == 1 and coming_nodes(b, nodes, inventories) == 1
-    assert nodes_of_pools(POOLS, nodes) == {"a": ["a-1", "a-2"], "b": ["b-1"]}
     assert [placeholders_wanted(n, c) for n, c in [(3, 1), (1, 3), (0, 0), (2, 2)]] == [2, 0, 0, 0]
 
 

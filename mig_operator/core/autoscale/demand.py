@@ -9,7 +9,7 @@ coming, so a placeholder that brought a node is not made again once it is delete
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from ..books.ledger import Ledger, SliceRecord
 from ..books.quota import NO_QUOTA, QUOTA_EXCEEDED, admit
@@ -88,8 +88,3 @@ def coming_nodes(pool: NodePool, nodes: Mapping[str, Mapping[str, str]],
 
 def placeholders_wanted(needed: int, coming: int) -> int:
     return max(0, needed - coming)
-
-
-def nodes_of_pools(pools: Iterable[NodePool], nodes: Mapping[str, Mapping[str, str]]) -> dict[str, list[str]]:
-    """Each pool's registered nodes, by name."""
-    return {p.name: sorted(n for n, labels in nodes.items() if of_pool(p, labels)) for p in pools}
